@@ -1,0 +1,22 @@
+//! The operator's Kubernetes API: the `Proxy` and `ProviderHealth` custom resources
+//! (`crawl.example.com/v1alpha1`) and the rendering of their CRDs.
+//!
+//! Validation and defaults live in the generated schema and its CEL rules
+//! (`x-kubernetes-validations`), so the API server enforces them without a webhook and
+//! [`crate::check`] can enforce the very same rules offline.
+
+mod crd;
+mod provider_health;
+mod proxy;
+
+pub use crd::{CrdFile, crd_files, render_all};
+pub use provider_health::{ProviderHealth, ProviderHealthFields, ProviderHealthStatus};
+pub use proxy::{
+    CLOUD_INIT_SECRET_LABEL, CloudInit, HealthCheck, LeasePolicy, Placement, Proxy, ProxyAuth,
+    ProxySpec, ProxyStatus, SecretKeyRef,
+};
+
+/// API group of every resource this operator defines.
+pub const GROUP: &str = "crawl.example.com";
+/// The one served and stored version.
+pub const VERSION: &str = "v1alpha1";

@@ -1,0 +1,213 @@
+//! The providers config (`--providers-config FILE`): the named provider instances a Proxy's
+//! `spec.provider` can select, each with its type's settings.
+//!
+//! ```yaml
+//! providers:
+//!   - name: local
+//!     type: local
+//!     settings:
+//!       stateDir: /var/lib/egress-proxies-operator/local
+//! ```
+//!
+//! Parsing reports every problem at once, each naming the instance and the field, so a user
+//! fixes a file in one pass.
+
+mod settings;
+
+use std::{collections::BTreeSet, fmt, path::Path};
+
+use serde::Deserialize;
+
+pub use settings::{KubernetesSettings, KvmSettings, LocalSettings, ProviderSettings, ServiceType};
+
+/// A validated providers config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProvidersConfig {
+    /// The instances, in file order; names are unique.
+    pub instances: Vec<ProviderInstance>,
+}
+
+/// One named provider instance.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProviderInstance {
+    /// The name `spec.provider` refers to.
+    pub name: String,
+    /// Type-specific settings; the variant is the provider type.
+    pub settings: ProviderSettings,
+}
+
+impl ProviderInstance {
+    /// The provider type's name, as written in the config (`kvm`, `kvm2`, ...).
+    pub fn type_name(&self) -> &'static str {
+        self.settings.type_name()
+    }
+}
+
+/// The provider types this build knows, as written in the config's `type` field.
+pub const PROVIDER_TYPES: [&str; 4] = ["kvm", "kvm2", "kubernetes", "local"];
+
+/// Everything wrong with a providers config.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read providers config {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not YAML of the expected shape (`providers:` list of instances).
+    #[error("providers config is not valid: {location}{source}")]
+    Syntax {
+        /// Where in the document, if known (`providers[2].name: `).
+        location: String,
+        /// The parser's message.
+        source: serde_norway::Error,
+    },
+    /// The file parsed, but instances are wrong; one entry per problem.
+    #[error("{0}")]
+    Invalid(Problems),
+}
+
+/// A list of problems, one per line when displayed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problems(pub Vec<String>);
+
+impl fmt::Display for Problems {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, problem) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{problem}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The file as written, before per-type settings are checked.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    providers: Vec<RawInstance>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawInstance {
+    name: String,
+    #[serde(rename = "type")]
+    type_name: String,
+    #[serde(default)]
+    settings: Option<serde_norway::Value>,
+}
+
+impl ProvidersConfig {
+    /// Reads and validates a providers config file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text)
+    }
+
+    /// Validates a providers config given as YAML text.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let deserializer = serde_norway::Deserializer::from_str(text);
+        let raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(|err| {
+            let path = err.path().to_string();
+            let location = if path == "." {
+                String::new()
+            } else {
+                format!("{path}: ")
+            };
+            ConfigError::Syntax {
+                location,
+                source: err.into_inner(),
+            }
+        })?;
+        Self::from_raw(raw)
+    }
+
+    /// Validates a providers config given as an already-parsed YAML value (for `check`,
+    /// which reads multi-document files).
+    pub fn from_value(value: serde_norway::Value) -> Result<Self, ConfigError> {
+        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|err| {
+            let path = err.path().to_string();
+            let location = if path == "." {
+                String::new()
+            } else {
+                format!("{path}: ")
+            };
+            ConfigError::Syntax {
+                location,
+                source: err.into_inner(),
+            }
+        })?;
+        Self::from_raw(raw)
+    }
+
+    fn from_raw(raw: RawConfig) -> Result<Self, ConfigError> {
+        let mut problems = Vec::new();
+        let mut seen = BTreeSet::new();
+        let mut instances = Vec::with_capacity(raw.providers.len());
+        if raw.providers.is_empty() {
+            problems.push(
+                "providers: the list is empty; configure at least one provider instance".to_owned(),
+            );
+        }
+        for (index, raw) in raw.providers.into_iter().enumerate() {
+            let at = format!("providers[{index}] ({:?})", raw.name);
+            if !is_dns_label(&raw.name) {
+                problems.push(format!(
+                    "{at}: name must be 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
+                ));
+            }
+            if !seen.insert(raw.name.clone()) {
+                problems.push(format!(
+                    "{at}: duplicate name; every provider instance needs its own name"
+                ));
+            }
+            match ProviderSettings::parse(&raw.type_name, raw.settings) {
+                Ok(settings) => instances.push(ProviderInstance {
+                    name: raw.name,
+                    settings,
+                }),
+                Err(problem) => problems.push(format!("{at}: {problem}")),
+            }
+        }
+        if problems.is_empty() {
+            Ok(Self { instances })
+        } else {
+            Err(ConfigError::Invalid(Problems(problems)))
+        }
+    }
+
+    /// The instance `spec.provider` names, if configured.
+    pub fn instance(&self, name: &str) -> Option<&ProviderInstance> {
+        self.instances.iter().find(|i| i.name == name)
+    }
+
+    /// Names of all instances, for error messages.
+    pub fn names(&self) -> Vec<&str> {
+        self.instances.iter().map(|i| i.name.as_str()).collect()
+    }
+}
+
+/// Kubernetes DNS-1123 label: what instance names must be, since they become parts of object
+/// and domain names.
+pub fn is_dns_label(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes.first() != Some(&b'-')
+        && bytes.last() != Some(&b'-')
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,143 @@
+//! Per-type provider settings. Each type's struct denies unknown fields so a typo is an error,
+//! not a silently ignored setting.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+/// Settings of one instance; the variant is its provider type.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ProviderSettings {
+    /// libvirt through the `virsh` and `qemu-img` command line.
+    Kvm(KvmSettings),
+    /// libvirt through its API (the `virt` crate).
+    Kvm2(KvmSettings),
+    /// Squid pods in a Kubernetes namespace.
+    Kubernetes(KubernetesSettings),
+    /// Squid processes on this host.
+    Local(LocalSettings),
+}
+
+impl ProviderSettings {
+    /// Parses `settings` for the provider type `type_name`; the error names the field.
+    pub(super) fn parse(
+        type_name: &str,
+        settings: Option<serde_norway::Value>,
+    ) -> Result<Self, String> {
+        let settings = settings.unwrap_or(serde_norway::Value::Mapping(Default::default()));
+        match type_name {
+            "kvm" => typed(settings).map(Self::Kvm),
+            "kvm2" => typed(settings).map(Self::Kvm2),
+            "kubernetes" => typed(settings).map(Self::Kubernetes),
+            "local" => typed(settings).map(Self::Local),
+            other => Err(format!(
+                "unknown type {other:?}; known types are {}",
+                super::PROVIDER_TYPES.join(", ")
+            )),
+        }
+    }
+
+    /// The provider type's name.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Self::Kvm(_) => "kvm",
+            Self::Kvm2(_) => "kvm2",
+            Self::Kubernetes(_) => "kubernetes",
+            Self::Local(_) => "local",
+        }
+    }
+}
+
+fn typed<T: for<'de> Deserialize<'de>>(settings: serde_norway::Value) -> Result<T, String> {
+    serde_path_to_error::deserialize(settings).map_err(|err| {
+        let path = err.path().to_string();
+        if path == "." {
+            format!("settings: {}", err.inner())
+        } else {
+            format!("settings.{path}: {}", err.inner())
+        }
+    })
+}
+
+/// Settings shared by `kvm` and `kvm2`, the two libvirt providers.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct KvmSettings {
+    /// libvirt connection URI, local (`qemu:///system`) or remote (`qemu+ssh://host/system`).
+    pub uri: String,
+    /// Storage pool holding the base image and the per-proxy volumes.
+    pub pool: String,
+    /// Volume in `pool` each proxy's disk is a copy-on-write overlay of.
+    pub base_image: String,
+    /// libvirt network the proxy's NIC joins.
+    #[serde(default = "default_network")]
+    pub network: String,
+    /// Guest memory in MiB.
+    #[serde(default = "default_memory_mib")]
+    pub memory_mib: u32,
+    /// Guest virtual CPUs.
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u32,
+    /// libvirt domain type: `kvm`, or `qemu` (software emulation) where KVM is unavailable.
+    #[serde(default = "default_domain_type")]
+    pub domain_type: String,
+}
+
+fn default_network() -> String {
+    "default".to_owned()
+}
+fn default_memory_mib() -> u32 {
+    512
+}
+fn default_vcpus() -> u32 {
+    1
+}
+fn default_domain_type() -> String {
+    "kvm".to_owned()
+}
+
+/// Settings of the `kubernetes` provider.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct KubernetesSettings {
+    /// Namespace the Squid pods, ConfigMaps and Services are created in.
+    pub namespace: String,
+    /// Squid container image.
+    pub image: String,
+    /// How the Service exposes each proxy.
+    #[serde(default)]
+    pub service_type: ServiceType,
+}
+
+/// Kubernetes Service type for the `kubernetes` provider's proxies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub enum ServiceType {
+    /// Reachable inside the cluster only.
+    #[default]
+    ClusterIP,
+    /// Reachable on every node's address.
+    NodePort,
+    /// Reachable through a cloud load balancer.
+    LoadBalancer,
+}
+
+/// Settings of the `local` provider.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LocalSettings {
+    /// Folder holding each proxy's Squid config, logs, pid file and owner record.
+    pub state_dir: PathBuf,
+    /// The Squid binary.
+    #[serde(default = "default_squid_path")]
+    pub squid_path: PathBuf,
+    /// Address proxies listen on when their placement names none.
+    #[serde(default = "default_bind_address")]
+    pub bind_address: String,
+}
+
+fn default_squid_path() -> PathBuf {
+    PathBuf::from("/usr/sbin/squid")
+}
+fn default_bind_address() -> String {
+    "127.0.0.1".to_owned()
+}

@@ -1,0 +1,9 @@
+//! egress-proxies-operator: a Kubernetes operator (and a standalone single-host mode) that
+//! provisions egress proxies through named provider instances, health-checks them through
+//! the proxy, and leases them to crawlers.
+//!
+//! See `docs/architecture.md` for how the modules fit together.
+
+pub mod api;
+pub mod check;
+pub mod config;
