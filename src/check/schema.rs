@@ -1,7 +1,7 @@
 //! The Proxy schema as the API server applies it: structural validation (types, lengths,
 //! required fields), strict unknown-field detection, metadata rules, then the CEL rules.
 
-use jsonschema::Validator as StructuralValidator;
+use jsonschema::{Validator as StructuralValidator, error::ValidationErrorKind};
 use kube::{
     CustomResourceExt,
     core::cel::{CompiledSchema, Validator as CelValidator, compile_schema},
@@ -71,7 +71,15 @@ impl ProxySchema {
         unknown_fields(&self.openapi, object, "", &mut problems);
         check_metadata(object, &mut problems);
         for error in self.structural.iter_errors(object) {
-            problems.push((dotted(error.instance_path().as_str()), error.to_string()));
+            let path = dotted(error.instance_path().as_str());
+            match error.kind() {
+                // Name the missing field itself, as the API server does.
+                ValidationErrorKind::Required { property } => {
+                    let field = property.as_str().unwrap_or_default();
+                    problems.push((join(&path, field), "required: set this field".to_owned()));
+                }
+                _ => problems.push((path, error.to_string())),
+            }
         }
         if !problems.is_empty() {
             return problems;

@@ -1,1 +1,72 @@
+use serde_json::json;
 
+use super::*;
+
+fn proxy(spec: Value) -> Value {
+    json!({
+        "apiVersion": "crawl.example.com/v1alpha1",
+        "kind": "Proxy",
+        "metadata": {"name": "p", "namespace": "crawl"},
+        "spec": spec,
+    })
+}
+
+#[test]
+fn defaults_apply_before_cel_rules() {
+    let schema = ProxySchema::new();
+    // The default interval is 30s, so a 29s timeout passes and a 30s one fails.
+    assert!(schema.validate(&proxy(json!({"provider": "local", "health": {"timeoutSeconds": 29}}))).is_empty());
+    let problems = schema.validate(&proxy(json!({"provider": "local", "health": {"timeoutSeconds": 30}})));
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].0, "spec.health");
+}
+
+#[test]
+fn provider_may_stay_but_not_change_on_update() {
+    let schema = ProxySchema::new();
+    let old = proxy(json!({"provider": "a"}));
+    assert!(schema.validate_update(&proxy(json!({"provider": "a", "port": 8080})), Some(&old)).is_empty());
+    let problems = schema.validate_update(&proxy(json!({"provider": "b"})), Some(&old));
+    assert_eq!(problems, [("spec.provider".to_owned(), "is immutable: delete the Proxy and create a new one to move it to another provider".to_owned())]);
+}
+
+#[test]
+fn attribute_keys_follow_label_key_syntax() {
+    let schema = ProxySchema::new();
+    for good in ["region", "crawl.example.com/pool", "a", "A_b.c-9"] {
+        assert!(schema.validate(&proxy(json!({"provider": "l", "attributes": {good: "x"}}))).is_empty(), "{good}");
+    }
+    let too_long = "k".repeat(64);
+    for bad in ["-x", "x-", "a b", "", "/x", too_long.as_str()] {
+        assert_eq!(schema.validate(&proxy(json!({"provider": "l", "attributes": {bad: "x"}}))).len(), 1, "{bad:?}");
+    }
+}
+
+#[test]
+fn unknown_fields_are_reported_at_every_level() {
+    let schema = ProxySchema::new();
+    let mut object = proxy(json!({"provider": "l", "health": {"url": "http://x/", "retries": 3}}));
+    object["metadata"]["labelz"] = json!({});
+    object["extra"] = json!(1);
+    let mut paths: Vec<String> = schema.validate(&object).into_iter().map(|(path, _)| path).collect();
+    paths.sort();
+    assert_eq!(paths, ["extra", "metadata.labelz", "spec.health.retries"]);
+}
+
+#[test]
+fn a_yaml_syntax_error_is_one_problem_not_a_panic() {
+    let checker = Checker::new(None);
+    let mut report = Report::default();
+    checker.check_text("broken.yaml", "apiVersion: [unclosed\n", &mut report);
+    assert_eq!(report.problems.len(), 1);
+    assert_eq!(report.problems[0].object, "YAML");
+}
+
+#[test]
+fn other_kinds_are_reported_as_unsupported() {
+    let checker = Checker::new(None);
+    let mut report = Report::default();
+    checker.check_text("x.yaml", "apiVersion: v1\nkind: Secret\nmetadata: {name: s}\n", &mut report);
+    assert_eq!(report.problems.len(), 1);
+    assert_eq!(report.problems[0].object, "v1 Secret");
+}
