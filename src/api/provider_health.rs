@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 
 /// `ProviderHealth` carries no desired state: its name is the provider instance's name and
 /// everything else is status. The struct exists because the derive needs one.
+// Several printer columns share `type_ = "string"`; clippy reads that as a repeated attribute.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[kube(
     group = "crawl.example.com",
@@ -25,22 +27,14 @@ use serde::{Deserialize, Serialize};
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"Available\")].status"
     ),
-    printcolumn(
-        name = "Instances",
-        type_ = "integer",
-        json_path = ".status.instanceCount"
-    ),
+    printcolumn(name = "Instances", type_ = "integer", json_path = ".status.instanceCount"),
     printcolumn(
         name = "Latency",
         type_ = "integer",
         json_path = ".status.latencyMillis",
         priority = 1
     ),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 pub struct ProviderHealthFields {}
 

@@ -16,6 +16,8 @@ pub const CLOUD_INIT_SECRET_LABEL: &str = "crawl.example.com/cloud-init";
 /// Only `placement`, the resolved cloud-init content and the effective `port` decide *what
 /// runs*: changing them replaces the instance. Attributes, lease limits and health settings
 /// are applied in place and never churn instances.
+// Several printer columns share `type_ = "string"`; clippy reads that as a repeated attribute.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "crawl.example.com",
@@ -31,11 +33,7 @@ pub const CLOUD_INIT_SECRET_LABEL: &str = "crawl.example.com/cloud-init";
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Provider", type_ = "string", json_path = ".spec.provider"),
     printcolumn(name = "Endpoint", type_ = "string", json_path = ".status.endpoint"),
-    printcolumn(
-        name = "Age",
-        type_ = "date",
-        json_path = ".metadata.creationTimestamp"
-    )
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ProxySpec {

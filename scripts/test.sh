@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: installs what a fresh Debian machine lacks (system
+# packages via apt, Rust components), then checks formatting, runs clippy with warnings as
+# errors, and runs every test (generated files are compared with their sources by tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/lib/install.sh
+
+install_system_packages
+ensure_rust_components rustfmt clippy
+
+echo "==> cargo fmt --check"
+cargo fmt --all --check
+echo "==> cargo clippy --all-targets -- -D warnings"
+cargo clippy --all-targets --locked -- -D warnings
+echo "==> tests"
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run --locked --no-fail-fast
+else
+    cargo test --locked --no-fail-fast
+fi
