@@ -59,8 +59,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             for file in api::crd_files()? {
                 let path = dir.join(&file.file_name);
-                std::fs::write(&path, file.yaml)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                std::fs::write(&path, file.yaml).with_context(|| format!("writing {}", path.display()))?;
                 eprintln!("wrote {}", path.display());
             }
             Ok(ExitCode::SUCCESS)
@@ -82,11 +81,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 println!("{problem}");
             }
             if report.problems.is_empty() {
-                eprintln!(
-                    "{} document(s) in {} file(s): ok",
-                    report.documents,
-                    files.len()
-                );
+                eprintln!("{} document(s) in {} file(s): ok", report.documents, files.len());
                 Ok(ExitCode::SUCCESS)
             } else {
                 eprintln!(

@@ -35,7 +35,8 @@ fn expected_problem(text: &str) -> &str {
 
 #[test]
 fn every_sample_passes_check_against_the_sample_providers_config() {
-    let providers = ProvidersConfig::load(&repo("config/samples/providers.yaml")).expect("sample providers config is valid");
+    let providers = ProvidersConfig::load(&repo("config/samples/providers.yaml"))
+        .expect("sample providers config is valid");
     let checker = Checker::new(Some(providers));
     let samples = yaml_files("config/samples");
     assert!(samples.len() >= 6, "samples: {samples:?}");
@@ -44,14 +45,22 @@ fn every_sample_passes_check_against_the_sample_providers_config() {
         checker.check_file(sample, &mut report);
     }
     let problems: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
-    assert!(problems.is_empty(), "samples have problems:\n{}", problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "samples have problems:\n{}",
+        problems.join("\n")
+    );
     assert_eq!(report.documents, samples.len(), "one document per sample file");
 }
 
 #[test]
 fn every_invalid_fixture_is_rejected_with_its_message() {
     let fixtures = yaml_files("tests/fixtures/invalid");
-    assert!(fixtures.len() >= 12, "need at least 12 invalid fixtures, found {}", fixtures.len());
+    assert!(
+        fixtures.len() >= 12,
+        "need at least 12 invalid fixtures, found {}",
+        fixtures.len()
+    );
     let checker = Checker::new(None);
     let schema = ProxySchema::new();
     let mut failures = Vec::new();
@@ -66,17 +75,36 @@ fn every_invalid_fixture_is_rejected_with_its_message() {
             [_] => {
                 let mut report = Report::default();
                 checker.check_text("fixture", &text, &mut report);
-                report.problems.iter().map(|p| format!("{}: {}", p.path, p.message)).collect()
+                report
+                    .problems
+                    .iter()
+                    .map(|p| format!("{}: {}", p.path, p.message))
+                    .collect()
             }
             // Old and new object: validated as an update (transition rules).
             [old, new] => {
-                assert!(schema.validate(old).is_empty(), "{}: the old object must be valid", fixture.display());
-                schema.validate_update(new, Some(old)).into_iter().map(|(path, message)| format!("{path}: {message}")).collect()
+                assert!(
+                    schema.validate(old).is_empty(),
+                    "{}: the old object must be valid",
+                    fixture.display()
+                );
+                schema
+                    .validate_update(new, Some(old))
+                    .into_iter()
+                    .map(|(path, message)| format!("{path}: {message}"))
+                    .collect()
             }
-            other => panic!("{}: expected 1 or 2 documents, found {}", fixture.display(), other.len()),
+            other => panic!(
+                "{}: expected 1 or 2 documents, found {}",
+                fixture.display(),
+                other.len()
+            ),
         };
         if found != [expected] {
-            failures.push(format!("{}:\n  expected: {expected}\n  found:    {found:?}", fixture.display()));
+            failures.push(format!(
+                "{}:\n  expected: {expected}\n  found:    {found:?}",
+                fixture.display()
+            ));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -87,7 +115,12 @@ fn the_command_prints_one_line_per_problem_and_fails() {
     let bin = env!("CARGO_BIN_EXE_egress-proxies-operator");
     let bad = repo("tests/fixtures/invalid/port-out-of-range.yaml");
     let good = repo("config/samples/proxy_local.yaml");
-    let output = Command::new(bin).arg("check").arg(&good).arg(&bad).output().expect("runs");
+    let output = Command::new(bin)
+        .arg("check")
+        .arg(&good)
+        .arg(&bad)
+        .output()
+        .expect("runs");
     assert_eq!(output.status.code(), Some(1), "a problem makes check fail");
     let stdout = String::from_utf8(output.stdout).expect("utf-8");
     assert_eq!(
@@ -98,7 +131,11 @@ fn the_command_prints_one_line_per_problem_and_fails() {
         )
     );
     let output = Command::new(bin).arg("check").arg(&good).output().expect("runs");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert!(output.stdout.is_empty());
 }
 
@@ -107,7 +144,11 @@ fn the_command_cross_checks_provider_names_with_a_providers_config() {
     let bin = env!("CARGO_BIN_EXE_egress-proxies-operator");
     let dir = tempfile::tempdir().expect("temp dir");
     let providers = dir.path().join("providers.yaml");
-    std::fs::write(&providers, "providers:\n  - name: only-this\n    type: local\n    settings: {stateDir: /tmp/x}\n").expect("write");
+    std::fs::write(
+        &providers,
+        "providers:\n  - name: only-this\n    type: local\n    settings: {stateDir: /tmp/x}\n",
+    )
+    .expect("write");
     let output = Command::new(bin)
         .arg("check")
         .arg("--providers-config")
@@ -133,5 +174,10 @@ fn providers_config_problems_are_reported_by_check() {
         &mut report,
     );
     let lines: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
-    assert_eq!(lines, [r#"providers.yaml: document 1 (providers config): providers[0] ("a"): settings: missing field `uri`"#]);
+    assert_eq!(
+        lines,
+        [
+            r#"providers.yaml: document 1 (providers config): providers[0] ("a"): settings: missing field `uri`"#
+        ]
+    );
 }

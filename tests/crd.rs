@@ -18,7 +18,10 @@ fn checked_in_crds_match_the_types() {
     names.sort();
     let mut expected: Vec<String> = files.iter().map(|f| f.file_name.clone()).collect();
     expected.sort();
-    assert_eq!(names, expected, "config/crd/bases holds exactly the generated CRDs");
+    assert_eq!(
+        names, expected,
+        "config/crd/bases holds exactly the generated CRDs"
+    );
     for file in files {
         let on_disk = std::fs::read_to_string(dir.join(&file.file_name)).expect("readable");
         assert!(
@@ -36,16 +39,29 @@ fn crd_command_prints_every_crd() {
         .output()
         .expect("runs");
     assert!(output.status.success());
-    assert_eq!(String::from_utf8(output.stdout).expect("utf-8"), render_all().expect("renders"));
+    assert_eq!(
+        String::from_utf8(output.stdout).expect("utf-8"),
+        render_all().expect("renders")
+    );
 }
 
 #[test]
 fn proxy_crd_has_status_short_name_and_printer_columns() {
     let crd = Proxy::crd();
     assert_eq!(crd.spec.scope, "Namespaced");
-    assert_eq!(crd.spec.names.short_names.as_deref(), Some(&["px".to_owned()][..]));
+    assert_eq!(
+        crd.spec.names.short_names.as_deref(),
+        Some(&["px".to_owned()][..])
+    );
     let version = &crd.spec.versions[0];
-    assert!(version.subresources.as_ref().and_then(|s| s.status.as_ref()).is_some(), "status subresource");
+    assert!(
+        version
+            .subresources
+            .as_ref()
+            .and_then(|s| s.status.as_ref())
+            .is_some(),
+        "status subresource"
+    );
     let columns: Vec<&str> = version
         .additional_printer_columns
         .iter()
@@ -59,5 +75,11 @@ fn proxy_crd_has_status_short_name_and_printer_columns() {
 fn provider_health_is_cluster_scoped_with_status() {
     let crd = ProviderHealth::crd();
     assert_eq!(crd.spec.scope, "Cluster");
-    assert!(crd.spec.versions[0].subresources.as_ref().and_then(|s| s.status.as_ref()).is_some());
+    assert!(
+        crd.spec.versions[0]
+            .subresources
+            .as_ref()
+            .and_then(|s| s.status.as_ref())
+            .is_some()
+    );
 }

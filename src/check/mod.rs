@@ -32,11 +32,7 @@ pub struct Problem {
 
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}: document {} ({})",
-            self.source, self.document, self.object
-        )?;
+        write!(f, "{}: document {} ({})", self.source, self.document, self.object)?;
         if !self.path.is_empty() {
             write!(f, ": {}", self.path)?;
         }
@@ -158,9 +154,7 @@ fn classify(value: &Value) -> Document {
     let api_version = value.get("apiVersion").and_then(Value::as_str);
     let kind = value.get("kind").and_then(Value::as_str);
     match (api_version, kind) {
-        (Some(v), Some("Proxy"))
-            if v == format!("{}/{}", crate::api::GROUP, crate::api::VERSION) =>
-        {
+        (Some(v), Some("Proxy")) if v == format!("{}/{}", crate::api::GROUP, crate::api::VERSION) => {
             Document::Proxy
         }
         (None, None) if value.get("providers").is_some() => Document::ProvidersConfig,

@@ -47,9 +47,8 @@ impl ProxySchema {
     /// Compiles the schema of the `Proxy` CRD this binary generates.
     pub fn new() -> Self {
         let openapi = openapi_schema();
-        let structural = jsonschema::validator_for(&as_json_schema(&openapi)).expect(
-            "invariant: the generated CRD schema is a valid JSON schema (covered by tests)",
-        );
+        let structural = jsonschema::validator_for(&as_json_schema(&openapi))
+            .expect("invariant: the generated CRD schema is a valid JSON schema (covered by tests)");
         let cel_rules = compile_schema(&openapi);
         Self {
             openapi,
@@ -134,9 +133,7 @@ fn unknown_fields(schema: &Value, value: &Value, path: &str, problems: &mut Vec<
         value.as_object(),
         schema.get("properties").and_then(Value::as_object),
     ) else {
-        if let (Some(object), Some(values)) =
-            (value.as_object(), schema.get("additionalProperties"))
-        {
+        if let (Some(object), Some(values)) = (value.as_object(), schema.get("additionalProperties")) {
             for (key, item) in object {
                 unknown_fields(values, item, &join(path, key), problems);
             }
@@ -161,10 +158,7 @@ fn unknown_fields(schema: &Value, value: &Value, path: &str, problems: &mut Vec<
 
 fn check_metadata(object: &Value, problems: &mut Vec<(String, String)>) {
     let Some(metadata) = object.get("metadata").and_then(Value::as_object) else {
-        problems.push((
-            "metadata".to_owned(),
-            "required: set metadata.name".to_owned(),
-        ));
+        problems.push(("metadata".to_owned(), "required: set metadata.name".to_owned()));
         return;
     };
     for key in metadata.keys() {

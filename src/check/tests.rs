@@ -15,8 +15,16 @@ fn proxy(spec: Value) -> Value {
 fn defaults_apply_before_cel_rules() {
     let schema = ProxySchema::new();
     // The default interval is 30s, so a 29s timeout passes and a 30s one fails.
-    assert!(schema.validate(&proxy(json!({"provider": "local", "health": {"timeoutSeconds": 29}}))).is_empty());
-    let problems = schema.validate(&proxy(json!({"provider": "local", "health": {"timeoutSeconds": 30}})));
+    assert!(
+        schema
+            .validate(&proxy(
+                json!({"provider": "local", "health": {"timeoutSeconds": 29}})
+            ))
+            .is_empty()
+    );
+    let problems = schema.validate(&proxy(
+        json!({"provider": "local", "health": {"timeoutSeconds": 30}}),
+    ));
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert_eq!(problems[0].0, "spec.health");
 }
@@ -25,20 +33,41 @@ fn defaults_apply_before_cel_rules() {
 fn provider_may_stay_but_not_change_on_update() {
     let schema = ProxySchema::new();
     let old = proxy(json!({"provider": "a"}));
-    assert!(schema.validate_update(&proxy(json!({"provider": "a", "port": 8080})), Some(&old)).is_empty());
+    assert!(
+        schema
+            .validate_update(&proxy(json!({"provider": "a", "port": 8080})), Some(&old))
+            .is_empty()
+    );
     let problems = schema.validate_update(&proxy(json!({"provider": "b"})), Some(&old));
-    assert_eq!(problems, [("spec.provider".to_owned(), "is immutable: delete the Proxy and create a new one to move it to another provider".to_owned())]);
+    assert_eq!(
+        problems,
+        [(
+            "spec.provider".to_owned(),
+            "is immutable: delete the Proxy and create a new one to move it to another provider".to_owned()
+        )]
+    );
 }
 
 #[test]
 fn attribute_keys_follow_label_key_syntax() {
     let schema = ProxySchema::new();
     for good in ["region", "crawl.example.com/pool", "a", "A_b.c-9"] {
-        assert!(schema.validate(&proxy(json!({"provider": "l", "attributes": {good: "x"}}))).is_empty(), "{good}");
+        assert!(
+            schema
+                .validate(&proxy(json!({"provider": "l", "attributes": {good: "x"}})))
+                .is_empty(),
+            "{good}"
+        );
     }
     let too_long = "k".repeat(64);
     for bad in ["-x", "x-", "a b", "", "/x", too_long.as_str()] {
-        assert_eq!(schema.validate(&proxy(json!({"provider": "l", "attributes": {bad: "x"}}))).len(), 1, "{bad:?}");
+        assert_eq!(
+            schema
+                .validate(&proxy(json!({"provider": "l", "attributes": {bad: "x"}})))
+                .len(),
+            1,
+            "{bad:?}"
+        );
     }
 }
 
@@ -48,7 +77,11 @@ fn unknown_fields_are_reported_at_every_level() {
     let mut object = proxy(json!({"provider": "l", "health": {"url": "http://x/", "retries": 3}}));
     object["metadata"]["labelz"] = json!({});
     object["extra"] = json!(1);
-    let mut paths: Vec<String> = schema.validate(&object).into_iter().map(|(path, _)| path).collect();
+    let mut paths: Vec<String> = schema
+        .validate(&object)
+        .into_iter()
+        .map(|(path, _)| path)
+        .collect();
     paths.sort();
     assert_eq!(paths, ["extra", "metadata.labelz", "spec.health.retries"]);
 }
@@ -66,7 +99,11 @@ fn a_yaml_syntax_error_is_one_problem_not_a_panic() {
 fn other_kinds_are_reported_as_unsupported() {
     let checker = Checker::new(None);
     let mut report = Report::default();
-    checker.check_text("x.yaml", "apiVersion: v1\nkind: Secret\nmetadata: {name: s}\n", &mut report);
+    checker.check_text(
+        "x.yaml",
+        "apiVersion: v1\nkind: Secret\nmetadata: {name: s}\n",
+        &mut report,
+    );
     assert_eq!(report.problems.len(), 1);
     assert_eq!(report.problems[0].object, "v1 Secret");
 }

@@ -154,9 +154,8 @@ impl ProvidersConfig {
         let mut seen = BTreeSet::new();
         let mut instances = Vec::with_capacity(raw.providers.len());
         if raw.providers.is_empty() {
-            problems.push(
-                "providers: the list is empty; configure at least one provider instance".to_owned(),
-            );
+            problems
+                .push("providers: the list is empty; configure at least one provider instance".to_owned());
         }
         for (index, raw) in raw.providers.into_iter().enumerate() {
             let at = format!("providers[{index}] ({:?})", raw.name);

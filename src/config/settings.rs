@@ -20,10 +20,7 @@ pub enum ProviderSettings {
 
 impl ProviderSettings {
     /// Parses `settings` for the provider type `type_name`; the error names the field.
-    pub(super) fn parse(
-        type_name: &str,
-        settings: Option<serde_norway::Value>,
-    ) -> Result<Self, String> {
+    pub(super) fn parse(type_name: &str, settings: Option<serde_norway::Value>) -> Result<Self, String> {
         let settings = settings.unwrap_or(serde_norway::Value::Mapping(Default::default()));
         match type_name {
             "kvm" => typed(settings).map(Self::Kvm),

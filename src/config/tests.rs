@@ -28,11 +28,7 @@ providers:
     )
     .expect("valid config");
     assert_eq!(config.names(), ["local", "rack1", "rack2", "cluster"]);
-    let types: Vec<_> = config
-        .instances
-        .iter()
-        .map(ProviderInstance::type_name)
-        .collect();
+    let types: Vec<_> = config.instances.iter().map(ProviderInstance::type_name).collect();
     assert_eq!(types, ["local", "kvm", "kvm2", "kubernetes"]);
     match &config.instance("local").expect("configured").settings {
         ProviderSettings::Local(local) => {
@@ -96,8 +92,7 @@ fn missing_settings_name_the_required_field() {
 
 #[test]
 fn shape_errors_name_the_location() {
-    let err =
-        ProvidersConfig::parse("providers:\n  - name: x\n    typo: local\n").expect_err("invalid");
+    let err = ProvidersConfig::parse("providers:\n  - name: x\n    typo: local\n").expect_err("invalid");
     let message = err.to_string();
     assert!(message.contains("providers[0]"), "{message}");
     assert!(message.contains("unknown field `typo`"), "{message}");
