@@ -7,3 +7,4 @@
 pub mod api;
 pub mod check;
 pub mod config;
+pub mod machine;

@@ -9,6 +9,7 @@ use egress_proxies_operator::{
     api,
     check::{Checker, Report},
     config::ProvidersConfig,
+    machine,
 };
 
 /// Provisions, health-checks and leases egress proxies.
@@ -35,6 +36,18 @@ enum Command {
         /// Also require every Proxy's spec.provider to name an instance of this providers config.
         #[arg(long, value_name = "FILE")]
         providers_config: Option<PathBuf>,
+    },
+    /// Print the lifecycle tables as Markdown with Mermaid diagrams (docs/machines.md).
+    Machines {
+        /// Compare with docs/machines.md in the current directory instead; fail if it differs.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Replay a lifecycle scenario file (e.g. machines/scenarios/*.yaml) and print its audit trail.
+    Audit {
+        /// The scenario file.
+        #[arg(value_name = "SCENARIO")]
+        scenario: PathBuf,
     },
 }
 
@@ -92,6 +105,20 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 );
                 Ok(ExitCode::FAILURE)
             }
+        }
+        Command::Machines { check: false } => {
+            print!("{}", machine::docs::render_markdown());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Machines { check: true } => {
+            let path = std::path::Path::new(machine::docs::DOC_PATH);
+            machine::docs::check_markdown(path)?;
+            eprintln!("{} is up to date", path.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Audit { scenario } => {
+            print!("{}", machine::scenario::replay_file(&scenario)?);
+            Ok(ExitCode::SUCCESS)
         }
     }
 }

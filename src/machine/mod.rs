@@ -1,0 +1,139 @@
+//! The lifecycle engine: the Proxy transition table as a typed, pure state machine.
+//!
+//! **decide** step of the pipeline (no client required, no clock, no I/O): given the current
+//! [`State`] (rehydrated from the Proxy status), one [`Event`] derived from the controller's
+//! snapshot, the guard observations and the time, [`decide`] returns a [`Decision`]: the next state,
+//! the effects for the executors, and the table row's reason. Everything comes from
+//! `machines/proxy.yaml`: build.rs generates the statig machine from it, so the running code can take
+//! no transition the table lacks (see [`table`]).
+//!
+//! Why [`decide`] calls the generated state's handler directly (via
+//! `statig::blocking::State::call_handler`) instead of driving statig's `StateMachine` wrapper:
+//! the state lives in the Proxy status and is rehydrated on every reconcile. A deserialized statig
+//! wrapper is uninitialized, and initializing it runs the initial state's entry actions, which
+//! would repeat effects already carried out before a restart. So the machine has no entry or exit
+//! actions at all: every effect is attached to a transition row, and rehydrating is plain
+//! deserialization ([`State`] implements serde), which cannot emit anything.
+//!
+//! Submodules: [`table`] (generated types and metadata), [`effects`] (the effect kinds),
+//! [`guards`] (guard functions), [`policy`] (timers: requeue delays and timeout events),
+//! [`audit`] (audit trail), [`scenario`] (scenario files and replay), [`docs`] (docs/machines.md).
+
+pub mod audit;
+pub mod docs;
+pub mod effects;
+pub mod guards;
+pub mod policy;
+pub mod scenario;
+pub mod table;
+
+use jiff::Timestamp;
+use serde::Serialize;
+
+pub use audit::{Audit, AuditEntry};
+pub use effects::EffectKind;
+pub use guards::{GuardInput, StateData};
+pub use policy::{Timers, due_timer, requeue_after};
+pub use table::{Coverage, Event, Phase, Row, State, StateRecord, StateRecordError, coverage};
+
+/// Whether a handled event changed anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// A transition row matched (possibly a self-transition): apply `to` and the effects.
+    Transitioned,
+    /// The state ignores this event: nothing to do, nothing to audit.
+    Ignored,
+}
+
+/// What the engine decided for one event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// The state before the event.
+    pub from: State,
+    /// The event.
+    pub event: Event,
+    /// The state after the event (equal to `from` when ignored).
+    pub to: State,
+    /// Effects to carry out, in order (empty when ignored).
+    pub effects: Vec<EffectKind>,
+    /// The matched row (`None` when ignored): its reason, guard and note.
+    pub row: Option<&'static Row>,
+    /// Transitioned or ignored.
+    pub outcome: Outcome,
+}
+
+impl Decision {
+    /// The row's bounded CamelCase reason, or `Ignored`.
+    pub fn reason(&self) -> &'static str {
+        self.row.map_or("Ignored", |r| r.reason)
+    }
+
+    /// The guard that selected the row, if any.
+    pub fn guard(&self) -> Option<&'static str> {
+        self.row.and_then(|r| r.guard)
+    }
+
+    /// Whether the phase changed.
+    pub fn changed_phase(&self) -> bool {
+        self.from.phase() != self.to.phase()
+    }
+}
+
+/// The event is invalid in the state: the table says the controller must never derive it there.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("event `{event}` is invalid in state `{}`", state.phase())]
+pub struct InvalidTransition {
+    /// The (unchanged) state.
+    pub state: State,
+    /// The rejected event.
+    pub event: Event,
+}
+
+/// Decide what `event` does in `state`: the engine's only entry point. Pure.
+///
+/// `now` becomes the `since` of a new state; `input` feeds the guards. An ignored event returns a
+/// [`Decision`] with [`Outcome::Ignored`], no effects and `to == from`; an invalid one returns
+/// [`InvalidTransition`] and the caller keeps its state.
+pub fn decide(
+    state: &State,
+    event: Event,
+    input: &GuardInput,
+    now: Timestamp,
+) -> Result<Decision, InvalidTransition> {
+    use statig::blocking::State as _;
+
+    let mut ctx = table::DecideCtx::new(now, *input);
+    // The handler only reads the state-local data; a scratch copy keeps `decide` pure.
+    let mut scratch = state.clone();
+    let outcome = scratch.call_handler(&mut table::ProxyMachine, &event, &mut ctx);
+    match outcome {
+        statig::Outcome::Transition(to) => {
+            let row = ctx
+                .matched_row()
+                .expect("invariant: every generated transition arm names its row");
+            Ok(Decision {
+                from: state.clone(),
+                event,
+                to,
+                effects: row.effects.to_vec(),
+                row: Some(row),
+                outcome: Outcome::Transitioned,
+            })
+        }
+        statig::Outcome::Handled => Ok(Decision {
+            from: state.clone(),
+            event,
+            to: state.clone(),
+            effects: Vec::new(),
+            row: None,
+            outcome: Outcome::Ignored,
+        }),
+        // Generated handlers return `Super` exactly for the table's `invalid` events; there is no
+        // superstate to defer to.
+        statig::Outcome::Super => Err(InvalidTransition {
+            state: state.clone(),
+            event,
+        }),
+    }
+}
