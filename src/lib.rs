@@ -8,3 +8,4 @@ pub mod api;
 pub mod check;
 pub mod config;
 pub mod machine;
+pub mod provider;

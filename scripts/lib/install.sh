@@ -1,8 +1,11 @@
 # Shared by scripts/*.sh: install what this project needs on Debian, only where missing.
 # Runs apt as root directly, or through sudo for a normal user.
 
-# Debian packages the build and the tests need.
-SYSTEM_PACKAGES=(pkg-config)
+# Debian packages the build and the tests need: libvirt (headers for the `virt` crate, the
+# daemon and virsh for the kvm providers' tests), QEMU for real guests, Squid for the proxies,
+# genisoimage for cloud-init seeds, mmdebstrap for the test guest image.
+SYSTEM_PACKAGES=(pkg-config libvirt-dev libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
+    qemu-system-x86 squid genisoimage mmdebstrap e2fsprogs)
 
 as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
@@ -16,7 +19,16 @@ install_system_packages() {
     if [ "${#missing[@]}" -gt 0 ]; then
         echo "==> installing ${missing[*]}"
         as_root apt-get update -qq
-        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+        local extra=()
+        # Some images carry a backported qemu-utils that breaks the release's qemu-system:
+        # take qemu-utils from the release qemu-system-x86 comes from.
+        if [[ " ${missing[*]} " == *" qemu-system-x86 "* ]]; then
+            local release
+            release=$(. /etc/os-release && echo "$VERSION_CODENAME")
+            extra=(--allow-downgrades "qemu-utils/$release" "qemu-block-extra/$release")
+        fi
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}" "${extra[@]}"
     fi
 }
 

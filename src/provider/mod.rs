@@ -1,0 +1,290 @@
+//! The provider contract: how the operator creates, finds, deletes and lists the instances
+//! (VMs, pods, processes) that run its proxies, independent of the CRD types.
+//!
+//! What callers rely on (see `docs/provider-contract.md`):
+//! - **Deterministic names.** An instance is named by [`instance_name`] from the owner's
+//!   namespace, name and UID, so a create repeated after a crash finds the instance the first
+//!   attempt made instead of making a second one.
+//! - **Self-contained IDs.** A [`ProviderId`] (`type/instance/native-id`) names the provider type,
+//!   the provider instance and the backend's own ID: enough to find the instance again.
+//! - **Truthful NotFound.** [`ProviderError::NotFound`] means the instance does not exist; any
+//!   doubt (connection lost, timeout) is another error, never NotFound.
+//! - **Idempotence.** `create` of an existing instance returns it; `delete` of a missing one
+//!   succeeds.
+//! - **Ownership persisted with the instance.** Owner UID, namespace/name, spec hash and creation
+//!   time are stored where the backend keeps them (domain metadata, labels, state files), since
+//!   orphan GC decides from them alone.
+
+pub mod memory;
+mod registry;
+
+use std::{fmt, str::FromStr, sync::Arc};
+
+use async_trait::async_trait;
+use sha2::{Digest, Sha256};
+
+use crate::api::Placement;
+
+pub use registry::{ProviderRegistry, UnknownProvider};
+
+/// Prefix of every instance name: marks what this operator made.
+pub const INSTANCE_NAME_PREFIX: &str = "epo";
+
+/// The longest instance name: a DNS label, which every backend accepts as a name.
+pub const MAX_INSTANCE_NAME: usize = 63;
+
+/// The deterministic name of the instance that runs the Proxy `namespace/name` with `uid`.
+///
+/// Readable where it fits (`epo-crawl-web-1-3f2a9c1b`), always unique: the suffix is a hash
+/// of all three parts, so truncating a long namespace or name cannot make two names collide.
+pub fn instance_name(namespace: &str, name: &str, uid: &str) -> String {
+    let digest = Sha256::digest(format!("{namespace}/{name}/{uid}").as_bytes());
+    let suffix: String = digest.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    let readable: String = format!("{namespace}-{name}")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    // prefix + '-' + readable + '-' + 8 hex digits
+    let room = MAX_INSTANCE_NAME - INSTANCE_NAME_PREFIX.len() - 2 - suffix.len();
+    let readable = readable[..readable.len().min(room)].trim_end_matches('-');
+    format!("{INSTANCE_NAME_PREFIX}-{readable}-{suffix}")
+}
+
+/// A self-contained provider ID: `type/instance/native-id`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProviderId {
+    /// Provider type (`kvm`, `kvm2`, `kubernetes`, `local`, `memory`).
+    pub provider_type: String,
+    /// Provider instance name from the providers config.
+    pub instance: String,
+    /// The backend's own ID (domain name, pod name, process folder), as returned by the backend.
+    pub native_id: String,
+}
+
+impl ProviderId {
+    /// An ID from its three parts.
+    pub fn new(provider_type: &str, instance: &str, native_id: &str) -> Self {
+        Self {
+            provider_type: provider_type.to_owned(),
+            instance: instance.to_owned(),
+            native_id: native_id.to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for ProviderId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.provider_type, self.instance, self.native_id)
+    }
+}
+
+/// A provider ID string that is not `type/instance/native-id`.
+#[derive(Debug, thiserror::Error)]
+#[error("malformed provider ID {0:?}: expected type/instance/native-id")]
+pub struct MalformedProviderId(String);
+
+impl FromStr for ProviderId {
+    type Err = MalformedProviderId;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // The native ID may itself contain '/', so split at most twice.
+        let mut parts = s.splitn(3, '/');
+        match (parts.next(), parts.next(), parts.next()) {
+            (Some(t), Some(i), Some(n)) if !t.is_empty() && !i.is_empty() && !n.is_empty() => {
+                Ok(Self::new(t, i, n))
+            }
+            _ => Err(MalformedProviderId(s.to_owned())),
+        }
+    }
+}
+
+/// The Proxy an instance belongs to, persisted with the instance.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Owner {
+    /// `metadata.uid` of the Proxy: what orphan GC matches against live Proxies.
+    pub uid: String,
+    /// The Proxy's namespace.
+    pub namespace: String,
+    /// The Proxy's name.
+    pub name: String,
+}
+
+/// Proxy credentials (HTTP basic auth). `Debug` is redacted: they must never reach a log.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    /// User name crawlers send.
+    pub username: String,
+    /// Password crawlers send.
+    pub password: String,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Credentials(<redacted>)")
+    }
+}
+
+/// Cloud-init user-data resolved from the Proxy's Secret. `Debug` is redacted.
+#[derive(Clone, PartialEq, Eq)]
+pub struct UserData(pub String);
+
+impl fmt::Debug for UserData {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "UserData(<{} bytes redacted>)", self.0.len())
+    }
+}
+
+/// Everything a provider needs to create the instance for one Proxy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InstanceRequest {
+    /// Deterministic instance name ([`instance_name`]); the key of idempotent create.
+    pub name: String,
+    /// The owning Proxy.
+    pub owner: Owner,
+    /// Spec hash of what this instance runs, persisted with it.
+    pub spec_hash: String,
+    /// Placement hints.
+    pub placement: Placement,
+    /// Port the proxy listens on.
+    pub port: u16,
+    /// Cloud-init user-data, for VM providers.
+    pub user_data: Option<UserData>,
+    /// Credentials the proxy requires, if any.
+    pub credentials: Option<Credentials>,
+}
+
+/// Where crawlers reach a proxy.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    /// Host name or IP address.
+    pub host: String,
+    /// TCP port.
+    pub port: u16,
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// What the backend says the instance is doing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InstanceState {
+    /// Created but not yet running (booting, pulling, starting).
+    Starting,
+    /// Running; whether it serves traffic is for the health check to tell.
+    Running,
+    /// Exists but is not running (shut off, crashed, exited).
+    Stopped,
+}
+
+/// One instance as the backend reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Instance {
+    /// Self-contained ID.
+    pub id: ProviderId,
+    /// Owner persisted with the instance; `None` if the backend copy is missing or unreadable
+    /// (GC never touches such an instance).
+    pub owner: Option<Owner>,
+    /// Spec hash persisted with the instance.
+    pub spec_hash: Option<String>,
+    /// When the instance was created, as persisted with it.
+    pub created_at: jiff::Timestamp,
+    /// Backend state.
+    pub state: InstanceState,
+    /// Where to reach it, once known.
+    pub endpoint: Option<Endpoint>,
+}
+
+/// The result of a provider's own health probe.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeReport {
+    /// Instances this provider owns, as listed during the probe.
+    pub instance_count: usize,
+    /// Human-readable detail (backend version, host).
+    pub detail: String,
+}
+
+/// Why a provider call failed. The variant is the category used in metrics and conditions.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// The instance does not exist (and certainly so).
+    #[error("instance {0} not found")]
+    NotFound(String),
+    /// The backend cannot be reached or is not answering; retry later.
+    #[error("provider unavailable: {0}")]
+    Unavailable(String),
+    /// The request cannot succeed until someone changes configuration or the Proxy (a missing
+    /// base image or pool, a Squid config that does not parse); retrying won't help.
+    #[error("provider misconfigured: {0}")]
+    Misconfigured(String),
+    /// Any other backend failure; retry with backoff.
+    #[error("provider error: {0}")]
+    Backend(String),
+}
+
+impl ProviderError {
+    /// A bounded label for metrics and condition reasons.
+    pub fn category(&self) -> &'static str {
+        match self {
+            Self::NotFound(_) => "NotFound",
+            Self::Unavailable(_) => "ProviderUnavailable",
+            Self::Misconfigured(_) => "ProviderMisconfigured",
+            Self::Backend(_) => "ProviderError",
+        }
+    }
+
+    /// Whether waiting and retrying can help.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::Unavailable(_) | Self::Backend(_))
+    }
+}
+
+/// A provider instance: one configured backend the operator provisions proxies through.
+#[async_trait]
+pub trait Provider: Send + Sync {
+    /// Provider type (`kvm2`, ...).
+    fn provider_type(&self) -> &'static str;
+
+    /// Instance name from the providers config.
+    fn instance(&self) -> &str;
+
+    /// Creates the instance for `request`, or returns the existing one of that name
+    /// (idempotent). Returning does not mean running: poll [`Provider::get`].
+    async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError>;
+
+    /// The instance named `name` ([`instance_name`]); `NotFound` only if it truly is gone.
+    async fn get(&self, name: &str) -> Result<Instance, ProviderError>;
+
+    /// Deletes the instance named `name` and everything made for it (volumes, seeds, configs).
+    /// Deleting a missing instance succeeds.
+    async fn delete(&self, name: &str) -> Result<(), ProviderError>;
+
+    /// Every instance this provider instance made (by its own marks), with their owners.
+    async fn list(&self) -> Result<Vec<Instance>, ProviderError>;
+
+    /// Checks that the backend answers (connect and list), for `ProviderHealth`.
+    async fn probe(&self) -> Result<ProbeReport, ProviderError>;
+
+    /// The ID the instance named `name` has (or would have) on this provider.
+    fn id_for(&self, name: &str) -> ProviderId {
+        ProviderId::new(self.provider_type(), self.instance(), name)
+    }
+}
+
+/// A shared provider handle.
+pub type SharedProvider = Arc<dyn Provider>;
+
+#[cfg(test)]
+mod tests;
