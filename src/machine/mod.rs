@@ -137,3 +137,25 @@ pub fn decide(
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use statig::blocking::State as _;
+
+    use super::*;
+
+    /// Rehydration cannot repeat effects: the generated machine has no entry or exit actions, so
+    /// even statig's own action hooks do nothing on any state.
+    #[test]
+    fn no_entry_or_exit_actions() {
+        for phase in Phase::ALL {
+            let mut state = State::from_parts(phase, scenario::EPOCH, 1);
+            let before = state.clone();
+            let mut ctx = table::DecideCtx::new(scenario::EPOCH, GuardInput::default());
+            state.call_entry_action(&mut table::ProxyMachine, &mut ctx);
+            state.call_exit_action(&mut table::ProxyMachine, &mut ctx);
+            assert_eq!(state, before);
+            assert!(ctx.matched_row().is_none());
+        }
+    }
+}
