@@ -9,3 +9,5 @@ pub mod check;
 pub mod config;
 pub mod machine;
 pub mod provider;
+pub mod controller;
+pub mod effects;
