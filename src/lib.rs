@@ -11,3 +11,4 @@ pub mod machine;
 pub mod provider;
 pub mod controller;
 pub mod effects;
+pub mod telemetry;

@@ -13,7 +13,7 @@
 //! Mode-specific I/O sits behind [`crate::effects::ProxyBackend`]; the Kubernetes wiring is in
 //! [`cluster`].
 
-
+pub mod cluster;
 pub mod observe;
 mod reconciler;
 pub mod spec_hash;
@@ -45,6 +45,10 @@ impl ProviderAvailability {
 
     /// Why `provider` is down, if it is.
     pub fn down_reason(&self, provider: &str) -> Option<String> {
-        self.down.read().unwrap_or_else(|p| p.into_inner()).get(provider).cloned()
+        self.down
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(provider)
+            .cloned()
     }
 }

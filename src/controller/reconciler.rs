@@ -162,10 +162,22 @@ impl<B: ProxyBackend> Reconciler<B> {
     pub async fn reconcile(&self, proxy: &Proxy) -> Result<ReconcileOutcome, ReconcileError> {
         let now = (self.clock)();
         let key = ProxyKey {
-            namespace: proxy.metadata.namespace.clone().ok_or(ReconcileError::MalformedObject("namespace"))?,
-            name: proxy.metadata.name.clone().ok_or(ReconcileError::MalformedObject("name"))?,
+            namespace: proxy
+                .metadata
+                .namespace
+                .clone()
+                .ok_or(ReconcileError::MalformedObject("namespace"))?,
+            name: proxy
+                .metadata
+                .name
+                .clone()
+                .ok_or(ReconcileError::MalformedObject("name"))?,
         };
-        let uid = proxy.metadata.uid.clone().ok_or(ReconcileError::MalformedObject("uid"))?;
+        let uid = proxy
+            .metadata
+            .uid
+            .clone()
+            .ok_or(ReconcileError::MalformedObject("uid"))?;
         let instance = instance_name(&key.namespace, &key.name, &uid);
         let owner = Owner {
             uid,
@@ -185,7 +197,9 @@ impl<B: ProxyBackend> Reconciler<B> {
             }),
         };
         let provider = provider.ok().cloned();
-        let mut provider_down = provider.as_ref().and_then(|_| self.availability.down_reason(&proxy.spec.provider));
+        let mut provider_down = provider
+            .as_ref()
+            .and_then(|_| self.availability.down_reason(&proxy.spec.provider));
         let instance_observation = match &provider {
             Some(provider) if needs_instance(&state) => match provider.get(&instance).await {
                 Ok(found) => InstanceObservation::Present(found.state),
@@ -229,7 +243,9 @@ impl<B: ProxyBackend> Reconciler<B> {
 
         // --- decide and execute ----------------------------------------------------------------
         let mut working = Working {
-            reason: ready.map(|c| c.reason.clone()).unwrap_or_else(|| "Accepted".to_owned()),
+            reason: ready
+                .map(|c| c.reason.clone())
+                .unwrap_or_else(|| "Accepted".to_owned()),
             message: ready.map(|c| c.message.clone()).unwrap_or_default(),
             provider_id: previous.provider_id.clone(),
             endpoint: previous.endpoint.clone(),
@@ -271,11 +287,15 @@ impl<B: ProxyBackend> Reconciler<B> {
             };
             working.reason = entry.reason.clone();
             working.message = transition_message(&context, event);
-            if matches!(event, Event::HealthPassed | Event::HealthFailed | Event::HealthRecovered) {
+            if matches!(
+                event,
+                Event::HealthPassed | Event::HealthFailed | Event::HealthRecovered
+            ) {
                 working.last_health_check_time = Some(now);
             }
             for effect in &decision.effects {
-                self.execute(*effect, &context, &mut working, &entry, &mut feedback).await?;
+                self.execute(*effect, &context, &mut working, &entry, &mut feedback)
+                    .await?;
             }
             debug!(proxy = %key, transition = %entry.arrow(), reason = %entry.reason, "transition");
             if decision.changed_phase() {
@@ -323,10 +343,18 @@ impl<B: ProxyBackend> Reconciler<B> {
     }
 
     /// Reads the Secrets the spec references and computes the spec hash.
-    async fn resolve(&self, proxy: &Proxy, key: &ProxyKey) -> Result<Result<Resolved, SpecProblem>, ReconcileError> {
+    async fn resolve(
+        &self,
+        proxy: &Proxy,
+        key: &ProxyKey,
+    ) -> Result<Result<Resolved, SpecProblem>, ReconcileError> {
         let user_data = match &proxy.spec.cloud_init {
             None => None,
-            Some(cloud_init) => match self.backend.cloud_init(&key.namespace, &cloud_init.secret_ref).await {
+            Some(cloud_init) => match self
+                .backend
+                .cloud_init(&key.namespace, &cloud_init.secret_ref)
+                .await
+            {
                 Ok(data) => Some(data),
                 Err(SecretError::NotUsable(message)) => {
                     return Ok(Err(SpecProblem {
@@ -339,7 +367,11 @@ impl<B: ProxyBackend> Reconciler<B> {
         };
         let credentials = match &proxy.spec.auth {
             None => None,
-            Some(auth) => match self.backend.credentials(&key.namespace, &auth.secret_ref.name).await {
+            Some(auth) => match self
+                .backend
+                .credentials(&key.namespace, &auth.secret_ref.name)
+                .await
+            {
                 Ok(credentials) => Some(credentials),
                 Err(SecretError::NotUsable(message)) => {
                     return Ok(Err(SpecProblem {
@@ -500,7 +532,10 @@ impl<B: ProxyBackend> Reconciler<B> {
     /// Health probing and lease registration are in-memory: after a restart (or a spec edit of
     /// attributes, limits or health settings) they are brought in line with the state here.
     fn sync_targets(&self, state: &State, cx: &EffectContext<'_>, working: &Working) {
-        let live = matches!(state.phase(), Phase::Provisioning | Phase::Healthy | Phase::Degraded);
+        let live = matches!(
+            state.phase(),
+            Phase::Provisioning | Phase::Healthy | Phase::Degraded
+        );
         let endpoint = working.endpoint.as_deref().and_then(parse_endpoint);
         match (live, endpoint) {
             (true, Some(endpoint)) => {
@@ -539,8 +574,14 @@ struct EffectContext<'a> {
 /// The `Ready` message for a transition caused by `event` (never secret content).
 fn transition_message(cx: &EffectContext<'_>, event: Event) -> String {
     match event {
-        Event::SpecInvalid => cx.problem.map(|p| format!("{}: {}", p.reason, p.message)).unwrap_or_default(),
-        Event::ProviderUnavailable => cx.provider_down.map(|r| format!("provider unavailable: {r}")).unwrap_or_default(),
+        Event::SpecInvalid => cx
+            .problem
+            .map(|p| format!("{}: {}", p.reason, p.message))
+            .unwrap_or_default(),
+        Event::ProviderUnavailable => cx
+            .provider_down
+            .map(|r| format!("provider unavailable: {r}"))
+            .unwrap_or_default(),
         _ => event.doc().to_owned(),
     }
 }
@@ -559,4 +600,3 @@ fn parse_endpoint(endpoint: &str) -> Option<Endpoint> {
         port: port.parse().ok()?,
     })
 }
-

@@ -58,7 +58,11 @@ pub fn spec_hash(inputs: HashInputs<'_>) -> String {
     field(&mut hasher, "placement.host", host.as_deref());
     field(&mut hasher, "placement.zone", zone.as_deref());
     field(&mut hasher, "placement.address", address.as_deref());
-    field(&mut hasher, "placement.outgoingAddress", outgoing_address.as_deref());
+    field(
+        &mut hasher,
+        "placement.outgoingAddress",
+        outgoing_address.as_deref(),
+    );
     field(&mut hasher, "cloudInit", inputs.cloud_init);
     field(&mut hasher, "port", Some(&inputs.port.to_string()));
     hasher.finalize().iter().map(|b| format!("{b:02x}")).collect()
@@ -104,18 +108,91 @@ mod tests {
     fn only_placement_port_and_secret_content_change_the_hash() {
         type Mutation = fn(&mut ProxySpec);
         let cases: Vec<(&str, Mutation, &str, bool)> = vec![
-            ("placement zone", |s| s.placement.zone = Some("rack3".into()), CONTENT, true),
-            ("placement host", |s| s.placement.host = Some("hv07".into()), CONTENT, true),
-            ("placement address", |s| s.placement.address = Some("192.0.2.9".into()), CONTENT, true),
-            ("outgoing address", |s| s.placement.outgoing_address = Some("192.0.2.10".into()), CONTENT, true),
+            (
+                "placement zone",
+                |s| s.placement.zone = Some("rack3".into()),
+                CONTENT,
+                true,
+            ),
+            (
+                "placement host",
+                |s| s.placement.host = Some("hv07".into()),
+                CONTENT,
+                true,
+            ),
+            (
+                "placement address",
+                |s| s.placement.address = Some("192.0.2.9".into()),
+                CONTENT,
+                true,
+            ),
+            (
+                "outgoing address",
+                |s| s.placement.outgoing_address = Some("192.0.2.10".into()),
+                CONTENT,
+                true,
+            ),
             ("port", |s| s.port = 8080, CONTENT, true),
-            ("secret content rotated", |_| {}, "#cloud-config\npackages: [squid, curl]\n", true),
-            ("attributes", |s| s.attributes = BTreeMap::from([("region".into(), "us".into())]), CONTENT, false),
-            ("lease limits", |s| s.lease = LeasePolicy { max_concurrent: 9, cooldown_seconds: 60, max_ttl_seconds: 60 }, CONTENT, false),
-            ("health settings", |s| s.health = HealthCheck { interval_seconds: 5, timeout_seconds: 1, ..HealthCheck::default() }, CONTENT, false),
-            ("auth secret", |s| s.auth = Some(ProxyAuth { secret_ref: crate::api::ProxyAuthSecretRef { name: "creds".into() } }), CONTENT, false),
+            (
+                "secret content rotated",
+                |_| {},
+                "#cloud-config\npackages: [squid, curl]\n",
+                true,
+            ),
+            (
+                "attributes",
+                |s| s.attributes = BTreeMap::from([("region".into(), "us".into())]),
+                CONTENT,
+                false,
+            ),
+            (
+                "lease limits",
+                |s| {
+                    s.lease = LeasePolicy {
+                        max_concurrent: 9,
+                        cooldown_seconds: 60,
+                        max_ttl_seconds: 60,
+                    }
+                },
+                CONTENT,
+                false,
+            ),
+            (
+                "health settings",
+                |s| {
+                    s.health = HealthCheck {
+                        interval_seconds: 5,
+                        timeout_seconds: 1,
+                        ..HealthCheck::default()
+                    }
+                },
+                CONTENT,
+                false,
+            ),
+            (
+                "auth secret",
+                |s| {
+                    s.auth = Some(ProxyAuth {
+                        secret_ref: crate::api::ProxyAuthSecretRef { name: "creds".into() },
+                    })
+                },
+                CONTENT,
+                false,
+            ),
             // Renaming the Secret with the same content runs the same thing.
-            ("secret renamed, same content", |s| s.cloud_init = Some(CloudInit { secret_ref: SecretKeyRef { name: "other".into(), key: None } }), CONTENT, false),
+            (
+                "secret renamed, same content",
+                |s| {
+                    s.cloud_init = Some(CloudInit {
+                        secret_ref: SecretKeyRef {
+                            name: "other".into(),
+                            key: None,
+                        },
+                    })
+                },
+                CONTENT,
+                false,
+            ),
             ("nothing", |_| {}, CONTENT, false),
         ];
         let before = for_spec(&base(), Some(CONTENT));
@@ -123,7 +200,11 @@ mod tests {
             let mut spec = base();
             mutate(&mut spec);
             let after = for_spec(&spec, Some(content));
-            assert_eq!(after != before, changes, "{what}: hash change expected = {changes}");
+            assert_eq!(
+                after != before,
+                changes,
+                "{what}: hash change expected = {changes}"
+            );
         }
     }
 

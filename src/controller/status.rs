@@ -67,9 +67,33 @@ pub fn desired_status(input: StatusInput<'_>) -> ProxyStatus {
     let ready = if phase == Phase::Healthy { "True" } else { "False" };
     let previous = &input.previous.conditions;
     let conditions = vec![
-        condition(previous, READY, ready, input.reason, input.message, input.generation, input.now),
-        condition(previous, PROVISIONED, provisioned, provisioned_reason, "", input.generation, input.now),
-        condition(previous, HEALTHY, healthy, healthy_reason, "", input.generation, input.now),
+        condition(
+            previous,
+            READY,
+            ready,
+            input.reason,
+            input.message,
+            input.generation,
+            input.now,
+        ),
+        condition(
+            previous,
+            PROVISIONED,
+            provisioned,
+            provisioned_reason,
+            "",
+            input.generation,
+            input.now,
+        ),
+        condition(
+            previous,
+            HEALTHY,
+            healthy,
+            healthy_reason,
+            "",
+            input.generation,
+            input.now,
+        ),
     ];
     ProxyStatus {
         phase: Some(phase.as_str().to_owned()),

@@ -1,0 +1,78 @@
+//! Metrics (prometheus-client) and logging set-up.
+//!
+//! Labels are bounded: error categories, phases and transition endpoints come from closed sets.
+
+use std::time::Duration;
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, histogram::Histogram},
+    registry::Registry,
+};
+
+/// Labels of a reconcile outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `ok` or the error category.
+    pub result: String,
+}
+
+/// Labels of a transition.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransitionLabels {
+    /// Phase before.
+    pub from: String,
+    /// Phase after.
+    pub to: String,
+}
+
+/// The controller's metrics.
+pub struct Metrics {
+    reconciles: Family<ResultLabels, Counter>,
+    reconcile_duration: Histogram,
+    transitions: Family<TransitionLabels, Counter>,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            reconciles: Family::default(),
+            reconcile_duration: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+            transitions: Family::default(),
+        };
+        registry.register(
+            "epo_reconciles",
+            "Reconciles by result (ok or error category)",
+            metrics.reconciles.clone(),
+        );
+        registry.register(
+            "epo_reconcile_duration_seconds",
+            "Duration of one reconcile",
+            metrics.reconcile_duration.clone(),
+        );
+        registry.register(
+            "epo_transitions",
+            "Lifecycle transitions by phase",
+            metrics.transitions.clone(),
+        );
+        metrics
+    }
+
+    /// Records a reconcile.
+    pub fn observe_reconcile(&self, took: Duration, error_category: Option<&str>) {
+        let result = error_category.unwrap_or("ok").to_owned();
+        self.reconciles.get_or_create(&ResultLabels { result }).inc();
+        self.reconcile_duration.observe(took.as_secs_f64());
+    }
+
+    /// Records a transition.
+    pub fn observe_transition(&self, from: &str, to: &str) {
+        self.transitions
+            .get_or_create(&TransitionLabels {
+                from: from.to_owned(),
+                to: to.to_owned(),
+            })
+            .inc();
+    }
+}
