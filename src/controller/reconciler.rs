@@ -121,7 +121,6 @@ struct Working {
     spec_hash: Option<String>,
     instance_running: bool,
     last_health_check_time: Option<Timestamp>,
-    requeue: bool,
     proxy_writes: usize,
     has_finalizer: bool,
 }
@@ -253,7 +252,6 @@ impl<B: ProxyBackend> Reconciler<B> {
             instance_running: snapshot.provisioned_reported
                 || snapshot.instance == InstanceObservation::Present(InstanceState::Running),
             last_health_check_time: None,
-            requeue: false,
             proxy_writes: 0,
             has_finalizer: proxy.finalizers().iter().any(|f| f == FINALIZER),
         };
@@ -330,8 +328,10 @@ impl<B: ProxyBackend> Reconciler<B> {
         }
         let requeue_after = match state.phase() {
             Phase::Deleted => None,
-            _ if working.requeue => Some(requeue_after(&state, now, &self.config.timers)),
-            // Without an explicit requeue the state's timer still bounds how long we sleep.
+            // The user must change the object (or its Secret); that change wakes us.
+            Phase::Pending if working.reason == "InvalidSpec" => None,
+            // Every other state has a timer (healthy: the slow resync behind the watches), so
+            // a `requeue_after` effect and "no transition this time" wait alike.
             _ => Some(requeue_after(&state, now, &self.config.timers)),
         };
         Ok(ReconcileOutcome {
@@ -433,7 +433,8 @@ impl<B: ProxyBackend> Reconciler<B> {
                         working.instance_running = false;
                         feedback.push_back(Event::InstanceGone);
                     }
-                    Ok(_) => working.requeue = true,
+                    // Still there (terminating): the state's timer brings us back to see it gone.
+                    Ok(_) => {}
                     Err(other) => return Err(other.into()),
                 }
             }
@@ -445,10 +446,9 @@ impl<B: ProxyBackend> Reconciler<B> {
             }
             EffectKind::DisableLeases => self.leases.set_admission(cx.key, false),
             EffectKind::DrainLeases => {
+                // Not drained yet: the draining timer brings us back.
                 if self.leases.drain(cx.key) == DrainStatus::Drained {
                     feedback.push_back(Event::DrainComplete);
-                } else {
-                    working.requeue = true;
                 }
             }
             EffectKind::RevokeLeases => {
@@ -465,7 +465,8 @@ impl<B: ProxyBackend> Reconciler<B> {
                     warn!(proxy = %cx.key, error = %err, "recording an event failed");
                 }
             }
-            EffectKind::RequeueAfter => working.requeue = true,
+            // The delay is the final state's timer, computed once at the end of the reconcile.
+            EffectKind::RequeueAfter => {}
         }
         Ok(())
     }
