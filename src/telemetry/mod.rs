@@ -2,6 +2,8 @@
 //!
 //! Labels are bounded: error categories, phases and transition endpoints come from closed sets.
 
+pub mod admin;
+
 use std::time::Duration;
 
 use prometheus_client::{
