@@ -12,3 +12,4 @@ pub mod provider;
 pub mod controller;
 pub mod effects;
 pub mod telemetry;
+pub mod store;
