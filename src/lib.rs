@@ -13,3 +13,4 @@ pub mod controller;
 pub mod effects;
 pub mod telemetry;
 pub mod store;
+pub mod standalone;
