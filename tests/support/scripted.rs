@@ -2,6 +2,8 @@
 //! decides the verdicts and the number of active leases, and can read what the controller
 //! registered. They implement the same interfaces as the real executors.
 
+#![allow(dead_code)] // Each test binary uses a different part of the support code.
+
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
@@ -52,7 +54,12 @@ impl HealthControl for ScriptedHealth {
     }
 
     fn verdict(&self, key: &ProxyKey) -> HealthVerdict {
-        self.verdicts.lock().unwrap().get(key).copied().unwrap_or(HealthVerdict::Unknown)
+        self.verdicts
+            .lock()
+            .unwrap()
+            .get(key)
+            .copied()
+            .unwrap_or(HealthVerdict::Unknown)
     }
 }
 
@@ -86,7 +93,8 @@ impl ScriptedLeases {
 
 impl LeaseControl for ScriptedLeases {
     fn upsert(&self, target: LeaseTarget) {
-        self.state.lock().unwrap().entry(target.key.clone()).or_default().target = Some(target);
+        let key = target.key.clone();
+        self.state.lock().unwrap().entry(key).or_default().target = Some(target);
     }
 
     fn set_admission(&self, key: &ProxyKey, open: bool) {
