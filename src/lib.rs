@@ -14,3 +14,5 @@ pub mod effects;
 pub mod telemetry;
 pub mod store;
 pub mod standalone;
+pub mod gc;
+pub mod monitor;
