@@ -11,6 +11,7 @@
 mod backend;
 pub mod manifests;
 pub mod progress;
+pub mod status;
 
 use std::{
     collections::{BTreeMap, HashMap},
