@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family, histogram::Histogram},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
+
+use crate::machine::Phase;
 
 /// Labels of a reconcile outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -28,11 +30,28 @@ pub struct TransitionLabels {
     pub to: String,
 }
 
+/// Labels naming a phase.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// The phase.
+    pub phase: String,
+}
+
+/// Labels naming a provider instance.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProviderLabels {
+    /// Provider instance name (from the providers config: a bounded set).
+    pub provider: String,
+}
+
 /// The controller's metrics.
 pub struct Metrics {
     reconciles: Family<ResultLabels, Counter>,
     reconcile_duration: Histogram,
     transitions: Family<TransitionLabels, Counter>,
+    proxies: Family<PhaseLabels, Gauge>,
+    gc_deletions: Family<ProviderLabels, Counter>,
+    provider_available: Family<ProviderLabels, Gauge>,
 }
 
 impl Metrics {
@@ -42,6 +61,9 @@ impl Metrics {
             reconciles: Family::default(),
             reconcile_duration: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
             transitions: Family::default(),
+            proxies: Family::default(),
+            gc_deletions: Family::default(),
+            provider_available: Family::default(),
         };
         registry.register(
             "epo_reconciles",
@@ -66,6 +88,36 @@ impl Metrics {
         let result = error_category.unwrap_or("ok").to_owned();
         self.reconciles.get_or_create(&ResultLabels { result }).inc();
         self.reconcile_duration.observe(took.as_secs_f64());
+    }
+
+    /// Sets the number of proxies per phase (every phase is reported, zero included).
+    pub fn set_phase_counts(&self, counts: &std::collections::BTreeMap<String, usize>) {
+        for phase in Phase::ALL {
+            let count = counts.get(phase.as_str()).copied().unwrap_or(0);
+            self.proxies
+                .get_or_create(&PhaseLabels {
+                    phase: phase.as_str().to_owned(),
+                })
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Counts GC deletions on `provider`.
+    pub fn observe_gc_deletions(&self, provider: &str, deleted: u64) {
+        self.gc_deletions
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .inc_by(deleted);
+    }
+
+    /// Records whether `provider` answered its last probe.
+    pub fn set_provider_available(&self, provider: &str, available: bool) {
+        self.provider_available
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .set(i64::from(available));
     }
 
     /// Records a transition.
