@@ -7,12 +7,12 @@
 pub mod api;
 pub mod check;
 pub mod config;
-pub mod machine;
-pub mod provider;
 pub mod controller;
 pub mod effects;
-pub mod telemetry;
-pub mod store;
-pub mod standalone;
 pub mod gc;
+pub mod machine;
 pub mod monitor;
+pub mod provider;
+pub mod standalone;
+pub mod store;
+pub mod telemetry;

@@ -189,10 +189,10 @@ fn proxy_label(value: &Value) -> String {
 /// The parts of a Secret the operator reads: a name, and string-valued `data`/`stringData`.
 fn check_secret(value: &Value) -> Vec<(String, String)> {
     let mut problems = Vec::new();
-    if !value
+    if value
         .pointer("/metadata/name")
         .and_then(Value::as_str)
-        .is_some_and(|n| !n.is_empty())
+        .is_none_or(str::is_empty)
     {
         problems.push(("metadata.name".to_owned(), "required: name the Secret".to_owned()));
     }

@@ -130,7 +130,6 @@ fn verdict(instance: &Instance, live: &HashSet<String>, config: &GcConfig, now: 
     Verdict::Collect
 }
 
-
 /// Live owners read from the API server with a fresh list (not a cache that may lag a create).
 pub struct KubeLiveOwners {
     client: kube::Client,
@@ -152,7 +151,10 @@ impl LiveOwners for KubeLiveOwners {
             Some(ns) => Api::namespaced(self.client.clone(), ns),
             None => Api::all(self.client.clone()),
         };
-        let list = api.list_metadata(&ListParams::default()).await.map_err(|e| e.to_string())?;
+        let list = api
+            .list_metadata(&ListParams::default())
+            .await
+            .map_err(|e| e.to_string())?;
         Ok(list.items.into_iter().filter_map(|p| p.metadata.uid).collect())
     }
 }

@@ -39,6 +39,9 @@ pub trait HealthSink: Send + Sync {
     async fn publish(&self, outcome: &ProbeOutcome) -> Result<(), String>;
 }
 
+/// Called with a provider's name when its availability flips.
+pub type ChangeHook = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// The monitor.
 pub struct Monitor {
     providers: ProviderRegistry,
@@ -46,7 +49,7 @@ pub struct Monitor {
     sink: Arc<dyn HealthSink>,
     timeout: Duration,
     published: HashMap<String, bool>,
-    on_change: Option<Arc<dyn Fn(&str) + Send + Sync>>,
+    on_change: Option<ChangeHook>,
 }
 
 impl Monitor {
@@ -70,7 +73,7 @@ impl Monitor {
 
     /// Calls `hook` with a provider's name whenever its availability flips (the controller
     /// re-reconciles that provider's Proxies).
-    pub fn on_change(mut self, hook: Arc<dyn Fn(&str) + Send + Sync>) -> Self {
+    pub fn on_change(mut self, hook: ChangeHook) -> Self {
         self.on_change = Some(hook);
         self
     }

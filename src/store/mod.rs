@@ -1,10 +1,10 @@
 //! Standalone mode's embedded store: everything the cluster keeps in the API server, kept in a
 //! folder on the host (`--state DIR`): each Proxy's identity and status, and its audit trail.
 //!
-//! Layout: `proxies/<namespace>_<name>.json` (one record per Proxy, replaced atomically by write
-//! + rename, so a crash leaves the old or the new record, never a torn one) and
-//! `audit/<namespace>_<name>.jsonl` (append-only, one transition per line). A lock file keeps a
-//! second operator from using the same folder at once.
+//! Layout: `proxies/<namespace>_<name>.json` (one record per Proxy, replaced atomically by
+//! writing a temporary file and renaming it, so a crash leaves the old or the new record, never a
+//! torn one) and `audit/<namespace>_<name>.jsonl` (append-only, one transition per line). A lock
+//! file keeps a second operator from using the same folder at once.
 
 use std::{
     fs::{self, File, OpenOptions},
