@@ -5,7 +5,8 @@
 //! cloud-init config is the one Squid runs with.
 //!
 //! Timings (image build or cache hit, boot to the first proxied fetch) go to stderr and to
-//! `target/tmp/guest-boot-timings.txt`. Knobs: `EPO_CACHE_DIR` (image cache),
+//! `target/tmp/guest-boot-timings.txt`; the guest's serial console to
+//! `target/tmp/guest-boot-serial.log`. Knobs: `EPO_CACHE_DIR` (image cache),
 //! `EPO_GUEST_BOOT_TIMEOUT_SECS` (default 180), `EPO_GUEST_ACCEL` (default `tcg`; `kvm` where
 //! /dev/kvm works).
 
@@ -262,6 +263,11 @@ impl Drop for Vm {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // The whole console of the last run, for a look after the temp dir is gone.
+        let _ = std::fs::copy(
+            &self.serial_log,
+            Path::new(env!("CARGO_TARGET_TMPDIR")).join("guest-boot-serial.log"),
+        );
     }
 }
 

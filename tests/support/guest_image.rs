@@ -43,10 +43,9 @@ pub const PACKAGES: &[&str] = &[
 ];
 
 /// The kernel command line the image boots with: the root file system is the whole first
-/// virtio disk, the console the first serial port; classic interface names make the NIC `eth0`
-/// in whichever PCI slot it sits; a panic stops the VM (with QEMU's `-no-reboot`) instead of
-/// looping.
-pub const KERNEL_CMDLINE: &str = "root=/dev/vda rw console=ttyS0 net.ifnames=0 panic=-1";
+/// virtio disk, the console the first serial port; a panic stops the VM (with QEMU's
+/// `-no-reboot`) instead of looping. `root=/dev/vda console=ttyS0` alone boots it too.
+pub const KERNEL_CMDLINE: &str = "root=/dev/vda rw console=ttyS0 panic=-1";
 
 /// The build script; its text is part of the cache key.
 const BUILD_SCRIPT: &str = include_str!("guest_image.sh");
@@ -181,16 +180,36 @@ fn image_in(entry: &Path, built: bool, build_time: Duration) -> GuestImage {
     }
 }
 
-/// Removes a folder when dropped, unless disarmed.
-struct RemoveOnDrop(Option<PathBuf>);
+/// Removes a folder (see [`remove_tree`]) when dropped.
+struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
-        if let Some(path) = self.0.take() {
-            let _ = fs::remove_dir_all(path);
-        }
+        remove_tree(&self.0);
     }
 }
+
+/// Removes `path` recursively, unless file systems are mounted under it: mmdebstrap bind-mounts
+/// the host's /dev nodes, /proc and /sys into the tree it builds, and a build killed before its
+/// clean-up leaves them there. Deleting through those would delete the host's.
+fn remove_tree(path: &Path) {
+    let mounted = fs::read_to_string("/proc/self/mountinfo").map_or(true, |info| {
+        info.lines()
+            .filter_map(|line| line.split(' ').nth(4))
+            .any(|mount_point| Path::new(mount_point).starts_with(path))
+    });
+    if mounted {
+        eprintln!(
+            "guest image: leaving {}: file systems are mounted under it",
+            path.display()
+        );
+        return;
+    }
+    let _ = fs::remove_dir_all(path);
+}
+
+/// Prefix of the scratch folders holding root trees being built.
+const SCRATCH_PREFIX: &str = "epo-guest-rootfs-";
 
 /// Builds into a staging folder beside `entry` (same file system, so the final rename is
 /// atomic). Called with the cache lock held.
@@ -212,13 +231,13 @@ fn build_into(cache_root: &Path, name: &str, entry: &Path) -> Result<(), ImageEr
     if let Ok(entries) = fs::read_dir(cache_root) {
         for stale in entries.flatten() {
             if stale.file_name().to_string_lossy().starts_with(&staging_prefix) {
-                let _ = fs::remove_dir_all(stale.path());
+                remove_tree(&stale.path());
             }
         }
     }
     let staging = cache_root.join(format!("{staging_prefix}{}", std::process::id()));
     fs::create_dir(&staging).map_err(io_error(format!("creating {}", staging.display())))?;
-    let staging_guard = RemoveOnDrop(Some(staging.clone()));
+    let staging_guard = RemoveOnDrop(staging.clone());
     let out = staging.join("image");
     fs::create_dir(&out).map_err(io_error(format!("creating {}", out.display())))?;
     let script = staging.join("guest_image.sh");
@@ -226,14 +245,11 @@ fn build_into(cache_root: &Path, name: &str, entry: &Path) -> Result<(), ImageEr
 
     // The root tree is scratch: in memory where possible (dpkg syncs every file it writes).
     let scratch_parent = scratch_parent(&staging);
-    let scratch = tempfile::Builder::new()
-        .prefix("epo-guest-rootfs-")
-        .tempdir_in(&scratch_parent)
-        .map_err(io_error(format!(
-            "creating a folder in {}",
-            scratch_parent.display()
-        )))?;
-    let rootfs = scratch.path().join("rootfs");
+    remove_stale_scratch(&scratch_parent);
+    let scratch = scratch_parent.join(format!("{SCRATCH_PREFIX}{name}-{}", std::process::id()));
+    fs::create_dir(&scratch).map_err(io_error(format!("creating {}", scratch.display())))?;
+    let scratch_guard = RemoveOnDrop(scratch.clone());
+    let rootfs = scratch.join("rootfs");
 
     let log = staging.join("build.log");
     let log_file = File::create(&log).map_err(io_error(format!("creating {}", log.display())))?;
@@ -253,21 +269,20 @@ fn build_into(cache_root: &Path, name: &str, entry: &Path) -> Result<(), ImageEr
         .stderr(log_err)
         .status()
         .map_err(io_error("running guest_image.sh"))?;
-    drop(scratch);
-    if !status.success() {
-        // Keep the log where the error points: move it out of the staging folder.
+    drop(scratch_guard);
+    let failure = if !status.success() {
+        Some(status.to_string())
+    } else if !is_complete(&out) {
+        Some("the script did not produce vmlinuz, initrd.img and rootfs.ext4".to_owned())
+    } else {
+        None
+    };
+    if let Some(status) = failure {
+        // Keep the log where the error points: the staging folder goes.
         let kept = cache_root.join(format!(".{name}.failed-build.log"));
-        let log = fs::rename(&log, &kept).map(|()| kept).unwrap_or(log);
-        let tail = tail_of(&log, 40);
+        let log = fs::rename(&log, &kept).map_or(log, |()| kept);
         return Err(ImageError::BuildFailed {
-            status: status.to_string(),
-            log,
-            tail,
-        });
-    }
-    if !is_complete(&out) {
-        return Err(ImageError::BuildFailed {
-            status: "the script did not produce vmlinuz, initrd.img and rootfs.ext4".to_owned(),
+            status,
             tail: tail_of(&log, 40),
             log,
         });
@@ -278,17 +293,53 @@ fn build_into(cache_root: &Path, name: &str, entry: &Path) -> Result<(), ImageEr
     Ok(())
 }
 
-/// Where the root tree is assembled: `$EPO_GUEST_SCRATCH_DIR`, else `/dev/shm` (tmpfs), else
-/// the staging folder.
+/// Where the root tree is assembled: `$EPO_GUEST_SCRATCH_DIR`, else `/dev/shm` (tmpfs) when it
+/// has room for it, else the staging folder.
 fn scratch_parent(staging: &Path) -> PathBuf {
     if let Some(dir) = std::env::var_os("EPO_GUEST_SCRATCH_DIR").filter(|dir| !dir.is_empty()) {
         return PathBuf::from(dir);
     }
     let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
+    if available_mib(shm).is_some_and(|mib| mib >= SCRATCH_NEED_MIB) {
         shm.to_owned()
     } else {
         staging.to_owned()
+    }
+}
+
+/// Room the root tree needs while it is built (it peaks near 1 GiB with the package cache).
+const SCRATCH_NEED_MIB: u64 = 2048;
+
+fn available_mib(dir: &Path) -> Option<u64> {
+    let output = Command::new("df")
+        .arg("-Pm")
+        .arg(dir)
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.lines().nth(1)?.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// Scratch trees of builds that died more than an hour ago (a build takes minutes; a live
+/// one of another checkout may be running beside this one).
+fn remove_stale_scratch(parent: &Path) {
+    let Ok(entries) = fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let stale = entry.file_name().to_string_lossy().starts_with(SCRATCH_PREFIX)
+            && entry
+                .metadata()
+                .and_then(|metadata| metadata.modified())
+                .is_ok_and(|modified| {
+                    modified
+                        .elapsed()
+                        .is_ok_and(|age| age > Duration::from_secs(3600))
+                });
+        if stale {
+            remove_tree(&entry.path());
+        }
     }
 }
 

@@ -74,9 +74,11 @@ customize() {
     echo 'epo-guest' > "$root/etc/hostname"
     printf '127.0.0.1\tlocalhost\n127.0.1.1\tepo-guest\n' > "$root/etc/hosts"
 
-    # The NIC (eth0: the kernel command line has net.ifnames=0, whatever the PCI slot) takes
-    # DHCP; QEMU's user-mode network gives 10.0.2.15. The image owns the network config, so
-    # cloud-init's is off.
+    # The NIC takes DHCP (QEMU's user-mode network gives 10.0.2.15). It is eth0 in whichever PCI
+    # slot it sits: the kernel's name is kept (no predictable names, whatever the command line).
+    # The image owns the network config, so cloud-init's is off.
+    mkdir -p "$root/etc/systemd/network"
+    ln -sf /dev/null "$root/etc/systemd/network/99-default.link"
     cat > "$root/etc/network/interfaces" <<'EOF'
 auto lo
 iface lo inet loopback
