@@ -29,11 +29,10 @@ use k8s_openapi::api::{
 use kube::{
     Api, Resource, ResourceExt,
     api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams},
-    core::{ObjectMeta, Status},
+    core::{ObjectMeta, PartialObjectMeta, Status},
     runtime::{
         events::{Event, EventType, Recorder, Reporter},
         finalizer::{Event as FinalizerEvent, finalizer},
-        metadata_watcher,
         watcher::{self, Event as WatcherEvent},
     },
 };
@@ -257,8 +256,7 @@ async fn the_status_subresource_isolates_status_from_spec_both_ways() {
     let mut for_status = replaced.clone();
     for_status.spec.port = 9999;
     for_status.status = Some(ProxyStatus { phase: Some("Healthy".into()), ..Default::default() });
-    let body = serde_json::to_vec(&for_status).unwrap();
-    let after = proxies.replace_status("p", &PostParams::default(), body).await.unwrap();
+    let after = proxies.replace_status("p", &PostParams::default(), &for_status).await.unwrap();
     assert_eq!(after.spec.port, 8080, "status PUT must not change spec");
     assert_eq!(after.status.and_then(|s| s.phase).as_deref(), Some("Healthy"));
     assert_eq!(after.metadata.generation, Some(2));
@@ -292,8 +290,8 @@ async fn finalizers_hold_a_deleted_object_until_they_are_removed() {
     assert_eq!(marked.metadata.generation, Some(2), "setting deletionTimestamp bumps generation");
     let still_there = proxies.get("p").await.unwrap();
     assert!(still_there.metadata.deletion_timestamp.is_some());
-    match timeout(WAIT, events.try_next()).await.unwrap().unwrap() {
-        Some(WatchEvent::Modified(o)) => assert!(o.metadata.deletion_timestamp.is_some()),
+    match next_event(&mut events).await {
+        WatchEvent::Modified(o) => assert!(o.metadata.deletion_timestamp.is_some()),
         other => panic!("expected MODIFIED with deletionTimestamp, got {other:?}"),
     }
 
@@ -548,14 +546,36 @@ async fn lists_paginate_with_limit_and_continue_and_scope_to_a_namespace() {
 // ---------------------------------------------------------------------------------------
 // Watch
 
+/// Polls `stream` on its own task and forwards what it yields.
+fn drive<T: Send + 'static>(
+    stream: impl futures::Stream<Item = T> + Send + 'static,
+) -> tokio::sync::mpsc::UnboundedReceiver<T> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        while let Some(item) = stream.next().await {
+            if tx.send(item).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// The next watch event other than a BOOKMARK (kube asks for bookmarks by default).
 async fn next_event<K: Clone + std::fmt::Debug>(
     stream: &mut (impl futures::Stream<Item = Result<WatchEvent<K>, kube::Error>> + Unpin),
 ) -> WatchEvent<K> {
-    timeout(WAIT, stream.next())
-        .await
-        .expect("a watch event in time")
-        .expect("the stream is open")
-        .expect("a decodable event")
+    loop {
+        let event = timeout(WAIT, stream.next())
+            .await
+            .expect("a watch event in time")
+            .expect("the stream is open")
+            .expect("a decodable event");
+        if !matches!(event, WatchEvent::Bookmark(_)) {
+            return event;
+        }
+    }
 }
 
 #[tokio::test]
@@ -620,14 +640,14 @@ async fn watches_get_bookmarks_and_end_cleanly_at_their_timeout() {
     let server = FakeApiServer::start_with(options).await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
     let a = cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
-    let wp = WatchParams::default().bookmarks(true).timeout(1);
+    let wp = WatchParams::default().timeout(1);
     let mut stream = cms.watch(&wp, &a.resource_version().unwrap()).await.unwrap().boxed();
-    match next_event(&mut stream).await {
+    match timeout(WAIT, stream.next()).await.unwrap().unwrap().unwrap() {
         WatchEvent::Bookmark(bookmark) => assert_eq!(bookmark.metadata.resource_version, a.resource_version().unwrap()),
         other => panic!("expected a BOOKMARK, got {other:?}"),
     }
     // Without allowWatchBookmarks there are none; the stream ends at timeoutSeconds.
-    let mut quiet = cms.watch(&WatchParams::default().timeout(1), &a.resource_version().unwrap()).await.unwrap().boxed();
+    let mut quiet = cms.watch(&WatchParams::default().disable_bookmarks().timeout(1), &a.resource_version().unwrap()).await.unwrap().boxed();
     let started = tokio::time::Instant::now();
     assert!(timeout(WAIT, quiet.next()).await.unwrap().is_none(), "no events, then a clean end");
     assert!(started.elapsed() >= Duration::from_millis(900));
@@ -673,8 +693,9 @@ async fn kube_watcher_relists_after_410_and_keeps_delivering() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
     cms.create(&PostParams::default(), &config_map("before", &[])).await.unwrap();
-    let mut events = watcher::watcher(cms.clone(), watcher::Config::default()).boxed();
-    let mut next = async || timeout(WAIT, events.next()).await.expect("a watcher event in time").expect("open");
+    // Driven by its own task, as a controller drives it: the watcher only watches when polled.
+    let mut events = drive(watcher::watcher(cms.clone(), watcher::Config::default()));
+    let mut next = async || timeout(WAIT, events.recv()).await.expect("a watcher event in time").expect("open");
     assert!(matches!(next().await, Ok(WatcherEvent::Init)));
     assert!(matches!(next().await, Ok(WatcherEvent::InitApply(o)) if o.name_any() == "before"));
     assert!(matches!(next().await, Ok(WatcherEvent::InitDone)));
@@ -722,13 +743,15 @@ async fn streaming_lists_end_their_initial_events_with_an_annotated_bookmark() {
 #[tokio::test]
 async fn metadata_only_watches_get_partial_object_metadata() {
     let server = FakeApiServer::start().await;
-    let secrets: Api<Secret> = Api::default_namespaced(server.client());
+    let client = server.client();
+    let secrets: Api<Secret> = Api::default_namespaced(client.clone());
     let mut secret = Secret::default();
     secret.metadata.name = Some("s".into());
     secret.metadata.labels = Some(BTreeMap::from([("crawl.example.com/cloud-init".into(), "true".into())]));
     secrets.create(&PostParams::default(), &secret).await.unwrap();
     let config = watcher::Config::default().labels("crawl.example.com/cloud-init=true");
-    let mut events = metadata_watcher(secrets, config).boxed();
+    let metadata: Api<PartialObjectMeta<Secret>> = Api::default_namespaced(client);
+    let mut events = watcher::watcher(metadata, config).boxed();
     let mut names = Vec::new();
     while names.is_empty() {
         match timeout(WAIT, events.next()).await.unwrap().unwrap().unwrap() {

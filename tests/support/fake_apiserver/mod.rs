@@ -38,6 +38,7 @@ use serde_json::Value;
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 pub use registry::ResourceDef;
+#[allow(unused_imports)]
 pub use status::{FieldError, FieldErrorKind};
 
 use store::{Deletion, Store, Target};

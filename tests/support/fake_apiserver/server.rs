@@ -178,7 +178,7 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let query = parse_query(req.uri().query().unwrap_or_default());
-    let header = |name| req.headers().get(name).and_then(|v: &HeaderValue| v.to_str().ok()).unwrap_or_default();
+    let header = |name: hyper::header::HeaderName| req.headers().get(name).and_then(|v: &HeaderValue| v.to_str().ok()).unwrap_or_default();
     let metadata_only = header(ACCEPT).contains("as=PartialObjectMetadata");
     let content_type = header(CONTENT_TYPE).split(';').next().unwrap_or_default().trim().to_owned();
     let body = match req.into_body().collect().await {
@@ -257,7 +257,7 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
         target,
     };
     let response = match injected {
-        Some(code) => Err(ApiError::injected(code, Some(&def), name.unwrap_or_default())),
+        Some(code) => Err(ApiError::injected(code, Some(&*def), name.unwrap_or_default())),
         None => match verb {
             Verb::Get => get(&inner, &call),
             Verb::List => list(&inner, &call),

@@ -901,7 +901,7 @@ impl Store {
         self.resources[rid].applied.get(key).is_some_and(|configs| {
             configs
                 .iter()
-                .any(|((m, s), config)| (m != manager || *s != is_status) && at_path(config, path).is_some())
+                .any(|((m, s), config)| (m.as_str() != manager || *s != is_status) && at_path(config, path).is_some())
         })
     }
 
@@ -927,7 +927,7 @@ impl Store {
         };
         let mut conflicts: Vec<(String, String)> = Vec::new();
         for ((other, other_status), other_config) in configs.iter_mut() {
-            if other == manager && *other_status == is_status {
+            if other.as_str() == manager && *other_status == is_status {
                 continue;
             }
             for path in leaves.iter().filter(|p| !ignored(p)) {
