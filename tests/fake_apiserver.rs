@@ -56,8 +56,12 @@ fn config_map(name: &str, labels: &[(&str, &str)]) -> ConfigMap {
     ConfigMap {
         metadata: ObjectMeta {
             name: Some(name.into()),
-            labels: (!labels.is_empty())
-                .then(|| labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()),
+            labels: (!labels.is_empty()).then(|| {
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect()
+            }),
             ..Default::default()
         },
         data: Some(BTreeMap::from([("key".to_owned(), "value".to_owned())])),
@@ -74,11 +78,21 @@ fn status_of<T: std::fmt::Debug>(result: Result<T, kube::Error>) -> Status {
 }
 
 fn rv(meta: &ObjectMeta) -> u64 {
-    meta.resource_version.as_deref().expect("a stored object has a resourceVersion").parse().expect("integer RV")
+    meta.resource_version
+        .as_deref()
+        .expect("a stored object has a resourceVersion")
+        .parse()
+        .expect("integer RV")
 }
 
 /// A request outside kube's typed API, to see raw status codes and bodies.
-async fn raw(server: &FakeApiServer, method: &str, path: &str, content_type: &str, body: &str) -> (u16, Value) {
+async fn raw(
+    server: &FakeApiServer,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &str,
+) -> (u16, Value) {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Full<Bytes>>();
     let request = hyper::Request::builder()
@@ -89,14 +103,22 @@ async fn raw(server: &FakeApiServer, method: &str, path: &str, content_type: &st
         .expect("a valid request");
     let response = client.request(request).await.expect("the fake server answers");
     let code = response.status().as_u16();
-    let bytes = response.into_body().collect().await.expect("a complete body").to_bytes();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("a complete body")
+        .to_bytes();
     (code, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
 async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + WAIT;
     while !condition() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -113,7 +135,14 @@ async fn get_of_a_missing_object_is_a_not_found_status() {
     assert_eq!(status.reason, "NotFound");
     assert_eq!(status.message, "proxies.crawl.example.com \"x\" not found");
 
-    let (code, body) = raw(&server, "GET", "/apis/crawl.example.com/v1alpha1/namespaces/default/proxies/x", "", "").await;
+    let (code, body) = raw(
+        &server,
+        "GET",
+        "/apis/crawl.example.com/v1alpha1/namespaces/default/proxies/x",
+        "",
+        "",
+    )
+    .await;
     assert_eq!(code, 404);
     assert_eq!(
         body,
@@ -132,17 +161,29 @@ async fn get_of_a_missing_object_is_a_not_found_status() {
 #[tokio::test]
 async fn a_resource_that_is_not_served_is_a_404_like_a_missing_crd() {
     let server = FakeApiServer::start().await;
-    let (code, body) = raw(&server, "GET", "/apis/example.org/v1/namespaces/default/widgets", "", "").await;
+    let (code, body) = raw(
+        &server,
+        "GET",
+        "/apis/example.org/v1/namespaces/default/widgets",
+        "",
+        "",
+    )
+    .await;
     assert_eq!(code, 404);
     assert_eq!(body["reason"], "NotFound");
-    assert_eq!(body["message"], "the server could not find the requested resource");
+    assert_eq!(
+        body["message"],
+        "the server could not find the requested resource"
+    );
 }
 
 #[tokio::test]
 async fn create_of_an_existing_name_is_already_exists() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
+    cms.create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
     let status = status_of(cms.create(&PostParams::default(), &config_map("a", &[])).await);
     assert_eq!((status.code, status.reason.as_str()), (409, "AlreadyExists"));
     assert_eq!(status.message, "configmaps \"a\" already exists");
@@ -163,17 +204,32 @@ async fn create_fills_server_owned_metadata_and_generate_name() {
     // ConfigMaps do not track generation; custom resources start at 1.
     assert_eq!(created.metadata.generation, None);
     let proxies: Api<Proxy> = Api::default_namespaced(server.client());
-    assert_eq!(proxies.create(&PostParams::default(), &proxy("p")).await.unwrap().metadata.generation, Some(1));
+    assert_eq!(
+        proxies
+            .create(&PostParams::default(), &proxy("p"))
+            .await
+            .unwrap()
+            .metadata
+            .generation,
+        Some(1)
+    );
 
     // Neither name nor generateName: 422; resourceVersion set on create: rejected.
     cm.metadata.generate_name = None;
     let status = status_of(cms.create(&PostParams::default(), &cm).await);
     assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
-    assert!(status.message.contains("metadata.name: Required value: name or generateName is required"));
+    assert!(
+        status
+            .message
+            .contains("metadata.name: Required value: name or generateName is required")
+    );
     let mut with_rv = config_map("with-rv", &[]);
     with_rv.metadata.resource_version = Some("5".into());
     let status = status_of(cms.create(&PostParams::default(), &with_rv).await);
-    assert_eq!(status.message, "resourceVersion should not be set on objects to be created");
+    assert_eq!(
+        status.message,
+        "resourceVersion should not be set on objects to be created"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -183,7 +239,10 @@ async fn create_fills_server_owned_metadata_and_generate_name() {
 async fn resource_version_increases_on_every_write_and_a_stale_replace_conflicts() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let created = cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
+    let created = cms
+        .create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
     let mut changed = created.clone();
     changed.data = Some(BTreeMap::from([("key".to_owned(), "other".to_owned())]));
     let replaced = cms.replace("a", &PostParams::default(), &changed).await.unwrap();
@@ -210,7 +269,11 @@ async fn custom_resources_require_a_resource_version_on_replace() {
     proxies.create(&PostParams::default(), &proxy("p")).await.unwrap();
     let status = status_of(proxies.replace("p", &PostParams::default(), &proxy("p")).await);
     assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
-    assert!(status.message.contains("metadata.resourceVersion: Invalid value"), "{}", status.message);
+    assert!(
+        status.message.contains("metadata.resourceVersion: Invalid value"),
+        "{}",
+        status.message
+    );
 }
 
 #[tokio::test]
@@ -220,19 +283,46 @@ async fn generation_counts_spec_changes_only() {
     proxies.create(&PostParams::default(), &proxy("p")).await.unwrap();
     let pp = PatchParams::default();
 
-    let labelled = proxies.patch("p", &pp, &Patch::Merge(json!({"metadata": {"labels": {"a": "b"}}}))).await.unwrap();
-    assert_eq!(labelled.metadata.generation, Some(1), "metadata changes leave generation alone");
+    let labelled = proxies
+        .patch(
+            "p",
+            &pp,
+            &Patch::Merge(json!({"metadata": {"labels": {"a": "b"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        labelled.metadata.generation,
+        Some(1),
+        "metadata changes leave generation alone"
+    );
 
     let status = json!({"status": {"phase": "Healthy", "observedGeneration": 1}});
-    let with_status = proxies.patch_status("p", &pp, &Patch::Merge(status.clone())).await.unwrap();
-    assert_eq!(with_status.metadata.generation, Some(1), "status changes leave generation alone");
+    let with_status = proxies
+        .patch_status("p", &pp, &Patch::Merge(status.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        with_status.metadata.generation,
+        Some(1),
+        "status changes leave generation alone"
+    );
 
-    let respecced = proxies.patch("p", &pp, &Patch::Merge(json!({"spec": {"port": 8080}}))).await.unwrap();
+    let respecced = proxies
+        .patch("p", &pp, &Patch::Merge(json!({"spec": {"port": 8080}})))
+        .await
+        .unwrap();
     assert_eq!(respecced.metadata.generation, Some(2));
 
     // A write that changes nothing is a no-op: same resourceVersion, no event.
-    let again = proxies.patch_status("p", &pp, &Patch::Merge(status)).await.unwrap();
-    assert_eq!(again.metadata.resource_version, respecced.metadata.resource_version);
+    let again = proxies
+        .patch_status("p", &pp, &Patch::Merge(status))
+        .await
+        .unwrap();
+    assert_eq!(
+        again.metadata.resource_version,
+        respecced.metadata.resource_version
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -247,26 +337,51 @@ async fn the_status_subresource_isolates_status_from_spec_both_ways() {
 
     // Main resource: the status in the body is ignored, the spec change is kept.
     created.spec.port = 8080;
-    created.status = Some(ProxyStatus { phase: Some("Healthy".into()), ..Default::default() });
-    let replaced = proxies.replace("p", &PostParams::default(), &created).await.unwrap();
+    created.status = Some(ProxyStatus {
+        phase: Some("Healthy".into()),
+        ..Default::default()
+    });
+    let replaced = proxies
+        .replace("p", &PostParams::default(), &created)
+        .await
+        .unwrap();
     assert_eq!(replaced.spec.port, 8080);
-    assert!(replaced.status.is_none(), "main-resource PUT must not change status");
+    assert!(
+        replaced.status.is_none(),
+        "main-resource PUT must not change status"
+    );
 
     // Status subresource: the spec in the body is ignored, the status is kept.
     let mut for_status = replaced.clone();
     for_status.spec.port = 9999;
-    for_status.status = Some(ProxyStatus { phase: Some("Healthy".into()), ..Default::default() });
-    let after = proxies.replace_status("p", &PostParams::default(), &for_status).await.unwrap();
+    for_status.status = Some(ProxyStatus {
+        phase: Some("Healthy".into()),
+        ..Default::default()
+    });
+    let after = proxies
+        .replace_status("p", &PostParams::default(), &for_status)
+        .await
+        .unwrap();
     assert_eq!(after.spec.port, 8080, "status PUT must not change spec");
     assert_eq!(after.status.and_then(|s| s.phase).as_deref(), Some("Healthy"));
     assert_eq!(after.metadata.generation, Some(2));
 
     // Merge patches obey the same split.
-    let patched =
-        proxies.patch("p", &PatchParams::default(), &Patch::Merge(json!({"status": {"phase": "Gone"}}))).await.unwrap();
+    let patched = proxies
+        .patch(
+            "p",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Gone"}})),
+        )
+        .await
+        .unwrap();
     assert_eq!(patched.status.and_then(|s| s.phase).as_deref(), Some("Healthy"));
     let patched = proxies
-        .patch_status("p", &PatchParams::default(), &Patch::Merge(json!({"spec": {"port": 1}})))
+        .patch_status(
+            "p",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"port": 1}})),
+        )
         .await
         .unwrap();
     assert_eq!(patched.spec.port, 8080);
@@ -282,12 +397,22 @@ async fn finalizers_hold_a_deleted_object_until_they_are_removed() {
     let mut p = proxy("p");
     p.metadata.finalizers = Some(vec!["crawl.example.com/cleanup".into()]);
     let created = proxies.create(&PostParams::default(), &p).await.unwrap();
-    let mut events = proxies.watch(&WatchParams::default(), &created.resource_version().unwrap()).await.unwrap().boxed();
+    let mut events = proxies
+        .watch(&WatchParams::default(), &created.resource_version().unwrap())
+        .await
+        .unwrap()
+        .boxed();
 
     let deleted = proxies.delete("p", &DeleteParams::default()).await.unwrap();
-    let marked = deleted.left().expect("a custom resource DELETE answers with the object");
+    let marked = deleted
+        .left()
+        .expect("a custom resource DELETE answers with the object");
     assert!(marked.metadata.deletion_timestamp.is_some());
-    assert_eq!(marked.metadata.generation, Some(2), "setting deletionTimestamp bumps generation");
+    assert_eq!(
+        marked.metadata.generation,
+        Some(2),
+        "setting deletionTimestamp bumps generation"
+    );
     let still_there = proxies.get("p").await.unwrap();
     assert!(still_there.metadata.deletion_timestamp.is_some());
     match next_event(&mut events).await {
@@ -324,20 +449,43 @@ async fn finalizers_hold_a_deleted_object_until_they_are_removed() {
 async fn delete_without_finalizers_answers_a_status_or_the_object_per_resource() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
-    let status = cms.delete("a", &DeleteParams::default()).await.unwrap().right().expect("ConfigMaps answer a Status");
+    cms.create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
+    let status = cms
+        .delete("a", &DeleteParams::default())
+        .await
+        .unwrap()
+        .right()
+        .expect("ConfigMaps answer a Status");
     assert_eq!(status.details.map(|d| d.name), Some("a".into()));
     assert_eq!(status_of(cms.get("a").await).code, 404);
-    assert_eq!(status_of(cms.delete("a", &DeleteParams::default()).await).code, 404);
+    assert_eq!(
+        status_of(cms.delete("a", &DeleteParams::default()).await).code,
+        404
+    );
 
     // A precondition on the UID that does not match is a conflict.
-    let created = cms.create(&PostParams::default(), &config_map("b", &[])).await.unwrap();
-    let status = status_of(cms.delete("b", &DeleteParams::default().preconditions(kube::api::Preconditions {
-        uid: Some("not-the-uid".into()),
-        resource_version: None,
-    })).await);
+    let created = cms
+        .create(&PostParams::default(), &config_map("b", &[]))
+        .await
+        .unwrap();
+    let status = status_of(
+        cms.delete(
+            "b",
+            &DeleteParams::default().preconditions(kube::api::Preconditions {
+                uid: Some("not-the-uid".into()),
+                resource_version: None,
+            }),
+        )
+        .await,
+    );
     assert_eq!(status.code, 409);
-    assert!(status.message.contains("Precondition failed: UID in precondition: not-the-uid"));
+    assert!(
+        status
+            .message
+            .contains("Precondition failed: UID in precondition: not-the-uid")
+    );
     assert!(cms.get("b").await.is_ok());
     drop(created);
 }
@@ -371,7 +519,11 @@ async fn kube_runtime_finalizer_helper_adds_and_removes_its_finalizer() {
     .await
     .unwrap();
     assert!(cleaned.load(Ordering::SeqCst));
-    assert_eq!(status_of(proxies.get("p").await).code, 404, "removing the finalizer completes the delete");
+    assert_eq!(
+        status_of(proxies.get("p").await).code,
+        404,
+        "removing the finalizer completes the delete"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -381,15 +533,27 @@ async fn kube_runtime_finalizer_helper_adds_and_removes_its_finalizer() {
 async fn merge_patch_follows_rfc_7386_and_honours_a_resource_version_precondition() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let created = cms.create(&PostParams::default(), &config_map("a", &[("keep", "1"), ("drop", "1")])).await.unwrap();
+    let created = cms
+        .create(
+            &PostParams::default(),
+            &config_map("a", &[("keep", "1"), ("drop", "1")]),
+        )
+        .await
+        .unwrap();
     let patch = json!({"metadata": {"labels": {"drop": null, "new": "2"}}, "data": {"other": "x"}});
-    let patched = cms.patch("a", &PatchParams::default(), &Patch::Merge(patch)).await.unwrap();
+    let patched = cms
+        .patch("a", &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .unwrap();
     let labels: Vec<_> = patched.labels().iter().map(|(k, v)| format!("{k}={v}")).collect();
     assert_eq!(labels, ["keep=1", "new=2"]);
     assert_eq!(patched.data.unwrap().len(), 2, "objects merge key by key");
 
     let stale = json!({"metadata": {"resourceVersion": created.resource_version()}, "data": {"x": "y"}});
-    let status = status_of(cms.patch("a", &PatchParams::default(), &Patch::Merge(stale)).await);
+    let status = status_of(
+        cms.patch("a", &PatchParams::default(), &Patch::Merge(stale))
+            .await,
+    );
     assert_eq!((status.code, status.reason.as_str()), (409, "Conflict"));
 }
 
@@ -397,16 +561,28 @@ async fn merge_patch_follows_rfc_7386_and_honours_a_resource_version_preconditio
 async fn json_patch_with_a_failing_test_is_a_422_and_changes_nothing() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let created = cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
+    let created = cms
+        .create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
     let patch: json_patch::Patch = serde_json::from_value(json!([
         {"op": "test", "path": "/data/key", "value": "not-the-value"},
         {"op": "replace", "path": "/data/key", "value": "changed"},
     ]))
     .unwrap();
-    let status = status_of(cms.patch("a", &PatchParams::default(), &Patch::Json::<()>(patch)).await);
+    let status = status_of(
+        cms.patch("a", &PatchParams::default(), &Patch::Json::<()>(patch))
+            .await,
+    );
     assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
-    assert_eq!(status.message, "the server rejected our request due to an error in our request");
-    assert_eq!(cms.get("a").await.unwrap().metadata.resource_version, created.metadata.resource_version);
+    assert_eq!(
+        status.message,
+        "the server rejected our request due to an error in our request"
+    );
+    assert_eq!(
+        cms.get("a").await.unwrap().metadata.resource_version,
+        created.metadata.resource_version
+    );
 
     let patch: json_patch::Patch = serde_json::from_value(json!([
         {"op": "test", "path": "/data/key", "value": "value"},
@@ -414,8 +590,14 @@ async fn json_patch_with_a_failing_test_is_a_422_and_changes_nothing() {
         {"op": "remove", "path": "/data/key"},
     ]))
     .unwrap();
-    let patched = cms.patch("a", &PatchParams::default(), &Patch::Json::<()>(patch)).await.unwrap();
-    assert_eq!(patched.data.unwrap(), BTreeMap::from([("second".to_owned(), "2".to_owned())]));
+    let patched = cms
+        .patch("a", &PatchParams::default(), &Patch::Json::<()>(patch))
+        .await
+        .unwrap();
+    assert_eq!(
+        patched.data.unwrap(),
+        BTreeMap::from([("second".to_owned(), "2".to_owned())])
+    );
 }
 
 #[tokio::test]
@@ -425,19 +607,41 @@ async fn server_side_apply_creates_updates_removes_dropped_fields_and_reports_co
     let config = |data: Value| json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "a"}, "data": data});
     let pp = PatchParams::apply("operator");
 
-    let created = cms.patch("a", &pp, &Patch::Apply(config(json!({"one": "1", "two": "2"})))).await.unwrap();
-    assert_eq!(created.data.as_ref().map(BTreeMap::len), Some(2), "apply creates a missing object");
+    let created = cms
+        .patch("a", &pp, &Patch::Apply(config(json!({"one": "1", "two": "2"}))))
+        .await
+        .unwrap();
+    assert_eq!(
+        created.data.as_ref().map(BTreeMap::len),
+        Some(2),
+        "apply creates a missing object"
+    );
 
     // Fields the same manager applied before and omits now are removed.
-    let updated = cms.patch("a", &pp, &Patch::Apply(config(json!({"one": "1"})))).await.unwrap();
-    assert_eq!(updated.data.unwrap(), BTreeMap::from([("one".to_owned(), "1".to_owned())]));
+    let updated = cms
+        .patch("a", &pp, &Patch::Apply(config(json!({"one": "1"}))))
+        .await
+        .unwrap();
+    assert_eq!(
+        updated.data.unwrap(),
+        BTreeMap::from([("one".to_owned(), "1".to_owned())])
+    );
 
     // Another manager setting the same field to another value conflicts unless forced.
     let other = PatchParams::apply("someone-else");
-    let status = status_of(cms.patch("a", &other, &Patch::Apply(config(json!({"one": "9"})))).await);
+    let status = status_of(
+        cms.patch("a", &other, &Patch::Apply(config(json!({"one": "9"}))))
+            .await,
+    );
     assert_eq!((status.code, status.reason.as_str()), (409, "Conflict"));
-    assert_eq!(status.message, "Apply failed with 1 conflict: conflict with \"operator\" using v1: .data.one");
-    let forced = cms.patch("a", &other.force(), &Patch::Apply(config(json!({"one": "9"})))).await.unwrap();
+    assert_eq!(
+        status.message,
+        "Apply failed with 1 conflict: conflict with \"operator\" using v1: .data.one"
+    );
+    let forced = cms
+        .patch("a", &other.force(), &Patch::Apply(config(json!({"one": "9"}))))
+        .await
+        .unwrap();
     assert_eq!(forced.data.unwrap()["one"], "9");
 
     // Apply without a field manager is refused (raw: kube validates it client-side).
@@ -473,11 +677,23 @@ async fn strategic_merge_patch_is_unsupported_on_custom_resources() {
     proxies.create(&PostParams::default(), &proxy("p")).await.unwrap();
     let patch = Patch::Strategic(json!({"spec": {"port": 1}}));
     let status = status_of(proxies.patch("p", &PatchParams::default(), &patch).await);
-    assert_eq!((status.code, status.reason.as_str()), (415, "UnsupportedMediaType"));
+    assert_eq!(
+        (status.code, status.reason.as_str()),
+        (415, "UnsupportedMediaType")
+    );
     // Built-in types take it (approximated as a merge patch).
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
-    let patched = cms.patch("a", &PatchParams::default(), &Patch::Strategic(json!({"data": {"b": "c"}}))).await.unwrap();
+    cms.create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
+    let patched = cms
+        .patch(
+            "a",
+            &PatchParams::default(),
+            &Patch::Strategic(json!({"data": {"b": "c"}})),
+        )
+        .await
+        .unwrap();
     assert_eq!(patched.data.unwrap().len(), 2);
 }
 
@@ -485,7 +701,13 @@ async fn strategic_merge_patch_is_unsupported_on_custom_resources() {
 // Lists and selectors
 
 async fn names(cms: &Api<ConfigMap>, selector: &str) -> Vec<String> {
-    cms.list(&ListParams::default().labels(selector)).await.unwrap().items.iter().map(ResourceExt::name_any).collect()
+    cms.list(&ListParams::default().labels(selector))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect()
 }
 
 #[tokio::test]
@@ -498,20 +720,31 @@ async fn label_selectors_support_equality_and_set_based_requirements() {
         ("eu-dev", vec![("region", "eu"), ("tier", "dev")]),
         ("bare", vec![]),
     ] {
-        cms.create(&PostParams::default(), &config_map(name, &labels)).await.unwrap();
+        cms.create(&PostParams::default(), &config_map(name, &labels))
+            .await
+            .unwrap();
     }
     assert_eq!(names(&cms, "region=eu").await, ["eu-dev", "eu-prod"]);
     assert_eq!(names(&cms, "region==eu,tier=prod").await, ["eu-prod"]);
     // `!=` and `notin` also select objects without the label.
     assert_eq!(names(&cms, "region!=eu").await, ["bare", "us-prod"]);
-    assert_eq!(names(&cms, "tier notin (dev)").await, ["bare", "eu-prod", "us-prod"]);
-    assert_eq!(names(&cms, "region in (eu, us),tier in (prod)").await, ["eu-prod", "us-prod"]);
+    assert_eq!(
+        names(&cms, "tier notin (dev)").await,
+        ["bare", "eu-prod", "us-prod"]
+    );
+    assert_eq!(
+        names(&cms, "region in (eu, us),tier in (prod)").await,
+        ["eu-prod", "us-prod"]
+    );
     assert_eq!(names(&cms, "tier").await, ["eu-dev", "eu-prod", "us-prod"]);
     assert_eq!(names(&cms, "!tier").await, ["bare"]);
     let status = status_of(cms.list(&ListParams::default().labels("region in eu")).await);
     assert_eq!((status.code, status.reason.as_str()), (400, "BadRequest"));
 
-    let by_name = cms.list(&ListParams::default().fields("metadata.name=bare")).await.unwrap();
+    let by_name = cms
+        .list(&ListParams::default().fields("metadata.name=bare"))
+        .await
+        .unwrap();
     assert_eq!(by_name.items.len(), 1);
     let status = status_of(cms.list(&ListParams::default().fields("data.key=value")).await);
     assert_eq!(status.code, 400);
@@ -524,16 +757,29 @@ async fn lists_paginate_with_limit_and_continue_and_scope_to_a_namespace() {
     let default: Api<ConfigMap> = Api::default_namespaced(client.clone());
     let other: Api<ConfigMap> = Api::namespaced(client.clone(), "other");
     for i in 0..5 {
-        default.create(&PostParams::default(), &config_map(&format!("cm-{i}"), &[])).await.unwrap();
+        default
+            .create(&PostParams::default(), &config_map(&format!("cm-{i}"), &[]))
+            .await
+            .unwrap();
     }
-    other.create(&PostParams::default(), &config_map("elsewhere", &[])).await.unwrap();
+    other
+        .create(&PostParams::default(), &config_map("elsewhere", &[]))
+        .await
+        .unwrap();
 
     let first = default.list(&ListParams::default().limit(2)).await.unwrap();
     assert_eq!(first.items.len(), 2);
     let token = first.metadata.continue_.clone().expect("more pages");
-    let second = default.list(&ListParams::default().limit(2).continue_token(&token)).await.unwrap();
+    let second = default
+        .list(&ListParams::default().limit(2).continue_token(&token))
+        .await
+        .unwrap();
     let third = default
-        .list(&ListParams::default().limit(2).continue_token(&second.metadata.continue_.clone().unwrap()))
+        .list(
+            &ListParams::default()
+                .limit(2)
+                .continue_token(&second.metadata.continue_.clone().unwrap()),
+        )
         .await
         .unwrap();
     assert_eq!(third.items.len(), 1);
@@ -582,12 +828,27 @@ async fn next_event<K: Clone + std::fmt::Debug>(
 async fn watch_replays_every_event_after_the_given_resource_version() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let a = cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
-    cms.create(&PostParams::default(), &config_map("b", &[])).await.unwrap();
-    cms.patch("a", &PatchParams::default(), &Patch::Merge(json!({"data": {"k": "v"}}))).await.unwrap();
+    let a = cms
+        .create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
+    cms.create(&PostParams::default(), &config_map("b", &[]))
+        .await
+        .unwrap();
+    cms.patch(
+        "a",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"data": {"k": "v"}})),
+    )
+    .await
+    .unwrap();
     cms.delete("b", &DeleteParams::default()).await.unwrap();
 
-    let mut stream = cms.watch(&WatchParams::default(), &a.resource_version().unwrap()).await.unwrap().boxed();
+    let mut stream = cms
+        .watch(&WatchParams::default(), &a.resource_version().unwrap())
+        .await
+        .unwrap()
+        .boxed();
     let mut seen = Vec::new();
     for _ in 0..3 {
         seen.push(match next_event(&mut stream).await {
@@ -602,7 +863,9 @@ async fn watch_replays_every_event_after_the_given_resource_version() {
     // resourceVersion "0": synthetic ADDED events for what exists, then live events.
     let mut from_zero = cms.watch(&WatchParams::default(), "0").await.unwrap().boxed();
     assert!(matches!(next_event(&mut from_zero).await, WatchEvent::Added(o) if o.name_any() == "a"));
-    cms.create(&PostParams::default(), &config_map("c", &[])).await.unwrap();
+    cms.create(&PostParams::default(), &config_map("c", &[]))
+        .await
+        .unwrap();
     assert!(matches!(next_event(&mut from_zero).await, WatchEvent::Added(o) if o.name_any() == "c"));
 }
 
@@ -611,23 +874,49 @@ async fn a_label_selected_watch_sees_objects_enter_and_leave_the_selection() {
     let server = FakeApiServer::start().await;
     let secrets: Api<Secret> = Api::default_namespaced(server.client());
     let created = secrets
-        .create(&PostParams::default(), &Secret { metadata: ObjectMeta { name: Some("s".into()), ..Default::default() }, ..Default::default() })
+        .create(
+            &PostParams::default(),
+            &Secret {
+                metadata: ObjectMeta {
+                    name: Some("s".into()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
         .await
         .unwrap();
     let wp = WatchParams::default().labels("crawl.example.com/cloud-init=true");
-    let mut stream = secrets.watch(&wp, &created.resource_version().unwrap()).await.unwrap().boxed();
+    let mut stream = secrets
+        .watch(&wp, &created.resource_version().unwrap())
+        .await
+        .unwrap()
+        .boxed();
     let label = |on: bool| {
         let value = if on { json!("true") } else { Value::Null };
         Patch::Merge(json!({"metadata": {"labels": {"crawl.example.com/cloud-init": value}}}))
     };
-    secrets.patch("s", &PatchParams::default(), &label(true)).await.unwrap();
+    secrets
+        .patch("s", &PatchParams::default(), &label(true))
+        .await
+        .unwrap();
     assert!(matches!(next_event(&mut stream).await, WatchEvent::Added(o) if o.name_any() == "s"));
-    secrets.patch("s", &PatchParams::default(), &Patch::Merge(json!({"stringData": {"k": "v"}}))).await.unwrap();
+    secrets
+        .patch(
+            "s",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"stringData": {"k": "v"}})),
+        )
+        .await
+        .unwrap();
     match next_event(&mut stream).await {
         WatchEvent::Modified(o) => assert_eq!(o.data.unwrap()["k"].0, b"v", "stringData is stored as data"),
         other => panic!("expected MODIFIED, got {other:?}"),
     }
-    let unlabelled = secrets.patch("s", &PatchParams::default(), &label(false)).await.unwrap();
+    let unlabelled = secrets
+        .patch("s", &PatchParams::default(), &label(false))
+        .await
+        .unwrap();
     match next_event(&mut stream).await {
         WatchEvent::Deleted(o) => assert_eq!(o.resource_version(), unlabelled.resource_version()),
         other => panic!("expected DELETED when the object stops matching, got {other:?}"),
@@ -636,20 +925,42 @@ async fn a_label_selected_watch_sees_objects_enter_and_leave_the_selection() {
 
 #[tokio::test]
 async fn watches_get_bookmarks_and_end_cleanly_at_their_timeout() {
-    let options = Options { bookmark_interval: Duration::from_millis(50), ..Options::default() };
+    let options = Options {
+        bookmark_interval: Duration::from_millis(50),
+        ..Options::default()
+    };
     let server = FakeApiServer::start_with(options).await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let a = cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
+    let a = cms
+        .create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
     let wp = WatchParams::default().timeout(1);
-    let mut stream = cms.watch(&wp, &a.resource_version().unwrap()).await.unwrap().boxed();
+    let mut stream = cms
+        .watch(&wp, &a.resource_version().unwrap())
+        .await
+        .unwrap()
+        .boxed();
     match timeout(WAIT, stream.next()).await.unwrap().unwrap().unwrap() {
-        WatchEvent::Bookmark(bookmark) => assert_eq!(bookmark.metadata.resource_version, a.resource_version().unwrap()),
+        WatchEvent::Bookmark(bookmark) => {
+            assert_eq!(bookmark.metadata.resource_version, a.resource_version().unwrap())
+        }
         other => panic!("expected a BOOKMARK, got {other:?}"),
     }
     // Without allowWatchBookmarks there are none; the stream ends at timeoutSeconds.
-    let mut quiet = cms.watch(&WatchParams::default().disable_bookmarks().timeout(1), &a.resource_version().unwrap()).await.unwrap().boxed();
+    let mut quiet = cms
+        .watch(
+            &WatchParams::default().disable_bookmarks().timeout(1),
+            &a.resource_version().unwrap(),
+        )
+        .await
+        .unwrap()
+        .boxed();
     let started = tokio::time::Instant::now();
-    assert!(timeout(WAIT, quiet.next()).await.unwrap().is_none(), "no events, then a clean end");
+    assert!(
+        timeout(WAIT, quiet.next()).await.unwrap().is_none(),
+        "no events, then a clean end"
+    );
     assert!(started.elapsed() >= Duration::from_millis(900));
 }
 
@@ -657,34 +968,66 @@ async fn watches_get_bookmarks_and_end_cleanly_at_their_timeout() {
 async fn a_watch_from_a_compacted_resource_version_gets_410_expired() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let a = cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
+    let a = cms
+        .create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
     server.compact();
-    let mut stream = cms.watch(&WatchParams::default(), &a.resource_version().unwrap()).await.unwrap().boxed();
+    let mut stream = cms
+        .watch(&WatchParams::default(), &a.resource_version().unwrap())
+        .await
+        .unwrap()
+        .boxed();
     match next_event(&mut stream).await {
         WatchEvent::Error(status) => {
             assert_eq!((status.code, status.reason.as_str()), (410, "Expired"));
-            assert!(status.message.starts_with(&format!("too old resource version: {}", rv(&a.metadata))));
+            assert!(
+                status
+                    .message
+                    .starts_with(&format!("too old resource version: {}", rv(&a.metadata)))
+            );
         }
         other => panic!("expected a 410 ERROR event, got {other:?}"),
     }
-    assert!(timeout(WAIT, stream.next()).await.unwrap().is_none(), "the stream ends after the error");
+    assert!(
+        timeout(WAIT, stream.next()).await.unwrap().is_none(),
+        "the stream ends after the error"
+    );
     // A fresh list's resourceVersion can be watched from.
     let list = cms.list(&ListParams::default()).await.unwrap();
-    let mut fresh = cms.watch(&WatchParams::default(), &list.metadata.resource_version.unwrap()).await.unwrap().boxed();
-    cms.create(&PostParams::default(), &config_map("b", &[])).await.unwrap();
+    let mut fresh = cms
+        .watch(&WatchParams::default(), &list.metadata.resource_version.unwrap())
+        .await
+        .unwrap()
+        .boxed();
+    cms.create(&PostParams::default(), &config_map("b", &[]))
+        .await
+        .unwrap();
     assert!(matches!(next_event(&mut fresh).await, WatchEvent::Added(o) if o.name_any() == "b"));
 }
 
 #[tokio::test]
 async fn the_history_bound_expires_old_resource_versions_too() {
-    let options = Options { history_limit: 2, ..Options::default() };
+    let options = Options {
+        history_limit: 2,
+        ..Options::default()
+    };
     let server = FakeApiServer::start_with(options).await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    let a = cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
+    let a = cms
+        .create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
     for name in ["b", "c", "d"] {
-        cms.create(&PostParams::default(), &config_map(name, &[])).await.unwrap();
+        cms.create(&PostParams::default(), &config_map(name, &[]))
+            .await
+            .unwrap();
     }
-    let mut stream = cms.watch(&WatchParams::default(), &a.resource_version().unwrap()).await.unwrap().boxed();
+    let mut stream = cms
+        .watch(&WatchParams::default(), &a.resource_version().unwrap())
+        .await
+        .unwrap()
+        .boxed();
     assert!(matches!(next_event(&mut stream).await, WatchEvent::Error(s) if s.code == 410));
 }
 
@@ -692,10 +1035,17 @@ async fn the_history_bound_expires_old_resource_versions_too() {
 async fn kube_watcher_relists_after_410_and_keeps_delivering() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    cms.create(&PostParams::default(), &config_map("before", &[])).await.unwrap();
+    cms.create(&PostParams::default(), &config_map("before", &[]))
+        .await
+        .unwrap();
     // Driven by its own task, as a controller drives it: the watcher only watches when polled.
     let mut events = drive(watcher::watcher(cms.clone(), watcher::Config::default()));
-    let mut next = async || timeout(WAIT, events.recv()).await.expect("a watcher event in time").expect("open");
+    let mut next = async || {
+        timeout(WAIT, events.recv())
+            .await
+            .expect("a watcher event in time")
+            .expect("open")
+    };
     assert!(matches!(next().await, Ok(WatcherEvent::Init)));
     assert!(matches!(next().await, Ok(WatcherEvent::InitApply(o)) if o.name_any() == "before"));
     assert!(matches!(next().await, Ok(WatcherEvent::InitDone)));
@@ -703,7 +1053,9 @@ async fn kube_watcher_relists_after_410_and_keeps_delivering() {
 
     server.compact();
     server.expire_watches();
-    cms.create(&PostParams::default(), &config_map("after", &[])).await.unwrap();
+    cms.create(&PostParams::default(), &config_map("after", &[]))
+        .await
+        .unwrap();
 
     match next().await {
         Err(watcher::Error::WatchError(status)) => assert_eq!(status.code, 410),
@@ -719,7 +1071,9 @@ async fn kube_watcher_relists_after_410_and_keeps_delivering() {
         }
     }
     assert_eq!(relisted, ["after", "before"]);
-    cms.create(&PostParams::default(), &config_map("later", &[])).await.unwrap();
+    cms.create(&PostParams::default(), &config_map("later", &[]))
+        .await
+        .unwrap();
     assert!(matches!(next().await, Ok(WatcherEvent::Apply(o)) if o.name_any() == "later"));
     let lists = server.requests().iter().filter(|r| r.verb == Verb::List).count();
     assert_eq!(lists, 2, "one initial list and one relist");
@@ -729,15 +1083,28 @@ async fn kube_watcher_relists_after_410_and_keeps_delivering() {
 async fn streaming_lists_end_their_initial_events_with_an_annotated_bookmark() {
     let server = FakeApiServer::start().await;
     let cms: Api<ConfigMap> = Api::default_namespaced(server.client());
-    cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
+    cms.create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
     let mut events = watcher::watcher(cms.clone(), watcher::Config::default().streaming_lists()).boxed();
-    let mut next = async || timeout(WAIT, events.next()).await.expect("in time").expect("open").expect("no error");
+    let mut next = async || {
+        timeout(WAIT, events.next())
+            .await
+            .expect("in time")
+            .expect("open")
+            .expect("no error")
+    };
     assert!(matches!(next().await, WatcherEvent::Init));
     assert!(matches!(next().await, WatcherEvent::InitApply(o) if o.name_any() == "a"));
     assert!(matches!(next().await, WatcherEvent::InitDone));
-    cms.create(&PostParams::default(), &config_map("b", &[])).await.unwrap();
+    cms.create(&PostParams::default(), &config_map("b", &[]))
+        .await
+        .unwrap();
     assert!(matches!(next().await, WatcherEvent::Apply(o) if o.name_any() == "b"));
-    assert_eq!(server.requests().iter().filter(|r| r.verb == Verb::List).count(), 0);
+    assert_eq!(
+        server.requests().iter().filter(|r| r.verb == Verb::List).count(),
+        0
+    );
 }
 
 #[tokio::test]
@@ -747,7 +1114,10 @@ async fn metadata_only_watches_get_partial_object_metadata() {
     let secrets: Api<Secret> = Api::default_namespaced(client.clone());
     let mut secret = Secret::default();
     secret.metadata.name = Some("s".into());
-    secret.metadata.labels = Some(BTreeMap::from([("crawl.example.com/cloud-init".into(), "true".into())]));
+    secret.metadata.labels = Some(BTreeMap::from([(
+        "crawl.example.com/cloud-init".into(),
+        "true".into(),
+    )]));
     secrets.create(&PostParams::default(), &secret).await.unwrap();
     let config = watcher::Config::default().labels("crawl.example.com/cloud-init=true");
     let metadata: Api<PartialObjectMeta<Secret>> = Api::default_namespaced(client);
@@ -771,7 +1141,14 @@ async fn fail_next_injects_a_conflict_that_a_retry_loop_observes() {
     let server = FakeApiServer::start().await;
     let proxies: Api<Proxy> = Api::default_namespaced(server.client());
     proxies.create(&PostParams::default(), &proxy("p")).await.unwrap();
-    server.fail_next(RequestMatcher::any().verb(Verb::Patch).resource("proxies").subresource("status"), 1, 409);
+    server.fail_next(
+        RequestMatcher::any()
+            .verb(Verb::Patch)
+            .resource("proxies")
+            .subresource("status"),
+        1,
+        409,
+    );
 
     let mut attempts = 0;
     let patched = loop {
@@ -801,26 +1178,46 @@ async fn write_counters_count_exactly_the_writes_made() {
     proxies.create(&PostParams::default(), &proxy("p")).await.unwrap();
     proxies.get("p").await.unwrap();
     proxies.list(&ListParams::default()).await.unwrap();
-    proxies.patch("p", &PatchParams::default(), &Patch::Merge(json!({"metadata": {"labels": {"a": "b"}}}))).await.unwrap();
     proxies
-        .patch_status("p", &PatchParams::apply("op"), &Patch::Apply(json!({
-            "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy", "status": {"phase": "Pending"}
-        })))
+        .patch(
+            "p",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"a": "b"}}})),
+        )
+        .await
+        .unwrap();
+    proxies
+        .patch_status(
+            "p",
+            &PatchParams::apply("op"),
+            &Patch::Apply(json!({
+                "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy", "status": {"phase": "Pending"}
+            })),
+        )
         .await
         .unwrap();
     proxies.delete("p", &DeleteParams::default()).await.unwrap();
 
-    let writes: Vec<(Verb, Option<String>, Option<String>)> =
-        server.writes().into_iter().map(|w| (w.verb, w.name, w.subresource)).collect();
-    assert_eq!(writes, [
-        (Verb::Create, None, None),
-        (Verb::Patch, Some("p".into()), None),
-        (Verb::Patch, Some("p".into()), Some("status".into())),
-        (Verb::Delete, Some("p".into()), None),
-    ]);
+    let writes: Vec<(Verb, Option<String>, Option<String>)> = server
+        .writes()
+        .into_iter()
+        .map(|w| (w.verb, w.name, w.subresource))
+        .collect();
+    assert_eq!(
+        writes,
+        [
+            (Verb::Create, None, None),
+            (Verb::Patch, Some("p".into()), None),
+            (Verb::Patch, Some("p".into()), Some("status".into())),
+            (Verb::Delete, Some("p".into()), None),
+        ]
+    );
     assert_eq!(server.requests().len(), 6);
     let apply = &server.writes()[2];
-    assert_eq!(apply.content_type.as_deref(), Some("application/apply-patch+yaml"));
+    assert_eq!(
+        apply.content_type.as_deref(),
+        Some("application/apply-patch+yaml")
+    );
     assert_eq!(apply.field_manager.as_deref(), Some("op"));
 }
 
@@ -837,7 +1234,10 @@ async fn direct_store_access_is_visible_over_http_and_to_watches() {
     assert!(matches!(next_event(&mut stream).await, WatchEvent::Added(p) if p.status.is_some()));
     let got = proxies.get("p").await.unwrap();
     assert_eq!(got.status.unwrap().phase.as_deref(), Some("Healthy"));
-    assert_eq!(server.get_json("proxies", Some("default"), "p").unwrap()["spec"]["provider"], "memory");
+    assert_eq!(
+        server.get_json("proxies", Some("default"), "p").unwrap()["spec"]["provider"],
+        "memory"
+    );
     assert!(server.delete_json("proxies", Some("default"), "p"));
     assert!(matches!(next_event(&mut stream).await, WatchEvent::Deleted(_)));
     assert!(server.get_json("proxies", Some("default"), "p").is_none());
@@ -853,7 +1253,11 @@ async fn a_validator_hook_turns_crd_schema_problems_into_422_invalid() {
             .into_iter()
             .map(|(path, message)| {
                 let pointer = format!("/{}", path.replace('.', "/"));
-                FieldError::invalid(path, object.pointer(&pointer).cloned().unwrap_or(Value::Null), message)
+                FieldError::invalid(
+                    path,
+                    object.pointer(&pointer).cloned().unwrap_or(Value::Null),
+                    message,
+                )
             })
             .collect()
     });
@@ -862,7 +1266,13 @@ async fn a_validator_hook_turns_crd_schema_problems_into_422_invalid() {
     bad.spec.port = 70000;
     let status = status_of(proxies.create(&PostParams::default(), &bad).await);
     assert_eq!((status.code, status.reason.as_str()), (422, "Invalid"));
-    assert!(status.message.starts_with("Proxy.crawl.example.com \"p\" is invalid: spec.port"), "{}", status.message);
+    assert!(
+        status
+            .message
+            .starts_with("Proxy.crawl.example.com \"p\" is invalid: spec.port"),
+        "{}",
+        status.message
+    );
     proxies.create(&PostParams::default(), &proxy("p")).await.unwrap();
 }
 
@@ -874,8 +1284,17 @@ async fn the_kube_runtime_event_recorder_creates_then_patches_a_series() {
     let server = FakeApiServer::start().await;
     let client = server.client();
     let cms: Api<ConfigMap> = Api::default_namespaced(client.clone());
-    let cm = cms.create(&PostParams::default(), &config_map("a", &[])).await.unwrap();
-    let recorder = Recorder::new(client.clone(), Reporter { controller: "egress-proxies-operator".into(), instance: Some("test".into()) });
+    let cm = cms
+        .create(&PostParams::default(), &config_map("a", &[]))
+        .await
+        .unwrap();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "egress-proxies-operator".into(),
+            instance: Some("test".into()),
+        },
+    );
     let event = Event {
         type_: EventType::Normal,
         reason: "Provisioned".into(),
@@ -892,7 +1311,13 @@ async fn the_kube_runtime_event_recorder_creates_then_patches_a_series() {
     assert_eq!(listed[0].reason.as_deref(), Some("Provisioned"));
     assert_eq!(listed[0].series.as_ref().map(|s| s.count), Some(2));
     let writes: Vec<(Verb, String)> = server.writes().into_iter().map(|w| (w.verb, w.group)).collect();
-    assert_eq!(writes[1..], [(Verb::Create, "events.k8s.io".into()), (Verb::Patch, "events.k8s.io".into())]);
+    assert_eq!(
+        writes[1..],
+        [
+            (Verb::Create, "events.k8s.io".into()),
+            (Verb::Patch, "events.k8s.io".into())
+        ]
+    );
 }
 
 #[tokio::test]
@@ -900,7 +1325,10 @@ async fn lease_updates_use_optimistic_concurrency_for_leader_election() {
     let server = FakeApiServer::start().await;
     let leases: Api<Lease> = Api::default_namespaced(server.client());
     let lease = Lease {
-        metadata: ObjectMeta { name: Some("egress-proxies-operator".into()), ..Default::default() },
+        metadata: ObjectMeta {
+            name: Some("egress-proxies-operator".into()),
+            ..Default::default()
+        },
         spec: Some(LeaseSpec {
             holder_identity: Some("a".into()),
             lease_duration_seconds: Some(15),
@@ -914,8 +1342,15 @@ async fn lease_updates_use_optimistic_concurrency_for_leader_election() {
         next
     };
     let (first, second) = (take("b"), take("c"));
-    leases.replace("egress-proxies-operator", &PostParams::default(), &first).await.unwrap();
-    let status = status_of(leases.replace("egress-proxies-operator", &PostParams::default(), &second).await);
+    leases
+        .replace("egress-proxies-operator", &PostParams::default(), &first)
+        .await
+        .unwrap();
+    let status = status_of(
+        leases
+            .replace("egress-proxies-operator", &PostParams::default(), &second)
+            .await,
+    );
     assert_eq!((status.code, status.reason.as_str()), (409, "Conflict"));
     let held = leases.get("egress-proxies-operator").await.unwrap();
     assert_eq!(held.spec.unwrap().holder_identity.as_deref(), Some("b"));
@@ -929,7 +1364,9 @@ async fn version_and_discovery_describe_the_served_resources() {
     assert_eq!((version.major.as_str(), version.minor.as_str()), ("1", "33"));
     let discovery = kube::discovery::Discovery::new(client).run().await.unwrap();
     let gvk = kube::api::GroupVersionKind::gvk("crawl.example.com", "v1alpha1", "ProviderHealth");
-    let (resource, caps) = discovery.resolve_gvk(&gvk).expect("ProviderHealth is discoverable");
+    let (resource, caps) = discovery
+        .resolve_gvk(&gvk)
+        .expect("ProviderHealth is discoverable");
     assert_eq!(resource.plural, "providerhealths");
     assert_eq!(caps.scope, kube::discovery::Scope::Cluster);
 }

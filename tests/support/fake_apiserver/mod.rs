@@ -65,7 +65,10 @@ pub enum Verb {
 impl Verb {
     /// POST, PUT, PATCH or DELETE.
     pub fn is_write(self) -> bool {
-        matches!(self, Self::Create | Self::Update | Self::Patch | Self::Delete | Self::DeleteCollection)
+        matches!(
+            self,
+            Self::Create | Self::Update | Self::Patch | Self::Delete | Self::DeleteCollection
+        )
     }
 }
 
@@ -149,10 +152,20 @@ impl RequestMatcher {
     }
 
     fn matches(&self, r: &RequestRecord) -> bool {
-        let qualified = if r.group.is_empty() { r.resource.clone() } else { format!("{}.{}", r.resource, r.group) };
+        let qualified = if r.group.is_empty() {
+            r.resource.clone()
+        } else {
+            format!("{}.{}", r.resource, r.group)
+        };
         self.verb.is_none_or(|v| v == r.verb)
-            && self.resource.as_deref().is_none_or(|res| res == r.resource || res == qualified)
-            && self.namespace.as_deref().is_none_or(|ns| Some(ns) == r.namespace.as_deref())
+            && self
+                .resource
+                .as_deref()
+                .is_none_or(|res| res == r.resource || res == qualified)
+            && self
+                .namespace
+                .as_deref()
+                .is_none_or(|ns| Some(ns) == r.namespace.as_deref())
             && self.name.as_deref().is_none_or(|n| Some(n) == r.name.as_deref())
             && self.subresource.as_ref().is_none_or(|s| s == &r.subresource)
     }
@@ -204,7 +217,10 @@ struct Inner {
 impl Inner {
     fn take_injected_failure(&self, record: &RequestRecord) -> Option<u16> {
         let mut hooks = lock(&self.hooks);
-        let failure = hooks.failures.iter_mut().find(|f| f.remaining > 0 && f.matcher.matches(record))?;
+        let failure = hooks
+            .failures
+            .iter_mut()
+            .find(|f| f.remaining > 0 && f.matcher.matches(record))?;
         failure.remaining -= 1;
         let code = failure.code;
         hooks.failures.retain(|f| f.remaining > 0);
@@ -232,8 +248,12 @@ impl FakeApiServer {
 
     /// Starts a server with `options`.
     pub async fn start_with(options: Options) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind 127.0.0.1:0 for the fake API server");
-        let addr = listener.local_addr().expect("a bound listener has a local address");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0 for the fake API server");
+        let addr = listener
+            .local_addr()
+            .expect("a bound listener has a local address");
         let inner = Arc::new(Inner {
             store: Mutex::new(Store::new(registry::default_resources(), options.history_limit)),
             hooks: Mutex::new(Hooks::default()),
@@ -311,7 +331,12 @@ impl FakeApiServer {
 
     /// Every write request (POST, PUT, PATCH, DELETE) answered so far, failed ones included.
     pub fn writes(&self) -> Vec<RequestRecord> {
-        lock(&self.inner.hooks).requests.iter().filter(|r| r.verb.is_write()).cloned().collect()
+        lock(&self.inner.hooks)
+            .requests
+            .iter()
+            .filter(|r| r.verb.is_write())
+            .cloned()
+            .collect()
     }
 
     /// Forgets the requests recorded so far.
@@ -333,8 +358,15 @@ impl FakeApiServer {
     pub fn get_json(&self, resource: &str, namespace: Option<&str>, name: &str) -> Option<Value> {
         let store = lock(&self.inner.store);
         let rid = resolve(&store, resource);
-        let ns = if store.def(rid).namespaced { namespace.unwrap_or("default") } else { "" };
-        store.get(rid, &(ns.to_owned(), name.to_owned())).ok().map(|o| (*o).clone())
+        let ns = if store.def(rid).namespaced {
+            namespace.unwrap_or("default")
+        } else {
+            ""
+        };
+        store
+            .get(rid, &(ns.to_owned(), name.to_owned()))
+            .ok()
+            .map(|o| (*o).clone())
     }
 
     /// All objects of `resource` in `namespace` (every namespace when None).
@@ -352,11 +384,19 @@ impl FakeApiServer {
         let rid = resolve(&store, resource);
         let def = store.def(rid);
         let ns = if def.namespaced {
-            object.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or("default").to_owned()
+            object
+                .pointer("/metadata/namespace")
+                .and_then(Value::as_str)
+                .unwrap_or("default")
+                .to_owned()
         } else {
             String::new()
         };
-        let name = object.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let name = object
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
         let key = (ns.clone(), name);
         let mut object = object;
         if let Some(metadata) = object.get_mut("metadata").and_then(Value::as_object_mut) {
@@ -378,11 +418,20 @@ impl FakeApiServer {
     pub fn delete_json(&self, resource: &str, namespace: Option<&str>, name: &str) -> bool {
         let mut store = lock(&self.inner.store);
         let rid = resolve(&store, resource);
-        let ns = if store.def(rid).namespaced { namespace.unwrap_or("default") } else { "" };
-        matches!(store.delete(rid, &(ns.to_owned(), name.to_owned()), None, None, false), Ok(Deletion::Gone(_)))
+        let ns = if store.def(rid).namespaced {
+            namespace.unwrap_or("default")
+        } else {
+            ""
+        };
+        matches!(
+            store.delete(rid, &(ns.to_owned(), name.to_owned()), None, None, false),
+            Ok(Deletion::Gone(_))
+        )
     }
 }
 
 fn resolve(store: &Store, resource: &str) -> usize {
-    store.resolve(resource).unwrap_or_else(|| panic!("the fake API server serves no resource named {resource}"))
+    store
+        .resolve(resource)
+        .unwrap_or_else(|| panic!("the fake API server serves no resource named {resource}"))
 }

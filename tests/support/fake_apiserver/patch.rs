@@ -16,7 +16,9 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
     if !target.is_object() {
         *target = Value::Object(Map::new());
     }
-    let Value::Object(map) = target else { unreachable!("just made an object") };
+    let Value::Object(map) = target else {
+        unreachable!("just made an object")
+    };
     for (key, value) in patch {
         if value.is_null() {
             map.remove(key);
@@ -34,7 +36,10 @@ fn pointer(path: &str) -> Result<Vec<String>, ApiError> {
     let Some(rest) = path.strip_prefix('/') else {
         return Err(ApiError::generic_unprocessable());
     };
-    Ok(rest.split('/').map(|t| t.replace("~1", "/").replace("~0", "~")).collect())
+    Ok(rest
+        .split('/')
+        .map(|t| t.replace("~1", "/").replace("~0", "~"))
+        .collect())
 }
 
 fn array_index(token: &str, len: usize, allow_end: bool) -> Option<usize> {
@@ -145,7 +150,8 @@ pub fn json_patch(doc: &mut Value, patch: &Value) -> Result<(), ApiError> {
                 if tokens.is_empty() {
                     *doc = value;
                 } else {
-                    let (container, key) = parent(doc, &tokens).ok_or_else(ApiError::generic_unprocessable)?;
+                    let (container, key) =
+                        parent(doc, &tokens).ok_or_else(ApiError::generic_unprocessable)?;
                     match container {
                         Value::Object(map) => {
                             map.insert(key, value);
@@ -168,7 +174,9 @@ pub fn json_patch(doc: &mut Value, patch: &Value) -> Result<(), ApiError> {
                 let value = if name == "move" {
                     remove(doc, &from)?
                 } else {
-                    get(doc, &from).cloned().ok_or_else(ApiError::generic_unprocessable)?
+                    get(doc, &from)
+                        .cloned()
+                        .ok_or_else(ApiError::generic_unprocessable)?
                 };
                 add(doc, &tokens, value)?;
             }
@@ -228,7 +236,9 @@ pub fn at_path<'a>(value: &'a Value, path: &[String]) -> Option<&'a Value> {
 
 /// Removes the value at a path of object keys (and nothing else).
 pub fn remove_path(value: &mut Value, path: &[String]) {
-    let Some((last, init)) = path.split_last() else { return };
+    let Some((last, init)) = path.split_last() else {
+        return;
+    };
     let mut node = value;
     for key in init {
         match node.get_mut(key) {

@@ -151,8 +151,15 @@ pub fn default_resources() -> Vec<ResourceDef> {
         core("Pod", "pods")
             .with_status()
             .returning_deleted_object()
-            .with_field_selectors(&["spec.nodeName", "spec.restartPolicy", "status.phase", "status.podIP"]),
-        core("Service", "services").with_status().returning_deleted_object(),
+            .with_field_selectors(&[
+                "spec.nodeName",
+                "spec.restartPolicy",
+                "status.phase",
+                "status.podIP",
+            ]),
+        core("Service", "services")
+            .with_status()
+            .returning_deleted_object(),
         core("Event", "events").with_field_selectors(&event_fields),
         core("Namespace", "namespaces").cluster_scoped().with_status(),
         core("ServiceAccount", "serviceaccounts"),
@@ -170,8 +177,13 @@ pub fn default_resources() -> Vec<ResourceDef> {
             .with_status()
             .with_generation(),
         ResourceDef::custom("crawl.example.com", "v1alpha1", "Proxy", "proxies").with_status(),
-        ResourceDef::custom("crawl.example.com", "v1alpha1", "ProviderHealth", "providerhealths")
-            .with_status()
-            .cluster_scoped(),
+        ResourceDef::custom(
+            "crawl.example.com",
+            "v1alpha1",
+            "ProviderHealth",
+            "providerhealths",
+        )
+        .with_status()
+        .cluster_scoped(),
     ]
 }

@@ -133,13 +133,16 @@ fn valid_key(key: &str) -> bool {
     };
     let name_ok = !name.is_empty()
         && name.len() <= 63
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
         && name.starts_with(|c: char| c.is_ascii_alphanumeric())
         && name.ends_with(|c: char| c.is_ascii_alphanumeric());
     let prefix_ok = prefix.is_none_or(|p| {
         !p.is_empty()
             && p.len() <= 253
-            && p.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-.".contains(c))
+            && p.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-.".contains(c))
     });
     name_ok && prefix_ok
 }
@@ -147,7 +150,9 @@ fn valid_key(key: &str) -> bool {
 fn valid_value(value: &str) -> bool {
     value.is_empty()
         || (value.len() <= 63
-            && value.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+            && value
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
             && value.starts_with(|c: char| c.is_ascii_alphanumeric())
             && value.ends_with(|c: char| c.is_ascii_alphanumeric()))
 }
@@ -206,9 +211,9 @@ impl Parser {
 
     fn integer(&mut self) -> Result<i64, String> {
         match self.next() {
-            Some(Token::Ident(value)) => {
-                value.parse().map_err(|_| format!("for 'Gt', 'Lt' operators, the value must be an integer: {value}"))
-            }
+            Some(Token::Ident(value)) => value
+                .parse()
+                .map_err(|_| format!("for 'Gt', 'Lt' operators, the value must be an integer: {value}")),
             other => Err(format!("found '{other:?}', expected: integer")),
         }
     }
@@ -249,7 +254,11 @@ impl Parser {
                 self.next();
                 Op::NotIn(self.set()?)
             }
-            Some(other) => return Err(format!("found '{other:?}', expected: in, notin, =, ==, !=, gt, lt")),
+            Some(other) => {
+                return Err(format!(
+                    "found '{other:?}', expected: in, notin, =, ==, !=, gt, lt"
+                ));
+            }
         };
         Ok(Requirement { key, op })
     }
@@ -306,14 +315,18 @@ impl FieldSelector {
             } else if let Some((f, v)) = term.split_once('=') {
                 (f, true, v)
             } else {
-                return Err(ApiError::bad_request(format!("invalid selector: '{text}'; can't understand '{term}'")));
+                return Err(ApiError::bad_request(format!(
+                    "invalid selector: '{text}'; can't understand '{term}'"
+                )));
             };
             let field = field.trim();
             let known = field == "metadata.name"
                 || field == "metadata.namespace"
                 || def.extra_field_selectors.iter().any(|f| f == field);
             if !known {
-                return Err(ApiError::bad_request(format!("field label not supported: {field}")));
+                return Err(ApiError::bad_request(format!(
+                    "field label not supported: {field}"
+                )));
             }
             terms.push((field.to_owned(), equal, value.trim().to_owned()));
         }

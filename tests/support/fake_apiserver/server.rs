@@ -65,21 +65,27 @@ fn full(bytes: impl Into<Bytes>) -> Body {
 fn json_response(code: u16, body: Bytes) -> Response<Body> {
     let mut response = Response::new(full(body));
     *response.status_mut() = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }
 
 fn value_response(code: u16, value: &Value) -> Response<Body> {
     json_response(
         code,
-        serde_json::to_vec(value).expect("invariant: a serde_json::Value always serializes").into(),
+        serde_json::to_vec(value)
+            .expect("invariant: a serde_json::Value always serializes")
+            .into(),
     )
 }
 
 fn error_response(error: &ApiError) -> Response<Body> {
     let mut response = value_response(error.code, &error.to_status());
     if error.code == 429 {
-        response.headers_mut().insert("Retry-After", HeaderValue::from_static("1"));
+        response
+            .headers_mut()
+            .insert("Retry-After", HeaderValue::from_static("1"));
     }
     response
 }
@@ -134,7 +140,11 @@ struct Call<'a> {
 
 impl Call<'_> {
     fn key(&self) -> ObjKey {
-        let ns = if self.def.namespaced { self.namespace.unwrap_or_default() } else { "" };
+        let ns = if self.def.namespaced {
+            self.namespace.unwrap_or_default()
+        } else {
+            ""
+        };
         (ns.to_owned(), self.name.unwrap_or_default().to_owned())
     }
 
@@ -143,17 +153,27 @@ impl Call<'_> {
     }
 
     fn json_body(&self) -> Result<Value, ApiError> {
-        serde_json::from_slice(&self.body).map_err(|e| {
-            ApiError::bad_request(format!("couldn't get version/kind; json parse error: {e}"))
-        })
+        serde_json::from_slice(&self.body)
+            .map_err(|e| ApiError::bad_request(format!("couldn't get version/kind; json parse error: {e}")))
     }
 
     fn label_selector(&self) -> Result<LabelSelector, ApiError> {
-        LabelSelector::parse(self.query.get("labelSelector").map(String::as_str).unwrap_or_default())
+        LabelSelector::parse(
+            self.query
+                .get("labelSelector")
+                .map(String::as_str)
+                .unwrap_or_default(),
+        )
     }
 
     fn field_selector(&self) -> Result<FieldSelector, ApiError> {
-        FieldSelector::parse(self.query.get("fieldSelector").map(String::as_str).unwrap_or_default(), &self.def)
+        FieldSelector::parse(
+            self.query
+                .get("fieldSelector")
+                .map(String::as_str)
+                .unwrap_or_default(),
+            &self.def,
+        )
     }
 }
 
@@ -167,7 +187,11 @@ fn partial(object: &Value) -> Value {
 }
 
 fn object_response(code: u16, object: &Value, metadata_only: bool) -> Response<Body> {
-    if metadata_only { value_response(code, &partial(object)) } else { value_response(code, object) }
+    if metadata_only {
+        value_response(code, &partial(object))
+    } else {
+        value_response(code, object)
+    }
 }
 
 async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
@@ -178,9 +202,19 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
     let method = req.method().clone();
     let path = req.uri().path().to_owned();
     let query = parse_query(req.uri().query().unwrap_or_default());
-    let header = |name: hyper::header::HeaderName| req.headers().get(name).and_then(|v: &HeaderValue| v.to_str().ok()).unwrap_or_default();
+    let header = |name: hyper::header::HeaderName| {
+        req.headers()
+            .get(name)
+            .and_then(|v: &HeaderValue| v.to_str().ok())
+            .unwrap_or_default()
+    };
     let metadata_only = header(ACCEPT).contains("as=PartialObjectMetadata");
-    let content_type = header(CONTENT_TYPE).split(';').next().unwrap_or_default().trim().to_owned();
+    let content_type = header(CONTENT_TYPE)
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
     let body = match req.into_body().collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(e) => return error_response(&ApiError::bad_request(format!("reading the request body: {e}"))),
@@ -230,7 +264,10 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
         (&Method::DELETE, Some(_), _) if target == Target::Main => Verb::Delete,
         (&Method::DELETE, None, _) => Verb::DeleteCollection,
         (method, _, _) => {
-            return error_response(&ApiError::method_not_supported(&def, &method.as_str().to_lowercase()));
+            return error_response(&ApiError::method_not_supported(
+                &def,
+                &method.as_str().to_lowercase(),
+            ));
         }
     };
     let mut record = RequestRecord {
@@ -275,11 +312,26 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
     response
 }
 
-type Located<'a> = (usize, Arc<ResourceDef>, Option<&'a str>, Option<&'a str>, Option<&'a str>);
+type Located<'a> = (
+    usize,
+    Arc<ResourceDef>,
+    Option<&'a str>,
+    Option<&'a str>,
+    Option<&'a str>,
+);
 
 /// `[namespaces/{ns}/]{plural}[/{name}[/{subresource}]]` → resource and coordinates.
-fn locate<'a>(store: &super::store::Store, group: &str, version: &str, rest: &[&'a str]) -> Option<Located<'a>> {
-    let namespaced_rid = |plural: &str| store.find(group, version, plural).filter(|&rid| store.def(rid).namespaced);
+fn locate<'a>(
+    store: &super::store::Store,
+    group: &str,
+    version: &str,
+    rest: &[&'a str],
+) -> Option<Located<'a>> {
+    let namespaced_rid = |plural: &str| {
+        store
+            .find(group, version, plural)
+            .filter(|&rid| store.def(rid).namespaced)
+    };
     let (namespace, rest) = match rest {
         ["namespaces", ns, plural, ..] if namespaced_rid(plural).is_some() => (Some(*ns), &rest[2..]),
         _ => (None, rest),
@@ -308,11 +360,18 @@ fn list(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
     let labels = call.label_selector()?;
     let fields = call.field_selector()?;
     let limit = call.query.get("limit").and_then(|l| l.parse().ok());
-    let continue_token = call.query.get("continue").map(String::as_str).filter(|c| !c.is_empty());
+    let continue_token = call
+        .query
+        .get("continue")
+        .map(String::as_str)
+        .filter(|c| !c.is_empty());
     let filter = |o: &Value| labels.matches(o) && fields.matches(o);
     let page = lock(&inner.store).list(call.rid, call.namespace, &filter, limit, continue_token)?;
     let (kind, api_version) = if call.metadata_only {
-        ("PartialObjectMetadataList".to_owned(), "meta.k8s.io/v1".to_owned())
+        (
+            "PartialObjectMetadataList".to_owned(),
+            "meta.k8s.io/v1".to_owned(),
+        )
     } else {
         (format!("{}List", call.def.kind), call.def.api_version())
     };
@@ -348,7 +407,8 @@ fn create(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
 
 fn update(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
     let body = call.json_body()?;
-    let updated = lock(&inner.store).update(call.rid, &call.key(), body, call.target, call.dry_run(), true)?;
+    let updated =
+        lock(&inner.store).update(call.rid, &call.key(), body, call.target, call.dry_run(), true)?;
     Ok(object_response(200, &updated, call.metadata_only))
 }
 
@@ -366,7 +426,13 @@ fn strip_directives(value: &mut Value) {
 }
 
 fn patch_options_invalid(error: status::FieldError) -> ApiError {
-    ApiError::invalid_kind("PatchOptions.meta.k8s.io", "meta.k8s.io", "PatchOptions", "", &[error])
+    ApiError::invalid_kind(
+        "PatchOptions.meta.k8s.io",
+        "meta.k8s.io",
+        "PatchOptions",
+        "",
+        &[error],
+    )
 }
 
 fn patch(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
@@ -374,7 +440,11 @@ fn patch(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
     const JSON: &str = "application/json-patch+json";
     const STRATEGIC: &str = "application/strategic-merge-patch+json";
     const APPLY: &str = "application/apply-patch+yaml";
-    let accepted: &[&str] = if call.def.strategic_merge { &[JSON, MERGE, STRATEGIC, APPLY] } else { &[JSON, MERGE, APPLY] };
+    let accepted: &[&str] = if call.def.strategic_merge {
+        &[JSON, MERGE, STRATEGIC, APPLY]
+    } else {
+        &[JSON, MERGE, APPLY]
+    };
     if !accepted.contains(&call.content_type.as_str()) {
         return Err(ApiError::unsupported_patch(accepted));
     }
@@ -388,7 +458,10 @@ fn patch(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
         )));
     }
     if apply && manager.is_empty() {
-        return Err(patch_options_invalid(status::FieldError::required("fieldManager", "is required for apply patch")));
+        return Err(patch_options_invalid(status::FieldError::required(
+            "fieldManager",
+            "is required for apply patch",
+        )));
     }
     let body = if apply {
         let config: Value = match serde_json::from_slice(&call.body) {
@@ -397,9 +470,14 @@ fn patch(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
                 .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?,
         };
         if !config.is_object() {
-            return Err(ApiError::bad_request("error decoding YAML: the applied configuration is not an object"));
+            return Err(ApiError::bad_request(
+                "error decoding YAML: the applied configuration is not an object",
+            ));
         }
-        let api_version = config.get("apiVersion").and_then(Value::as_str).unwrap_or_default();
+        let api_version = config
+            .get("apiVersion")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         if api_version != call.def.api_version() {
             return Err(ApiError::bad_request(format!(
                 "Incorrect version specified in apply patch. Specified patch version: {api_version}, expected: {}",
@@ -430,15 +508,31 @@ fn patch(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
             _ => PatchBody::Merge(patch),
         }
     };
-    let (object, created) = lock(&inner.store).patch(call.rid, &call.key(), body, call.target, call.dry_run())?;
-    Ok(object_response(if created { 201 } else { 200 }, &object, call.metadata_only))
+    let (object, created) =
+        lock(&inner.store).patch(call.rid, &call.key(), body, call.target, call.dry_run())?;
+    Ok(object_response(
+        if created { 201 } else { 200 },
+        &object,
+        call.metadata_only,
+    ))
 }
 
 fn delete(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
-    let options: Value = if call.body.is_empty() { json!({}) } else { call.json_body()? };
-    let precondition = |field: &str| options.pointer(&format!("/preconditions/{field}")).and_then(Value::as_str);
+    let options: Value = if call.body.is_empty() {
+        json!({})
+    } else {
+        call.json_body()?
+    };
+    let precondition = |field: &str| {
+        options
+            .pointer(&format!("/preconditions/{field}"))
+            .and_then(Value::as_str)
+    };
     let dry_run = call.dry_run()
-        || options.get("dryRun").and_then(Value::as_array).is_some_and(|d| d.iter().any(|v| v == "All"));
+        || options
+            .get("dryRun")
+            .and_then(Value::as_array)
+            .is_some_and(|d| d.iter().any(|v| v == "All"));
     let key = call.key();
     let deletion = lock(&inner.store).delete(
         call.rid,
@@ -449,10 +543,15 @@ fn delete(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
     )?;
     Ok(match deletion {
         Deletion::Gone(object) if !call.def.return_deleted_object => {
-            let uid = object.pointer("/metadata/uid").and_then(Value::as_str).unwrap_or_default();
+            let uid = object
+                .pointer("/metadata/uid")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
             value_response(200, &status::delete_success(&call.def, &key.1, uid))
         }
-        Deletion::Gone(object) | Deletion::Pending(object) => object_response(200, &object, call.metadata_only),
+        Deletion::Gone(object) | Deletion::Pending(object) => {
+            object_response(200, &object, call.metadata_only)
+        }
     })
 }
 
@@ -468,8 +567,14 @@ fn delete_collection(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiEr
         .collect();
     let mut items = Vec::with_capacity(matching.len());
     for object in matching {
-        let ns = object.pointer("/metadata/namespace").and_then(Value::as_str).unwrap_or_default();
-        let name = object.pointer("/metadata/name").and_then(Value::as_str).unwrap_or_default();
+        let ns = object
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let name = object
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         let key = (ns.to_owned(), name.to_owned());
         match store.delete(call.rid, &key, None, None, dry_run)? {
             Deletion::Gone(o) | Deletion::Pending(o) => items.push((*o).clone()),
@@ -554,7 +659,8 @@ impl WatchStream {
         if initial_end {
             metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
         }
-        let object = json!({"kind": self.def.kind, "apiVersion": self.def.api_version(), "metadata": metadata});
+        let object =
+            json!({"kind": self.def.kind, "apiVersion": self.def.api_version(), "metadata": metadata});
         render_line("BOOKMARK", &object)
     }
 
@@ -653,7 +759,11 @@ impl WatchStream {
 fn start_watch(inner: &Arc<Inner>, call: &Call) -> Result<Response<Body>, ApiError> {
     let labels = call.label_selector()?;
     let fields = call.field_selector()?;
-    let rv = call.query.get("resourceVersion").map(String::as_str).unwrap_or_default();
+    let rv = call
+        .query
+        .get("resourceVersion")
+        .map(String::as_str)
+        .unwrap_or_default();
     let send_initial = call.query.get("sendInitialEvents").map(|v| v == "true");
     let bookmarks = call.query.get("allowWatchBookmarks").is_some_and(|v| v == "true");
     let timeout = call
@@ -671,7 +781,14 @@ fn start_watch(inner: &Arc<Inner>, call: &Call) -> Result<Response<Body>, ApiErr
             (Some(true), _) | (None, "" | "0") => {
                 let (objects, at) = store.snapshot(call.rid, namespace.as_deref());
                 let end_bookmark = send_initial == Some(true) && bookmarks;
-                (at, Some(Initial { objects, end_bookmark }), notify)
+                (
+                    at,
+                    Some(Initial {
+                        objects,
+                        end_bookmark,
+                    }),
+                    notify,
+                )
             }
             (Some(false), "" | "0") => (store.rv, None, notify),
             (_, rv) => {
@@ -681,7 +798,11 @@ fn start_watch(inner: &Arc<Inner>, call: &Call) -> Result<Response<Body>, ApiErr
                         "meta.k8s.io",
                         "ListOptions",
                         "",
-                        &[status::FieldError::invalid("resourceVersion", rv.into(), "must be a valid resource version")],
+                        &[status::FieldError::invalid(
+                            "resourceVersion",
+                            rv.into(),
+                            "must be a valid resource version",
+                        )],
                     )
                 })?;
                 (rv, None, notify)
@@ -716,7 +837,9 @@ fn start_watch(inner: &Arc<Inner>, call: &Call) -> Result<Response<Body>, ApiErr
         Some((Ok::<_, Infallible>(Frame::data(chunk)), stream))
     });
     let mut response = Response::new(StreamBody::new(chunks).boxed_unsync());
-    response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     Ok(response)
 }
 
@@ -778,7 +901,11 @@ fn group_list(inner: &Inner) -> Value {
 fn resource_list(inner: &Inner, group: &str, version: &str) -> Response<Body> {
     let store = lock(&inner.store);
     let mut resources = Vec::new();
-    for rs in store.resources.iter().filter(|r| r.def.group == group && r.def.version == version) {
+    for rs in store
+        .resources
+        .iter()
+        .filter(|r| r.def.group == group && r.def.version == version)
+    {
         let def = &rs.def;
         resources.push(json!({
             "name": def.plural,
@@ -800,7 +927,11 @@ fn resource_list(inner: &Inner, group: &str, version: &str) -> Response<Body> {
     if resources.is_empty() {
         return error_response(&ApiError::unknown_path());
     }
-    let group_version = if group.is_empty() { version.to_owned() } else { format!("{group}/{version}") };
+    let group_version = if group.is_empty() {
+        version.to_owned()
+    } else {
+        format!("{group}/{version}")
+    };
     value_response(
         200,
         &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}),

@@ -150,7 +150,10 @@ impl ApiError {
         Self {
             code: 409,
             reason: "Conflict",
-            message: format!("Operation cannot be fulfilled on {} \"{name}\": {why}", def.qualified()),
+            message: format!(
+                "Operation cannot be fulfilled on {} \"{name}\": {why}",
+                def.qualified()
+            ),
             details: Some(details(def, name)),
         }
     }
@@ -170,7 +173,13 @@ impl ApiError {
     ) -> Self {
         let aggregate = match errors {
             [one] => one.to_string(),
-            many => format!("[{}]", many.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")),
+            many => format!(
+                "[{}]",
+                many.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         };
         let causes: Vec<Value> = errors
             .iter()
@@ -249,7 +258,10 @@ impl ApiError {
         Self {
             code: 405,
             reason: "MethodNotAllowed",
-            message: format!("{action} is not supported on resources of kind \"{}\"", def.qualified()),
+            message: format!(
+                "{action} is not supported on resources of kind \"{}\"",
+                def.qualified()
+            ),
             details: Some(json!({"group": def.group, "kind": def.plural})),
         }
     }

@@ -60,7 +60,8 @@ pub struct StoredEvent {
 impl StoredEvent {
     /// The wire form, serialized once however many watches send it.
     pub fn line(&self) -> &Bytes {
-        self.line.get_or_init(|| render_line(self.kind.as_str(), &self.object))
+        self.line
+            .get_or_init(|| render_line(self.kind.as_str(), &self.object))
     }
 }
 
@@ -90,7 +91,11 @@ pub enum Target {
 pub enum PatchBody {
     Merge(Value),
     Json(Value),
-    Apply { config: Value, manager: String, force: bool },
+    Apply {
+        config: Value,
+        manager: String,
+        force: bool,
+    },
 }
 
 /// What a DELETE did.
@@ -156,12 +161,16 @@ fn meta_str<'a>(obj: &'a Value, field: &str) -> Option<&'a str> {
 }
 
 fn meta_mut(obj: &mut Value) -> &mut Map<String, Value> {
-    let map = obj.as_object_mut().expect("invariant: objects are checked to be JSON objects on entry");
+    let map = obj
+        .as_object_mut()
+        .expect("invariant: objects are checked to be JSON objects on entry");
     let entry = map.entry("metadata").or_insert_with(|| Value::Object(Map::new()));
     if !entry.is_object() {
         *entry = Value::Object(Map::new());
     }
-    entry.as_object_mut().expect("invariant: just made metadata an object")
+    entry
+        .as_object_mut()
+        .expect("invariant: just made metadata an object")
 }
 
 fn finalizers(obj: &Value) -> Vec<&str> {
@@ -173,22 +182,30 @@ fn finalizers(obj: &Value) -> Vec<&str> {
 }
 
 fn rv_of(obj: &Value) -> u64 {
-    meta_str(obj, "resourceVersion").and_then(|rv| rv.parse().ok()).unwrap_or(0)
+    meta_str(obj, "resourceVersion")
+        .and_then(|rv| rv.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Whether `a` and `b` are equal outside the top-level keys in `skip`.
 fn equal_except(a: &Value, b: &Value, skip: &[&str]) -> bool {
-    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else { return a == b };
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else {
+        return a == b;
+    };
     let relevant = |m: &Map<String, Value>| m.iter().filter(|(k, _)| !skip.contains(&k.as_str())).count();
     relevant(a) == relevant(b)
-        && a.iter().filter(|(k, _)| !skip.contains(&k.as_str())).all(|(k, v)| b.get(k) == Some(v))
+        && a.iter()
+            .filter(|(k, _)| !skip.contains(&k.as_str()))
+            .all(|(k, v)| b.get(k) == Some(v))
 }
 
 fn valid_dns_subdomain(name: &str) -> bool {
     name.len() <= 253
         && name.split('.').all(|label| {
             !label.is_empty()
-                && label.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                && label
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
                 && !label.starts_with('-')
                 && !label.ends_with('-')
         })
@@ -257,7 +274,9 @@ impl Store {
 
     /// Resolves `plural` or `plural.group` (a bare plural prefers the core group).
     pub fn resolve(&self, name: &str) -> Option<usize> {
-        let named: Vec<usize> = (0..self.resources.len()).filter(|&i| self.resources[i].def.is_named(name)).collect();
+        let named: Vec<usize> = (0..self.resources.len())
+            .filter(|&i| self.resources[i].def.is_named(name))
+            .collect();
         if let Some(&exact) = named.iter().find(|&&i| self.resources[i].def.qualified() == name) {
             return Some(exact);
         }
@@ -274,7 +293,10 @@ impl Store {
 
     pub fn get(&self, rid: usize, key: &ObjKey) -> Result<Arc<Value>, ApiError> {
         let rs = &self.resources[rid];
-        rs.objects.get(key).cloned().ok_or_else(|| ApiError::not_found(&rs.def, &key.1))
+        rs.objects
+            .get(key)
+            .cloned()
+            .ok_or_else(|| ApiError::not_found(&rs.def, &key.1))
     }
 
     /// Objects of `rid` in `namespace` (all namespaces when None), in key order, from `after`.
@@ -311,10 +333,13 @@ impl Store {
                 let mut parts = token.splitn(3, '/');
                 let parsed = (parts.next(), parts.next(), parts.next());
                 let (Some(rv), Some(ns), Some(name)) = parsed else {
-                    return Err(ApiError::bad_request(format!("continue key is not valid: {token}")));
+                    return Err(ApiError::bad_request(format!(
+                        "continue key is not valid: {token}"
+                    )));
                 };
-                let rv: u64 =
-                    rv.parse().map_err(|_| ApiError::bad_request(format!("continue key is not valid: {token}")))?;
+                let rv: u64 = rv
+                    .parse()
+                    .map_err(|_| ApiError::bad_request(format!("continue key is not valid: {token}")))?;
                 let rs = &self.resources[rid];
                 if rv < rs.evicted_rv.max(rs.compact_rv) {
                     return Err(ApiError::expired(
@@ -352,7 +377,10 @@ impl Store {
 
     /// Current matching objects and the RV they are current at (for synthetic ADDED events).
     pub fn snapshot(&self, rid: usize, namespace: Option<&str>) -> (Vec<Arc<Value>>, u64) {
-        (self.scan(rid, namespace, None).map(|(_, o)| o.clone()).collect(), self.rv)
+        (
+            self.scan(rid, namespace, None).map(|(_, o)| o.clone()).collect(),
+            self.rv,
+        )
     }
 
     /// Events of `rid` after `after`, and the RV up to which the caller has now seen all.
@@ -364,9 +392,15 @@ impl Store {
         fresh: bool,
     ) -> Result<(Vec<Arc<StoredEvent>>, u64), ApiError> {
         let rs = &self.resources[rid];
-        let floor = if fresh { rs.evicted_rv.max(rs.compact_rv) } else { rs.evicted_rv };
+        let floor = if fresh {
+            rs.evicted_rv.max(rs.compact_rv)
+        } else {
+            rs.evicted_rv
+        };
         if after < floor {
-            return Err(ApiError::expired(format!("too old resource version: {after} ({floor})")));
+            return Err(ApiError::expired(format!(
+                "too old resource version: {after} ({floor})"
+            )));
         }
         let start = rs.history.partition_point(|e| e.rv <= after);
         Ok((rs.history.range(start..).cloned().collect(), self.rv))
@@ -405,12 +439,18 @@ impl Store {
 
     fn validate(&self, rid: usize, new: &Value, old: Option<&Value>) -> Result<(), ApiError> {
         let rs = &self.resources[rid];
-        let Some(validator) = &rs.validator else { return Ok(()) };
+        let Some(validator) = &rs.validator else {
+            return Ok(());
+        };
         let errors = validator(new, old);
         if errors.is_empty() {
             Ok(())
         } else {
-            Err(ApiError::invalid(&rs.def, meta_str(new, "name").unwrap_or_default(), &errors))
+            Err(ApiError::invalid(
+                &rs.def,
+                meta_str(new, "name").unwrap_or_default(),
+                &errors,
+            ))
         }
     }
 
@@ -422,7 +462,9 @@ impl Store {
                     obj["type"] = "Opaque".into();
                 }
                 // stringData is write-only: merged into data, base64-encoded.
-                if let Some(Value::Object(string_data)) = obj.as_object_mut().and_then(|o| o.remove("stringData")) {
+                if let Some(Value::Object(string_data)) =
+                    obj.as_object_mut().and_then(|o| o.remove("stringData"))
+                {
                     if !obj.get("data").is_some_and(Value::is_object) {
                         obj["data"] = json!({});
                     }
@@ -462,18 +504,18 @@ impl Store {
                     }
                 }
             }
-            ("", "pods") if creating => {
-                if obj.pointer("/status/phase").is_none() {
-                    obj["status"] = json!({"phase": "Pending"});
-                }
+            ("", "pods") if creating && obj.pointer("/status/phase").is_none() => {
+                obj["status"] = json!({"phase": "Pending"});
             }
             ("", "namespaces") if creating => {
                 obj["status"] = json!({"phase": "Active"});
             }
-            ("apps", "deployments") if creating => {
-                if obj.get("spec").is_some_and(Value::is_object) && obj.pointer("/spec/replicas").is_none() {
-                    obj["spec"]["replicas"] = 1.into();
-                }
+            ("apps", "deployments")
+                if creating
+                    && obj.get("spec").is_some_and(Value::is_object)
+                    && obj.pointer("/spec/replicas").is_none() =>
+            {
+                obj["spec"]["replicas"] = 1.into();
             }
             _ => {}
         }
@@ -495,8 +537,15 @@ impl Store {
         obj["apiVersion"] = def.api_version().into();
         obj["kind"] = def.kind.clone().into();
         let metadata = meta_mut(&mut obj);
-        if metadata.get("resourceVersion").and_then(Value::as_str).is_some_and(|rv| !rv.is_empty()) {
-            return Err(ApiError::unknown(500, "resourceVersion should not be set on objects to be created"));
+        if metadata
+            .get("resourceVersion")
+            .and_then(Value::as_str)
+            .is_some_and(|rv| !rv.is_empty())
+        {
+            return Err(ApiError::unknown(
+                500,
+                "resourceVersion should not be set on objects to be created",
+            ));
         }
         // Namespace: the request's, which the object may only repeat.
         if def.namespaced {
@@ -514,17 +563,30 @@ impl Store {
         } else {
             metadata.remove("namespace");
         }
-        let ns = if def.namespaced { namespace.unwrap_or_default().to_owned() } else { String::new() };
-        let name = match metadata.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()) {
+        let ns = if def.namespaced {
+            namespace.unwrap_or_default().to_owned()
+        } else {
+            String::new()
+        };
+        let name = match metadata
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+        {
             Some(name) => name.to_owned(),
-            None => match metadata.get("generateName").and_then(Value::as_str).filter(|n| !n.is_empty()) {
+            None => match metadata
+                .get("generateName")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+            {
                 Some(prefix) => {
                     const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
                     let objects = &self.resources[rid].objects;
                     let mut candidate;
                     loop {
-                        let suffix: String =
-                            (0..5).map(|_| ALPHABET[fastrand::usize(..ALPHABET.len())] as char).collect();
+                        let suffix: String = (0..5)
+                            .map(|_| ALPHABET[fastrand::usize(..ALPHABET.len())] as char)
+                            .collect();
                         candidate = format!("{prefix}{suffix}");
                         if !objects.contains_key(&(ns.clone(), candidate.clone())) {
                             break;
@@ -536,7 +598,10 @@ impl Store {
                     return Err(ApiError::invalid(
                         &def,
                         "",
-                        &[FieldError::required("metadata.name", "name or generateName is required")],
+                        &[FieldError::required(
+                            "metadata.name",
+                            "name or generateName is required",
+                        )],
                     ));
                 }
             },
@@ -545,14 +610,23 @@ impl Store {
             return Err(ApiError::invalid(
                 &def,
                 &name,
-                &[FieldError::invalid("metadata.name", Value::String(name.clone()), DNS_SUBDOMAIN_MESSAGE)],
+                &[FieldError::invalid(
+                    "metadata.name",
+                    Value::String(name.clone()),
+                    DNS_SUBDOMAIN_MESSAGE,
+                )],
             ));
         }
         let metadata = meta_mut(&mut obj);
         metadata.insert("name".into(), name.clone().into());
         metadata.insert("uid".into(), new_uid().into());
         metadata.insert("creationTimestamp".into(), now().into());
-        for server_owned in ["deletionTimestamp", "deletionGracePeriodSeconds", "managedFields", "selfLink"] {
+        for server_owned in [
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "managedFields",
+            "selfLink",
+        ] {
             metadata.remove(server_owned);
         }
         if def.generation {
@@ -624,7 +698,11 @@ impl Store {
                 return Err(ApiError::invalid(
                     &def,
                     name,
-                    &[FieldError::invalid("metadata.resourceVersion", json!("0x0"), "must be specified for an update")],
+                    &[FieldError::invalid(
+                        "metadata.resourceVersion",
+                        json!("0x0"),
+                        "must be specified for an update",
+                    )],
                 ));
             }
             None => {}
@@ -663,7 +741,10 @@ impl Store {
                 match new.get_mut("status").map(Value::take) {
                     Some(status) => result["status"] = status,
                     None => {
-                        result.as_object_mut().expect("stored objects are objects").remove("status");
+                        result
+                            .as_object_mut()
+                            .expect("stored objects are objects")
+                            .remove("status");
                     }
                 }
                 result
@@ -705,15 +786,24 @@ impl Store {
         let deleting = meta(old).is_some_and(|m| m.contains_key("deletionTimestamp"));
         if deleting {
             let before = finalizers(old);
-            let added: Vec<&str> = finalizers(&result).into_iter().filter(|f| !before.contains(f)).collect();
+            let added: Vec<&str> = finalizers(&result)
+                .into_iter()
+                .filter(|f| !before.contains(f))
+                .collect();
             if !added.is_empty() {
-                let list = added.iter().map(|f| format!("\"{f}\"")).collect::<Vec<_>>().join(", ");
+                let list = added
+                    .iter()
+                    .map(|f| format!("\"{f}\""))
+                    .collect::<Vec<_>>()
+                    .join(", ");
                 return Err(ApiError::invalid(
                     &def,
                     name,
                     &[FieldError::forbidden(
                         "metadata.finalizers",
-                        format!("no new finalizers can be added if the object is being deleted, found new finalizers []string{{{list}}}"),
+                        format!(
+                            "no new finalizers can be added if the object is being deleted, found new finalizers []string{{{list}}}"
+                        ),
                     )],
                 ));
             }
@@ -725,9 +815,16 @@ impl Store {
             self.validate(rid, &result, Some(old))?;
         }
         if def.generation && target != Target::Status {
-            let skip: &[&str] = if def.status_subresource { &["metadata", "status"] } else { &["metadata"] };
+            let skip: &[&str] = if def.status_subresource {
+                &["metadata", "status"]
+            } else {
+                &["metadata"]
+            };
             if !equal_except(old, &result, skip) {
-                let generation = meta(old).and_then(|m| m.get("generation")).and_then(Value::as_i64).unwrap_or(0);
+                let generation = meta(old)
+                    .and_then(|m| m.get("generation"))
+                    .and_then(Value::as_i64)
+                    .unwrap_or(0);
                 meta_mut(&mut result).insert("generation".into(), (generation + 1).into());
             }
         }
@@ -807,7 +904,11 @@ impl Store {
         let metadata = meta_mut(&mut marked);
         metadata.insert("deletionTimestamp".into(), now().into());
         metadata.insert("deletionGracePeriodSeconds".into(), 0.into());
-        if let Some(generation) = metadata.get("generation").and_then(Value::as_i64).filter(|g| *g > 0) {
+        if let Some(generation) = metadata
+            .get("generation")
+            .and_then(Value::as_i64)
+            .filter(|g| *g > 0)
+        {
             // Setting deletionTimestamp counts as a spec change (rest.BeforeDelete).
             metadata.insert("generation".into(), (generation + 1).into());
         }
@@ -834,7 +935,12 @@ impl Store {
         let def = self.def(rid);
         let existing = self.resources[rid].objects.get(key).cloned();
         match (existing, body) {
-            (None, PatchBody::Apply { mut config, manager, .. }) if target == Target::Main => {
+            (
+                None,
+                PatchBody::Apply {
+                    mut config, manager, ..
+                },
+            ) if target == Target::Main => {
                 strip_nulls(&mut config);
                 if let Some(given) = meta_str(&config, "name")
                     && given != key.1
@@ -857,14 +963,27 @@ impl Store {
             (Some(old), PatchBody::Merge(patch)) => {
                 let mut doc = (*old).clone();
                 merge_patch(&mut doc, &patch);
-                Ok((self.update_from(rid, key, &old, doc, target, dry_run, false)?, false))
+                Ok((
+                    self.update_from(rid, key, &old, doc, target, dry_run, false)?,
+                    false,
+                ))
             }
             (Some(old), PatchBody::Json(patch)) => {
                 let mut doc = (*old).clone();
                 patch::json_patch(&mut doc, &patch)?;
-                Ok((self.update_from(rid, key, &old, doc, target, dry_run, false)?, false))
+                Ok((
+                    self.update_from(rid, key, &old, doc, target, dry_run, false)?,
+                    false,
+                ))
             }
-            (Some(old), PatchBody::Apply { mut config, manager, force }) => {
+            (
+                Some(old),
+                PatchBody::Apply {
+                    mut config,
+                    manager,
+                    force,
+                },
+            ) => {
                 strip_nulls(&mut config);
                 let is_status = target == Target::Status;
                 self.check_apply_conflicts(rid, key, &config, &manager, is_status, force)?;
@@ -892,16 +1011,27 @@ impl Store {
         }
     }
 
-    fn remember_applied(&mut self, rid: usize, key: &ObjKey, manager: String, is_status: bool, config: Value) {
-        self.resources[rid].applied.entry(key.clone()).or_default().insert((manager, is_status), config);
+    fn remember_applied(
+        &mut self,
+        rid: usize,
+        key: &ObjKey,
+        manager: String,
+        is_status: bool,
+        config: Value,
+    ) {
+        self.resources[rid]
+            .applied
+            .entry(key.clone())
+            .or_default()
+            .insert((manager, is_status), config);
     }
 
     /// Whether a manager other than `manager` applied `path` too (so it stays).
     fn co_owned(&self, rid: usize, key: &ObjKey, manager: &str, is_status: bool, path: &[String]) -> bool {
         self.resources[rid].applied.get(key).is_some_and(|configs| {
-            configs
-                .iter()
-                .any(|((m, s), config)| (m.as_str() != manager || *s != is_status) && at_path(config, path).is_some())
+            configs.iter().any(|((m, s), config)| {
+                (m.as_str() != manager || *s != is_status) && at_path(config, path).is_some()
+            })
         })
     }
 
@@ -917,13 +1047,18 @@ impl Store {
         force: bool,
     ) -> Result<(), ApiError> {
         let def = self.def(rid);
-        let Some(configs) = self.resources[rid].applied.get_mut(key) else { return Ok(()) };
+        let Some(configs) = self.resources[rid].applied.get_mut(key) else {
+            return Ok(());
+        };
         let mut leaves = Vec::new();
         leaf_paths(config, &mut Vec::new(), &mut leaves);
         let ignored = |path: &[String]| {
             matches!(path.first().map(String::as_str), Some("apiVersion" | "kind"))
                 || (path.first().map(String::as_str) == Some("metadata")
-                    && matches!(path.get(1).map(String::as_str), Some("name" | "namespace" | "resourceVersion")))
+                    && matches!(
+                        path.get(1).map(String::as_str),
+                        Some("name" | "namespace" | "resourceVersion")
+                    ))
         };
         let mut conflicts: Vec<(String, String)> = Vec::new();
         for ((other, other_status), other_config) in configs.iter_mut() {
@@ -948,7 +1083,9 @@ impl Store {
         }
         let api_version = def.api_version();
         let message = match conflicts.as_slice() {
-            [(other, path)] => format!("Apply failed with 1 conflict: conflict with \"{other}\" using {api_version}: {path}"),
+            [(other, path)] => {
+                format!("Apply failed with 1 conflict: conflict with \"{other}\" using {api_version}: {path}")
+            }
             many => {
                 let lines: Vec<String> = many
                     .iter()
