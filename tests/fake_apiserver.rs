@@ -1169,6 +1169,15 @@ async fn fail_next_injects_a_conflict_that_a_retry_loop_observes() {
     let status = status_of(proxies.get("p").await);
     assert_eq!((status.code, status.reason.as_str()), (500, "InternalError"));
     assert!(proxies.get("p").await.is_ok());
+
+    // An outage ends early when the same matcher is set to zero failures.
+    let leases = RequestMatcher::any().resource("leases");
+    server.fail_next(leases.clone(), 1_000, 500);
+    let lease_api: Api<Lease> = Api::default_namespaced(server.client());
+    assert_eq!(status_of(lease_api.get("l").await).code, 500);
+    assert_eq!(status_of(lease_api.get("l").await).code, 500);
+    server.fail_next(leases, 0, 500);
+    assert_eq!(status_of(lease_api.get("l").await).code, 404);
 }
 
 #[tokio::test]

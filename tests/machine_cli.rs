@@ -23,7 +23,11 @@ fn machines_prints_the_rendered_doc() {
 
 #[test]
 fn machines_check_passes_on_the_repository() {
-    let out = bin().args(["machines", "--check"]).current_dir(repo()).output().expect("runs");
+    let out = bin()
+        .args(["machines", "--check"])
+        .current_dir(repo())
+        .output()
+        .expect("runs");
     assert!(
         out.status.success(),
         "docs/machines.md drifted: run `cargo run -- machines > docs/machines.md`\n{}",
@@ -36,10 +40,17 @@ fn machines_check_fails_on_a_stale_doc() {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::create_dir(dir.path().join("docs")).expect("mkdir");
     std::fs::write(dir.path().join("docs/machines.md"), "# stale\n").expect("write");
-    let out = bin().args(["machines", "--check"]).current_dir(dir.path()).output().expect("runs");
+    let out = bin()
+        .args(["machines", "--check"])
+        .current_dir(dir.path())
+        .output()
+        .expect("runs");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("cargo run -- machines > docs/machines.md"), "{stderr}");
+    assert!(
+        stderr.contains("cargo run -- machines > docs/machines.md"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -49,7 +60,10 @@ fn audit_prints_the_trail_of_a_shipped_scenario() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8(out.stdout).expect("utf-8");
     assert_eq!(stdout, replay_file(&file).expect("replays"));
-    assert!(stdout.contains("provisioning --health_passed--> healthy"), "{stdout}");
+    assert!(
+        stdout.contains("provisioning --health_passed--> healthy"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -64,7 +78,10 @@ fn audit_names_the_step_with_an_unknown_event() {
     let out = bin().arg("audit").arg(&file).output().expect("runs");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("step 2") && stderr.contains("helth_passed"), "{stderr}");
+    assert!(
+        stderr.contains("step 2") && stderr.contains("helth_passed"),
+        "{stderr}"
+    );
 }
 
 fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
@@ -74,13 +91,28 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
 #[test]
 fn scenario_errors_are_specific() {
     let err = parse("name: x\nstart: {phase: runnin}\nsteps: []\n").expect_err("unknown phase");
-    assert!(matches!(err, ScenarioError::UnknownPhase { ref name, .. } if name == "runnin"), "{err}");
+    assert!(
+        matches!(err, ScenarioError::UnknownPhase { ref name, .. } if name == "runnin"),
+        "{err}"
+    );
 
-    let err = parse("name: x\nsteps:\n  - {at: 10, event: spec_observed}\n  - {at: 5, event: spec_observed}\n")
-        .expect_err("time order");
-    assert!(matches!(err, ScenarioError::TimeGoesBackwards { step: 2, at: 5, previous: 10 }), "{err}");
+    let err =
+        parse("name: x\nsteps:\n  - {at: 10, event: spec_observed}\n  - {at: 5, event: spec_observed}\n")
+            .expect_err("time order");
+    assert!(
+        matches!(
+            err,
+            ScenarioError::TimeGoesBackwards {
+                step: 2,
+                at: 5,
+                previous: 10
+            }
+        ),
+        "{err}"
+    );
 
-    let err = parse("name: x\nsteps:\n  - {at: 0, event: spec_observed, colour: red}\n").expect_err("unknown key");
+    let err =
+        parse("name: x\nsteps:\n  - {at: 0, event: spec_observed, colour: red}\n").expect_err("unknown key");
     assert!(matches!(err, ScenarioError::Parse { .. }), "{err}");
 
     let err = replay_file(Path::new("/nonexistent/scenario.yaml")).expect_err("missing file");

@@ -21,13 +21,24 @@ fn every_name_is_explained_in_one_line() {
         assert!(doc.contains(phase.doc()), "state {phase}");
     }
     for event in Event::ALL {
-        assert!(doc.contains(&format!("| `{event}` | {} |", event.doc())), "event {event}");
+        assert!(
+            doc.contains(&format!("| `{event}` | {} |", event.doc())),
+            "event {event}"
+        );
     }
     for effect in &EFFECTS {
-        assert!(doc.contains(&format!("| `{}` | {} |", effect.name, effect.doc)), "effect {}", effect.name);
+        assert!(
+            doc.contains(&format!("| `{}` | {} |", effect.name, effect.doc)),
+            "effect {}",
+            effect.name
+        );
     }
     for guard in &GUARDS {
-        assert!(doc.contains(&format!("| `{}` | {} |", guard.name, guard.doc)), "guard {}", guard.name);
+        assert!(
+            doc.contains(&format!("| `{}` | {} |", guard.name, guard.doc)),
+            "guard {}",
+            guard.name
+        );
     }
     assert!(doc.contains("```mermaid\nstateDiagram-v2\n"));
 }

@@ -16,7 +16,10 @@ fn variants(phase: Phase) -> Vec<(State, GuardInput)> {
         for active_leases in [0, 2] {
             out.push((
                 State::from_parts(phase, EPOCH, attempts),
-                GuardInput { max_create_attempts: MAX, active_leases },
+                GuardInput {
+                    max_create_attempts: MAX,
+                    active_leases,
+                },
             ));
         }
     }
@@ -54,7 +57,12 @@ fn whole_matrix() {
                         };
                         (
                             row.index,
-                            format!("{when}-> {}  [{}]  ({})", d.to.phase(), effects(&d.effects), row.reason),
+                            format!(
+                                "{when}-> {}  [{}]  ({})",
+                                d.to.phase(),
+                                effects(&d.effects),
+                                row.reason
+                            ),
                         )
                     }
                     Err(_) => (usize::MAX, "INVALID".to_owned()),
@@ -94,7 +102,11 @@ fn decide_follows_declared_coverage() {
                     }
                     (Coverage::Rows(rows), Ok(d)) => {
                         let row = d.row.expect("row");
-                        assert!(rows.contains(&row), "{phase}/{event}: row #{} is not one of the pair's", row.index);
+                        assert!(
+                            rows.contains(&row),
+                            "{phase}/{event}: row #{} is not one of the pair's",
+                            row.index
+                        );
                         assert_eq!(d.outcome, Outcome::Transitioned);
                         assert_eq!(d.to.phase(), row.to);
                         assert_eq!(d.effects, row.effects);
@@ -126,7 +138,11 @@ fn every_row_is_reachable_through_decide() {
         let taken = variants(row.from).into_iter().any(|(state, input)| {
             decide(&state, row.on, &input, now()).is_ok_and(|d| d.row.is_some_and(|r| r.index == i))
         });
-        assert!(taken, "row #{i} ({} --{}--> {}) is never taken", row.from, row.on, row.to);
+        assert!(
+            taken,
+            "row #{i} ({} --{}--> {}) is never taken",
+            row.from, row.on, row.to
+        );
     }
 }
 
@@ -137,7 +153,9 @@ fn state_data_follows_the_rules() {
     for phase in Phase::ALL {
         for event in Event::ALL {
             for (state, input) in variants(phase) {
-                let Ok(d) = decide(&state, event, &input, now()) else { continue };
+                let Ok(d) = decide(&state, event, &input, now()) else {
+                    continue;
+                };
                 if d.outcome == Outcome::Ignored {
                     continue;
                 }
@@ -170,7 +188,10 @@ fn effect_names_match_the_rust_enum() {
     documented.sort();
     let mut all = EffectKind::ALL.to_vec();
     all.sort();
-    assert_eq!(documented, all, "the table documents every EffectKind and nothing else");
+    assert_eq!(
+        documented, all,
+        "the table documents every EffectKind and nothing else"
+    );
     assert_eq!(STATES.len(), Phase::ALL.len());
 }
 
@@ -181,7 +202,10 @@ fn names_round_trip() {
     }
     for event in Event::ALL {
         assert_eq!(Event::from_name(event.as_str()), Some(event));
-        assert_eq!(serde_json::to_string(&event).expect("json"), format!("\"{event}\""));
+        assert_eq!(
+            serde_json::to_string(&event).expect("json"),
+            format!("\"{event}\"")
+        );
     }
     assert_eq!(Event::from_name("nope"), None);
 }
@@ -189,13 +213,19 @@ fn names_round_trip() {
 /// The status form: flat, lossless, strict about missing data.
 #[test]
 fn state_persists_flat() {
-    let state = State::Provisioning { since: EPOCH, attempts: 2 };
+    let state = State::Provisioning {
+        since: EPOCH,
+        attempts: 2,
+    };
     let json = serde_json::to_value(&state).expect("serializes");
     assert_eq!(
         json,
         serde_json::json!({"phase": "provisioning", "since": "2025-01-01T00:00:00Z", "attempts": 2})
     );
-    assert_eq!(serde_json::to_value(State::Pending).expect("json"), serde_json::json!({"phase": "pending"}));
+    assert_eq!(
+        serde_json::to_value(State::Pending).expect("json"),
+        serde_json::json!({"phase": "pending"})
+    );
     assert_eq!(
         serde_json::to_value(State::Healthy { since: EPOCH }).expect("json"),
         serde_json::json!({"phase": "healthy", "since": "2025-01-01T00:00:00Z"})
@@ -207,8 +237,10 @@ fn state_persists_flat() {
         let record = StateRecord::from(state.clone());
         assert_eq!(State::try_from(record).expect("record converts"), state);
     }
-    let err = serde_json::from_value::<State>(serde_json::json!({"phase": "provisioning", "since": "2025-01-01T00:00:00Z"}))
-        .expect_err("attempts missing");
+    let err = serde_json::from_value::<State>(
+        serde_json::json!({"phase": "provisioning", "since": "2025-01-01T00:00:00Z"}),
+    )
+    .expect_err("attempts missing");
     assert!(err.to_string().contains("attempts"), "{err}");
     assert!(serde_json::from_value::<State>(serde_json::json!({"phase": "exploded"})).is_err());
 }

@@ -11,7 +11,9 @@ use std::collections::BTreeSet;
 
 use egress_proxies_operator::machine::scenario::EPOCH;
 use egress_proxies_operator::machine::table::ROWS;
-use egress_proxies_operator::machine::{Decision, EffectKind, Event, GuardInput, Outcome, Phase, State, decide};
+use egress_proxies_operator::machine::{
+    Decision, EffectKind, Event, GuardInput, Outcome, Phase, State, decide,
+};
 
 const MAX: u32 = GuardInput::DEFAULT_MAX_CREATE_ATTEMPTS;
 
@@ -28,7 +30,10 @@ fn all_situations() -> Vec<(State, GuardInput)> {
             for active_leases in [0, 1, 5] {
                 out.push((
                     State::from_parts(phase, EPOCH, attempts),
-                    GuardInput { max_create_attempts: MAX, active_leases },
+                    GuardInput {
+                        max_create_attempts: MAX,
+                        active_leases,
+                    },
                 ));
             }
         }
@@ -68,18 +73,33 @@ fn deletion_is_reachable_from_every_state_and_ends_with_the_instance_gone() {
                 Event::InstanceGone
             };
             let d = step(&state, event, &input, t);
-            assert_eq!(d.outcome, Outcome::Transitioned, "{label}: {event} stalls in {}", state.phase());
+            assert_eq!(
+                d.outcome,
+                Outcome::Transitioned,
+                "{label}: {event} stalls in {}",
+                state.phase()
+            );
             effects.extend(&d.effects);
             state = d.to;
         }
 
-        assert_eq!(state.phase(), Phase::Deleted, "{label}: deletion must end in deleted");
+        assert_eq!(
+            state.phase(),
+            Phase::Deleted,
+            "{label}: deletion must end in deleted"
+        );
         if start.phase() == Phase::Deleted {
             assert!(effects.is_empty(), "{label}: nothing left to do");
             continue;
         }
-        let remove_count = effects.iter().filter(|e| **e == EffectKind::RemoveFinalizer).count();
-        assert_eq!(remove_count, 1, "{label}: the finalizer is removed once: {effects:?}");
+        let remove_count = effects
+            .iter()
+            .filter(|e| **e == EffectKind::RemoveFinalizer)
+            .count();
+        assert_eq!(
+            remove_count, 1,
+            "{label}: the finalizer is removed once: {effects:?}"
+        );
         if start.phase() == Phase::Deleting {
             // The delete (or the drain before it) was asked for on entering `deleting`; the path
             // ends on the provider's NotFound, i.e. with the instance gone.
@@ -90,9 +110,18 @@ fn deletion_is_reachable_from_every_state_and_ends_with_the_instance_gone() {
         assert!(delete.is_some(), "{label}: the instance is deleted: {effects:?}");
         assert!(delete < remove, "{label}: the finalizer goes last: {effects:?}");
         let revoke = effects.iter().rposition(|e| *e == EffectKind::RevokeLeases);
-        assert!(revoke.is_some(), "{label}: no lease survives deletion: {effects:?}");
-        assert!(!effects.contains(&EffectKind::CreateInstance), "{label}: deletion never creates");
-        assert!(!effects.contains(&EffectKind::EnableLeases), "{label}: deletion never enables leases");
+        assert!(
+            revoke.is_some(),
+            "{label}: no lease survives deletion: {effects:?}"
+        );
+        assert!(
+            !effects.contains(&EffectKind::CreateInstance),
+            "{label}: deletion never creates"
+        );
+        assert!(
+            !effects.contains(&EffectKind::EnableLeases),
+            "{label}: deletion never enables leases"
+        );
     }
 }
 
@@ -116,8 +145,13 @@ fn no_dead_end_except_the_final_state() {
         if phase.is_final() {
             assert!(exits.is_empty(), "{phase} is final");
             for event in Event::ALL {
-                let d = decide(&State::from_parts(phase, EPOCH, 0), event, &GuardInput::default(), at(1))
-                    .expect("the final state accepts every event");
+                let d = decide(
+                    &State::from_parts(phase, EPOCH, 0),
+                    event,
+                    &GuardInput::default(),
+                    at(1),
+                )
+                .expect("the final state accepts every event");
                 assert_eq!(d.outcome, Outcome::Ignored, "{phase} ignores {event}");
             }
         } else {
@@ -150,7 +184,9 @@ fn replaying_an_event_after_its_transition_is_harmless() {
     let evidence_of_no_instance = [Event::InstanceMissing, Event::InstanceGone];
     for (state, input) in all_situations() {
         for event in Event::ALL {
-            let Ok(first) = decide(&state, event, &input, at(1)) else { continue };
+            let Ok(first) = decide(&state, event, &input, at(1)) else {
+                continue;
+            };
             if first.outcome == Outcome::Ignored {
                 continue;
             }
@@ -165,12 +201,13 @@ fn replaying_an_event_after_its_transition_is_harmless() {
             match second.outcome {
                 Outcome::Ignored => {}
                 Outcome::Transitioned => {
-                    assert_eq!(second.to.phase(), first.to.phase(), "{label}: replay moved the state again");
+                    assert_eq!(
+                        second.to.phase(),
+                        first.to.phase(),
+                        "{label}: replay moved the state again"
+                    );
                     for effect in &second.effects {
-                        assert!(
-                            effect.is_idempotent(),
-                            "{label}: replay asks for {effect} again"
-                        );
+                        assert!(effect.is_idempotent(), "{label}: replay asks for {effect} again");
                     }
                 }
             }

@@ -88,7 +88,10 @@ fn degraded_too_long_is_replaced() {
         Scenario::new("degraded too long is replaced")
             .describe("A degraded proxy with active leases never recovers: drain, delete, recreate.")
             .starting_in(Phase::Healthy, 0)
-            .with_input(GuardInput { active_leases: 1, ..GuardInput::default() })
+            .with_input(GuardInput {
+                active_leases: 1,
+                ..GuardInput::default()
+            })
             .at(10, HealthFailed)
             .at(910, DegradedTooLong)
             .step(Step::at(960, DrainComplete).active_leases(0))
@@ -101,7 +104,10 @@ fn degraded_too_long_is_replaced() {
     let drain = effects.iter().position(|e| *e == EffectKind::DrainLeases);
     let delete = effects.iter().position(|e| *e == EffectKind::DeleteInstance);
     let create = effects.iter().position(|e| *e == EffectKind::CreateInstance);
-    assert!(drain < delete && delete < create, "drain, then delete, then create: {effects:?}");
+    assert!(
+        drain < delete && delete < create,
+        "drain, then delete, then create: {effects:?}"
+    );
 }
 
 #[test]
@@ -131,7 +137,9 @@ fn attribute_change_does_nothing() {
     let replay = check(
         "attribute_change_does_nothing",
         Scenario::new("attribute change does nothing")
-            .describe("Attributes, lease limits and health settings change; the hash does not, so nothing happens.")
+            .describe(
+                "Attributes, lease limits and health settings change; the hash does not, so nothing happens.",
+            )
             .starting_in(Phase::Healthy, 0)
             .at(10, SpecObserved)
             .at(40, HealthPassed)
@@ -156,7 +164,11 @@ fn provider_down_during_create() {
             .at(180, HealthPassed)
             .at(600, ProviderUnavailable),
     );
-    assert_eq!(replay.end, Phase::Healthy, "a healthy proxy is not torn down by a provider outage");
+    assert_eq!(
+        replay.end,
+        Phase::Healthy,
+        "a healthy proxy is not torn down by a provider outage"
+    );
 }
 
 #[test]
@@ -166,7 +178,10 @@ fn instance_vanishes_while_healthy() {
         Scenario::new("instance vanishes while healthy")
             .describe("Someone deletes the VM under a leased proxy: revoke the leases and recreate it.")
             .starting_in(Phase::Healthy, 0)
-            .with_input(GuardInput { active_leases: 2, ..GuardInput::default() })
+            .with_input(GuardInput {
+                active_leases: 2,
+                ..GuardInput::default()
+            })
             .step(Step::at(100, InstanceMissing).active_leases(0))
             .at(102, InstanceCreated)
             .at(140, HealthPassed),
@@ -200,9 +215,14 @@ fn delete_while_replacing() {
     let replay = check(
         "delete_while_replacing",
         Scenario::new("delete while replacing")
-            .describe("The Proxy is deleted while its leases drain for a replacement: revoke them and delete.")
+            .describe(
+                "The Proxy is deleted while its leases drain for a replacement: revoke them and delete.",
+            )
             .starting_in(Phase::Healthy, 0)
-            .with_input(GuardInput { active_leases: 2, ..GuardInput::default() })
+            .with_input(GuardInput {
+                active_leases: 2,
+                ..GuardInput::default()
+            })
             .at(0, SpecHashChanged)
             .at(30, DeletionRequested)
             .step(Step::at(32, DrainComplete).active_leases(0))
@@ -210,7 +230,11 @@ fn delete_while_replacing() {
     );
     assert_eq!(replay.end, Phase::Deleted);
     let effects = effects_of(&replay);
-    assert_eq!(count(&effects, EffectKind::CreateInstance), 0, "no new instance for a deleted Proxy");
+    assert_eq!(
+        count(&effects, EffectKind::CreateInstance),
+        0,
+        "no new instance for a deleted Proxy"
+    );
 }
 
 #[test]
@@ -230,7 +254,11 @@ fn create_attempts_exhausted() {
     );
     assert_eq!(replay.end, Phase::Provisioning);
     let effects = effects_of(&replay);
-    assert_eq!(count(&effects, EffectKind::CreateInstance), 4, "3 in the first episode, 1 in the next");
+    assert_eq!(
+        count(&effects, EffectKind::CreateInstance),
+        4,
+        "3 in the first episode, 1 in the next"
+    );
     assert_eq!(replay.end_state.data().attempts, 1);
 }
 
@@ -255,7 +283,9 @@ fn invalid_spec_keeps_a_healthy_proxy_serving() {
     let replay = check(
         "invalid_spec_keeps_serving",
         Scenario::new("invalid spec keeps serving")
-            .describe("The cloud-init Secret loses its label: report it, keep serving; a bogus event is INVALID.")
+            .describe(
+                "The cloud-init Secret loses its label: report it, keep serving; a bogus event is INVALID.",
+            )
             .starting_in(Phase::Healthy, 0)
             .at(10, SpecInvalid)
             .at(20, DrainComplete)
@@ -295,7 +325,11 @@ fn full_lifecycle_trail() {
 /// itself adds no entry and no effect.
 #[test]
 fn crash_and_rehydrate_at_each_state() {
-    for scenario in [full_lifecycle(), create_attempts_exhausted_scenario(), delete_while_draining()] {
+    for scenario in [
+        full_lifecycle(),
+        create_attempts_exhausted_scenario(),
+        delete_while_draining(),
+    ] {
         let uninterrupted = scenario.replay();
         let mut crashed_in = std::collections::BTreeSet::new();
         for cut in 0..=scenario.steps.len() {
@@ -359,7 +393,10 @@ fn create_attempts_exhausted_scenario() -> Scenario {
 fn delete_while_draining() -> Scenario {
     Scenario::new("delete while draining")
         .starting_in(Phase::Healthy, 0)
-        .with_input(GuardInput { active_leases: 2, ..GuardInput::default() })
+        .with_input(GuardInput {
+            active_leases: 2,
+            ..GuardInput::default()
+        })
         .at(0, DeletionRequested)
         .step(Step::at(60, DrainComplete).active_leases(0))
         .at(65, InstanceGone)
@@ -379,7 +416,11 @@ fn shipped_scenarios_render() {
     for file in files {
         let text = egress_proxies_operator::machine::scenario::replay_file(&file)
             .unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-        let stem = file.file_stem().and_then(|s| s.to_str()).expect("utf-8 name").replace('-', "_");
+        let stem = file
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("utf-8 name")
+            .replace('-', "_");
         snapshot!(insta::assert_snapshot!(format!("file_{stem}"), text));
     }
 }

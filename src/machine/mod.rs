@@ -15,6 +15,11 @@
 //! actions at all: every effect is attached to a transition row, and rehydrating is plain
 //! deserialization ([`State`] implements serde), which cannot emit anything.
 //!
+//! The machine is flat, without statig superstates: a `live` superstate could hold the
+//! `deletion_requested` rows of several states, but healthy and degraded differ in what they
+//! disable, and a flat table keeps every (state, event) outcome on one line of the YAML and of the
+//! matrix snapshot, where reviewers read it.
+//!
 //! Submodules: [`table`] (generated types and metadata), [`effects`] (the effect kinds),
 //! [`guards`] (guard functions), [`policy`] (timers: requeue delays and timeout events),
 //! [`audit`] (audit trail), [`scenario`] (scenario files and replay), [`docs`] (docs/machines.md).

@@ -299,12 +299,18 @@ impl FakeApiServer {
     /// The next `times` requests matching `matcher` fail with `code` and a Status body
     /// shaped as the API server's for that code (409 → Conflict "the object has been
     /// modified", 500 → InternalError, 503 → ServiceUnavailable...), without side effects.
+    /// Calling it again with an equal matcher replaces the earlier injection, so `times = 0`
+    /// ends an outage early.
     pub fn fail_next(&self, matcher: RequestMatcher, times: usize, code: u16) {
-        lock(&self.inner.hooks).failures.push(Failure {
-            matcher,
-            remaining: times,
-            code,
-        });
+        let mut hooks = lock(&self.inner.hooks);
+        hooks.failures.retain(|f| f.matcher != matcher);
+        if times > 0 {
+            hooks.failures.push(Failure {
+                matcher,
+                remaining: times,
+                code,
+            });
+        }
     }
 
     /// Makes every resourceVersion handed out so far too old: watches from them get a 410
