@@ -26,7 +26,9 @@ const POOL: &str = "default-pool";
 fn test_driver() -> Connect {
     virt::error::clear_error_callback();
     let connection = Connect::open(Some(URI)).expect("test driver");
-    let pool = connection.lookup_storage_pool_by_name(POOL).expect("default-pool");
+    let pool = connection
+        .lookup_storage_pool_by_name(POOL)
+        .expect("default-pool");
     if pool.lookup_storage_vol_by_name("base.qcow2").is_err() {
         // Another test may add it at the same moment; either copy does.
         let _ = StorageVol::create_xml(
@@ -44,7 +46,8 @@ fn provider() -> Kvm2Provider {
 }
 
 fn volumes(connection: &Connect) -> Vec<String> {
-    connection.lookup_storage_pool_by_name(POOL)
+    connection
+        .lookup_storage_pool_by_name(POOL)
         .expect("pool")
         .list_volumes()
         .expect("volumes")
@@ -78,22 +81,45 @@ async fn created_domain_carries_the_stamp_volumes_and_a_leased_endpoint() {
 
     let domain = connection.lookup_domain_by_name(&req.name).expect("domain");
     let stamp = domain
-        .metadata(virt::sys::VIR_DOMAIN_METADATA_ELEMENT as i32, Some(KVM2_NAMESPACE), 0)
+        .metadata(
+            virt::sys::VIR_DOMAIN_METADATA_ELEMENT as i32,
+            Some(KVM2_NAMESPACE),
+            0,
+        )
         .expect("kvm2 stamp");
     assert!(stamp.contains(&format!("uid=\"{}\"", req.owner.uid)), "{stamp}");
-    assert!(stamp.contains(&format!("specHash=\"{}\"", req.spec_hash)), "{stamp}");
-    assert!(stamp.contains("namespace=\"crawl\"") && stamp.contains("name=\"stamped\""), "{stamp}");
+    assert!(
+        stamp.contains(&format!("specHash=\"{}\"", req.spec_hash)),
+        "{stamp}"
+    );
+    assert!(
+        stamp.contains("namespace=\"crawl\"") && stamp.contains("name=\"stamped\""),
+        "{stamp}"
+    );
     assert!(stamp.contains("provider=\"kvm2-test\""), "{stamp}");
     assert!(
         domain
-            .metadata(virt::sys::VIR_DOMAIN_METADATA_ELEMENT as i32, Some(KVM_NAMESPACE), 0)
+            .metadata(
+                virt::sys::VIR_DOMAIN_METADATA_ELEMENT as i32,
+                Some(KVM_NAMESPACE),
+                0
+            )
             .is_err(),
         "no kvm stamp on a kvm2 domain"
     );
     let xml = domain.xml_desc(0).expect("xml");
-    assert!(xml.contains(&format!("volume='{}-kvm2-disk.qcow2'", req.name)), "{xml}");
-    assert!(xml.contains(&format!("volume='{}-kvm2-seed.iso'", req.name)), "{xml}");
-    assert!(!xml.contains("not-in-logs"), "credentials stay out of the domain XML");
+    assert!(
+        xml.contains(&format!("volume='{}-kvm2-disk.qcow2'", req.name)),
+        "{xml}"
+    );
+    assert!(
+        xml.contains(&format!("volume='{}-kvm2-seed.iso'", req.name)),
+        "{xml}"
+    );
+    assert!(
+        !xml.contains("not-in-logs"),
+        "credentials stay out of the domain XML"
+    );
     let vols = volumes(&connection);
     for suffix in ["-kvm2-disk.qcow2", "-kvm2-seed.iso"] {
         assert!(vols.contains(&format!("{}{suffix}", req.name)), "{vols:?}");
@@ -135,18 +161,28 @@ async fn domains_without_kvm2s_stamp_are_invisible_and_untouched() {
     let foreign = connection.define_domain_xml(&xml).expect("define foreign domain");
     let listed = provider.list().await.expect("list");
     assert!(
-        listed.iter().all(|i| i.id.native_id != "test" && i.id.native_id != req.name),
+        listed
+            .iter()
+            .all(|i| i.id.native_id != "test" && i.id.native_id != req.name),
         "{listed:?}"
     );
     for name in ["test", req.name.as_str()] {
-        assert!(matches!(provider.get(name).await, Err(ProviderError::NotFound(_))), "{name}");
-        provider.delete(name).await.expect("delete of a foreign domain is a no-op");
+        assert!(
+            matches!(provider.get(name).await, Err(ProviderError::NotFound(_))),
+            "{name}"
+        );
+        provider
+            .delete(name)
+            .await
+            .expect("delete of a foreign domain is a no-op");
     }
     assert!(connection.lookup_domain_by_name("test").is_ok(), "left alone");
     assert!(connection.lookup_domain_by_name(&req.name).is_ok(), "left alone");
     // Creating over it is refused, and leaves it as it was.
     match provider.create(&req).await {
-        Err(ProviderError::Misconfigured(message)) => assert!(message.contains("will not adopt"), "{message}"),
+        Err(ProviderError::Misconfigured(message)) => {
+            assert!(message.contains("will not adopt"), "{message}")
+        }
         other => panic!("create over a foreign domain: {other:?}"),
     }
     assert!(connection.lookup_domain_by_name(&req.name).is_ok());
@@ -162,8 +198,17 @@ async fn missing_pool_base_image_or_network_is_misconfigured_and_leaves_nothing(
     cases.push((no_pool, "storage pool no-such-pool does not exist"));
     let mut no_base = settings(URI, POOL, NetworkSettings::default());
     no_base.base_image = "missing.qcow2".into();
-    cases.push((no_base, "base image missing.qcow2 is not a volume of storage pool default-pool"));
-    let no_network = settings(URI, POOL, NetworkSettings::Libvirt { name: "nowhere".into() });
+    cases.push((
+        no_base,
+        "base image missing.qcow2 is not a volume of storage pool default-pool",
+    ));
+    let no_network = settings(
+        URI,
+        POOL,
+        NetworkSettings::Libvirt {
+            name: "nowhere".into(),
+        },
+    );
     cases.push((no_network, "libvirt network nowhere does not exist"));
     for (settings, expected) in cases {
         let provider = Kvm2Provider::new("kvm2-bad", settings);
@@ -175,7 +220,10 @@ async fn missing_pool_base_image_or_network_is_misconfigured_and_leaves_nothing(
             }
             other => panic!("expected Misconfigured with {expected:?}, got {other:?}"),
         }
-        assert!(connection.lookup_domain_by_name(&req.name).is_err(), "no domain left");
+        assert!(
+            connection.lookup_domain_by_name(&req.name).is_err(),
+            "no domain left"
+        );
         assert!(
             volumes(&connection).iter().all(|v| !v.starts_with(&req.name)),
             "no volume left"
@@ -191,6 +239,10 @@ async fn probe_reports_version_and_count() {
     provider.create(&req).await.expect("create");
     let report = provider.probe().await.expect("probe");
     assert!(report.instance_count >= 1);
-    assert!(report.detail.contains("libvirt ") && report.detail.contains(URI), "{}", report.detail);
+    assert!(
+        report.detail.contains("libvirt ") && report.detail.contains(URI),
+        "{}",
+        report.detail
+    );
     provider.delete(&req.name).await.expect("delete");
 }

@@ -175,15 +175,33 @@ fn kvm_network_modes_and_boot_modes_parse_with_defaults() {
 fn kvm_settings_mistakes_name_the_field() {
     let base = "uri: 'qemu:///session', pool: p, baseImage: b";
     let cases = [
-        ("network: {mode: slirp}", "settings.network.mode: unknown variant `slirp`, expected one of `libvirt`, `bridge`, `user`"),
-        ("network: {mode: bridge}", "settings.network: missing field `name`"),
-        ("network: {mode: user, hostForwardAddress: '::1'}", "settings.network"),
+        (
+            "network: {mode: slirp}",
+            "settings.network.mode: unknown variant `slirp`, expected one of `libvirt`, `bridge`, `user`",
+        ),
+        (
+            "network: {mode: bridge}",
+            "settings.network: missing field `name`",
+        ),
+        (
+            "network: {mode: user, hostForwardAddress: '::1'}",
+            "settings.network",
+        ),
         ("network: {mode: user, port: 1}", "unknown field `port`"),
-        ("network: {mode: user, hostForwardPorts: {first: 30, last: 20}}", "port range 30-20 is empty"),
-        ("network: default", "settings.network: invalid type: string \"default\", expected a network such as {mode: libvirt, name: default}"),
+        (
+            "network: {mode: user, hostForwardPorts: {first: 30, last: 20}}",
+            "port range 30-20 is empty",
+        ),
+        (
+            "network: default",
+            "settings.network: invalid type: string \"default\", expected a network such as {mode: libvirt, name: default}",
+        ),
         ("boot: {mode: disk, kernel: /k}", "unknown field `kernel`"),
         ("boot: {mode: kernel}", "settings.boot: missing field `kernel`"),
-        ("domainType: xen", "settings.domainType: unknown variant `xen`, expected `kvm` or `qemu`"),
+        (
+            "domainType: xen",
+            "settings.domainType: unknown variant `xen`, expected `kvm` or `qemu`",
+        ),
     ];
     let mut mismatches = Vec::new();
     for (extra, expected) in cases {

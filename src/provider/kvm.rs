@@ -208,7 +208,10 @@ impl KvmProvider {
     }
 
     async fn lookup(&self, name: &str) -> Result<Lookup, ProviderError> {
-        match self.virsh(&["metadata", "--domain", name, "--uri", KVM_NAMESPACE]).await {
+        match self
+            .virsh(&["metadata", "--domain", name, "--uri", KVM_NAMESPACE])
+            .await
+        {
             Ok(xml) => Ok(Lookup::Ours(Stamp::parse(xml.trim()))),
             Err(err) if err.message().contains("metadata not found") => Ok(Lookup::Foreign),
             Err(err) if err.is_missing("domain") => {
@@ -252,13 +255,21 @@ impl KvmProvider {
         } else {
             None
         };
-        Ok(libvirt::instance_from_stamp(self.id(name), stamp, state, discovered))
+        Ok(libvirt::instance_from_stamp(
+            self.id(name),
+            stamp,
+            state,
+            discovered,
+        ))
     }
 
     /// The guest's address from its network's DHCP leases, else from the guest agent.
     async fn discover_address(&self, name: &str) -> Option<String> {
         for source in ["lease", "agent"] {
-            match self.virsh(&["domifaddr", "--domain", name, "--source", source]).await {
+            match self
+                .virsh(&["domifaddr", "--domain", name, "--source", source])
+                .await
+            {
                 Ok(table) => {
                     let found = libvirt::pick_address(parse_domifaddr(&table));
                     if found.is_some() {
@@ -276,7 +287,10 @@ impl KvmProvider {
         let names = self.domain_names().await?;
         let found: Vec<Option<(String, Result<Stamp, StampError>)>> = futures::stream::iter(names)
             .map(|name| async move {
-                match self.virsh(&["metadata", "--domain", &name, "--uri", KVM_NAMESPACE]).await {
+                match self
+                    .virsh(&["metadata", "--domain", &name, "--uri", KVM_NAMESPACE])
+                    .await
+                {
                     Ok(xml) => Ok(Some((name, Stamp::parse(xml.trim())))),
                     Err(err) if err.message().contains("metadata not found") => Ok(None),
                     // Deleted while we listed.
@@ -334,16 +348,19 @@ impl KvmProvider {
         let NetworkSettings::Libvirt { name } = &self.settings.network else {
             return Ok(());
         };
-        let info = self.virsh(&["net-info", "--network", name]).await.map_err(|err| {
-            if err.is_missing("network") {
-                ProviderError::Misconfigured(format!(
-                    "libvirt network {name} does not exist at {}",
-                    self.settings.uri
-                ))
-            } else {
-                classify(format!("reading libvirt network {name}"), err)
-            }
-        })?;
+        let info = self
+            .virsh(&["net-info", "--network", name])
+            .await
+            .map_err(|err| {
+                if err.is_missing("network") {
+                    ProviderError::Misconfigured(format!(
+                        "libvirt network {name} does not exist at {}",
+                        self.settings.uri
+                    ))
+                } else {
+                    classify(format!("reading libvirt network {name}"), err)
+                }
+            })?;
         if field(&info, "Active") == Some("yes") {
             Ok(())
         } else {
@@ -426,7 +443,10 @@ impl KvmProvider {
                 .map_err(|err| ProviderError::Backend(format!("writing {}: {err}", path.display())))?;
             Ok(path.to_string_lossy().into_owned())
         };
-        let disk_xml = write("disk.xml", libvirt::overlay_volume_xml(&volumes.disk, base).as_bytes())?;
+        let disk_xml = write(
+            "disk.xml",
+            libvirt::overlay_volume_xml(&volumes.disk, base).as_bytes(),
+        )?;
         let seed_xml = write(
             "seed.xml",
             libvirt::seed_volume_xml(&volumes.seed, iso.len() as u64).as_bytes(),
@@ -439,9 +459,17 @@ impl KvmProvider {
         self.virsh(&["vol-create", "--pool", pool, "--file", &seed_xml])
             .await
             .map_err(|err| classify(format!("creating seed volume {}", volumes.seed), err))?;
-        self.virsh(&["vol-upload", "--vol", &volumes.seed, "--pool", pool, "--file", &seed_iso])
-            .await
-            .map_err(|err| classify(format!("uploading seed volume {}", volumes.seed), err))?;
+        self.virsh(&[
+            "vol-upload",
+            "--vol",
+            &volumes.seed,
+            "--pool",
+            pool,
+            "--file",
+            &seed_iso,
+        ])
+        .await
+        .map_err(|err| classify(format!("uploading seed volume {}", volumes.seed), err))?;
         self.virsh(&["define", "--file", &domain_xml])
             .await
             .map_err(|err| classify(format!("defining domain {name}"), err))?;
@@ -475,7 +503,13 @@ impl KvmProvider {
                 "--checkpoints-metadata",
                 "--nvram",
             ],
-            &["undefine", "--domain", name, "--managed-save", "--snapshots-metadata"],
+            &[
+                "undefine",
+                "--domain",
+                name,
+                "--managed-save",
+                "--snapshots-metadata",
+            ],
             &["undefine", "--domain", name],
         ];
         let mut undefined = false;
@@ -490,12 +524,16 @@ impl KvmProvider {
                     break;
                 }
                 // A driver that does not know a flag: try a plainer call.
-                Err(err) if err.message().contains("unsupported flags") || err.message().contains("not supported") => {}
+                Err(err)
+                    if err.message().contains("unsupported flags")
+                        || err.message().contains("not supported") => {}
                 Err(err) => return Err(classify(format!("undefining domain {name}"), err)),
             }
         }
         if !undefined {
-            return Err(ProviderError::Backend(format!("domain {name} could not be undefined")));
+            return Err(ProviderError::Backend(format!(
+                "domain {name} could not be undefined"
+            )));
         }
         self.delete_volumes(&VolumeNames::new(name, PROVIDER_TYPE)).await
     }
@@ -576,7 +614,10 @@ impl Provider for KvmProvider {
         let _guard = self.locks.lock(name).await;
         match self.lookup(name).await? {
             Lookup::Foreign => {
-                tracing::debug!(instance = name, "delete: the domain of that name is not kvm's; left alone");
+                tracing::debug!(
+                    instance = name,
+                    "delete: the domain of that name is not kvm's; left alone"
+                );
                 Ok(())
             }
             Lookup::Missing | Lookup::Ours(_) => self.remove(name).await,
@@ -677,7 +718,10 @@ mod tests {
             ["::1/128", "192.168.122.23/24", "fe80::5054:ff:fe12:3456/64"]
         );
         // The continuation line of lo slips through the column filter; pick_address drops it.
-        assert_eq!(libvirt::pick_address(addresses).as_deref(), Some("192.168.122.23"));
+        assert_eq!(
+            libvirt::pick_address(addresses).as_deref(),
+            Some("192.168.122.23")
+        );
     }
 
     #[test]
@@ -695,7 +739,10 @@ mod tests {
         };
         let unreachable =
             failed("failed to connect to the hypervisor; Failed to connect socket to '/x': No such file");
-        assert!(matches!(classify("x", unreachable), ProviderError::Unavailable(_)));
+        assert!(matches!(
+            classify("x", unreachable),
+            ProviderError::Unavailable(_)
+        ));
         assert!(failed("failed to get domain 'epo-a'").is_missing("domain"));
         assert!(!failed("failed to get domain 'a'; End of file while reading data").is_missing("domain"));
         assert!(matches!(

@@ -87,7 +87,9 @@ impl Kvm2Provider {
             Err(_) => Err(ProviderError::Unavailable(format!(
                 "libvirt at {uri} did not finish {what} within {timeout:?}"
             ))),
-            Ok(Err(join)) => Err(ProviderError::Backend(format!("{what} failed on its thread: {join}"))),
+            Ok(Err(join)) => Err(ProviderError::Backend(format!(
+                "{what} failed on its thread: {join}"
+            ))),
             Ok(Ok(result)) => result,
         }
     }
@@ -130,7 +132,7 @@ impl Provider for Kvm2Provider {
         let name = name.to_owned();
         self.blocking("get", move |session, connection| {
             match session.lookup(connection, &name)? {
-                Lookup::Ours(domain, stamp) => session.describe(&domain, &name, stamp, true),
+                Lookup::Ours(domain, stamp) => session.describe(&domain, &name, *stamp, true),
                 Lookup::Missing | Lookup::Foreign => Err(ProviderError::NotFound(name)),
             }
         })
@@ -195,14 +197,17 @@ struct Session {
     settings: Arc<KvmSettings>,
 }
 
+/// A domain carrying kvm2's stamp: the domain, its name and its stamp.
+type StampedDomain = (Domain, String, Result<Stamp, StampError>);
+
 /// A domain of a given name, as kvm2 sees it.
 enum Lookup {
     /// No domain of that name.
     Missing,
     /// A domain without kvm2's stamp: not ours, never touched.
     Foreign,
-    /// A domain kvm2 made, with its stamp.
-    Ours(Domain, Result<Stamp, StampError>),
+    /// A domain kvm2 made, with its stamp (boxed: it dwarfs the other variants).
+    Ours(Domain, Box<Result<Stamp, StampError>>),
 }
 
 impl Session {
@@ -227,7 +232,7 @@ impl Session {
             Err(err) => return Err(classify(format!("looking up domain {name}"), &err)),
         };
         match read_stamp(&domain) {
-            Ok(Some(stamp)) => Ok(Lookup::Ours(domain, stamp)),
+            Ok(Some(stamp)) => Ok(Lookup::Ours(domain, Box::new(stamp))),
             Ok(None) => Ok(Lookup::Foreign),
             Err(err) if has_code(&err, ErrorNumber::NoDomain) => Ok(Lookup::Missing),
             Err(err) => Err(classify(format!("reading the metadata of domain {name}"), &err)),
@@ -235,10 +240,7 @@ impl Session {
     }
 
     /// Every domain carrying kvm2's stamp, with its name.
-    fn stamped_domains(
-        &self,
-        connection: &Connect,
-    ) -> Result<Vec<(Domain, String, Result<Stamp, StampError>)>, ProviderError> {
+    fn stamped_domains(&self, connection: &Connect) -> Result<Vec<StampedDomain>, ProviderError> {
         let domains = connection
             .list_all_domains(0)
             .map_err(|err| classify("listing domains", &err))?;
@@ -282,7 +284,12 @@ impl Session {
         } else {
             None
         };
-        Ok(libvirt::instance_from_stamp(self.id(name), stamp, state, discovered))
+        Ok(libvirt::instance_from_stamp(
+            self.id(name),
+            stamp,
+            state,
+            discovered,
+        ))
     }
 
     /// The configured pool, active; `None` if it does not exist.
@@ -379,7 +386,7 @@ impl Session {
                         .create()
                         .map_err(|err| classify(format!("starting existing domain {name}"), &err))?;
                 }
-                return self.describe(&domain, name, stamp, true);
+                return self.describe(&domain, name, *stamp, true);
             }
             Lookup::Foreign => return Err(libvirt::foreign_domain(name, KVM2_NAMESPACE)),
             Lookup::Missing => {}
@@ -443,8 +450,12 @@ impl Session {
     ) -> Result<Domain, ProviderError> {
         StorageVol::create_xml(pool, &libvirt::overlay_volume_xml(&volumes.disk, base), 0)
             .map_err(|err| classify(format!("creating disk volume {}", volumes.disk), &err))?;
-        let seed = StorageVol::create_xml(pool, &libvirt::seed_volume_xml(&volumes.seed, iso.len() as u64), 0)
-            .map_err(|err| classify(format!("creating seed volume {}", volumes.seed), &err))?;
+        let seed = StorageVol::create_xml(
+            pool,
+            &libvirt::seed_volume_xml(&volumes.seed, iso.len() as u64),
+            0,
+        )
+        .map_err(|err| classify(format!("creating seed volume {}", volumes.seed), &err))?;
         self.upload(connection, &seed, &volumes.seed, iso)?;
         let domain = connection
             .define_domain_xml(xml)
@@ -456,7 +467,13 @@ impl Session {
     }
 
     /// Streams the seed into its volume over the libvirt connection (so it works remotely).
-    fn upload(&self, connection: &Connect, volume: &StorageVol, name: &str, data: &[u8]) -> Result<(), ProviderError> {
+    fn upload(
+        &self,
+        connection: &Connect,
+        volume: &StorageVol,
+        name: &str,
+        data: &[u8],
+    ) -> Result<(), ProviderError> {
         let stream = Stream::new(connection, 0).map_err(|err| classify("opening an upload stream", &err))?;
         if let Err(err) = volume.upload(&stream, 0, data.len() as u64, 0) {
             let _ = stream.abort();
@@ -493,7 +510,10 @@ impl Session {
     fn delete(&self, connection: &Connect, name: &str) -> Result<(), ProviderError> {
         match self.lookup(connection, name)? {
             Lookup::Foreign => {
-                tracing::debug!(instance = name, "delete: the domain of that name is not kvm2's; left alone");
+                tracing::debug!(
+                    instance = name,
+                    "delete: the domain of that name is not kvm2's; left alone"
+                );
                 Ok(())
             }
             Lookup::Missing | Lookup::Ours(..) => self.remove(connection, name, None),
@@ -502,7 +522,12 @@ impl Session {
 
     /// Destroys and undefines domain `name` (if it exists) and deletes its volumes. Callers
     /// have checked that the domain, if any, is ours.
-    fn remove(&self, connection: &Connect, name: &str, pool: Option<&StoragePool>) -> Result<(), ProviderError> {
+    fn remove(
+        &self,
+        connection: &Connect,
+        name: &str,
+        pool: Option<&StoragePool>,
+    ) -> Result<(), ProviderError> {
         match connection.lookup_domain_by_name(name) {
             Ok(domain) => {
                 if let Err(err) = domain.destroy()
@@ -569,7 +594,8 @@ fn undefine(domain: &Domain, name: &str) -> Result<(), ProviderError> {
         match domain.undefine_flags(flags) {
             Ok(()) => return Ok(()),
             Err(err) if has_code(&err, ErrorNumber::NoDomain) => return Ok(()),
-            Err(err) if has_code(&err, ErrorNumber::InvalidArg) || has_code(&err, ErrorNumber::NoSupport) => {}
+            Err(err) if has_code(&err, ErrorNumber::InvalidArg) || has_code(&err, ErrorNumber::NoSupport) => {
+            }
             Err(err) => return Err(classify(format!("undefining domain {name}"), &err)),
         }
     }

@@ -74,7 +74,15 @@ pub fn request(name: &str) -> InstanceRequest {
 /// Asserts `instance` is `request`'s, on `provider`.
 pub fn assert_owned_by(instance: &Instance, provider: &dyn Provider, request: &InstanceRequest) {
     assert_eq!(instance.id, provider.id_for(&request.name));
-    assert_eq!(instance.id.to_string(), format!("{}/{}/{}", provider.provider_type(), provider.instance(), request.name));
+    assert_eq!(
+        instance.id.to_string(),
+        format!(
+            "{}/{}/{}",
+            provider.provider_type(),
+            provider.instance(),
+            request.name
+        )
+    );
     assert_eq!(instance.owner.as_ref(), Some(&request.owner));
     assert_eq!(instance.spec_hash.as_deref(), Some(request.spec_hash.as_str()));
 }
@@ -107,7 +115,10 @@ pub async fn check_contract(
     // Idempotent create: the same instance, not a second one.
     let again = provider.create(request).await.expect("second create");
     assert_eq!(again.id, created.id);
-    assert_eq!(again.created_at, created.created_at, "a second create must not remake the instance");
+    assert_eq!(
+        again.created_at, created.created_at,
+        "a second create must not remake the instance"
+    );
 
     let got = provider.get(name).await.expect("get");
     assert_owned_by(&got, provider, request);
@@ -117,7 +128,10 @@ pub async fn check_contract(
     let listed = provider.list().await.expect("list");
     let mine: Vec<_> = listed.iter().filter(|i| i.id.native_id == *name).collect();
     assert_eq!(mine.len(), 1, "listed: {listed:?}");
-    assert_eq!(mine[0].owner.as_ref().map(|o| o.uid.as_str()), Some(request.owner.uid.as_str()));
+    assert_eq!(
+        mine[0].owner.as_ref().map(|o| o.uid.as_str()),
+        Some(request.owner.uid.as_str())
+    );
     assert_eq!(mine[0].created_at, created.created_at);
 
     // After a crash: a new provider object finds the instance instead of making another.
@@ -133,7 +147,13 @@ pub async fn check_contract(
         other => panic!("get after delete: {other:?}"),
     }
     provider.delete(name).await.expect("second delete");
-    fresh.delete(name).await.expect("delete from the restarted provider");
+    fresh
+        .delete(name)
+        .await
+        .expect("delete from the restarted provider");
     let listed = provider.list().await.expect("list after delete");
-    assert!(listed.iter().all(|i| i.id.native_id != *name), "still listed: {listed:?}");
+    assert!(
+        listed.iter().all(|i| i.id.native_id != *name),
+        "still listed: {listed:?}"
+    );
 }

@@ -37,14 +37,16 @@ impl PrivateLibvirtd {
     /// Starts the daemon and waits for its socket. Panics with the daemon's log if it exits or
     /// does not create its socket within the deadline.
     pub fn start() -> Self {
+        // Short paths: QEMU's UNIX sockets (monitor, guest agent channel) live below the
+        // config folder, and a socket path may not exceed 107 bytes.
         let root = tempfile::Builder::new()
-            .prefix("epo-libvirtd-")
-            .tempdir()
+            .prefix("lv")
+            .tempdir_in("/tmp")
             .expect("temporary folder");
         // nobody must reach into the folder.
         fs::set_permissions(root.path(), fs::Permissions::from_mode(0o755)).expect("chmod");
         let (uid, gid) = (id_of("/etc/passwd", "nobody"), id_of("/etc/group", "nogroup"));
-        for folder in ["home", "run", "config", "cache", "pools"] {
+        for folder in ["h", "r", "c", "k", "pools"] {
             let path = root.path().join(folder);
             fs::create_dir(&path).expect("create folder");
             std::os::unix::fs::chown(&path, Some(uid), Some(gid)).expect("chown to nobody");
@@ -54,7 +56,10 @@ impl PrivateLibvirtd {
         command
             .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "libvirtd"])
             .env_clear()
-            .env("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+            .env(
+                "PATH",
+                "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            )
             .envs(Self::env_in(root.path()))
             .current_dir(root.path())
             .stdin(Stdio::null())
@@ -63,7 +68,7 @@ impl PrivateLibvirtd {
             // Its own process group, so a test harness never waits on it.
             .process_group(0);
         let child = command.spawn().expect("spawn setpriv libvirtd");
-        let socket = root.path().join("run/libvirt/libvirt-sock");
+        let socket = root.path().join("r/libvirt/libvirt-sock");
         let uri = format!("qemu+unix:///session?socket={}", socket.display());
         let mut daemon = Self { child, root, uri };
         let started = Instant::now();
@@ -72,7 +77,10 @@ impl PrivateLibvirtd {
                 break;
             }
             if let Ok(Some(status)) = daemon.child.try_wait() {
-                panic!("libvirtd exited ({status}) before creating its socket:\n{}", daemon.log());
+                panic!(
+                    "libvirtd exited ({status}) before creating its socket:\n{}",
+                    daemon.log()
+                );
             }
             if started.elapsed() > START_DEADLINE {
                 panic!(
@@ -114,10 +122,10 @@ impl PrivateLibvirtd {
 
     fn env_in(root: &Path) -> Vec<(&'static str, PathBuf)> {
         vec![
-            ("HOME", root.join("home")),
-            ("XDG_RUNTIME_DIR", root.join("run")),
-            ("XDG_CONFIG_HOME", root.join("config")),
-            ("XDG_CACHE_HOME", root.join("cache")),
+            ("HOME", root.join("h")),
+            ("XDG_RUNTIME_DIR", root.join("r")),
+            ("XDG_CONFIG_HOME", root.join("c")),
+            ("XDG_CACHE_HOME", root.join("k")),
         ]
     }
 
@@ -163,15 +171,21 @@ impl PrivateLibvirtd {
             .arg("16M")
             .output()
             .expect("run qemu-img");
-        assert!(output.status.success(), "qemu-img: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "qemu-img: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         let (uid, gid) = (id_of("/etc/passwd", "nobody"), id_of("/etc/group", "nogroup"));
         for path in [&folder, &image] {
             std::os::unix::fs::chown(path, Some(uid), Some(gid)).expect("chown to nobody");
         }
-        self.virsh_ok(&["pool-define-as", "--name", name, "--type", "dir", "--target"]
-            .into_iter()
-            .chain([folder.to_str().expect("UTF-8 path")])
-            .collect::<Vec<_>>());
+        self.virsh_ok(
+            &["pool-define-as", "--name", name, "--type", "dir", "--target"]
+                .into_iter()
+                .chain([folder.to_str().expect("UTF-8 path")])
+                .collect::<Vec<_>>(),
+        );
         self.virsh_ok(&["pool-start", "--pool", name]);
         folder
     }
@@ -198,7 +212,7 @@ impl PrivateLibvirtd {
 
     /// QEMU processes the daemon started, from its pid files.
     fn qemu_pids(&self) -> Vec<u32> {
-        let folder = self.root.path().join("run/libvirt/qemu/run");
+        let folder = self.root.path().join("r/libvirt/qemu/run");
         let Ok(entries) = fs::read_dir(folder) else {
             return Vec::new();
         };

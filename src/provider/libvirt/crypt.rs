@@ -167,10 +167,7 @@ mod tests {
         // Vectors from glibc's crypt (`openssl passwd -6`, Python's `crypt`): a short salt, and
         // a password longer than one digest with a salt cut to 16 bytes.
         assert_eq!(
-            sha512_crypt_with_salt(
-                b"we have a short salt string but not a short password",
-                b"short"
-            ),
+            sha512_crypt_with_salt(b"we have a short salt string but not a short password", b"short"),
             "$6$short$qmfj2meTBr5G2EAGIJ4vjX7RpefsD4JzpEyTAeEUJdzdxlBS6pe8gdMHm5zFftaFSj/2p2bjBwyVS9ZhWpLZt."
         );
         assert_eq!(

@@ -320,7 +320,11 @@ pub fn domain_xml(plan: &DomainPlan<'_>) -> String {
         settings.domain_type.as_str()
     );
     let _ = writeln!(xml, "  <name>{}</name>", escape(plan.name));
-    let _ = writeln!(xml, "  <metadata>\n    {}\n  </metadata>", plan.stamp.to_xml(plan.namespace));
+    let _ = writeln!(
+        xml,
+        "  <metadata>\n    {}\n  </metadata>",
+        plan.stamp.to_xml(plan.namespace)
+    );
     let _ = writeln!(xml, "  <memory unit='MiB'>{}</memory>", settings.memory_mib);
     let _ = writeln!(xml, "  <vcpu>{}</vcpu>", settings.vcpus);
     // i440fx ('pc'), not q35: the user-mode NIC is placed on its `pci.0` bus.

@@ -130,7 +130,11 @@ fn write_private(path: &Path, content: &str) -> std::io::Result<()> {
 
 /// NoCloud meta-data: a new `instance-id` per spec hash, the instance name as host name.
 pub fn meta_data(name: &str, spec_hash: &str) -> String {
-    let hash: String = spec_hash.chars().filter(char::is_ascii_alphanumeric).take(16).collect();
+    let hash: String = spec_hash
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(16)
+        .collect();
     format!("instance-id: {name}-{hash}\nlocal-hostname: {name}\n")
 }
 
@@ -206,9 +210,8 @@ pub fn user_data(request: &InstanceRequest) -> String {
     let digest = Sha256::digest(format!("{}\0{ours}", users.unwrap_or_default()).as_bytes());
     let boundary: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
     let boundary = format!("epo-{boundary}");
-    let mut message = format!(
-        "Content-Type: multipart/mixed; boundary=\"{boundary}\"\r\nMIME-Version: 1.0\r\n\r\n"
-    );
+    let mut message =
+        format!("Content-Type: multipart/mixed; boundary=\"{boundary}\"\r\nMIME-Version: 1.0\r\n\r\n");
     if let Some(users) = users {
         message.push_str(&format!("--{boundary}\r\n"));
         if is_mime(users) {
@@ -241,6 +244,10 @@ pub fn user_data(request: &InstanceRequest) -> String {
 }
 
 fn is_mime(text: &str) -> bool {
-    let head = text.trim_start().get(..16).unwrap_or_default().to_ascii_lowercase();
+    let head = text
+        .trim_start()
+        .get(..16)
+        .unwrap_or_default()
+        .to_ascii_lowercase();
     head.starts_with("content-type:") || head.starts_with("mime-version:")
 }

@@ -55,7 +55,10 @@ fn stamp_round_trips_through_its_xml_with_awkward_characters() {
     req.placement.address = Some("192.0.2.7".into());
     let stamp = Stamp::for_request("kvm2-local", &req, created_at(), Some(forward.clone()));
     let xml = stamp.to_xml(KVM2_NAMESPACE);
-    assert!(xml.starts_with("<epo:owner xmlns:epo=\"https://crawl.example.com/kvm2/v1\""), "{xml}");
+    assert!(
+        xml.starts_with("<epo:owner xmlns:epo=\"https://crawl.example.com/kvm2/v1\""),
+        "{xml}"
+    );
     assert!(xml.contains("name=\"web-&lt;1&gt;&amp;&quot;&apos;\""), "{xml}");
     assert_eq!(Stamp::parse(&xml).expect("parses"), stamp);
     // libvirt hands the element back without its prefix.
@@ -82,9 +85,18 @@ fn stamp_endpoint_is_placement_address_with_the_proxy_port_without_a_forward() {
 #[test]
 fn damaged_stamps_are_errors_that_leave_the_instance_ownerless() {
     for (xml, attribute) in [
-        (r#"<owner uid="u" namespace="n" name="x" createdAt="2025-01-01T00:00:00Z" port="1"/>"#, "specHash"),
-        (r#"<owner uid="u" namespace="n" name="x" specHash="h" createdAt="yesterday" port="1"/>"#, "createdAt"),
-        (r#"<owner uid="" namespace="n" name="x" specHash="h" createdAt="2025-01-01T00:00:00Z" port="1"/>"#, "uid"),
+        (
+            r#"<owner uid="u" namespace="n" name="x" createdAt="2025-01-01T00:00:00Z" port="1"/>"#,
+            "specHash",
+        ),
+        (
+            r#"<owner uid="u" namespace="n" name="x" specHash="h" createdAt="yesterday" port="1"/>"#,
+            "createdAt",
+        ),
+        (
+            r#"<owner uid="" namespace="n" name="x" specHash="h" createdAt="2025-01-01T00:00:00Z" port="1"/>"#,
+            "uid",
+        ),
     ] {
         match Stamp::parse(xml) {
             Err(StampError::Attribute(name)) => assert_eq!(name, attribute, "{xml}"),
@@ -198,7 +210,10 @@ fn domain_xml_for_user_mode_and_kernel_boot_has_what_a_real_guest_needs() {
     assert_eq!(text("kernel"), "/images/vmlinuz");
     assert_eq!(text("initrd"), "/images/initrd.img");
     assert_eq!(text("cmdline"), "root=/dev/vda console=ttyS0");
-    let ty = doc.descendants().find(|n| n.has_tag_name("type")).expect("os type");
+    let ty = doc
+        .descendants()
+        .find(|n| n.has_tag_name("type"))
+        .expect("os type");
     assert_eq!(ty.attribute("machine"), Some("pc"));
     // The stamp, in kvm2's namespace.
     let owner = doc
@@ -211,7 +226,10 @@ fn domain_xml_for_user_mode_and_kernel_boot_has_what_a_real_guest_needs() {
     let disks: Vec<_> = doc.descendants().filter(|n| n.has_tag_name("disk")).collect();
     assert_eq!(disks.len(), 2);
     let source = |disk: &roxmltree::Node<'_, '_>| {
-        let source = disk.children().find(|n| n.has_tag_name("source")).expect("source");
+        let source = disk
+            .children()
+            .find(|n| n.has_tag_name("source"))
+            .expect("source");
         (
             source.attribute("pool").expect("pool").to_owned(),
             source.attribute("volume").expect("volume").to_owned(),
@@ -219,7 +237,10 @@ fn domain_xml_for_user_mode_and_kernel_boot_has_what_a_real_guest_needs() {
     };
     assert_eq!(
         source(&disks[0]),
-        ("pool & co".to_owned(), "epo-crawl-web-1-0a1b2c3d-kvm2-disk.qcow2".to_owned())
+        (
+            "pool & co".to_owned(),
+            "epo-crawl-web-1-0a1b2c3d-kvm2-disk.qcow2".to_owned()
+        )
     );
     assert_eq!(source(&disks[1]).1, "epo-crawl-web-1-0a1b2c3d-kvm2-seed.iso");
     assert!(disks[1].children().any(|n| n.has_tag_name("readonly")));
@@ -261,12 +282,18 @@ fn domain_xml_for_libvirt_and_bridge_networks_boots_from_disk() {
             .find(|n| n.has_tag_name("interface"))
             .expect("interface");
         assert_eq!(interface.attribute("type"), Some(kind));
-        let source = interface.children().find(|n| n.has_tag_name("source")).expect("source");
+        let source = interface
+            .children()
+            .find(|n| n.has_tag_name("source"))
+            .expect("source");
         assert_eq!(source.attribute(attribute), Some(value));
         let boot = doc.descendants().find(|n| n.has_tag_name("boot")).expect("boot");
         assert_eq!(boot.attribute("dev"), Some("hd"));
         assert!(!doc.descendants().any(|n| n.has_tag_name("kernel")));
-        assert!(!doc.descendants().any(|n| n.has_tag_name((QEMU_NAMESPACE, "commandline"))));
+        assert!(
+            !doc.descendants()
+                .any(|n| n.has_tag_name((QEMU_NAMESPACE, "commandline")))
+        );
     }
 }
 
@@ -324,10 +351,20 @@ fn forward_address_prefers_placement_and_refuses_ipv6() {
 #[test]
 fn picked_address_prefers_global_ipv4() {
     assert_eq!(
-        pick_address(["fe80::1/64", "2001:db8::5/64", "127.0.0.1/8", "169.254.0.9/16", "10.1.2.3/24"]).as_deref(),
+        pick_address([
+            "fe80::1/64",
+            "2001:db8::5/64",
+            "127.0.0.1/8",
+            "169.254.0.9/16",
+            "10.1.2.3/24"
+        ])
+        .as_deref(),
         Some("10.1.2.3")
     );
-    assert_eq!(pick_address(["fe80::1/64", "2001:db8::5/64"]).as_deref(), Some("2001:db8::5"));
+    assert_eq!(
+        pick_address(["fe80::1/64", "2001:db8::5/64"]).as_deref(),
+        Some("2001:db8::5")
+    );
     assert_eq!(pick_address(["::1/128", "garbage"]), None);
 }
 
@@ -406,8 +443,14 @@ fn user_data_keeps_the_users_part_and_adds_the_proxy_config() {
     });
     req.placement.outgoing_address = Some("192.0.2.9".into());
     let seed = Seed::for_request(&req).expect("seed");
-    assert!(seed.user_data.starts_with("Content-Type: multipart/mixed; boundary="));
-    assert!(!seed.user_data.contains("s3cret"), "the password is stored hashed only");
+    assert!(
+        seed.user_data
+            .starts_with("Content-Type: multipart/mixed; boundary=")
+    );
+    assert!(
+        !seed.user_data.contains("s3cret"),
+        "the password is stored hashed only"
+    );
     let parts = mime_parts(&seed.user_data);
     assert_eq!(parts.len(), 2, "{parts:?}");
     assert!(parts[0].0.contains("Content-Type: text/x-not-multipart"));
@@ -423,14 +466,20 @@ fn user_data_keeps_the_users_part_and_adds_the_proxy_config() {
     assert_eq!(files[0]["path"], SQUID_CONF_PATH);
     let conf = files[0]["content"].as_str().expect("conf");
     assert!(conf.contains("http_port 3128\n"), "{conf}");
-    assert!(conf.contains("visible_hostname epo-crawl-web-1-0a1b2c3d\n"), "{conf}");
+    assert!(
+        conf.contains("visible_hostname epo-crawl-web-1-0a1b2c3d\n"),
+        "{conf}"
+    );
     assert!(conf.contains("tcp_outgoing_address 192.0.2.9\n"), "{conf}");
     assert!(conf.contains("acl authenticated proxy_auth REQUIRED\n"), "{conf}");
     assert_eq!(files[1]["path"], SQUID_PASSWD_PATH);
     assert_eq!(files[1]["owner"], "root:proxy");
     let passwd = files[1]["content"].as_str().expect("passwd");
     assert!(passwd.starts_with("crawler:$6$"), "{passwd}");
-    assert!(seed.meta_data.contains("local-hostname: epo-crawl-web-1-0a1b2c3d\n"));
+    assert!(
+        seed.meta_data
+            .contains("local-hostname: epo-crawl-web-1-0a1b2c3d\n")
+    );
 }
 
 #[test]
@@ -445,7 +494,10 @@ fn user_data_nests_a_users_mime_message_and_works_without_one() {
     let without = Seed::for_request(&req).expect("seed").user_data;
     let parts = mime_parts(&without);
     assert_eq!(parts.len(), 1);
-    assert!(parts[0].1.contains("http_access allow all"), "open proxy without credentials");
+    assert!(
+        parts[0].1.contains("http_access allow all"),
+        "open proxy without credentials"
+    );
 }
 
 #[test]
@@ -472,5 +524,8 @@ fn seed_debug_output_is_redacted() {
     req.user_data = Some(UserData("#cloud-config\npassword: hunter2\n".into()));
     let seed = Seed::for_request(&req).expect("seed");
     let shown = format!("{seed:?}");
-    assert!(!shown.contains("hunter2") && shown.contains("redacted"), "{shown}");
+    assert!(
+        !shown.contains("hunter2") && shown.contains("redacted"),
+        "{shown}"
+    );
 }
