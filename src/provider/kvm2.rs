@@ -172,9 +172,12 @@ impl Provider for Kvm2Provider {
             let library = connection
                 .lib_version()
                 .map_err(|err| classify("reading libvirt's version", &err))?;
+            let driver = connection
+                .driver_type()
+                .unwrap_or_else(|_| "hypervisor".to_owned());
             let hypervisor = connection
                 .hyp_version()
-                .map(|v| format!(", hypervisor {}", version(v)))
+                .map(|v| format!(", hypervisor {driver} {}", version(v)))
                 .unwrap_or_default();
             Ok(ProbeReport {
                 instance_count: count,
