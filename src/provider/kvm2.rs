@@ -132,7 +132,11 @@ impl Provider for Kvm2Provider {
         let name = name.to_owned();
         self.blocking("get", move |session, connection| {
             match session.lookup(connection, &name)? {
-                Lookup::Ours(domain, stamp) => session.describe(&domain, &name, *stamp, true),
+                Lookup::Ours(domain, stamp) => match session.describe(&domain, &name, *stamp, true) {
+                    // Deleted between the lookup and the description.
+                    Err(_) if session.vanished(connection, &name) => Err(ProviderError::NotFound(name)),
+                    described => described,
+                },
                 Lookup::Missing | Lookup::Foreign => Err(ProviderError::NotFound(name)),
             }
         })
@@ -154,11 +158,16 @@ impl Provider for Kvm2Provider {
 
     async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
         self.blocking("list", |session, connection| {
-            session
-                .stamped_domains(connection)?
-                .into_iter()
-                .map(|(domain, name, stamp)| session.describe(&domain, &name, stamp, false))
-                .collect()
+            let mut instances = Vec::new();
+            for (domain, name, stamp) in session.stamped_domains(connection)? {
+                match session.describe(&domain, &name, stamp, false) {
+                    Ok(instance) => instances.push(instance),
+                    // Deleted while we listed.
+                    Err(_) if session.vanished(connection, &name) => {}
+                    Err(err) => return Err(err),
+                }
+            }
+            Ok(instances)
         })
         .await
     }
@@ -240,6 +249,11 @@ impl Session {
             Err(err) if has_code(&err, ErrorNumber::NoDomain) => Ok(Lookup::Missing),
             Err(err) => Err(classify(format!("reading the metadata of domain {name}"), &err)),
         }
+    }
+
+    /// Whether domain `name` certainly no longer exists.
+    fn vanished(&self, connection: &Connect, name: &str) -> bool {
+        matches!(connection.lookup_domain_by_name(name), Err(err) if has_code(&err, ErrorNumber::NoDomain))
     }
 
     /// Every domain carrying kvm2's stamp, with its name.
