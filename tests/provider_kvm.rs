@@ -440,3 +440,80 @@ async fn unreachable_libvirt_is_unavailable_quickly() {
         );
     }
 }
+
+/// A socket that accepts connections and never answers, as a hung libvirt would.
+struct SilentSocket {
+    path: PathBuf,
+    _folder: tempfile::TempDir,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SilentSocket {
+    fn start() -> Self {
+        use std::sync::atomic::Ordering;
+        let folder = tempfile::tempdir().expect("temp");
+        let path = folder.path().join("silent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopping = std::sync::Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !stopping.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((stream, _)) => held.push(stream),
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+            // Dropping the connections releases whoever still waits on them.
+        });
+        Self {
+            path,
+            _folder: folder,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for SilentSocket {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hung_libvirt_is_unavailable_after_the_timeout() {
+    let socket = SilentSocket::start();
+    let uri = format!("qemu+unix:///session?socket={}", socket.path.display());
+    let mut settings = settings(&uri, POOL, user_network(24200));
+    settings.timeout_seconds = 1;
+    let providers: [Box<dyn Provider>; 2] = [
+        Box::new(Kvm2Provider::new("kvm2-hung", settings.clone())),
+        Box::new(KvmProvider::new("kvm-hung", settings)),
+    ];
+    for provider in &providers {
+        let started = Instant::now();
+        match provider.list().await {
+            Err(ProviderError::Unavailable(message)) => {
+                assert!(message.contains("within 1s"), "{message}")
+            }
+            other => panic!(
+                "{}: expected Unavailable, got {other:?}",
+                provider.provider_type()
+            ),
+        }
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(5),
+            "{}: gave up after {elapsed:?}",
+            provider.provider_type()
+        );
+    }
+    // Closing the socket releases kvm2's blocked thread before the runtime shuts down.
+    drop(socket);
+}

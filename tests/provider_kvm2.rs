@@ -246,3 +246,50 @@ async fn probe_reports_version_and_count() {
     );
     provider.delete(&req.name).await.expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_creates_of_one_name_make_one_domain() {
+    let connection = test_driver();
+    let provider = provider();
+    let req = request("concurrent");
+    let creates = futures::future::join_all((0..6).map(|_| provider.create(&req))).await;
+    let created: Vec<_> = creates
+        .into_iter()
+        .map(|outcome| outcome.expect("create").created_at)
+        .collect();
+    assert!(
+        created.iter().all(|at| *at == created[0]),
+        "one domain, returned six times: {created:?}"
+    );
+    let domains = connection.list_all_domains(0).expect("domains");
+    let named = domains
+        .iter()
+        .filter(|d| d.name().is_ok_and(|name| name == req.name))
+        .count();
+    assert_eq!(named, 1);
+    provider.delete(&req.name).await.expect("delete");
+}
+
+#[tokio::test]
+async fn a_damaged_stamp_is_listed_without_an_owner() {
+    let connection = test_driver();
+    let provider = provider();
+    let req = request("damaged");
+    let xml = format!(
+        "<domain type='test'><name>{}</name><metadata><k:owner xmlns:k='{KVM2_NAMESPACE}' uid='{}'/></metadata>\
+         <memory>65536</memory><os><type>hvm</type></os></domain>",
+        req.name, req.owner.uid
+    );
+    let damaged = connection.define_domain_xml(&xml).expect("define");
+    // Listed (it carries kvm2's stamp), but with no owner: orphan GC never deletes it.
+    let listed = provider.list().await.expect("list");
+    let found = listed
+        .iter()
+        .find(|i| i.id.native_id == req.name)
+        .expect("listed");
+    assert_eq!(found.owner, None);
+    assert_eq!(found.spec_hash, None);
+    let got = provider.get(&req.name).await.expect("get");
+    assert_eq!(got.owner, None);
+    damaged.undefine().expect("clean up");
+}

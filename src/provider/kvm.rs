@@ -412,18 +412,12 @@ impl KvmProvider {
             namespace: KVM_NAMESPACE,
             volumes: &volumes,
         });
-        match self.make_domain(&base, &volumes, iso, &xml, name).await {
-            Ok(()) => self.describe(name, Ok(stamp), true).await,
-            Err(err) => {
-                // Leave nothing behind: a defined domain and its volumes would leak.
-                if let Err(cleanup) = self.remove(name).await {
-                    tracing::warn!(instance = %name, error = %cleanup, "cleaning up after a failed create");
-                }
-                Err(err)
-            }
-        }
+        self.make_domain(&base, &volumes, iso, &xml, name).await?;
+        self.describe(name, Ok(stamp), true).await
     }
 
+    /// Makes the volumes, defines and starts the domain. Whatever fails, what this call made
+    /// is removed before the error returns, so nothing leaks.
     async fn make_domain(
         &self,
         base: &BaseVolume,
@@ -453,34 +447,62 @@ impl KvmProvider {
         )?;
         let seed_iso = write("seed.iso", iso)?;
         let domain_xml = write("domain.xml", xml.as_bytes())?;
-        self.virsh(&["vol-create", "--pool", pool, "--file", &disk_xml])
-            .await
-            .map_err(|err| classify(format!("creating disk volume {}", volumes.disk), err))?;
-        self.virsh(&["vol-create", "--pool", pool, "--file", &seed_xml])
-            .await
-            .map_err(|err| classify(format!("creating seed volume {}", volumes.seed), err))?;
-        self.virsh(&[
-            "vol-upload",
-            "--vol",
-            &volumes.seed,
-            "--pool",
-            pool,
-            "--file",
-            &seed_iso,
-        ])
-        .await
-        .map_err(|err| classify(format!("uploading seed volume {}", volumes.seed), err))?;
-        self.virsh(&["define", "--file", &domain_xml])
-            .await
-            .map_err(|err| classify(format!("defining domain {name}"), err))?;
-        self.virsh(&["start", "--domain", name])
-            .await
-            .map_err(|err| match err {
-                // A start that fails is about the domain (a kernel path, a taken port), not
-                // the connection, unless the connection says otherwise.
-                err if err.is_connection_trouble() => classify(format!("starting domain {name}"), err),
-                err => ProviderError::Backend(format!("starting domain {name}: {}", err.message())),
-            })?;
+        let steps: [(&[&str], String); 3] = [
+            (
+                &["vol-create", "--pool", pool, "--file", &disk_xml],
+                format!("creating disk volume {}", volumes.disk),
+            ),
+            (
+                &["vol-create", "--pool", pool, "--file", &seed_xml],
+                format!("creating seed volume {}", volumes.seed),
+            ),
+            (
+                &[
+                    "vol-upload",
+                    "--vol",
+                    &volumes.seed,
+                    "--pool",
+                    pool,
+                    "--file",
+                    &seed_iso,
+                ],
+                format!("uploading seed volume {}", volumes.seed),
+            ),
+        ];
+        for (args, context) in steps {
+            if let Err(err) = self.virsh(args).await {
+                let err = classify(context, err);
+                if let Err(cleanup) = self.delete_volumes(volumes).await {
+                    tracing::warn!(instance = name, error = %cleanup, "deleting volumes after a failed create");
+                }
+                return Err(err);
+            }
+        }
+        if let Err(err) = self.virsh(&["define", "--file", &domain_xml]).await {
+            let err = classify(format!("defining domain {name}"), err);
+            // Someone else defined this name meanwhile: everything of that name is theirs now.
+            if !matches!(self.lookup(name).await, Ok(Lookup::Missing)) {
+                return Err(ProviderError::Backend(format!(
+                    "{err}; a domain of that name appeared meanwhile"
+                )));
+            }
+            if let Err(cleanup) = self.delete_volumes(volumes).await {
+                tracing::warn!(instance = name, error = %cleanup, "deleting volumes after a failed create");
+            }
+            return Err(err);
+        }
+        if let Err(err) = self.virsh(&["start", "--domain", name]).await {
+            // A failed start leaves a defined domain: undefine it and delete its volumes.
+            if let Err(cleanup) = self.remove(name).await {
+                tracing::warn!(instance = name, error = %cleanup, "cleaning up after a failed start");
+            }
+            return Err(if err.is_connection_trouble() {
+                classify(format!("starting domain {name}"), err)
+            } else {
+                // A start that fails is about the domain (a kernel path, a taken port).
+                ProviderError::Backend(format!("starting domain {name}: {}", err.message()))
+            });
+        }
         Ok(())
     }
 

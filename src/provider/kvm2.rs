@@ -442,18 +442,12 @@ impl Session {
             namespace: KVM2_NAMESPACE,
             volumes: &volumes,
         });
-        match self.make_domain(connection, &pool, &base, &volumes, iso, &xml, name) {
-            Ok(domain) => self.describe(&domain, name, Ok(stamp), true),
-            Err(err) => {
-                // Leave nothing behind: a defined domain and its volumes would leak.
-                if let Err(cleanup) = self.remove(connection, name, Some(&pool)) {
-                    tracing::warn!(instance = name, error = %cleanup, "cleaning up after a failed create");
-                }
-                Err(err)
-            }
-        }
+        let domain = self.make_domain(connection, &pool, &base, &volumes, iso, &xml, name)?;
+        self.describe(&domain, name, Ok(stamp), true)
     }
 
+    /// Makes the volumes, defines and starts the domain. Whatever fails, what this call made
+    /// is removed before the error returns, so nothing leaks.
     #[allow(clippy::too_many_arguments)]
     fn make_domain(
         &self,
@@ -465,21 +459,44 @@ impl Session {
         xml: &str,
         name: &str,
     ) -> Result<Domain, ProviderError> {
-        StorageVol::create_xml(pool, &libvirt::overlay_volume_xml(&volumes.disk, base), 0)
-            .map_err(|err| classify(format!("creating disk volume {}", volumes.disk), &err))?;
+        let cleanup_volumes = |err: ProviderError| {
+            if let Err(cleanup) = self.delete_volumes(pool, volumes) {
+                tracing::warn!(instance = name, error = %cleanup, "deleting volumes after a failed create");
+            }
+            err
+        };
+        StorageVol::create_xml(pool, &libvirt::overlay_volume_xml(&volumes.disk, base), 0).map_err(
+            |err| cleanup_volumes(classify(format!("creating disk volume {}", volumes.disk), &err)),
+        )?;
         let seed = StorageVol::create_xml(
             pool,
             &libvirt::seed_volume_xml(&volumes.seed, iso.len() as u64),
             0,
         )
-        .map_err(|err| classify(format!("creating seed volume {}", volumes.seed), &err))?;
-        self.upload(connection, &seed, &volumes.seed, iso)?;
-        let domain = connection
-            .define_domain_xml(xml)
-            .map_err(|err| classify(format!("defining domain {name}"), &err))?;
-        domain
-            .create()
-            .map_err(|err| ProviderError::Backend(format!("starting domain {name}: {}", err.message())))?;
+        .map_err(|err| cleanup_volumes(classify(format!("creating seed volume {}", volumes.seed), &err)))?;
+        self.upload(connection, &seed, &volumes.seed, iso)
+            .map_err(cleanup_volumes)?;
+        let domain = match connection.define_domain_xml(xml) {
+            Ok(domain) => domain,
+            // Someone else defined this name meanwhile: everything of that name is theirs now.
+            Err(err) if !self.vanished(connection, name) => {
+                return Err(ProviderError::Backend(format!(
+                    "defining domain {name}: {}; a domain of that name appeared meanwhile",
+                    err.message()
+                )));
+            }
+            Err(err) => return Err(cleanup_volumes(classify(format!("defining domain {name}"), &err))),
+        };
+        if let Err(err) = domain.create() {
+            // A failed start leaves a defined domain: undefine it and delete its volumes.
+            if let Err(cleanup) = self.remove(connection, name, Some(pool)) {
+                tracing::warn!(instance = name, error = %cleanup, "cleaning up after a failed start");
+            }
+            return Err(ProviderError::Backend(format!(
+                "starting domain {name}: {}",
+                err.message()
+            )));
+        }
         Ok(domain)
     }
 
