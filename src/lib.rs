@@ -7,5 +7,8 @@
 pub mod api;
 pub mod check;
 pub mod config;
+pub mod discovery;
+pub mod health;
+pub mod lease;
 pub mod machine;
 pub mod provider;
