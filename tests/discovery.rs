@@ -70,6 +70,7 @@ fn demo_store() -> LeaseStore {
 /// A live server on 127.0.0.1:0; stops (gracefully) on Drop.
 struct Server {
     url: String,
+    _ready: watch::Sender<Readiness>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
@@ -78,12 +79,10 @@ impl Server {
     async fn start(store: LeaseStore, auth: Arc<dyn Authenticator>) -> Server {
         let mut registry = Registry::default();
         let metrics = DiscoveryMetrics::register(&mut registry);
-        let (_ready, readiness) = watch::channel(Readiness {
+        let (ready, readiness) = watch::channel(Readiness {
             synced: true,
             leader: true,
         });
-        // Keep the sender alive for the server's lifetime.
-        std::mem::forget(_ready);
         let state = DiscoveryState::new(
             store,
             LeaseSigner::new(&SECRET).unwrap(),
@@ -101,6 +100,7 @@ impl Server {
         }));
         Server {
             url,
+            _ready: ready,
             stop: Some(stop),
             task: Some(task),
         }

@@ -333,7 +333,7 @@ fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, ApiError> {
 pub async fn handle<B>(state: &DiscoveryState, request: Request<B>) -> Response<Full<Bytes>>
 where
     B: Body<Data = Bytes>,
-    B::Error: std::fmt::Display,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let started = Instant::now();
     let (parts, body) = request.into_parts();
@@ -361,7 +361,7 @@ async fn dispatch<B>(
 ) -> Result<Response<Full<Bytes>>, ApiError>
 where
     B: Body<Data = Bytes>,
-    B::Error: std::fmt::Display,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let s = &state.inner;
     match route {
@@ -454,7 +454,7 @@ async fn read_json<T, B>(s: &StateInner, parts: &hyper::http::request::Parts, bo
 where
     T: serde::de::DeserializeOwned,
     B: Body<Data = Bytes>,
-    B::Error: std::fmt::Display,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let limit = s.config.max_body_bytes;
     let too_large = || {

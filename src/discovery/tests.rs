@@ -355,11 +355,10 @@ async fn malformed_requests_never_get_a_5xx() {
                     body = format!("{}1{}", "{\"a\":".repeat(200), "}".repeat(200)).into_bytes()
                 }
                 6 if !path.is_empty() => {
-                    let i = rng.usize(..path.len());
-                    path.replace_range(
-                        i..=i.min(path.len() - 1),
-                        ["%", "/", "?", "..", "%00", "é", "x"][rng.usize(..7)],
-                    );
+                    let boundaries: Vec<usize> = path.char_indices().map(|(i, _)| i).collect();
+                    let i = boundaries[rng.usize(..boundaries.len())];
+                    let end = i + path[i..].chars().next().map_or(0, char::len_utf8);
+                    path.replace_range(i..end, ["%", "/", "?", "..", "%00", "é", "x"][rng.usize(..7)]);
                 }
                 _ => body = serde_json::to_vec(&json!({"holder": rng.u64(..), "extra": [1, 2, 3]})).unwrap(),
             }

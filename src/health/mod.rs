@@ -187,13 +187,13 @@ struct Table {
 }
 
 impl Table {
-    fn gen(&mut self) -> u64 {
+    fn next_generation(&mut self) -> u64 {
         self.next_gen += 1;
         self.next_gen
     }
 
     fn schedule(&mut self, key: &ProxyKey, at: Instant) {
-        let generation = self.gen();
+        let generation = self.next_generation();
         if let Some(e) = self.entries.get_mut(key) {
             e.schedule = generation;
             self.heap.push(Reverse((at, generation, key.clone())));
@@ -289,11 +289,12 @@ impl HealthHandle {
     pub fn upsert(&self, target: HealthTarget) {
         let state = self.state();
         let now = Instant::now();
-        let mut table = state.table();
+        let mut guard = state.table();
+        let table = &mut *guard;
         let key = target.key.clone();
         let first = match table.entries.get_mut(&key) {
             None => {
-                let identity = table.gen();
+                let identity = table.next_generation();
                 let interval = target.interval;
                 table.entries.insert(
                     key.clone(),
@@ -313,7 +314,7 @@ impl HealthHandle {
                 // A probe in flight reports on the old endpoint or URL: its result is dropped
                 // (identity changes) and the new one is probed at once.
                 entry.in_flight = false;
-                let identity = table.gen();
+                let identity = table.next_generation();
                 if let Some(entry) = table.entries.get_mut(&key) {
                     entry.identity = identity;
                 }
@@ -328,7 +329,7 @@ impl HealthHandle {
         if let Some(delay) = first {
             table.schedule(&key, now + delay);
         }
-        drop(table);
+        drop(guard);
         state.wake.notify_one();
     }
 

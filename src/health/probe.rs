@@ -192,7 +192,7 @@ async fn connect_tunnel(
             }));
         }
     };
-    if response.status() != StatusCode::OK {
+    if !response.status().is_success() {
         return Err(ProbeError::ProxyStatus(response.status()));
     }
     let (upgraded, conn_result) = tokio::join!(hyper::upgrade::on(response), conn);

@@ -173,7 +173,6 @@ struct Shard {
     lists: Vec<ListHead>,
     cooling: BinaryHeap<Reverse<(u64, u32, u32)>>,
     seq: u64,
-    issued_hwm: u64,
     active: usize,
     dirty: bool,
     /// First tokens of leases taken back from claims, until their claimed expiry: a claim is
@@ -199,7 +198,6 @@ impl Shard {
             lists: vec![ListHead::EMPTY],
             cooling: BinaryHeap::new(),
             seq: 0,
-            issued_hwm: 0,
             active: 0,
             dirty: false,
             reinstated: HashMap::new(),
@@ -222,9 +220,7 @@ impl Shard {
 
     fn next_token(&mut self, now: u64) -> u64 {
         self.seq = (self.seq + 1).max(now * SEQ_PER_MS);
-        let token = (self.seq << SHARD_BITS) | self.id as u64;
-        self.issued_hwm = token;
-        token
+        (self.seq << SHARD_BITS) | self.id as u64
     }
 
     fn observe_token(&mut self, token: u64) {
@@ -1054,8 +1050,10 @@ impl LeaseStore {
         }
         for shard in self.inner.shards.iter() {
             let shard = lock(&shard.0);
+            // The sequence itself, not just the last token issued: it starts at the clock, so a
+            // checkpoint taken before any lease still bounds what came before it.
             let hwm = cp.token_hwm.entry(shard.id).or_insert(0);
-            *hwm = (*hwm).max(shard.issued_hwm);
+            *hwm = (*hwm).max((shard.seq << SHARD_BITS) | shard.id as u64);
             for slot in shard.slots.iter() {
                 let Some(p) = slot.proxy.as_ref() else { continue };
                 let leases: Vec<_> = p

@@ -411,15 +411,17 @@ async fn leases_survive_a_restart_through_the_file_checkpoint() {
     let file = FileCheckpoint::new(dir.path().join("leases.json"));
     assert_eq!(file.load().await.unwrap(), None);
     let (before, clock) = store(4);
-    add_open(&before, target("a", &[], 2, 30));
-    add_open(&before, target("b", &[], 1, 0));
-    let all = sel(&before, "");
-    let l1 = acquire_with(&before, &all, Some("shop.example"), Some("s1")).unwrap();
-    let l2 = acquire(&before, &all).unwrap();
-    let l3 = acquire(&before, &all).unwrap();
+    add_open(&before, target("a", &[("name", "a")], 2, 30));
+    add_open(&before, target("b", &[("name", "b")], 1, 0));
+    let on_a = sel(&before, "name=a");
+    let on_b = sel(&before, "name=b");
+    let l1 = acquire_with(&before, &on_a, Some("shop.example"), Some("s1")).unwrap();
+    let l2 = acquire(&before, &on_a).unwrap();
+    let l3 = acquire(&before, &on_b).unwrap();
     let renewed = before.renew(&l1.id, l1.fencing_token, None).unwrap();
-    let banned = before.release(&l3.id, l3.fencing_token, Outcome::Banned, Some("news.example"));
-    banned.unwrap();
+    before
+        .release(&l3.id, l3.fencing_token, Outcome::Banned, Some("news.example"))
+        .unwrap();
     assert!(before.take_dirty());
     file.save(&before.checkpoint()).await.unwrap();
     assert!(!before.take_dirty());
@@ -442,23 +444,24 @@ async fn leases_survive_a_restart_through_the_file_checkpoint() {
         })
     );
     // ...and once it does, limits count the restored leases and admission is kept.
-    after.upsert_proxy(target("a", &[], 2, 30));
-    after.upsert_proxy(target("b", &[], 1, 0));
+    after.upsert_proxy(target("a", &[("name", "a")], 2, 30));
+    after.upsert_proxy(target("b", &[("name", "b")], 1, 0));
     assert_eq!(after.active_total(), 2);
     let all = sel(&after, "");
     let l4 = acquire(&after, &all).unwrap();
-    assert!(acquire(&after, &all).is_err(), "a: 2 of 2 taken; b: 1 of 1 taken");
-    assert_eq!(name(&l4), "a");
+    assert_eq!(name(&l4), "b", "a is full with its two restored leases");
+    assert!(acquire(&after, &all).is_err());
+    after.release(&l4.id, l4.fencing_token, Outcome::Ok, None).unwrap();
     assert!(
         acquire_with(&after, &all, Some("news.example"), None).is_err(),
-        "the ban survived"
+        "the ban on b survived"
     );
     after.release(&l2.id, l2.fencing_token, Outcome::Ok, None).unwrap();
-    // The sticky session still points at a (busy now, so it gets b)...
+    // The sticky session is still bound to a (which has a free slot again).
     let sticky = acquire_with(&after, &all, None, Some("s1")).unwrap();
-    assert_eq!(name(&sticky), "b");
+    assert_eq!(name(&sticky), "a");
     // Tokens keep increasing across the restart.
-    assert!(l4.fencing_token > r.fencing_token);
+    assert!(l4.fencing_token > r.fencing_token && r.fencing_token > l3.fencing_token);
 }
 
 #[test]

@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+use std::os::unix::process::CommandExt;
 use std::{
     convert::Infallible,
     net::{SocketAddr, TcpListener as StdListener},
