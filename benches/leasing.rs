@@ -20,8 +20,8 @@ use egress_proxies_operator::{
     discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, StaticTokens},
     health::{HealthConfig, HealthEngine, HealthTarget},
     lease::{
-        AcquireRequest, Admission, CompiledSelector, LeaseStore, LeaseStoreConfig, LeaseTarget, Outcome, ProxyKey,
-        Selector, token::LeaseSigner,
+        AcquireRequest, Admission, CompiledSelector, LeaseStore, LeaseStoreConfig, LeaseTarget, Outcome,
+        ProxyKey, Selector, token::LeaseSigner,
     },
     provider::Endpoint,
 };
@@ -35,7 +35,12 @@ const PROXIES: usize = 10_000;
 const REGIONS: [&str; 4] = ["eu", "us", "ap", "sa"];
 
 fn secs(var: &str, default: u64) -> Duration {
-    Duration::from_secs(std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default))
+    Duration::from_secs(
+        std::env::var(var)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default),
+    )
 }
 
 fn filled_store(max_concurrent: i32) -> LeaseStore {
@@ -50,7 +55,10 @@ fn filled_store(max_concurrent: i32) -> LeaseStore {
             },
             attributes: BTreeMap::from([
                 ("region".to_owned(), REGIONS[i % 4].to_owned()),
-                ("tier".to_owned(), if i % 3 == 0 { "res" } else { "dc" }.to_owned()),
+                (
+                    "tier".to_owned(),
+                    if i % 3 == 0 { "res" } else { "dc" }.to_owned(),
+                ),
             ]),
             policy: LeasePolicy {
                 max_concurrent,
@@ -131,14 +139,21 @@ fn run_mutex_baseline(threads: usize, for_: Duration) -> f64 {
 
 fn bench_store() {
     let for_ = secs("EPO_BENCH_SECS", 3);
-    println!("lease store: {PROXIES} proxies, acquire+release pairs, {}s per case", for_.as_secs());
+    println!(
+        "lease store: {PROXIES} proxies, acquire+release pairs, {}s per case",
+        for_.as_secs()
+    );
     let store = filled_store(1);
     let any = store.compile(&Selector::default());
     let eu = store.compile(&Selector::parse("region=eu").expect("valid"));
     let eu_dc = store.compile(&Selector::parse("region=eu,tier=dc").expect("valid"));
     let baseline = run_mutex_baseline(2, for_);
     let one = run_store(&store, &any, 1, for_);
-    for (name, selector) in [("any proxy", &any), ("region=eu", &eu), ("region=eu,tier=dc", &eu_dc)] {
+    for (name, selector) in [
+        ("any proxy", &any),
+        ("region=eu", &eu),
+        ("region=eu,tier=dc", &eu_dc),
+    ] {
         let two = run_store(&store, selector, 2, for_);
         println!(
             "  {name:<18} 2 threads: {:>6.2} M/s  ({:.2}x the 5 M/s target)",
@@ -191,7 +206,8 @@ async fn drive(addr: std::net::SocketAddr, connections: usize, for_: Duration) -
                 .expect("handshake");
             tokio::spawn(conn);
             let mut latencies = Vec::with_capacity(1 << 16);
-            let acquire_body = Bytes::from_static(br#"{"holder":"bench","selector":{"tier":"dc"},"ttlSeconds":60}"#);
+            let acquire_body =
+                Bytes::from_static(br#"{"holder":"bench","selector":{"tier":"dc"},"ttlSeconds":60}"#);
             while !stop.load(Ordering::Relaxed) {
                 let t = Instant::now();
                 let req = Request::post("/v1/leases")
@@ -248,7 +264,9 @@ async fn serve_bare(listener: TcpListener) {
         "A".repeat(120)
     ));
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         let canned = canned.clone();
         tokio::spawn(async move {
@@ -270,7 +288,10 @@ async fn serve_bare(listener: TcpListener) {
 fn bench_http() {
     let for_ = secs("EPO_BENCH_SECS", 3).max(Duration::from_secs(2));
     let connections = 64;
-    println!("discovery API: {connections} keep-alive connections, acquire then release, {}s per server", for_.as_secs());
+    println!(
+        "discovery API: {connections} keep-alive connections, acquire then release, {}s per server",
+        for_.as_secs()
+    );
     // Server and client each get their own 2-thread runtime on the same 2 cores, for both servers.
     let server_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -360,7 +381,10 @@ fn thread_cpu_seconds(clocks: &[libc::clockid_t]) -> f64 {
     clocks
         .iter()
         .map(|c| {
-            let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+            let mut ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
             // SAFETY: clock_gettime writes only `ts`; the clock ids belong to live threads.
             unsafe { libc::clock_gettime(*c, &mut ts) };
             ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
@@ -387,7 +411,9 @@ fn bench_health() {
         let addr = listener.local_addr().expect("addr");
         tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(|_req: Request<hyper::body::Incoming>| async {
                         let mut r = Response::new(Full::new(Bytes::new()));

@@ -167,7 +167,15 @@ async fn docs_examples_run_against_a_live_server() {
     let markdown = std::fs::read_to_string(support::crate_path("docs/api.md")).unwrap();
     let examples = examples(&markdown);
     // Every endpoint has at least one example.
-    for endpoint in ["/healthz", "/readyz", "/metrics", "/v1/proxies", "/v1/leases\"", "/renew", "/release"] {
+    for endpoint in [
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v1/proxies",
+        "/v1/leases\"",
+        "/renew",
+        "/release",
+    ] {
         assert!(
             examples.iter().any(|e| e.command.contains(endpoint)),
             "docs/api.md has no example for {endpoint}"
@@ -176,9 +184,14 @@ async fn docs_examples_run_against_a_live_server() {
     let server = Server::start(demo_store(), tokens()).await;
     let dir = tempfile::tempdir().unwrap();
     let body_file = dir.path().join("body");
-    let mut env: HashMap<&str, String> = HashMap::from([("EPO_URL", server.url.clone()), ("EPO_TOKEN", TOKEN.to_owned())]);
+    let mut env: HashMap<&str, String> =
+        HashMap::from([("EPO_URL", server.url.clone()), ("EPO_TOKEN", TOKEN.to_owned())]);
     for example in &examples {
-        let command = format!("{} -o '{}' -w '%{{http_code}}'", example.command, body_file.display());
+        let command = format!(
+            "{} -o '{}' -w '%{{http_code}}'",
+            example.command,
+            body_file.display()
+        );
         let output = tokio::process::Command::new("bash")
             .arg("-c")
             .arg(&command)
@@ -203,14 +216,14 @@ async fn docs_examples_run_against_a_live_server() {
             if let Some(id) = json["leaseId"].as_str() {
                 env.insert("LEASE_ID", id.to_owned());
             }
-            if let Some(token) = json["fencingToken"].as_u64() {
-                if let Some(old) = env.insert("FENCING_TOKEN", token.to_string()) {
-                    env.insert("OLD_FENCING_TOKEN", old);
-                }
+            if let Some(token) = json["fencingToken"].as_u64()
+                && let Some(old) = env.insert("FENCING_TOKEN", token.to_string())
+            {
+                env.insert("OLD_FENCING_TOKEN", old);
             }
         }
     }
-    assert!(examples.len() >= 14, "found {} examples", examples.len());
+    assert!(examples.len() >= 13, "found {} examples", examples.len());
     server.shutdown().await;
 }
 
@@ -226,7 +239,11 @@ async fn send(
         .uri(path)
         .header("host", "epo")
         .header("authorization", format!("Bearer {token}"))
-        .body(Full::new(Bytes::from(if body.is_null() { String::new() } else { body.to_string() })))
+        .body(Full::new(Bytes::from(if body.is_null() {
+            String::new()
+        } else {
+            body.to_string()
+        })))
         .unwrap();
     let response = sender.send_request(req).await.unwrap();
     let status = response.status();
@@ -237,7 +254,9 @@ async fn send(
 async fn connect(url: &str) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
     let addr = url.trim_start_matches("http://");
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
     tokio::spawn(conn);
     sender
 }
@@ -247,16 +266,34 @@ async fn keep_alive_connection_serves_a_lease_lifecycle_then_shuts_down() {
     let server = Server::start(demo_store(), tokens()).await;
     let mut c = connect(&server.url).await;
     for _ in 0..50 {
-        let (status, lease) = send(&mut c, "POST", "/v1/leases", TOKEN, json!({"holder": "k", "selector": {"region": "us"}})).await;
+        let (status, lease) = send(
+            &mut c,
+            "POST",
+            "/v1/leases",
+            TOKEN,
+            json!({"holder": "k", "selector": {"region": "us"}}),
+        )
+        .await;
         assert_eq!(status, StatusCode::CREATED, "{lease}");
         let path = format!("/v1/leases/{}/release", lease["leaseId"].as_str().unwrap());
-        let (status, _) = send(&mut c, "POST", &path, TOKEN, json!({"fencingToken": lease["fencingToken"], "outcome": "ok"})).await;
+        let (status, _) = send(
+            &mut c,
+            "POST",
+            &path,
+            TOKEN,
+            json!({"fencingToken": lease["fencingToken"], "outcome": "ok"}),
+        )
+        .await;
         assert_eq!(status, StatusCode::OK);
     }
-    // Slow headers do not hold a shutdown forever, and an idle keep-alive connection does
-    // not either.
+    // An idle keep-alive connection does not hold the shutdown up: the server closes it.
     server.shutdown().await;
-    assert!(c.ready().await.is_err() || c.is_closed(), "the idle connection was closed");
+    support::eventually(
+        Duration::from_secs(5),
+        "the server closing the idle connection",
+        || c.is_closed(),
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -264,10 +301,24 @@ async fn leases_survive_a_leader_change() {
     let store_a = demo_store();
     let server_a = Server::start(store_a.clone(), tokens()).await;
     let mut c = connect(&server_a.url).await;
-    let (_, known) = send(&mut c, "POST", "/v1/leases", TOKEN, json!({"holder": "a", "selector": {"region": "us"}})).await;
+    let (_, known) = send(
+        &mut c,
+        "POST",
+        "/v1/leases",
+        TOKEN,
+        json!({"holder": "a", "selector": {"region": "us"}}),
+    )
+    .await;
     // The leader's last checkpoint, as cluster mode stores it: chunks in Kubernetes objects.
     let chunks = encode_chunks(&store_a.checkpoint(), 900 * 1024).unwrap();
-    let (_, missed) = send(&mut c, "POST", "/v1/leases", TOKEN, json!({"holder": "b", "selector": {"region": "us"}})).await;
+    let (_, missed) = send(
+        &mut c,
+        "POST",
+        "/v1/leases",
+        TOKEN,
+        json!({"holder": "b", "selector": {"region": "us"}}),
+    )
+    .await;
     assert!(missed["leaseId"].is_string(), "{missed}");
     drop(c);
     server_a.shutdown().await;
@@ -277,23 +328,49 @@ async fn leases_survive_a_leader_change() {
     store_b.restore(&decode_chunks(&chunks).unwrap().unwrap());
     let server_b = Server::start(store_b.clone(), tokens()).await;
     let mut c = connect(&server_b.url).await;
-    let renew = |lease: &Value| (format!("/v1/leases/{}/renew", lease["leaseId"].as_str().unwrap()), json!({"fencingToken": lease["fencingToken"]}));
+    let renew = |lease: &Value| {
+        (
+            format!("/v1/leases/{}/renew", lease["leaseId"].as_str().unwrap()),
+            json!({"fencingToken": lease["fencingToken"]}),
+        )
+    };
     let (path, body) = renew(&known);
     let (status, renewed) = send(&mut c, "POST", &path, TOKEN, body).await;
     assert_eq!(status, StatusCode::OK, "{renewed}");
     assert!(renewed["fencingToken"].as_u64() > known["fencingToken"].as_u64());
     let (path, body) = renew(&missed);
     let (status, renewed_missed) = send(&mut c, "POST", &path, TOKEN, body).await;
-    assert_eq!(status, StatusCode::OK, "the lease the checkpoint missed is honoured: {renewed_missed}");
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "the lease the checkpoint missed is honoured: {renewed_missed}"
+    );
     // Limits count both: us-1 allows 2.
-    let (status, refused) = send(&mut c, "POST", "/v1/leases", TOKEN, json!({"holder": "c", "selector": {"region": "us"}})).await;
+    let (status, refused) = send(
+        &mut c,
+        "POST",
+        "/v1/leases",
+        TOKEN,
+        json!({"holder": "c", "selector": {"region": "us"}}),
+    )
+    .await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{refused}");
     assert_eq!(store_b.active_leases(&ProxyKey::new("crawl", "us-1")), 2);
     // A forged ID (signed with another key) is unknown.
     let forged = LeaseSigner::new(&[1u8; 32]).unwrap();
-    let mut claim = LeaseSigner::new(&SECRET).unwrap().verify(missed["leaseId"].as_str().unwrap()).unwrap();
+    let mut claim = LeaseSigner::new(&SECRET)
+        .unwrap()
+        .verify(missed["leaseId"].as_str().unwrap())
+        .unwrap();
     claim.holder = "mallory".into();
-    let (status, _) = send(&mut c, "POST", &format!("/v1/leases/{}/renew", forged.sign(&claim)), TOKEN, json!({"fencingToken": 1})).await;
+    let (status, _) = send(
+        &mut c,
+        "POST",
+        &format!("/v1/leases/{}/renew", forged.sign(&claim)),
+        TOKEN,
+        json!({"fencingToken": 1}),
+    )
+    .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     server_b.shutdown().await;
 }
@@ -304,7 +381,9 @@ async fn fake_token_review_server(calls: Arc<AtomicUsize>) -> (String, tokio::ta
     let url = format!("http://{}", listener.local_addr().unwrap());
     let task = tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { continue };
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
             let calls = calls.clone();
             tokio::spawn(async move {
                 let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
@@ -316,8 +395,12 @@ async fn fake_token_review_server(calls: Arc<AtomicUsize>) -> (String, tokio::ta
                         let review: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                         calls.fetch_add(1, Ordering::SeqCst);
                         let status = match review["spec"]["token"].as_str() {
-                            Some("sa-bot") => json!({"authenticated": true, "user": {"username": "system:serviceaccount:crawlers:bot"}}),
-                            Some("sa-other") => json!({"authenticated": true, "user": {"username": "system:serviceaccount:other:x"}}),
+                            Some("sa-bot") => {
+                                json!({"authenticated": true, "user": {"username": "system:serviceaccount:crawlers:bot"}})
+                            }
+                            Some("sa-other") => {
+                                json!({"authenticated": true, "user": {"username": "system:serviceaccount:other:x"}})
+                            }
                             _ => json!({"authenticated": false}),
                         };
                         let answer = json!({
@@ -328,8 +411,14 @@ async fn fake_token_review_server(calls: Arc<AtomicUsize>) -> (String, tokio::ta
                             "status": status,
                         });
                         let mut response = Response::new(Full::new(Bytes::from(answer.to_string())));
-                        *response.status_mut() = if ok { StatusCode::CREATED } else { StatusCode::NOT_FOUND };
-                        response.headers_mut().insert("content-type", "application/json".parse().unwrap());
+                        *response.status_mut() = if ok {
+                            StatusCode::CREATED
+                        } else {
+                            StatusCode::NOT_FOUND
+                        };
+                        response
+                            .headers_mut()
+                            .insert("content-type", "application/json".parse().unwrap());
                         Ok::<_, Infallible>(response)
                     }
                 });
@@ -353,12 +442,18 @@ async fn token_review_lets_allowed_service_accounts_in() {
         vec![],
         vec!["system:serviceaccount:crawlers:*".to_owned()],
     ));
-    assert_eq!(auth.authenticate("sa-bot").await.unwrap().name, "system:serviceaccount:crawlers:bot");
+    assert_eq!(
+        auth.authenticate("sa-bot").await.unwrap().name,
+        "system:serviceaccount:crawlers:bot"
+    );
     assert_eq!(
         auth.authenticate("sa-other").await,
         Err(AuthError::Forbidden("system:serviceaccount:other:x".into()))
     );
-    assert_eq!(auth.authenticate("garbage").await, Err(AuthError::Unauthenticated));
+    assert_eq!(
+        auth.authenticate("garbage").await,
+        Err(AuthError::Unauthenticated)
+    );
     let before = calls.load(Ordering::SeqCst);
     assert_eq!(before, 3);
     auth.authenticate("sa-bot").await.unwrap();
@@ -369,7 +464,10 @@ async fn token_review_lets_allowed_service_accounts_in() {
     let (status, _) = send(&mut c, "GET", "/v1/proxies", "sa-bot", Value::Null).await;
     assert_eq!(status, StatusCode::OK);
     let (status, body) = send(&mut c, "GET", "/v1/proxies", "sa-other", Value::Null).await;
-    assert_eq!((status, body["error"]["code"].as_str()), (StatusCode::FORBIDDEN, Some("forbidden")));
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::FORBIDDEN, Some("forbidden"))
+    );
     let (status, _) = send(&mut c, "GET", "/v1/proxies", "garbage", Value::Null).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     server.shutdown().await;

@@ -66,7 +66,10 @@ async fn squid_passes_fails_when_stopped_and_recovers_when_restarted() {
     let snap = health.snapshot(&key).unwrap();
     assert!(snap.consecutive_failures >= 2, "{snap:?}");
     assert!(
-        snap.last_error.as_deref().unwrap().starts_with("connecting to the proxy"),
+        snap.last_error
+            .as_deref()
+            .unwrap()
+            .starts_with("connecting to the proxy"),
         "{snap:?}"
     );
 
@@ -90,7 +93,11 @@ async fn https_through_connect_and_the_egress_check() {
     health.upsert(t.clone());
     health.probe_now(&good);
     let e = next_event(&mut events).await;
-    assert_eq!((e.key.clone(), e.verdict), (good.clone(), Verdict::Passing), "{e:?}");
+    assert_eq!(
+        (e.key.clone(), e.verdict),
+        (good.clone(), Verdict::Passing),
+        "{e:?}"
+    );
 
     let wrong = ProxyKey::new("crawl", "tls-egress-wrong");
     let mut t = target(&wrong, &squid, origin.https_url("/ip"));
@@ -100,7 +107,11 @@ async fn https_through_connect_and_the_egress_check() {
     health.probe_now(&wrong);
     let e = next_event(&mut events).await;
     assert_eq!((e.key.clone(), e.verdict), (wrong.clone(), Verdict::Failing));
-    assert!(e.last_error.unwrap().contains("expected egress address 192.0.2.1"));
+    assert!(
+        e.last_error
+            .unwrap()
+            .contains("expected egress address 192.0.2.1")
+    );
 }
 
 #[tokio::test]
@@ -135,7 +146,10 @@ async fn slow_targets_time_out_and_squid_denials_fail() {
     health.upsert(t);
     health.probe_now(&broken);
     let e = next_event(&mut events).await;
-    assert_eq!(e.last_error.as_deref(), Some("the target answered 500 Internal Server Error"));
+    assert_eq!(
+        e.last_error.as_deref(),
+        Some("the target answered 500 Internal Server Error")
+    );
 }
 
 #[tokio::test]

@@ -131,12 +131,15 @@ impl Authenticator for StaticTokens {
 pub const TOKEN_REVIEW_CACHE_TTL: Duration = Duration::from_secs(30);
 const TOKEN_REVIEW_CACHE_MAX: usize = 10_000;
 
+/// A TokenReview answer and when it was given.
+type CachedAnswer = (Instant, Result<Identity, AuthError>);
+
 /// Verifies tokens with the Kubernetes TokenReview API.
 pub struct TokenReviewAuthenticator {
     client: kube::Client,
     audiences: Vec<String>,
     allowed: Vec<String>,
-    cache: Mutex<HashMap<[u8; 32], (Instant, Result<Identity, AuthError>)>>,
+    cache: Mutex<HashMap<[u8; 32], CachedAnswer>>,
 }
 
 impl TokenReviewAuthenticator {
@@ -155,10 +158,13 @@ impl TokenReviewAuthenticator {
 
     fn allowed(&self, user: &str) -> bool {
         self.allowed.is_empty()
-            || self.allowed.iter().any(|pattern| match pattern.strip_suffix('*') {
-                Some(prefix) => user.starts_with(prefix),
-                None => user == pattern,
-            })
+            || self
+                .allowed
+                .iter()
+                .any(|pattern| match pattern.strip_suffix('*') {
+                    Some(prefix) => user.starts_with(prefix),
+                    None => user == pattern,
+                })
     }
 
     async fn review(&self, token: &str) -> Result<Identity, AuthError> {

@@ -64,16 +64,32 @@ impl DiscoveryMetrics {
             active: Gauge::default(),
         };
         let r = registry.sub_registry_with_prefix("epo_discovery");
-        r.register("requests", "Discovery API requests by route and result code", metrics.requests.clone());
+        r.register(
+            "requests",
+            "Discovery API requests by route and result code",
+            metrics.requests.clone(),
+        );
         r.register(
             "request_duration_seconds",
             "Discovery API request handling time by route",
             metrics.durations.clone(),
         );
         r.register("leases_acquired", "Leases granted", metrics.acquired.clone());
-        r.register("lease_acquire_refused", "Lease acquisitions refused, by reason", metrics.refused.clone());
-        r.register("leases_released", "Leases released, by outcome", metrics.released.clone());
-        r.register("leases_active", "Active leases (sampled at scrape)", metrics.active.clone());
+        r.register(
+            "lease_acquire_refused",
+            "Lease acquisitions refused, by reason",
+            metrics.refused.clone(),
+        );
+        r.register(
+            "leases_released",
+            "Leases released, by outcome",
+            metrics.released.clone(),
+        );
+        r.register(
+            "leases_active",
+            "Active leases (sampled at scrape)",
+            metrics.active.clone(),
+        );
         metrics
     }
 }

@@ -38,8 +38,8 @@ use tokio::{net::TcpListener, sync::watch};
 pub use auth::{AuthError, Authenticator, Identity, StaticTokens, TokenReviewAuthenticator};
 pub use metrics::DiscoveryMetrics;
 pub use wire::{
-    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody, ReleaseResponse,
-    RenewBody, RenewResponse,
+    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
+    ReleaseResponse, RenewBody, RenewResponse,
 };
 
 use crate::lease::{
@@ -312,7 +312,9 @@ fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, ApiError> {
             let (id, action) = rest.split_once('/').ok_or_else(not_found)?;
             if id.is_empty()
                 || id.len() > MAX_ID_LEN
-                || !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                || !id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
             {
                 return Err(ApiError::new(
                     StatusCode::NOT_FOUND,
@@ -346,7 +348,9 @@ where
         Ok(response) => ("ok", response),
         Err(e) => (e.code, e.into_response()),
     };
-    m.requests.get_or_create(&ResultLabels { route: label, code }).inc();
+    m.requests
+        .get_or_create(&ResultLabels { route: label, code })
+        .inc();
     m.durations
         .get_or_create(&RouteLabels { route: label })
         .observe(started.elapsed().as_secs_f64());
@@ -373,8 +377,9 @@ where
         Route::Metrics => {
             s.metrics.active.set(s.store.active_total() as i64);
             let mut text = String::new();
-            prometheus_client::encoding::text::encode(&mut text, &s.registry)
-                .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics"))?;
+            prometheus_client::encoding::text::encode(&mut text, &s.registry).map_err(|_| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics")
+            })?;
             let mut response = Response::new(Full::new(Bytes::from(text)));
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -415,10 +420,12 @@ fn check_ready(s: &StateInner) -> Result<(), ApiError> {
         .retry(Duration::from_secs(1)));
     }
     if !r.synced {
-        return Err(
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", "caches are not synced yet")
-                .retry(Duration::from_secs(1)),
-        );
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "caches are not synced yet",
+        )
+        .retry(Duration::from_secs(1)));
     }
     Ok(())
 }
@@ -465,7 +472,11 @@ where
         )
     };
     if let Some(len) = parts.headers.get(header::CONTENT_LENGTH)
-        && len.to_str().ok().and_then(|l| l.parse::<u64>().ok()).is_some_and(|l| l > limit as u64)
+        && len
+            .to_str()
+            .ok()
+            .and_then(|l| l.parse::<u64>().ok())
+            .is_some_and(|l| l > limit as u64)
     {
         return Err(too_large());
     }
@@ -495,7 +506,11 @@ fn list(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<Response<
     for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
         match &*k {
             "selector" => selector = Selector::parse(&v).map_err(|e| ApiError::bad_request(e.to_string()))?,
-            other => return Err(ApiError::bad_request(format!("unknown query parameter {other:?}"))),
+            other => {
+                return Err(ApiError::bad_request(format!(
+                    "unknown query parameter {other:?}"
+                )));
+            }
         }
     }
     let compiled = s.store.compile(&selector);
@@ -518,13 +533,20 @@ fn acquire(s: &StateInner, identity: &Identity, req: AcquireBody) -> Result<Resp
     let lease = match s.store.acquire(&request) {
         Ok(lease) => lease,
         Err(e) => {
-            s.metrics.refused.get_or_create(&CodeLabels { code: e.code() }).inc();
+            s.metrics
+                .refused
+                .get_or_create(&CodeLabels { code: e.code() })
+                .inc();
             return Err(e.into());
         }
     };
     s.metrics.acquired.inc();
     tracing::debug!(proxy = %lease.id.key, holder = %req.holder, caller = %identity.name, "lease granted");
-    let claim = lease.claim(&req.holder, req.target_domain.as_deref(), req.session_key.as_deref());
+    let claim = lease.claim(
+        &req.holder,
+        req.target_domain.as_deref(),
+        req.session_key.as_deref(),
+    );
     let lease_id = s.signer.sign(&claim);
     let body = AcquireResponse {
         lease_id,
@@ -563,7 +585,10 @@ fn with_claim<T>(
 }
 
 fn renew(s: &StateInner, id: &str, req: RenewBody) -> Result<Response<Full<Bytes>>, ApiError> {
-    if req.ttl_seconds.is_some_and(|t| t == 0 || t > wire::MAX_TTL_SECONDS) {
+    if req
+        .ttl_seconds
+        .is_some_and(|t| t == 0 || t > wire::MAX_TTL_SECONDS)
+    {
         return Err(ApiError::bad_request(format!(
             "ttlSeconds must be between 1 and {}",
             wire::MAX_TTL_SECONDS
@@ -586,8 +611,12 @@ fn renew(s: &StateInner, id: &str, req: RenewBody) -> Result<Response<Full<Bytes
 fn release(s: &StateInner, id: &str, req: ReleaseBody) -> Result<Response<Full<Bytes>>, ApiError> {
     req.validate().map_err(ApiError::bad_request)?;
     with_claim(s, id, req.fencing_token, |lease| {
-        s.store
-            .release(lease, req.fencing_token, req.outcome, req.target_domain.as_deref())
+        s.store.release(
+            lease,
+            req.fencing_token,
+            req.outcome,
+            req.target_domain.as_deref(),
+        )
     })?;
     s.metrics
         .released

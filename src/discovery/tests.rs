@@ -35,7 +35,10 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
                 port: 3128 + i as u16,
             },
             attributes: BTreeMap::from([
-                ("region".to_owned(), if i % 2 == 0 { "eu" } else { "us" }.to_owned()),
+                (
+                    "region".to_owned(),
+                    if i % 2 == 0 { "eu" } else { "us" }.to_owned(),
+                ),
                 ("tier".to_owned(), "dc".to_owned()),
             ]),
             policy: LeasePolicy {
@@ -124,21 +127,39 @@ async fn lease_lifecycle_over_the_router() {
     let token = a.body["fencingToken"].as_u64().unwrap();
 
     let r = h
-        .call("POST", &format!("/v1/leases/{id}/renew"), Some(json!({"fencingToken": token})))
+        .call(
+            "POST",
+            &format!("/v1/leases/{id}/renew"),
+            Some(json!({"fencingToken": token})),
+        )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     let new_token = r.body["fencingToken"].as_u64().unwrap();
     assert!(new_token > token);
 
     let stale = h
-        .call("POST", &format!("/v1/leases/{id}/renew"), Some(json!({"fencingToken": token})))
+        .call(
+            "POST",
+            &format!("/v1/leases/{id}/renew"),
+            Some(json!({"fencingToken": token})),
+        )
         .await;
-    assert_eq!((stale.status, code(&stale)), (StatusCode::CONFLICT, "stale_token"));
+    assert_eq!(
+        (stale.status, code(&stale)),
+        (StatusCode::CONFLICT, "stale_token")
+    );
 
     let busy = h
-        .call("POST", "/v1/leases", Some(json!({"selector": {"region": "eu"}, "holder": "c"})))
+        .call(
+            "POST",
+            "/v1/leases",
+            Some(json!({"selector": {"region": "eu"}, "holder": "c"})),
+        )
         .await;
-    assert_eq!((busy.status, code(&busy)), (StatusCode::SERVICE_UNAVAILABLE, "no_proxy_available"));
+    assert_eq!(
+        (busy.status, code(&busy)),
+        (StatusCode::SERVICE_UNAVAILABLE, "no_proxy_available")
+    );
     assert!(busy.headers.contains_key("retry-after"));
 
     let rel = h
@@ -156,7 +177,10 @@ async fn lease_lifecycle_over_the_router() {
             Some(json!({"fencingToken": new_token, "outcome": "ok"})),
         )
         .await;
-    assert_eq!((again.status, code(&again)), (StatusCode::NOT_FOUND, "lease_not_found"));
+    assert_eq!(
+        (again.status, code(&again)),
+        (StatusCode::NOT_FOUND, "lease_not_found")
+    );
 
     let list = h.call("GET", "/v1/proxies?selector=region%3Deu", None).await;
     assert_eq!(list.status, StatusCode::OK);
@@ -166,7 +190,11 @@ async fn lease_lifecycle_over_the_router() {
 
     let metrics = h.raw("GET", "/metrics", None, Bytes::new()).await;
     assert_eq!(metrics.status, StatusCode::OK);
-    assert!(metrics.text.contains("epo_discovery_leases_acquired_total 1"), "{}", metrics.text);
+    assert!(
+        metrics.text.contains("epo_discovery_leases_acquired_total 1"),
+        "{}",
+        metrics.text
+    );
     assert!(metrics.text.contains(r#"code="stale_token""#));
     assert!(metrics.text.contains("epo_discovery_leases_active 0"));
 }
@@ -174,8 +202,16 @@ async fn lease_lifecycle_over_the_router() {
 #[tokio::test]
 async fn documented_error_statuses() {
     let h = harness(1, 1);
-    let cases: Vec<(&str, &str, Option<&str>, String, StatusCode, &str)> = vec![
-        ("POST", "/v1/leases", Some(TOKEN), "{".into(), StatusCode::BAD_REQUEST, "malformed_request"),
+    type Case<'a> = (&'a str, &'a str, Option<&'a str>, String, StatusCode, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            "POST",
+            "/v1/leases",
+            Some(TOKEN),
+            "{".into(),
+            StatusCode::BAD_REQUEST,
+            "malformed_request",
+        ),
         (
             "POST",
             "/v1/leases",
@@ -184,7 +220,14 @@ async fn documented_error_statuses() {
             StatusCode::BAD_REQUEST,
             "malformed_request",
         ),
-        ("POST", "/v1/leases", Some(TOKEN), r#"{"holder":"a"} x"#.into(), StatusCode::BAD_REQUEST, "malformed_request"),
+        (
+            "POST",
+            "/v1/leases",
+            Some(TOKEN),
+            r#"{"holder":"a"} x"#.into(),
+            StatusCode::BAD_REQUEST,
+            "malformed_request",
+        ),
         (
             "POST",
             "/v1/leases",
@@ -193,11 +236,46 @@ async fn documented_error_statuses() {
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
         ),
-        ("POST", "/v1/leases", Some(TOKEN), r#"{"holder":""}"#.into(), StatusCode::BAD_REQUEST, "malformed_request"),
-        ("POST", "/v1/leases", None, r#"{"holder":"a"}"#.into(), StatusCode::UNAUTHORIZED, "unauthorized"),
-        ("POST", "/v1/leases", Some("wrong"), r#"{"holder":"a"}"#.into(), StatusCode::UNAUTHORIZED, "unauthorized"),
-        ("GET", "/v1/leases", Some(TOKEN), String::new(), StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
-        ("GET", "/nope", Some(TOKEN), String::new(), StatusCode::NOT_FOUND, "not_found"),
+        (
+            "POST",
+            "/v1/leases",
+            Some(TOKEN),
+            r#"{"holder":""}"#.into(),
+            StatusCode::BAD_REQUEST,
+            "malformed_request",
+        ),
+        (
+            "POST",
+            "/v1/leases",
+            None,
+            r#"{"holder":"a"}"#.into(),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+        (
+            "POST",
+            "/v1/leases",
+            Some("wrong"),
+            r#"{"holder":"a"}"#.into(),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+        (
+            "GET",
+            "/v1/leases",
+            Some(TOKEN),
+            String::new(),
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+        ),
+        (
+            "GET",
+            "/nope",
+            Some(TOKEN),
+            String::new(),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
         (
             "POST",
             "/v1/leases/AAAA/renew",
@@ -222,8 +300,22 @@ async fn documented_error_statuses() {
             StatusCode::BAD_REQUEST,
             "malformed_request",
         ),
-        ("GET", "/v1/proxies?selector=region", Some(TOKEN), String::new(), StatusCode::BAD_REQUEST, "malformed_request"),
-        ("GET", "/v1/proxies?colour=red", Some(TOKEN), String::new(), StatusCode::BAD_REQUEST, "malformed_request"),
+        (
+            "GET",
+            "/v1/proxies?selector=region",
+            Some(TOKEN),
+            String::new(),
+            StatusCode::BAD_REQUEST,
+            "malformed_request",
+        ),
+        (
+            "GET",
+            "/v1/proxies?colour=red",
+            Some(TOKEN),
+            String::new(),
+            StatusCode::BAD_REQUEST,
+            "malformed_request",
+        ),
         (
             "POST",
             "/v1/leases",
@@ -249,23 +341,38 @@ async fn documented_error_statuses() {
 #[tokio::test]
 async fn readiness_gates_leases_but_not_liveness() {
     let h = harness(1, 1);
-    assert_eq!(h.raw("GET", "/readyz", None, Bytes::new()).await.status, StatusCode::OK);
+    assert_eq!(
+        h.raw("GET", "/readyz", None, Bytes::new()).await.status,
+        StatusCode::OK
+    );
     h.ready.send_replace(Readiness {
         synced: true,
         leader: false,
     });
     let r = h.raw("GET", "/readyz", None, Bytes::new()).await;
-    assert_eq!((r.status, code(&r)), (StatusCode::SERVICE_UNAVAILABLE, "not_leader"));
+    assert_eq!(
+        (r.status, code(&r)),
+        (StatusCode::SERVICE_UNAVAILABLE, "not_leader")
+    );
     let a = h.call("POST", "/v1/leases", Some(json!({"holder": "a"}))).await;
-    assert_eq!((a.status, code(&a)), (StatusCode::SERVICE_UNAVAILABLE, "not_leader"));
+    assert_eq!(
+        (a.status, code(&a)),
+        (StatusCode::SERVICE_UNAVAILABLE, "not_leader")
+    );
     assert_eq!(a.headers["retry-after"], "1");
     h.ready.send_replace(Readiness {
         synced: false,
         leader: true,
     });
     let r = h.raw("GET", "/readyz", None, Bytes::new()).await;
-    assert_eq!((r.status, code(&r)), (StatusCode::SERVICE_UNAVAILABLE, "not_ready"));
-    assert_eq!(h.raw("GET", "/healthz", None, Bytes::new()).await.status, StatusCode::OK);
+    assert_eq!(
+        (r.status, code(&r)),
+        (StatusCode::SERVICE_UNAVAILABLE, "not_ready")
+    );
+    assert_eq!(
+        h.raw("GET", "/healthz", None, Bytes::new()).await.status,
+        StatusCode::OK
+    );
 }
 
 struct Forbidding;
@@ -293,7 +400,10 @@ async fn authenticator_verdicts_map_to_401_403_503() {
         DiscoveryMetrics::register(&mut Registry::default()),
         DiscoveryConfig::default(),
     );
-    let h2 = Harness { state, ready: h.ready };
+    let h2 = Harness {
+        state,
+        ready: h.ready,
+    };
     for (token, status, want) in [
         ("outsider", StatusCode::FORBIDDEN, "forbidden"),
         ("down", StatusCode::SERVICE_UNAVAILABLE, "auth_unavailable"),
@@ -309,10 +419,17 @@ async fn authenticator_verdicts_map_to_401_403_503() {
 #[tokio::test]
 async fn malformed_requests_never_get_a_5xx() {
     let h = harness(8, 1000);
-    let seed = std::env::var("FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed_u64);
+    let seed = std::env::var("FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0x5eed_u64);
     let mut rng = fastrand::Rng::with_seed(seed);
     let acquired = h
-        .call("POST", "/v1/leases", Some(json!({"holder": "fuzz", "targetDomain": "a.example"})))
+        .call(
+            "POST",
+            "/v1/leases",
+            Some(json!({"holder": "fuzz", "targetDomain": "a.example"})),
+        )
         .await;
     let id = acquired.body["leaseId"].as_str().unwrap().to_owned();
     let token = acquired.body["fencingToken"].as_u64().unwrap();
@@ -329,8 +446,20 @@ async fn malformed_requests_never_get_a_5xx() {
         "/readyz".to_owned(),
     ];
     let tokens: [&[u8]; 14] = [
-        b"{", b"}", b"[", b"]", b"\"", b":", b",", b"null", b"-1", b"1e999", b"18446744073709551616",
-        b"\"\\u0000\"", b"\xff\xfe", b"{\"a\":",
+        b"{",
+        b"}",
+        b"[",
+        b"]",
+        b"\"",
+        b":",
+        b",",
+        b"null",
+        b"-1",
+        b"1e999",
+        b"18446744073709551616",
+        b"\"\\u0000\"",
+        b"\xff\xfe",
+        b"{\"a\":",
     ];
     for round in 0..20_000 {
         let which = rng.usize(..paths.len());

@@ -44,7 +44,8 @@ fn printable(s: &str) -> bool {
 fn valid_domain(d: &str) -> bool {
     !d.is_empty()
         && d.len() <= MAX_DOMAIN_LEN
-        && d.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+        && d.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
 }
 
 impl AcquireBody {
@@ -64,10 +65,15 @@ impl AcquireBody {
         if let Some(k) = &self.session_key
             && (k.is_empty() || k.len() > MAX_SESSION_KEY_LEN || !printable(k))
         {
-            return Err(format!("sessionKey must be 1-{MAX_SESSION_KEY_LEN} printable characters"));
+            return Err(format!(
+                "sessionKey must be 1-{MAX_SESSION_KEY_LEN} printable characters"
+            ));
         }
         if self.selector.len() > MAX_SELECTOR_TERMS
-            || self.selector.iter().any(|(k, v)| k.is_empty() || k.len() > 317 || v.len() > 256)
+            || self
+                .selector
+                .iter()
+                .any(|(k, v)| k.is_empty() || k.len() > 317 || v.len() > 256)
         {
             return Err(format!(
                 "selector must have at most {MAX_SELECTOR_TERMS} attributes with non-empty keys"

@@ -364,7 +364,11 @@ impl HealthHandle {
     }
 }
 
-async fn scheduler(state: Arc<State>, events: mpsc::Sender<HealthEvent>, tls: Arc<tokio_rustls::TlsConnector>) {
+async fn scheduler(
+    state: Arc<State>,
+    events: mpsc::Sender<HealthEvent>,
+    tls: Arc<tokio_rustls::TlsConnector>,
+) {
     let permits = Arc::new(Semaphore::new(state.config.max_concurrent_probes.max(1)));
     loop {
         if state.closed.load(Ordering::SeqCst) {
@@ -499,10 +503,14 @@ fn apply(
         }
     }
     let next = match snapshot.verdict {
-        Verdict::Unknown | Verdict::Failing if snapshot.consecutive_successes >= target.success_threshold.max(1) => {
+        Verdict::Unknown | Verdict::Failing
+            if snapshot.consecutive_successes >= target.success_threshold.max(1) =>
+        {
             Verdict::Passing
         }
-        Verdict::Unknown | Verdict::Passing if snapshot.consecutive_failures >= target.failure_threshold.max(1) => {
+        Verdict::Unknown | Verdict::Passing
+            if snapshot.consecutive_failures >= target.failure_threshold.max(1) =>
+        {
             Verdict::Failing
         }
         v => v,

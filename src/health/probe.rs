@@ -82,8 +82,11 @@ pub(super) fn tls_connector(roots: Arc<rustls::RootCertStore>) -> Result<TlsConn
 
 fn basic(credentials: &Credentials) -> Option<HeaderValue> {
     let raw = format!("{}:{}", credentials.username, credentials.password);
-    let mut value =
-        HeaderValue::from_str(&format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(raw))).ok()?;
+    let mut value = HeaderValue::from_str(&format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(raw)
+    ))
+    .ok()?;
     value.set_sensitive(true);
     Some(value)
 }
@@ -107,9 +110,17 @@ fn parse_url(url: &str) -> Result<Target, ProbeError> {
         // Credentials in the URL would end up in requests and errors.
         return Err(ProbeError::BadUrl);
     }
-    let host = authority.host().trim_start_matches('[').trim_end_matches(']').to_owned();
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
     let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
-    let host_for_authority = if host.contains(':') { format!("[{host}]") } else { host.clone() };
+    let host_for_authority = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.clone()
+    };
     Ok(Target {
         https,
         host,
@@ -119,7 +130,11 @@ fn parse_url(url: &str) -> Result<Target, ProbeError> {
 }
 
 /// Runs one probe within the target's timeout.
-pub(super) async fn probe(target: &HealthTarget, tls: &TlsConnector, max_body: usize) -> Result<(), ProbeError> {
+pub(super) async fn probe(
+    target: &HealthTarget,
+    tls: &TlsConnector,
+    max_body: usize,
+) -> Result<(), ProbeError> {
     tokio::time::timeout(target.timeout, probe_inner(target, tls, max_body))
         .await
         .map_err(|_| ProbeError::Timeout(target.timeout))?
@@ -135,7 +150,8 @@ async fn probe_inner(target: &HealthTarget, tls: &TlsConnector, max_body: usize)
     let _ = stream.set_nodelay(true);
     let body = if url.https {
         let tunnel = connect_tunnel(stream, &url.authority, auth).await?;
-        let name = rustls::pki_types::ServerName::try_from(url.host.clone()).map_err(|_| ProbeError::BadUrl)?;
+        let name =
+            rustls::pki_types::ServerName::try_from(url.host.clone()).map_err(|_| ProbeError::BadUrl)?;
         let tls_stream = tls
             .connect(name, TokioIo::new(tunnel))
             .await
@@ -155,11 +171,15 @@ async fn probe_inner(target: &HealthTarget, tls: &TlsConnector, max_body: usize)
         if let Some(auth) = auth {
             request = request.header(PROXY_AUTHORIZATION, auth);
         }
-        let request = request.body(Empty::<Bytes>::new()).map_err(|_| ProbeError::BadUrl)?;
+        let request = request
+            .body(Empty::<Bytes>::new())
+            .map_err(|_| ProbeError::BadUrl)?;
         fetch(stream, request, max_body, true).await?
     };
     match target.expected_egress {
-        Some(ip) if !String::from_utf8_lossy(&body).contains(&ip.to_string()) => Err(ProbeError::WrongEgress(ip)),
+        Some(ip) if !String::from_utf8_lossy(&body).contains(&ip.to_string()) => {
+            Err(ProbeError::WrongEgress(ip))
+        }
         _ => Ok(()),
     }
 }
@@ -182,21 +202,29 @@ async fn connect_tunnel(
     if let Some(auth) = auth {
         request = request.header(PROXY_AUTHORIZATION, auth);
     }
-    let request = request.body(Empty::<Bytes>::new()).map_err(|_| ProbeError::BadUrl)?;
-    let response = tokio::select! {
-        r = sender.send_request(request) => r.map_err(|e| ProbeError::Http(e.to_string()))?,
+    let request = request
+        .body(Empty::<Bytes>::new())
+        .map_err(|_| ProbeError::BadUrl)?;
+    let mut send = std::pin::pin!(sender.send_request(request));
+    // The connection future may finish first, in the very poll that hands the answer over
+    // (it ends when it has given its I/O to the upgrade): then the answer is already waiting.
+    let (response, conn_done) = tokio::select! {
+        r = &mut send => (r.map_err(|e| ProbeError::Http(e.to_string()))?, false),
         r = &mut conn => {
-            return Err(ProbeError::Http(match r {
-                Ok(()) => "connection closed before the CONNECT answer".to_owned(),
-                Err(e) => e.to_string(),
-            }));
+            r.map_err(|e| ProbeError::Http(e.to_string()))?;
+            (send.await.map_err(|e| ProbeError::Http(e.to_string()))?, true)
         }
     };
     if !response.status().is_success() {
         return Err(ProbeError::ProxyStatus(response.status()));
     }
-    let (upgraded, conn_result) = tokio::join!(hyper::upgrade::on(response), conn);
-    conn_result.map_err(|e| ProbeError::Http(e.to_string()))?;
+    let upgraded = if conn_done {
+        hyper::upgrade::on(response).await
+    } else {
+        let (upgraded, conn_result) = tokio::join!(hyper::upgrade::on(response), conn);
+        conn_result.map_err(|e| ProbeError::Http(e.to_string()))?;
+        upgraded
+    };
     upgraded.map_err(|e| ProbeError::Http(e.to_string()))
 }
 
@@ -247,12 +275,15 @@ where
         }
         Ok(Bytes::from(read))
     };
+    let mut exchange = std::pin::pin!(exchange);
     tokio::select! {
-        r = exchange => r,
-        r = &mut conn => Err(ProbeError::Http(match r {
-            Ok(()) => "connection closed before the answer".to_owned(),
-            Err(e) => e.to_string(),
-        })),
+        r = &mut exchange => r,
+        // With `Connection: close` the connection may finish in the same poll that hands the
+        // answer over; the exchange then still has it (or fails on its own).
+        r = &mut conn => match r {
+            Ok(()) => exchange.await,
+            Err(e) => Err(ProbeError::Http(e.to_string())),
+        },
     }
 }
 
@@ -264,9 +295,15 @@ mod tests {
     fn urls_parse_into_authority_and_path() {
         let t = parse_url("https://example.com/ip?x=1").unwrap();
         assert!(t.https);
-        assert_eq!((t.host.as_str(), t.authority.as_str(), t.path.as_str()), ("example.com", "example.com:443", "/ip?x=1"));
+        assert_eq!(
+            (t.host.as_str(), t.authority.as_str(), t.path.as_str()),
+            ("example.com", "example.com:443", "/ip?x=1")
+        );
         let t = parse_url("http://[::1]:8080").unwrap();
-        assert_eq!((t.host.as_str(), t.authority.as_str(), t.path.as_str()), ("::1", "[::1]:8080", "/"));
+        assert_eq!(
+            (t.host.as_str(), t.authority.as_str(), t.path.as_str()),
+            ("::1", "[::1]:8080", "/")
+        );
         for bad in ["ftp://x/", "example.com", "http://user:pw@host/", ""] {
             assert!(parse_url(bad).is_err(), "{bad}");
         }

@@ -56,7 +56,16 @@ fn events_only_when_a_threshold_is_crossed() {
             Some((Passing, Failing)),
         ]
     );
-    assert_eq!(run(&t, "---++"), vec![None, None, Some((Unknown, Failing)), None, Some((Failing, Passing))]);
+    assert_eq!(
+        run(&t, "---++"),
+        vec![
+            None,
+            None,
+            Some((Unknown, Failing)),
+            None,
+            Some((Failing, Passing))
+        ]
+    );
 }
 
 #[test]

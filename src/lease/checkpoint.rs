@@ -224,7 +224,13 @@ pub fn encode_chunks(checkpoint: &Checkpoint, max_bytes: usize) -> Result<Vec<St
         .expect("proxies and sessions serialize last");
     Ok(chunks
         .into_iter()
-        .map(|(p, s, _)| format!(r#"{prefix}"proxies":[{}],"sessions":[{}]}}"#, p.join(","), s.join(",")))
+        .map(|(p, s, _)| {
+            format!(
+                r#"{prefix}"proxies":[{}],"sessions":[{}]}}"#,
+                p.join(","),
+                s.join(",")
+            )
+        })
         .collect())
 }
 
@@ -275,7 +281,10 @@ impl FileCheckpoint {
     }
 
     fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         let tmp = path.with_extension("tmp");
         {
             let mut file = std::fs::File::create(&tmp)?;

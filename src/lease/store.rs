@@ -12,7 +12,7 @@
 use std::{
     cmp::Reverse,
     collections::{BinaryHeap, HashMap},
-    hash::{BuildHasher, Hash, Hasher},
+    hash::BuildHasher,
     sync::{Arc, Mutex, MutexGuard, RwLock},
     time::Duration,
 };
@@ -389,7 +389,14 @@ impl Shard {
         None
     }
 
-    fn grant(&mut self, slot: u32, req: &AcquireRequest<'_>, domain: Option<&str>, ttl_ms: u64, now: u64) -> Lease {
+    fn grant(
+        &mut self,
+        slot: u32,
+        req: &AcquireRequest<'_>,
+        domain: Option<&str>,
+        ttl_ms: u64,
+        now: u64,
+    ) -> Lease {
         let token = self.next_token(now);
         let hint = LeaseHint {
             shard: self.id,
@@ -474,6 +481,9 @@ struct Binding {
     expires_at: u64,
 }
 
+/// Sticky-session bindings of one session shard.
+type SessionMap = HashMap<Box<str>, Binding>;
+
 /// What the last restore said about tokens issued before this process.
 #[derive(Debug, Default)]
 struct RestoreInfo {
@@ -485,7 +495,7 @@ struct RestoreInfo {
 
 struct Inner {
     shards: Box<[Padded<Mutex<Shard>>]>,
-    sessions: Box<[Padded<Mutex<HashMap<Box<str>, Binding>>>]>,
+    sessions: Box<[Padded<Mutex<SessionMap>>]>,
     interner: RwLock<Interner>,
     restore: RwLock<RestoreInfo>,
     config: LeaseStoreConfig,
@@ -738,9 +748,7 @@ impl LeaseStore {
     }
 
     fn session_shard(&self, session: &str) -> usize {
-        let mut h = self.inner.hasher.build_hasher();
-        session.hash(&mut h);
-        (h.finish() % SESSION_SHARDS as u64) as usize
+        (self.inner.hasher.hash_one(session) % SESSION_SHARDS as u64) as usize
     }
 
     fn acquire_sticky(

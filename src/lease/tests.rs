@@ -39,7 +39,10 @@ fn target(name: &str, attrs: &[(&str, &str)], max: i32, cooldown: i32) -> LeaseT
             host: "127.0.0.1".into(),
             port: 3128,
         },
-        attributes: attrs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        attributes: attrs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
         policy: LeasePolicy {
             max_concurrent: max,
             cooldown_seconds: cooldown,
@@ -87,7 +90,10 @@ fn only_open_proxies_are_leased() {
     let (store, _) = store(4);
     store.upsert_proxy(target("a", &[], 1, 0));
     let all = sel(&store, "");
-    assert!(matches!(acquire(&store, &all), Err(LeaseError::NoProxyAvailable { .. })));
+    assert!(matches!(
+        acquire(&store, &all),
+        Err(LeaseError::NoProxyAvailable { .. })
+    ));
     store.set_admission(&key("a"), Admission::Open).unwrap();
     let lease = acquire(&store, &all).unwrap();
     assert_eq!(name(&lease), "a");
@@ -111,9 +117,15 @@ fn selector_picks_matching_proxies_only() {
     for _ in 0..5 {
         assert_eq!(name(&acquire(&store, &eu_dc).unwrap()), "eu-1");
     }
-    assert!(matches!(acquire(&store, &eu_dc), Err(LeaseError::NoProxyAvailable { .. })));
+    assert!(matches!(
+        acquire(&store, &eu_dc),
+        Err(LeaseError::NoProxyAvailable { .. })
+    ));
     assert_eq!(sel(&store, "region=mars"), CompiledSelector::Unsatisfiable);
-    assert_eq!(sel(&store, "region=eu,region=us"), CompiledSelector::Unsatisfiable);
+    assert_eq!(
+        sel(&store, "region=eu,region=us"),
+        CompiledSelector::Unsatisfiable
+    );
     let listed: Vec<_> = store
         .list(&sel(&store, "tier=dc"))
         .into_iter()
@@ -159,12 +171,18 @@ fn fencing_tokens_increase_and_stale_ones_are_refused() {
     let renewed = store.renew(&lease.id, lease.fencing_token, None).unwrap();
     assert!(renewed.fencing_token > lease.fencing_token);
     assert_eq!(renewed.expires_at_ms, T0 + 1000 + 60_000);
-    assert!(renewed.fencing_token < 1 << 53, "tokens stay exact in JSON numbers");
+    assert!(
+        renewed.fencing_token < 1 << 53,
+        "tokens stay exact in JSON numbers"
+    );
     let stale = LeaseError::StaleToken {
         presented: lease.fencing_token,
         current: renewed.fencing_token,
     };
-    assert_eq!(store.renew(&lease.id, lease.fencing_token, None), Err(stale.clone()));
+    assert_eq!(
+        store.renew(&lease.id, lease.fencing_token, None),
+        Err(stale.clone())
+    );
     assert_eq!(
         store.release(&lease.id, lease.fencing_token, Outcome::Ok, None),
         Err(stale)
@@ -207,7 +225,9 @@ fn cooldown_after_release() {
     add_open(&store, target("a", &[], 1, 30));
     let all = sel(&store, "");
     let lease = acquire(&store, &all).unwrap();
-    store.release(&lease.id, lease.fencing_token, Outcome::Ok, None).unwrap();
+    store
+        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+        .unwrap();
     match acquire(&store, &all) {
         Err(LeaseError::NoProxyAvailable { retry_after }) => assert_eq!(retry_after, Duration::from_secs(30)),
         other => panic!("expected cooldown, got {other:?}"),
@@ -231,7 +251,9 @@ fn banned_outcome_cools_down_for_that_domain_only() {
         Err(LeaseError::NoProxyAvailable { .. })
     ));
     let other = acquire_with(&store, &all, Some("news.example"), None).unwrap();
-    store.release(&other.id, other.fencing_token, Outcome::Ok, None).unwrap();
+    store
+        .release(&other.id, other.fencing_token, Outcome::Ok, None)
+        .unwrap();
     let none = acquire(&store, &all).unwrap();
     // A ban needs a domain: the lease has none and the release names none.
     assert_eq!(
@@ -239,7 +261,12 @@ fn banned_outcome_cools_down_for_that_domain_only() {
         Err(LeaseError::BanNeedsDomain)
     );
     store
-        .release(&none.id, none.fencing_token, Outcome::Banned, Some("news.example"))
+        .release(
+            &none.id,
+            none.fencing_token,
+            Outcome::Banned,
+            Some("news.example"),
+        )
         .unwrap();
     assert!(acquire_with(&store, &all, Some("news.example"), None).is_err());
     clock.advance(Duration::from_secs(600));
@@ -256,12 +283,16 @@ fn sticky_sessions_keep_their_proxy_while_eligible() {
     let all = sel(&store, "");
     let first = acquire_with(&store, &all, None, Some("login-42")).unwrap();
     let bound = first.id.key.clone();
-    store.release(&first.id, first.fencing_token, Outcome::Ok, None).unwrap();
+    store
+        .release(&first.id, first.fencing_token, Outcome::Ok, None)
+        .unwrap();
     // Its own post-release cooldown does not apply to the session.
     for _ in 0..3 {
         let again = acquire_with(&store, &all, None, Some("login-42")).unwrap();
         assert_eq!(again.id.key, bound);
-        store.release(&again.id, again.fencing_token, Outcome::Ok, None).unwrap();
+        store
+            .release(&again.id, again.fencing_token, Outcome::Ok, None)
+            .unwrap();
     }
     // Others do wait for the cooldown.
     let others: Vec<_> = (0..3).map(|_| acquire(&store, &all).unwrap().id.key).collect();
@@ -277,7 +308,9 @@ fn sticky_sessions_keep_their_proxy_while_eligible() {
     add_open(&store, target("e", &[], 1, 60));
     let moved = acquire_with(&store, &all, None, Some("login-42")).unwrap();
     assert_eq!(moved.id.key, spare);
-    store.release(&moved.id, moved.fencing_token, Outcome::Ok, None).unwrap();
+    store
+        .release(&moved.id, moved.fencing_token, Outcome::Ok, None)
+        .unwrap();
     store.set_admission(&bound, Admission::Open).unwrap();
     assert_eq!(
         acquire_with(&store, &all, None, Some("login-42")).unwrap().id.key,
@@ -319,12 +352,16 @@ fn concurrent_clients_never_exceed_max_concurrent() {
                         let (lease, idx) = held.swap_remove(i % held.len());
                         // Count down before the store frees the slot.
                         in_use[idx].fetch_sub(1, Ordering::SeqCst);
-                        store.release(&lease.id, lease.fencing_token, Outcome::Ok, None).unwrap();
+                        store
+                            .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+                            .unwrap();
                     }
                 }
                 for (lease, idx) in held {
                     in_use[idx].fetch_sub(1, Ordering::SeqCst);
-                    store.release(&lease.id, lease.fencing_token, Outcome::Ok, None).unwrap();
+                    store
+                        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+                        .unwrap();
                 }
             })
         })
@@ -333,7 +370,10 @@ fn concurrent_clients_never_exceed_max_concurrent() {
         t.join().unwrap();
     }
     assert!(!violated.load(Ordering::SeqCst), "a proxy exceeded maxConcurrent");
-    assert!(granted.load(Ordering::Relaxed) > 10_000, "the test must actually contend");
+    assert!(
+        granted.load(Ordering::Relaxed) > 10_000,
+        "the test must actually contend"
+    );
     assert_eq!(store.active_total(), 0);
 }
 
@@ -345,8 +385,13 @@ fn drain_refuses_renewals_and_reports_completion() {
     let l1 = acquire(&store, &all).unwrap();
     assert_eq!(store.drain(&key("a")), DrainStatus::Pending { active: 1 });
     assert!(acquire(&store, &all).is_err());
-    assert_eq!(store.renew(&l1.id, l1.fencing_token, None), Err(LeaseError::Draining));
-    store.release(&l1.id, l1.fencing_token, Outcome::Ok, None).unwrap();
+    assert_eq!(
+        store.renew(&l1.id, l1.fencing_token, None),
+        Err(LeaseError::Draining)
+    );
+    store
+        .release(&l1.id, l1.fencing_token, Outcome::Ok, None)
+        .unwrap();
     assert_eq!(store.drain(&key("a")), DrainStatus::Drained);
     assert_eq!(store.drain(&key("unknown")), DrainStatus::Drained);
     store.set_admission(&key("a"), Admission::Open).unwrap();
@@ -362,7 +407,10 @@ fn revoke_and_remove_drop_leases() {
     let _l2 = acquire(&store, &all).unwrap();
     assert_eq!(store.revoke_all(&key("a")), 2);
     assert_eq!(store.active_leases(&key("a")), 0);
-    assert_eq!(store.renew(&l1.id, l1.fencing_token, None), Err(LeaseError::NotFound));
+    assert_eq!(
+        store.renew(&l1.id, l1.fencing_token, None),
+        Err(LeaseError::NotFound)
+    );
     let l3 = acquire(&store, &all).unwrap();
     store.remove_proxy(&key("a"));
     assert_eq!(store.active_total(), 0);
@@ -384,7 +432,10 @@ fn expired_leases_are_reaped_and_free_their_slot() {
     assert_eq!(store.active_leases(&key("a")), 0);
     assert_eq!(store.reap(), 1);
     assert_eq!(store.active_total(), 0);
-    assert_eq!(store.renew(&lease.id, lease.fencing_token, None), Err(LeaseError::NotFound));
+    assert_eq!(
+        store.renew(&lease.id, lease.fencing_token, None),
+        Err(LeaseError::NotFound)
+    );
     assert!(acquire(&store, &all).is_ok());
 }
 
@@ -398,7 +449,9 @@ fn upsert_updates_in_place_and_keeps_leases() {
     assert!(acquire(&store, &sel(&store, "region=eu")).is_err());
     let second = acquire(&store, &sel(&store, "region=us")).unwrap();
     assert_eq!(name(&second), "a");
-    store.release(&lease.id, lease.fencing_token, Outcome::Ok, None).unwrap();
+    store
+        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+        .unwrap();
     // A lower limit than the active count stops new leases only.
     store.upsert_proxy(target("a", &[("region", "us")], 1, 0));
     assert_eq!(store.active_leases(&key("a")), 1);
@@ -451,12 +504,16 @@ async fn leases_survive_a_restart_through_the_file_checkpoint() {
     let l4 = acquire(&after, &all).unwrap();
     assert_eq!(name(&l4), "b", "a is full with its two restored leases");
     assert!(acquire(&after, &all).is_err());
-    after.release(&l4.id, l4.fencing_token, Outcome::Ok, None).unwrap();
+    after
+        .release(&l4.id, l4.fencing_token, Outcome::Ok, None)
+        .unwrap();
     assert!(
         acquire_with(&after, &all, Some("news.example"), None).is_err(),
         "the ban on b survived"
     );
-    after.release(&l2.id, l2.fencing_token, Outcome::Ok, None).unwrap();
+    after
+        .release(&l2.id, l2.fencing_token, Outcome::Ok, None)
+        .unwrap();
     // The sticky session is still bound to a (which has a free slot again).
     let sticky = acquire_with(&after, &all, None, Some("s1")).unwrap();
     assert_eq!(name(&sticky), "a");
@@ -495,7 +552,11 @@ fn signed_claims_bring_back_leases_the_checkpoint_missed() {
         Err(LeaseError::NotFound)
     );
     leader2.reinstate(&claim, renewed.fencing_token).unwrap();
-    assert_eq!(leader2.active_total(), 2, "the known lease and the reinstated one");
+    assert_eq!(
+        leader2.active_total(),
+        2,
+        "the known lease and the reinstated one"
+    );
     // Limits count it: the other proxy has one slot left at most.
     let mut more = 0;
     while acquire(&leader2, &sel(&leader2, "")).is_ok() {
@@ -542,13 +603,19 @@ fn a_reinstated_claim_is_honoured_once() {
     // A lease issued by this store itself is never "missed".
     leader2.set_admission(&key("a"), Admission::Open).unwrap();
     let own = acquire(&leader2, &sel(&leader2, "")).unwrap();
-    leader2.release(&own.id, own.fencing_token, Outcome::Ok, None).unwrap();
+    leader2
+        .release(&own.id, own.fencing_token, Outcome::Ok, None)
+        .unwrap();
     assert_eq!(
         leader2.reinstate(&own.claim("h", None, None), own.fencing_token),
         Err(LeaseError::NotFound)
     );
     clock.advance(Duration::from_secs(3600));
-    assert_eq!(leader2.reinstate(&claim, 0), Err(LeaseError::NotFound), "expired claim");
+    assert_eq!(
+        leader2.reinstate(&claim, 0),
+        Err(LeaseError::NotFound),
+        "expired claim"
+    );
 }
 
 fn store_with_clock(clock: &Clock) -> LeaseStore {
@@ -580,7 +647,10 @@ fn signer_rejects_tampered_foreign_and_garbage_ids() {
         assert!(signer.verify(garbage).is_err(), "{garbage:?}");
     }
     assert!(signer.verify(&"A".repeat(5000)).is_err());
-    assert!(matches!(LeaseSigner::new(b"short"), Err(TokenError::SecretTooShort)));
+    assert!(matches!(
+        LeaseSigner::new(b"short"),
+        Err(TokenError::SecretTooShort)
+    ));
 }
 
 #[test]
@@ -594,7 +664,10 @@ fn signer_key_file_is_created_once_and_private() {
     let claim = acquire(&store, &sel(&store, "")).unwrap().claim("h", None, None);
     assert_eq!(second.verify(&first.sign(&claim)).unwrap(), claim);
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
 }
 
 #[test]
@@ -614,7 +687,11 @@ fn checkpoint_chunks_round_trip_under_the_size_limit() {
     assert_eq!(cp.lease_count(), 150);
     let whole = checkpoint::encode(&cp).len();
     let chunks = checkpoint::encode_chunks(&cp, 4096).unwrap();
-    assert!(chunks.len() >= whole / 4096, "{} chunks for {whole} bytes", chunks.len());
+    assert!(
+        chunks.len() >= whole / 4096,
+        "{} chunks for {whole} bytes",
+        chunks.len()
+    );
     assert!(chunks.iter().all(|c| c.len() <= 4096));
     let mut back = checkpoint::decode_chunks(&chunks).unwrap().unwrap();
     back.proxies.sort_by(|a, b| a.key.cmp(&b.key));
@@ -652,7 +729,10 @@ async fn maintenance_reaps_and_saves_until_shutdown() {
         {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "no checkpoint with the lease");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no checkpoint with the lease"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     clock.advance(Duration::from_secs(120));
@@ -677,10 +757,16 @@ fn proxy_urls_carry_credentials_only_where_asked() {
     });
     let info = ProxyInfo::new(&t);
     assert_eq!(info.url(), "http://127.0.0.1:3128");
-    assert_eq!(info.url_with_credentials(), "http://crawl%20er:p%40ss%3Aword@127.0.0.1:3128");
+    assert_eq!(
+        info.url_with_credentials(),
+        "http://crawl%20er:p%40ss%3Aword@127.0.0.1:3128"
+    );
     assert!(!format!("{info:?}").contains("word"));
     let key: ProxyKey = "ns/name".parse().unwrap();
-    assert_eq!((key.namespace(), key.name(), key.to_string().as_str()), ("ns", "name", "ns/name"));
+    assert_eq!(
+        (key.namespace(), key.name(), key.to_string().as_str()),
+        ("ns", "name", "ns/name")
+    );
     assert!("ns/".parse::<ProxyKey>().is_err());
     assert!("a/b/c".parse::<ProxyKey>().is_err());
     let _: BTreeMap<ProxyKey, ()> = BTreeMap::new();

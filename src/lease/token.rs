@@ -94,7 +94,12 @@ impl LeaseSigner {
                 #[cfg(unix)]
                 std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
                 let mut file = options.open(path).map_err(io)?;
-                writeln!(file, "{}", base64::engine::general_purpose::STANDARD.encode(&secret)).map_err(io)?;
+                writeln!(
+                    file,
+                    "{}",
+                    base64::engine::general_purpose::STANDARD.encode(&secret)
+                )
+                .map_err(io)?;
                 file.sync_all().map_err(io)?;
                 Self::new(&secret)
             }

@@ -64,7 +64,10 @@ impl Squid {
             }
             eprintln!("squid did not come up on port {} (attempt {attempt})", squid.port);
         }
-        panic!("squid did not start; see {}", squid.dir.path().join("cache.log").display());
+        panic!(
+            "squid did not start; see {}",
+            squid.dir.path().join("cache.log").display()
+        );
     }
 
     fn config(&self) -> String {
@@ -112,7 +115,10 @@ impl Squid {
                 self.child = None;
                 return false;
             }
-            if tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
+            if tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+                .await
+                .is_ok()
+            {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -138,7 +144,11 @@ impl Squid {
         self.stop();
         let deadline = Instant::now() + Duration::from_secs(30);
         while !self.spawn().await {
-            assert!(Instant::now() < deadline, "squid did not restart on port {}", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "squid did not restart on port {}",
+                self.port
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -165,7 +175,10 @@ pub struct Origin {
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
-async fn origin_answer(peer: SocketAddr, req: Request<hyper::body::Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn origin_answer(
+    peer: SocketAddr,
+    req: Request<hyper::body::Incoming>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let path = req.uri().path().to_owned();
     let mut response = Response::new(Full::new(Bytes::new()));
     match path.as_str() {
@@ -182,20 +195,20 @@ async fn origin_answer(peer: SocketAddr, req: Request<hyper::body::Incoming>) ->
 
 impl Origin {
     pub async fn start() -> Origin {
-        let certified = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
-            .expect("self-signed cert");
+        let certified =
+            rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])
+                .expect("self-signed cert");
         let cert_der = certified.cert.der().clone();
         let key_der = rustls::pki_types::PrivateKeyDer::Pkcs8(certified.signing_key.serialize_der().into());
         let mut roots = rustls::RootCertStore::empty();
         roots.add(cert_der.clone()).expect("add root");
-        let server_config = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("protocol versions")
-        .with_no_client_auth()
-        .with_single_cert(vec![cert_der], key_der)
-        .expect("server cert");
+        let server_config =
+            rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .expect("protocol versions")
+                .with_no_client_auth()
+                .with_single_cert(vec![cert_der], key_der)
+                .expect("server cert");
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_config));
 
         let http_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind http");
@@ -204,7 +217,9 @@ impl Origin {
         let https = https_listener.local_addr().unwrap();
         let plain = tokio::spawn(async move {
             loop {
-                let Ok((stream, peer)) = http_listener.accept().await else { continue };
+                let Ok((stream, peer)) = http_listener.accept().await else {
+                    continue;
+                };
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| origin_answer(peer, req));
                     let _ = hyper::server::conn::http1::Builder::new()
@@ -215,10 +230,14 @@ impl Origin {
         });
         let tls = tokio::spawn(async move {
             loop {
-                let Ok((stream, peer)) = https_listener.accept().await else { continue };
+                let Ok((stream, peer)) = https_listener.accept().await else {
+                    continue;
+                };
                 let acceptor = acceptor.clone();
                 tokio::spawn(async move {
-                    let Ok(stream) = acceptor.accept(stream).await else { return };
+                    let Ok(stream) = acceptor.accept(stream).await else {
+                        return;
+                    };
                     let service = hyper::service::service_fn(move |req| origin_answer(peer, req));
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
