@@ -9,7 +9,7 @@ use std::{net::IpAddr, time::Duration};
 use egress_proxies_operator::{
     health::{HealthConfig, HealthEngine, HealthEvent, HealthHandle, HealthTarget, Verdict},
     lease::ProxyKey,
-    provider::Endpoint,
+    provider::{Credentials, Endpoint},
 };
 use support::{Origin, Squid, eventually};
 use tokio::sync::mpsc::Receiver;
@@ -184,4 +184,59 @@ async fn upserting_again_keeps_counters_unless_endpoint_or_url_change() {
     assert_eq!(health.len(), 1);
     health.remove(&key);
     assert!(health.snapshot(&key).is_none());
+}
+
+#[tokio::test]
+async fn credentials_go_in_proxy_authorization_and_never_in_errors() {
+    let origin = Origin::start().await;
+    let squid = Squid::start_with_auth().await;
+    let (health, mut events) = engine(&origin);
+
+    let without = ProxyKey::new("crawl", "no-credentials");
+    let mut t = target(&without, &squid, origin.http_url("/"));
+    t.failure_threshold = 1;
+    health.upsert(t);
+    health.probe_now(&without);
+    let e = next_event(&mut events).await;
+    assert_eq!(e.verdict, Verdict::Failing);
+    assert_eq!(
+        e.last_error.as_deref(),
+        Some("the proxy answered 407 Proxy Authentication Required")
+    );
+    health.remove(&without);
+
+    for (name, url) in [
+        ("with-credentials", origin.http_url("/")),
+        ("with-credentials-tls", origin.https_url("/ip")),
+    ] {
+        let key = ProxyKey::new("crawl", name);
+        let mut t = target(&key, &squid, url);
+        t.credentials = Some(Credentials {
+            username: "crawler".into(),
+            password: "hunter2-secret".into(),
+        });
+        health.upsert(t);
+        health.probe_now(&key);
+        let e = next_event(&mut events).await;
+        assert_eq!(
+            (e.key.clone(), e.verdict),
+            (key.clone(), Verdict::Passing),
+            "{e:?}"
+        );
+        health.remove(&key);
+    }
+
+    // A failing probe with credentials: the error says what failed and nothing secret.
+    let failing = ProxyKey::new("crawl", "credentials-denied");
+    let mut t = target(&failing, &squid, origin.http_url("/forbidden"));
+    t.failure_threshold = 1;
+    t.credentials = Some(Credentials {
+        username: "crawler".into(),
+        password: "hunter2-secret".into(),
+    });
+    health.upsert(t);
+    health.probe_now(&failing);
+    let e = next_event(&mut events).await;
+    let text = format!("{e:?} {:?}", health.snapshot(&failing));
+    assert!(!text.contains("hunter2") && !text.contains("crawler:"), "{text}");
 }

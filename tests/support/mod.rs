@@ -40,6 +40,7 @@ pub async fn eventually(within: Duration, what: &str, mut check: impl FnMut() ->
 /// A real Squid on 127.0.0.1, killed (with its process group) on Drop.
 pub struct Squid {
     pub port: u16,
+    require_auth: bool,
     dir: tempfile::TempDir,
     child: Option<Child>,
 }
@@ -48,12 +49,23 @@ impl Squid {
     /// Starts Squid allowing loopback clients everywhere except URL paths starting with
     /// `/forbidden`, which it denies (403).
     pub async fn start() -> Squid {
+        Self::start_with(false).await
+    }
+
+    /// Like [`Squid::start`], but every request must carry proxy credentials (any user name
+    /// and password: Squid's fake basic-auth helper checks that they are there and well formed).
+    pub async fn start_with_auth() -> Squid {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(require_auth: bool) -> Squid {
         let dir = tempfile::tempdir().expect("temp dir");
         // Started as root, Squid drops to user `proxy`: let it write its logs and pid here.
         std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o777))
             .expect("chmod squid dir");
         let mut squid = Squid {
             port: 0,
+            require_auth,
             dir,
             child: None,
         };
@@ -72,6 +84,16 @@ impl Squid {
 
     fn config(&self) -> String {
         let d = self.dir.path().display();
+        let (auth, allow) = if self.require_auth {
+            (
+                "auth_param basic program /usr/lib/squid/basic_fake_auth\n\
+                 auth_param basic children 1 startup=1 idle=1\n\
+                 acl authed proxy_auth REQUIRED\n",
+                "http_access allow localnet authed\n",
+            )
+        } else {
+            ("", "http_access allow localnet\n")
+        };
         format!(
             "http_port 127.0.0.1:{port}\n\
              visible_hostname epo-test\n\
@@ -83,10 +105,11 @@ impl Squid {
              cache_mem 8 MB\n\
              shutdown_lifetime 1 seconds\n\
              dns_v4_first on\n\
+             {auth}\
              acl localnet src 127.0.0.0/8\n\
              acl forbidden urlpath_regex ^/forbidden\n\
              http_access deny forbidden\n\
-             http_access allow localnet\n\
+             {allow}\
              http_access deny all\n",
             port = self.port
         )
