@@ -71,6 +71,23 @@ async fn fetches_a_page_through_the_started_squid() {
         InstanceState::Running,
         "create waits until Squid accepts"
     );
+    if rustix::process::geteuid().is_root() {
+        // Started as root, Squid runs as `proxy` (the default squidUser).
+        let pid = squids_under(&provider.instance_dir(&instance.id.native_id))[0];
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        let effective_uid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            .expect("effective uid");
+        let passwd = std::fs::read_to_string("/etc/passwd").expect("passwd");
+        let proxy_uid = passwd
+            .lines()
+            .find_map(|l| l.strip_prefix("proxy:"))
+            .and_then(|rest| rest.split(':').nth(1))
+            .expect("proxy user");
+        assert_eq!(effective_uid, proxy_uid, "Squid's effective uid");
+    }
 
     let response = fetch_via_proxy(proxy_addr(&instance), &origin.url("/page"), None).await;
     assert_eq!(response.status, 200, "{response:?}");
@@ -488,4 +505,99 @@ async fn the_registry_builds_local_instances_from_the_providers_config() {
         Err(other) => panic!("expected NotBuilt, got {other}"),
         Ok(_) => panic!("expected NotBuilt, got a registry"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_restarts_an_instance_that_died_while_the_operator_was_down() {
+    let backend = LocalBackend::new();
+    let request = request("died-while-down");
+    let name = request.name.clone();
+    let first = {
+        let provider = backend.provider();
+        create(&provider, request.clone()).await
+    };
+    let dir = backend.state.path().join(&name);
+    let old = squids_under(&dir);
+    assert_eq!(old.len(), 1);
+    kill(old[0]);
+    assert!(eventually(DEADLINE, async || squids_under(&dir).is_empty()).await);
+
+    // The repeated create (the engine's retry after a crash) finds the folder and starts its
+    // Squid at once, before any supervision pass.
+    let provider = backend.provider();
+    let again = provider
+        .create(&InstanceRequest {
+            port: first.endpoint.as_ref().expect("endpoint").port,
+            ..request
+        })
+        .await
+        .expect("create again");
+    assert_eq!(
+        (again.id.clone(), again.created_at),
+        (first.id.clone(), first.created_at)
+    );
+    let now = squids_under(&dir);
+    assert!(
+        now.len() == 1 && now != old,
+        "one new Squid: {now:?} (was {old:?})"
+    );
+    wait_for_state(&provider, &name, InstanceState::Running).await;
+    provider.delete(&name).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_delete_is_never_restarted_and_create_finishes_it() {
+    let backend = LocalBackend::new();
+    let provider = backend.provider();
+    let request = request("interrupted-delete");
+    let name = request.name.clone();
+    let first = create(&provider, request.clone()).await;
+    let dir = provider.instance_dir(&name);
+    // A delete that wrote its marker and stopped Squid, then the operator died.
+    std::fs::write(dir.join("deleting"), b"").expect("marker");
+    kill(squids_under(&dir)[0]);
+    assert!(eventually(DEADLINE, async || squids_under(&dir).is_empty()).await);
+    provider.supervise_now().await;
+    assert!(
+        squids_under(&dir).is_empty(),
+        "supervision does not restart a deleting instance"
+    );
+    let found = provider.get(&name).await.expect("still exists");
+    assert_eq!(found.state, InstanceState::Stopped);
+
+    let created = create(&provider, request).await;
+    assert_eq!(created.id, first.id);
+    assert!(
+        created.created_at > first.created_at,
+        "a fresh instance, not the half-deleted one"
+    );
+    assert_eq!(created.state, InstanceState::Running);
+    assert!(!dir.join("deleting").exists());
+    assert_eq!(squids_under(&dir).len(), 1);
+    provider.delete(&name).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listens_on_ipv6_loopback() {
+    let backend = LocalBackend::new();
+    let provider = backend.provider();
+    let origin = OriginServer::start().await;
+    let port = std::net::TcpListener::bind("[::1]:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port on ::1")
+        .port();
+    let mut request = request("ipv6");
+    request.placement.address = Some("::1".into());
+    request.port = port;
+    let instance = create(&provider, request).await;
+    let endpoint = instance.endpoint.clone().expect("endpoint");
+    assert_eq!(endpoint.to_string(), format!("[::1]:{port}"));
+    let response = fetch_via_proxy(
+        SocketAddr::from(([0u16, 0, 0, 0, 0, 0, 0, 1], port)),
+        &origin.url("/v6"),
+        None,
+    )
+    .await;
+    assert_eq!(response.status, 200, "{response:?}");
+    provider.delete(&instance.id.native_id).await.expect("delete");
 }

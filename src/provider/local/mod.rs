@@ -67,6 +67,9 @@ pub const STABLE_AFTER: Duration = Duration::from_secs(30);
 /// How often `create` looks whether a new Squid accepts connections yet.
 const START_POLL: Duration = Duration::from_millis(50);
 
+/// How long a restart waits for the previous Squid to finish exiting.
+const EXIT_WAIT: Duration = Duration::from_secs(5);
+
 /// Temporary folders older than this are leftovers of a crashed create.
 const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
 
@@ -716,6 +719,19 @@ impl Inner {
             self.record_pid(dir, pid);
             return Ok(pid);
         }
+        // The last Squid may still be exiting (killed, its cmdline already gone): its port is
+        // free only once it has exited.
+        if let Ok(ProcessRecord {
+            pid,
+            start_ticks: Some(ticks),
+            ..
+        }) = state::read_json(&dir.process_file())
+            && !process::wait_for_exit(pid, ticks, EXIT_WAIT).await
+        {
+            return Err(ProviderError::Backend(format!(
+                "the previous squid (pid {pid}) of {name} is still exiting"
+            )));
+        }
         process::check_listen(listen)?;
         self.prepare_run_dir(dir)?;
         let mut child = process::spawn_squid(squid_path, dir)?;
@@ -743,6 +759,7 @@ impl Inner {
         let record = ProcessRecord {
             pid,
             started_at: jiff::Timestamp::now(),
+            start_ticks: process::proc_stat(pid).map(|stat| stat.start_ticks),
         };
         if let Err(err) = state::write_json(&dir.process_file(), &record) {
             // Squid's own pid file and the /proc scan still find it.

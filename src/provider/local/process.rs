@@ -87,41 +87,86 @@ fn send(pid: i32, signal: Signal) {
     }
 }
 
-/// Stops the Squids `pids` (already checked to be ours): SIGTERM, wait up to `grace`, then
-/// SIGKILL. Fails only if a process survives SIGKILL.
+/// A process as `/proc/PID/stat` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ProcStat {
+    /// State letter (`R`, `S`, `Z`...).
+    pub state: char,
+    /// Start time in clock ticks after boot: with the pid, it names one process for good.
+    pub start_ticks: u64,
+}
+
+/// `/proc/PID/stat` of `pid`, if it exists.
+pub(super) fn proc_stat(pid: i32) -> Option<ProcStat> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_stat(&stat)
+}
+
+/// Parses `/proc/PID/stat`: `pid (comm) state ...`, where comm may hold spaces and ')'.
+pub(super) fn parse_stat(stat: &str) -> Option<ProcStat> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After comm: field 3 (state) is fields[0], field 22 (starttime) is fields[19].
+    Some(ProcStat {
+        state: fields.first()?.chars().next()?,
+        start_ticks: fields.get(19)?.parse().ok()?,
+    })
+}
+
+/// Whether the process `pid` that started at `start_ticks` has finished exiting: gone, a
+/// zombie, or the pid now names another process. Only then are its files closed, its
+/// listening socket included (its cmdline empties earlier, while it is still exiting).
+pub(super) fn has_exited(pid: i32, start_ticks: u64) -> bool {
+    proc_stat(pid).is_none_or(|stat| stat.start_ticks != start_ticks || matches!(stat.state, 'Z' | 'X' | 'x'))
+}
+
+/// Waits until every process in `processes` (pid, start ticks) has exited, or `timeout`
+/// passes; returns those still there.
+async fn wait_exited(mut processes: Vec<(i32, u64)>, timeout: Duration) -> Vec<(i32, u64)> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        processes.retain(|(pid, ticks)| !has_exited(*pid, *ticks));
+        if processes.is_empty() || tokio::time::Instant::now() >= deadline {
+            return processes;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// Waits up to `timeout` for the process `pid` started at `start_ticks` to finish exiting.
+pub(super) async fn wait_for_exit(pid: i32, start_ticks: u64, timeout: Duration) -> bool {
+    wait_exited(vec![(pid, start_ticks)], timeout).await.is_empty()
+}
+
+/// Stops the Squids `pids` serving `config`: SIGTERM, wait up to `grace`, then SIGKILL.
+/// Returns once each has exited (its port is free again). A signal only ever reaches the
+/// process that was checked to be ours (pid and start time). Fails only if a process
+/// survives SIGKILL.
 pub(super) async fn stop(
     pids: &[i32],
     squid_path: &Path,
     config: &Path,
     grace: Duration,
 ) -> Result<(), String> {
-    let alive = |pids: &[i32]| -> Vec<i32> {
-        pids.iter()
-            .copied()
-            .filter(|pid| is_our_squid(*pid, squid_path, config))
-            .collect()
-    };
-    let mut remaining = alive(pids);
-    for pid in &remaining {
+    let ours: Vec<(i32, u64)> = pids
+        .iter()
+        .filter(|pid| is_our_squid(**pid, squid_path, config))
+        .filter_map(|pid| Some((*pid, proc_stat(*pid)?.start_ticks)))
+        .collect();
+    for (pid, _) in &ours {
         send(*pid, Signal::TERM);
     }
-    let deadline = tokio::time::Instant::now() + grace;
-    while !remaining.is_empty() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(POLL).await;
-        remaining = alive(&remaining);
-    }
+    let remaining = wait_exited(ours, grace).await;
     if remaining.is_empty() {
         return Ok(());
     }
-    tracing::warn!(pids = ?remaining, "squid did not stop after SIGTERM; sending SIGKILL");
-    for pid in &remaining {
-        send(*pid, Signal::KILL);
+    tracing::warn!(processes = ?remaining, "squid did not stop after SIGTERM; sending SIGKILL");
+    for (pid, ticks) in &remaining {
+        if !has_exited(*pid, *ticks) {
+            send(*pid, Signal::KILL);
+        }
     }
-    let deadline = tokio::time::Instant::now() + KILL_TIMEOUT;
-    while !remaining.is_empty() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(POLL).await;
-        remaining = alive(&remaining);
-    }
+    let remaining = wait_exited(remaining, KILL_TIMEOUT).await;
     if remaining.is_empty() {
         Ok(())
     } else {

@@ -114,6 +114,10 @@ pub(super) struct ProcessRecord {
     pub pid: i32,
     /// When it was started.
     pub started_at: jiff::Timestamp,
+    /// Its start time in clock ticks after boot (`/proc/PID/stat`), which tells the process
+    /// from a later one with a recycled pid.
+    #[serde(default)]
+    pub start_ticks: Option<u64>,
 }
 
 /// Reads and parses a JSON record.

@@ -287,3 +287,24 @@ fn settings_that_cannot_work_are_refused_up_front() {
     }
     assert!(refuse(base).is_none());
 }
+
+#[test]
+fn proc_stat_parsing_survives_odd_command_names() {
+    let stat = "4242 (squid) odd) name) S 1 4242 4242 0 -1 4194560 1262 0 0 0 2 1 0 0 20 0 1 0 987654 \
+                58630144 3411 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0";
+    assert_eq!(
+        process::parse_stat(stat),
+        Some(process::ProcStat {
+            state: 'S',
+            start_ticks: 987_654
+        })
+    );
+    assert_eq!(process::parse_stat("garbage"), None);
+    // This very process: running, and not exited.
+    let me = std::process::id() as i32;
+    let stat = process::proc_stat(me).expect("own stat");
+    assert!(!process::has_exited(me, stat.start_ticks));
+    // The same pid with another start time is another process: ours has exited.
+    assert!(process::has_exited(me, stat.start_ticks + 1));
+    assert!(process::has_exited(i32::MAX, 0));
+}
