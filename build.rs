@@ -20,7 +20,7 @@ use serde::Deserialize;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Table {
+pub(crate) struct Table {
     machine: String,
     initial: String,
     states: Vec<StateDef>,
@@ -104,15 +104,13 @@ fn main() {
             path.file_name().and_then(|n| n.to_str()).unwrap_or("?")
         );
         let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("{rel}: cannot read: {e}"));
-        let table: Table =
-            serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{rel}: invalid table: {e}"));
-        if let Err(errors) = validate(&table) {
+        let table = load_table(&text).unwrap_or_else(|errors| {
             panic!(
                 "\n{rel}: the transition table is invalid ({} problem(s)):\n  - {}\n",
                 errors.len(),
                 errors.join("\n  - ")
-            );
-        }
+            )
+        });
         let code = generate(&table, &rel);
         let out = out_dir.join(format!("{}_machine.rs", table.machine));
         write_if_changed(&out, &code);
@@ -132,10 +130,7 @@ fn row_label(index: usize, row: &Row) -> String {
             "transition #{index} ({} --{} [{g}]--> {})",
             row.from, row.on, row.to
         ),
-        None => format!(
-            "transition #{index} ({} --{}--> {})",
-            row.from, row.on, row.to
-        ),
+        None => format!("transition #{index} ({} --{}--> {})", row.from, row.on, row.to),
     }
 }
 
@@ -148,8 +143,15 @@ fn is_snake(name: &str) -> bool {
 }
 
 fn is_camel(name: &str) -> bool {
-    name.starts_with(|c: char| c.is_ascii_uppercase())
-        && name.chars().all(|c| c.is_ascii_alphanumeric())
+    name.starts_with(|c: char| c.is_ascii_uppercase()) && name.chars().all(|c| c.is_ascii_alphanumeric())
+}
+
+/// Parse and validate a table; the errors name the offending rows. `pub(crate)` so that
+/// tests/machine_table_validation.rs can include this file and check the messages.
+pub(crate) fn load_table(text: &str) -> Result<Table, Vec<String>> {
+    let table: Table = serde_norway::from_str(text).map_err(|e| vec![format!("not a valid table: {e}")])?;
+    validate(&table)?;
+    Ok(table)
 }
 
 fn validate(t: &Table) -> Result<(), Vec<String>> {
@@ -213,14 +215,11 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
             t.initial,
             list(&states)
         )),
-        Some(s) if s.is_final => {
-            errors.push(format!("initial state `{}` must not be final", t.initial))
-        }
+        Some(s) if s.is_final => errors.push(format!("initial state `{}` must not be final", t.initial)),
         Some(_) => {}
     }
     if !t.states.iter().any(|s| s.is_final) {
-        errors
-            .push("declare one state with `final: true` (the end of the deletion path)".to_owned());
+        errors.push("declare one state with `final: true` (the end of the deletion path)".to_owned());
     }
 
     // (state, event) -> where it is covered.
@@ -232,18 +231,11 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
                 errors.push(format!(
                     "state `{}`: unknown data field `{field}`; known: {}",
                     s.name,
-                    DATA_FIELDS
-                        .iter()
-                        .map(|f| f.0)
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    DATA_FIELDS.iter().map(|f| f.0).collect::<Vec<_>>().join(", ")
                 ));
             }
             if !seen_fields.insert(field) {
-                errors.push(format!(
-                    "state `{}`: data field `{field}` listed twice",
-                    s.name
-                ));
+                errors.push(format!("state `{}`: data field `{field}` listed twice", s.name));
             }
         }
         for (kind, names) in [("ignore", &s.ignore), ("invalid", &s.invalid)] {
@@ -299,10 +291,7 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
         }
         if let Some(g) = &row.guard {
             if !guards.contains(g) {
-                errors.push(format!(
-                    "{label}: unknown guard `{g}`; guards: {}",
-                    list(&guards)
-                ));
+                errors.push(format!("{label}: unknown guard `{g}`; guards: {}", list(&guards)));
             }
             used_guards.insert(g.clone());
         }
@@ -320,10 +309,7 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
             used_effects.insert(e.clone());
         }
         if !is_camel(&row.reason) {
-            errors.push(format!(
-                "{label}: reason `{}` must be CamelCase",
-                row.reason
-            ));
+            errors.push(format!("{label}: reason `{}` must be CamelCase", row.reason));
         }
         if row.note.trim().is_empty() || row.note.contains('\n') {
             errors.push(format!("{label}: needs a one-line `note` saying why"));
@@ -394,11 +380,7 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
         }
     }
 
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(errors)
-    }
+    if errors.is_empty() { Ok(()) } else { Err(errors) }
 }
 
 fn camel(snake: &str) -> String {
@@ -438,12 +420,7 @@ fn data_doc(field: &str) -> &'static str {
 fn generate(t: &Table, source: &str) -> String {
     let mut o = String::new();
     let machine_ty = format!("{}Machine", camel(&t.machine));
-    let state_of = |name: &str| {
-        t.states
-            .iter()
-            .find(|s| s.name == name)
-            .expect("validated state")
-    };
+    let state_of = |name: &str| t.states.iter().find(|s| s.name == name).expect("validated state");
 
     let w = &mut o;
     let _ = writeln!(
@@ -478,11 +455,7 @@ fn generate(t: &Table, source: &str) -> String {
     }
     let _ = writeln!(w, "    ];");
     let _ = writeln!(w, "    /// The phase a new object starts in.");
-    let _ = writeln!(
-        w,
-        "    pub const INITIAL: Phase = Phase::{};",
-        camel(&t.initial)
-    );
+    let _ = writeln!(w, "    pub const INITIAL: Phase = Phase::{};", camel(&t.initial));
     let _ = writeln!(
         w,
         "    /// The snake_case name used in the table, status and audit."
@@ -490,24 +463,14 @@ fn generate(t: &Table, source: &str) -> String {
     let _ = writeln!(w, "    pub const fn as_str(self) -> &'static str {{");
     let _ = writeln!(w, "        match self {{");
     for s in &t.states {
-        let _ = writeln!(
-            w,
-            "            Phase::{} => {},",
-            camel(&s.name),
-            lit(&s.name)
-        );
+        let _ = writeln!(w, "            Phase::{} => {},", camel(&s.name), lit(&s.name));
     }
     let _ = writeln!(w, "        }}\n    }}");
     let _ = writeln!(w, "    /// The one-line doc from the table.");
     let _ = writeln!(w, "    pub const fn doc(self) -> &'static str {{");
     let _ = writeln!(w, "        match self {{");
     for s in &t.states {
-        let _ = writeln!(
-            w,
-            "            Phase::{} => {},",
-            camel(&s.name),
-            lit(&s.doc)
-        );
+        let _ = writeln!(w, "            Phase::{} => {},", camel(&s.name), lit(&s.doc));
     }
     let _ = writeln!(w, "        }}\n    }}");
     let _ = writeln!(
@@ -584,24 +547,14 @@ fn generate(t: &Table, source: &str) -> String {
     let _ = writeln!(w, "    pub const fn as_str(self) -> &'static str {{");
     let _ = writeln!(w, "        match self {{");
     for e in &t.events {
-        let _ = writeln!(
-            w,
-            "            Event::{} => {},",
-            camel(&e.name),
-            lit(&e.name)
-        );
+        let _ = writeln!(w, "            Event::{} => {},", camel(&e.name), lit(&e.name));
     }
     let _ = writeln!(w, "        }}\n    }}");
     let _ = writeln!(w, "    /// The one-line doc from the table.");
     let _ = writeln!(w, "    pub const fn doc(self) -> &'static str {{");
     let _ = writeln!(w, "        match self {{");
     for e in &t.events {
-        let _ = writeln!(
-            w,
-            "            Event::{} => {},",
-            camel(&e.name),
-            lit(&e.doc)
-        );
+        let _ = writeln!(w, "            Event::{} => {},", camel(&e.name), lit(&e.doc));
     }
     let _ = writeln!(w, "        }}\n    }}");
     let _ = writeln!(w, "    /// Parse a snake_case event name.");
@@ -634,10 +587,7 @@ fn generate(t: &Table, source: &str) -> String {
         w,
         "#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]"
     );
-    let _ = writeln!(
-        w,
-        "#[serde(try_from = \"StateRecord\", into = \"StateRecord\")]"
-    );
+    let _ = writeln!(w, "#[serde(try_from = \"StateRecord\", into = \"StateRecord\")]");
     let _ = writeln!(w, "pub enum State {{");
     for s in &t.states {
         let _ = writeln!(w, "    #[doc = {}]", lit(&s.doc));
@@ -796,16 +746,15 @@ fn generate(t: &Table, source: &str) -> String {
             .filter(|(_, r)| r.from == s.name)
             .collect();
         let has_guards = rows.iter().any(|(_, r)| r.guard.is_some());
-        let mut params: Vec<String> = s
-            .data
-            .iter()
-            .map(|f| format!("{f}: &{}", data_type(f)))
-            .collect();
+        let mut params: Vec<String> = s.data.iter().map(|f| format!("{f}: &{}", data_type(f))).collect();
         params.push("event: &Event".to_owned());
         params.push("context: &mut DecideCtx".to_owned());
         let _ = writeln!(w, "    #[doc = {}]", lit(&s.doc));
         let _ = writeln!(w, "    #[state]");
-        let _ = writeln!(w, "    #[allow(unused_variables)] // a handler reads only what its rows need");
+        let _ = writeln!(
+            w,
+            "    #[allow(unused_variables)] // a handler reads only what its rows need"
+        );
         let _ = writeln!(
             w,
             "    fn {}({}) -> statig::Outcome<State> {{",
@@ -865,11 +814,7 @@ fn generate(t: &Table, source: &str) -> String {
             let _ = writeln!(w, "            }}");
         }
         if !s.ignore.is_empty() {
-            let pats: Vec<String> = s
-                .ignore
-                .iter()
-                .map(|e| format!("Event::{}", camel(e)))
-                .collect();
+            let pats: Vec<String> = s.ignore.iter().map(|e| format!("Event::{}", camel(e))).collect();
             let _ = writeln!(
                 w,
                 "            // ignore: stale or repeated observations; no effect, no audit entry."
@@ -881,11 +826,7 @@ fn generate(t: &Table, source: &str) -> String {
             );
         }
         if !s.invalid.is_empty() {
-            let pats: Vec<String> = s
-                .invalid
-                .iter()
-                .map(|e| format!("Event::{}", camel(e)))
-                .collect();
+            let pats: Vec<String> = s.invalid.iter().map(|e| format!("Event::{}", camel(e))).collect();
             let _ = writeln!(
                 w,
                 "            // invalid: never derived in this state; `Super` (no superstate) means invalid."
@@ -954,11 +895,7 @@ fn generate(t: &Table, source: &str) -> String {
         w,
         "/// The effects section of the table; `kind` makes an unknown name fail to compile."
     );
-    let _ = writeln!(
-        w,
-        "pub static EFFECTS: [EffectInfo; {}] = [",
-        t.effects.len()
-    );
+    let _ = writeln!(w, "pub static EFFECTS: [EffectInfo; {}] = [", t.effects.len());
     for e in &t.effects {
         let _ = writeln!(
             w,

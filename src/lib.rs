@@ -7,5 +7,12 @@
 pub mod api;
 pub mod check;
 pub mod config;
+pub mod controller;
+pub mod effects;
+pub mod gc;
 pub mod machine;
+pub mod monitor;
 pub mod provider;
+pub mod standalone;
+pub mod store;
+pub mod telemetry;

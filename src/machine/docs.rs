@@ -12,8 +12,15 @@ use super::table::{self, Coverage, EFFECTS, Event, GUARDS, Phase, ROWS};
 pub fn render_markdown() -> String {
     let mut o = String::new();
     let w = &mut o;
-    let _ = writeln!(w, "<!-- Generated from {} by `egress-proxies-operator machines`. Do not edit:", table::SOURCE);
-    let _ = writeln!(w, "     change the table, then run `cargo run -- machines > docs/machines.md`. -->");
+    let _ = writeln!(
+        w,
+        "<!-- Generated from {} by `egress-proxies-operator machines`. Do not edit:",
+        table::SOURCE
+    );
+    let _ = writeln!(
+        w,
+        "     change the table, then run `cargo run -- machines > docs/machines.md`. -->"
+    );
     let _ = writeln!(w);
     let _ = writeln!(w, "# Lifecycle machines");
     let _ = writeln!(w);
@@ -28,7 +35,10 @@ pub fn render_markdown() -> String {
         table::SOURCE
     );
     let _ = writeln!(w);
-    let _ = writeln!(w, "State data: `since` is set on entering a state and kept on self-transitions; `attempts` counts the `create_instance` effects issued since entering `provisioning`.");
+    let _ = writeln!(
+        w,
+        "State data: `since` is set on entering a state and kept on self-transitions; `attempts` counts the `create_instance` effects issued since entering `provisioning`."
+    );
     let _ = writeln!(w);
 
     // Diagram.
@@ -55,7 +65,13 @@ pub fn render_markdown() -> String {
     let _ = writeln!(w, "|---|---|---|");
     for phase in Phase::ALL {
         let data = phase.data_fields().join(", ");
-        let marker = if phase.is_final() { " (final)" } else if phase == Phase::INITIAL { " (initial)" } else { "" };
+        let marker = if phase.is_final() {
+            " (final)"
+        } else if phase == Phase::INITIAL {
+            " (initial)"
+        } else {
+            ""
+        };
         let _ = writeln!(w, "| `{phase}`{marker} | {data} | {} |", phase.doc());
     }
     let _ = writeln!(w);
@@ -93,7 +109,10 @@ pub fn render_markdown() -> String {
     // Rows.
     let _ = writeln!(w, "### Transitions");
     let _ = writeln!(w);
-    let _ = writeln!(w, "Rows for the same state and event are tried in order; the last one has no guard.");
+    let _ = writeln!(
+        w,
+        "Rows for the same state and event are tried in order; the last one has no guard."
+    );
     let _ = writeln!(w);
     let _ = writeln!(w, "| From | Event | Guard | To | Effects | Reason | Why |");
     let _ = writeln!(w, "|---|---|---|---|---|---|---|");
@@ -116,7 +135,10 @@ pub fn render_markdown() -> String {
     // Matrix.
     let _ = writeln!(w, "### State × event matrix");
     let _ = writeln!(w);
-    let _ = writeln!(w, "A target state (with its guard when rows are guarded), `·` for ignored, **invalid** for invalid.");
+    let _ = writeln!(
+        w,
+        "A target state (with its guard when rows are guarded), `·` for ignored, **invalid** for invalid."
+    );
     let _ = writeln!(w);
     let header: Vec<String> = Phase::ALL.iter().map(|p| format!("`{p}`")).collect();
     let _ = writeln!(w, "| Event | {} |", header.join(" | "));

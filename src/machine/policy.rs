@@ -112,10 +112,7 @@ mod tests {
             due_timer(&state, t(600), &timers),
             Some(Event::ProvisioningTimeout)
         );
-        assert_eq!(
-            requeue_after(&state, t(595), &timers),
-            Duration::from_secs(5)
-        );
+        assert_eq!(requeue_after(&state, t(595), &timers), Duration::from_secs(5));
     }
 
     #[test]
@@ -123,10 +120,7 @@ mod tests {
         let timers = Timers::default();
         let state = State::Degraded { since: t(100) };
         assert_eq!(due_timer(&state, t(0), &timers), None);
-        assert_eq!(
-            due_timer(&state, t(1000), &timers),
-            Some(Event::DegradedTooLong)
-        );
+        assert_eq!(due_timer(&state, t(1000), &timers), Some(Event::DegradedTooLong));
         assert_eq!(due_timer(&State::Pending, t(1_000_000), &timers), None);
     }
 }

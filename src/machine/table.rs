@@ -83,10 +83,7 @@ pub enum Coverage {
 
 /// How the table covers `event` in `phase` (build.rs guarantees exactly one of the three).
 pub fn coverage(phase: Phase, event: Event) -> Coverage {
-    let rows: Vec<&'static Row> = ROWS
-        .iter()
-        .filter(|r| r.from == phase && r.on == event)
-        .collect();
+    let rows: Vec<&'static Row> = ROWS.iter().filter(|r| r.from == phase && r.on == event).collect();
     if !rows.is_empty() {
         return Coverage::Rows(rows);
     }
