@@ -122,8 +122,9 @@ pub enum ServiceType {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct LocalSettings {
-    /// Folder holding each proxy's Squid config, logs, pid file and owner record. Must be an
-    /// absolute path; one operator process and one provider instance own it.
+    /// Folder holding each proxy's Squid config, logs, pid file and owner record; a relative
+    /// path is resolved against the working directory. One operator process and one provider
+    /// instance own it.
     pub state_dir: PathBuf,
     /// The Squid binary.
     #[serde(default = "default_squid_path")]

@@ -65,12 +65,15 @@ impl ProviderRegistry {
     /// One provider per instance of the providers config.
     pub fn from_config(config: &ProvidersConfig) -> Result<Self, RegistryError> {
         let mut registry = Self::new();
-        let mut state_dirs: BTreeMap<&std::path::Path, &str> = BTreeMap::new();
+        let mut state_dirs: BTreeMap<std::path::PathBuf, &str> = BTreeMap::new();
         for instance in &config.instances {
             let name = instance.name.as_str();
             let provider: SharedProvider = match &instance.settings {
                 ProviderSettings::Local(settings) => {
-                    if let Some(first) = state_dirs.insert(&settings.state_dir, name) {
+                    // Compared as the provider will use them (relative paths made absolute).
+                    let state_dir = std::path::absolute(&settings.state_dir)
+                        .unwrap_or_else(|_| settings.state_dir.clone());
+                    if let Some(first) = state_dirs.insert(state_dir, name) {
                         return Err(RegistryError::SharedStateDir {
                             first: first.to_owned(),
                             second: name.to_owned(),

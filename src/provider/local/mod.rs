@@ -87,9 +87,14 @@ pub fn restart_backoff(attempt: u32) -> Duration {
 /// Settings that cannot work, found when the provider is built.
 #[derive(Debug, thiserror::Error)]
 pub enum LocalSetupError {
-    /// `stateDir` is relative.
-    #[error("stateDir {0:?} must be an absolute path")]
-    RelativeStateDir(PathBuf),
+    /// A relative `stateDir` cannot be made absolute (no working directory).
+    #[error("stateDir {path:?} is relative and the working directory is unknown: {reason}")]
+    StateDirUnresolvable {
+        /// The setting.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// A path that goes into squid.conf has a character Squid's config syntax cannot carry.
     #[error(
         "{field} {path:?} cannot be written into a Squid config: it must not contain spaces, quotes or '#'"
@@ -174,12 +179,17 @@ struct Plan {
 
 impl LocalProvider {
     /// The provider instance `instance` with `settings`. Checks the settings; touches no
-    /// files except removing stale temporary folders of crashed creates. Inside a tokio
-    /// runtime the supervisor starts at once, otherwise with the first call.
-    pub fn new(instance: &str, settings: LocalSettings) -> Result<Self, LocalSetupError> {
-        if !settings.state_dir.is_absolute() {
-            return Err(LocalSetupError::RelativeStateDir(settings.state_dir));
-        }
+    /// files except removing stale temporary folders of crashed creates. A relative
+    /// `stateDir` is resolved against the working directory now (Squid configs need absolute
+    /// paths). Inside a tokio runtime the supervisor starts at once, otherwise with the first
+    /// call.
+    pub fn new(instance: &str, mut settings: LocalSettings) -> Result<Self, LocalSetupError> {
+        settings.state_dir = std::path::absolute(&settings.state_dir).map_err(|err| {
+            LocalSetupError::StateDirUnresolvable {
+                path: settings.state_dir.clone(),
+                reason: err.to_string(),
+            }
+        })?;
         for (field, path) in [
             ("stateDir", &settings.state_dir),
             ("authHelperPath", &settings.auth_helper_path),

@@ -253,7 +253,12 @@ fn owner_records_round_trip_in_camel_case() {
 fn settings_that_cannot_work_are_refused_up_front() {
     let base = LocalSettings::new("/var/lib/epo");
     let refuse = |settings: LocalSettings| LocalProvider::new("local", settings).err().map(|e| e.to_string());
-    assert!(refuse(LocalSettings::new("relative/dir")).is_some_and(|e| e.contains("absolute")));
+    let relative = LocalProvider::new("local", LocalSettings::new("relative/dir")).expect("resolved");
+    assert_eq!(
+        relative.state_dir(),
+        std::env::current_dir().expect("cwd").join("relative/dir"),
+        "resolved against the working directory"
+    );
     assert!(refuse(LocalSettings::new("/with space")).is_some_and(|e| e.contains("stateDir")));
     assert!(
         refuse(LocalSettings {
