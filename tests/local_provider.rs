@@ -468,6 +468,21 @@ async fn list_and_probe_report_instances_and_an_unreadable_owner_is_kept_from_gc
         provider.get("not-ours").await,
         Err(ProviderError::NotFound(_))
     ));
+    // Never deleted, never adopted.
+    provider
+        .delete("not-ours")
+        .await
+        .expect("nothing of ours to delete");
+    assert!(
+        backend.state.path().join("not-ours").exists(),
+        "a foreign folder is left alone"
+    );
+    let mut in_the_way = plain_request(new_owner("in-the-way"), free_port());
+    in_the_way.name = "not-ours".into();
+    assert!(matches!(
+        provider.create(&in_the_way).await,
+        Err(ProviderError::Misconfigured(message)) if message.contains("in the way")
+    ));
     provider.delete(&a.id.native_id).await.expect("delete a");
     provider.delete(&b.id.native_id).await.expect("delete b");
 }

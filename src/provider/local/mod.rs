@@ -42,7 +42,7 @@ use tokio::sync::Notify;
 
 use self::{
     squid_config::SquidConfig,
-    state::{InstanceDir, OWNER_RECORD_VERSION, OwnerRecord, ProcessRecord, TEMP_PREFIX},
+    state::{InstanceDir, OWNER_RECORD_VERSION, OwnerRecord, ProcessRecord, TEMP_PREFIX, TRASH_PREFIX},
 };
 use super::{
     Endpoint, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError, ProviderId,
@@ -329,6 +329,12 @@ impl Provider for LocalProvider {
         let _guard = inner.locks.lock(name).await;
         let dir = inner.dir(name);
         if dir.root().exists() {
+            if !dir.is_ours() {
+                return Err(ProviderError::Misconfigured(format!(
+                    "{} is in the way: this provider did not make it",
+                    dir.root().display()
+                )));
+            }
             if dir.is_deleting() {
                 // A delete was interrupted (crash): finish it, then create afresh.
                 inner.remove_instance(&dir).await?;
@@ -371,6 +377,8 @@ impl Provider for LocalProvider {
                     dir.root().display()
                 )));
             }
+            // Not ours (see `instance_names`): for this provider it does not exist.
+            Ok(_) if !dir.is_ours() => return Ok(()),
             Ok(_) => {}
         }
         fs::File::create(dir.deleting_marker()).map_err(|err| {
@@ -470,9 +478,7 @@ impl Inner {
                 let entry = entry.ok()?;
                 let name = entry.file_name().into_string().ok()?;
                 let dir = InstanceDir::at(entry.path());
-                let ours = is_dns_label(&name)
-                    && entry.file_type().ok()?.is_dir()
-                    && (dir.owner_file().exists() || dir.config_file().exists());
+                let ours = is_dns_label(&name) && entry.file_type().ok()?.is_dir() && dir.is_ours();
                 ours.then_some(name)
             })
             .collect();
@@ -496,7 +502,7 @@ impl Inner {
                 )));
             }
         };
-        if !dir.owner_file().exists() && !dir.config_file().exists() {
+        if !dir.is_ours() {
             // A folder this provider did not make (see `instance_names`).
             return Err(ProviderError::NotFound(name.to_owned()));
         }
@@ -846,17 +852,25 @@ impl Inner {
         process::stop(&pids, squid_path, &config, grace)
             .await
             .map_err(ProviderError::Backend)?;
-        let root = dir.root().to_owned();
-        let removed = tokio::task::spawn_blocking(move || match fs::remove_dir_all(&root) {
-            Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
-            _ => Ok(()),
-        })
-        .await
-        .map_err(|err| ProviderError::Backend(format!("folder removal task failed: {err}")))?;
-        removed.map_err(|err| {
-            ProviderError::Backend(format!("cannot remove {}: {err}", dir.root().display()))
-        })?;
+        // One rename makes the instance gone; a crash while its files are being removed
+        // leaves only a trash folder, which the next provider removes.
+        let name = dir.root().file_name().unwrap_or_default().to_string_lossy();
+        let trash = self
+            .settings
+            .state_dir
+            .join(format!("{TRASH_PREFIX}{name}-{:08x}", fastrand::u32(..)));
+        match fs::rename(dir.root(), &trash) {
+            Ok(()) => {}
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(err) => {
+                return Err(ProviderError::Backend(format!(
+                    "cannot remove {}: {err}",
+                    dir.root().display()
+                )));
+            }
+        }
         let _ = state::sync_dir(&self.settings.state_dir);
+        remove_folder(&trash).await;
         Ok(())
     }
 
@@ -980,21 +994,25 @@ fn check_reachable_by(path: &Path, user: &SquidUser) -> Result<(), ProviderError
     Ok(())
 }
 
-/// Removes temporary folders of creates that crashed long ago.
+/// Removes the trash of interrupted deletes and temporary folders of creates that crashed
+/// long ago.
 fn remove_stale_temp_folders(state_dir: &Path) {
     let Ok(entries) = fs::read_dir(state_dir) else {
         return;
     };
     for entry in entries.flatten() {
-        let is_temp = entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX);
+        let file_name = entry.file_name().to_string_lossy().into_owned();
+        // Trash is never needed again; a temporary folder may still be in use by a create
+        // unless it is old.
+        let is_trash = file_name.starts_with(TRASH_PREFIX);
+        let is_temp = file_name.starts_with(TEMP_PREFIX);
         let stale = entry
             .metadata()
             .and_then(|m| m.modified())
             .ok()
             .and_then(|modified| modified.elapsed().ok())
             .is_some_and(|age| age >= STALE_TEMP_AGE);
-        if is_temp
-            && stale
+        if (is_trash || (is_temp && stale))
             && let Err(err) = fs::remove_dir_all(entry.path())
         {
             tracing::warn!(path = %entry.path().display(), error = %err, "cannot remove stale temporary folder");
@@ -1007,7 +1025,7 @@ async fn remove_folder(path: &Path) {
     let result =
         tokio::task::spawn_blocking(move || fs::remove_dir_all(&path).map_err(|err| (path, err))).await;
     if let Ok(Err((path, err))) = result {
-        tracing::error!(path = %path.display(), error = %err, "cannot remove temporary folder");
+        tracing::error!(path = %path.display(), error = %err, "cannot remove folder");
     }
 }
 

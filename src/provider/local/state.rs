@@ -9,6 +9,8 @@
 //!   process.json    the pid of the Squid this provider started last
 //!   deleting        marker: a delete is in progress, never restart
 //!   run/            owned by the Squid user: squid.pid, cache.log, access.log, squid.out
+//! <stateDir>/.tmp-<name>-<random>/    a create assembling the folder above
+//! <stateDir>/.trash-<name>-<random>/  a delete removing it (renamed first: one atomic step)
 //! ```
 
 use std::{
@@ -27,6 +29,9 @@ pub(super) const OWNER_RECORD_VERSION: u32 = 1;
 
 /// Prefix of folders that are being assembled by `create` and are not instances yet.
 pub(super) const TEMP_PREFIX: &str = ".tmp-";
+
+/// Prefix of folders of deleted instances that are being removed.
+pub(super) const TRASH_PREFIX: &str = ".trash-";
 
 /// Paths inside one instance folder.
 #[derive(Clone, Debug)]
@@ -77,6 +82,11 @@ impl InstanceDir {
     /// Whether a delete of this instance has begun.
     pub(super) fn is_deleting(&self) -> bool {
         self.deleting_marker().exists()
+    }
+
+    /// Whether this provider made the folder: it carries one of the files only it writes.
+    pub(super) fn is_ours(&self) -> bool {
+        self.owner_file().exists() || self.config_file().exists() || self.is_deleting()
     }
 }
 
