@@ -501,6 +501,13 @@ async fn the_registry_builds_local_instances_from_the_providers_config() {
     let unknown = registry.get("elsewhere").err().expect("unknown name");
     assert!(unknown.to_string().contains("\"elsewhere\""), "{unknown}");
 
+    // The standalone sample: a relative stateDir, resolved against the working directory.
+    let sample =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/samples/standalone/providers.yaml");
+    let standalone = ProvidersConfig::load(&sample).expect("the standalone sample is valid");
+    let registry = ProviderRegistry::from_config(&standalone).expect("the standalone sample builds");
+    assert_eq!(registry.get("local").expect("local").provider_type(), "local");
+
     let shared = format!(
         "{text}  - name: there\n    type: local\n    settings: {{stateDir: {}}}\n",
         state.path().display()
