@@ -518,12 +518,22 @@ async fn the_registry_builds_local_instances_from_the_providers_config() {
         Err(RegistryError::SharedStateDir { .. })
     ));
 
-    let kvm = format!(
-        "{text}  - name: rack\n    type: kvm2\n    settings: {{uri: 'qemu:///system', pool: p, baseImage: b}}\n"
+    // Every type this build has is built, by instance name; kubernetes is not built yet.
+    let more = format!(
+        "{text}  - name: rack\n    type: kvm2\n    settings: {{uri: 'qemu:///system', pool: p, baseImage: b}}\n  - name: rack-cli\n    type: kvm\n    settings: {{uri: 'qemu:///system', pool: p, baseImage: b}}\n"
     );
-    let config = ProvidersConfig::parse(&kvm).expect("valid config");
+    let config = ProvidersConfig::parse(&more).expect("valid config");
+    let registry = ProviderRegistry::from_config(&config).expect("builds");
+    let types: Vec<_> = registry
+        .iter()
+        .map(|(name, p)| (name, p.provider_type()))
+        .collect();
+    assert_eq!(types, [("here", "local"), ("rack", "kvm2"), ("rack-cli", "kvm")]);
+    let cluster =
+        format!("{text}  - name: cluster\n    type: kubernetes\n    settings: {{namespace: n, image: i}}\n");
+    let config = ProvidersConfig::parse(&cluster).expect("valid config");
     match ProviderRegistry::from_config(&config) {
-        Err(err @ RegistryError::NotBuilt { .. }) => assert!(err.to_string().contains("kvm2"), "{err}"),
+        Err(err @ RegistryError::NotBuilt { .. }) => assert!(err.to_string().contains("kubernetes"), "{err}"),
         Err(other) => panic!("expected NotBuilt, got {other}"),
         Ok(_) => panic!("expected NotBuilt, got a registry"),
     }

@@ -4,6 +4,8 @@ use std::{collections::BTreeMap, sync::Arc};
 
 use super::{
     Provider, SharedProvider,
+    kvm::KvmProvider,
+    kvm2::Kvm2Provider,
     local::{LocalProvider, LocalSetupError},
 };
 use crate::config::{ProviderSettings, ProvidersConfig};
@@ -88,7 +90,9 @@ impl ProviderRegistry {
                     })?;
                     Arc::new(local)
                 }
-                ProviderSettings::Kvm(_) | ProviderSettings::Kvm2(_) | ProviderSettings::Kubernetes(_) => {
+                ProviderSettings::Kvm(settings) => Arc::new(KvmProvider::new(name, settings.clone())),
+                ProviderSettings::Kvm2(settings) => Arc::new(Kvm2Provider::new(name, settings.clone())),
+                ProviderSettings::Kubernetes(_) => {
                     return Err(RegistryError::NotBuilt {
                         instance: name.to_owned(),
                         provider_type: instance.type_name(),
