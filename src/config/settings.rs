@@ -282,7 +282,9 @@ pub enum ServiceType {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct LocalSettings {
-    /// Folder holding each proxy's Squid config, logs, pid file and owner record.
+    /// Folder holding each proxy's Squid config, logs, pid file and owner record; a relative
+    /// path is resolved against the working directory. One operator process and one provider
+    /// instance own it.
     pub state_dir: PathBuf,
     /// The Squid binary.
     #[serde(default = "default_squid_path")]
@@ -290,6 +292,30 @@ pub struct LocalSettings {
     /// Address proxies listen on when their placement names none.
     #[serde(default = "default_bind_address")]
     pub bind_address: String,
+    /// Address reported to crawlers instead of the listen address (for example the host's
+    /// routable address when proxies listen on `0.0.0.0`).
+    #[serde(default)]
+    pub advertise_address: Option<String>,
+    /// Squid's basic-auth helper, used for Proxies with credentials; it must read an
+    /// htpasswd-style file with SHA-512-crypt hashes.
+    #[serde(default = "default_auth_helper_path")]
+    pub auth_helper_path: PathBuf,
+    /// User Squid drops to when the operator runs as root; it owns each proxy's log folder.
+    #[serde(default = "default_squid_user")]
+    pub squid_user: String,
+    /// Whether Squid writes an access log per proxy (rotation is left to the host).
+    #[serde(default = "default_access_log")]
+    pub access_log: bool,
+    /// Squid directives appended to every generated config (one directive per entry).
+    #[serde(default)]
+    pub extra_config: Vec<String>,
+    /// How long `create` waits for a new Squid to accept connections before it returns the
+    /// instance as starting.
+    #[serde(default = "default_start_timeout_seconds")]
+    pub start_timeout_seconds: u32,
+    /// How long `delete` waits after SIGTERM before it sends SIGKILL.
+    #[serde(default = "default_stop_timeout_seconds")]
+    pub stop_timeout_seconds: u32,
 }
 
 fn default_squid_path() -> PathBuf {
@@ -297,4 +323,37 @@ fn default_squid_path() -> PathBuf {
 }
 fn default_bind_address() -> String {
     "127.0.0.1".to_owned()
+}
+fn default_auth_helper_path() -> PathBuf {
+    PathBuf::from("/usr/lib/squid/basic_ncsa_auth")
+}
+fn default_squid_user() -> String {
+    "proxy".to_owned()
+}
+fn default_access_log() -> bool {
+    true
+}
+fn default_start_timeout_seconds() -> u32 {
+    10
+}
+fn default_stop_timeout_seconds() -> u32 {
+    5
+}
+
+impl LocalSettings {
+    /// Settings with every default, for the state folder `state_dir`.
+    pub fn new(state_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            state_dir: state_dir.into(),
+            squid_path: default_squid_path(),
+            bind_address: default_bind_address(),
+            advertise_address: None,
+            auth_helper_path: default_auth_helper_path(),
+            squid_user: default_squid_user(),
+            access_log: default_access_log(),
+            extra_config: Vec::new(),
+            start_timeout_seconds: default_start_timeout_seconds(),
+            stop_timeout_seconds: default_stop_timeout_seconds(),
+        }
+    }
 }

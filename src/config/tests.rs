@@ -34,6 +34,7 @@ providers:
         ProviderSettings::Local(local) => {
             assert_eq!(local.squid_path, PathBuf::from("/usr/sbin/squid"));
             assert_eq!(local.bind_address, "127.0.0.1");
+            assert_eq!(local, &LocalSettings::new("/tmp/x"), "every default");
         }
         other => panic!("wrong settings {other:?}"),
     }
@@ -82,7 +83,7 @@ providers:
             r#"providers[0] ("a"): settings: missing field `uri`"#,
             r#"providers[1] ("a"): duplicate name; every provider instance needs its own name"#,
             r#"providers[2] ("b"): unknown type "openstack"; known types are kvm, kvm2, kubernetes, local"#,
-            r#"providers[3] ("c"): settings.squidPth: unknown field `squidPth`, expected one of `stateDir`, `squidPath`, `bindAddress`"#,
+            r#"providers[3] ("c"): settings.squidPth: unknown field `squidPth`, expected one of `stateDir`, `squidPath`, `bindAddress`, `advertiseAddress`, `authHelperPath`, `squidUser`, `accessLog`, `extraConfig`, `startTimeoutSeconds`, `stopTimeoutSeconds`"#,
             r#"providers[4] ("Bad_Name"): name must be 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"#,
         ]
     );
@@ -108,6 +109,51 @@ fn shape_errors_name_the_location() {
         err.to_string(),
         "providers: the list is empty; configure at least one provider instance"
     );
+}
+
+#[test]
+fn local_settings_take_every_field_and_reject_typos() {
+    let config = ProvidersConfig::parse(
+        r#"
+providers:
+  - name: local
+    type: local
+    settings:
+      stateDir: /srv/proxies
+      squidPath: /opt/squid/sbin/squid
+      bindAddress: 0.0.0.0
+      advertiseAddress: 192.0.2.10
+      authHelperPath: /opt/squid/libexec/basic_ncsa_auth
+      squidUser: squid
+      accessLog: false
+      extraConfig: ["dns_nameservers 192.0.2.53"]
+      startTimeoutSeconds: 3
+      stopTimeoutSeconds: 2
+"#,
+    )
+    .expect("valid config");
+    let ProviderSettings::Local(local) = &config.instances[0].settings else {
+        panic!("wrong type");
+    };
+    assert_eq!(
+        local,
+        &LocalSettings {
+            state_dir: PathBuf::from("/srv/proxies"),
+            squid_path: PathBuf::from("/opt/squid/sbin/squid"),
+            bind_address: "0.0.0.0".into(),
+            advertise_address: Some("192.0.2.10".into()),
+            auth_helper_path: PathBuf::from("/opt/squid/libexec/basic_ncsa_auth"),
+            squid_user: "squid".into(),
+            access_log: false,
+            extra_config: vec!["dns_nameservers 192.0.2.53".into()],
+            start_timeout_seconds: 3,
+            stop_timeout_seconds: 2,
+        }
+    );
+    let problems =
+        problems("providers:\n  - name: l\n    type: local\n    settings: {stateDir: /x, acessLog: true}\n");
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert!(problems[0].contains("acessLog"), "{problems:?}");
 }
 
 fn kvm_settings(settings: &str) -> Result<KvmSettings, Vec<String>> {
