@@ -55,7 +55,11 @@ async fn one_leader_at_a_time_and_a_clean_handover() {
     let mut a = candidate(api.clone(), "replica-a");
     wait(&mut a.state, |s| *s == Leadership::Leader).await;
     let mut b = candidate(api.clone(), "replica-b");
-    wait(&mut b.state, |s| matches!(s, Leadership::Follower { holder } if holder == "replica-a")).await;
+    wait(
+        &mut b.state,
+        |s| matches!(s, Leadership::Follower { holder } if holder == "replica-a"),
+    )
+    .await;
     // While a renews, b never leads.
     for _ in 0..10 {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -82,6 +86,10 @@ async fn a_leader_that_cannot_renew_steps_down_and_the_lease_expires_to_another(
     // Every request of a fails from now on (the API server is unreachable for it).
     server.fail_next(RequestMatcher::any().resource("leases"), 1_000, 500);
     wait(&mut a.state, |s| *s != Leadership::Leader).await;
+    // A replica that stepped down stops (the process exits); otherwise it would renew its own,
+    // still valid Lease as soon as the API server answers again.
+    a.stop.take().expect("running").send(()).expect("stop");
+    (&mut a.task).await.expect("a stops");
     server.fail_next(RequestMatcher::any().resource("leases"), 0, 500);
     let mut b = candidate(api.clone(), "replica-b");
     wait(&mut b.state, |s| *s == Leadership::Leader).await;

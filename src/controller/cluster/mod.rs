@@ -150,8 +150,7 @@ pub async fn run_controller(
         let proxy_store = proxy_store.clone();
         let secret_store = secret_store.clone();
         async move {
-            let synced =
-                proxy_store.wait_until_ready().await.is_ok() && secret_store.wait_until_ready().await.is_ok();
+            let synced = synced(&proxy_store).await && synced(&secret_store).await;
             if synced {
                 info!("caches synced");
                 ready.send_replace(true);
@@ -169,6 +168,23 @@ pub async fn run_controller(
         })
         .await;
     info!("controller stopped");
+}
+
+/// Whether `store` finished its initial list (false: its writer is gone).
+///
+/// `Store::wait_until_ready` wakes only the most recent of concurrent waiters (kube-runtime's
+/// `DelayedInit` wraps a oneshot channel, which keeps one waker), and the `Controller` itself
+/// waits on the proxy store: without re-polling, this waiter can sleep forever.
+async fn synced<K>(store: &reflector::Store<K>) -> bool
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    loop {
+        if let Ok(ready) = tokio::time::timeout(Duration::from_millis(50), store.wait_until_ready()).await {
+            return ready.is_ok();
+        }
+    }
 }
 
 async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {
