@@ -56,6 +56,11 @@ struct World {
 
 impl World {
     async fn new() -> Self {
+        // `RUST_LOG=debug cargo test --test controller` shows the operator's logs.
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .try_init();
         let server = FakeApiServer::start().await;
         let client = server.client();
         Self {

@@ -150,7 +150,7 @@ pub async fn run_controller(
         let proxy_store = proxy_store.clone();
         let secret_store = secret_store.clone();
         async move {
-            let synced = synced(&proxy_store).await && synced(&secret_store).await;
+            let synced = wait_ready(&proxy_store).await && wait_ready(&secret_store).await;
             if synced {
                 info!("caches synced");
                 ready.send_replace(true);
@@ -170,19 +170,18 @@ pub async fn run_controller(
     info!("controller stopped");
 }
 
-/// Whether `store` finished its initial list (false: its writer is gone).
-///
-/// `Store::wait_until_ready` wakes only the most recent of concurrent waiters (kube-runtime's
-/// `DelayedInit` wraps a oneshot channel, which keeps one waker), and the `Controller` itself
-/// waits on the proxy store: without re-polling, this waiter can sleep forever.
-async fn synced<K>(store: &reflector::Store<K>) -> bool
+/// Waits until `store` has its initial list. The store's readiness is a shared one-shot that
+/// wakes only the most recent waiter, and the controller itself waits on the Proxy store, so a
+/// second waiter re-polls on a short interval instead of relying on a wake-up.
+async fn wait_ready<K>(store: &reflector::Store<K>) -> bool
 where
     K: kube::Resource + Clone + 'static,
     K::DynamicType: Eq + std::hash::Hash + Clone,
 {
     loop {
-        if let Ok(ready) = tokio::time::timeout(Duration::from_millis(50), store.wait_until_ready()).await {
-            return ready.is_ok();
+        match tokio::time::timeout(Duration::from_millis(100), store.wait_until_ready()).await {
+            Ok(result) => return result.is_ok(),
+            Err(_elapsed) => continue,
         }
     }
 }
