@@ -39,8 +39,15 @@ providers:
     }
     match &config.instance("rack2").expect("configured").settings {
         ProviderSettings::Kvm2(kvm) => {
-            assert_eq!(kvm.domain_type, "qemu");
-            assert_eq!(kvm.network, "default");
+            assert_eq!(kvm.domain_type, DomainType::Qemu);
+            assert_eq!(
+                kvm.network,
+                NetworkSettings::Libvirt {
+                    name: "default".into()
+                }
+            );
+            assert_eq!(kvm.boot, BootSettings::Disk {});
+            assert_eq!((kvm.memory_mib, kvm.vcpus, kvm.timeout_seconds), (512, 1, 60));
         }
         other => panic!("wrong settings {other:?}"),
     }
@@ -101,4 +108,107 @@ fn shape_errors_name_the_location() {
         err.to_string(),
         "providers: the list is empty; configure at least one provider instance"
     );
+}
+
+fn kvm_settings(settings: &str) -> Result<KvmSettings, Vec<String>> {
+    let text = format!("providers:\n  - name: k\n    type: kvm2\n    settings: {settings}\n");
+    match ProvidersConfig::parse(&text) {
+        Ok(config) => match config.instances.into_iter().next().map(|i| i.settings) {
+            Some(ProviderSettings::Kvm2(kvm)) => Ok(kvm),
+            other => panic!("wrong settings {other:?}"),
+        },
+        Err(ConfigError::Invalid(Problems(problems))) => Err(problems),
+        Err(other) => Err(vec![other.to_string()]),
+    }
+}
+
+#[test]
+fn kvm_network_modes_and_boot_modes_parse_with_defaults() {
+    let base = "uri: 'qemu:///session', pool: p, baseImage: b";
+    let user = kvm_settings(&format!("{{{base}, network: {{mode: user}}}}")).expect("valid");
+    assert_eq!(
+        user.network,
+        NetworkSettings::User {
+            host_forward_address: std::net::Ipv4Addr::LOCALHOST,
+            host_forward_ports: PortRange {
+                first: 20000,
+                last: 20999
+            },
+        }
+    );
+    let user = kvm_settings(&format!(
+        "{{{base}, network: {{mode: user, hostForwardAddress: 127.0.0.2, hostForwardPorts: {{first: 2000, last: 2010}}}}}}"
+    ))
+    .expect("valid");
+    assert_eq!(
+        user.network,
+        NetworkSettings::User {
+            host_forward_address: std::net::Ipv4Addr::new(127, 0, 0, 2),
+            host_forward_ports: PortRange {
+                first: 2000,
+                last: 2010
+            },
+        }
+    );
+    let bridge = kvm_settings(&format!("{{{base}, network: {{mode: bridge, name: br0}}}}")).expect("valid");
+    assert_eq!(bridge.network, NetworkSettings::Bridge { name: "br0".into() });
+    let libvirt = kvm_settings(&format!("{{{base}, network: {{mode: libvirt}}}}")).expect("valid");
+    assert_eq!(libvirt.network, NetworkSettings::default());
+    let kernel = kvm_settings(&format!(
+        "{{{base}, boot: {{mode: kernel, kernel: /k/vmlinuz, initrd: /k/initrd}}, domainType: qemu}}"
+    ))
+    .expect("valid");
+    assert_eq!(
+        kernel.boot,
+        BootSettings::Kernel {
+            kernel: PathBuf::from("/k/vmlinuz"),
+            initrd: Some(PathBuf::from("/k/initrd")),
+            cmdline: "root=/dev/vda console=ttyS0".into(),
+        }
+    );
+    assert_eq!(kernel.domain_type, DomainType::Qemu);
+    let disk = kvm_settings(&format!("{{{base}, boot: {{mode: disk}}, timeoutSeconds: 5}}")).expect("valid");
+    assert_eq!((disk.boot, disk.timeout_seconds), (BootSettings::Disk {}, 5));
+}
+
+#[test]
+fn kvm_settings_mistakes_name_the_field() {
+    let base = "uri: 'qemu:///session', pool: p, baseImage: b";
+    let cases = [
+        (
+            "network: {mode: slirp}",
+            "settings.network.mode: unknown variant `slirp`, expected one of `libvirt`, `bridge`, `user`",
+        ),
+        (
+            "network: {mode: bridge}",
+            "settings.network: missing field `name`",
+        ),
+        (
+            "network: {mode: user, hostForwardAddress: '::1'}",
+            "settings.network",
+        ),
+        ("network: {mode: user, port: 1}", "unknown field `port`"),
+        (
+            "network: {mode: user, hostForwardPorts: {first: 30, last: 20}}",
+            "port range 30-20 is empty",
+        ),
+        (
+            "network: default",
+            "settings.network: invalid type: string \"default\", expected a network such as {mode: libvirt, name: default}",
+        ),
+        ("boot: {mode: disk, kernel: /k}", "unknown field `kernel`"),
+        ("boot: {mode: kernel}", "settings.boot: missing field `kernel`"),
+        (
+            "domainType: xen",
+            "settings.domainType: unknown variant `xen`, expected `kvm` or `qemu`",
+        ),
+    ];
+    let mut mismatches = Vec::new();
+    for (extra, expected) in cases {
+        let problems = kvm_settings(&format!("{{{base}, {extra}}}")).expect_err(extra);
+        if problems.len() != 1 || !problems[0].contains(expected) {
+            mismatches.push(format!("{extra}: expected {expected:?} in {problems:?}"));
+        }
+    }
+    assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));
 }

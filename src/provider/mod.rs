@@ -15,6 +15,9 @@
 //!   time are stored where the backend keeps them (domain metadata, labels, state files), since
 //!   orphan GC decides from them alone.
 
+pub mod kvm;
+pub mod kvm2;
+pub mod libvirt;
 pub mod memory;
 mod registry;
 
