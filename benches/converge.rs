@@ -5,6 +5,7 @@
 //!
 //! `cargo bench --bench converge` (set `EPO_BENCH_PROXIES` to change N).
 
+// The module allows its own dead code (not every user needs every hook).
 #[path = "../tests/support/fake_apiserver/mod.rs"]
 mod fake_apiserver;
 

@@ -808,12 +808,14 @@ fn drive<T: Send + 'static>(
     rx
 }
 
-/// The next watch event other than a BOOKMARK (kube asks for bookmarks by default).
+/// The next watch event other than a BOOKMARK (kube asks for bookmarks by default), within
+/// `WAIT` in all.
 async fn next_event<K: Clone + std::fmt::Debug>(
     stream: &mut (impl futures::Stream<Item = Result<WatchEvent<K>, kube::Error>> + Unpin),
 ) -> WatchEvent<K> {
+    let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let event = timeout(WAIT, stream.next())
+        let event = tokio::time::timeout_at(deadline, stream.next())
             .await
             .expect("a watch event in time")
             .expect("the stream is open")
