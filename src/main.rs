@@ -45,6 +45,53 @@ enum Command {
         check: bool,
     },
     /// Replay a lifecycle scenario file (e.g. machines/scenarios/*.yaml) and print its audit trail.
+    /// Run the operator against the cluster of the kubeconfig / in-cluster config (cluster mode).
+    Run {
+        /// Providers config.
+        #[arg(long, value_name = "FILE")]
+        providers_config: PathBuf,
+        /// Watch only this namespace (disables orphan GC unless --gc-allow-namespaced).
+        #[arg(long, value_name = "NS")]
+        namespace: Option<String>,
+        /// Run orphan GC in namespace-restricted mode (it then judges only that namespace's instances).
+        #[arg(long)]
+        gc_allow_namespaced: bool,
+        /// Only log what orphan GC would delete.
+        #[arg(long)]
+        gc_dry_run: bool,
+        /// Namespace of the leader Lease and the lease checkpoint.
+        #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
+        system_namespace: String,
+        /// This replica's identity.
+        #[arg(long, env = "POD_NAME", default_value = "egress-proxies-operator")]
+        identity: String,
+        /// Admin server address (/healthz, /readyz, /metrics).
+        #[arg(long, default_value = "0.0.0.0:8081")]
+        admin_listen: std::net::SocketAddr,
+        /// Discovery API address.
+        #[arg(long, default_value = "0.0.0.0:8080")]
+        discovery_listen: std::net::SocketAddr,
+        /// Bearer tokens of the discovery API.
+        #[arg(
+            long,
+            value_name = "FILE",
+            default_value = "/etc/egress-proxies-operator/tokens/tokens"
+        )]
+        tokens: PathBuf,
+        /// Key signing lease tokens, shared by all replicas.
+        #[arg(
+            long,
+            value_name = "FILE",
+            default_value = "/etc/egress-proxies-operator/lease-key/key"
+        )]
+        lease_signing_key: PathBuf,
+        /// Parallel reconciles.
+        #[arg(long, default_value_t = 8)]
+        concurrency: u16,
+        /// Log as JSON lines instead of text.
+        #[arg(long)]
+        json_logs: bool,
+    },
     /// Run the whole operator on this host without Kubernetes (standalone mode).
     Standalone {
         /// Folder of Proxy manifests (and the Secrets they reference).
@@ -198,6 +245,44 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(app::run_standalone(options, shutdown_signal()))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run {
+            providers_config,
+            namespace,
+            gc_allow_namespaced,
+            gc_dry_run,
+            system_namespace,
+            identity,
+            admin_listen,
+            discovery_listen,
+            tokens,
+            lease_signing_key,
+            concurrency,
+            json_logs,
+        } => {
+            init_logging(json_logs);
+            let options = app::cluster::ClusterOptions {
+                providers_config,
+                namespace,
+                gc_allow_namespaced,
+                gc_dry_run,
+                system_namespace,
+                identity,
+                admin_listen,
+                discovery_listen,
+                tokens,
+                signing_key: lease_signing_key,
+                concurrency,
+            };
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(async {
+                let client = kube::Client::try_default()
+                    .await
+                    .context("connecting to the cluster")?;
+                app::cluster::run_cluster(client, options, shutdown_signal()).await?;
+                anyhow::Ok(())
+            })?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { state, audit } => {

@@ -2,6 +2,7 @@
 //! subcommands are thin wrappers around [`run_standalone`] and [`run_cluster`].
 
 mod adapters;
+pub mod cluster;
 
 use std::{collections::HashSet, future::Future, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
