@@ -2,7 +2,9 @@
 //! past the threshold with an event, recovery, timeouts, Squid's own denials, HTTPS through
 //! CONNECT, and the egress check.
 
-mod support;
+mod support {
+    pub mod loopback;
+}
 
 use std::{net::IpAddr, time::Duration};
 
@@ -11,7 +13,7 @@ use egress_proxies_operator::{
     lease::ProxyKey,
     provider::{Credentials, Endpoint},
 };
-use support::{Origin, Squid, eventually};
+use support::loopback::{Origin, Squid, eventually};
 use tokio::sync::mpsc::Receiver;
 
 fn target(key: &ProxyKey, squid: &Squid, url: String) -> HealthTarget {
@@ -76,6 +78,7 @@ async fn squid_passes_fails_when_stopped_and_recovers_when_restarted() {
     squid.restart().await;
     let recovered = next_event(&mut events).await;
     assert_eq!((recovered.verdict, recovered.recovered), (Verdict::Passing, true));
+    assert!(health.snapshot(&key).unwrap().recovered);
     // No event while nothing crosses a threshold.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(events.try_recv().is_err());
