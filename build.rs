@@ -20,7 +20,7 @@ use serde::Deserialize;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Table {
+pub(crate) struct Table {
     machine: String,
     initial: String,
     states: Vec<StateDef>,
@@ -104,15 +104,13 @@ fn main() {
             path.file_name().and_then(|n| n.to_str()).unwrap_or("?")
         );
         let text = fs::read_to_string(&path).unwrap_or_else(|e| panic!("{rel}: cannot read: {e}"));
-        let table: Table =
-            serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{rel}: invalid table: {e}"));
-        if let Err(errors) = validate(&table) {
+        let table = load_table(&text).unwrap_or_else(|errors| {
             panic!(
                 "\n{rel}: the transition table is invalid ({} problem(s)):\n  - {}\n",
                 errors.len(),
                 errors.join("\n  - ")
-            );
-        }
+            )
+        });
         let code = generate(&table, &rel);
         let out = out_dir.join(format!("{}_machine.rs", table.machine));
         write_if_changed(&out, &code);
@@ -146,6 +144,14 @@ fn is_snake(name: &str) -> bool {
 
 fn is_camel(name: &str) -> bool {
     name.starts_with(|c: char| c.is_ascii_uppercase()) && name.chars().all(|c| c.is_ascii_alphanumeric())
+}
+
+/// Parse and validate a table; the errors name the offending rows. `pub(crate)` so that
+/// tests/machine_table_validation.rs can include this file and check the messages.
+pub(crate) fn load_table(text: &str) -> Result<Table, Vec<String>> {
+    let table: Table = serde_norway::from_str(text).map_err(|e| vec![format!("not a valid table: {e}")])?;
+    validate(&table)?;
+    Ok(table)
 }
 
 fn validate(t: &Table) -> Result<(), Vec<String>> {

@@ -7,8 +7,15 @@
 pub mod api;
 pub mod check;
 pub mod config;
+pub mod controller;
 pub mod discovery;
+pub mod effects;
+pub mod gc;
 pub mod health;
 pub mod lease;
 pub mod machine;
+pub mod monitor;
 pub mod provider;
+pub mod standalone;
+pub mod store;
+pub mod telemetry;

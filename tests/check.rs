@@ -181,3 +181,17 @@ fn providers_config_problems_are_reported_by_check() {
         ]
     );
 }
+
+#[test]
+fn standalone_samples_pass_check_against_their_providers_config() {
+    let providers = ProvidersConfig::load(&repo("config/samples/standalone/providers.yaml")).expect("valid");
+    let checker = Checker::new(Some(providers));
+    let mut report = Report::default();
+    let files = yaml_files("config/samples/standalone");
+    for file in &files {
+        checker.check_file(file, &mut report);
+    }
+    let problems: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert_eq!(files.len(), 4, "three proxies and their providers config");
+}

@@ -12,8 +12,8 @@ mod proxy;
 pub use crd::{CrdFile, crd_files, render_all};
 pub use provider_health::{ProviderHealth, ProviderHealthFields, ProviderHealthStatus};
 pub use proxy::{
-    CLOUD_INIT_SECRET_LABEL, CloudInit, HealthCheck, LeasePolicy, Placement, Proxy, ProxyAuth, ProxySpec,
-    ProxyStatus, SecretKeyRef,
+    CLOUD_INIT_SECRET_LABEL, CloudInit, HealthCheck, LeasePolicy, Placement, Proxy, ProxyAuth,
+    ProxyAuthSecretRef, ProxySpec, ProxyStatus, SecretKeyRef,
 };
 
 /// API group of every resource this operator defines.

@@ -266,6 +266,12 @@ pub struct ProxyStatus {
     /// Lifecycle phase (the state of the Proxy's state machine).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
+    /// When the phase was entered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase_since: Option<Time>,
+    /// Create attempts in the current provisioning episode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub create_attempts: Option<i32>,
     /// `Ready`, `Provisioned` and `Healthy`, with bounded reasons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

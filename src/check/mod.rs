@@ -110,6 +110,12 @@ impl Checker {
                         report.problems.push(problem(&object, path, message));
                     }
                 }
+                Document::Secret => {
+                    let object = format!("Secret {}", proxy_label(&value).trim_start_matches("Proxy "));
+                    for (path, message) in check_secret(&value) {
+                        report.problems.push(problem(&object, path, message));
+                    }
+                }
                 Document::ProvidersConfig => {
                     for message in check_providers_config(&value) {
                         report.problems.push(problem("providers config", String::new(), message));
@@ -118,7 +124,7 @@ impl Checker {
                 Document::Other(what) => report.problems.push(problem(
                     &what,
                     String::new(),
-                    "unsupported document: check validates Proxy manifests (crawl.example.com/v1alpha1) and providers configs (a top-level `providers:` list)".to_owned(),
+                    "unsupported document: check validates Proxy manifests (crawl.example.com/v1alpha1), the Secrets they reference (v1) and providers configs (a top-level `providers:` list)".to_owned(),
                 )),
             }
         }
@@ -146,6 +152,8 @@ impl Checker {
 
 enum Document {
     Proxy,
+    /// A Secret a Proxy references (standalone mode reads them from the manifests folder).
+    Secret,
     ProvidersConfig,
     Other(String),
 }
@@ -157,6 +165,7 @@ fn classify(value: &Value) -> Document {
         (Some(v), Some("Proxy")) if v == format!("{}/{}", crate::api::GROUP, crate::api::VERSION) => {
             Document::Proxy
         }
+        (Some("v1"), Some("Secret")) => Document::Secret,
         (None, None) if value.get("providers").is_some() => Document::ProvidersConfig,
         (api_version, kind) => Document::Other(format!(
             "{} {}",
@@ -175,6 +184,32 @@ fn proxy_label(value: &Value) -> String {
         Some(namespace) => format!("Proxy {namespace}/{name}"),
         None => format!("Proxy {name}"),
     }
+}
+
+/// The parts of a Secret the operator reads: a name, and string-valued `data`/`stringData`.
+fn check_secret(value: &Value) -> Vec<(String, String)> {
+    let mut problems = Vec::new();
+    if value
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .is_none_or(str::is_empty)
+    {
+        problems.push(("metadata.name".to_owned(), "required: name the Secret".to_owned()));
+    }
+    for field in ["data", "stringData"] {
+        match value.get(field) {
+            None => {}
+            Some(Value::Object(map)) => {
+                for (key, item) in map {
+                    if !item.is_string() {
+                        problems.push((format!("{field}.{key}"), "must be a string".to_owned()));
+                    }
+                }
+            }
+            Some(_) => problems.push((field.to_owned(), "must be a map of strings".to_owned())),
+        }
+    }
+    problems
 }
 
 fn check_providers_config(value: &Value) -> Vec<String> {

@@ -101,9 +101,25 @@ fn other_kinds_are_reported_as_unsupported() {
     let mut report = Report::default();
     checker.check_text(
         "x.yaml",
-        "apiVersion: v1\nkind: Secret\nmetadata: {name: s}\n",
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: s}\n",
         &mut report,
     );
     assert_eq!(report.problems.len(), 1);
-    assert_eq!(report.problems[0].object, "v1 Secret");
+    assert_eq!(report.problems[0].object, "v1 ConfigMap");
+}
+
+#[test]
+fn secrets_are_checked_for_what_the_operator_reads() {
+    let checker = Checker::new(None);
+    let mut report = Report::default();
+    checker.check_text(
+        "s.yaml",
+        "apiVersion: v1\nkind: Secret\nmetadata: {name: ok}\nstringData: {user-data: x}\n---\napiVersion: v1\nkind: Secret\nmetadata: {name: bad}\nstringData: {user-data: [1]}\n",
+        &mut report,
+    );
+    let lines: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        lines,
+        ["s.yaml: document 2 (Secret bad): stringData.user-data: must be a string"]
+    );
 }

@@ -15,6 +15,11 @@
 //! actions at all: every effect is attached to a transition row, and rehydrating is plain
 //! deserialization ([`State`] implements serde), which cannot emit anything.
 //!
+//! The machine is flat, without statig superstates: a `live` superstate could hold the
+//! `deletion_requested` rows of several states, but healthy and degraded differ in what they
+//! disable, and a flat table keeps every (state, event) outcome on one line of the YAML and of the
+//! matrix snapshot, where reviewers read it.
+//!
 //! Submodules: [`table`] (generated types and metadata), [`effects`] (the effect kinds),
 //! [`guards`] (guard functions), [`policy`] (timers: requeue delays and timeout events),
 //! [`audit`] (audit trail), [`scenario`] (scenario files and replay), [`docs`] (docs/machines.md).
@@ -135,5 +140,27 @@ pub fn decide(
             state: state.clone(),
             event,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use statig::blocking::State as _;
+
+    use super::*;
+
+    /// Rehydration cannot repeat effects: the generated machine has no entry or exit actions, so
+    /// even statig's own action hooks do nothing on any state.
+    #[test]
+    fn no_entry_or_exit_actions() {
+        for phase in Phase::ALL {
+            let mut state = State::from_parts(phase, scenario::EPOCH, 1);
+            let before = state.clone();
+            let mut ctx = table::DecideCtx::new(scenario::EPOCH, GuardInput::default());
+            state.call_entry_action(&mut table::ProxyMachine, &mut ctx);
+            state.call_exit_action(&mut table::ProxyMachine, &mut ctx);
+            assert_eq!(state, before);
+            assert!(ctx.matched_row().is_none());
+        }
     }
 }

@@ -1,8 +1,13 @@
-//! Real parts for integration tests: Squid on loopback, and a loopback HTTP/HTTPS target.
-//! Every service binds 127.0.0.1, is started by the test that needs it and is stopped by a
-//! guard's Drop in every outcome.
+//! Support code shared by integration tests (and benches, through `#[path]`).
+//!
+//! Each module is self-contained; include this folder with `mod support;` from a test.
+//! The items at this level are real parts for integration tests: Squid on loopback, and a
+//! loopback HTTP/HTTPS target. Every service binds 127.0.0.1, is started by the test that needs
+//! it and is stopped by a guard's Drop in every outcome.
 
-#![allow(dead_code)]
+#![allow(dead_code)] // Each test binary uses a different part of the support code.
+
+pub mod fake_apiserver;
 
 use std::os::unix::process::CommandExt;
 use std::{

@@ -1,0 +1,181 @@
+//! [`ProxyBackend`] over the Kubernetes API: finalizers and status on the Proxy, Events as the
+//! audit trail, Secrets from the label-selected cache (cloud-init) or a direct read (credentials).
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::Secret;
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::{Patch, PatchParams, PostParams},
+    runtime::{
+        events::{Event as KubeEvent, EventType, Recorder},
+        reflector::{ObjectRef, Store},
+    },
+};
+use serde_json::json;
+
+use crate::{
+    api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
+    controller::status::FINALIZER,
+    effects::{BackendError, ProxyBackend, SecretError},
+    machine::AuditEntry,
+    provider::{Credentials, UserData},
+};
+
+/// Default Secret key of cloud-init user-data.
+pub const DEFAULT_CLOUD_INIT_KEY: &str = "user-data";
+
+/// Reasons recorded as `Warning` Events; everything else is `Normal`.
+const WARNING_REASONS: [&str; 8] = [
+    "HealthCheckFailed",
+    "CreateFailed",
+    "CreateAttemptsExhausted",
+    "ProviderUnavailable",
+    "InvalidSpec",
+    "InstanceVanished",
+    "ProvisioningTimedOut",
+    "DegradedTooLong",
+];
+
+/// The cluster-mode backend.
+#[derive(Clone)]
+pub struct KubeBackend {
+    client: Client,
+    recorder: Recorder,
+    cloud_init_secrets: Store<Secret>,
+}
+
+impl KubeBackend {
+    /// A backend writing through `client`, reading cloud-init Secrets from `cloud_init_secrets`
+    /// (a reflector over Secrets labelled [`CLOUD_INIT_SECRET_LABEL`]).
+    pub fn new(client: Client, recorder: Recorder, cloud_init_secrets: Store<Secret>) -> Self {
+        Self {
+            client,
+            recorder,
+            cloud_init_secrets,
+        }
+    }
+
+    fn proxies(&self, proxy: &Proxy) -> Api<Proxy> {
+        Api::namespaced(self.client.clone(), &proxy.namespace().unwrap_or_default())
+    }
+
+    async fn set_finalizers(&self, proxy: &Proxy, finalizers: Vec<String>) -> Result<(), BackendError> {
+        // The resourceVersion makes the merge patch conditional: a concurrent change to the
+        // finalizer list gives a conflict instead of being overwritten.
+        let patch =
+            json!({"metadata": {"finalizers": finalizers, "resourceVersion": proxy.resource_version()}});
+        self.proxies(proxy)
+            .patch(&proxy.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(|_| ())
+            .map_err(classify)
+    }
+}
+
+/// Maps a client error onto what the reconciler does with it.
+pub fn classify(err: kube::Error) -> BackendError {
+    match &err {
+        kube::Error::Api(status) if status.code == 409 => BackendError::Conflict(status.message.clone()),
+        kube::Error::Api(status) if status.code == 404 => BackendError::Gone(status.message.clone()),
+        _ => BackendError::Other(err.to_string()),
+    }
+}
+
+fn secret_value(secret: &Secret, key: &str) -> Option<String> {
+    if let Some(value) = secret.data.as_ref().and_then(|d| d.get(key)) {
+        return String::from_utf8(value.0.clone()).ok();
+    }
+    secret.string_data.as_ref().and_then(|d| d.get(key)).cloned()
+}
+
+#[async_trait]
+impl ProxyBackend for KubeBackend {
+    async fn cloud_init(&self, namespace: &str, secret: &SecretKeyRef) -> Result<UserData, SecretError> {
+        let key = secret.key_or(DEFAULT_CLOUD_INIT_KEY);
+        let found = self
+            .cloud_init_secrets
+            .get(&ObjectRef::new(&secret.name).within(namespace));
+        let Some(found) = found else {
+            return Err(SecretError::NotUsable(format!(
+                "Secret {namespace}/{} not found or not labelled {CLOUD_INIT_SECRET_LABEL}=\"true\" (the operator reads only labelled Secrets)",
+                secret.name
+            )));
+        };
+        secret_value(&found, key).map(UserData).ok_or_else(|| {
+            SecretError::NotUsable(format!("Secret {namespace}/{} has no key {key:?}", secret.name))
+        })
+    }
+
+    async fn credentials(&self, namespace: &str, secret_name: &str) -> Result<Credentials, SecretError> {
+        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), namespace);
+        let secret = secrets
+            .get_opt(secret_name)
+            .await
+            .map_err(|e| SecretError::Transient(e.to_string()))?
+            .ok_or_else(|| SecretError::NotUsable(format!("Secret {namespace}/{secret_name} not found")))?;
+        match (
+            secret_value(&secret, "username"),
+            secret_value(&secret, "password"),
+        ) {
+            (Some(username), Some(password)) => Ok(Credentials { username, password }),
+            _ => Err(SecretError::NotUsable(format!(
+                "Secret {namespace}/{secret_name} must have the keys \"username\" and \"password\""
+            ))),
+        }
+    }
+
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        let mut finalizers = proxy.finalizers().to_vec();
+        if finalizers.iter().any(|f| f == FINALIZER) {
+            return Ok(());
+        }
+        finalizers.push(FINALIZER.to_owned());
+        self.set_finalizers(proxy, finalizers).await
+    }
+
+    async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        let finalizers: Vec<String> = proxy
+            .finalizers()
+            .iter()
+            .filter(|f| *f != FINALIZER)
+            .cloned()
+            .collect();
+        match self.set_finalizers(proxy, finalizers).await {
+            // Already gone: the finalizer is as removed as it gets.
+            Err(BackendError::Gone(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
+        // A full replace (with the resourceVersion we read) clears fields that became unset and
+        // turns a concurrent writer into a conflict rather than a lost update.
+        let mut updated = proxy.clone();
+        updated.status = Some(status.clone());
+        self.proxies(proxy)
+            .replace_status(&proxy.name_any(), &PostParams::default(), &updated)
+            .await
+            .map(|_| ())
+            .map_err(classify)
+    }
+
+    async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
+        let type_ = if WARNING_REASONS.contains(&entry.reason.as_str()) {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        let note = format!("{} ({}): {message}", entry.arrow(), entry.reason);
+        let event = KubeEvent {
+            type_,
+            reason: entry.reason.clone(),
+            note: Some(note.chars().take(1000).collect()),
+            action: entry.event.as_str().to_owned(),
+            secondary: None,
+        };
+        self.recorder
+            .publish(&event, &proxy.object_ref(&()))
+            .await
+            .map_err(classify)
+    }
+}

@@ -1,0 +1,241 @@
+//! Cluster mode: the reconciler wired to Kubernetes with kube-runtime's `Controller` on `Proxy`,
+//! a label-selected reflector of cloud-init Secrets whose changes re-reconcile the Proxies that
+//! reference them, extra triggers (health verdicts), bounded concurrency, debounce, error
+//! back-off by category, and graceful shutdown.
+
+pub mod backend;
+pub mod leader;
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use futures::{Stream, StreamExt};
+use k8s_openapi::api::core::v1::Secret;
+use kube::{
+    Api, Client, ResourceExt,
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::{Action, Config as ControllerConfig},
+        events::{Recorder, Reporter},
+        reflector::{self, ObjectRef},
+        watcher::{self, watcher},
+    },
+};
+use tokio::sync::watch;
+use tracing::{Instrument, info, info_span, warn};
+
+pub use backend::KubeBackend;
+
+use super::{ProviderAvailability, ReconcileError, Reconciler, ReconcilerConfig};
+use crate::{
+    api::{CLOUD_INIT_SECRET_LABEL, Proxy},
+    effects::{HealthControl, LeaseControl, ProxyKey},
+    provider::ProviderRegistry,
+    telemetry::Metrics,
+};
+
+/// Name of the controller in Events and as the field manager.
+pub const CONTROLLER_NAME: &str = "egress-proxies-operator";
+
+/// Everything the controller needs.
+pub struct ClusterDeps {
+    /// API client.
+    pub client: Client,
+    /// Provider instances.
+    pub providers: ProviderRegistry,
+    /// Lease executor.
+    pub leases: Arc<dyn LeaseControl>,
+    /// Health engine.
+    pub health: Arc<dyn HealthControl>,
+    /// Provider availability (written by the provider-health monitor).
+    pub availability: ProviderAvailability,
+    /// Reconciler knobs.
+    pub reconciler: ReconcilerConfig,
+    /// Watch only this namespace.
+    pub namespace: Option<String>,
+    /// Parallel reconciles.
+    pub concurrency: u16,
+    /// Coalesce triggers of one object within this window.
+    pub debounce: Duration,
+    /// This replica's identity (Events' reporting instance).
+    pub identity: String,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+struct Context {
+    reconciler: Reconciler<KubeBackend>,
+    failures: Mutex<HashMap<ObjectRef<Proxy>, u32>>,
+    metrics: Arc<Metrics>,
+}
+
+/// Runs the controller until `shutdown` resolves; `ready` turns true once the caches are synced.
+/// `triggers` names Proxies to reconcile now (e.g. a health threshold was crossed).
+pub async fn run_controller(
+    deps: ClusterDeps,
+    triggers: impl Stream<Item = ProxyKey> + Send + 'static,
+    ready: watch::Sender<bool>,
+    shutdown: impl Future<Output = ()> + Send + Sync + 'static,
+) {
+    let (proxies, secrets): (Api<Proxy>, Api<Secret>) = match &deps.namespace {
+        Some(ns) => (
+            Api::namespaced(deps.client.clone(), ns),
+            Api::namespaced(deps.client.clone(), ns),
+        ),
+        None => (Api::all(deps.client.clone()), Api::all(deps.client.clone())),
+    };
+    // Only labelled Secrets are watched and cached: unrelated Secrets never enter memory.
+    let (secret_store, secret_writer) = reflector::store();
+    let secret_stream = watcher(
+        secrets,
+        watcher::Config::default().labels(&format!("{CLOUD_INIT_SECRET_LABEL}=true")),
+    )
+    .default_backoff()
+    .reflect(secret_writer)
+    .touched_objects();
+
+    let recorder = Recorder::new(
+        deps.client.clone(),
+        Reporter {
+            controller: CONTROLLER_NAME.to_owned(),
+            instance: Some(deps.identity.clone()),
+        },
+    );
+    let backend = KubeBackend::new(deps.client.clone(), recorder, secret_store.clone());
+    let context = Arc::new(Context {
+        reconciler: Reconciler::new(
+            backend,
+            deps.providers,
+            deps.leases,
+            deps.health,
+            deps.availability,
+            deps.reconciler,
+        ),
+        failures: Mutex::default(),
+        metrics: deps.metrics,
+    });
+
+    let controller = Controller::new(proxies, watcher::Config::default()).with_config(
+        ControllerConfig::default()
+            .concurrency(deps.concurrency)
+            .debounce(deps.debounce),
+    );
+    let proxy_store = controller.store();
+    let referencing = proxy_store.clone();
+    let controller = controller
+        .watches_stream(secret_stream, move |secret: Secret| {
+            let namespace = secret.namespace();
+            let name = secret.name_any();
+            referencing
+                .state()
+                .into_iter()
+                .filter(|p| {
+                    p.namespace() == namespace
+                        && p.spec
+                            .cloud_init
+                            .as_ref()
+                            .is_some_and(|c| c.secret_ref.name == name)
+                })
+                .map(|p| ObjectRef::from_obj(&*p))
+                .collect::<Vec<_>>()
+        })
+        .reconcile_on(triggers.map(|key| ObjectRef::new(&key.name).within(&key.namespace)))
+        .graceful_shutdown_on(shutdown);
+
+    let readiness = {
+        let proxy_store = proxy_store.clone();
+        let secret_store = secret_store.clone();
+        async move {
+            let synced = wait_ready(&proxy_store).await && wait_ready(&secret_store).await;
+            if synced {
+                info!("caches synced");
+                ready.send_replace(true);
+            }
+        }
+    };
+    tokio::spawn(readiness);
+
+    controller
+        .run(reconcile, error_policy, context)
+        .for_each(|result| async move {
+            if let Err(err) = result {
+                warn!(error = %err, "controller error");
+            }
+        })
+        .await;
+    info!("controller stopped");
+}
+
+/// Waits until `store` has its initial list. The store's readiness is a shared one-shot that
+/// wakes only the most recent waiter, and the controller itself waits on the Proxy store, so a
+/// second waiter re-polls on a short interval instead of relying on a wake-up.
+async fn wait_ready<K>(store: &reflector::Store<K>) -> bool
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    loop {
+        match tokio::time::timeout(Duration::from_millis(100), store.wait_until_ready()).await {
+            Ok(result) => return result.is_ok(),
+            Err(_elapsed) => continue,
+        }
+    }
+}
+
+async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {
+    let span =
+        info_span!("reconcile", namespace = %proxy.namespace().unwrap_or_default(), name = %proxy.name_any());
+    let started = std::time::Instant::now();
+    let result = context.reconciler.reconcile(&proxy).instrument(span).await;
+    context.metrics.observe_reconcile(
+        started.elapsed(),
+        result.as_ref().err().map(ReconcileError::category),
+    );
+    let outcome = result?;
+    for entry in &outcome.audit {
+        context
+            .metrics
+            .observe_transition(entry.from.as_str(), entry.to.as_str());
+    }
+    context
+        .failures
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&ObjectRef::from_obj(&*proxy));
+    Ok(match outcome.requeue_after {
+        Some(after) => Action::requeue(after),
+        None => Action::await_change(),
+    })
+}
+
+/// Conflicts retry at once (the next attempt reads the fresh object); everything else backs off
+/// exponentially per object, capped at five minutes.
+fn error_policy(proxy: Arc<Proxy>, error: &ReconcileError, context: Arc<Context>) -> Action {
+    let key = ObjectRef::from_obj(&*proxy);
+    if error.category() == "Conflict" {
+        return Action::requeue(Duration::from_millis(200));
+    }
+    let mut failures = context.failures.lock().unwrap_or_else(|p| p.into_inner());
+    let count = failures.entry(key).or_insert(0);
+    *count = count.saturating_add(1);
+    let delay = backoff(*count);
+    warn!(
+        namespace = %proxy.namespace().unwrap_or_default(),
+        name = %proxy.name_any(),
+        category = error.category(),
+        error = %error,
+        retry_in = ?delay,
+        "reconcile failed"
+    );
+    Action::requeue(delay)
+}
+
+/// 1 s, 2 s, 4 s ... capped at 300 s.
+pub fn backoff(failures: u32) -> Duration {
+    let exponent = failures.saturating_sub(1).min(9);
+    Duration::from_secs((1u64 << exponent).min(300))
+}

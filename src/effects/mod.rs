@@ -1,0 +1,155 @@
+//! The executors' interfaces: each kind of side effect the engine asks for is carried out by one
+//! of these, idempotently, so a crash between any two effects is safe on restart.
+//!
+//! - [`ProxyBackend`]: the mode-specific writes (finalizer, status, events) and reads of
+//!   referenced Secrets. Cluster mode implements it with the Kubernetes API, standalone mode with
+//!   its embedded store.
+//! - [`LeaseControl`]: admission, drain and revocation of leases on one proxy.
+//! - [`HealthControl`]: which proxies the health engine probes, and its verdicts.
+//!
+//! Provider effects go through [`crate::provider::Provider`] directly.
+
+use async_trait::async_trait;
+
+use crate::{
+    api::{HealthCheck, LeasePolicy, Proxy, ProxyStatus, SecretKeyRef},
+    machine::AuditEntry,
+    provider::{Credentials, Endpoint, UserData},
+};
+
+/// Identifies a Proxy: `namespace/name`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProxyKey {
+    /// Namespace (standalone mode uses the manifest's, or `default`).
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+}
+
+impl std::fmt::Display for ProxyKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Why a referenced Secret can't be used: a user error reported on the Proxy.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SecretError {
+    /// Missing, or (for cloud-init) not labelled so the operator may read it.
+    #[error("{0}")]
+    NotUsable(String),
+    /// The backend could not be asked; retry.
+    #[error("reading the Secret failed: {0}")]
+    Transient(String),
+}
+
+/// A write to the backend failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum BackendError {
+    /// Someone else changed the object first; reconcile again with the fresh object.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The object no longer exists.
+    #[error("gone: {0}")]
+    Gone(String),
+    /// Anything else; retry with backoff.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Mode-specific reads and writes of the reconciler.
+#[async_trait]
+pub trait ProxyBackend: Send + Sync {
+    /// The cloud-init user-data a Proxy references.
+    async fn cloud_init(&self, namespace: &str, secret: &SecretKeyRef) -> Result<UserData, SecretError>;
+    /// The proxy credentials (keys `username`, `password`) of the named Secret.
+    async fn credentials(&self, namespace: &str, secret_name: &str) -> Result<Credentials, SecretError>;
+    /// Adds the operator's finalizer (before any instance is created).
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError>;
+    /// Removes the finalizer (after the instance is gone).
+    async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError>;
+    /// Replaces the status (called only when it changed).
+    async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError>;
+    /// Records one transition of the audit trail (a Kubernetes Event in cluster mode).
+    async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError>;
+}
+
+/// Whether a drain is complete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainStatus {
+    /// No lease remains.
+    Drained,
+    /// Leases remain; they are no longer renewed and expire.
+    Pending {
+        /// How many.
+        active: u32,
+    },
+}
+
+/// What the lease store needs to know about a proxy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LeaseTarget {
+    /// The proxy.
+    pub key: ProxyKey,
+    /// Where crawlers connect.
+    pub endpoint: Endpoint,
+    /// Attributes crawlers select by.
+    pub attributes: std::collections::BTreeMap<String, String>,
+    /// Limits.
+    pub policy: LeasePolicy,
+    /// Credentials handed to lease holders.
+    pub credentials: Option<Credentials>,
+}
+
+/// The lease executor's interface.
+pub trait LeaseControl: Send + Sync {
+    /// Registers or updates a proxy (attributes and limits change in place; leases stay).
+    fn upsert(&self, target: LeaseTarget);
+    /// Opens (`true`) or closes admission of new leases.
+    fn set_admission(&self, key: &ProxyKey, open: bool);
+    /// Closes admission and reports whether leases remain.
+    fn drain(&self, key: &ProxyKey) -> DrainStatus;
+    /// Revokes every lease on the proxy; returns how many.
+    fn revoke_all(&self, key: &ProxyKey) -> u32;
+    /// Forgets the proxy.
+    fn remove(&self, key: &ProxyKey);
+    /// Leases held on the proxy.
+    fn active(&self, key: &ProxyKey) -> u32;
+}
+
+/// What the health engine probes for one proxy.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HealthTarget {
+    /// The proxy.
+    pub key: ProxyKey,
+    /// The proxy's endpoint (probes go through it).
+    pub endpoint: Endpoint,
+    /// The check.
+    pub check: HealthCheck,
+    /// Credentials the proxy requires.
+    pub credentials: Option<Credentials>,
+}
+
+/// The health verdict on one proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HealthVerdict {
+    /// No threshold crossed yet.
+    Unknown,
+    /// Passing; `after_failing` if it failed before.
+    Passing {
+        /// It had failed before.
+        after_failing: bool,
+    },
+    /// Failing past the threshold.
+    Failing,
+}
+
+/// The health engine's interface.
+pub trait HealthControl: Send + Sync {
+    /// Probe this target (upserting the same target keeps the counters).
+    fn upsert(&self, target: HealthTarget);
+    /// Stop probing the proxy and forget its verdict.
+    fn remove(&self, key: &ProxyKey);
+    /// The current verdict.
+    fn verdict(&self, key: &ProxyKey) -> HealthVerdict;
+}

@@ -1,0 +1,80 @@
+//! Publishing provider health as cluster-scoped `ProviderHealth` objects.
+
+use async_trait::async_trait;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{
+    Api, Client,
+    api::{ObjectMeta, PostParams},
+};
+
+use super::{HealthSink, ProbeOutcome};
+use crate::api::{ProviderHealth, ProviderHealthFields, ProviderHealthStatus};
+
+/// Writes one `ProviderHealth` per provider instance, named after it.
+pub struct KubeHealthSink {
+    api: Api<ProviderHealth>,
+}
+
+impl KubeHealthSink {
+    /// A sink writing through `client`.
+    pub fn new(client: Client) -> Self {
+        Self {
+            api: Api::all(client),
+        }
+    }
+}
+
+#[async_trait]
+impl HealthSink for KubeHealthSink {
+    async fn publish(&self, outcome: &ProbeOutcome) -> Result<(), String> {
+        let mut object = match self
+            .api
+            .get_opt(&outcome.provider)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            Some(object) => object,
+            None => {
+                let fresh = ProviderHealth {
+                    metadata: ObjectMeta {
+                        name: Some(outcome.provider.clone()),
+                        ..ObjectMeta::default()
+                    },
+                    spec: ProviderHealthFields {},
+                    status: None,
+                };
+                self.api
+                    .create(&PostParams::default(), &fresh)
+                    .await
+                    .map_err(|e| e.to_string())?
+            }
+        };
+        let (status, reason) = if outcome.available {
+            ("True", "ProbeSucceeded")
+        } else {
+            ("False", "ProbeFailed")
+        };
+        object.status = Some(ProviderHealthStatus {
+            provider_type: Some(outcome.provider_type.clone()),
+            conditions: vec![Condition {
+                type_: "Available".to_owned(),
+                status: status.to_owned(),
+                reason: reason.to_owned(),
+                message: outcome.message.chars().take(1000).collect(),
+                observed_generation: object.metadata.generation,
+                last_transition_time: Time(outcome.at),
+            }],
+            last_probe_time: Some(Time(outcome.at)),
+            latency_millis: Some(i64::try_from(outcome.latency.as_millis()).unwrap_or(i64::MAX)),
+            message: Some(outcome.message.chars().take(1000).collect()),
+            instance_count: outcome
+                .instance_count
+                .map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+        });
+        self.api
+            .replace_status(&outcome.provider, &PostParams::default(), &object)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,220 @@
+//! The provider-health monitor: probes every configured provider instance (connect and list)
+//! on an interval, keeps [`ProviderAvailability`] current for the reconciler (which holds new
+//! provisioning while a provider is down), and publishes one `ProviderHealth` object per
+//! instance, written only when its condition changes.
+
+use std::{collections::HashMap, future::Future, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use jiff::Timestamp;
+use tracing::{info, warn};
+
+use crate::{controller::ProviderAvailability, provider::ProviderRegistry};
+
+pub mod kube_sink;
+
+/// What one probe of one provider instance found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeOutcome {
+    /// Provider instance name.
+    pub provider: String,
+    /// Provider type.
+    pub provider_type: String,
+    /// It answered.
+    pub available: bool,
+    /// Detail: the backend's description, or why it failed.
+    pub message: String,
+    /// How long the probe took.
+    pub latency: Duration,
+    /// Instances it owns (when it answered).
+    pub instance_count: Option<usize>,
+    /// When.
+    pub at: Timestamp,
+}
+
+/// Where outcomes are published (ProviderHealth objects in cluster mode).
+#[async_trait]
+pub trait HealthSink: Send + Sync {
+    /// Publishes an outcome whose condition changed.
+    async fn publish(&self, outcome: &ProbeOutcome) -> Result<(), String>;
+}
+
+/// Called with a provider's name when its availability flips.
+pub type ChangeHook = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// The monitor.
+pub struct Monitor {
+    providers: ProviderRegistry,
+    availability: ProviderAvailability,
+    sink: Arc<dyn HealthSink>,
+    timeout: Duration,
+    published: HashMap<String, bool>,
+    on_change: Option<ChangeHook>,
+}
+
+impl Monitor {
+    /// A monitor over `providers`, publishing to `sink`; a probe slower than `timeout` counts
+    /// as unavailable.
+    pub fn new(
+        providers: ProviderRegistry,
+        availability: ProviderAvailability,
+        sink: Arc<dyn HealthSink>,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            providers,
+            availability,
+            sink,
+            timeout,
+            published: HashMap::new(),
+            on_change: None,
+        }
+    }
+
+    /// Calls `hook` with a provider's name whenever its availability flips (the controller
+    /// re-reconciles that provider's Proxies).
+    pub fn on_change(mut self, hook: ChangeHook) -> Self {
+        self.on_change = Some(hook);
+        self
+    }
+
+    /// Probes every provider once; publishes the outcomes whose availability changed.
+    pub async fn probe_all(&mut self) -> Vec<ProbeOutcome> {
+        let mut outcomes = Vec::new();
+        let providers: Vec<_> = self
+            .providers
+            .iter()
+            .map(|(n, p)| (n.to_owned(), p.clone()))
+            .collect();
+        for (name, provider) in providers {
+            let started = std::time::Instant::now();
+            let result = tokio::time::timeout(self.timeout, provider.probe()).await;
+            let latency = started.elapsed();
+            let (available, message, instance_count) = match result {
+                Ok(Ok(report)) => (true, report.detail, Some(report.instance_count)),
+                Ok(Err(err)) => (false, err.to_string(), None),
+                Err(_) => (false, format!("probe timed out after {:?}", self.timeout), None),
+            };
+            let outcome = ProbeOutcome {
+                provider: name.clone(),
+                provider_type: provider.provider_type().to_owned(),
+                available,
+                message,
+                latency,
+                instance_count,
+                at: Timestamp::now(),
+            };
+            self.availability
+                .set(&name, (!available).then(|| outcome.message.clone()));
+            if self.published.get(&name) != Some(&available) {
+                if available {
+                    info!(provider = %name, "provider available");
+                } else {
+                    warn!(provider = %name, reason = %outcome.message, "provider unavailable");
+                }
+                match self.sink.publish(&outcome).await {
+                    Ok(()) => {
+                        self.published.insert(name.clone(), available);
+                    }
+                    // Not recorded as published: the next round retries the write.
+                    Err(err) => warn!(provider = %name, error = %err, "publishing provider health failed"),
+                }
+                if let Some(hook) = &self.on_change {
+                    hook(&name);
+                }
+            }
+            outcomes.push(outcome);
+        }
+        outcomes
+    }
+
+    /// Probes every `interval` until `shutdown` resolves.
+    pub async fn run(mut self, interval: Duration, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        loop {
+            self.probe_all().await;
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+}
+
+/// A sink that only logs (standalone mode: availability is what matters there).
+pub struct LogSink;
+
+#[async_trait]
+impl HealthSink for LogSink {
+    async fn publish(&self, outcome: &ProbeOutcome) -> Result<(), String> {
+        info!(provider = %outcome.provider, available = outcome.available, message = %outcome.message, "provider health");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::provider::memory::MemoryProvider;
+
+    #[derive(Default)]
+    struct Recorded(Mutex<Vec<(String, bool)>>);
+
+    #[async_trait]
+    impl HealthSink for Recorded {
+        async fn publish(&self, outcome: &ProbeOutcome) -> Result<(), String> {
+            self.0
+                .lock()
+                .unwrap()
+                .push((outcome.provider.clone(), outcome.available));
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn publishes_only_changes_and_tracks_availability() {
+        let provider = Arc::new(MemoryProvider::new("mem"));
+        let mut registry = ProviderRegistry::new();
+        registry.insert(provider.clone());
+        let availability = ProviderAvailability::default();
+        let sink = Arc::new(Recorded::default());
+        let mut monitor = Monitor::new(
+            registry,
+            availability.clone(),
+            sink.clone(),
+            Duration::from_secs(5),
+        );
+
+        monitor.probe_all().await;
+        monitor.probe_all().await;
+        assert_eq!(
+            *sink.0.lock().unwrap(),
+            [("mem".to_owned(), true)],
+            "steady state publishes once"
+        );
+        assert_eq!(availability.down_reason("mem"), None);
+
+        provider.set_unavailable(true);
+        monitor.probe_all().await;
+        monitor.probe_all().await;
+        assert!(
+            availability
+                .down_reason("mem")
+                .expect("down")
+                .contains("switched off")
+        );
+        provider.set_unavailable(false);
+        monitor.probe_all().await;
+        assert_eq!(
+            *sink.0.lock().unwrap(),
+            [
+                ("mem".to_owned(), true),
+                ("mem".to_owned(), false),
+                ("mem".to_owned(), true)
+            ]
+        );
+        assert_eq!(availability.down_reason("mem"), None);
+    }
+}

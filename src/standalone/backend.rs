@@ -1,0 +1,163 @@
+//! [`ProxyBackend`] over the embedded store: finalizer, status and audit trail are saved to the
+//! state folder; Secrets come from the manifests folder.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, RwLock},
+};
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt;
+use tracing::info;
+
+use super::progress::Progress;
+use crate::{
+    api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
+    controller::cluster::backend::DEFAULT_CLOUD_INIT_KEY,
+    effects::{BackendError, ProxyBackend, ProxyKey, SecretError},
+    machine::AuditEntry,
+    provider::{Credentials, UserData},
+    store::{AuditLine, ProxyRecord, Store},
+};
+
+/// Records by key, shared by the runner and the backend.
+pub type Records = Arc<Mutex<HashMap<ProxyKey, ProxyRecord>>>;
+/// Secrets from the manifests folder by (namespace, name).
+pub type Secrets = Arc<RwLock<HashMap<(String, String), Secret>>>;
+
+/// The standalone backend.
+pub struct StandaloneBackend {
+    store: Arc<Store>,
+    records: Records,
+    secrets: Secrets,
+    progress: Arc<Progress>,
+}
+
+impl StandaloneBackend {
+    /// A backend over `store`.
+    pub fn new(store: Arc<Store>, records: Records, secrets: Secrets, progress: Arc<Progress>) -> Self {
+        Self {
+            store,
+            records,
+            secrets,
+            progress,
+        }
+    }
+
+    fn update(&self, proxy: &Proxy, change: impl FnOnce(&mut ProxyRecord)) -> Result<(), BackendError> {
+        let key = key_of(proxy);
+        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let record = records
+            .get_mut(&key)
+            .ok_or_else(|| BackendError::Gone(key.to_string()))?;
+        change(record);
+        self.store
+            .save(&key, record)
+            .map_err(|e| BackendError::Other(e.to_string()))
+    }
+
+    fn secret(&self, namespace: &str, name: &str) -> Option<Secret> {
+        self.secrets
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+}
+
+fn key_of(proxy: &Proxy) -> ProxyKey {
+    ProxyKey {
+        namespace: proxy.namespace().unwrap_or_default(),
+        name: proxy.name_any(),
+    }
+}
+
+fn value(secret: &Secret, key: &str) -> Option<String> {
+    if let Some(value) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
+        return Some(value.clone());
+    }
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .and_then(|v| String::from_utf8(v.0.clone()).ok())
+}
+
+#[async_trait]
+impl ProxyBackend for StandaloneBackend {
+    async fn cloud_init(&self, namespace: &str, secret: &SecretKeyRef) -> Result<UserData, SecretError> {
+        let key = secret.key_or(DEFAULT_CLOUD_INIT_KEY);
+        let labelled = self
+            .secret(namespace, &secret.name)
+            .filter(|s| s.labels().get(CLOUD_INIT_SECRET_LABEL).map(String::as_str) == Some("true"));
+        let Some(found) = labelled else {
+            return Err(SecretError::NotUsable(format!(
+                "Secret {namespace}/{} not found in the manifests folder or not labelled {CLOUD_INIT_SECRET_LABEL}=\"true\"",
+                secret.name
+            )));
+        };
+        value(&found, key).map(UserData).ok_or_else(|| {
+            SecretError::NotUsable(format!("Secret {namespace}/{} has no key {key:?}", secret.name))
+        })
+    }
+
+    async fn credentials(&self, namespace: &str, secret_name: &str) -> Result<Credentials, SecretError> {
+        let secret = self.secret(namespace, secret_name).ok_or_else(|| {
+            SecretError::NotUsable(format!(
+                "Secret {namespace}/{secret_name} not found in the manifests folder"
+            ))
+        })?;
+        match (value(&secret, "username"), value(&secret, "password")) {
+            (Some(username), Some(password)) => Ok(Credentials { username, password }),
+            _ => Err(SecretError::NotUsable(format!(
+                "Secret {namespace}/{secret_name} must have the keys \"username\" and \"password\""
+            ))),
+        }
+    }
+
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        self.update(proxy, |record| record.finalizer = true)
+    }
+
+    async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        let key = key_of(proxy);
+        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(record) = records.get_mut(&key) else {
+            return Ok(());
+        };
+        record.finalizer = false;
+        if record.deleting {
+            // Like the API server: without finalizers a deleted object is gone.
+            self.store
+                .remove(&key)
+                .map_err(|e| BackendError::Other(e.to_string()))?;
+            records.remove(&key);
+            info!(proxy = %key, "proxy deleted");
+            Ok(())
+        } else {
+            self.store
+                .save(&key, record)
+                .map_err(|e| BackendError::Other(e.to_string()))
+        }
+    }
+
+    async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
+        self.update(proxy, |record| record.status = Some(status.clone()))
+    }
+
+    async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
+        let key = key_of(proxy);
+        info!(proxy = %key, transition = %entry.arrow(), reason = %entry.reason, "transition");
+        self.progress.transition(&key, entry);
+        self.store
+            .append_audit(
+                &key,
+                &AuditLine {
+                    entry: entry.clone(),
+                    message: message.to_owned(),
+                },
+            )
+            .map_err(|e| BackendError::Other(e.to_string()))
+    }
+}

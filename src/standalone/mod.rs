@@ -1,0 +1,328 @@
+//! Standalone mode: the whole operator on one host without Kubernetes. Desired state is a folder
+//! of the same `Proxy` manifests (and the Secrets they reference); status, identity and the
+//! audit trail live in the embedded store ([`crate::store`]); the same reconciler, executors,
+//! health engine and lease store run as in a cluster.
+//!
+//! The runner plays the API server's part: it turns manifest changes into generations, a
+//! vanished manifest into a deletion (the finalizer keeps the record until the instance is
+//! gone), and schedules reconciles by each Proxy's requeue time or an external trigger (a health
+//! verdict changed).
+
+mod backend;
+pub mod manifests;
+pub mod progress;
+pub mod status;
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, RwLock},
+    time::Duration,
+};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use tokio::{sync::mpsc, time::Instant};
+use tracing::{info, warn};
+
+pub use backend::StandaloneBackend;
+use backend::{Records, Secrets};
+use manifests::{Desired, fingerprint, scan};
+use progress::Progress;
+
+use crate::{
+    api::{Proxy, ProxySpec},
+    check::Checker,
+    controller::{ProviderAvailability, Reconciler, ReconcilerConfig, cluster::backoff, status::FINALIZER},
+    effects::{HealthControl, LeaseControl, ProxyKey},
+    provider::ProviderRegistry,
+    store::{ProxyRecord, Store, StoreError},
+};
+
+/// A standalone failure at start-up.
+#[derive(Debug, thiserror::Error)]
+pub enum StandaloneError {
+    /// The state folder.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The manifests folder.
+    #[error("manifests folder {0} does not exist or is not a folder")]
+    Manifests(PathBuf),
+}
+
+/// The executors and providers standalone mode drives.
+pub struct StandaloneDeps {
+    /// Provider instances.
+    pub providers: ProviderRegistry,
+    /// Lease executor.
+    pub leases: Arc<dyn LeaseControl>,
+    /// Health engine.
+    pub health: Arc<dyn HealthControl>,
+    /// Provider availability.
+    pub availability: ProviderAvailability,
+    /// Reconciler knobs.
+    pub reconciler: ReconcilerConfig,
+}
+
+/// The standalone runner.
+pub struct Standalone {
+    manifests: PathBuf,
+    store: Arc<Store>,
+    records: Records,
+    secrets: Secrets,
+    progress: Arc<Progress>,
+    reconciler: Reconciler<StandaloneBackend>,
+    checker: Checker,
+    last_fingerprint: Option<Vec<(PathBuf, u64, Option<std::time::SystemTime>)>>,
+    due: HashMap<ProxyKey, Instant>,
+    failures: HashMap<ProxyKey, u32>,
+    broken_files: usize,
+}
+
+impl Standalone {
+    /// Opens the state folder (locking it) and loads what it holds.
+    pub fn open(manifests: &Path, state: &Path, deps: StandaloneDeps) -> Result<Self, StandaloneError> {
+        if !manifests.is_dir() {
+            return Err(StandaloneError::Manifests(manifests.to_owned()));
+        }
+        let store = Arc::new(Store::open(state)?);
+        let loaded: HashMap<ProxyKey, ProxyRecord> = store.reader().list()?.into_iter().collect();
+        let now = Instant::now();
+        let due = loaded.keys().map(|k| (k.clone(), now)).collect();
+        info!(records = loaded.len(), state = %state.display(), "state loaded");
+        let records: Records = Arc::new(Mutex::new(loaded));
+        let secrets: Secrets = Arc::new(RwLock::new(HashMap::new()));
+        let progress = Arc::new(Progress::default());
+        let backend =
+            StandaloneBackend::new(store.clone(), records.clone(), secrets.clone(), progress.clone());
+        let reconciler = Reconciler::new(
+            backend,
+            deps.providers,
+            deps.leases,
+            deps.health,
+            deps.availability,
+            deps.reconciler,
+        );
+        Ok(Self {
+            manifests: manifests.to_owned(),
+            store,
+            records,
+            secrets,
+            progress,
+            reconciler,
+            checker: Checker::new(None),
+            last_fingerprint: None,
+            due,
+            failures: HashMap::new(),
+            broken_files: 0,
+        })
+    }
+
+    /// The progress view.
+    pub fn progress(&self) -> Arc<Progress> {
+        self.progress.clone()
+    }
+
+    /// Reconcile `key` at the next step.
+    pub fn trigger(&mut self, key: ProxyKey) {
+        if self
+            .records
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&key)
+        {
+            self.due.insert(key, Instant::now());
+        }
+    }
+
+    /// One round: pick up manifest changes, reconcile what is due. Returns when the next
+    /// reconcile is due (if any).
+    pub async fn step(&mut self) -> Option<Instant> {
+        let current = fingerprint(&self.manifests);
+        if self.last_fingerprint.as_ref() != Some(&current) {
+            let desired = scan(&self.manifests, &self.checker);
+            for problem in &desired.problems {
+                warn!(%problem, "manifest rejected; its proxies keep their last valid version");
+            }
+            self.apply(desired);
+            self.last_fingerprint = Some(current);
+        }
+        let now = Instant::now();
+        let due: Vec<ProxyKey> = self
+            .due
+            .iter()
+            .filter(|(_, at)| **at <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in due {
+            self.reconcile(&key).await;
+        }
+        self.update_progress();
+        self.due.values().min().copied()
+    }
+
+    async fn reconcile(&mut self, key: &ProxyKey) {
+        let Some(proxy) = self.proxy(key) else {
+            self.due.remove(key);
+            return;
+        };
+        match self.reconciler.reconcile(&proxy).await {
+            Ok(outcome) => {
+                self.failures.remove(key);
+                let gone = !self
+                    .records
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains_key(key);
+                match (gone, outcome.requeue_after) {
+                    (true, _) => {
+                        self.due.remove(key);
+                        // A manifest re-added during the deletion is picked up now.
+                        self.last_fingerprint = None;
+                    }
+                    (false, Some(after)) => {
+                        self.due.insert(key.clone(), Instant::now() + after);
+                    }
+                    (false, None) => {
+                        self.due.remove(key);
+                    }
+                }
+            }
+            Err(err) => {
+                let failures = self.failures.entry(key.clone()).or_insert(0);
+                *failures += 1;
+                let delay = backoff(*failures);
+                warn!(proxy = %key, category = err.category(), error = %err, retry_in = ?delay, "reconcile failed");
+                self.due.insert(key.clone(), Instant::now() + delay);
+            }
+        }
+    }
+
+    /// Merges the folder's desired state into the records, like API writes would.
+    fn apply(&mut self, desired: Desired) {
+        *self.secrets.write().unwrap_or_else(|p| p.into_inner()) = desired.secrets;
+        let now = jiff::Timestamp::now();
+        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let mut changed = Vec::new();
+        for (key, wanted) in &desired.proxies {
+            let source = wanted.source.display().to_string();
+            match records.get_mut(key) {
+                // Deletion can't be undone; the manifest is picked up again once it completes.
+                Some(record) if record.deleting => {}
+                Some(record) if record.spec != wanted.spec_json => {
+                    record.spec = wanted.spec_json.clone();
+                    record.generation += 1;
+                    record.source = source;
+                    changed.push(key.clone());
+                }
+                Some(_) => {}
+                None => {
+                    records.insert(
+                        key.clone(),
+                        ProxyRecord {
+                            uid: new_uid(),
+                            generation: 1,
+                            spec: wanted.spec_json.clone(),
+                            source,
+                            created: now,
+                            ..ProxyRecord::default()
+                        },
+                    );
+                    changed.push(key.clone());
+                }
+            }
+        }
+        for (key, record) in records.iter_mut() {
+            let source_broken = desired
+                .broken_files
+                .iter()
+                .any(|f| f.display().to_string() == record.source);
+            if !desired.proxies.contains_key(key) && !record.deleting && !source_broken {
+                record.deleting = true;
+                record.deletion_time = Some(now);
+                changed.push(key.clone());
+            }
+        }
+        for key in changed {
+            if let Some(record) = records.get(&key)
+                && let Err(err) = self.store.save(&key, record)
+            {
+                warn!(proxy = %key, error = %err, "saving the record failed");
+            }
+            self.due.insert(key, Instant::now());
+        }
+        drop(records);
+        self.broken_files = desired.broken_files.len();
+    }
+
+    /// The Proxy object the reconciler sees, as the API server would serve it.
+    fn proxy(&self, key: &ProxyKey) -> Option<Proxy> {
+        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let record = records.get(key)?;
+        let spec: ProxySpec = match serde_json::from_value(record.spec.clone()) {
+            Ok(spec) => spec,
+            Err(err) => {
+                warn!(proxy = %key, error = %err, "stored spec is unreadable");
+                return None;
+            }
+        };
+        Some(Proxy {
+            metadata: ObjectMeta {
+                name: Some(key.name.clone()),
+                namespace: Some(key.namespace.clone()),
+                uid: Some(record.uid.clone()),
+                generation: Some(record.generation),
+                creation_timestamp: Some(Time(record.created)),
+                deletion_timestamp: record.deletion_time.map(Time),
+                finalizers: record.finalizer.then(|| vec![FINALIZER.to_owned()]),
+                ..ObjectMeta::default()
+            },
+            spec,
+            status: record.status.clone(),
+        })
+    }
+
+    fn phase_counts(&self) -> BTreeMap<String, usize> {
+        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let mut counts = BTreeMap::new();
+        for record in records.values() {
+            let phase = record
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_else(|| "pending".to_owned());
+            *counts.entry(phase).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    fn update_progress(&self) {
+        self.progress.set_counts(self.phase_counts(), self.broken_files);
+    }
+
+    /// Runs until `shutdown` resolves: steps whenever something is due, a trigger arrives or
+    /// `poll` elapses (to notice manifest changes).
+    pub async fn run(
+        mut self,
+        mut triggers: mpsc::Receiver<ProxyKey>,
+        poll: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        loop {
+            let next = self.step().await;
+            self.progress.print_if_changed();
+            let wake = next.map_or(Instant::now() + poll, |at| at.min(Instant::now() + poll));
+            tokio::select! {
+                _ = &mut shutdown => break,
+                Some(key) = triggers.recv() => self.trigger(key),
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+        }
+        info!("standalone mode stopped");
+    }
+}
+
+/// A random 128-bit identity, like `metadata.uid`.
+fn new_uid() -> String {
+    format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+}

@@ -1,0 +1,122 @@
+//! `egress-proxies-operator status`: the proxies of a state folder as `kubectl get` would show
+//! them, and one proxy's audit trail.
+
+use std::fmt::Write as _;
+
+use jiff::Timestamp;
+
+use crate::{
+    effects::ProxyKey,
+    store::{ReadOnlyStore, StoreError},
+};
+
+/// A table of every proxy; `leases` gives the active leases of a proxy.
+pub fn render_table(
+    store: &ReadOnlyStore,
+    now: Timestamp,
+    leases: &dyn Fn(&ProxyKey) -> u32,
+) -> Result<String, StoreError> {
+    let mut rows = vec![[
+        "NAMESPACE".to_owned(),
+        "NAME".to_owned(),
+        "PHASE".to_owned(),
+        "PROVIDER".to_owned(),
+        "ENDPOINT".to_owned(),
+        "LEASES".to_owned(),
+        "AGE".to_owned(),
+    ]];
+    for (key, record) in store.list()? {
+        let status = record.status.unwrap_or_default();
+        let provider = record
+            .spec
+            .get("provider")
+            .and_then(|p| p.as_str())
+            .unwrap_or("-")
+            .to_owned();
+        let mut phase = status.phase.unwrap_or_else(|| "pending".to_owned());
+        if record.deleting {
+            phase.push_str(" (deleting)");
+        }
+        rows.push([
+            key.namespace.clone(),
+            key.name.clone(),
+            phase,
+            provider,
+            status.endpoint.unwrap_or_else(|| "-".to_owned()),
+            leases(&key).to_string(),
+            age(now, record.created),
+        ]);
+    }
+    Ok(align(&rows))
+}
+
+/// The audit trail of `key`, one line per transition.
+pub fn render_audit(store: &ReadOnlyStore, key: &ProxyKey) -> Result<String, StoreError> {
+    let mut out = String::new();
+    for line in store.audit(key)? {
+        let entry = &line.entry;
+        let _ = writeln!(
+            out,
+            "{}  {}  [{}]  ({}) {}",
+            entry.at.strftime("%Y-%m-%d %H:%M:%S"),
+            entry.arrow(),
+            entry
+                .effects
+                .iter()
+                .map(|e| e.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            entry.reason,
+            line.message
+        );
+    }
+    if out.is_empty() {
+        out = format!("no audit trail for {key}\n");
+    }
+    Ok(out)
+}
+
+/// `kubectl`'s age format: the largest unit or two.
+pub fn age(now: Timestamp, since: Timestamp) -> String {
+    let secs = now.duration_since(since).as_secs().max(0);
+    match secs {
+        0..=119 => format!("{secs}s"),
+        120..=7199 => format!("{}m", secs / 60),
+        7200..=172_799 => format!("{}h", secs / 3600),
+        _ => format!("{}d", secs / 86_400),
+    }
+}
+
+fn align(rows: &[[String; 7]]) -> String {
+    let mut widths = [0usize; 7];
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            widths[i] = widths[i].max(cell.len());
+        }
+    }
+    let mut out = String::new();
+    for row in rows {
+        let cells: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<width$}", width = widths[i]))
+            .collect();
+        let _ = writeln!(out, "{}", cells.join("   ").trim_end());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ages_read_like_kubectl() {
+        let t0 = Timestamp::UNIX_EPOCH;
+        let at = |s: i64| Timestamp::from_second(s).unwrap();
+        assert_eq!(age(at(42), t0), "42s");
+        assert_eq!(age(at(600), t0), "10m");
+        assert_eq!(age(at(3 * 3600), t0), "3h");
+        assert_eq!(age(at(5 * 86_400), t0), "5d");
+    }
+}

@@ -1,0 +1,110 @@
+//! The admin server: `/healthz` (the process is alive), `/readyz` (caches synced and leadership
+//! known: only the leader is ready, so a Service sends discovery traffic to it) and `/metrics`.
+
+use std::{convert::Infallible, future::Future, sync::Arc};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{
+    Method, Request, Response, StatusCode, body::Incoming, server::conn::http1, service::service_fn,
+};
+use hyper_util::rt::TokioIo;
+use prometheus_client::registry::Registry;
+use tokio::{net::TcpListener, sync::watch};
+use tracing::{debug, warn};
+
+/// What `/readyz` reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Readiness {
+    /// The informer caches have synced.
+    pub caches_synced: bool,
+    /// This replica leads.
+    pub leader: bool,
+}
+
+impl Readiness {
+    /// Ready for traffic.
+    pub fn is_ready(&self) -> bool {
+        self.caches_synced && self.leader
+    }
+}
+
+/// Serves the admin endpoints on `listener` until `shutdown` resolves.
+pub async fn serve_admin(
+    listener: TcpListener,
+    readiness: watch::Receiver<Readiness>,
+    registry: Arc<Registry>,
+    shutdown: impl Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = &mut shutdown => return,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    warn!(error = %err, "admin server accept failed");
+                    continue;
+                }
+            },
+        };
+        let readiness = readiness.clone();
+        let registry = registry.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |request| {
+                let response = respond(&request, &readiness, &registry);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            if let Err(err) = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
+                debug!(error = %err, "admin connection ended");
+            }
+        });
+    }
+}
+
+fn respond(
+    request: &Request<Incoming>,
+    readiness: &watch::Receiver<Readiness>,
+    registry: &Registry,
+) -> Response<Full<Bytes>> {
+    if request.method() != Method::GET {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET is supported\n");
+    }
+    match request.uri().path() {
+        "/healthz" => text(StatusCode::OK, "ok\n"),
+        "/readyz" => {
+            let state = *readiness.borrow();
+            match (state.caches_synced, state.leader) {
+                (true, true) => text(StatusCode::OK, "ready\n"),
+                (false, _) => text(StatusCode::SERVICE_UNAVAILABLE, "caches not synced\n"),
+                (true, false) => text(StatusCode::SERVICE_UNAVAILABLE, "not the leader\n"),
+            }
+        }
+        "/metrics" => {
+            let mut body = String::new();
+            match prometheus_client::encoding::text::encode(&mut body, registry) {
+                Ok(()) => {
+                    let mut response = text(StatusCode::OK, &body);
+                    response.headers_mut().insert(
+                        hyper::header::CONTENT_TYPE,
+                        hyper::header::HeaderValue::from_static(
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        ),
+                    );
+                    response
+                }
+                Err(_) => text(StatusCode::INTERNAL_SERVER_ERROR, "encoding metrics failed\n"),
+            }
+        }
+        _ => text(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_owned())));
+    *response.status_mut() = status;
+    response
+}

@@ -1,0 +1,132 @@
+//! Metrics (prometheus-client) and logging set-up.
+//!
+//! Labels are bounded: error categories, phases and transition endpoints come from closed sets.
+
+pub mod admin;
+
+use std::time::Duration;
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::Registry,
+};
+
+use crate::machine::Phase;
+
+/// Labels of a reconcile outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `ok` or the error category.
+    pub result: String,
+}
+
+/// Labels of a transition.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransitionLabels {
+    /// Phase before.
+    pub from: String,
+    /// Phase after.
+    pub to: String,
+}
+
+/// Labels naming a phase.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// The phase.
+    pub phase: String,
+}
+
+/// Labels naming a provider instance.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProviderLabels {
+    /// Provider instance name (from the providers config: a bounded set).
+    pub provider: String,
+}
+
+/// The controller's metrics.
+pub struct Metrics {
+    reconciles: Family<ResultLabels, Counter>,
+    reconcile_duration: Histogram,
+    transitions: Family<TransitionLabels, Counter>,
+    proxies: Family<PhaseLabels, Gauge>,
+    gc_deletions: Family<ProviderLabels, Counter>,
+    provider_available: Family<ProviderLabels, Gauge>,
+}
+
+impl Metrics {
+    /// Creates the metrics and registers them in `registry`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            reconciles: Family::default(),
+            reconcile_duration: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+            transitions: Family::default(),
+            proxies: Family::default(),
+            gc_deletions: Family::default(),
+            provider_available: Family::default(),
+        };
+        registry.register(
+            "epo_reconciles",
+            "Reconciles by result (ok or error category)",
+            metrics.reconciles.clone(),
+        );
+        registry.register(
+            "epo_reconcile_duration_seconds",
+            "Duration of one reconcile",
+            metrics.reconcile_duration.clone(),
+        );
+        registry.register(
+            "epo_transitions",
+            "Lifecycle transitions by phase",
+            metrics.transitions.clone(),
+        );
+        metrics
+    }
+
+    /// Records a reconcile.
+    pub fn observe_reconcile(&self, took: Duration, error_category: Option<&str>) {
+        let result = error_category.unwrap_or("ok").to_owned();
+        self.reconciles.get_or_create(&ResultLabels { result }).inc();
+        self.reconcile_duration.observe(took.as_secs_f64());
+    }
+
+    /// Sets the number of proxies per phase (every phase is reported, zero included).
+    pub fn set_phase_counts(&self, counts: &std::collections::BTreeMap<String, usize>) {
+        for phase in Phase::ALL {
+            let count = counts.get(phase.as_str()).copied().unwrap_or(0);
+            self.proxies
+                .get_or_create(&PhaseLabels {
+                    phase: phase.as_str().to_owned(),
+                })
+                .set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Counts GC deletions on `provider`.
+    pub fn observe_gc_deletions(&self, provider: &str, deleted: u64) {
+        self.gc_deletions
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .inc_by(deleted);
+    }
+
+    /// Records whether `provider` answered its last probe.
+    pub fn set_provider_available(&self, provider: &str, available: bool) {
+        self.provider_available
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .set(i64::from(available));
+    }
+
+    /// Records a transition.
+    pub fn observe_transition(&self, from: &str, to: &str) {
+        self.transitions
+            .get_or_create(&TransitionLabels {
+                from: from.to_owned(),
+                to: to.to_owned(),
+            })
+            .inc();
+    }
+}

@@ -1,0 +1,587 @@
+//! The cluster-mode controller against the in-process fake API server, with the in-memory
+//! provider and scripted health: the whole reconcile pipeline through a real `kube::Client`.
+
+mod support {
+    pub mod fake_apiserver;
+    pub mod scripted;
+}
+
+use std::{sync::Arc, time::Duration};
+
+use egress_proxies_operator::{
+    api::{Proxy, ProxyStatus},
+    controller::{
+        ProviderAvailability, ReconcilerConfig,
+        cluster::{ClusterDeps, run_controller},
+    },
+    effects::{HealthVerdict, ProxyKey},
+    provider::{
+        InstanceRequest, InstanceState, Owner, Provider, ProviderRegistry, instance_name,
+        memory::MemoryProvider,
+    },
+    telemetry::Metrics,
+};
+use k8s_openapi::api::core::v1::Secret;
+use kube::{
+    Api, Client, ResourceExt,
+    api::{DeleteParams, Patch, PatchParams, PostParams},
+};
+use prometheus_client::registry::Registry;
+use serde_json::json;
+use support::{
+    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
+    scripted::{ScriptedHealth, ScriptedLeases, key},
+};
+use tokio::sync::{mpsc, oneshot, watch};
+
+const NS: &str = "crawl";
+const DEADLINE: Duration = Duration::from_secs(15);
+
+/// A running controller and the stand-ins it drives.
+struct Operator {
+    triggers: mpsc::Sender<ProxyKey>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    ready: watch::Receiver<bool>,
+    registry: Arc<Registry>,
+}
+
+struct World {
+    server: FakeApiServer,
+    client: Client,
+    provider: Arc<MemoryProvider>,
+    health: Arc<ScriptedHealth>,
+    leases: Arc<ScriptedLeases>,
+}
+
+impl World {
+    async fn new() -> Self {
+        // `RUST_LOG=debug cargo test --test controller` shows the operator's logs.
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .try_init();
+        let server = FakeApiServer::start().await;
+        let client = server.client();
+        Self {
+            server,
+            client,
+            provider: Arc::new(MemoryProvider::new("mem")),
+            health: ScriptedHealth::new(),
+            leases: ScriptedLeases::new(),
+        }
+    }
+
+    async fn start(&self) -> Operator {
+        let mut providers = ProviderRegistry::new();
+        providers.insert(self.provider.clone());
+        let mut registry = Registry::default();
+        let metrics = Arc::new(Metrics::register(&mut registry));
+        let (triggers, trigger_rx) = mpsc::channel(16);
+        let (stop, stopped) = oneshot::channel::<()>();
+        let (ready_tx, ready) = watch::channel(false);
+        let deps = ClusterDeps {
+            client: self.client.clone(),
+            providers,
+            leases: self.leases.clone(),
+            health: self.health.clone(),
+            availability: ProviderAvailability::default(),
+            reconciler: ReconcilerConfig::default(),
+            namespace: None,
+            concurrency: 4,
+            debounce: Duration::from_millis(10),
+            identity: "test-operator".into(),
+            metrics,
+        };
+        let trigger_stream =
+            futures::stream::unfold(
+                trigger_rx,
+                |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
+            );
+        let task = tokio::spawn(run_controller(deps, trigger_stream, ready_tx, async {
+            let _ = stopped.await;
+        }));
+        let mut operator = Operator {
+            triggers,
+            stop: Some(stop),
+            task,
+            ready,
+            registry: Arc::new(registry),
+        };
+        tokio::time::timeout(DEADLINE, operator.ready.wait_for(|r| *r))
+            .await
+            .expect("caches sync")
+            .expect("ready");
+        operator
+    }
+
+    fn proxies(&self) -> Api<Proxy> {
+        Api::namespaced(self.client.clone(), NS)
+    }
+
+    async fn create_proxy(&self, name: &str, spec: serde_json::Value) -> Proxy {
+        let proxy: Proxy = serde_json::from_value(json!({
+            "apiVersion": "crawl.example.com/v1alpha1",
+            "kind": "Proxy",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": spec,
+        }))
+        .expect("valid Proxy");
+        self.proxies()
+            .create(&PostParams::default(), &proxy)
+            .await
+            .expect("created")
+    }
+
+    /// Polls the Proxy until `done` holds for its status (or it is gone, for `None`).
+    async fn wait_for(&self, name: &str, what: &str, done: impl Fn(Option<&Proxy>) -> bool) -> Option<Proxy> {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            let current = self.proxies().get_opt(name).await.expect("readable");
+            if done(current.as_ref()) {
+                return current;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {name}: {what}; last: {current:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn wait_phase(&self, name: &str, phase: &str) -> Proxy {
+        self.wait_for(name, &format!("phase {phase}"), |p| phase_of(p) == Some(phase))
+            .await
+            .expect("exists")
+    }
+
+    /// Writes to one Proxy (main resource and status) the fake server answered with success.
+    fn proxy_writes(&self, name: &str) -> usize {
+        self.server
+            .writes()
+            .iter()
+            .filter(|r| r.resource == "proxies" && r.name.as_deref() == Some(name) && r.succeeded())
+            .count()
+    }
+}
+
+impl Operator {
+    async fn trigger(&self, key: ProxyKey) {
+        self.triggers.send(key).await.expect("controller running");
+    }
+
+    /// Reconciles finished so far (any result), from the operator's own metrics.
+    fn reconciles(&self) -> u64 {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("encodes");
+        text.lines()
+            .filter(|l| l.starts_with("epo_reconciles_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    }
+
+    async fn wait_reconciles(&self, at_least: u64) {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while self.reconciles() < at_least {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "reconciles stuck at {}",
+                self.reconciles()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(DEADLINE, &mut self.task)
+            .await
+            .expect("stops in time")
+            .expect("no panic");
+    }
+}
+
+fn phase_of(proxy: Option<&Proxy>) -> Option<&str> {
+    proxy?.status.as_ref()?.phase.as_deref()
+}
+
+fn condition<'a>(
+    status: &'a ProxyStatus,
+    type_: &str,
+) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .unwrap_or_else(|| panic!("no {type_} condition"))
+}
+
+fn passing() -> HealthVerdict {
+    HealthVerdict::Passing { after_failing: false }
+}
+
+async fn make_healthy(world: &World, operator: &Operator, name: &str) -> Proxy {
+    world.wait_phase(name, "provisioning").await;
+    world.health.set(&key(NS, name), passing());
+    operator.trigger(key(NS, name)).await;
+    world.wait_phase(name, "healthy").await
+}
+
+async fn labelled_secret(world: &World, name: &str, content: &str) {
+    let secret: Secret = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": name, "namespace": NS, "labels": {"crawl.example.com/cloud-init": "true"}},
+        "stringData": {"user-data": content},
+    }))
+    .expect("valid");
+    Api::<Secret>::namespaced(world.client.clone(), NS)
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("created");
+}
+
+#[tokio::test]
+async fn create_to_healthy_within_the_write_budget_and_a_resync_writes_nothing() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    let created = world
+        .create_proxy(
+            "web-1",
+            json!({"provider": "mem", "attributes": {"region": "eu"}}),
+        )
+        .await;
+    let proxy = make_healthy(&world, &operator, "web-1").await;
+
+    let instance = instance_name(NS, "web-1", &created.uid().expect("uid"));
+    assert_eq!(world.provider.names(), std::slice::from_ref(&instance));
+    assert!(
+        proxy
+            .finalizers()
+            .contains(&"crawl.example.com/proxy-cleanup".to_owned())
+    );
+    let status = proxy.status.clone().expect("status");
+    assert_eq!(
+        status.provider_id.as_deref(),
+        Some(format!("memory/mem/{instance}").as_str())
+    );
+    assert_eq!(status.endpoint.as_deref(), Some("127.0.0.1:3128"));
+    assert_eq!(status.spec_hash.as_ref().map(String::len), Some(64));
+    assert_eq!(status.observed_generation, proxy.metadata.generation);
+    assert!(status.last_health_check_time.is_some());
+    assert_eq!(condition(&status, "Ready").status, "True");
+    assert_eq!(condition(&status, "Provisioned").status, "True");
+    assert_eq!(condition(&status, "Healthy").status, "True");
+    let leases = world
+        .leases
+        .entry(&key(NS, "web-1"))
+        .expect("registered with the lease store");
+    assert!(leases.open, "a healthy proxy takes leases");
+    assert_eq!(
+        leases
+            .target
+            .expect("target")
+            .attributes
+            .get("region")
+            .map(String::as_str),
+        Some("eu")
+    );
+
+    let writes = world.proxy_writes("web-1");
+    assert!(
+        writes <= 4,
+        "{writes} writes from creation to Healthy: {:#?}",
+        world.server.writes()
+    );
+
+    // A steady-state resync changes nothing and writes nothing.
+    let before = operator.reconciles();
+    for _ in 0..3 {
+        operator.trigger(key(NS, "web-1")).await;
+        operator.wait_reconciles(operator.reconciles() + 1).await;
+    }
+    assert!(operator.reconciles() >= before + 3);
+    assert_eq!(world.proxy_writes("web-1"), writes, "a resync must not write");
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn rotating_the_cloud_init_secret_replaces_the_instance() {
+    let world = World::new().await;
+    labelled_secret(&world, "squid-init", "#cloud-config\npackages: [squid]\n").await;
+    let operator = world.start().await;
+    world
+        .create_proxy(
+            "vm-1",
+            json!({"provider": "mem", "cloudInit": {"secretRef": {"name": "squid-init"}}}),
+        )
+        .await;
+    let before = make_healthy(&world, &operator, "vm-1").await;
+    let first_hash = before
+        .status
+        .as_ref()
+        .and_then(|s| s.spec_hash.clone())
+        .expect("hash");
+    assert_eq!(world.provider.created_count(), 1);
+
+    Api::<Secret>::namespaced(world.client.clone(), NS)
+        .patch(
+            "squid-init",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"stringData": {"user-data": "#cloud-config\npackages: [squid, curl]\n"}})),
+        )
+        .await
+        .expect("rotated");
+    let replaced = world
+        .wait_for("vm-1", "a new spec hash", |p| {
+            p.and_then(|p| p.status.as_ref()?.spec_hash.clone())
+                .is_some_and(|h| h != first_hash)
+        })
+        .await
+        .expect("exists");
+    assert_eq!(phase_of(Some(&replaced)), Some("provisioning"));
+    assert_eq!(world.provider.deleted_count(), 1, "the old instance was deleted");
+    assert_eq!(world.provider.created_count(), 2, "a new one was created");
+    make_healthy(&world, &operator, "vm-1").await;
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn changing_attributes_never_replaces_the_instance() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world
+        .create_proxy(
+            "web-2",
+            json!({"provider": "mem", "attributes": {"region": "eu"}}),
+        )
+        .await;
+    make_healthy(&world, &operator, "web-2").await;
+
+    world
+        .proxies()
+        .patch(
+            "web-2",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"attributes": {"region": "us"}, "lease": {"maxConcurrent": 5}, "health": {"intervalSeconds": 10}}})),
+        )
+        .await
+        .expect("patched");
+    let proxy = world
+        .wait_for("web-2", "generation 2 observed", |p| {
+            p.and_then(|p| p.status.as_ref()?.observed_generation) == Some(2)
+        })
+        .await
+        .expect("exists");
+    assert_eq!(phase_of(Some(&proxy)), Some("healthy"));
+    assert_eq!(world.provider.created_count(), 1);
+    assert_eq!(world.provider.deleted_count(), 0);
+    let target = world
+        .leases
+        .entry(&key(NS, "web-2"))
+        .and_then(|e| e.target)
+        .expect("target");
+    assert_eq!(
+        target.attributes.get("region").map(String::as_str),
+        Some("us"),
+        "attributes apply in place"
+    );
+    assert_eq!(target.policy.max_concurrent, 5);
+    assert_eq!(
+        world
+            .health
+            .target(&key(NS, "web-2"))
+            .expect("probed")
+            .check
+            .interval_seconds,
+        10
+    );
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn deleting_removes_the_instance_then_the_finalizer() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world.create_proxy("web-3", json!({"provider": "mem"})).await;
+    make_healthy(&world, &operator, "web-3").await;
+    world
+        .proxies()
+        .delete("web-3", &DeleteParams::default())
+        .await
+        .expect("delete accepted");
+    world.wait_for("web-3", "gone", |p| p.is_none()).await;
+    assert!(
+        world.provider.names().is_empty(),
+        "instance left behind: {:?}",
+        world.provider.names()
+    );
+    assert!(
+        world.leases.entry(&key(NS, "web-3")).is_none(),
+        "lease registration left behind"
+    );
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn a_restart_mid_provision_creates_no_duplicate() {
+    let world = World::new().await;
+    world.provider.start_instances_as(InstanceState::Starting);
+    // The previous operator created the instance and died before writing any status.
+    let created = world.create_proxy("web-4", json!({"provider": "mem"})).await;
+    let uid = created.uid().expect("uid");
+    world
+        .provider
+        .create(&InstanceRequest {
+            name: instance_name(NS, "web-4", &uid),
+            owner: Owner {
+                uid: uid.clone(),
+                namespace: NS.into(),
+                name: "web-4".into(),
+            },
+            spec_hash: "from-before-the-crash".into(),
+            placement: Default::default(),
+            port: 3128,
+            user_data: None,
+            credentials: None,
+        })
+        .await
+        .expect("pre-created");
+
+    let operator = world.start().await;
+    world.wait_phase("web-4", "provisioning").await;
+    operator.stop().await;
+    // And once more, restarting while provisioning.
+    let operator = world.start().await;
+    operator.trigger(key(NS, "web-4")).await;
+    let reconciled = operator.reconciles();
+    operator.wait_reconciles(reconciled.max(1)).await;
+    assert_eq!(
+        world.provider.created_count(),
+        1,
+        "creates are idempotent by name"
+    );
+    assert_eq!(world.provider.names().len(), 1);
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn an_expired_watch_relists_and_converges() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world.server.compact();
+    world.server.expire_watches();
+    world.create_proxy("web-5", json!({"provider": "mem"})).await;
+    make_healthy(&world, &operator, "web-5").await;
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn a_status_conflict_is_retried() {
+    let world = World::new().await;
+    world.server.fail_next(
+        RequestMatcher::any()
+            .verb(Verb::Update)
+            .resource("proxies")
+            .subresource("status"),
+        1,
+        409,
+    );
+    let operator = world.start().await;
+    world.create_proxy("web-6", json!({"provider": "mem"})).await;
+    world.wait_phase("web-6", "provisioning").await;
+    let conflicts = world
+        .server
+        .writes()
+        .iter()
+        .filter(|r| r.resource == "proxies" && r.subresource.as_deref() == Some("status") && r.code == 409)
+        .count();
+    assert_eq!(conflicts, 1, "the injected conflict was hit and then retried");
+    assert_eq!(world.provider.created_count(), 1, "the retry reused the instance");
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn a_missing_secret_is_a_clear_condition_until_it_appears() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world
+        .create_proxy(
+            "vm-2",
+            json!({"provider": "mem", "cloudInit": {"secretRef": {"name": "later"}}}),
+        )
+        .await;
+    let proxy = world
+        .wait_for("vm-2", "InvalidSpec", |p| {
+            p.and_then(|p| p.status.as_ref())
+                .is_some_and(|s| s.conditions.iter().any(|c| c.reason == "InvalidSpec"))
+        })
+        .await
+        .expect("exists");
+    let ready = condition(proxy.status.as_ref().expect("status"), "Ready").clone();
+    assert_eq!(ready.status, "False");
+    assert!(
+        ready
+            .message
+            .contains("crawl/later not found or not labelled crawl.example.com/cloud-init"),
+        "{}",
+        ready.message
+    );
+    assert!(world.provider.names().is_empty());
+
+    // An unlabelled Secret is not even seen.
+    let unlabelled: Secret = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "later", "namespace": NS},
+        "stringData": {"user-data": "#cloud-config\n"},
+    }))
+    .unwrap();
+    Api::<Secret>::namespaced(world.client.clone(), NS)
+        .create(&PostParams::default(), &unlabelled)
+        .await
+        .expect("created");
+    operator.trigger(key(NS, "vm-2")).await;
+    operator.wait_reconciles(operator.reconciles() + 1).await;
+    assert_eq!(
+        phase_of(world.proxies().get("vm-2").await.ok().as_ref()),
+        Some("pending")
+    );
+
+    // Labelling it is the change that wakes the Proxy.
+    Api::<Secret>::namespaced(world.client.clone(), NS)
+        .patch(
+            "later",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"crawl.example.com/cloud-init": "true"}}})),
+        )
+        .await
+        .expect("labelled");
+    world.wait_phase("vm-2", "provisioning").await;
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn an_unknown_provider_is_a_user_error_not_a_crash() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world.create_proxy("web-7", json!({"provider": "nope"})).await;
+    let proxy = world
+        .wait_for("web-7", "InvalidSpec", |p| {
+            p.and_then(|p| p.status.as_ref())
+                .is_some_and(|s| s.conditions.iter().any(|c| c.reason == "InvalidSpec"))
+        })
+        .await
+        .expect("exists");
+    let ready = condition(proxy.status.as_ref().expect("status"), "Ready");
+    assert!(
+        ready.message.contains("no provider instance named \"nope\""),
+        "{}",
+        ready.message
+    );
+    assert!(
+        proxy.finalizers().is_empty(),
+        "nothing was provisioned, so no finalizer"
+    );
+    operator.stop().await;
+}

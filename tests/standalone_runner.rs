@@ -1,0 +1,184 @@
+//! The standalone runner's bookkeeping, with the in-memory provider and scripted health: the
+//! manifests folder drives the same lifecycle as a cluster, bad manifests don't disturb good
+//! ones, and a restart re-creates nothing and cleans up what vanished while it was down.
+
+mod support {
+    pub mod scripted;
+}
+
+use std::{path::Path, sync::Arc};
+
+use egress_proxies_operator::{
+    controller::{ProviderAvailability, ReconcilerConfig},
+    effects::{HealthVerdict, ProxyKey},
+    provider::{ProviderRegistry, memory::MemoryProvider},
+    standalone::{Standalone, StandaloneDeps},
+    store::Store,
+};
+use support::scripted::{ScriptedHealth, ScriptedLeases, key};
+
+fn manifest(name: &str, port: u32) -> String {
+    format!(
+        "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\nmetadata:\n  name: {name}\nspec:\n  provider: local\n  port: {port}\n  attributes:\n    pool: a\n"
+    )
+}
+
+struct Host {
+    provider: Arc<MemoryProvider>,
+    health: Arc<ScriptedHealth>,
+    leases: Arc<ScriptedLeases>,
+}
+
+impl Host {
+    fn new() -> Self {
+        Self {
+            provider: Arc::new(MemoryProvider::new("local")),
+            health: ScriptedHealth::new(),
+            leases: ScriptedLeases::new(),
+        }
+    }
+
+    fn open(&self, manifests: &Path, state: &Path) -> Standalone {
+        let mut providers = ProviderRegistry::new();
+        providers.insert(self.provider.clone());
+        Standalone::open(
+            manifests,
+            state,
+            StandaloneDeps {
+                providers,
+                leases: self.leases.clone(),
+                health: self.health.clone(),
+                availability: ProviderAvailability::default(),
+                reconciler: ReconcilerConfig::default(),
+            },
+        )
+        .expect("opens")
+    }
+}
+
+fn phase(state: &Path, key: &ProxyKey) -> Option<String> {
+    Store::read_only(state)
+        .expect("state")
+        .get(key)
+        .expect("readable")?
+        .status?
+        .phase
+}
+
+/// Steps until `done` holds, at most a bounded number of rounds (each round reconciles what is
+/// due; nothing here waits on wall-clock timers).
+async fn step_until(runner: &mut Standalone, mut done: impl FnMut() -> bool) {
+    for _ in 0..20 {
+        runner.step().await;
+        if done() {
+            return;
+        }
+    }
+    panic!(
+        "condition not reached after 20 rounds; progress: {}",
+        runner.progress().line()
+    );
+}
+
+#[tokio::test]
+async fn folder_changes_drive_the_lifecycle_and_restarts_are_safe() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    std::fs::write(manifests.join("b.yaml"), manifest("b", 3129)).expect("write");
+    std::fs::write(manifests.join("broken.yaml"), manifest("c", 70000)).expect("write");
+    let host = Host::new();
+    let (a, b, c) = (key("default", "a"), key("default", "b"), key("default", "c"));
+
+    let mut runner = host.open(&manifests, &state);
+    step_until(&mut runner, || {
+        phase(&state, &a).as_deref() == Some("provisioning")
+            && phase(&state, &b).as_deref() == Some("provisioning")
+    })
+    .await;
+    assert_eq!(phase(&state, &c), None, "an invalid manifest creates nothing");
+    assert_eq!(host.provider.created_count(), 2);
+
+    for k in [&a, &b] {
+        host.health
+            .set(k, HealthVerdict::Passing { after_failing: false });
+        runner.trigger(k.clone());
+    }
+    step_until(&mut runner, || {
+        phase(&state, &a).as_deref() == Some("healthy") && phase(&state, &b).as_deref() == Some("healthy")
+    })
+    .await;
+    assert!(
+        host.leases.entry(&a).expect("registered").open,
+        "a healthy proxy takes leases"
+    );
+
+    // Breaking a file keeps its proxy as it was.
+    std::fs::write(manifests.join("b.yaml"), "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\nmetadata: {name: b}\nspec: {provider: local, port: -1}\n").expect("write");
+    runner.step().await;
+    assert_eq!(phase(&state, &b).as_deref(), Some("healthy"));
+    assert!(
+        runner
+            .progress()
+            .line()
+            .contains("2 manifest file(s) with problems"),
+        "{}",
+        runner.progress().line()
+    );
+
+    // Removing a manifest deletes its instance and its record.
+    std::fs::remove_file(manifests.join("a.yaml")).expect("rm");
+    step_until(&mut runner, || {
+        Store::read_only(&state).unwrap().get(&a).unwrap().is_none()
+    })
+    .await;
+    assert_eq!(host.provider.deleted_count(), 1);
+    let trail = Store::read_only(&state).unwrap().audit(&a).unwrap();
+    assert_eq!(trail.last().expect("audited").entry.reason, "Deleted");
+
+    // Restart: nothing is re-created, the state is as it was.
+    drop(runner);
+    std::fs::write(manifests.join("b.yaml"), manifest("b", 3129)).expect("repair");
+    let mut runner = host.open(&manifests, &state);
+    runner.step().await;
+    runner.step().await;
+    assert_eq!(phase(&state, &b).as_deref(), Some("healthy"));
+    assert_eq!(host.provider.created_count(), 2, "a restart re-creates nothing");
+
+    // A manifest removed while the operator is down is cleaned up after the restart.
+    drop(runner);
+    std::fs::remove_file(manifests.join("b.yaml")).expect("rm");
+    let mut runner = host.open(&manifests, &state);
+    step_until(&mut runner, || {
+        Store::read_only(&state).unwrap().get(&b).unwrap().is_none()
+    })
+    .await;
+    assert!(
+        host.provider.names().is_empty(),
+        "no instance left: {:?}",
+        host.provider.names()
+    );
+}
+
+#[tokio::test]
+async fn a_second_runner_on_the_same_state_is_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let host = Host::new();
+    let _first = host.open(dir.path(), &dir.path().join("state"));
+    let mut providers = ProviderRegistry::new();
+    providers.insert(host.provider.clone());
+    let second = Standalone::open(
+        dir.path(),
+        &dir.path().join("state"),
+        StandaloneDeps {
+            providers,
+            leases: host.leases.clone(),
+            health: host.health.clone(),
+            availability: ProviderAvailability::default(),
+            reconciler: ReconcilerConfig::default(),
+        },
+    );
+    let message = second.err().expect("refused").to_string();
+    assert!(message.contains("in use by another"), "{message}");
+}
