@@ -73,7 +73,10 @@ fn filled_store(max_concurrent: i32) -> LeaseStore {
 }
 
 fn thread_cpu_now() -> f64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes only `ts`.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
@@ -118,7 +121,10 @@ fn run_store(store: &LeaseStore, selector: &CompiledSelector, threads: usize, fo
         .collect();
     std::thread::sleep(for_);
     stop.store(true, Ordering::Relaxed);
-    let results: Vec<(u64, f64)> = handles.into_iter().map(|h| h.join().expect("bench thread")).collect();
+    let results: Vec<(u64, f64)> = handles
+        .into_iter()
+        .map(|h| h.join().expect("bench thread"))
+        .collect();
     let wall = started.elapsed().as_secs_f64();
     let pairs: u64 = results.iter().map(|r| r.0).sum();
     let per_cpu_second = results.iter().map(|(p, cpu)| *p as f64 / cpu.max(1e-9)).sum();
@@ -131,7 +137,9 @@ fn run_store(store: &LeaseStore, selector: &CompiledSelector, threads: usize, fo
 /// The floor: a shared `Mutex<VecDeque>` LRU (pop the front, push the back) per "pair", same
 /// threads and time.
 fn run_mutex_baseline(threads: usize, for_: Duration) -> Rate {
-    let pool = Arc::new(Mutex::new((0..PROXIES as u32).collect::<std::collections::VecDeque<_>>()));
+    let pool = Arc::new(Mutex::new(
+        (0..PROXIES as u32).collect::<std::collections::VecDeque<_>>(),
+    ));
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
     let handles: Vec<_> = (0..threads)
@@ -156,7 +164,10 @@ fn run_mutex_baseline(threads: usize, for_: Duration) -> Rate {
         .collect();
     std::thread::sleep(for_);
     stop.store(true, Ordering::Relaxed);
-    let results: Vec<(u64, f64)> = handles.into_iter().map(|h| h.join().expect("bench thread")).collect();
+    let results: Vec<(u64, f64)> = handles
+        .into_iter()
+        .map(|h| h.join().expect("bench thread"))
+        .collect();
     let wall = started.elapsed().as_secs_f64();
     let pairs: u64 = results.iter().map(|r| r.0).sum();
     Rate {
@@ -178,7 +189,11 @@ fn bench_store() {
     let baseline = run_mutex_baseline(2, for_);
     let one = run_store(&store, &any, 1, for_);
     println!("  (wall: pairs per elapsed second; cpu: pairs per CPU-second each thread got, summed)");
-    for (name, selector) in [("any proxy", &any), ("region=eu", &eu), ("region=eu,tier=dc", &eu_dc)] {
+    for (name, selector) in [
+        ("any proxy", &any),
+        ("region=eu", &eu),
+        ("region=eu,tier=dc", &eu_dc),
+    ] {
         let two = run_store(&store, selector, 2, for_);
         println!(
             "  {name:<18} 2 threads: wall {:>6.2} M/s, cpu {:>6.2} M/s  ({:.2}x / {:.2}x the 5 M/s target; {:.0} % of the Mutex<VecDeque> floor)",

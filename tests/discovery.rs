@@ -2,9 +2,7 @@
 //! server, keep-alive and graceful shutdown, TokenReview against a loopback API server, and
 //! leases that survive a leader change.
 
-mod support {
-    pub mod loopback;
-}
+mod support;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -166,7 +164,7 @@ fn examples(markdown: &str) -> Vec<Example> {
 
 #[tokio::test]
 async fn docs_examples_run_against_a_live_server() {
-    let markdown = std::fs::read_to_string(support::loopback::crate_path("docs/api.md")).unwrap();
+    let markdown = std::fs::read_to_string(support::crate_path("docs/api.md")).unwrap();
     let examples = examples(&markdown);
     // Every endpoint has at least one example.
     for endpoint in [
@@ -290,7 +288,7 @@ async fn keep_alive_connection_serves_a_lease_lifecycle_then_shuts_down() {
     }
     // An idle keep-alive connection does not hold the shutdown up: the server closes it.
     server.shutdown().await;
-    support::loopback::eventually(
+    support::eventually(
         Duration::from_secs(5),
         "the server closing the idle connection",
         || c.is_closed(),

@@ -2,9 +2,7 @@
 //! past the threshold with an event, recovery, timeouts, Squid's own denials, HTTPS through
 //! CONNECT, and the egress check.
 
-mod support {
-    pub mod loopback;
-}
+mod support;
 
 use std::{net::IpAddr, time::Duration};
 
@@ -13,7 +11,7 @@ use egress_proxies_operator::{
     lease::ProxyKey,
     provider::{Credentials, Endpoint},
 };
-use support::loopback::{Origin, Squid, eventually};
+use support::{Origin, Squid, eventually};
 use tokio::sync::mpsc::Receiver;
 
 fn target(key: &ProxyKey, squid: &Squid, url: String) -> HealthTarget {

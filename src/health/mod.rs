@@ -23,6 +23,7 @@
 //!
 //! The engine runs until every [`HealthHandle`] is dropped.
 
+mod control;
 mod probe;
 
 use std::{

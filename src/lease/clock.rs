@@ -47,7 +47,10 @@ impl Clock {
 /// times are seconds long, and the full-resolution clock costs more than a whole acquire.
 #[cfg(target_os = "linux")]
 fn coarse_now_ms() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime only writes the timespec it is given; the clock id is valid on Linux.
     if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) } == 0 {
         ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000

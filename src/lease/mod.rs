@@ -42,6 +42,7 @@
 
 pub mod checkpoint;
 mod clock;
+mod control;
 mod key;
 mod selector;
 mod store;

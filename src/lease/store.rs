@@ -105,9 +105,8 @@ impl SmallStr {
 
     fn as_str(&self) -> &str {
         match self {
-            SmallStr::Inline { len, bytes } => {
-                std::str::from_utf8(&bytes[..*len as usize]).expect("inline bytes are copied whole from a str")
-            }
+            SmallStr::Inline { len, bytes } => std::str::from_utf8(&bytes[..*len as usize])
+                .expect("inline bytes are copied whole from a str"),
             SmallStr::Heap(s) => s,
         }
     }
