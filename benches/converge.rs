@@ -5,8 +5,8 @@
 //!
 //! `cargo bench --bench converge` (set `EPO_BENCH_PROXIES` to change N).
 
+// The module allows its own dead code (not every user needs every hook).
 #[path = "../tests/support/fake_apiserver/mod.rs"]
-#[allow(dead_code)]
 mod fake_apiserver;
 
 use std::{
@@ -94,7 +94,9 @@ async fn create_all(api: &Api<Proxy>, prefix: &str, n: usize) -> Duration {
         let names: Vec<String> = chunk.iter().map(|i| format!("{prefix}-{i}")).collect();
         tasks.push(tokio::spawn(async move {
             for name in names {
-                api.create(&PostParams::default(), &proxy(&name)).await.expect("created");
+                api.create(&PostParams::default(), &proxy(&name))
+                    .await
+                    .expect("created");
             }
         }));
     }
@@ -106,7 +108,10 @@ async fn create_all(api: &Api<Proxy>, prefix: &str, n: usize) -> Duration {
 
 #[tokio::main]
 async fn main() {
-    let n: usize = std::env::var("EPO_BENCH_PROXIES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let n: usize = std::env::var("EPO_BENCH_PROXIES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
 
     // Baseline: the API server accepting N creates, no controller running.
     let baseline_server = FakeApiServer::start().await;
@@ -136,7 +141,10 @@ async fn main() {
         identity: "bench".into(),
         metrics: Arc::new(Metrics::register(&mut registry)),
     };
-    let triggers = futures::stream::unfold(trigger_rx, |mut rx| async move { rx.recv().await.map(|k| (k, rx)) });
+    let triggers = futures::stream::unfold(
+        trigger_rx,
+        |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
+    );
     let (ready_tx, mut ready) = watch::channel(false);
     let (stop, stopped) = oneshot::channel::<()>();
     let controller = tokio::spawn(run_controller(deps, triggers, ready_tx, async {
@@ -157,16 +165,25 @@ async fn main() {
         if healthy == n {
             break started.elapsed();
         }
-        assert!(started.elapsed() < Duration::from_secs(300), "only {healthy}/{n} healthy after 300 s");
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "only {healthy}/{n} healthy after 300 s"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let writes = server.writes();
-    let proxy_writes = writes.iter().filter(|w| w.resource == "proxies" && w.succeeded()).count() - n;
+    let proxy_writes = writes
+        .iter()
+        .filter(|w| w.resource == "proxies" && w.succeeded())
+        .count()
+        - n;
     let events = writes.iter().filter(|w| w.resource == "events").count();
     let _ = stop.send(());
     controller.await.expect("controller stops");
 
-    println!("converge: {n} Proxies created in {creating:.2?} and Healthy after {converged:.2?} (target <= 10 s)");
+    println!(
+        "converge: {n} Proxies created in {creating:.2?} and Healthy after {converged:.2?} (target <= 10 s)"
+    );
     println!(
         "converge: baseline {n} plain creates on an idle API server took {baseline:.2?}; convergence = {:.1}x the baseline",
         converged.as_secs_f64() / baseline.as_secs_f64()

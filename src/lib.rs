@@ -5,11 +5,15 @@
 //! See `docs/architecture.md` for how the modules fit together.
 
 pub mod api;
+pub mod app;
 pub mod check;
 pub mod config;
 pub mod controller;
+pub mod discovery;
 pub mod effects;
 pub mod gc;
+pub mod health;
+pub mod lease;
 pub mod machine;
 pub mod monitor;
 pub mod provider;

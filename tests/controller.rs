@@ -15,7 +15,10 @@ use egress_proxies_operator::{
         cluster::{ClusterDeps, run_controller},
     },
     effects::{HealthVerdict, ProxyKey},
-    provider::{InstanceRequest, InstanceState, Owner, Provider, ProviderRegistry, instance_name, memory::MemoryProvider},
+    provider::{
+        InstanceRequest, InstanceState, Owner, Provider, ProviderRegistry, instance_name,
+        memory::MemoryProvider,
+    },
     telemetry::Metrics,
 };
 use k8s_openapi::api::core::v1::Secret;
@@ -53,6 +56,11 @@ struct World {
 
 impl World {
     async fn new() -> Self {
+        // `RUST_LOG=debug cargo test --test controller` shows the operator's logs.
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .try_init();
         let server = FakeApiServer::start().await;
         let client = server.client();
         Self {
@@ -85,7 +93,11 @@ impl World {
             identity: "test-operator".into(),
             metrics,
         };
-        let trigger_stream = futures::stream::unfold(trigger_rx, |mut rx| async move { rx.recv().await.map(|k| (k, rx)) });
+        let trigger_stream =
+            futures::stream::unfold(
+                trigger_rx,
+                |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
+            );
         let task = tokio::spawn(run_controller(deps, trigger_stream, ready_tx, async {
             let _ = stopped.await;
         }));
@@ -96,7 +108,10 @@ impl World {
             ready,
             registry: Arc::new(registry),
         };
-        tokio::time::timeout(DEADLINE, operator.ready.wait_for(|r| *r)).await.expect("caches sync").expect("ready");
+        tokio::time::timeout(DEADLINE, operator.ready.wait_for(|r| *r))
+            .await
+            .expect("caches sync")
+            .expect("ready");
         operator
     }
 
@@ -112,7 +127,10 @@ impl World {
             "spec": spec,
         }))
         .expect("valid Proxy");
-        self.proxies().create(&PostParams::default(), &proxy).await.expect("created")
+        self.proxies()
+            .create(&PostParams::default(), &proxy)
+            .await
+            .expect("created")
     }
 
     /// Polls the Proxy until `done` holds for its status (or it is gone, for `None`).
@@ -123,7 +141,10 @@ impl World {
             if done(current.as_ref()) {
                 return current;
             }
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {name}: {what}; last: {current:#?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out waiting for {name}: {what}; last: {current:#?}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -162,7 +183,11 @@ impl Operator {
     async fn wait_reconciles(&self, at_least: u64) {
         let deadline = tokio::time::Instant::now() + DEADLINE;
         while self.reconciles() < at_least {
-            assert!(tokio::time::Instant::now() < deadline, "reconciles stuck at {}", self.reconciles());
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "reconciles stuck at {}",
+                self.reconciles()
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -171,7 +196,10 @@ impl Operator {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        tokio::time::timeout(DEADLINE, &mut self.task).await.expect("stops in time").expect("no panic");
+        tokio::time::timeout(DEADLINE, &mut self.task)
+            .await
+            .expect("stops in time")
+            .expect("no panic");
     }
 }
 
@@ -179,8 +207,15 @@ fn phase_of(proxy: Option<&Proxy>) -> Option<&str> {
     proxy?.status.as_ref()?.phase.as_deref()
 }
 
-fn condition<'a>(status: &'a ProxyStatus, type_: &str) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
-    status.conditions.iter().find(|c| c.type_ == type_).unwrap_or_else(|| panic!("no {type_} condition"))
+fn condition<'a>(
+    status: &'a ProxyStatus,
+    type_: &str,
+) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .unwrap_or_else(|| panic!("no {type_} condition"))
 }
 
 fn passing() -> HealthVerdict {
@@ -201,21 +236,36 @@ async fn labelled_secret(world: &World, name: &str, content: &str) {
         "stringData": {"user-data": content},
     }))
     .expect("valid");
-    Api::<Secret>::namespaced(world.client.clone(), NS).create(&PostParams::default(), &secret).await.expect("created");
+    Api::<Secret>::namespaced(world.client.clone(), NS)
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("created");
 }
 
 #[tokio::test]
 async fn create_to_healthy_within_the_write_budget_and_a_resync_writes_nothing() {
     let world = World::new().await;
     let operator = world.start().await;
-    let created = world.create_proxy("web-1", json!({"provider": "mem", "attributes": {"region": "eu"}})).await;
+    let created = world
+        .create_proxy(
+            "web-1",
+            json!({"provider": "mem", "attributes": {"region": "eu"}}),
+        )
+        .await;
     let proxy = make_healthy(&world, &operator, "web-1").await;
 
     let instance = instance_name(NS, "web-1", &created.uid().expect("uid"));
-    assert_eq!(world.provider.names(), [instance.clone()]);
-    assert!(proxy.finalizers().contains(&"crawl.example.com/proxy-cleanup".to_owned()));
+    assert_eq!(world.provider.names(), std::slice::from_ref(&instance));
+    assert!(
+        proxy
+            .finalizers()
+            .contains(&"crawl.example.com/proxy-cleanup".to_owned())
+    );
     let status = proxy.status.clone().expect("status");
-    assert_eq!(status.provider_id.as_deref(), Some(format!("memory/mem/{instance}").as_str()));
+    assert_eq!(
+        status.provider_id.as_deref(),
+        Some(format!("memory/mem/{instance}").as_str())
+    );
     assert_eq!(status.endpoint.as_deref(), Some("127.0.0.1:3128"));
     assert_eq!(status.spec_hash.as_ref().map(String::len), Some(64));
     assert_eq!(status.observed_generation, proxy.metadata.generation);
@@ -223,12 +273,27 @@ async fn create_to_healthy_within_the_write_budget_and_a_resync_writes_nothing()
     assert_eq!(condition(&status, "Ready").status, "True");
     assert_eq!(condition(&status, "Provisioned").status, "True");
     assert_eq!(condition(&status, "Healthy").status, "True");
-    let leases = world.leases.entry(&key(NS, "web-1")).expect("registered with the lease store");
+    let leases = world
+        .leases
+        .entry(&key(NS, "web-1"))
+        .expect("registered with the lease store");
     assert!(leases.open, "a healthy proxy takes leases");
-    assert_eq!(leases.target.expect("target").attributes.get("region").map(String::as_str), Some("eu"));
+    assert_eq!(
+        leases
+            .target
+            .expect("target")
+            .attributes
+            .get("region")
+            .map(String::as_str),
+        Some("eu")
+    );
 
     let writes = world.proxy_writes("web-1");
-    assert!(writes <= 4, "{writes} writes from creation to Healthy: {:#?}", world.server.writes());
+    assert!(
+        writes <= 4,
+        "{writes} writes from creation to Healthy: {:#?}",
+        world.server.writes()
+    );
 
     // A steady-state resync changes nothing and writes nothing.
     let before = operator.reconciles();
@@ -247,10 +312,17 @@ async fn rotating_the_cloud_init_secret_replaces_the_instance() {
     labelled_secret(&world, "squid-init", "#cloud-config\npackages: [squid]\n").await;
     let operator = world.start().await;
     world
-        .create_proxy("vm-1", json!({"provider": "mem", "cloudInit": {"secretRef": {"name": "squid-init"}}}))
+        .create_proxy(
+            "vm-1",
+            json!({"provider": "mem", "cloudInit": {"secretRef": {"name": "squid-init"}}}),
+        )
         .await;
     let before = make_healthy(&world, &operator, "vm-1").await;
-    let first_hash = before.status.as_ref().and_then(|s| s.spec_hash.clone()).expect("hash");
+    let first_hash = before
+        .status
+        .as_ref()
+        .and_then(|s| s.spec_hash.clone())
+        .expect("hash");
     assert_eq!(world.provider.created_count(), 1);
 
     Api::<Secret>::namespaced(world.client.clone(), NS)
@@ -263,7 +335,8 @@ async fn rotating_the_cloud_init_secret_replaces_the_instance() {
         .expect("rotated");
     let replaced = world
         .wait_for("vm-1", "a new spec hash", |p| {
-            p.and_then(|p| p.status.as_ref()?.spec_hash.clone()).is_some_and(|h| h != first_hash)
+            p.and_then(|p| p.status.as_ref()?.spec_hash.clone())
+                .is_some_and(|h| h != first_hash)
         })
         .await
         .expect("exists");
@@ -278,7 +351,12 @@ async fn rotating_the_cloud_init_secret_replaces_the_instance() {
 async fn changing_attributes_never_replaces_the_instance() {
     let world = World::new().await;
     let operator = world.start().await;
-    world.create_proxy("web-2", json!({"provider": "mem", "attributes": {"region": "eu"}})).await;
+    world
+        .create_proxy(
+            "web-2",
+            json!({"provider": "mem", "attributes": {"region": "eu"}}),
+        )
+        .await;
     make_healthy(&world, &operator, "web-2").await;
 
     world
@@ -299,10 +377,26 @@ async fn changing_attributes_never_replaces_the_instance() {
     assert_eq!(phase_of(Some(&proxy)), Some("healthy"));
     assert_eq!(world.provider.created_count(), 1);
     assert_eq!(world.provider.deleted_count(), 0);
-    let target = world.leases.entry(&key(NS, "web-2")).and_then(|e| e.target).expect("target");
-    assert_eq!(target.attributes.get("region").map(String::as_str), Some("us"), "attributes apply in place");
+    let target = world
+        .leases
+        .entry(&key(NS, "web-2"))
+        .and_then(|e| e.target)
+        .expect("target");
+    assert_eq!(
+        target.attributes.get("region").map(String::as_str),
+        Some("us"),
+        "attributes apply in place"
+    );
     assert_eq!(target.policy.max_concurrent, 5);
-    assert_eq!(world.health.target(&key(NS, "web-2")).expect("probed").check.interval_seconds, 10);
+    assert_eq!(
+        world
+            .health
+            .target(&key(NS, "web-2"))
+            .expect("probed")
+            .check
+            .interval_seconds,
+        10
+    );
     operator.stop().await;
 }
 
@@ -312,10 +406,21 @@ async fn deleting_removes_the_instance_then_the_finalizer() {
     let operator = world.start().await;
     world.create_proxy("web-3", json!({"provider": "mem"})).await;
     make_healthy(&world, &operator, "web-3").await;
-    world.proxies().delete("web-3", &DeleteParams::default()).await.expect("delete accepted");
+    world
+        .proxies()
+        .delete("web-3", &DeleteParams::default())
+        .await
+        .expect("delete accepted");
     world.wait_for("web-3", "gone", |p| p.is_none()).await;
-    assert!(world.provider.names().is_empty(), "instance left behind: {:?}", world.provider.names());
-    assert!(world.leases.entry(&key(NS, "web-3")).is_none(), "lease registration left behind");
+    assert!(
+        world.provider.names().is_empty(),
+        "instance left behind: {:?}",
+        world.provider.names()
+    );
+    assert!(
+        world.leases.entry(&key(NS, "web-3")).is_none(),
+        "lease registration left behind"
+    );
     operator.stop().await;
 }
 
@@ -330,7 +435,11 @@ async fn a_restart_mid_provision_creates_no_duplicate() {
         .provider
         .create(&InstanceRequest {
             name: instance_name(NS, "web-4", &uid),
-            owner: Owner { uid: uid.clone(), namespace: NS.into(), name: "web-4".into() },
+            owner: Owner {
+                uid: uid.clone(),
+                namespace: NS.into(),
+                name: "web-4".into(),
+            },
             spec_hash: "from-before-the-crash".into(),
             placement: Default::default(),
             port: 3128,
@@ -348,7 +457,11 @@ async fn a_restart_mid_provision_creates_no_duplicate() {
     operator.trigger(key(NS, "web-4")).await;
     let reconciled = operator.reconciles();
     operator.wait_reconciles(reconciled.max(1)).await;
-    assert_eq!(world.provider.created_count(), 1, "creates are idempotent by name");
+    assert_eq!(
+        world.provider.created_count(),
+        1,
+        "creates are idempotent by name"
+    );
     assert_eq!(world.provider.names().len(), 1);
     operator.stop().await;
 }
@@ -367,7 +480,14 @@ async fn an_expired_watch_relists_and_converges() {
 #[tokio::test]
 async fn a_status_conflict_is_retried() {
     let world = World::new().await;
-    world.server.fail_next(RequestMatcher::any().verb(Verb::Update).resource("proxies").subresource("status"), 1, 409);
+    world.server.fail_next(
+        RequestMatcher::any()
+            .verb(Verb::Update)
+            .resource("proxies")
+            .subresource("status"),
+        1,
+        409,
+    );
     let operator = world.start().await;
     world.create_proxy("web-6", json!({"provider": "mem"})).await;
     world.wait_phase("web-6", "provisioning").await;
@@ -387,17 +507,27 @@ async fn a_missing_secret_is_a_clear_condition_until_it_appears() {
     let world = World::new().await;
     let operator = world.start().await;
     world
-        .create_proxy("vm-2", json!({"provider": "mem", "cloudInit": {"secretRef": {"name": "later"}}}))
+        .create_proxy(
+            "vm-2",
+            json!({"provider": "mem", "cloudInit": {"secretRef": {"name": "later"}}}),
+        )
         .await;
     let proxy = world
         .wait_for("vm-2", "InvalidSpec", |p| {
-            p.and_then(|p| p.status.as_ref()).is_some_and(|s| s.conditions.iter().any(|c| c.reason == "InvalidSpec"))
+            p.and_then(|p| p.status.as_ref())
+                .is_some_and(|s| s.conditions.iter().any(|c| c.reason == "InvalidSpec"))
         })
         .await
         .expect("exists");
     let ready = condition(proxy.status.as_ref().expect("status"), "Ready").clone();
     assert_eq!(ready.status, "False");
-    assert!(ready.message.contains("crawl/later not found or not labelled crawl.example.com/cloud-init"), "{}", ready.message);
+    assert!(
+        ready
+            .message
+            .contains("crawl/later not found or not labelled crawl.example.com/cloud-init"),
+        "{}",
+        ready.message
+    );
     assert!(world.provider.names().is_empty());
 
     // An unlabelled Secret is not even seen.
@@ -407,14 +537,24 @@ async fn a_missing_secret_is_a_clear_condition_until_it_appears() {
         "stringData": {"user-data": "#cloud-config\n"},
     }))
     .unwrap();
-    Api::<Secret>::namespaced(world.client.clone(), NS).create(&PostParams::default(), &unlabelled).await.expect("created");
+    Api::<Secret>::namespaced(world.client.clone(), NS)
+        .create(&PostParams::default(), &unlabelled)
+        .await
+        .expect("created");
     operator.trigger(key(NS, "vm-2")).await;
     operator.wait_reconciles(operator.reconciles() + 1).await;
-    assert_eq!(phase_of(world.proxies().get("vm-2").await.ok().as_ref()), Some("pending"));
+    assert_eq!(
+        phase_of(world.proxies().get("vm-2").await.ok().as_ref()),
+        Some("pending")
+    );
 
     // Labelling it is the change that wakes the Proxy.
     Api::<Secret>::namespaced(world.client.clone(), NS)
-        .patch("later", &PatchParams::default(), &Patch::Merge(json!({"metadata": {"labels": {"crawl.example.com/cloud-init": "true"}}})))
+        .patch(
+            "later",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"crawl.example.com/cloud-init": "true"}}})),
+        )
         .await
         .expect("labelled");
     world.wait_phase("vm-2", "provisioning").await;
@@ -428,12 +568,20 @@ async fn an_unknown_provider_is_a_user_error_not_a_crash() {
     world.create_proxy("web-7", json!({"provider": "nope"})).await;
     let proxy = world
         .wait_for("web-7", "InvalidSpec", |p| {
-            p.and_then(|p| p.status.as_ref()).is_some_and(|s| s.conditions.iter().any(|c| c.reason == "InvalidSpec"))
+            p.and_then(|p| p.status.as_ref())
+                .is_some_and(|s| s.conditions.iter().any(|c| c.reason == "InvalidSpec"))
         })
         .await
         .expect("exists");
     let ready = condition(proxy.status.as_ref().expect("status"), "Ready");
-    assert!(ready.message.contains("no provider instance named \"nope\""), "{}", ready.message);
-    assert!(proxy.finalizers().is_empty(), "nothing was provisioned, so no finalizer");
+    assert!(
+        ready.message.contains("no provider instance named \"nope\""),
+        "{}",
+        ready.message
+    );
+    assert!(
+        proxy.finalizers().is_empty(),
+        "nothing was provisioned, so no finalizer"
+    );
     operator.stop().await;
 }

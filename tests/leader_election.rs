@@ -55,7 +55,11 @@ async fn one_leader_at_a_time_and_a_clean_handover() {
     let mut a = candidate(api.clone(), "replica-a");
     wait(&mut a.state, |s| *s == Leadership::Leader).await;
     let mut b = candidate(api.clone(), "replica-b");
-    wait(&mut b.state, |s| matches!(s, Leadership::Follower { holder } if holder == "replica-a")).await;
+    wait(
+        &mut b.state,
+        |s| matches!(s, Leadership::Follower { holder } if holder == "replica-a"),
+    )
+    .await;
     // While a renews, b never leads.
     for _ in 0..10 {
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -74,17 +78,28 @@ async fn one_leader_at_a_time_and_a_clean_handover() {
 }
 
 #[tokio::test]
-async fn a_leader_that_cannot_renew_steps_down_and_the_lease_expires_to_another() {
+async fn a_leader_that_cannot_renew_steps_down_and_a_crashed_leader_is_replaced_after_expiry() {
     let server = FakeApiServer::start().await;
     let api: Api<Lease> = Api::namespaced(server.client(), "egress-proxies-system");
     let mut a = candidate(api.clone(), "replica-a");
     wait(&mut a.state, |s| *s == Leadership::Leader).await;
-    // Every request of a fails from now on (the API server is unreachable for it).
-    server.fail_next(RequestMatcher::any().resource("leases"), 1_000, 500);
+    // The API server stops answering a's renewals for longer than the renew deadline.
+    server.fail_next(RequestMatcher::any().resource("leases"), 30, 500);
     wait(&mut a.state, |s| *s != Leadership::Leader).await;
-    server.fail_next(RequestMatcher::any().resource("leases"), 0, 500);
+
+    // a crashes without releasing the Lease: b must wait for it to expire, then take over.
+    a.task.abort();
+    let _ = a.task.await;
     let mut b = candidate(api.clone(), "replica-b");
     wait(&mut b.state, |s| *s == Leadership::Leader).await;
-    drop(a);
-    drop(b);
+    let spec = api
+        .get("egress-proxies-operator")
+        .await
+        .expect("lease")
+        .spec
+        .expect("spec");
+    assert_eq!(spec.holder_identity.as_deref(), Some("replica-b"));
+    assert!(spec.lease_transitions >= Some(1), "{spec:?}");
+    b.stop.take().expect("running").send(()).expect("stop");
+    b.task.await.expect("b stops");
 }

@@ -16,6 +16,12 @@ install_system_packages() {
     for package in "${SYSTEM_PACKAGES[@]}"; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
     done
+    # qemu-img (qemu-utils, only recommended by qemu-system-x86) makes the kvm providers'
+    # qcow2 overlays; it comes with qemu-system-x86 below.
+    if ! dpkg-query -W -f='${Status}' qemu-utils 2>/dev/null | grep -q "install ok installed" \
+        && [[ " ${missing[*]} " != *" qemu-system-x86 "* ]]; then
+        missing+=(qemu-system-x86)
+    fi
     if [ "${#missing[@]}" -gt 0 ]; then
         echo "==> installing ${missing[*]}"
         as_root apt-get update -qq

@@ -18,7 +18,10 @@ use std::{collections::BTreeSet, fmt, path::Path};
 
 use serde::Deserialize;
 
-pub use settings::{KubernetesSettings, KvmSettings, LocalSettings, ProviderSettings, ServiceType};
+pub use settings::{
+    BootSettings, DomainType, KubernetesSettings, KvmSettings, LocalSettings, NetworkSettings, PortRange,
+    ProviderSettings, ServiceType,
+};
 
 /// A validated providers config.
 #[derive(Clone, Debug, PartialEq)]

@@ -57,31 +57,191 @@ fn typed<T: for<'de> Deserialize<'de>>(settings: serde_norway::Value) -> Result<
 }
 
 /// Settings shared by `kvm` and `kvm2`, the two libvirt providers.
+///
+/// Paths (`boot.kernel`, `boot.initrd`) are paths on the libvirt host, which is not this host
+/// when `uri` is remote.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct KvmSettings {
     /// libvirt connection URI, local (`qemu:///system`) or remote (`qemu+ssh://host/system`).
     pub uri: String,
-    /// Storage pool holding the base image and the per-proxy volumes.
+    /// Storage pool holding the base image and the per-proxy volumes (disk overlay, seed).
     pub pool: String,
-    /// Volume in `pool` each proxy's disk is a copy-on-write overlay of.
+    /// Volume in `pool` each proxy's disk is a copy-on-write qcow2 overlay of. Its format (qcow2,
+    /// raw) is read from the pool.
     pub base_image: String,
-    /// libvirt network the proxy's NIC joins.
-    #[serde(default = "default_network")]
-    pub network: String,
+    /// How the proxy's NIC reaches the world and how the operator reaches the proxy.
+    #[serde(default)]
+    pub network: NetworkSettings,
+    /// How the guest boots.
+    #[serde(default)]
+    pub boot: BootSettings,
     /// Guest memory in MiB.
     #[serde(default = "default_memory_mib")]
     pub memory_mib: u32,
     /// Guest virtual CPUs.
     #[serde(default = "default_vcpus")]
     pub vcpus: u32,
-    /// libvirt domain type: `kvm`, or `qemu` (software emulation) where KVM is unavailable.
-    #[serde(default = "default_domain_type")]
-    pub domain_type: String,
+    /// libvirt domain type: `kvm`, or `qemu` (software emulation, TCG) where KVM is unavailable.
+    #[serde(default)]
+    pub domain_type: DomainType,
+    /// Longest one libvirt operation (a `virsh` command, an API call) may take before the
+    /// provider gives up with `Unavailable`.
+    #[serde(default = "default_timeout_seconds")]
+    pub timeout_seconds: u64,
 }
 
-fn default_network() -> String {
+/// The NIC of a libvirt provider's guests.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(
+    tag = "mode",
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    deny_unknown_fields,
+    expecting = "a network such as {mode: libvirt, name: default}, {mode: bridge, name: br0} or {mode: user}"
+)]
+pub enum NetworkSettings {
+    /// Join a libvirt network; the address comes from its DHCP leases or the guest agent.
+    Libvirt {
+        /// The libvirt network's name.
+        #[serde(default = "default_network_name")]
+        name: String,
+    },
+    /// Join a host bridge; the address comes from the guest agent (or `placement.address`).
+    Bridge {
+        /// The host bridge's name (`br0`).
+        name: String,
+    },
+    /// QEMU user-mode networking (no bridge, no root), with the proxy port forwarded from
+    /// `hostForwardAddress:<port from hostForwardPorts>` on the libvirt host. For single-host
+    /// setups and tests; the endpoint is the forward.
+    User {
+        /// Host address the forward listens on (`placement.address` overrides it). IPv4:
+        /// QEMU's user-mode forwards are IPv4 only.
+        #[serde(default = "default_host_forward_address")]
+        host_forward_address: std::net::Ipv4Addr,
+        /// Host ports to choose forwards from (each proxy takes one that is free).
+        #[serde(default)]
+        host_forward_ports: PortRange,
+    },
+}
+
+impl Default for NetworkSettings {
+    fn default() -> Self {
+        Self::Libvirt {
+            name: default_network_name(),
+        }
+    }
+}
+
+/// An inclusive range of TCP ports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, try_from = "RawPortRange")]
+pub struct PortRange {
+    /// First port of the range.
+    pub first: u16,
+    /// Last port of the range (inclusive).
+    pub last: u16,
+}
+
+impl Default for PortRange {
+    /// Below Linux's usual ephemeral range (32768-60999), so a forward never collides with an
+    /// outgoing connection's port.
+    fn default() -> Self {
+        Self {
+            first: 20000,
+            last: 20999,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPortRange {
+    first: u16,
+    last: u16,
+}
+
+impl TryFrom<RawPortRange> for PortRange {
+    type Error = String;
+
+    fn try_from(raw: RawPortRange) -> Result<Self, Self::Error> {
+        if raw.first == 0 || raw.first > raw.last {
+            Err(format!(
+                "port range {}-{} is empty or starts at 0; expected 1 <= first <= last",
+                raw.first, raw.last
+            ))
+        } else {
+            Ok(Self {
+                first: raw.first,
+                last: raw.last,
+            })
+        }
+    }
+}
+
+/// How a libvirt provider's guests boot.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(
+    tag = "mode",
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase",
+    deny_unknown_fields,
+    expecting = "a boot mode such as {mode: disk} or {mode: kernel, kernel: PATH, initrd: PATH}"
+)]
+pub enum BootSettings {
+    /// The base image is bootable (it has a boot loader). A struct variant, so a stray field
+    /// next to `mode: disk` is an error rather than ignored.
+    Disk {},
+    /// Direct kernel boot: QEMU loads the kernel (and initrd) from the libvirt host, and the
+    /// base image holds only the root file system.
+    Kernel {
+        /// Kernel image path on the libvirt host.
+        kernel: PathBuf,
+        /// Initial ramdisk path on the libvirt host, if the kernel needs one.
+        #[serde(default)]
+        initrd: Option<PathBuf>,
+        /// Kernel command line.
+        #[serde(default = "default_kernel_cmdline")]
+        cmdline: String,
+    },
+}
+
+impl Default for BootSettings {
+    fn default() -> Self {
+        Self::Disk {}
+    }
+}
+
+/// libvirt domain type.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DomainType {
+    /// Hardware virtualisation through `/dev/kvm`.
+    #[default]
+    Kvm,
+    /// Software emulation (QEMU TCG): slow, but works where KVM does not.
+    Qemu,
+}
+
+impl DomainType {
+    /// The value of `<domain type=...>`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kvm => "kvm",
+            Self::Qemu => "qemu",
+        }
+    }
+}
+
+fn default_network_name() -> String {
     "default".to_owned()
+}
+fn default_host_forward_address() -> std::net::Ipv4Addr {
+    std::net::Ipv4Addr::LOCALHOST
+}
+fn default_kernel_cmdline() -> String {
+    "root=/dev/vda console=ttyS0".to_owned()
 }
 fn default_memory_mib() -> u32 {
     512
@@ -89,8 +249,8 @@ fn default_memory_mib() -> u32 {
 fn default_vcpus() -> u32 {
     1
 }
-fn default_domain_type() -> String {
-    "kvm".to_owned()
+fn default_timeout_seconds() -> u64 {
+    60
 }
 
 /// Settings of the `kubernetes` provider.
@@ -122,7 +282,9 @@ pub enum ServiceType {
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct LocalSettings {
-    /// Folder holding each proxy's Squid config, logs, pid file and owner record.
+    /// Folder holding each proxy's Squid config, logs, pid file and owner record; a relative
+    /// path is resolved against the working directory. One operator process and one provider
+    /// instance own it.
     pub state_dir: PathBuf,
     /// The Squid binary.
     #[serde(default = "default_squid_path")]
@@ -130,6 +292,30 @@ pub struct LocalSettings {
     /// Address proxies listen on when their placement names none.
     #[serde(default = "default_bind_address")]
     pub bind_address: String,
+    /// Address reported to crawlers instead of the listen address (for example the host's
+    /// routable address when proxies listen on `0.0.0.0`).
+    #[serde(default)]
+    pub advertise_address: Option<String>,
+    /// Squid's basic-auth helper, used for Proxies with credentials; it must read an
+    /// htpasswd-style file with SHA-512-crypt hashes.
+    #[serde(default = "default_auth_helper_path")]
+    pub auth_helper_path: PathBuf,
+    /// User Squid drops to when the operator runs as root; it owns each proxy's log folder.
+    #[serde(default = "default_squid_user")]
+    pub squid_user: String,
+    /// Whether Squid writes an access log per proxy (rotation is left to the host).
+    #[serde(default = "default_access_log")]
+    pub access_log: bool,
+    /// Squid directives appended to every generated config (one directive per entry).
+    #[serde(default)]
+    pub extra_config: Vec<String>,
+    /// How long `create` waits for a new Squid to accept connections before it returns the
+    /// instance as starting.
+    #[serde(default = "default_start_timeout_seconds")]
+    pub start_timeout_seconds: u32,
+    /// How long `delete` waits after SIGTERM before it sends SIGKILL.
+    #[serde(default = "default_stop_timeout_seconds")]
+    pub stop_timeout_seconds: u32,
 }
 
 fn default_squid_path() -> PathBuf {
@@ -137,4 +323,37 @@ fn default_squid_path() -> PathBuf {
 }
 fn default_bind_address() -> String {
     "127.0.0.1".to_owned()
+}
+fn default_auth_helper_path() -> PathBuf {
+    PathBuf::from("/usr/lib/squid/basic_ncsa_auth")
+}
+fn default_squid_user() -> String {
+    "proxy".to_owned()
+}
+fn default_access_log() -> bool {
+    true
+}
+fn default_start_timeout_seconds() -> u32 {
+    10
+}
+fn default_stop_timeout_seconds() -> u32 {
+    5
+}
+
+impl LocalSettings {
+    /// Settings with every default, for the state folder `state_dir`.
+    pub fn new(state_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            state_dir: state_dir.into(),
+            squid_path: default_squid_path(),
+            bind_address: default_bind_address(),
+            advertise_address: None,
+            auth_helper_path: default_auth_helper_path(),
+            squid_user: default_squid_user(),
+            access_log: default_access_log(),
+            extra_config: Vec::new(),
+            start_timeout_seconds: default_start_timeout_seconds(),
+            stop_timeout_seconds: default_stop_timeout_seconds(),
+        }
+    }
 }

@@ -15,6 +15,10 @@
 //!   time are stored where the backend keeps them (domain metadata, labels, state files), since
 //!   orphan GC decides from them alone.
 
+pub mod kvm;
+pub mod kvm2;
+pub mod libvirt;
+pub mod local;
 pub mod memory;
 mod registry;
 
@@ -25,7 +29,7 @@ use sha2::{Digest, Sha256};
 
 use crate::api::Placement;
 
-pub use registry::{ProviderRegistry, UnknownProvider};
+pub use registry::{ProviderRegistry, RegistryError, UnknownProvider};
 
 /// Prefix of every instance name: marks what this operator made.
 pub const INSTANCE_NAME_PREFIX: &str = "epo";

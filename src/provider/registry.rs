@@ -2,7 +2,45 @@
 
 use std::{collections::BTreeMap, sync::Arc};
 
-use super::{Provider, SharedProvider};
+use super::{
+    Provider, SharedProvider,
+    kvm::KvmProvider,
+    kvm2::Kvm2Provider,
+    local::{LocalProvider, LocalSetupError},
+};
+use crate::config::{ProviderSettings, ProvidersConfig};
+
+/// A providers config that cannot be turned into providers.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// This build has no constructor for the type yet.
+    #[error("provider instance {instance:?}: type {provider_type:?} cannot be built by this version")]
+    NotBuilt {
+        /// The instance name.
+        instance: String,
+        /// Its type.
+        provider_type: &'static str,
+    },
+    /// A `local` instance's settings cannot work.
+    #[error("provider instance {instance:?}: {source}")]
+    Local {
+        /// The instance name.
+        instance: String,
+        /// Why.
+        source: LocalSetupError,
+    },
+    /// Two `local` instances share a stateDir: each would list and supervise the other's
+    /// Squids as its own.
+    #[error("provider instances {first:?} and {second:?} share stateDir {state_dir}: give each its own")]
+    SharedStateDir {
+        /// The earlier instance.
+        first: String,
+        /// The later instance.
+        second: String,
+        /// The folder.
+        state_dir: String,
+    },
+}
 
 /// `spec.provider` names no configured instance: a user error on the Proxy, not a crash.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -24,6 +62,46 @@ impl ProviderRegistry {
     /// An empty registry.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// One provider per instance of the providers config.
+    pub fn from_config(config: &ProvidersConfig) -> Result<Self, RegistryError> {
+        let mut registry = Self::new();
+        let mut state_dirs: BTreeMap<std::path::PathBuf, &str> = BTreeMap::new();
+        for instance in &config.instances {
+            let name = instance.name.as_str();
+            let provider: SharedProvider = match &instance.settings {
+                ProviderSettings::Local(settings) => {
+                    // Compared as the provider will use them (relative paths made absolute).
+                    let state_dir = std::path::absolute(&settings.state_dir)
+                        .unwrap_or_else(|_| settings.state_dir.clone());
+                    if let Some(first) = state_dirs.insert(state_dir, name) {
+                        return Err(RegistryError::SharedStateDir {
+                            first: first.to_owned(),
+                            second: name.to_owned(),
+                            state_dir: settings.state_dir.display().to_string(),
+                        });
+                    }
+                    let local = LocalProvider::new(name, settings.clone()).map_err(|source| {
+                        RegistryError::Local {
+                            instance: name.to_owned(),
+                            source,
+                        }
+                    })?;
+                    Arc::new(local)
+                }
+                ProviderSettings::Kvm(settings) => Arc::new(KvmProvider::new(name, settings.clone())),
+                ProviderSettings::Kvm2(settings) => Arc::new(Kvm2Provider::new(name, settings.clone())),
+                ProviderSettings::Kubernetes(_) => {
+                    return Err(RegistryError::NotBuilt {
+                        instance: name.to_owned(),
+                        provider_type: instance.type_name(),
+                    });
+                }
+            };
+            registry.insert(provider);
+        }
+        Ok(registry)
     }
 
     /// Adds a provider under its instance name, replacing any earlier one of that name.

@@ -150,8 +150,7 @@ pub async fn run_controller(
         let proxy_store = proxy_store.clone();
         let secret_store = secret_store.clone();
         async move {
-            let synced =
-                proxy_store.wait_until_ready().await.is_ok() && secret_store.wait_until_ready().await.is_ok();
+            let synced = wait_ready(&proxy_store).await && wait_ready(&secret_store).await;
             if synced {
                 info!("caches synced");
                 ready.send_replace(true);
@@ -169,6 +168,22 @@ pub async fn run_controller(
         })
         .await;
     info!("controller stopped");
+}
+
+/// Waits until `store` has its initial list. The store's readiness is a shared one-shot that
+/// wakes only the most recent waiter, and the controller itself waits on the Proxy store, so a
+/// second waiter re-polls on a short interval instead of relying on a wake-up.
+async fn wait_ready<K>(store: &reflector::Store<K>) -> bool
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    loop {
+        match tokio::time::timeout(Duration::from_millis(100), store.wait_until_ready()).await {
+            Ok(result) => return result.is_ok(),
+            Err(_elapsed) => continue,
+        }
+    }
 }
 
 async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {

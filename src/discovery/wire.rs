@@ -1,0 +1,241 @@
+//! JSON bodies of the discovery API. Requests reject unknown fields; field names are camelCase.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::lease::{Availability, Outcome, ProxyInfo, ProxyView, rfc3339};
+
+/// Longest lease TTL a request may ask for (the proxy's `maxTtlSeconds` caps it further).
+pub const MAX_TTL_SECONDS: u64 = 86_400;
+/// Longest holder name.
+pub const MAX_HOLDER_LEN: usize = 128;
+/// Longest sticky-session key.
+pub const MAX_SESSION_KEY_LEN: usize = 256;
+/// Longest target domain.
+pub const MAX_DOMAIN_LEN: usize = 253;
+/// Most selector terms in a request body.
+pub const MAX_SELECTOR_TERMS: usize = crate::lease::MAX_SELECTOR_TERMS;
+
+/// `POST /v1/leases`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AcquireBody {
+    /// Required attributes (all must match); empty or absent: any proxy.
+    #[serde(default)]
+    pub selector: BTreeMap<String, String>,
+    /// Who holds the lease.
+    pub holder: String,
+    /// Lease length; default 60.
+    #[serde(default)]
+    pub ttl_seconds: Option<u64>,
+    /// The domain to be crawled through the proxy.
+    #[serde(default)]
+    pub target_domain: Option<String>,
+    /// Sticky-session key.
+    #[serde(default)]
+    pub session_key: Option<String>,
+}
+
+fn printable(s: &str) -> bool {
+    !s.chars().any(char::is_control)
+}
+
+fn valid_domain(d: &str) -> bool {
+    !d.is_empty()
+        && d.len() <= MAX_DOMAIN_LEN
+        && d.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+}
+
+impl AcquireBody {
+    /// Checks ranges and formats; the message says what to fix.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.holder.is_empty() || self.holder.len() > MAX_HOLDER_LEN || !printable(&self.holder) {
+            return Err(format!("holder must be 1-{MAX_HOLDER_LEN} printable characters"));
+        }
+        if self.ttl_seconds.is_some_and(|t| t == 0 || t > MAX_TTL_SECONDS) {
+            return Err(format!("ttlSeconds must be between 1 and {MAX_TTL_SECONDS}"));
+        }
+        if let Some(d) = &self.target_domain
+            && !valid_domain(d)
+        {
+            return Err("targetDomain must be a host name".to_owned());
+        }
+        if let Some(k) = &self.session_key
+            && (k.is_empty() || k.len() > MAX_SESSION_KEY_LEN || !printable(k))
+        {
+            return Err(format!(
+                "sessionKey must be 1-{MAX_SESSION_KEY_LEN} printable characters"
+            ));
+        }
+        if self.selector.len() > MAX_SELECTOR_TERMS
+            || self
+                .selector
+                .iter()
+                .any(|(k, v)| k.is_empty() || k.len() > 317 || v.len() > 256)
+        {
+            return Err(format!(
+                "selector must have at most {MAX_SELECTOR_TERMS} attributes with non-empty keys"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `POST /v1/leases/{id}/renew`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RenewBody {
+    /// The lease's latest fencing token.
+    pub fencing_token: u64,
+    /// New length from now; default: the lease's own TTL.
+    #[serde(default)]
+    pub ttl_seconds: Option<u64>,
+}
+
+/// `POST /v1/leases/{id}/release`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReleaseBody {
+    /// The lease's latest fencing token.
+    pub fencing_token: u64,
+    /// How it went.
+    pub outcome: Outcome,
+    /// For `banned`: the domain that banned the proxy (default: the lease's target domain).
+    #[serde(default)]
+    pub target_domain: Option<String>,
+}
+
+impl ReleaseBody {
+    /// Checks formats.
+    pub fn validate(&self) -> Result<(), String> {
+        match &self.target_domain {
+            Some(d) if !valid_domain(d) => Err("targetDomain must be a host name".to_owned()),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A proxy in responses (never with credentials).
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyJson {
+    /// `namespace/name`.
+    pub key: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// `host:port`.
+    pub endpoint: String,
+    /// Attributes.
+    pub attributes: BTreeMap<String, String>,
+    /// In listings: how it stands.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub availability: Option<Availability>,
+    /// In listings: active leases.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub active_leases: Option<usize>,
+    /// In listings: its limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrent: Option<u32>,
+    /// In listings: end of its cooldown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cooldown_until: Option<String>,
+}
+
+impl ProxyJson {
+    /// The proxy as an acquire response shows it.
+    pub fn from_info(info: &ProxyInfo) -> Self {
+        Self {
+            key: info.key.to_string(),
+            namespace: info.key.namespace().to_owned(),
+            name: info.key.name().to_owned(),
+            endpoint: info.endpoint_text.clone(),
+            attributes: info.attributes.clone(),
+            availability: None,
+            active_leases: None,
+            max_concurrent: None,
+            cooldown_until: None,
+        }
+    }
+
+    /// The proxy as a listing shows it.
+    pub fn from_view(view: &ProxyView) -> Self {
+        Self {
+            availability: Some(view.availability),
+            active_leases: Some(view.active_leases),
+            max_concurrent: Some(view.max_concurrent),
+            cooldown_until: view.cooldown_until_ms.map(rfc3339),
+            ..Self::from_info(&view.info)
+        }
+    }
+}
+
+/// `GET /v1/proxies`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ListResponse {
+    /// Matching proxies, by key.
+    pub proxies: Vec<ProxyJson>,
+}
+
+/// A granted lease.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AcquireResponse {
+    /// Signed lease ID, for renew and release.
+    pub lease_id: String,
+    /// Token for the next renew or release.
+    pub fencing_token: u64,
+    /// `http://[user:password@]host:port`, to configure the crawler's HTTP client.
+    pub proxy_url: String,
+    /// The proxy.
+    pub proxy: ProxyJson,
+    /// RFC 3339.
+    pub acquired_at: String,
+    /// RFC 3339.
+    pub expires_at: String,
+    /// Granted length (after the proxy's cap).
+    pub ttl_seconds: u64,
+}
+
+/// A renewed lease.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RenewResponse {
+    /// Unchanged lease ID.
+    pub lease_id: String,
+    /// New token; the previous one is stale.
+    pub fencing_token: u64,
+    /// RFC 3339.
+    pub expires_at: String,
+}
+
+/// A released lease.
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleaseResponse {
+    /// The lease ID.
+    pub lease_id: String,
+    /// Always true.
+    pub released: bool,
+    /// The outcome recorded.
+    pub outcome: Outcome,
+}
+
+/// Every error: `{"error": {"code": ..., "message": ...}}`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// A stable code and a human message.
+#[derive(Clone, Debug, Serialize)]
+pub struct ErrorDetail {
+    /// Stable, documented code.
+    pub code: &'static str,
+    /// What happened and what to do.
+    pub message: String,
+}

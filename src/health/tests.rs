@@ -1,0 +1,116 @@
+//! Verdict rules without the network; probing through real Squid is tested in tests/health.rs.
+
+use super::*;
+
+fn target(failures: u32, successes: u32) -> HealthTarget {
+    HealthTarget {
+        key: ProxyKey::new("ns", "p"),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 1,
+        },
+        url: "http://127.0.0.1/".into(),
+        interval: Duration::from_secs(1),
+        timeout: Duration::from_millis(500),
+        failure_threshold: failures,
+        success_threshold: successes,
+        expected_egress: None,
+        credentials: None,
+    }
+}
+
+fn run(target: &HealthTarget, results: &str) -> Vec<Option<(Verdict, Verdict)>> {
+    let mut snapshot = HealthSnapshot::default();
+    results
+        .chars()
+        .map(|c| {
+            let r = if c == '+' {
+                Ok(Duration::from_millis(1))
+            } else {
+                Err(ProbeError::Timeout(Duration::from_secs(1)))
+            };
+            apply(&mut snapshot, target, r, jiff::Timestamp::UNIX_EPOCH)
+        })
+        .collect()
+}
+
+#[test]
+fn events_only_when_a_threshold_is_crossed() {
+    use Verdict::*;
+    let t = target(3, 2);
+    assert_eq!(
+        run(&t, "+-+--+-+++---"),
+        vec![
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            Some((Unknown, Passing)),
+            None,
+            None,
+            None,
+            Some((Passing, Failing)),
+        ]
+    );
+    assert_eq!(
+        run(&t, "---++"),
+        vec![
+            None,
+            None,
+            Some((Unknown, Failing)),
+            None,
+            Some((Failing, Passing))
+        ]
+    );
+}
+
+#[test]
+fn errors_are_bounded() {
+    let t = target(1, 1);
+    let mut snapshot = HealthSnapshot::default();
+    let long = ProbeError::Http("x".repeat(10_000));
+    apply(&mut snapshot, &t, Err(long), jiff::Timestamp::UNIX_EPOCH);
+    assert!(snapshot.last_error.unwrap().len() <= MAX_ERROR_LEN);
+}
+
+#[tokio::test]
+async fn the_health_executor_interface_maps_targets_and_verdicts() {
+    use crate::effects::{self, HealthControl};
+    let (handle, _events) = HealthEngine::start(HealthConfig {
+        tls_roots: Some(Arc::new(rustls::RootCertStore::empty())),
+        ..HealthConfig::default()
+    })
+    .unwrap();
+    let key = effects::ProxyKey {
+        namespace: "ns".into(),
+        name: "p".into(),
+    };
+    let control: &dyn HealthControl = &handle;
+    assert_eq!(control.verdict(&key), effects::HealthVerdict::Unknown);
+    control.upsert(effects::HealthTarget {
+        key: key.clone(),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 9,
+        },
+        check: crate::api::HealthCheck {
+            url: "http://127.0.0.1/".into(),
+            interval_seconds: 3600,
+            timeout_seconds: 1,
+            failure_threshold: 2,
+            success_threshold: 1,
+            expected_egress_address: Some("192.0.2.1".into()),
+        },
+        credentials: None,
+    });
+    assert_eq!(handle.len(), 1);
+    let snapshot = handle.snapshot(&ProxyKey::new("ns", "p")).unwrap();
+    assert_eq!(snapshot.verdict, Verdict::Unknown);
+    assert_eq!(control.verdict(&key), effects::HealthVerdict::Unknown);
+    control.remove(&key);
+    assert!(handle.is_empty());
+}

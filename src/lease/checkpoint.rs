@@ -1,0 +1,411 @@
+//! Persistence of the lease store: the checkpoint format, where checkpoints are kept, and the
+//! maintenance task that reaps expired state and saves checkpoints off the hot path.
+//!
+//! A [`Checkpoint`] is a versioned JSON document. Standalone mode keeps it in one file
+//! ([`FileCheckpoint`]: write to a temporary file, fsync, rename over the old one, fsync the
+//! folder, so a crash leaves the old or the new checkpoint, never a torn one). Cluster mode keeps
+//! it in Kubernetes objects: [`encode_chunks`] splits it into JSON documents below a size
+//! limit (one per object, e.g. a ConfigMap key each, under etcd's object size limit) and
+//! [`decode_chunks`] joins them. Checkpoints hold no secrets: no credentials, no signing key,
+//! no lease IDs (an ID is only valid with the key's signature).
+
+use std::{
+    collections::BTreeMap,
+    future::Future,
+    io::Write,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use super::{LeaseStore, ProxyKey};
+
+/// A snapshot of the lease store's durable state.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Checkpoint {
+    /// Format version ([`Checkpoint::VERSION`]).
+    pub version: u32,
+    /// When it was taken (ms since the epoch).
+    pub saved_at_ms: u64,
+    /// Highest fencing token issued per shard number when each shard was snapshotted.
+    pub token_hwm: BTreeMap<u16, u64>,
+    /// Proxies with state worth keeping.
+    #[serde(default)]
+    pub proxies: Vec<ProxyCheckpoint>,
+    /// Sticky-session bindings.
+    #[serde(default)]
+    pub sessions: Vec<SessionCheckpoint>,
+}
+
+impl Checkpoint {
+    /// The format version this build writes and reads.
+    pub const VERSION: u32 = 1;
+
+    /// Number of active leases in the checkpoint.
+    pub fn lease_count(&self) -> usize {
+        self.proxies.iter().map(|p| p.leases.len()).sum()
+    }
+}
+
+/// Admission as persisted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointAdmission {
+    /// Taking new leases.
+    Open,
+    /// Not taking new leases.
+    Closed,
+    /// Not taking new leases nor renewals.
+    Draining,
+}
+
+/// One proxy's durable lease state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ProxyCheckpoint {
+    /// The proxy.
+    pub key: ProxyKey,
+    /// Its admission.
+    pub admission: CheckpointAdmission,
+    /// End of its cooldown, if resting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cooldown_until_ms: Option<u64>,
+    /// Leases with a lower first token were revoked.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub revoked_below: u64,
+    /// Per-domain bans.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bans: Vec<BanCheckpoint>,
+    /// Active leases.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub leases: Vec<LeaseCheckpoint>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// A per-domain ban.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BanCheckpoint {
+    /// The domain (lowercase).
+    pub domain: String,
+    /// When it ends.
+    pub until_ms: u64,
+}
+
+/// One active lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeaseCheckpoint {
+    /// First fencing token (the lease's identity within its proxy).
+    pub first_token: u64,
+    /// Latest fencing token.
+    pub token: u64,
+    /// Holder.
+    pub holder: String,
+    /// Granted at.
+    pub acquired_at_ms: u64,
+    /// Expires at.
+    pub expires_at_ms: u64,
+    /// TTL a renewal extends by when the holder names none.
+    pub ttl_ms: u64,
+    /// Target domain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_domain: Option<String>,
+    /// Sticky-session key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_key: Option<String>,
+}
+
+/// A sticky-session binding.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SessionCheckpoint {
+    /// The session key.
+    pub session_key: String,
+    /// The bound proxy.
+    pub proxy: ProxyKey,
+    /// When the binding lapses.
+    pub expires_at_ms: u64,
+}
+
+/// Why a checkpoint could not be loaded or saved.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// File system trouble.
+    #[error("checkpoint file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Not a checkpoint this build understands.
+    #[error("checkpoint does not decode: {0}")]
+    Decode(String),
+    /// A chunk limit too small for one item.
+    #[error("checkpoint item of {0} bytes does not fit in a chunk")]
+    ChunkTooSmall(usize),
+    /// Where the checkpoint lives failed otherwise (e.g. the Kubernetes API).
+    #[error("checkpoint backend: {0}")]
+    Backend(String),
+}
+
+/// Where checkpoints are kept.
+#[async_trait]
+pub trait CheckpointStore: Send + Sync {
+    /// The latest checkpoint, or `None` if none was ever saved.
+    async fn load(&self) -> Result<Option<Checkpoint>, CheckpointError>;
+    /// Replaces the latest checkpoint.
+    async fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError>;
+}
+
+/// Decodes one JSON checkpoint document, checking its version.
+pub fn decode(bytes: &[u8]) -> Result<Checkpoint, CheckpointError> {
+    let cp: Checkpoint = serde_json::from_slice(bytes).map_err(|e| CheckpointError::Decode(e.to_string()))?;
+    if cp.version != Checkpoint::VERSION {
+        return Err(CheckpointError::Decode(format!(
+            "version {} (this build reads {})",
+            cp.version,
+            Checkpoint::VERSION
+        )));
+    }
+    Ok(cp)
+}
+
+/// Encodes one JSON checkpoint document.
+pub fn encode(checkpoint: &Checkpoint) -> Vec<u8> {
+    serde_json::to_vec(checkpoint).expect("a checkpoint always serializes: plain data, string map keys")
+}
+
+/// Splits a checkpoint into JSON documents of at most `max_bytes` each; each is a valid
+/// checkpoint with the same header and a share of the proxies and sessions.
+pub fn encode_chunks(checkpoint: &Checkpoint, max_bytes: usize) -> Result<Vec<String>, CheckpointError> {
+    let header = Checkpoint {
+        proxies: Vec::new(),
+        sessions: Vec::new(),
+        ..checkpoint.clone()
+    };
+    let empty = String::from_utf8(encode(&header)).expect("serde_json writes UTF-8");
+    // `{"version":..,"proxies":[],"sessions":[]}`: items go between the brackets.
+    let base = empty.len();
+    let proxies: Vec<String> = checkpoint.proxies.iter().map(to_json).collect();
+    let sessions: Vec<String> = checkpoint.sessions.iter().map(to_json).collect();
+    let mut chunks: Vec<(Vec<&str>, Vec<&str>, usize)> = vec![(Vec::new(), Vec::new(), base)];
+    for (item, is_proxy) in proxies
+        .iter()
+        .map(|p| (p, true))
+        .chain(sessions.iter().map(|s| (s, false)))
+    {
+        let need = item.len() + 1;
+        if base + need > max_bytes {
+            return Err(CheckpointError::ChunkTooSmall(item.len()));
+        }
+        let last = chunks.last_mut().expect("chunks starts non-empty");
+        if last.2 + need > max_bytes {
+            chunks.push((Vec::new(), Vec::new(), base));
+        }
+        let last = chunks.last_mut().expect("chunks starts non-empty");
+        if is_proxy {
+            last.0.push(item);
+        } else {
+            last.1.push(item);
+        }
+        last.2 += need;
+    }
+    let prefix = empty
+        .strip_suffix(r#""proxies":[],"sessions":[]}"#)
+        .expect("proxies and sessions serialize last");
+    Ok(chunks
+        .into_iter()
+        .map(|(p, s, _)| {
+            format!(
+                r#"{prefix}"proxies":[{}],"sessions":[{}]}}"#,
+                p.join(","),
+                s.join(",")
+            )
+        })
+        .collect())
+}
+
+fn to_json<T: Serialize>(item: &T) -> String {
+    serde_json::to_string(item).expect("checkpoint items always serialize: plain data")
+}
+
+/// Joins documents made by [`encode_chunks`] (in any order).
+pub fn decode_chunks<S: AsRef<str>>(chunks: &[S]) -> Result<Option<Checkpoint>, CheckpointError> {
+    let mut out: Option<Checkpoint> = None;
+    for chunk in chunks {
+        let cp = decode(chunk.as_ref().as_bytes())?;
+        match out.as_mut() {
+            None => out = Some(cp),
+            Some(acc) => {
+                if acc.saved_at_ms != cp.saved_at_ms {
+                    return Err(CheckpointError::Decode(
+                        "chunks come from different checkpoints".to_owned(),
+                    ));
+                }
+                for (shard, hwm) in cp.token_hwm {
+                    let have = acc.token_hwm.entry(shard).or_insert(0);
+                    *have = (*have).max(hwm);
+                }
+                acc.proxies.extend(cp.proxies);
+                acc.sessions.extend(cp.sessions);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Standalone mode's checkpoint: one JSON file, replaced atomically.
+#[derive(Clone, Debug)]
+pub struct FileCheckpoint {
+    path: PathBuf,
+}
+
+impl FileCheckpoint {
+    /// Checkpoints kept at `path` (its folder must exist).
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into() }
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let tmp = path.with_extension("tmp");
+        {
+            let mut file = std::fs::File::create(&tmp)?;
+            file.write_all(bytes)?;
+            file.sync_all()?;
+        }
+        std::fs::rename(&tmp, path)?;
+        // The rename is durable only once the folder is synced.
+        std::fs::File::open(dir)?.sync_all()
+    }
+}
+
+#[async_trait]
+impl CheckpointStore for FileCheckpoint {
+    async fn load(&self) -> Result<Option<Checkpoint>, CheckpointError> {
+        match tokio::fs::read(&self.path).await {
+            Ok(bytes) => decode(&bytes).map(Some),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(CheckpointError::Io {
+                path: self.path.clone(),
+                source,
+            }),
+        }
+    }
+
+    async fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
+        let bytes = encode(checkpoint);
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || Self::write_atomically(&path, &bytes))
+            .await
+            .map_err(|e| CheckpointError::Backend(format!("writer task failed: {e}")))?
+            .map_err(|source| CheckpointError::Io {
+                path: self.path.clone(),
+                source,
+            })
+    }
+}
+
+/// How often [`maintenance`] reaps and checkpoints.
+#[derive(Clone, Debug)]
+pub struct MaintenanceConfig {
+    /// Between two reaps of expired leases, bans and bindings.
+    pub reap_interval: Duration,
+    /// Between two checkpoints (taken only if something changed). This is the window in which
+    /// a crash loses state that only signed claims can bring back.
+    pub checkpoint_interval: Duration,
+}
+
+impl Default for MaintenanceConfig {
+    fn default() -> Self {
+        Self {
+            reap_interval: Duration::from_secs(1),
+            checkpoint_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Reaps expired state and saves checkpoints until `shutdown` completes, then saves a last
+/// checkpoint. A failed save is logged and retried at the next interval; the last one's error
+/// is returned.
+pub async fn maintenance(
+    store: LeaseStore,
+    sink: Option<Arc<dyn CheckpointStore>>,
+    config: MaintenanceConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), CheckpointError> {
+    let mut reap = tokio::time::interval(config.reap_interval);
+    let mut save = tokio::time::interval(config.checkpoint_interval);
+    reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    save.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut pending = false;
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = reap.tick() => {
+                let expired = store.reap();
+                if expired > 0 {
+                    tracing::debug!(expired, "reaped expired leases");
+                }
+            }
+            _ = save.tick(), if sink.is_some() => {
+                pending |= store.take_dirty();
+                if pending && let Some(sink) = &sink {
+                    match sink.save(&store.checkpoint()).await {
+                        Ok(()) => pending = false,
+                        Err(error) => tracing::warn!(%error, "saving the lease checkpoint failed; retrying"),
+                    }
+                }
+            }
+        }
+    }
+    match sink {
+        Some(sink) => {
+            store.take_dirty();
+            sink.save(&store.checkpoint()).await
+        }
+        None => Ok(()),
+    }
+}
+
+/// Leases per proxy (`namespace/name`) in the checkpoint file at `path`, for `status`; an
+/// absent or unreadable file counts as no leases. Leases that had expired when it was saved are
+/// not counted.
+pub fn active_leases_by_proxy(path: &Path) -> BTreeMap<String, u32> {
+    let Ok(bytes) = std::fs::read(path) else {
+        return BTreeMap::new();
+    };
+    let Ok(checkpoint) = decode(&bytes) else {
+        return BTreeMap::new();
+    };
+    checkpoint
+        .proxies
+        .iter()
+        .map(|p| {
+            let live = p
+                .leases
+                .iter()
+                .filter(|l| l.expires_at_ms > checkpoint.saved_at_ms)
+                .count();
+            (p.key.to_string(), u32::try_from(live).unwrap_or(u32::MAX))
+        })
+        .collect()
+}

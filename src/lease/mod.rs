@@ -1,0 +1,396 @@
+//! The lease store: which crawler holds which proxy, until when, and what each proxy may still
+//! be given.
+//!
+//! It owns per-proxy lease state (active leases, fencing tokens, cooldowns, per-domain bans,
+//! admission) and sticky-session bindings. It does not probe health or talk to Kubernetes: the
+//! controller feeds it proxies ([`LeaseStore::upsert_proxy`]) and the lifecycle engine's effects
+//! ([`LeaseStore::set_admission`], [`LeaseStore::drain`], [`LeaseStore::revoke_all`]); the
+//! discovery API calls [`LeaseStore::acquire`], [`LeaseStore::renew`], [`LeaseStore::release`]
+//! and [`LeaseStore::list`].
+//!
+//! # Rules
+//! - **Admission.** A proxy starts `Closed`; only `Open` proxies (the engine opens Healthy
+//!   ones) get new leases. `Closed` keeps existing leases running; draining also refuses their
+//!   renewal, so they end at their expiry or release; revoking drops them at once.
+//! - **Limits.** At most `maxConcurrent` active leases per proxy. A lease that expired counts
+//!   until the reaper ([`LeaseStore::reap`], run every second by [`maintenance`]) removes it.
+//! - **Cooldowns.** Every release (and every expiry) rests the proxy for its
+//!   `cooldownSeconds`; a `banned` outcome also rests it for the target domain alone, for
+//!   [`LeaseStoreConfig::ban_cooldown`]. Requests without a target domain ignore domain bans.
+//! - **Choice.** Among eligible proxies, the least recently used one (acquired or released the
+//!   longest ago). The store is split into shards, each with its own lock and LRU lists; an
+//!   acquire visits shards from a random one, so the choice is LRU within a shard and close to
+//!   LRU overall. `shards: 1` makes it strict. A selector with several terms walks the shortest
+//!   term's list and skips proxies that miss another term; proxies that match no frequent
+//!   selector gather at the head of such a list, so the walk costs O(skipped) (see the
+//!   `region=eu,tier=dc` case of the benchmark; a per-combination list is the next step).
+//! - **Sticky sessions.** An acquire with a session key returns the proxy bound to that key
+//!   while it stays eligible (open, a free slot, matching the selector, not banned for the
+//!   domain; its post-release cooldown does not apply to its own session). Otherwise a new
+//!   proxy is chosen and bound. Bindings end [`LeaseStoreConfig::session_idle_ttl`] after the
+//!   last lease's expiry.
+//! - **Fencing.** Every acquire and every renew issues a new fencing token, greater than every
+//!   token issued before for that proxy (tokens are seeded from the wall clock and persisted, so
+//!   this holds across restarts and leader changes; they stay below 2^53 for JSON clients). A
+//!   renew or release must present the lease's latest token; an older one is refused.
+//!
+//! # Persistence
+//! Mutations mark their shard dirty; [`maintenance`] periodically snapshots dirty stores into a
+//! [`checkpoint::Checkpoint`] and hands it to a [`checkpoint::CheckpointStore`] (a file in
+//! standalone mode, Kubernetes objects in cluster mode), off the hot path. On start,
+//! [`LeaseStore::restore`] loads it. Leases issued after the last checkpoint are not lost either:
+//! lease IDs are signed ([`token::LeaseSigner`]) and carry what the store needs to take a lease
+//! back ([`LeaseStore::reinstate`]) when its holder next renews or releases it. The windows in
+//! which a lease can still be lost or over-admitted are documented in `docs/api.md`.
+
+pub mod checkpoint;
+mod clock;
+mod control;
+mod key;
+mod selector;
+mod store;
+pub mod token;
+
+#[cfg(test)]
+mod tests;
+
+use std::{collections::BTreeMap, fmt, sync::Arc, time::Duration};
+
+pub use checkpoint::maintenance;
+pub use clock::{Clock, rfc3339};
+pub use key::{MalformedProxyKey, ProxyKey};
+pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
+pub use store::{LeaseStore, MAX_SHARDS};
+
+use crate::{
+    api::LeasePolicy,
+    provider::{Credentials, Endpoint},
+};
+
+/// A proxy as the controller hands it to the store.
+#[derive(Clone, Debug)]
+pub struct LeaseTarget {
+    /// The Proxy's `namespace/name`.
+    pub key: ProxyKey,
+    /// Where crawlers reach it.
+    pub endpoint: Endpoint,
+    /// Attributes crawlers select by.
+    pub attributes: BTreeMap<String, String>,
+    /// Limits, cooldown and longest TTL.
+    pub policy: LeasePolicy,
+    /// Credentials crawlers must send to the proxy; handed to lease holders in the proxy URL.
+    pub credentials: Option<Credentials>,
+}
+
+/// Whether a proxy takes new leases (the engine's enable/disable effects).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Admission {
+    /// New leases may be handed out.
+    Open,
+    /// No new leases; existing ones run on and may be renewed.
+    Closed,
+}
+
+/// What [`LeaseStore::drain`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainStatus {
+    /// No active lease is left.
+    Drained,
+    /// `active` leases still run; they can be released but not renewed.
+    Pending {
+        /// Leases still active.
+        active: usize,
+    },
+}
+
+/// How a lease ended, as its holder reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    /// The proxy worked.
+    Ok,
+    /// The target domain banned the proxy: it rests for that domain only.
+    Banned,
+    /// Something else failed; treated like `ok` for cooldowns, counted apart in metrics.
+    Error,
+}
+
+impl Outcome {
+    /// The lowercase name used in the API and as a metric label.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Banned => "banned",
+            Outcome::Error => "error",
+        }
+    }
+}
+
+/// Store-wide settings.
+#[derive(Clone, Debug)]
+pub struct LeaseStoreConfig {
+    /// Number of independently locked shards (1..=[`MAX_SHARDS`]); 1 gives strict LRU.
+    pub shards: usize,
+    /// How long a `banned` outcome rests a proxy for the reported domain.
+    pub ban_cooldown: Duration,
+    /// How long a sticky-session binding outlives the expiry of its last lease.
+    pub session_idle_ttl: Duration,
+    /// How long state restored from a checkpoint waits for its proxy to be configured again.
+    pub restore_grace: Duration,
+    /// Time source.
+    pub clock: Clock,
+}
+
+impl Default for LeaseStoreConfig {
+    fn default() -> Self {
+        Self {
+            shards: 16,
+            ban_cooldown: Duration::from_secs(30 * 60),
+            session_idle_ttl: Duration::from_secs(30 * 60),
+            restore_grace: Duration::from_secs(10 * 60),
+            clock: Clock::System,
+        }
+    }
+}
+
+/// What an acquire asks for.
+#[derive(Clone, Copy, Debug)]
+pub struct AcquireRequest<'a> {
+    /// Which proxies qualify ([`LeaseStore::compile`]).
+    pub selector: &'a CompiledSelector,
+    /// Who holds the lease (for listings and metrics).
+    pub holder: &'a str,
+    /// How long the lease lasts unless renewed; capped by the proxy's `maxTtlSeconds`.
+    pub ttl: Duration,
+    /// The domain the holder will crawl: proxies banned for it are skipped.
+    pub target_domain: Option<&'a str>,
+    /// Sticky-session key.
+    pub session_key: Option<&'a str>,
+}
+
+/// What the store shares about a proxy with lease holders. `Debug` hides the credentials.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ProxyInfo {
+    /// The Proxy's `namespace/name`.
+    pub key: ProxyKey,
+    /// Where it listens.
+    pub endpoint: Endpoint,
+    /// `host:port`.
+    pub endpoint_text: String,
+    /// Its attributes.
+    pub attributes: BTreeMap<String, String>,
+    url_with_credentials: String,
+    url: String,
+}
+
+impl ProxyInfo {
+    /// Builds the info (and both proxy URLs) of a target.
+    pub fn new(target: &LeaseTarget) -> Self {
+        let endpoint_text = target.endpoint.to_string();
+        let url = format!("http://{endpoint_text}");
+        let url_with_credentials = match &target.credentials {
+            Some(c) => format!(
+                "http://{}:{}@{endpoint_text}",
+                userinfo_escape(&c.username),
+                userinfo_escape(&c.password)
+            ),
+            None => url.clone(),
+        };
+        Self {
+            key: target.key.clone(),
+            endpoint: target.endpoint.clone(),
+            endpoint_text,
+            attributes: target.attributes.clone(),
+            url_with_credentials,
+            url,
+        }
+    }
+
+    /// `http://host:port`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// `http://user:password@host:port` (or the plain URL): only for the lease holder.
+    pub fn url_with_credentials(&self) -> &str {
+        &self.url_with_credentials
+    }
+}
+
+impl fmt::Debug for ProxyInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProxyInfo")
+            .field("key", &self.key)
+            .field("endpoint", &self.endpoint_text)
+            .field("attributes", &self.attributes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Percent-encodes what RFC 3986 does not allow in userinfo.
+fn userinfo_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Where the store last kept a lease: a hint that spares a lookup by key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct LeaseHint {
+    pub(crate) shard: u16,
+    pub(crate) slot: u32,
+    pub(crate) generation: u32,
+}
+
+/// Identifies one lease: its proxy and the fencing token it was acquired with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseId {
+    /// The leased proxy.
+    pub key: ProxyKey,
+    /// The first fencing token of the lease (unique per proxy).
+    pub first_token: u64,
+    pub(crate) hint: LeaseHint,
+}
+
+/// A granted lease.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    /// Its identity.
+    pub id: LeaseId,
+    /// The token to present with the next renew or release.
+    pub fencing_token: u64,
+    /// When it was granted (ms since the epoch).
+    pub acquired_at_ms: u64,
+    /// When it ends unless renewed (ms since the epoch).
+    pub expires_at_ms: u64,
+    /// The proxy.
+    pub proxy: Arc<ProxyInfo>,
+}
+
+impl Lease {
+    /// The claim to sign into this lease's ID, with the request's fields.
+    pub fn claim(&self, holder: &str, target_domain: Option<&str>, session_key: Option<&str>) -> LeaseClaim {
+        LeaseClaim {
+            id: self.id.clone(),
+            holder: holder.to_owned(),
+            acquired_at_ms: self.acquired_at_ms,
+            expires_at_ms: self.expires_at_ms,
+            target_domain: target_domain.map(str::to_owned),
+            session_key: session_key.map(str::to_owned),
+        }
+    }
+}
+
+/// A renewed lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Renewed {
+    /// The new token; the old one is stale from now on.
+    pub fencing_token: u64,
+    /// The new expiry (ms since the epoch).
+    pub expires_at_ms: u64,
+}
+
+/// Everything a signed lease ID says about its lease: enough to take it back after a restart
+/// or a leader change that lost it ([`LeaseStore::reinstate`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseClaim {
+    /// The lease.
+    pub id: LeaseId,
+    /// Its holder.
+    pub holder: String,
+    /// When it was granted.
+    pub acquired_at_ms: u64,
+    /// Its first expiry (renewals may have moved it later).
+    pub expires_at_ms: u64,
+    /// Its target domain.
+    pub target_domain: Option<String>,
+    /// Its sticky-session key.
+    pub session_key: Option<String>,
+}
+
+/// How a proxy stands for new leases, as listings show it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Availability {
+    /// Can be leased now.
+    Available,
+    /// Every slot is taken.
+    Busy,
+    /// Resting after a release.
+    CoolingDown,
+    /// Not taking new leases (not healthy).
+    Closed,
+    /// Being drained.
+    Draining,
+}
+
+/// A proxy as listings show it (no credentials).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProxyView {
+    /// The proxy.
+    pub info: Arc<ProxyInfo>,
+    /// How it stands.
+    pub availability: Availability,
+    /// Active leases.
+    pub active_leases: usize,
+    /// Its `maxConcurrent`.
+    pub max_concurrent: u32,
+    /// End of its cooldown, if resting.
+    pub cooldown_until_ms: Option<u64>,
+}
+
+/// Why a store operation was refused. [`LeaseError::code`] is the stable API code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    /// No such lease: never granted, released, revoked or expired.
+    #[error("lease not found (released, revoked, expired or never granted)")]
+    NotFound,
+    /// The presented fencing token is not the lease's latest.
+    #[error("fencing token {presented} is stale: the lease's current token is newer")]
+    StaleToken {
+        /// What the caller sent.
+        presented: u64,
+        /// The lease's token.
+        current: u64,
+    },
+    /// The proxy is draining: its leases may be released but not renewed.
+    #[error("the proxy is draining: leases on it cannot be renewed")]
+    Draining,
+    /// No proxy matches and is eligible now.
+    #[error("no proxy matching the selector is available")]
+    NoProxyAvailable {
+        /// When trying again may help.
+        retry_after: Duration,
+    },
+    /// A `banned` outcome needs the domain that banned the proxy.
+    #[error("a banned outcome needs a target domain (in the release or the lease)")]
+    BanNeedsDomain,
+    /// The proxy is not in the store.
+    #[error("proxy {0} is not in the lease store")]
+    UnknownProxy(ProxyKey),
+    /// A request value out of range.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+impl LeaseError {
+    /// Stable, bounded code (API error code and metric label).
+    pub const fn code(&self) -> &'static str {
+        match self {
+            LeaseError::NotFound => "lease_not_found",
+            LeaseError::StaleToken { .. } => "stale_token",
+            LeaseError::Draining => "proxy_draining",
+            LeaseError::NoProxyAvailable { .. } => "no_proxy_available",
+            LeaseError::BanNeedsDomain => "target_domain_required",
+            LeaseError::UnknownProxy(_) => "unknown_proxy",
+            LeaseError::Invalid(_) => "invalid_request",
+        }
+    }
+}

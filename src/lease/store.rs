@@ -1,0 +1,1235 @@
+//! The store itself: sharded per-proxy state, LRU lists per attribute pair, cooldown heaps,
+//! sticky sessions, and the snapshot/restore of all of it.
+//!
+//! Layout, for speed: a proxy lives in the shard its key hashes to, in a slab slot (`Vec`
+//! indexed by slot number, reused with a generation counter). Each shard keeps one intrusive
+//! doubly linked LRU list of its *eligible* proxies (open, a free slot, not cooling down) plus one
+//! per attribute pair; an acquire walks the shortest list its selector names and takes the
+//! first proxy that matches every term and is not banned for the domain. Acquire and release
+//! are O(attributes) in the common case, under one short shard lock, with no allocation
+//! beyond the holder string.
+
+use std::{
+    cmp::Reverse,
+    collections::{BinaryHeap, HashMap},
+    hash::BuildHasher,
+    sync::{Arc, Mutex, MutexGuard, RwLock},
+    time::Duration,
+};
+
+use super::{
+    AcquireRequest, Admission, Availability, CompiledSelector, DrainStatus, Lease, LeaseClaim, LeaseError,
+    LeaseHint, LeaseId, LeaseStoreConfig, LeaseTarget, Outcome, ProxyInfo, ProxyKey, ProxyView, Renewed,
+    Selector,
+    checkpoint::{
+        BanCheckpoint, Checkpoint, CheckpointAdmission, LeaseCheckpoint, ProxyCheckpoint, SessionCheckpoint,
+    },
+    selector::Interner,
+};
+
+/// Most shards a store may have (the shard number is kept in the low bits of each token).
+pub const MAX_SHARDS: usize = 1 << SHARD_BITS;
+const SHARD_BITS: u32 = 5;
+/// Tokens per millisecond per shard that the clock-seeded sequence allows before it runs ahead
+/// of the clock; also keeps tokens below 2^53 until the 2100s.
+const SEQ_PER_MS: u64 = 64;
+/// On restore, the sequence jumps this far past the checkpoint's high-water mark, so tokens
+/// issued after the checkpoint by the previous process stay below ours (one minute's worth).
+const RESTORE_SEQ_RESERVE: u64 = SEQ_PER_MS * 60_000;
+/// Retry-After when nothing is cooling down (nothing will change on its own soon).
+const DEFAULT_RETRY: Duration = Duration::from_secs(5);
+const NIL: u32 = u32::MAX;
+const SESSION_SHARDS: usize = 16;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic inside a critical section leaves state that is still structurally valid
+    // (every mutation keeps the lists consistent before it can panic), so poisoning is ignored.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Keeps two shards' locks off one cache line.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+/// A proxy's membership in one LRU list.
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    list: u32,
+    prev: u32,
+    next: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct ListHead {
+    head: u32,
+    tail: u32,
+    len: u32,
+}
+
+impl ListHead {
+    const EMPTY: ListHead = ListHead {
+        head: NIL,
+        tail: NIL,
+        len: 0,
+    };
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum AdmissionState {
+    Open,
+    Closed,
+    Draining,
+}
+
+/// A short string kept inline: holder names are short, and this spares an allocation (and a
+/// free) per lease on the hot path.
+#[derive(Clone, Debug)]
+enum SmallStr {
+    Inline { len: u8, bytes: [u8; 30] },
+    Heap(Box<str>),
+}
+
+impl SmallStr {
+    fn new(s: &str) -> Self {
+        if s.len() <= 30 {
+            let mut bytes = [0u8; 30];
+            bytes[..s.len()].copy_from_slice(s.as_bytes());
+            SmallStr::Inline {
+                len: s.len() as u8,
+                bytes,
+            }
+        } else {
+            SmallStr::Heap(s.into())
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        match self {
+            SmallStr::Inline { len, bytes } => std::str::from_utf8(&bytes[..*len as usize])
+                .expect("inline bytes are copied whole from a str"),
+            SmallStr::Heap(s) => s,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LeaseRecord {
+    first_token: u64,
+    token: u64,
+    acquired_at: u64,
+    expires_at: u64,
+    /// What the holder asked for (capped), the default length of a renewal.
+    ttl_ms: u64,
+    holder: SmallStr,
+    target_domain: Option<Box<str>>,
+    session_key: Option<Box<str>>,
+    /// Loaded from a checkpoint and not touched since: the holder may hold a newer token
+    /// (a renewal the checkpoint missed), so a higher presented token is taken as current.
+    restored: bool,
+}
+
+#[derive(Debug)]
+struct ProxyState {
+    key: ProxyKey,
+    /// `None` while only restored from a checkpoint and not configured again yet.
+    info: Option<Arc<ProxyInfo>>,
+    pairs: Vec<u32>,
+    max_concurrent: u32,
+    cooldown_ms: u64,
+    max_ttl_ms: u64,
+    admission: AdmissionState,
+    cooling_until: u64,
+    bans: Vec<(Box<str>, u64)>,
+    leases: Vec<LeaseRecord>,
+    linked: bool,
+    /// Leases whose first token is below this were revoked: never reinstated.
+    revoked_below: u64,
+    /// For restored, unconfigured entries: dropped by the reaper after this time.
+    parked_until: u64,
+}
+
+impl ProxyState {
+    fn new(key: ProxyKey) -> Self {
+        Self {
+            key,
+            info: None,
+            pairs: Vec::new(),
+            max_concurrent: 1,
+            cooldown_ms: 0,
+            max_ttl_ms: 3_600_000,
+            admission: AdmissionState::Closed,
+            cooling_until: 0,
+            bans: Vec::new(),
+            leases: Vec::new(),
+            linked: false,
+            revoked_below: 0,
+            parked_until: 0,
+        }
+    }
+
+    fn banned_for(&self, domain: Option<&str>, now: u64) -> bool {
+        match domain {
+            None => false,
+            Some(d) => self.bans.iter().any(|(b, until)| *until > now && &**b == d),
+        }
+    }
+
+    fn eligible(&self, now: u64) -> bool {
+        self.info.is_some()
+            && self.admission == AdmissionState::Open
+            && self.cooling_until <= now
+            && (self.leases.len() as u32) < self.max_concurrent
+    }
+
+    fn apply_policy(&mut self, target: &LeaseTarget) {
+        self.max_concurrent = target.policy.max_concurrent.max(1) as u32;
+        self.cooldown_ms = target.policy.cooldown_seconds.max(0) as u64 * 1000;
+        self.max_ttl_ms = target.policy.max_ttl_seconds.max(1) as u64 * 1000;
+    }
+}
+
+struct Slot {
+    generation: u32,
+    proxy: Option<ProxyState>,
+}
+
+struct Shard {
+    id: u16,
+    slots: Vec<Slot>,
+    /// LRU links per slot, parallel to `slots`; list 0 holds every eligible proxy, list `p + 1`
+    /// those with attribute pair `p`.
+    links: Vec<Vec<Link>>,
+    free: Vec<u32>,
+    by_key: HashMap<ProxyKey, u32>,
+    lists: Vec<ListHead>,
+    cooling: BinaryHeap<Reverse<(u64, u32, u32)>>,
+    seq: u64,
+    active: usize,
+    dirty: bool,
+    /// First tokens of leases taken back from claims, until their claimed expiry: a claim is
+    /// honoured once.
+    reinstated: HashMap<u64, u64>,
+}
+
+fn link_of(links: &mut [Link], list: u32) -> &mut Link {
+    links
+        .iter_mut()
+        .find(|l| l.list == list)
+        .expect("a proxy in a list has a link for that list")
+}
+
+impl Shard {
+    fn new(id: u16) -> Self {
+        Self {
+            id,
+            slots: Vec::new(),
+            links: Vec::new(),
+            free: Vec::new(),
+            by_key: HashMap::new(),
+            lists: vec![ListHead::EMPTY],
+            cooling: BinaryHeap::new(),
+            seq: 0,
+            active: 0,
+            dirty: false,
+            reinstated: HashMap::new(),
+        }
+    }
+
+    fn proxy(&self, slot: u32) -> &ProxyState {
+        self.slots[slot as usize]
+            .proxy
+            .as_ref()
+            .expect("slots reached through lists or the key map are occupied")
+    }
+
+    fn proxy_mut(&mut self, slot: u32) -> &mut ProxyState {
+        self.slots[slot as usize]
+            .proxy
+            .as_mut()
+            .expect("slots reached through lists or the key map are occupied")
+    }
+
+    fn next_token(&mut self, now: u64) -> u64 {
+        self.seq = (self.seq + 1).max(now * SEQ_PER_MS);
+        (self.seq << SHARD_BITS) | self.id as u64
+    }
+
+    fn observe_token(&mut self, token: u64) {
+        self.seq = self.seq.max(token >> SHARD_BITS);
+    }
+
+    fn allocate(&mut self, key: ProxyKey) -> u32 {
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slots.push(Slot {
+                    generation: 0,
+                    proxy: None,
+                });
+                self.links.push(Vec::new());
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.slots[slot as usize].proxy = Some(ProxyState::new(key.clone()));
+        self.by_key.insert(key, slot);
+        self.set_pairs(slot, Vec::new());
+        slot
+    }
+
+    fn set_pairs(&mut self, slot: u32, pairs: Vec<u32>) {
+        let was_linked = self.proxy(slot).linked;
+        if was_linked {
+            self.unlink(slot);
+        }
+        let links: Vec<Link> = std::iter::once(0)
+            .chain(pairs.iter().map(|p| p + 1))
+            .map(|list| Link {
+                list,
+                prev: NIL,
+                next: NIL,
+            })
+            .collect();
+        if let Some(max) = links.iter().map(|l| l.list).max()
+            && self.lists.len() <= max as usize
+        {
+            self.lists.resize(max as usize + 1, ListHead::EMPTY);
+        }
+        self.links[slot as usize] = links;
+        self.proxy_mut(slot).pairs = pairs;
+        if was_linked {
+            self.link_tail(slot);
+        }
+    }
+
+    fn link_tail(&mut self, slot: u32) {
+        for pos in 0..self.links[slot as usize].len() {
+            let list = self.links[slot as usize][pos].list;
+            let tail = self.lists[list as usize].tail;
+            let link = &mut self.links[slot as usize][pos];
+            link.prev = tail;
+            link.next = NIL;
+            if tail == NIL {
+                self.lists[list as usize].head = slot;
+            } else {
+                link_of(&mut self.links[tail as usize], list).next = slot;
+            }
+            let head = &mut self.lists[list as usize];
+            head.tail = slot;
+            head.len += 1;
+        }
+        self.proxy_mut(slot).linked = true;
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        for pos in 0..self.links[slot as usize].len() {
+            let Link { list, prev, next } = self.links[slot as usize][pos];
+            if prev == NIL {
+                self.lists[list as usize].head = next;
+            } else {
+                link_of(&mut self.links[prev as usize], list).next = next;
+            }
+            if next == NIL {
+                self.lists[list as usize].tail = prev;
+            } else {
+                link_of(&mut self.links[next as usize], list).prev = prev;
+            }
+            self.lists[list as usize].len -= 1;
+        }
+        self.proxy_mut(slot).linked = false;
+    }
+
+    /// Puts the proxy in or out of the LRU lists as its state says; `used` moves it to the
+    /// most-recently-used end.
+    fn relink(&mut self, slot: u32, now: u64, used: bool) {
+        let p = self.proxy(slot);
+        match (p.eligible(now), p.linked) {
+            (true, true) if used => {
+                self.unlink(slot);
+                self.link_tail(slot);
+            }
+            (true, false) => self.link_tail(slot),
+            (false, true) => self.unlink(slot),
+            _ => {}
+        }
+    }
+
+    fn start_cooldown(&mut self, slot: u32, now: u64) {
+        let generation = self.slots[slot as usize].generation;
+        let p = self.proxy_mut(slot);
+        if p.cooldown_ms > 0 {
+            let until = now + p.cooldown_ms;
+            p.cooling_until = until;
+            self.cooling.push(Reverse((until, slot, generation)));
+        }
+    }
+
+    /// Puts proxies whose cooldown ended back into the lists.
+    fn promote_cooled(&mut self, now: u64) {
+        while let Some(&Reverse((until, slot, generation))) = self.cooling.peek() {
+            if until > now {
+                break;
+            }
+            self.cooling.pop();
+            let s = &mut self.slots[slot as usize];
+            if s.generation != generation {
+                continue;
+            }
+            if let Some(p) = s.proxy.as_mut()
+                && p.cooling_until == until
+            {
+                p.cooling_until = 0;
+                self.relink(slot, now, false);
+            }
+        }
+    }
+
+    fn next_cooldown_end(&self) -> Option<u64> {
+        self.cooling.peek().map(|Reverse((until, _, _))| *until)
+    }
+
+    fn pick(&self, selector: &CompiledSelector, domain: Option<&str>, now: u64) -> Option<u32> {
+        let list = match selector {
+            CompiledSelector::Unsatisfiable => return None,
+            CompiledSelector::Pairs(terms) if terms.is_empty() => 0,
+            CompiledSelector::Pairs(terms) => {
+                let mut best = None;
+                for t in terms {
+                    let list = (*t + 1) as usize;
+                    let len = self.lists.get(list).map_or(0, |l| l.len);
+                    if len == 0 {
+                        return None;
+                    }
+                    if best.is_none_or(|(_, l)| len < l) {
+                        best = Some((list, len));
+                    }
+                }
+                best?.0
+            }
+        };
+        let mut cur = self.lists[list].head;
+        while cur != NIL {
+            let p = self.proxy(cur);
+            if selector.matches(&p.pairs) && !p.banned_for(domain, now) {
+                return Some(cur);
+            }
+            cur = self.links[cur as usize]
+                .iter()
+                .find(|l| l.list == list as u32)
+                .map_or(NIL, |l| l.next);
+        }
+        None
+    }
+
+    fn grant(
+        &mut self,
+        slot: u32,
+        req: &AcquireRequest<'_>,
+        domain: Option<&str>,
+        ttl_ms: u64,
+        now: u64,
+    ) -> Lease {
+        let token = self.next_token(now);
+        let hint = LeaseHint {
+            shard: self.id,
+            slot,
+            generation: self.slots[slot as usize].generation,
+        };
+        let p = self.proxy_mut(slot);
+        let ttl_ms = ttl_ms.min(p.max_ttl_ms);
+        let expires_at = now + ttl_ms;
+        p.leases.push(LeaseRecord {
+            first_token: token,
+            token,
+            acquired_at: now,
+            expires_at,
+            ttl_ms,
+            holder: SmallStr::new(req.holder),
+            target_domain: domain.map(Into::into),
+            session_key: req.session_key.map(Into::into),
+            restored: false,
+        });
+        let proxy = p
+            .info
+            .clone()
+            .expect("only configured proxies are eligible for a grant");
+        let key = p.key.clone();
+        self.active += 1;
+        self.dirty = true;
+        self.relink(slot, now, true);
+        Lease {
+            id: LeaseId {
+                key,
+                first_token: token,
+                hint,
+            },
+            fencing_token: token,
+            acquired_at_ms: now,
+            expires_at_ms: expires_at,
+            proxy,
+        }
+    }
+
+    fn slot_by_hint(&self, id: &LeaseId) -> Option<u32> {
+        let s = self.slots.get(id.hint.slot as usize)?;
+        let p = s.proxy.as_ref()?;
+        (s.generation == id.hint.generation && p.key == id.key).then_some(id.hint.slot)
+    }
+
+    /// Removes expired leases of one proxy (each rests the proxy like a release).
+    fn expire_leases(&mut self, slot: u32, now: u64) -> usize {
+        let p = self.proxy_mut(slot);
+        let before = p.leases.len();
+        p.leases.retain(|l| l.expires_at > now);
+        let expired = before - p.leases.len();
+        if expired > 0 {
+            self.active -= expired;
+            self.dirty = true;
+            self.start_cooldown(slot, now);
+            self.relink(slot, now, false);
+        }
+        expired
+    }
+
+    fn remove_slot(&mut self, slot: u32) {
+        if self.proxy(slot).linked {
+            self.unlink(slot);
+        }
+        let s = &mut self.slots[slot as usize];
+        if let Some(p) = s.proxy.take() {
+            self.active -= p.leases.len();
+            self.by_key.remove(&p.key);
+        }
+        s.generation = s.generation.wrapping_add(1);
+        self.free.push(slot);
+        self.dirty = true;
+    }
+}
+
+/// A sticky-session binding.
+#[derive(Clone, Debug)]
+struct Binding {
+    key: ProxyKey,
+    expires_at: u64,
+}
+
+/// Sticky-session bindings of one session shard.
+type SessionMap = HashMap<Box<str>, Binding>;
+
+/// What the last restore said about tokens issued before this process.
+#[derive(Debug, Default)]
+struct RestoreInfo {
+    /// Highest token per shard number that the checkpoint knew of.
+    hwm: HashMap<u16, u64>,
+    /// Sequence numbers at or below this were issued before this process started.
+    seq_floor: u64,
+}
+
+struct Inner {
+    shards: Box<[Padded<Mutex<Shard>>]>,
+    sessions: Box<[Padded<Mutex<SessionMap>>]>,
+    interner: RwLock<Interner>,
+    restore: RwLock<RestoreInfo>,
+    config: LeaseStoreConfig,
+    hasher: std::hash::RandomState,
+}
+
+/// The lease store: a cheap, cloneable handle (`Send + Sync`). See the module docs.
+#[derive(Clone)]
+pub struct LeaseStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for LeaseStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseStore")
+            .field("shards", &self.inner.shards.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// FNV-1a: a fixed hash, so a key lands in the same shard in every process.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn normalize_domain(domain: &str) -> String {
+    domain.trim_end_matches('.').to_ascii_lowercase()
+}
+
+impl LeaseStore {
+    /// An empty store.
+    pub fn new(config: LeaseStoreConfig) -> Self {
+        let shards = config.shards.clamp(1, MAX_SHARDS);
+        let now = config.clock.now_ms();
+        let shard_vec: Vec<_> = (0..shards)
+            .map(|i| {
+                let mut s = Shard::new(i as u16);
+                s.seq = now * SEQ_PER_MS;
+                Padded(Mutex::new(s))
+            })
+            .collect();
+        let sessions: Vec<_> = (0..SESSION_SHARDS)
+            .map(|_| Padded(Mutex::new(HashMap::new())))
+            .collect();
+        Self {
+            inner: Arc::new(Inner {
+                shards: shard_vec.into_boxed_slice(),
+                sessions: sessions.into_boxed_slice(),
+                interner: RwLock::new(Interner::default()),
+                restore: RwLock::new(RestoreInfo {
+                    hwm: HashMap::new(),
+                    seq_floor: now * SEQ_PER_MS,
+                }),
+                config,
+                hasher: std::hash::RandomState::new(),
+            }),
+        }
+    }
+
+    /// The store's settings.
+    pub fn config(&self) -> &LeaseStoreConfig {
+        &self.inner.config
+    }
+
+    fn now(&self) -> u64 {
+        self.inner.config.clock.now_ms()
+    }
+
+    fn shard_index(&self, key: &ProxyKey) -> usize {
+        (fnv1a(key.as_str().as_bytes()) % self.inner.shards.len() as u64) as usize
+    }
+
+    fn shard_for(&self, key: &ProxyKey) -> MutexGuard<'_, Shard> {
+        lock(&self.inner.shards[self.shard_index(key)].0)
+    }
+
+    /// Resolves a selector to attribute-pair ids, once per request.
+    pub fn compile(&self, selector: &Selector) -> CompiledSelector {
+        self.inner
+            .interner
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .compile(selector)
+    }
+
+    /// Adds a proxy, or updates its endpoint, credentials, attributes and limits in place.
+    /// Never drops leases; a lower `maxConcurrent` only stops new leases until enough end.
+    /// A new proxy starts `Closed`.
+    pub fn upsert_proxy(&self, target: LeaseTarget) {
+        let pairs = self
+            .inner
+            .interner
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .intern_all(&target.attributes);
+        let info = Arc::new(ProxyInfo::new(&target));
+        let now = self.now();
+        let mut shard = self.shard_for(&target.key);
+        let slot = match shard.by_key.get(&target.key) {
+            Some(slot) => *slot,
+            None => shard.allocate(target.key.clone()),
+        };
+        if shard.proxy(slot).pairs != pairs {
+            shard.set_pairs(slot, pairs);
+        }
+        let p = shard.proxy_mut(slot);
+        p.info = Some(info);
+        p.parked_until = 0;
+        p.apply_policy(&target);
+        shard.dirty = true;
+        shard.relink(slot, now, false);
+    }
+
+    /// Opens or closes a proxy for new leases (the engine's enable/disable effects). Opening
+    /// also ends a drain.
+    pub fn set_admission(&self, key: &ProxyKey, admission: Admission) -> Result<(), LeaseError> {
+        let now = self.now();
+        let mut shard = self.shard_for(key);
+        let slot = *shard
+            .by_key
+            .get(key)
+            .ok_or_else(|| LeaseError::UnknownProxy(key.clone()))?;
+        shard.proxy_mut(slot).admission = match admission {
+            Admission::Open => AdmissionState::Open,
+            Admission::Closed => AdmissionState::Closed,
+        };
+        shard.dirty = true;
+        shard.relink(slot, now, false);
+        Ok(())
+    }
+
+    /// Closes a proxy and refuses renewals of its leases; `Drained` once none is active.
+    /// Call again to poll. An unknown proxy is drained.
+    pub fn drain(&self, key: &ProxyKey) -> DrainStatus {
+        let now = self.now();
+        let mut shard = self.shard_for(key);
+        let Some(slot) = shard.by_key.get(key).copied() else {
+            return DrainStatus::Drained;
+        };
+        shard.expire_leases(slot, now);
+        let p = shard.proxy_mut(slot);
+        if p.admission != AdmissionState::Draining {
+            p.admission = AdmissionState::Draining;
+            shard.dirty = true;
+        }
+        shard.relink(slot, now, false);
+        match shard.proxy(slot).leases.len() {
+            0 => DrainStatus::Drained,
+            active => DrainStatus::Pending { active },
+        }
+    }
+
+    /// Drops every lease on a proxy at once; returns how many. Their IDs are refused from now
+    /// on, even as claims after a restart.
+    pub fn revoke_all(&self, key: &ProxyKey) -> usize {
+        let now = self.now();
+        let mut shard = self.shard_for(key);
+        let Some(slot) = shard.by_key.get(key).copied() else {
+            return 0;
+        };
+        let below = (shard.seq + 1) << SHARD_BITS;
+        let p = shard.proxy_mut(slot);
+        let revoked = p.leases.len();
+        p.leases.clear();
+        p.revoked_below = below;
+        shard.active -= revoked;
+        shard.dirty = true;
+        shard.relink(slot, now, false);
+        revoked
+    }
+
+    /// Forgets a proxy and its leases.
+    pub fn remove_proxy(&self, key: &ProxyKey) {
+        let mut shard = self.shard_for(key);
+        if let Some(slot) = shard.by_key.get(key).copied() {
+            shard.remove_slot(slot);
+        }
+    }
+
+    /// Active (unexpired) leases on a proxy; 0 if unknown.
+    pub fn active_leases(&self, key: &ProxyKey) -> usize {
+        let now = self.now();
+        let shard = self.shard_for(key);
+        shard.by_key.get(key).map_or(0, |slot| {
+            shard
+                .proxy(*slot)
+                .leases
+                .iter()
+                .filter(|l| l.expires_at > now)
+                .count()
+        })
+    }
+
+    /// Active leases in the whole store (including expired ones not reaped yet).
+    pub fn active_total(&self) -> usize {
+        self.inner.shards.iter().map(|s| lock(&s.0).active).sum()
+    }
+
+    /// Number of proxies in the store.
+    pub fn proxy_count(&self) -> usize {
+        self.inner.shards.iter().map(|s| lock(&s.0).by_key.len()).sum()
+    }
+
+    /// Grants a lease on the least recently used eligible proxy (or the session's proxy).
+    pub fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Lease, LeaseError> {
+        if req.ttl.is_zero() {
+            return Err(LeaseError::Invalid("ttl must be positive".into()));
+        }
+        let now = self.now();
+        let ttl_ms = req.ttl.as_millis().min(u64::MAX as u128) as u64;
+        let domain = req.target_domain.map(normalize_domain);
+        match req.session_key {
+            Some(session) => self.acquire_sticky(req, session, domain.as_deref(), ttl_ms, now),
+            None => self.acquire_any(req, domain.as_deref(), ttl_ms, now),
+        }
+    }
+
+    fn acquire_any(
+        &self,
+        req: &AcquireRequest<'_>,
+        domain: Option<&str>,
+        ttl_ms: u64,
+        now: u64,
+    ) -> Result<Lease, LeaseError> {
+        let n = self.inner.shards.len();
+        let mut soonest: Option<u64> = None;
+        if !matches!(req.selector, CompiledSelector::Unsatisfiable) {
+            let start = if n == 1 { 0 } else { fastrand::usize(..n) };
+            for i in 0..n {
+                let mut shard = lock(&self.inner.shards[(start + i) % n].0);
+                shard.promote_cooled(now);
+                if let Some(slot) = shard.pick(req.selector, domain, now) {
+                    return Ok(shard.grant(slot, req, domain, ttl_ms, now));
+                }
+                if let Some(end) = shard.next_cooldown_end() {
+                    soonest = Some(soonest.map_or(end, |s| s.min(end)));
+                }
+            }
+        }
+        let retry_after = soonest
+            .map(|end| Duration::from_millis(end.saturating_sub(now)).max(Duration::from_secs(1)))
+            .unwrap_or(DEFAULT_RETRY)
+            .min(Duration::from_secs(60));
+        Err(LeaseError::NoProxyAvailable { retry_after })
+    }
+
+    fn session_shard(&self, session: &str) -> usize {
+        (self.inner.hasher.hash_one(session) % SESSION_SHARDS as u64) as usize
+    }
+
+    fn acquire_sticky(
+        &self,
+        req: &AcquireRequest<'_>,
+        session: &str,
+        domain: Option<&str>,
+        ttl_ms: u64,
+        now: u64,
+    ) -> Result<Lease, LeaseError> {
+        let idle = self.inner.config.session_idle_ttl.as_millis() as u64;
+        // Lock order: session shard, then proxy shard.
+        let mut sessions = lock(&self.inner.sessions[self.session_shard(session)].0);
+        if let Some(binding) = sessions.get_mut(session)
+            && binding.expires_at > now
+        {
+            let mut shard = self.shard_for(&binding.key);
+            if let Some(slot) = shard.by_key.get(&binding.key).copied() {
+                shard.promote_cooled(now);
+                let p = shard.proxy(slot);
+                // Sticky reuse skips the post-release cooldown, nothing else.
+                let eligible = p.info.is_some()
+                    && p.admission == AdmissionState::Open
+                    && (p.leases.len() as u32) < p.max_concurrent
+                    && req.selector.matches(&p.pairs)
+                    && !p.banned_for(domain, now);
+                if eligible {
+                    let lease = shard.grant(slot, req, domain, ttl_ms, now);
+                    binding.expires_at = lease.expires_at_ms + idle;
+                    return Ok(lease);
+                }
+            }
+        }
+        let lease = self.acquire_any(req, domain, ttl_ms, now)?;
+        sessions.insert(
+            session.into(),
+            Binding {
+                key: lease.id.key.clone(),
+                expires_at: lease.expires_at_ms + idle,
+            },
+        );
+        Ok(lease)
+    }
+
+    fn with_lease<R>(
+        &self,
+        id: &LeaseId,
+        f: impl FnOnce(&mut Shard, u32, usize) -> Result<R, LeaseError>,
+    ) -> Result<R, LeaseError> {
+        let find = |shard: &Shard, slot: u32| {
+            shard
+                .proxy(slot)
+                .leases
+                .iter()
+                .position(|l| l.first_token == id.first_token)
+        };
+        let hinted = id.hint.shard as usize;
+        if hinted < self.inner.shards.len() {
+            let mut shard = lock(&self.inner.shards[hinted].0);
+            if let Some(slot) = shard.slot_by_hint(id) {
+                let idx = find(&shard, slot).ok_or(LeaseError::NotFound)?;
+                return f(&mut shard, slot, idx);
+            }
+        }
+        let mut shard = self.shard_for(&id.key);
+        let slot = shard.by_key.get(&id.key).copied().ok_or(LeaseError::NotFound)?;
+        let idx = find(&shard, slot).ok_or(LeaseError::NotFound)?;
+        f(&mut shard, slot, idx)
+    }
+
+    fn check_token(shard: &mut Shard, slot: u32, idx: usize, presented: u64) -> Result<(), LeaseError> {
+        let rec = &mut shard.proxy_mut(slot).leases[idx];
+        if presented == rec.token {
+            return Ok(());
+        }
+        if rec.restored && presented > rec.token {
+            // A renewal the checkpoint missed: the holder's token is the newer one.
+            rec.token = presented;
+            rec.restored = false;
+            shard.observe_token(presented);
+            return Ok(());
+        }
+        Err(LeaseError::StaleToken {
+            presented,
+            current: rec.token,
+        })
+    }
+
+    /// Extends a lease by `ttl` from now (default: its first TTL), capped by `maxTtlSeconds`,
+    /// and issues a new fencing token.
+    pub fn renew(&self, id: &LeaseId, token: u64, ttl: Option<Duration>) -> Result<Renewed, LeaseError> {
+        if ttl.is_some_and(|t| t.is_zero()) {
+            return Err(LeaseError::Invalid("ttl must be positive".into()));
+        }
+        let now = self.now();
+        self.with_lease(id, |shard, slot, idx| {
+            if shard.proxy(slot).leases[idx].expires_at <= now {
+                shard.expire_leases(slot, now);
+                return Err(LeaseError::NotFound);
+            }
+            Self::check_token(shard, slot, idx, token)?;
+            if shard.proxy(slot).admission == AdmissionState::Draining {
+                return Err(LeaseError::Draining);
+            }
+            let new_token = shard.next_token(now);
+            let p = shard.proxy_mut(slot);
+            let max_ttl = p.max_ttl_ms;
+            let rec = &mut p.leases[idx];
+            let ttl_ms = ttl.map_or(rec.ttl_ms, |t| t.as_millis() as u64);
+            rec.token = new_token;
+            rec.restored = false;
+            rec.expires_at = now + ttl_ms.min(max_ttl);
+            let expires_at_ms = rec.expires_at;
+            shard.dirty = true;
+            Ok(Renewed {
+                fencing_token: new_token,
+                expires_at_ms,
+            })
+        })
+    }
+
+    /// Ends a lease. The proxy rests for its cooldown; `Banned` also rests it for the domain
+    /// (`target_domain`, or the lease's own).
+    pub fn release(
+        &self,
+        id: &LeaseId,
+        token: u64,
+        outcome: Outcome,
+        target_domain: Option<&str>,
+    ) -> Result<(), LeaseError> {
+        let now = self.now();
+        let ban_ms = self.inner.config.ban_cooldown.as_millis() as u64;
+        self.with_lease(id, |shard, slot, idx| {
+            if shard.proxy(slot).leases[idx].expires_at <= now {
+                shard.expire_leases(slot, now);
+                return Err(LeaseError::NotFound);
+            }
+            Self::check_token(shard, slot, idx, token)?;
+            let p = shard.proxy_mut(slot);
+            let ban = match outcome {
+                Outcome::Banned => Some(
+                    target_domain
+                        .map(normalize_domain)
+                        .or_else(|| p.leases[idx].target_domain.as_deref().map(normalize_domain))
+                        .ok_or(LeaseError::BanNeedsDomain)?,
+                ),
+                Outcome::Ok | Outcome::Error => None,
+            };
+            p.leases.swap_remove(idx);
+            if let Some(domain) = ban {
+                p.bans.retain(|(d, until)| *until > now && **d != *domain);
+                p.bans.push((domain.into(), now + ban_ms));
+            }
+            shard.active -= 1;
+            shard.dirty = true;
+            shard.start_cooldown(slot, now);
+            shard.relink(slot, now, true);
+            Ok(())
+        })
+    }
+
+    /// Takes back a lease this store does not know from its signed claim, if the claim was
+    /// issued after the last checkpoint this store restored and before this store started
+    /// issuing (the only leases a restart or leader change can have lost). Its slot counts
+    /// against `maxConcurrent` again from now on, even beyond the limit. `token` is the
+    /// holder's latest fencing token.
+    pub fn reinstate(&self, claim: &LeaseClaim, token: u64) -> Result<(), LeaseError> {
+        let now = self.now();
+        let first = claim.id.first_token;
+        if claim.expires_at_ms <= now {
+            return Err(LeaseError::NotFound);
+        }
+        if token < first {
+            return Err(LeaseError::StaleToken {
+                presented: token,
+                current: first,
+            });
+        }
+        let unknown_to_checkpoint = {
+            let restore = self.inner.restore.read().unwrap_or_else(|e| e.into_inner());
+            let hwm = restore
+                .hwm
+                .get(&((first & (MAX_SHARDS as u64 - 1)) as u16))
+                .copied()
+                .unwrap_or(0);
+            first > hwm && (first >> SHARD_BITS) <= restore.seq_floor
+        };
+        if !unknown_to_checkpoint {
+            return Err(LeaseError::NotFound);
+        }
+        let mut shard = self.shard_for(&claim.id.key);
+        let slot = shard
+            .by_key
+            .get(&claim.id.key)
+            .copied()
+            .ok_or(LeaseError::NotFound)?;
+        let p = shard.proxy(slot);
+        if p.leases.iter().any(|l| l.first_token == first) {
+            return Ok(());
+        }
+        if first < p.revoked_below || shard.reinstated.contains_key(&first) {
+            return Err(LeaseError::NotFound);
+        }
+        let p = shard.proxy_mut(slot);
+        p.leases.push(LeaseRecord {
+            first_token: first,
+            token,
+            acquired_at: claim.acquired_at_ms,
+            expires_at: claim.expires_at_ms,
+            ttl_ms: claim.expires_at_ms.saturating_sub(claim.acquired_at_ms).max(1),
+            holder: SmallStr::new(&claim.holder),
+            target_domain: claim.target_domain.as_deref().map(Into::into),
+            session_key: claim.session_key.as_deref().map(Into::into),
+            restored: false,
+        });
+        shard.reinstated.insert(first, claim.expires_at_ms);
+        shard.observe_token(token);
+        shard.active += 1;
+        shard.dirty = true;
+        shard.relink(slot, now, false);
+        Ok(())
+    }
+
+    /// Proxies matching `selector`, sorted by key, as listings show them.
+    pub fn list(&self, selector: &CompiledSelector) -> Vec<ProxyView> {
+        let now = self.now();
+        let mut out = Vec::new();
+        for shard in self.inner.shards.iter() {
+            let shard = lock(&shard.0);
+            for slot in shard.slots.iter() {
+                let Some(p) = slot.proxy.as_ref() else { continue };
+                let Some(info) = p.info.as_ref() else { continue };
+                if !selector.matches(&p.pairs) {
+                    continue;
+                }
+                let active = p.leases.iter().filter(|l| l.expires_at > now).count();
+                let availability = match p.admission {
+                    AdmissionState::Closed => Availability::Closed,
+                    AdmissionState::Draining => Availability::Draining,
+                    AdmissionState::Open if active as u32 >= p.max_concurrent => Availability::Busy,
+                    AdmissionState::Open if p.cooling_until > now => Availability::CoolingDown,
+                    AdmissionState::Open => Availability::Available,
+                };
+                out.push(ProxyView {
+                    info: info.clone(),
+                    availability,
+                    active_leases: active,
+                    max_concurrent: p.max_concurrent,
+                    cooldown_until_ms: (p.cooling_until > now).then_some(p.cooling_until),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.info.key.cmp(&b.info.key));
+        out
+    }
+
+    /// Removes expired leases, bans, bindings and parked entries; returns the number of
+    /// leases that expired.
+    pub fn reap(&self) -> usize {
+        let now = self.now();
+        let mut expired = 0;
+        for shard in self.inner.shards.iter() {
+            let mut shard = lock(&shard.0);
+            shard.promote_cooled(now);
+            for slot in 0..shard.slots.len() as u32 {
+                if shard.slots[slot as usize].proxy.is_none() {
+                    continue;
+                }
+                expired += shard.expire_leases(slot, now);
+                let p = shard.proxy_mut(slot);
+                p.bans.retain(|(_, until)| *until > now);
+                if p.info.is_none() && p.leases.is_empty() && p.parked_until <= now {
+                    shard.remove_slot(slot);
+                }
+            }
+            shard.reinstated.retain(|_, until| *until > now);
+        }
+        for sessions in self.inner.sessions.iter() {
+            lock(&sessions.0).retain(|_, b| b.expires_at > now);
+        }
+        expired
+    }
+
+    /// Whether anything changed since the last call (and clears the marks).
+    pub fn take_dirty(&self) -> bool {
+        let mut dirty = false;
+        for shard in self.inner.shards.iter() {
+            let mut shard = lock(&shard.0);
+            dirty |= std::mem::take(&mut shard.dirty);
+        }
+        dirty
+    }
+
+    /// A snapshot of everything worth keeping across a restart: admission, cooldowns, bans,
+    /// leases, sessions and the token high-water marks. Proxy configuration and credentials
+    /// are not in it: the controller configures proxies again.
+    pub fn checkpoint(&self) -> Checkpoint {
+        let now = self.now();
+        let mut cp = Checkpoint {
+            version: Checkpoint::VERSION,
+            saved_at_ms: now,
+            ..Checkpoint::default()
+        };
+        {
+            let restore = self.inner.restore.read().unwrap_or_else(|e| e.into_inner());
+            cp.token_hwm.extend(restore.hwm.iter().map(|(k, v)| (*k, *v)));
+        }
+        for shard in self.inner.shards.iter() {
+            let shard = lock(&shard.0);
+            // The sequence itself, not just the last token issued: it starts at the clock, so a
+            // checkpoint taken before any lease still bounds what came before it.
+            let hwm = cp.token_hwm.entry(shard.id).or_insert(0);
+            *hwm = (*hwm).max((shard.seq << SHARD_BITS) | shard.id as u64);
+            for slot in shard.slots.iter() {
+                let Some(p) = slot.proxy.as_ref() else { continue };
+                let leases: Vec<_> = p
+                    .leases
+                    .iter()
+                    .filter(|l| l.expires_at > now)
+                    .map(|l| LeaseCheckpoint {
+                        first_token: l.first_token,
+                        token: l.token,
+                        holder: l.holder.as_str().to_owned(),
+                        acquired_at_ms: l.acquired_at,
+                        expires_at_ms: l.expires_at,
+                        ttl_ms: l.ttl_ms,
+                        target_domain: l.target_domain.as_deref().map(str::to_owned),
+                        session_key: l.session_key.as_deref().map(str::to_owned),
+                    })
+                    .collect();
+                let bans: Vec<_> = p
+                    .bans
+                    .iter()
+                    .filter(|(_, until)| *until > now)
+                    .map(|(d, until)| BanCheckpoint {
+                        domain: d.to_string(),
+                        until_ms: *until,
+                    })
+                    .collect();
+                let admission = match p.admission {
+                    AdmissionState::Open => CheckpointAdmission::Open,
+                    AdmissionState::Closed => CheckpointAdmission::Closed,
+                    AdmissionState::Draining => CheckpointAdmission::Draining,
+                };
+                let cooling = (p.cooling_until > now).then_some(p.cooling_until);
+                if leases.is_empty()
+                    && bans.is_empty()
+                    && cooling.is_none()
+                    && p.revoked_below == 0
+                    && admission == CheckpointAdmission::Closed
+                {
+                    continue;
+                }
+                cp.proxies.push(ProxyCheckpoint {
+                    key: p.key.clone(),
+                    admission,
+                    cooldown_until_ms: cooling,
+                    revoked_below: p.revoked_below,
+                    bans,
+                    leases,
+                });
+            }
+        }
+        for sessions in self.inner.sessions.iter() {
+            for (k, b) in lock(&sessions.0).iter() {
+                if b.expires_at > now {
+                    cp.sessions.push(SessionCheckpoint {
+                        session_key: k.to_string(),
+                        proxy: b.key.clone(),
+                        expires_at_ms: b.expires_at,
+                    });
+                }
+            }
+        }
+        cp.proxies.sort_by(|a, b| a.key.cmp(&b.key));
+        cp.sessions.sort_by(|a, b| a.session_key.cmp(&b.session_key));
+        cp
+    }
+
+    /// Loads a checkpoint: call once at start, before serving (upserts may come before or
+    /// after). Proxies it names that the controller has not configured (yet) are kept, closed,
+    /// for [`LeaseStoreConfig::restore_grace`] so their leases can be renewed and released.
+    pub fn restore(&self, cp: &Checkpoint) {
+        let now = self.now();
+        let grace = self.inner.config.restore_grace.as_millis() as u64;
+        let max_seq = cp.token_hwm.values().map(|t| t >> SHARD_BITS).max().unwrap_or(0);
+        let floor = (now * SEQ_PER_MS).max(max_seq + RESTORE_SEQ_RESERVE);
+        {
+            let mut restore = self.inner.restore.write().unwrap_or_else(|e| e.into_inner());
+            restore.hwm = cp.token_hwm.iter().map(|(k, v)| (*k, *v)).collect();
+            restore.seq_floor = restore.seq_floor.max(floor);
+        }
+        for shard in self.inner.shards.iter() {
+            let mut shard = lock(&shard.0);
+            shard.seq = shard.seq.max(floor);
+        }
+        for pc in &cp.proxies {
+            let mut shard = self.shard_for(&pc.key);
+            let slot = match shard.by_key.get(&pc.key) {
+                Some(slot) => *slot,
+                None => {
+                    let slot = shard.allocate(pc.key.clone());
+                    shard.proxy_mut(slot).parked_until = now + grace;
+                    slot
+                }
+            };
+            let generation = shard.slots[slot as usize].generation;
+            let p = shard.proxy_mut(slot);
+            p.admission = match pc.admission {
+                CheckpointAdmission::Open => AdmissionState::Open,
+                CheckpointAdmission::Closed => AdmissionState::Closed,
+                CheckpointAdmission::Draining => AdmissionState::Draining,
+            };
+            p.revoked_below = p.revoked_below.max(pc.revoked_below);
+            for ban in pc.bans.iter().filter(|b| b.until_ms > now) {
+                p.bans.push((ban.domain.as_str().into(), ban.until_ms));
+            }
+            let mut added = 0;
+            for l in pc.leases.iter().filter(|l| l.expires_at_ms > now) {
+                if p.leases.iter().any(|have| have.first_token == l.first_token) {
+                    continue;
+                }
+                p.leases.push(LeaseRecord {
+                    first_token: l.first_token,
+                    token: l.token,
+                    acquired_at: l.acquired_at_ms,
+                    expires_at: l.expires_at_ms,
+                    ttl_ms: l.ttl_ms.max(1),
+                    holder: SmallStr::new(&l.holder),
+                    target_domain: l.target_domain.as_deref().map(Into::into),
+                    session_key: l.session_key.as_deref().map(Into::into),
+                    restored: true,
+                });
+                added += 1;
+            }
+            let cooling = pc.cooldown_until_ms.filter(|until| *until > now);
+            if let Some(until) = cooling {
+                p.cooling_until = until;
+                shard.cooling.push(Reverse((until, slot, generation)));
+            }
+            shard.active += added;
+            shard.dirty = true;
+            shard.relink(slot, now, false);
+        }
+        for sc in cp.sessions.iter().filter(|s| s.expires_at_ms > now) {
+            let mut sessions = lock(&self.inner.sessions[self.session_shard(&sc.session_key)].0);
+            sessions.entry(sc.session_key.as_str().into()).or_insert(Binding {
+                key: sc.proxy.clone(),
+                expires_at: sc.expires_at_ms,
+            });
+        }
+    }
+}

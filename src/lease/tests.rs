@@ -1,0 +1,812 @@
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use super::{
+    checkpoint::{self, CheckpointStore, FileCheckpoint},
+    token::{LeaseSigner, TokenError},
+    *,
+};
+use crate::{api::LeasePolicy, provider::Endpoint};
+
+const T0: u64 = 1_780_000_000_000;
+
+fn store(shards: usize) -> (LeaseStore, Clock) {
+    let clock = Clock::manual(T0);
+    let store = LeaseStore::new(LeaseStoreConfig {
+        shards,
+        ban_cooldown: Duration::from_secs(600),
+        session_idle_ttl: Duration::from_secs(60),
+        restore_grace: Duration::from_secs(60),
+        clock: clock.clone(),
+    });
+    (store, clock)
+}
+
+fn key(name: &str) -> ProxyKey {
+    ProxyKey::new("crawl", name)
+}
+
+fn target(name: &str, attrs: &[(&str, &str)], max: i32, cooldown: i32) -> LeaseTarget {
+    LeaseTarget {
+        key: key(name),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 3128,
+        },
+        attributes: attrs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        policy: LeasePolicy {
+            max_concurrent: max,
+            cooldown_seconds: cooldown,
+            max_ttl_seconds: 600,
+        },
+        credentials: None,
+    }
+}
+
+fn add_open(store: &LeaseStore, t: LeaseTarget) {
+    let k = t.key.clone();
+    store.upsert_proxy(t);
+    store.set_admission(&k, Admission::Open).unwrap();
+}
+
+fn sel(store: &LeaseStore, text: &str) -> CompiledSelector {
+    store.compile(&Selector::parse(text).unwrap())
+}
+
+fn acquire(store: &LeaseStore, selector: &CompiledSelector) -> Result<Lease, LeaseError> {
+    acquire_with(store, selector, None, None)
+}
+
+fn acquire_with(
+    store: &LeaseStore,
+    selector: &CompiledSelector,
+    domain: Option<&str>,
+    session: Option<&str>,
+) -> Result<Lease, LeaseError> {
+    store.acquire(&AcquireRequest {
+        selector,
+        holder: "crawler-1",
+        ttl: Duration::from_secs(60),
+        target_domain: domain,
+        session_key: session,
+    })
+}
+
+fn name(lease: &Lease) -> &str {
+    lease.id.key.name()
+}
+
+#[test]
+fn only_open_proxies_are_leased() {
+    let (store, _) = store(4);
+    store.upsert_proxy(target("a", &[], 1, 0));
+    let all = sel(&store, "");
+    assert!(matches!(
+        acquire(&store, &all),
+        Err(LeaseError::NoProxyAvailable { .. })
+    ));
+    store.set_admission(&key("a"), Admission::Open).unwrap();
+    let lease = acquire(&store, &all).unwrap();
+    assert_eq!(name(&lease), "a");
+    assert_eq!(store.active_leases(&key("a")), 1);
+    store.set_admission(&key("a"), Admission::Closed).unwrap();
+    // Closing keeps the lease running and renewable.
+    store.renew(&lease.id, lease.fencing_token, None).unwrap();
+    assert_eq!(
+        store.set_admission(&key("nope"), Admission::Open),
+        Err(LeaseError::UnknownProxy(key("nope")))
+    );
+}
+
+#[test]
+fn selector_picks_matching_proxies_only() {
+    let (store, _) = store(4);
+    add_open(&store, target("eu-1", &[("region", "eu"), ("tier", "dc")], 5, 0));
+    add_open(&store, target("eu-2", &[("region", "eu"), ("tier", "res")], 5, 0));
+    add_open(&store, target("us-1", &[("region", "us"), ("tier", "dc")], 5, 0));
+    let eu_dc = sel(&store, "region=eu, tier=dc");
+    for _ in 0..5 {
+        assert_eq!(name(&acquire(&store, &eu_dc).unwrap()), "eu-1");
+    }
+    assert!(matches!(
+        acquire(&store, &eu_dc),
+        Err(LeaseError::NoProxyAvailable { .. })
+    ));
+    assert_eq!(sel(&store, "region=mars"), CompiledSelector::Unsatisfiable);
+    assert_eq!(
+        sel(&store, "region=eu,region=us"),
+        CompiledSelector::Unsatisfiable
+    );
+    let listed: Vec<_> = store
+        .list(&sel(&store, "tier=dc"))
+        .into_iter()
+        .map(|v| (v.info.key.name().to_owned(), v.availability, v.active_leases))
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("eu-1".to_owned(), Availability::Busy, 5),
+            ("us-1".to_owned(), Availability::Available, 0)
+        ]
+    );
+    assert!(Selector::parse("region").is_err());
+    assert!(Selector::parse("=eu").is_err());
+    assert!(Selector::parse(&"a=b,".repeat(MAX_SELECTOR_TERMS + 1)).is_err());
+}
+
+#[test]
+fn least_recently_used_first_with_one_shard() {
+    let (store, _) = store(1);
+    for n in ["a", "b", "c"] {
+        add_open(&store, target(n, &[], 2, 0));
+    }
+    let all = sel(&store, "");
+    let a = acquire(&store, &all).unwrap();
+    let b = acquire(&store, &all).unwrap();
+    assert_eq!((name(&a), name(&b)), ("a", "b"));
+    // c was never used; a and b were, a before b.
+    assert_eq!(name(&acquire(&store, &all).unwrap()), "c");
+    store.release(&b.id, b.fencing_token, Outcome::Ok, None).unwrap();
+    // a: used once (oldest), then c, then b (just released).
+    assert_eq!(name(&acquire(&store, &all).unwrap()), "a");
+    assert_eq!(name(&acquire(&store, &all).unwrap()), "c");
+    assert_eq!(name(&acquire(&store, &all).unwrap()), "b");
+}
+
+#[test]
+fn fencing_tokens_increase_and_stale_ones_are_refused() {
+    let (store, clock) = store(2);
+    add_open(&store, target("a", &[], 1, 0));
+    let lease = acquire(&store, &sel(&store, "")).unwrap();
+    clock.advance(Duration::from_secs(1));
+    let renewed = store.renew(&lease.id, lease.fencing_token, None).unwrap();
+    assert!(renewed.fencing_token > lease.fencing_token);
+    assert_eq!(renewed.expires_at_ms, T0 + 1000 + 60_000);
+    assert!(
+        renewed.fencing_token < 1 << 53,
+        "tokens stay exact in JSON numbers"
+    );
+    let stale = LeaseError::StaleToken {
+        presented: lease.fencing_token,
+        current: renewed.fencing_token,
+    };
+    assert_eq!(
+        store.renew(&lease.id, lease.fencing_token, None),
+        Err(stale.clone())
+    );
+    assert_eq!(
+        store.release(&lease.id, lease.fencing_token, Outcome::Ok, None),
+        Err(stale)
+    );
+    store
+        .release(&lease.id, renewed.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    assert_eq!(
+        store.release(&lease.id, renewed.fencing_token, Outcome::Ok, None),
+        Err(LeaseError::NotFound)
+    );
+    // The next lease on the same proxy gets a greater token still.
+    let next = acquire(&store, &sel(&store, "")).unwrap();
+    assert!(next.fencing_token > renewed.fencing_token);
+}
+
+#[test]
+fn renewal_is_capped_by_max_ttl() {
+    let (store, _) = store(1);
+    add_open(&store, target("a", &[], 1, 0));
+    let lease = store
+        .acquire(&AcquireRequest {
+            selector: &sel(&store, ""),
+            holder: "h",
+            ttl: Duration::from_secs(100_000),
+            target_domain: None,
+            session_key: None,
+        })
+        .unwrap();
+    assert_eq!(lease.expires_at_ms, T0 + 600_000);
+    let r = store
+        .renew(&lease.id, lease.fencing_token, Some(Duration::from_secs(5)))
+        .unwrap();
+    assert_eq!(r.expires_at_ms, T0 + 5_000);
+}
+
+#[test]
+fn cooldown_after_release() {
+    let (store, clock) = store(1);
+    add_open(&store, target("a", &[], 1, 30));
+    let all = sel(&store, "");
+    let lease = acquire(&store, &all).unwrap();
+    store
+        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    match acquire(&store, &all) {
+        Err(LeaseError::NoProxyAvailable { retry_after }) => assert_eq!(retry_after, Duration::from_secs(30)),
+        other => panic!("expected cooldown, got {other:?}"),
+    }
+    assert_eq!(store.list(&all)[0].availability, Availability::CoolingDown);
+    clock.advance(Duration::from_secs(30));
+    assert_eq!(name(&acquire(&store, &all).unwrap()), "a");
+}
+
+#[test]
+fn banned_outcome_cools_down_for_that_domain_only() {
+    let (store, clock) = store(1);
+    add_open(&store, target("a", &[], 1, 0));
+    let all = sel(&store, "");
+    let lease = acquire_with(&store, &all, Some("Shop.Example."), None).unwrap();
+    store
+        .release(&lease.id, lease.fencing_token, Outcome::Banned, None)
+        .unwrap();
+    assert!(matches!(
+        acquire_with(&store, &all, Some("shop.example"), None),
+        Err(LeaseError::NoProxyAvailable { .. })
+    ));
+    let other = acquire_with(&store, &all, Some("news.example"), None).unwrap();
+    store
+        .release(&other.id, other.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    let none = acquire(&store, &all).unwrap();
+    // A ban needs a domain: the lease has none and the release names none.
+    assert_eq!(
+        store.release(&none.id, none.fencing_token, Outcome::Banned, None),
+        Err(LeaseError::BanNeedsDomain)
+    );
+    store
+        .release(
+            &none.id,
+            none.fencing_token,
+            Outcome::Banned,
+            Some("news.example"),
+        )
+        .unwrap();
+    assert!(acquire_with(&store, &all, Some("news.example"), None).is_err());
+    clock.advance(Duration::from_secs(600));
+    let again = acquire_with(&store, &all, Some("shop.example"), None).unwrap();
+    assert_eq!(name(&again), "a");
+}
+
+#[test]
+fn sticky_sessions_keep_their_proxy_while_eligible() {
+    let (store, _) = store(4);
+    for n in ["a", "b", "c", "d"] {
+        add_open(&store, target(n, &[], 1, 60));
+    }
+    let all = sel(&store, "");
+    let first = acquire_with(&store, &all, None, Some("login-42")).unwrap();
+    let bound = first.id.key.clone();
+    store
+        .release(&first.id, first.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    // Its own post-release cooldown does not apply to the session.
+    for _ in 0..3 {
+        let again = acquire_with(&store, &all, None, Some("login-42")).unwrap();
+        assert_eq!(again.id.key, bound);
+        store
+            .release(&again.id, again.fencing_token, Outcome::Ok, None)
+            .unwrap();
+    }
+    // Others do wait for the cooldown.
+    let others: Vec<_> = (0..3).map(|_| acquire(&store, &all).unwrap().id.key).collect();
+    assert!(!others.contains(&bound));
+    // Once the bound proxy leaves rotation, the session moves and stays on its new proxy.
+    store.set_admission(&bound, Admission::Closed).unwrap();
+    for n in ["a", "b", "c", "d"] {
+        if key(n) != bound {
+            store.set_admission(&key(n), Admission::Closed).unwrap();
+        }
+    }
+    let spare = key("e");
+    add_open(&store, target("e", &[], 1, 60));
+    let moved = acquire_with(&store, &all, None, Some("login-42")).unwrap();
+    assert_eq!(moved.id.key, spare);
+    store
+        .release(&moved.id, moved.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    store.set_admission(&bound, Admission::Open).unwrap();
+    assert_eq!(
+        acquire_with(&store, &all, None, Some("login-42")).unwrap().id.key,
+        spare
+    );
+}
+
+#[test]
+fn concurrent_clients_never_exceed_max_concurrent() {
+    let (store, _) = store(4);
+    const PROXIES: usize = 8;
+    const MAX: usize = 3;
+    let names: Vec<String> = (0..PROXIES).map(|i| format!("p{i}")).collect();
+    for n in &names {
+        add_open(&store, target(n, &[("pool", "x")], MAX as i32, 0));
+    }
+    let in_use: Arc<Vec<AtomicUsize>> = Arc::new((0..PROXIES).map(|_| AtomicUsize::new(0)).collect());
+    let violated = Arc::new(AtomicBool::new(false));
+    let granted = Arc::new(AtomicUsize::new(0));
+    let threads: Vec<_> = (0..8)
+        .map(|t| {
+            let (store, in_use, violated, granted) =
+                (store.clone(), in_use.clone(), violated.clone(), granted.clone());
+            std::thread::spawn(move || {
+                let selector = store.compile(&Selector::parse("pool=x").unwrap());
+                let mut held: Vec<(Lease, usize)> = Vec::new();
+                for i in 0..20_000usize {
+                    // Hold up to 4 leases, release in varying order.
+                    if held.len() < 4 && (i + t) % 3 != 0 {
+                        if let Ok(lease) = acquire(&store, &selector) {
+                            let idx: usize = lease.id.key.name()[1..].parse().unwrap();
+                            if in_use[idx].fetch_add(1, Ordering::SeqCst) + 1 > MAX {
+                                violated.store(true, Ordering::SeqCst);
+                            }
+                            granted.fetch_add(1, Ordering::Relaxed);
+                            held.push((lease, idx));
+                        }
+                    } else if !held.is_empty() {
+                        let (lease, idx) = held.swap_remove(i % held.len());
+                        // Count down before the store frees the slot.
+                        in_use[idx].fetch_sub(1, Ordering::SeqCst);
+                        store
+                            .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+                            .unwrap();
+                    }
+                }
+                for (lease, idx) in held {
+                    in_use[idx].fetch_sub(1, Ordering::SeqCst);
+                    store
+                        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(!violated.load(Ordering::SeqCst), "a proxy exceeded maxConcurrent");
+    assert!(
+        granted.load(Ordering::Relaxed) > 10_000,
+        "the test must actually contend"
+    );
+    assert_eq!(store.active_total(), 0);
+}
+
+#[test]
+fn drain_refuses_renewals_and_reports_completion() {
+    let (store, _) = store(2);
+    add_open(&store, target("a", &[], 2, 0));
+    let all = sel(&store, "");
+    let l1 = acquire(&store, &all).unwrap();
+    assert_eq!(store.drain(&key("a")), DrainStatus::Pending { active: 1 });
+    assert!(acquire(&store, &all).is_err());
+    assert_eq!(
+        store.renew(&l1.id, l1.fencing_token, None),
+        Err(LeaseError::Draining)
+    );
+    store
+        .release(&l1.id, l1.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    assert_eq!(store.drain(&key("a")), DrainStatus::Drained);
+    assert_eq!(store.drain(&key("unknown")), DrainStatus::Drained);
+    store.set_admission(&key("a"), Admission::Open).unwrap();
+    assert!(acquire(&store, &all).is_ok());
+}
+
+#[test]
+fn revoke_and_remove_drop_leases() {
+    let (store, _) = store(2);
+    add_open(&store, target("a", &[], 3, 0));
+    let all = sel(&store, "");
+    let l1 = acquire(&store, &all).unwrap();
+    let _l2 = acquire(&store, &all).unwrap();
+    assert_eq!(store.revoke_all(&key("a")), 2);
+    assert_eq!(store.active_leases(&key("a")), 0);
+    assert_eq!(
+        store.renew(&l1.id, l1.fencing_token, None),
+        Err(LeaseError::NotFound)
+    );
+    let l3 = acquire(&store, &all).unwrap();
+    store.remove_proxy(&key("a"));
+    assert_eq!(store.active_total(), 0);
+    assert_eq!(
+        store.release(&l3.id, l3.fencing_token, Outcome::Ok, None),
+        Err(LeaseError::NotFound)
+    );
+    assert_eq!(store.revoke_all(&key("a")), 0);
+}
+
+#[test]
+fn expired_leases_are_reaped_and_free_their_slot() {
+    let (store, clock) = store(2);
+    add_open(&store, target("a", &[], 1, 0));
+    let all = sel(&store, "");
+    let lease = acquire(&store, &all).unwrap();
+    assert!(acquire(&store, &all).is_err());
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(store.active_leases(&key("a")), 0);
+    assert_eq!(store.reap(), 1);
+    assert_eq!(store.active_total(), 0);
+    assert_eq!(
+        store.renew(&lease.id, lease.fencing_token, None),
+        Err(LeaseError::NotFound)
+    );
+    assert!(acquire(&store, &all).is_ok());
+}
+
+#[test]
+fn upsert_updates_in_place_and_keeps_leases() {
+    let (store, _) = store(1);
+    add_open(&store, target("a", &[("region", "eu")], 1, 0));
+    let lease = acquire(&store, &sel(&store, "region=eu")).unwrap();
+    store.upsert_proxy(target("a", &[("region", "us")], 2, 0));
+    assert_eq!(store.active_leases(&key("a")), 1);
+    assert!(acquire(&store, &sel(&store, "region=eu")).is_err());
+    let second = acquire(&store, &sel(&store, "region=us")).unwrap();
+    assert_eq!(name(&second), "a");
+    store
+        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    // A lower limit than the active count stops new leases only.
+    store.upsert_proxy(target("a", &[("region", "us")], 1, 0));
+    assert_eq!(store.active_leases(&key("a")), 1);
+    assert!(acquire(&store, &sel(&store, "")).is_err());
+}
+
+#[tokio::test]
+async fn leases_survive_a_restart_through_the_file_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = FileCheckpoint::new(dir.path().join("leases.json"));
+    assert_eq!(file.load().await.unwrap(), None);
+    let (before, clock) = store(4);
+    add_open(&before, target("a", &[("name", "a")], 2, 30));
+    add_open(&before, target("b", &[("name", "b")], 1, 0));
+    let on_a = sel(&before, "name=a");
+    let on_b = sel(&before, "name=b");
+    let l1 = acquire_with(&before, &on_a, Some("shop.example"), Some("s1")).unwrap();
+    let l2 = acquire(&before, &on_a).unwrap();
+    let l3 = acquire(&before, &on_b).unwrap();
+    let renewed = before.renew(&l1.id, l1.fencing_token, None).unwrap();
+    before
+        .release(&l3.id, l3.fencing_token, Outcome::Banned, Some("news.example"))
+        .unwrap();
+    assert!(before.take_dirty());
+    file.save(&before.checkpoint()).await.unwrap();
+    assert!(!before.take_dirty());
+    drop(before);
+
+    let after = LeaseStore::new(LeaseStoreConfig {
+        shards: 3,
+        clock: clock.clone(),
+        ..LeaseStoreConfig::default()
+    });
+    after.restore(&file.load().await.unwrap().unwrap());
+    // Renew and release work before the controller configures the proxies again...
+    let r = after.renew(&l1.id, renewed.fencing_token, None).unwrap();
+    assert!(r.fencing_token > renewed.fencing_token);
+    assert_eq!(
+        after.renew(&l1.id, renewed.fencing_token, None),
+        Err(LeaseError::StaleToken {
+            presented: renewed.fencing_token,
+            current: r.fencing_token
+        })
+    );
+    // ...and once it does, limits count the restored leases and admission is kept.
+    after.upsert_proxy(target("a", &[("name", "a")], 2, 30));
+    after.upsert_proxy(target("b", &[("name", "b")], 1, 0));
+    assert_eq!(after.active_total(), 2);
+    let all = sel(&after, "");
+    let l4 = acquire(&after, &all).unwrap();
+    assert_eq!(name(&l4), "b", "a is full with its two restored leases");
+    assert!(acquire(&after, &all).is_err());
+    after
+        .release(&l4.id, l4.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    assert!(
+        acquire_with(&after, &all, Some("news.example"), None).is_err(),
+        "the ban on b survived"
+    );
+    after
+        .release(&l2.id, l2.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    // The sticky session is still bound to a (which has a free slot again).
+    let sticky = acquire_with(&after, &all, None, Some("s1")).unwrap();
+    assert_eq!(name(&sticky), "a");
+    // Tokens keep increasing across the restart.
+    assert!(l4.fencing_token > r.fencing_token && r.fencing_token > l3.fencing_token);
+}
+
+#[test]
+fn signed_claims_bring_back_leases_the_checkpoint_missed() {
+    let secret = LeaseSigner::generate_secret();
+    let signer = LeaseSigner::new(&secret).unwrap();
+    let (leader1, clock) = store(4);
+    add_open(&leader1, target("a", &[], 1, 0));
+    add_open(&leader1, target("b", &[], 2, 0));
+    let all = sel(&leader1, "");
+    let known = acquire(&leader1, &all).unwrap();
+    let released = acquire(&leader1, &all).unwrap();
+    leader1
+        .release(&released.id, released.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    let cp = leader1.checkpoint();
+    // Issued after the checkpoint: the next leader has no record of it.
+    let missed = acquire_with(&leader1, &all, Some("shop.example"), None).unwrap();
+    let missed_id = signer.sign(&missed.claim("crawler-1", Some("shop.example"), None));
+    let renewed = leader1.renew(&missed.id, missed.fencing_token, None).unwrap();
+    drop(leader1);
+
+    clock.advance(Duration::from_secs(5));
+    let leader2 = store_with_clock(&clock);
+    leader2.restore(&cp);
+    leader2.upsert_proxy(target("a", &[], 1, 0));
+    leader2.upsert_proxy(target("b", &[], 2, 0));
+    let claim = LeaseSigner::new(&secret).unwrap().verify(&missed_id).unwrap();
+    assert_eq!(
+        leader2.release(&claim.id, renewed.fencing_token, Outcome::Ok, None),
+        Err(LeaseError::NotFound)
+    );
+    leader2.reinstate(&claim, renewed.fencing_token).unwrap();
+    assert_eq!(
+        leader2.active_total(),
+        2,
+        "the known lease and the reinstated one"
+    );
+    // Limits count it: the other proxy has one slot left at most.
+    let mut more = 0;
+    while acquire(&leader2, &sel(&leader2, "")).is_ok() {
+        more += 1;
+    }
+    assert_eq!(more, 1, "3 slots in all, 2 taken");
+    leader2
+        .renew(&claim.id, renewed.fencing_token, None)
+        .expect("the reinstated lease renews");
+    // A lease the checkpoint knew as released is not brought back.
+    let released_claim = released.claim("crawler-1", None, None);
+    assert_eq!(
+        leader2.reinstate(&released_claim, released.fencing_token),
+        Err(LeaseError::NotFound)
+    );
+    // The known one renews as usual.
+    leader2.renew(&known.id, known.fencing_token, None).unwrap();
+    leader2.revoke_all(&claim.id.key);
+    assert_eq!(
+        leader2.reinstate(&claim, renewed.fencing_token),
+        Err(LeaseError::NotFound),
+        "revoked claims stay dead"
+    );
+}
+
+#[test]
+fn a_reinstated_claim_is_honoured_once() {
+    let (leader1, clock) = store(1);
+    add_open(&leader1, target("a", &[], 1, 0));
+    let cp = leader1.checkpoint();
+    let missed = acquire(&leader1, &sel(&leader1, "")).unwrap();
+    let claim = missed.claim("h", None, None);
+    let leader2 = store_with_clock(&clock);
+    leader2.restore(&cp);
+    leader2.upsert_proxy(target("a", &[], 1, 0));
+    leader2.reinstate(&claim, missed.fencing_token).unwrap();
+    leader2
+        .release(&claim.id, missed.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    assert_eq!(
+        leader2.reinstate(&claim, missed.fencing_token),
+        Err(LeaseError::NotFound)
+    );
+    // A lease issued by this store itself is never "missed".
+    leader2.set_admission(&key("a"), Admission::Open).unwrap();
+    let own = acquire(&leader2, &sel(&leader2, "")).unwrap();
+    leader2
+        .release(&own.id, own.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    assert_eq!(
+        leader2.reinstate(&own.claim("h", None, None), own.fencing_token),
+        Err(LeaseError::NotFound)
+    );
+    clock.advance(Duration::from_secs(3600));
+    assert_eq!(
+        leader2.reinstate(&claim, 0),
+        Err(LeaseError::NotFound),
+        "expired claim"
+    );
+}
+
+fn store_with_clock(clock: &Clock) -> LeaseStore {
+    LeaseStore::new(LeaseStoreConfig {
+        shards: 4,
+        clock: clock.clone(),
+        ..LeaseStoreConfig::default()
+    })
+}
+
+#[test]
+fn signer_rejects_tampered_foreign_and_garbage_ids() {
+    let signer = LeaseSigner::new(&[7u8; 32]).unwrap();
+    let (store, _) = store(2);
+    add_open(&store, target("a", &[], 1, 0));
+    let lease = acquire(&store, &sel(&store, "")).unwrap();
+    let claim = lease.claim("crawler-ü", Some("shop.example"), Some("s"));
+    let id = signer.sign(&claim);
+    assert_eq!(signer.verify(&id).unwrap(), claim);
+    let mut bytes = id.clone().into_bytes();
+    bytes[10] = if bytes[10] == b'A' { b'B' } else { b'A' };
+    assert!(matches!(
+        signer.verify(std::str::from_utf8(&bytes).unwrap()),
+        Err(TokenError::BadSignature | TokenError::Malformed)
+    ));
+    let other = LeaseSigner::new(&[8u8; 32]).unwrap();
+    assert!(matches!(other.verify(&id), Err(TokenError::BadSignature)));
+    for garbage in ["", "x", "!!!!", "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"] {
+        assert!(signer.verify(garbage).is_err(), "{garbage:?}");
+    }
+    assert!(signer.verify(&"A".repeat(5000)).is_err());
+    assert!(matches!(
+        LeaseSigner::new(b"short"),
+        Err(TokenError::SecretTooShort)
+    ));
+}
+
+#[test]
+fn signer_key_file_is_created_once_and_private() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("lease-key");
+    let first = LeaseSigner::load_or_create(&path).unwrap();
+    let second = LeaseSigner::load_or_create(&path).unwrap();
+    let (store, _) = store(1);
+    add_open(&store, target("a", &[], 1, 0));
+    let claim = acquire(&store, &sel(&store, "")).unwrap().claim("h", None, None);
+    assert_eq!(second.verify(&first.sign(&claim)).unwrap(), claim);
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+}
+
+#[test]
+fn checkpoint_chunks_round_trip_under_the_size_limit() {
+    let (store, _) = store(4);
+    let all = sel(&store, "");
+    for i in 0..200 {
+        add_open(&store, target(&format!("p{i}"), &[("n", &i.to_string())], 1, 0));
+    }
+    let compiled = store.compile(&Selector::default());
+    for i in 0..150 {
+        let session = format!("session-{i}");
+        acquire_with(&store, &compiled, Some("shop.example"), Some(&session)).unwrap();
+    }
+    let _ = all;
+    let cp = store.checkpoint();
+    assert_eq!(cp.lease_count(), 150);
+    let whole = checkpoint::encode(&cp).len();
+    let chunks = checkpoint::encode_chunks(&cp, 4096).unwrap();
+    assert!(
+        chunks.len() >= whole / 4096,
+        "{} chunks for {whole} bytes",
+        chunks.len()
+    );
+    assert!(chunks.iter().all(|c| c.len() <= 4096));
+    let mut back = checkpoint::decode_chunks(&chunks).unwrap().unwrap();
+    back.proxies.sort_by(|a, b| a.key.cmp(&b.key));
+    back.sessions.sort_by(|a, b| a.session_key.cmp(&b.session_key));
+    assert_eq!(back, cp);
+    assert_eq!(checkpoint::decode_chunks::<String>(&[]).unwrap(), None);
+    assert!(checkpoint::encode_chunks(&cp, 64).is_err());
+    assert!(checkpoint::decode(br#"{"version":99,"savedAtMs":0,"tokenHwm":{}}"#).is_err());
+}
+
+#[tokio::test]
+async fn maintenance_reaps_and_saves_until_shutdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = Arc::new(FileCheckpoint::new(dir.path().join("leases.json")));
+    let (store, clock) = store(2);
+    add_open(&store, target("a", &[], 1, 0));
+    let lease = acquire(&store, &sel(&store, "")).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(checkpoint::maintenance(
+        store.clone(),
+        Some(file.clone() as Arc<dyn CheckpointStore>),
+        checkpoint::MaintenanceConfig {
+            reap_interval: Duration::from_millis(10),
+            checkpoint_interval: Duration::from_millis(10),
+        },
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    // Poll until the periodic save shows the lease.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(Some(cp)) = file.load().await
+            && cp.lease_count() == 1
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no checkpoint with the lease"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    clock.advance(Duration::from_secs(120));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while store.active_total() != 0 {
+        assert!(tokio::time::Instant::now() < deadline, "lease not reaped");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(()).unwrap();
+    task.await.unwrap().unwrap();
+    let cp = file.load().await.unwrap().unwrap();
+    assert_eq!(cp.lease_count(), 0);
+    assert!(cp.token_hwm.values().any(|t| *t >= lease.fencing_token));
+}
+
+#[test]
+fn proxy_urls_carry_credentials_only_where_asked() {
+    let mut t = target("a", &[], 1, 0);
+    t.credentials = Some(crate::provider::Credentials {
+        username: "crawl er".into(),
+        password: "p@ss:word".into(),
+    });
+    let info = ProxyInfo::new(&t);
+    assert_eq!(info.url(), "http://127.0.0.1:3128");
+    assert_eq!(
+        info.url_with_credentials(),
+        "http://crawl%20er:p%40ss%3Aword@127.0.0.1:3128"
+    );
+    assert!(!format!("{info:?}").contains("word"));
+    let key: ProxyKey = "ns/name".parse().unwrap();
+    assert_eq!(
+        (key.namespace(), key.name(), key.to_string().as_str()),
+        ("ns", "name", "ns/name")
+    );
+    assert!("ns/".parse::<ProxyKey>().is_err());
+    assert!("a/b/c".parse::<ProxyKey>().is_err());
+    let _: BTreeMap<ProxyKey, ()> = BTreeMap::new();
+}
+
+#[test]
+fn the_lease_executor_interface_drives_the_store() {
+    use crate::effects::{self, LeaseControl};
+    let (store, _) = store(2);
+    let key = effects::ProxyKey {
+        namespace: "crawl".into(),
+        name: "a".into(),
+    };
+    let control: &dyn LeaseControl = &store;
+    control.upsert(effects::LeaseTarget {
+        key: key.clone(),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 3128,
+        },
+        attributes: BTreeMap::from([("region".to_owned(), "eu".to_owned())]),
+        policy: LeasePolicy {
+            max_concurrent: 2,
+            cooldown_seconds: 0,
+            max_ttl_seconds: 60,
+        },
+        credentials: None,
+    });
+    let eu = sel(&store, "region=eu");
+    assert!(acquire(&store, &eu).is_err(), "closed until enabled");
+    control.set_admission(&key, true);
+    let lease = acquire(&store, &eu).unwrap();
+    assert_eq!(lease.id.key, ProxyKey::new("crawl", "a"));
+    assert_eq!(control.active(&key), 1);
+    assert_eq!(control.drain(&key), effects::DrainStatus::Pending { active: 1 });
+    assert_eq!(control.revoke_all(&key), 1);
+    assert_eq!(control.drain(&key), effects::DrainStatus::Drained);
+    control.remove(&key);
+    assert_eq!(store.proxy_count(), 0);
+    // Unknown proxies are no error for the executor.
+    control.set_admission(&key, true);
+    assert_eq!(control.active(&key), 0);
+}

@@ -1,0 +1,229 @@
+//! Signed lease IDs: what lets any process holding the key (the next standalone process, the
+//! next leader) recognise a lease it has no record of.
+//!
+//! A lease ID is `base64url(payload ‖ tag)`: the payload holds the lease's [`LeaseClaim`]
+//! (proxy, first fencing token, holder, grant and first expiry, target domain, session key, and a
+//! slot hint that spares a lookup), the tag is the first 16 bytes of HMAC-SHA256 over it. An ID
+//! whose tag does not verify is treated as unknown. The key is at least 32 random bytes; every
+//! replica must share it (a Secret in cluster mode, a 0600 file in standalone mode).
+
+use std::{io::Write, path::Path};
+
+use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+use ring::hmac;
+
+use super::{LeaseClaim, LeaseHint, LeaseId, ProxyKey};
+
+/// Shortest accepted signing key, in bytes.
+pub const MIN_SECRET_LEN: usize = 32;
+/// Longest lease ID accepted, in characters (longer ones are not even decoded).
+pub const MAX_ID_LEN: usize = 2048;
+const TAG_LEN: usize = 16;
+const FORMAT: u8 = 1;
+const NONE: u16 = u16::MAX;
+
+/// Why a key could not be set up or an ID not verified.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    /// The key is too short to be safe.
+    #[error("lease signing key must be at least {MIN_SECRET_LEN} bytes")]
+    SecretTooShort,
+    /// Not a lease ID (wrong length, encoding or layout).
+    #[error("malformed lease ID")]
+    Malformed,
+    /// The tag does not match: not issued with this key, or altered.
+    #[error("lease ID signature does not verify")]
+    BadSignature,
+    /// The key file could not be read or written.
+    #[error("lease signing key file {path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// Signs and verifies lease IDs with one HMAC-SHA256 key. `Debug` shows no key material.
+pub struct LeaseSigner {
+    key: hmac::Key,
+}
+
+impl std::fmt::Debug for LeaseSigner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LeaseSigner(<key redacted>)")
+    }
+}
+
+impl LeaseSigner {
+    /// A signer with `secret` as key.
+    pub fn new(secret: &[u8]) -> Result<Self, TokenError> {
+        if secret.len() < MIN_SECRET_LEN {
+            return Err(TokenError::SecretTooShort);
+        }
+        Ok(Self {
+            key: hmac::Key::new(hmac::HMAC_SHA256, secret),
+        })
+    }
+
+    /// 32 fresh random bytes for a new key.
+    pub fn generate_secret() -> Vec<u8> {
+        let mut secret = vec![0u8; 32];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret)
+            .expect("the system random source is available on every supported platform");
+        secret
+    }
+
+    /// Reads the key (base64 text) from `path`, or creates the file (mode 0600) with a new one.
+    pub fn load_or_create(path: &Path) -> Result<Self, TokenError> {
+        let io = |source| TokenError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                let secret = base64::engine::general_purpose::STANDARD
+                    .decode(text.trim())
+                    .map_err(|_| TokenError::Malformed)?;
+                Self::new(&secret)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let secret = Self::generate_secret();
+                let mut options = std::fs::OpenOptions::new();
+                options.write(true).create_new(true);
+                #[cfg(unix)]
+                std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+                let mut file = options.open(path).map_err(io)?;
+                writeln!(
+                    file,
+                    "{}",
+                    base64::engine::general_purpose::STANDARD.encode(&secret)
+                )
+                .map_err(io)?;
+                file.sync_all().map_err(io)?;
+                Self::new(&secret)
+            }
+            Err(e) => Err(io(e)),
+        }
+    }
+
+    /// The signed ID of a lease.
+    pub fn sign(&self, claim: &LeaseClaim) -> String {
+        let mut buf = Vec::with_capacity(64 + claim.id.key.as_str().len() + claim.holder.len());
+        buf.push(FORMAT);
+        buf.extend_from_slice(&claim.id.hint.shard.to_be_bytes());
+        buf.extend_from_slice(&claim.id.hint.slot.to_be_bytes());
+        buf.extend_from_slice(&claim.id.hint.generation.to_be_bytes());
+        buf.extend_from_slice(&claim.id.first_token.to_be_bytes());
+        buf.extend_from_slice(&claim.acquired_at_ms.to_be_bytes());
+        buf.extend_from_slice(&claim.expires_at_ms.to_be_bytes());
+        put_str(&mut buf, Some(claim.id.key.as_str()));
+        put_str(&mut buf, Some(&claim.holder));
+        put_str(&mut buf, claim.target_domain.as_deref());
+        put_str(&mut buf, claim.session_key.as_deref());
+        let tag = hmac::sign(&self.key, &buf);
+        buf.extend_from_slice(&tag.as_ref()[..TAG_LEN]);
+        URL_SAFE_NO_PAD.encode(&buf)
+    }
+
+    /// The claim of a lease ID this key signed.
+    pub fn verify(&self, id: &str) -> Result<LeaseClaim, TokenError> {
+        if id.len() > MAX_ID_LEN {
+            return Err(TokenError::Malformed);
+        }
+        let raw = URL_SAFE_NO_PAD.decode(id).map_err(|_| TokenError::Malformed)?;
+        if raw.len() < TAG_LEN + 1 {
+            return Err(TokenError::Malformed);
+        }
+        let (payload, tag) = raw.split_at(raw.len() - TAG_LEN);
+        let expected = hmac::sign(&self.key, payload);
+        // Constant-time comparison of the truncated tag.
+        if !constant_time_eq(&expected.as_ref()[..TAG_LEN], tag) {
+            return Err(TokenError::BadSignature);
+        }
+        decode_claim(payload).ok_or(TokenError::Malformed)
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn put_str(buf: &mut Vec<u8>, s: Option<&str>) {
+    match s {
+        // Longer strings are cut at a char boundary; the API bounds every field well below.
+        Some(s) => {
+            let mut end = s.len().min(NONE as usize - 1);
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            buf.extend_from_slice(&(end as u16).to_be_bytes());
+            buf.extend_from_slice(&s.as_bytes()[..end]);
+        }
+        None => buf.extend_from_slice(&NONE.to_be_bytes()),
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Some(head)
+    }
+    fn u16(&mut self) -> Option<u16> {
+        Some(u16::from_be_bytes(self.take(2)?.try_into().ok()?))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_be_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_be_bytes(self.take(8)?.try_into().ok()?))
+    }
+    fn str(&mut self) -> Option<Option<String>> {
+        let len = self.u16()?;
+        if len == NONE {
+            return Some(None);
+        }
+        let bytes = self.take(len as usize)?;
+        Some(Some(std::str::from_utf8(bytes).ok()?.to_owned()))
+    }
+}
+
+fn decode_claim(payload: &[u8]) -> Option<LeaseClaim> {
+    let mut r = Reader(payload);
+    if r.take(1)? != [FORMAT] {
+        return None;
+    }
+    let hint = LeaseHint {
+        shard: r.u16()?,
+        slot: r.u32()?,
+        generation: r.u32()?,
+    };
+    let first_token = r.u64()?;
+    let acquired_at_ms = r.u64()?;
+    let expires_at_ms = r.u64()?;
+    let key: ProxyKey = r.str()??.parse().ok()?;
+    let holder = r.str()??;
+    let target_domain = r.str()?;
+    let session_key = r.str()?;
+    if !r.0.is_empty() {
+        return None;
+    }
+    Some(LeaseClaim {
+        id: LeaseId {
+            key,
+            first_token,
+            hint,
+        },
+        holder,
+        acquired_at_ms,
+        expires_at_ms,
+        target_domain,
+        session_key,
+    })
+}

@@ -1,0 +1,522 @@
+//! What the two libvirt providers share: the domain they define, the owner stamp in its
+//! `<metadata>`, the names of its volumes and the cloud-init seed it boots with.
+//!
+//! `kvm2` (libvirt API) and `kvm` (`virsh` command line) are separate implementations of the
+//! backend calls, but they describe a proxy's VM the same way, so a guest image built for one
+//! boots under the other. What keeps them apart is the metadata namespace each stamps its
+//! domains with ([`KVM2_NAMESPACE`], [`KVM_NAMESPACE`]) and the provider type in every volume
+//! name: neither sees, adopts or deletes the other's domains or volumes.
+
+mod crypt;
+pub mod seed;
+#[cfg(test)]
+mod tests;
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener},
+    sync::{Arc, Mutex},
+};
+
+use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
+
+use super::{Endpoint, Instance, InstanceRequest, InstanceState, Owner, ProviderError, ProviderId};
+
+/// Metadata namespace of the `kvm2` provider's owner stamp.
+pub const KVM2_NAMESPACE: &str = "https://crawl.example.com/kvm2/v1";
+
+/// Metadata namespace of the `kvm` provider's owner stamp.
+pub const KVM_NAMESPACE: &str = "https://crawl.example.com/kvm/v1";
+
+/// Element name of the owner stamp inside `<metadata>`.
+const STAMP_ELEMENT: &str = "owner";
+
+/// Namespace prefix the stamp is written with (libvirt keys metadata by URI, not prefix).
+const STAMP_PREFIX: &str = "epo";
+
+/// libvirt's namespace for `<qemu:commandline>` passthrough.
+const QEMU_NAMESPACE: &str = "http://libvirt.org/schemas/domain/qemu/1.0";
+
+/// PCI slot of the user-mode NIC: passthrough devices are invisible to libvirt's address
+/// assignment, so it takes a slot far from the ones libvirt hands to disks and controllers.
+const USER_NIC_PCI_SLOT: &str = "0x10";
+
+/// The volumes made for one instance, named after the instance and the provider type so the
+/// `kvm` and `kvm2` providers never touch each other's volumes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeNames {
+    /// The qcow2 overlay the guest boots from.
+    pub disk: String,
+    /// The NoCloud seed ISO.
+    pub seed: String,
+}
+
+impl VolumeNames {
+    /// Volume names of instance `name` made by provider type `provider_type`.
+    pub fn new(name: &str, provider_type: &str) -> Self {
+        Self {
+            disk: format!("{name}-{provider_type}-disk.qcow2"),
+            seed: format!("{name}-{provider_type}-seed.iso"),
+        }
+    }
+
+    /// Both names, disk first.
+    pub fn all(&self) -> [&str; 2] {
+        [&self.disk, &self.seed]
+    }
+}
+
+/// The owner stamp persisted in a domain's `<metadata>`: what orphan GC and `list` read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stamp {
+    /// The provider instance (from the providers config) that made the domain; informational.
+    pub provider_instance: String,
+    /// The owning Proxy.
+    pub owner: Owner,
+    /// Spec hash of what the domain runs.
+    pub spec_hash: String,
+    /// When the provider made the domain.
+    pub created_at: jiff::Timestamp,
+    /// Port Squid listens on inside the guest.
+    pub port: u16,
+    /// `placement.address`, if the Proxy named one.
+    pub address: Option<String>,
+    /// The host forward of a user-mode NIC (`127.0.0.1:20001`).
+    pub host_forward: Option<Endpoint>,
+}
+
+/// A stamp that is present but unreadable.
+#[derive(Debug, thiserror::Error)]
+pub enum StampError {
+    /// Not well-formed XML.
+    #[error("owner stamp is not XML: {0}")]
+    Xml(#[from] roxmltree::Error),
+    /// An attribute is missing or malformed.
+    #[error("owner stamp attribute {0:?} is missing or malformed")]
+    Attribute(&'static str),
+}
+
+impl Stamp {
+    /// The stamp for a new instance made for `request` by `provider_instance`.
+    pub fn for_request(
+        provider_instance: &str,
+        request: &InstanceRequest,
+        created_at: jiff::Timestamp,
+        host_forward: Option<Endpoint>,
+    ) -> Self {
+        Self {
+            provider_instance: provider_instance.to_owned(),
+            owner: request.owner.clone(),
+            spec_hash: request.spec_hash.clone(),
+            created_at,
+            port: request.port,
+            address: request.placement.address.clone(),
+            host_forward,
+        }
+    }
+
+    /// The stamp as an element in `namespace`, for a domain's `<metadata>`.
+    pub fn to_xml(&self, namespace: &str) -> String {
+        let mut xml = format!(
+            "<{STAMP_PREFIX}:{STAMP_ELEMENT} xmlns:{STAMP_PREFIX}=\"{}\" provider=\"{}\" uid=\"{}\" \
+             namespace=\"{}\" name=\"{}\" specHash=\"{}\" createdAt=\"{}\" port=\"{}\"",
+            escape(namespace),
+            escape(&self.provider_instance),
+            escape(&self.owner.uid),
+            escape(&self.owner.namespace),
+            escape(&self.owner.name),
+            escape(&self.spec_hash),
+            self.created_at,
+            self.port,
+        );
+        if let Some(address) = &self.address {
+            let _ = write!(xml, " address=\"{}\"", escape(address));
+        }
+        if let Some(forward) = &self.host_forward {
+            let _ = write!(xml, " hostForward=\"{}\"", escape(&forward.to_string()));
+        }
+        xml.push_str("/>");
+        xml
+    }
+
+    /// Reads a stamp as libvirt returns it (the element, with or without its prefix).
+    pub fn parse(xml: &str) -> Result<Self, StampError> {
+        let document = roxmltree::Document::parse(xml)?;
+        let element = document.root_element();
+        let required = |name: &'static str| {
+            element
+                .attribute(name)
+                .filter(|value| !value.is_empty())
+                .ok_or(StampError::Attribute(name))
+        };
+        let host_forward = match element.attribute("hostForward") {
+            None => None,
+            Some(text) => {
+                let address: SocketAddr = text.parse().map_err(|_| StampError::Attribute("hostForward"))?;
+                Some(Endpoint {
+                    host: address.ip().to_string(),
+                    port: address.port(),
+                })
+            }
+        };
+        Ok(Self {
+            provider_instance: element.attribute("provider").unwrap_or_default().to_owned(),
+            owner: Owner {
+                uid: required("uid")?.to_owned(),
+                namespace: required("namespace")?.to_owned(),
+                name: required("name")?.to_owned(),
+            },
+            spec_hash: required("specHash")?.to_owned(),
+            created_at: required("createdAt")?
+                .parse()
+                .map_err(|_| StampError::Attribute("createdAt"))?,
+            port: required("port")?
+                .parse()
+                .map_err(|_| StampError::Attribute("port"))?,
+            address: element.attribute("address").map(str::to_owned),
+            host_forward,
+        })
+    }
+
+    /// Where crawlers reach the proxy, if the stamp alone tells: the host forward (user mode),
+    /// else `placement.address` with the proxy port.
+    pub fn endpoint(&self) -> Option<Endpoint> {
+        self.host_forward.clone().or_else(|| {
+            self.address.as_ref().map(|host| Endpoint {
+                host: host.clone(),
+                port: self.port,
+            })
+        })
+    }
+}
+
+/// The instance a domain stamped by us describes. A damaged stamp yields an instance with no
+/// owner (orphan GC never touches it) and the Unix epoch as creation time.
+pub fn instance_from_stamp(
+    id: ProviderId,
+    stamp: Result<Stamp, StampError>,
+    state: InstanceState,
+    discovered: Option<Endpoint>,
+) -> Instance {
+    match stamp {
+        Ok(stamp) => Instance {
+            endpoint: stamp.endpoint().or(discovered),
+            id,
+            owner: Some(stamp.owner),
+            spec_hash: Some(stamp.spec_hash),
+            created_at: stamp.created_at,
+            state,
+        },
+        Err(err) => {
+            tracing::warn!(instance = %id, error = %err, "domain carries a damaged owner stamp");
+            Instance {
+                id,
+                owner: None,
+                spec_hash: None,
+                created_at: jiff::Timestamp::UNIX_EPOCH,
+                state,
+                endpoint: discovered,
+            }
+        }
+    }
+}
+
+/// What a base image volume's XML says about it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BaseVolume {
+    /// Path on the libvirt host, the overlay's backing store.
+    pub path: String,
+    /// Disk format (`qcow2`, `raw`).
+    pub format: String,
+    /// Virtual size in bytes, the overlay's capacity.
+    pub capacity: u64,
+}
+
+impl BaseVolume {
+    /// Reads `<volume>` XML (`virStorageVolGetXMLDesc`, `virsh vol-dumpxml`).
+    pub fn parse(xml: &str) -> Result<Self, String> {
+        let document = roxmltree::Document::parse(xml).map_err(|err| err.to_string())?;
+        let root = document.root_element();
+        fn child<'a, 'input>(
+            parent: roxmltree::Node<'a, 'input>,
+            name: &str,
+        ) -> Option<roxmltree::Node<'a, 'input>> {
+            parent.children().find(|node| node.has_tag_name(name))
+        }
+        let target = child(root, "target").ok_or("volume XML has no <target>")?;
+        let path = child(target, "path")
+            .and_then(|node| node.text())
+            .ok_or("volume XML has no <target><path>")?;
+        let format = child(target, "format")
+            .and_then(|node| node.attribute("type"))
+            .unwrap_or("raw");
+        let capacity = child(root, "capacity").ok_or("volume XML has no <capacity>")?;
+        let unit = capacity.attribute("unit").unwrap_or("bytes");
+        let amount: u64 = capacity
+            .text()
+            .and_then(|text| text.trim().parse().ok())
+            .ok_or("volume XML has an unreadable <capacity>")?;
+        let multiplier = match unit {
+            "b" | "bytes" => 1,
+            "KiB" | "k" | "K" => 1 << 10,
+            "MiB" | "M" => 1 << 20,
+            "GiB" | "G" => 1 << 30,
+            other => return Err(format!("volume XML capacity unit {other:?} is not understood")),
+        };
+        Ok(Self {
+            path: path.trim().to_owned(),
+            format: format.to_owned(),
+            capacity: amount * multiplier,
+        })
+    }
+}
+
+/// `<volume>` XML of an instance's disk: a qcow2 overlay on `base`.
+pub fn overlay_volume_xml(name: &str, base: &BaseVolume) -> String {
+    format!(
+        "<volume><name>{}</name><capacity unit='bytes'>{}</capacity>\
+         <target><format type='qcow2'/></target>\
+         <backingStore><path>{}</path><format type='{}'/></backingStore></volume>",
+        escape(name),
+        base.capacity,
+        escape(&base.path),
+        escape(&base.format)
+    )
+}
+
+/// `<volume>` XML of an instance's seed ISO of `size` bytes (content uploaded afterwards).
+pub fn seed_volume_xml(name: &str, size: u64) -> String {
+    format!(
+        "<volume><name>{}</name><capacity unit='bytes'>{size}</capacity>\
+         <target><format type='raw'/></target></volume>",
+        escape(name)
+    )
+}
+
+/// Everything that goes into one domain's XML.
+pub struct DomainPlan<'a> {
+    /// Domain name: the instance name.
+    pub name: &'a str,
+    /// The provider's settings.
+    pub settings: &'a KvmSettings,
+    /// The owner stamp in the provider's namespace.
+    pub stamp: &'a Stamp,
+    /// The provider's metadata namespace.
+    pub namespace: &'a str,
+    /// The instance's volumes.
+    pub volumes: &'a VolumeNames,
+}
+
+/// The domain XML for `plan`: what a real guest needs to boot from its overlay (or a kernel),
+/// read its NoCloud seed, and be reached on its proxy port.
+pub fn domain_xml(plan: &DomainPlan<'_>) -> String {
+    let settings = plan.settings;
+    let pool = escape(&settings.pool);
+    let mut xml = String::new();
+    let _ = writeln!(
+        xml,
+        "<domain type='{}' xmlns:qemu='{QEMU_NAMESPACE}'>",
+        settings.domain_type.as_str()
+    );
+    let _ = writeln!(xml, "  <name>{}</name>", escape(plan.name));
+    let _ = writeln!(
+        xml,
+        "  <metadata>\n    {}\n  </metadata>",
+        plan.stamp.to_xml(plan.namespace)
+    );
+    let _ = writeln!(xml, "  <memory unit='MiB'>{}</memory>", settings.memory_mib);
+    let _ = writeln!(xml, "  <vcpu>{}</vcpu>", settings.vcpus);
+    // i440fx ('pc'), not q35: the user-mode NIC is placed on its `pci.0` bus.
+    xml.push_str("  <os>\n    <type arch='x86_64' machine='pc'>hvm</type>\n");
+    match &settings.boot {
+        BootSettings::Disk {} => xml.push_str("    <boot dev='hd'/>\n"),
+        BootSettings::Kernel {
+            kernel,
+            initrd,
+            cmdline,
+        } => {
+            let _ = writeln!(xml, "    <kernel>{}</kernel>", escape(&kernel.to_string_lossy()));
+            if let Some(initrd) = initrd {
+                let _ = writeln!(xml, "    <initrd>{}</initrd>", escape(&initrd.to_string_lossy()));
+            }
+            let _ = writeln!(xml, "    <cmdline>{}</cmdline>", escape(cmdline));
+        }
+    }
+    xml.push_str("  </os>\n  <features><acpi/></features>\n  <clock offset='utc'/>\n");
+    xml.push_str("  <on_poweroff>destroy</on_poweroff>\n  <on_reboot>restart</on_reboot>\n");
+    xml.push_str("  <on_crash>destroy</on_crash>\n  <devices>\n");
+    let _ = writeln!(
+        xml,
+        "    <disk type='volume' device='disk'>\n      <driver name='qemu' type='qcow2'/>\n      \
+         <source pool='{pool}' volume='{}'/>\n      <target dev='vda' bus='virtio'/>\n    </disk>",
+        escape(&plan.volumes.disk)
+    );
+    // The seed as a read-only virtio disk: NoCloud finds it by its `cidata` label, and the
+    // guest needs no CD-ROM driver.
+    let _ = writeln!(
+        xml,
+        "    <disk type='volume' device='disk'>\n      <driver name='qemu' type='raw'/>\n      \
+         <source pool='{pool}' volume='{}'/>\n      <target dev='vdb' bus='virtio'/>\n      \
+         <readonly/>\n    </disk>",
+        escape(&plan.volumes.seed)
+    );
+    match &settings.network {
+        NetworkSettings::Libvirt { name } => {
+            let _ = writeln!(
+                xml,
+                "    <interface type='network'>\n      <source network='{}'/>\n      \
+                 <model type='virtio'/>\n    </interface>",
+                escape(name)
+            );
+        }
+        NetworkSettings::Bridge { name } => {
+            let _ = writeln!(
+                xml,
+                "    <interface type='bridge'>\n      <source bridge='{}'/>\n      \
+                 <model type='virtio'/>\n    </interface>",
+                escape(name)
+            );
+        }
+        NetworkSettings::User { .. } => {}
+    }
+    xml.push_str(
+        "    <serial type='pty'><target port='0'/></serial>\n    \
+         <console type='pty'><target type='serial' port='0'/></console>\n    \
+         <channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>\n  \
+         </devices>\n",
+    );
+    if let Some(forward) = &plan.stamp.host_forward {
+        // libvirt 9.0 has no passt backend for <portForward>, so the user-mode NIC and its
+        // forward are passed to QEMU directly.
+        let _ = writeln!(
+            xml,
+            "  <qemu:commandline>\n    <qemu:arg value='-netdev'/>\n    \
+             <qemu:arg value='user,id=n0,hostfwd=tcp:{}:{}-:{}'/>\n    \
+             <qemu:arg value='-device'/>\n    \
+             <qemu:arg value='virtio-net-pci,netdev=n0,bus=pci.0,addr={USER_NIC_PCI_SLOT}'/>\n  \
+             </qemu:commandline>",
+            escape(&forward.host),
+            forward.port,
+            plan.stamp.port
+        );
+    }
+    xml.push_str("</domain>\n");
+    xml
+}
+
+/// The host address a user-mode forward listens on: `placement.address` if given (it must be
+/// IPv4: QEMU's user-mode forwards are IPv4), else the configured one.
+pub fn host_forward_address(
+    request: &InstanceRequest,
+    configured: Ipv4Addr,
+) -> Result<Ipv4Addr, ProviderError> {
+    let address = match &request.placement.address {
+        Some(text) => text.parse::<IpAddr>().map_err(|_| {
+            ProviderError::Misconfigured(format!("placement.address {text:?} is not an IP address"))
+        })?,
+        None => IpAddr::V4(configured),
+    };
+    match address {
+        IpAddr::V4(v4) => Ok(v4),
+        IpAddr::V6(_) => Err(ProviderError::Misconfigured(format!(
+            "user-mode networking forwards IPv4 only; {address} is IPv6"
+        ))),
+    }
+}
+
+/// Picks a host port from `range` for a user-mode forward: not `taken` by another instance's
+/// stamp, and bindable on `address` right now. The scan starts at a random port so concurrent
+/// creates rarely pick the same one. The check binds on this host, which is the libvirt host
+/// whenever user mode makes sense (a forward on a remote host's loopback reaches nobody).
+pub fn choose_host_port(
+    range: PortRange,
+    address: Ipv4Addr,
+    taken: &BTreeSet<u16>,
+) -> Result<u16, ProviderError> {
+    let span = u32::from(range.last - range.first) + 1;
+    let start = fastrand::u32(0..span);
+    for offset in 0..span {
+        let candidate = range.first as u32 + (start + offset) % span;
+        let port = u16::try_from(candidate).map_err(|_| {
+            ProviderError::Backend(format!("port {candidate} out of range (invariant: range is u16)"))
+        })?;
+        if taken.contains(&port) {
+            continue;
+        }
+        if TcpListener::bind((address, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(ProviderError::Backend(format!(
+        "no free port in {}-{} on {address} for a user-mode forward",
+        range.first, range.last
+    )))
+}
+
+/// The best address among a guest's interfaces (from DHCP leases or the guest agent): the
+/// first global IPv4 address, else the first global IPv6 address.
+pub fn pick_address<'a>(addresses: impl IntoIterator<Item = &'a str>) -> Option<String> {
+    let mut ipv6 = None;
+    for text in addresses {
+        let bare = text.split('/').next().unwrap_or(text);
+        match bare.parse::<IpAddr>() {
+            Ok(IpAddr::V4(v4)) if !v4.is_loopback() && !v4.is_link_local() && !v4.is_unspecified() => {
+                return Some(v4.to_string());
+            }
+            Ok(IpAddr::V6(v6))
+                if ipv6.is_none()
+                    && !v6.is_loopback()
+                    && !v6.is_unspecified()
+                    && !v6.is_unicast_link_local() =>
+            {
+                ipv6 = Some(v6.to_string());
+            }
+            _ => {}
+        }
+    }
+    ipv6
+}
+
+/// Per-instance-name locks, so two calls of one provider object never interleave the steps of
+/// creating and deleting the same domain. (Across processes, leader election keeps one
+/// operator acting.)
+#[derive(Default)]
+pub struct NameLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+impl NameLocks {
+    /// Waits for and holds the lock of `name`; release by dropping the guard.
+    pub async fn lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            // Poisoning cannot leave the map inconsistent: every update is one insert or retain.
+            let mut locks = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            locks.retain(|_, lock| Arc::strong_count(lock) > 1);
+            locks.entry(name.to_owned()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+}
+
+/// Escapes text for XML attribute values and element content.
+pub fn escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => escaped.push_str("&amp;"),
+            '<' => escaped.push_str("&lt;"),
+            '>' => escaped.push_str("&gt;"),
+            '"' => escaped.push_str("&quot;"),
+            '\'' => escaped.push_str("&apos;"),
+            c => escaped.push(c),
+        }
+    }
+    escaped
+}
+
+/// The error for a domain of our name that another provider (or a person) made.
+pub fn foreign_domain(name: &str, namespace: &str) -> ProviderError {
+    ProviderError::Misconfigured(format!(
+        "a domain named {name} exists but carries no owner stamp in {namespace}: it was not \
+         made by this provider type, which will not adopt it"
+    ))
+}

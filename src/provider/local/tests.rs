@@ -1,0 +1,315 @@
+use std::{
+    io::Write,
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use sha_crypt::{PasswordHash, PasswordVerifier, ShaCrypt};
+
+use super::{
+    process::{argv_runs_config, parse_problems},
+    squid_config::{CredentialsError, SquidConfig, password_line},
+    state::{InstanceDir, OwnerRecord},
+    *,
+};
+use crate::provider::{Credentials, Owner};
+
+fn dir() -> InstanceDir {
+    InstanceDir::at(PathBuf::from("/var/lib/epo/local/epo-crawl-web-1-0a1b2c3d"))
+}
+
+fn config<'a>(dir: &'a InstanceDir, extra: &'a [String]) -> SquidConfig<'a> {
+    SquidConfig {
+        name: "epo-crawl-web-1-0a1b2c3d",
+        listen: "127.0.0.1:3128".parse().expect("addr"),
+        outgoing: None,
+        dir,
+        auth_helper: None,
+        access_log: true,
+        effective_user: None,
+        extra,
+    }
+}
+
+fn lines(conf: &str) -> Vec<&str> {
+    conf.lines().filter(|l| !l.starts_with('#')).collect()
+}
+
+#[test]
+fn config_without_credentials_listens_on_the_placement_address_and_allows_all() {
+    let dir = dir();
+    let conf = config(&dir, &[]).render();
+    let lines = lines(&conf);
+    for expected in [
+        "http_port 127.0.0.1:3128",
+        "visible_hostname epo-crawl-web-1-0a1b2c3d",
+        "pid_filename /var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/run/squid.pid",
+        "cache_log /var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/run/cache.log",
+        "access_log stdio:/var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/run/access.log",
+        "shutdown_lifetime 1 seconds",
+        "cache deny all",
+        "http_access allow all",
+    ] {
+        assert!(lines.contains(&expected), "missing {expected:?} in\n{conf}");
+    }
+    for absent in [
+        "cache_dir",
+        "auth_param",
+        "tcp_outgoing_address",
+        "cache_effective_user",
+    ] {
+        assert!(!conf.contains(absent), "unexpected {absent:?} in\n{conf}");
+    }
+    assert_eq!(
+        lines.last(),
+        Some(&"http_access allow all"),
+        "access rules come last"
+    );
+}
+
+#[test]
+fn config_with_credentials_requires_them_and_denies_everyone_else() {
+    let dir = dir();
+    let extra = vec!["acl crawlers src 10.0.0.0/8".to_owned()];
+    let mut config = config(&dir, &extra);
+    config.auth_helper = Some(Path::new("/usr/lib/squid/basic_ncsa_auth"));
+    config.outgoing = Some("192.0.2.7".parse().expect("ip"));
+    config.effective_user = Some("proxy");
+    config.access_log = false;
+    let conf = config.render();
+    let lines = lines(&conf);
+    let position = |line: &str| {
+        lines
+            .iter()
+            .position(|l| *l == line)
+            .unwrap_or_else(|| panic!("missing {line:?} in\n{conf}"))
+    };
+    position(
+        "auth_param basic program /usr/lib/squid/basic_ncsa_auth /var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/passwords",
+    );
+    position("tcp_outgoing_address 192.0.2.7");
+    position("cache_effective_user proxy");
+    position("access_log none");
+    // Extra directives come before the access rules, so they can add ACLs the rules use.
+    let extra_at = position("acl crawlers src 10.0.0.0/8");
+    let acl = position("acl authenticated proxy_auth REQUIRED");
+    let allow = position("http_access allow authenticated");
+    let deny = position("http_access deny all");
+    assert!(extra_at < acl && acl < allow && allow < deny, "{conf}");
+    assert!(!conf.contains("http_access allow all"), "{conf}");
+}
+
+#[test]
+fn config_brackets_ipv6_listen_addresses() {
+    let dir = dir();
+    let mut config = config(&dir, &[]);
+    config.listen = SocketAddr::new("::1".parse::<IpAddr>().expect("ip"), 3128);
+    assert!(config.render().contains("\nhttp_port [::1]:3128\n"));
+}
+
+fn credentials(username: &str, password: &str) -> Credentials {
+    Credentials {
+        username: username.into(),
+        password: password.into(),
+    }
+}
+
+#[test]
+fn password_lines_are_sha512_crypt_and_verify() {
+    let line = password_line(&credentials("crawler", "s3cret: with spaces")).expect("valid");
+    let (user, hash) = line.trim_end().split_once(':').expect("user:hash");
+    assert_eq!(user, "crawler");
+    assert!(hash.starts_with("$6$"), "{hash}");
+    let hash = PasswordHash::new(hash).expect("modular crypt format");
+    ShaCrypt::default()
+        .verify_password(b"s3cret: with spaces", &hash)
+        .expect("the password verifies");
+    assert!(ShaCrypt::default().verify_password(b"wrong", &hash).is_err());
+    // Salted: the same password never gives the same line twice.
+    assert_ne!(
+        line,
+        password_line(&credentials("crawler", "s3cret: with spaces")).expect("valid")
+    );
+}
+
+#[test]
+fn password_lines_are_accepted_by_squids_helper() {
+    let helper = Path::new("/usr/lib/squid/basic_ncsa_auth");
+    assert!(helper.exists(), "the squid package provides {}", helper.display());
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(
+        file.path(),
+        password_line(&credentials("crawler", "pa55word-longer-than-8")).expect("valid"),
+    )
+    .expect("write");
+    let mut child = Command::new(helper)
+        .arg(file.path())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("helper runs");
+    // The helper reads `user password` lines (URL-escaped) and answers OK or ERR per line.
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(b"crawler pa55word-longer-than-8\ncrawler wrong\nnobody pa55word-longer-than-8\n")
+        .expect("write");
+    let output = child.wait_with_output().expect("helper exits at end of input");
+    let answers: Vec<String> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| l.split_whitespace().next().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(answers, ["OK", "ERR", "ERR"]);
+}
+
+#[test]
+fn credentials_the_file_cannot_carry_are_refused_without_echoing_them() {
+    for (user, password, expected) in [
+        ("", "p", CredentialsError::BadUserName),
+        ("a:b", "p", CredentialsError::BadUserName),
+        ("a b", "p", CredentialsError::BadUserName),
+        ("crawler", "line\nbreak-canary", CredentialsError::BadPassword),
+    ] {
+        let err = password_line(&credentials(user, password)).expect_err("refused");
+        assert_eq!(err, expected);
+        assert!(!err.to_string().contains("canary"));
+    }
+}
+
+#[test]
+fn backoff_grows_exponentially_and_is_capped() {
+    let delays: Vec<u64> = (1..=10).map(|n| restart_backoff(n).as_secs()).collect();
+    assert_eq!(delays, [0, 1, 2, 4, 8, 16, 32, 60, 60, 60]);
+    assert_eq!(restart_backoff(u32::MAX), Duration::from_secs(60));
+}
+
+#[test]
+fn only_our_squid_on_our_config_counts_as_alive() {
+    let squid = Path::new("/usr/sbin/squid");
+    let config = Path::new("/state/epo-a/squid.conf");
+    let argv = |args: &[&str]| args.iter().map(|a| (*a).to_owned()).collect::<Vec<_>>();
+    assert!(argv_runs_config(
+        &argv(&["/usr/sbin/squid", "-N", "-f", "/state/epo-a/squid.conf"]),
+        squid,
+        config
+    ));
+    // Another instance, another program, a passing `squid -k` command: not ours.
+    assert!(!argv_runs_config(
+        &argv(&["/usr/sbin/squid", "-N", "-f", "/state/epo-b/squid.conf"]),
+        squid,
+        config
+    ));
+    assert!(!argv_runs_config(
+        &argv(&["/usr/bin/vim", "-f", "/state/epo-a/squid.conf"]),
+        squid,
+        config
+    ));
+    assert!(!argv_runs_config(
+        &argv(&["/usr/sbin/squid", "-k", "parse", "-f", "/state/epo-a/squid.conf"]),
+        squid,
+        config
+    ));
+    assert!(!argv_runs_config(&[], squid, config));
+    // A pid that does not exist is not alive.
+    assert!(!process::is_our_squid(i32::MAX, squid, config));
+}
+
+#[test]
+fn parse_problems_keep_what_is_wrong_without_timestamps() {
+    let output = "2026/12/02 13:02:07| Processing: http_port 127.0.0.1:3999\n\
+                  2026/12/02 13:02:07| inst/squid.conf(12): unrecognized: 'bogus_directive'\n\
+                  2026/12/02 13:02:11| FATAL: Bungled inst/squid.conf line 12: bogus_directive 1\n";
+    assert_eq!(
+        parse_problems(output),
+        "inst/squid.conf(12): unrecognized: 'bogus_directive'; FATAL: Bungled inst/squid.conf line 12: bogus_directive 1"
+    );
+}
+
+#[test]
+fn owner_records_round_trip_in_camel_case() {
+    let record = OwnerRecord {
+        version: 1,
+        provider_instance: "local".into(),
+        owner: Owner {
+            uid: "uid-1".into(),
+            namespace: "crawl".into(),
+            name: "web-1".into(),
+        },
+        spec_hash: "abc".into(),
+        created_at: "2026-01-02T03:04:05Z".parse().expect("timestamp"),
+        address: "127.0.0.1".into(),
+        port: 3128,
+        outgoing_address: None,
+        authenticated: false,
+    };
+    let json = serde_json::to_string(&record).expect("serialise");
+    assert!(json.contains(r#""specHash":"abc""#) && json.contains(r#""createdAt":"2026-01-02T03:04:05Z""#));
+    assert_eq!(serde_json::from_str::<OwnerRecord>(&json).expect("parse"), record);
+}
+
+#[test]
+fn settings_that_cannot_work_are_refused_up_front() {
+    let base = LocalSettings::new("/var/lib/epo");
+    let refuse = |settings: LocalSettings| LocalProvider::new("local", settings).err().map(|e| e.to_string());
+    let relative = LocalProvider::new("local", LocalSettings::new("relative/dir")).expect("resolved");
+    assert_eq!(
+        relative.state_dir(),
+        std::env::current_dir().expect("cwd").join("relative/dir"),
+        "resolved against the working directory"
+    );
+    assert!(refuse(LocalSettings::new("/with space")).is_some_and(|e| e.contains("stateDir")));
+    assert!(
+        refuse(LocalSettings {
+            bind_address: "localhost".into(),
+            ..base.clone()
+        })
+        .is_some_and(|e| e.contains("bindAddress"))
+    );
+    assert!(
+        refuse(LocalSettings {
+            extra_config: vec!["ok 1".into(), "two\nlines".into()],
+            ..base.clone()
+        })
+        .is_some_and(|e| e.contains("extraConfig[1]"))
+    );
+    assert!(
+        refuse(LocalSettings {
+            stop_timeout_seconds: 0,
+            ..base.clone()
+        })
+        .is_some_and(|e| e.contains("stopTimeoutSeconds"))
+    );
+    if rustix::process::geteuid().is_root() {
+        assert!(
+            refuse(LocalSettings {
+                squid_user: "no-such-user-here".into(),
+                ..base.clone()
+            })
+            .is_some_and(|e| e.contains("no-such-user-here"))
+        );
+    }
+    assert!(refuse(base).is_none());
+}
+
+#[test]
+fn proc_stat_parsing_survives_odd_command_names() {
+    let stat = "4242 (squid) odd) name) S 1 4242 4242 0 -1 4194560 1262 0 0 0 2 1 0 0 20 0 1 0 987654 \
+                58630144 3411 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0 0 0 0";
+    assert_eq!(
+        process::parse_stat(stat),
+        Some(process::ProcStat {
+            state: 'S',
+            start_ticks: 987_654
+        })
+    );
+    assert_eq!(process::parse_stat("garbage"), None);
+    // This very process: running, and not exited.
+    let me = std::process::id() as i32;
+    let stat = process::proc_stat(me).expect("own stat");
+    assert!(!process::has_exited(me, stat.start_ticks));
+    // The same pid with another start time is another process: ours has exited.
+    assert!(process::has_exited(me, stat.start_ticks + 1));
+    assert!(process::has_exited(i32::MAX, 0));
+}

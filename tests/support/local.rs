@@ -1,0 +1,194 @@
+//! Test support for the `local` provider: a state folder per test, free loopback ports, and
+//! a view of the Squid processes in `/proc` that does not go through the provider.
+
+use std::{
+    collections::HashMap,
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use egress_proxies_operator::{
+    config::LocalSettings,
+    provider::{InstanceRequest, Owner, Provider, ProviderError, local::LocalProvider},
+};
+
+use super::contract::{self, ContractBackend};
+
+/// A port that was free a moment ago on 127.0.0.1 (bound on port 0, then released). Another
+/// process may take it before Squid does: callers retry on "already in use".
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("bind a free port on 127.0.0.1")
+}
+
+/// The arguments of a live process (none for a zombie or a vanished pid).
+pub fn argv(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| {
+            raw.split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Live processes (Squid, its helpers, anything) whose arguments mention `path`.
+pub fn processes_mentioning(path: &Path) -> Vec<i32> {
+    let needle = path.to_string_lossy().into_owned();
+    let mut pids: Vec<i32> = std::fs::read_dir("/proc")
+        .expect("read /proc")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|pid| argv(*pid).iter().any(|arg| arg.contains(&needle)))
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// Live Squid main processes (`squid -N -f CONFIG`) whose config lies under `path`.
+pub fn squids_under(path: &Path) -> Vec<i32> {
+    processes_mentioning(path)
+        .into_iter()
+        .filter(|pid| {
+            let argv = argv(*pid);
+            argv.first().is_some_and(|p| p.ends_with("squid")) && argv.iter().any(|a| a == "-N")
+        })
+        .collect()
+}
+
+/// Sends SIGKILL to `pid`.
+pub fn kill(pid: i32) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+}
+
+/// Polls `condition` every 50 ms until it holds or `timeout` passes.
+pub async fn eventually(timeout: Duration, mut condition: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if condition().await {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A private state folder that Squid (dropping to `proxy` when run as root) can reach, and
+/// kills every Squid under it when dropped, whatever the test's outcome.
+pub struct StateDir {
+    temp: tempfile::TempDir,
+}
+
+impl StateDir {
+    /// A new, empty state folder.
+    pub fn new() -> Self {
+        let temp = tempfile::Builder::new()
+            .prefix("epo-local-")
+            .tempdir()
+            .expect("temp dir");
+        // tempfile makes it 0700; Squid's user must be able to search it.
+        std::fs::set_permissions(temp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        Self { temp }
+    }
+
+    /// The folder to use as `stateDir`.
+    pub fn path(&self) -> PathBuf {
+        self.temp.path().join("state")
+    }
+
+    /// Settings on this folder, with short timeouts for tests.
+    pub fn settings(&self) -> LocalSettings {
+        LocalSettings {
+            start_timeout_seconds: 10,
+            stop_timeout_seconds: 5,
+            ..LocalSettings::new(self.path())
+        }
+    }
+}
+
+impl Drop for StateDir {
+    fn drop(&mut self) {
+        for pid in processes_mentioning(self.temp.path()) {
+            kill(pid);
+        }
+    }
+}
+
+/// The `local` provider as a contract backend: real Squid on 127.0.0.1.
+pub struct LocalBackend {
+    /// The state folder every opened provider shares.
+    pub state: StateDir,
+    settings: LocalSettings,
+    requests: Mutex<HashMap<String, InstanceRequest>>,
+}
+
+impl LocalBackend {
+    /// A backend on a fresh state folder.
+    pub fn new() -> Self {
+        Self::with_settings(|settings| settings)
+    }
+
+    /// A backend whose settings `adjust` changes.
+    pub fn with_settings(adjust: impl FnOnce(LocalSettings) -> LocalSettings) -> Self {
+        let state = StateDir::new();
+        let settings = adjust(state.settings());
+        Self {
+            state,
+            settings,
+            requests: Mutex::default(),
+        }
+    }
+
+    /// A provider on this backend's state folder.
+    pub fn provider(&self) -> LocalProvider {
+        LocalProvider::new("local", self.settings.clone()).expect("valid local settings")
+    }
+}
+
+#[async_trait]
+impl ContractBackend for LocalBackend {
+    async fn open(&self) -> Arc<dyn Provider> {
+        Arc::new(self.provider())
+    }
+
+    fn request(&self, owner: &Owner) -> InstanceRequest {
+        let mut requests = self.requests.lock().expect("not poisoned");
+        requests
+            .entry(contract::name_for(owner))
+            .or_insert_with(|| contract::plain_request(owner.clone(), free_port()))
+            .clone()
+    }
+
+    async fn backend_objects(&self, name: &str) -> usize {
+        squids_under(&self.state.path().join(name)).len()
+    }
+
+    fn retry_create(&self, name: &str, error: &ProviderError) -> bool {
+        let port_taken = error.to_string().contains("in use");
+        if port_taken {
+            self.requests.lock().expect("not poisoned").remove(name);
+        }
+        port_taken
+    }
+}
+
+impl Drop for LocalBackend {
+    fn drop(&mut self) {
+        let leaked = squids_under(&self.state.path());
+        for pid in &leaked {
+            kill(*pid);
+        }
+        if !leaked.is_empty() && !std::thread::panicking() {
+            panic!("Squid processes {leaked:?} were left running under the state folder");
+        }
+    }
+}
