@@ -15,12 +15,13 @@
 use std::{
     fs::{self, File},
     io::{self, Read, Seek, SeekFrom},
-    os::unix::fs::{MetadataExt, OpenOptionsExt},
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
+use egress_proxies_operator::provider::libvirt::seed::{Seed, SeedError};
 use sha2::{Digest, Sha256};
 
 /// The Debian release the image is built from.
@@ -101,6 +102,9 @@ pub enum ImageError {
         /// The last lines of the log.
         tail: String,
     },
+    /// The seed ISO could not be built.
+    #[error("cloud-init seed: {0}")]
+    Seed(#[from] SeedError),
     /// A tool other than the build failed.
     #[error("{tool} failed ({status}): {stderr}")]
     ToolFailed {
@@ -466,42 +470,28 @@ pub fn create_overlay(image: &GuestImage, overlay: &Path) -> Result<(), ImageErr
     check_output("qemu-img", &output)
 }
 
-/// Writes `dir/seed.iso`, a NoCloud seed (ISO 9660 labelled `cidata`, with Joliet and Rock
-/// Ridge) holding `user-data` and `meta-data`, and returns its path. The plain copies of the
-/// two files are removed afterwards: user-data may hold secrets.
+/// Writes `dir/seed.iso`, a NoCloud seed holding `user-data` and `meta-data`, and returns its
+/// path. It is the kvm providers' own seed builder (`provider::libvirt::seed`: an ISO 9660
+/// labelled `cidata`, with Joliet and Rock Ridge, through `genisoimage`), so a test boots the
+/// seed format the providers ship.
 pub fn build_seed_iso(dir: &Path, user_data: &str, meta_data: &str) -> Result<PathBuf, ImageError> {
-    let files = [("user-data", user_data), ("meta-data", meta_data)];
-    for (name, content) in files {
-        let path = dir.join(name);
-        let mut options = fs::OpenOptions::new();
-        options.write(true).create(true).truncate(true).mode(0o600);
-        let mut file = options
-            .open(&path)
-            .map_err(io_error(format!("creating {}", path.display())))?;
-        io::Write::write_all(&mut file, content.as_bytes())
-            .map_err(io_error(format!("writing {}", path.display())))?;
-    }
+    let seed = Seed {
+        user_data: user_data.to_owned(),
+        meta_data: meta_data.to_owned(),
+    };
+    // Callers may be plain #[test]s: run the async builder on a runtime of its own.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(io_error("starting a runtime for the seed builder"))?;
+    let bytes = runtime.block_on(seed.build_iso(SEED_TIMEOUT))?;
     let iso = dir.join("seed.iso");
-    let output = Command::new("genisoimage")
-        .current_dir(dir)
-        .args(["-quiet", "-output"])
-        .arg(&iso)
-        .args(["-volid", "cidata", "-joliet", "-rock", "user-data", "meta-data"])
-        .stdin(Stdio::null())
-        .output();
-    for (name, _) in files {
-        let _ = fs::remove_file(dir.join(name));
-    }
-    let output = output.map_err(|err| match err.kind() {
-        io::ErrorKind::NotFound => ImageError::MissingTool("genisoimage"),
-        _ => ImageError::Io {
-            context: "running genisoimage".to_owned(),
-            source: err,
-        },
-    })?;
-    check_output("genisoimage", &output)?;
+    fs::write(&iso, bytes).map_err(io_error(format!("writing {}", iso.display())))?;
     Ok(iso)
 }
+
+/// `genisoimage` takes milliseconds; this only bounds a hang.
+const SEED_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn check_output(tool: &'static str, output: &std::process::Output) -> Result<(), ImageError> {
     if output.status.success() {
