@@ -15,7 +15,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
-use super::{AppError, Health, Leases, proxy_key};
+use super::{AppError, proxy_key};
 use crate::{
     config::ProvidersConfig,
     controller::{
@@ -302,8 +302,8 @@ pub async fn run_cluster(
     let deps = ClusterDeps {
         client,
         providers,
-        leases: Arc::new(Leases(store)),
-        health: Arc::new(Health::new(health_handle)),
+        leases: Arc::new(store),
+        health: Arc::new(health_handle),
         availability,
         reconciler: ReconcilerConfig::default(),
         namespace: options.namespace.clone(),

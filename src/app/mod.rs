@@ -1,7 +1,6 @@
 //! Assembly of the operator's parts for each mode; the binary's `standalone` and `run`
 //! subcommands are thin wrappers around [`run_standalone`] and [`run_cluster`].
 
-mod adapters;
 pub mod cluster;
 
 use std::{collections::HashSet, future::Future, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
@@ -10,8 +9,6 @@ use async_trait::async_trait;
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
-
-pub use adapters::{Health, Leases, proxy_key};
 
 use crate::{
     config::{ConfigError, ProvidersConfig},
@@ -132,8 +129,8 @@ pub async fn run_standalone(
         &options.state,
         StandaloneDeps {
             providers: providers.clone(),
-            leases: Arc::new(Leases(store.clone())),
-            health: Arc::new(Health::new(health_handle)),
+            leases: Arc::new(store.clone()),
+            health: Arc::new(health_handle),
             availability: availability.clone(),
             reconciler: ReconcilerConfig::default(),
         },
@@ -190,6 +187,14 @@ pub async fn run_standalone(
         warn!(error = %err, "the last lease checkpoint failed");
     }
     Ok(())
+}
+
+/// The reconciler's key for a health event's proxy.
+pub fn proxy_key(key: &crate::lease::ProxyKey) -> crate::effects::ProxyKey {
+    crate::effects::ProxyKey {
+        namespace: key.namespace().to_owned(),
+        name: key.name().to_owned(),
+    }
 }
 
 /// Creates a tokens file with one random token if it does not exist (readable by the owner only).
