@@ -119,36 +119,14 @@ impl ProvidersConfig {
     /// Validates a providers config given as YAML text.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
         let deserializer = serde_norway::Deserializer::from_str(text);
-        let raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(|err| {
-            let path = err.path().to_string();
-            let location = if path == "." {
-                String::new()
-            } else {
-                format!("{path}: ")
-            };
-            ConfigError::Syntax {
-                location,
-                source: err.into_inner(),
-            }
-        })?;
+        let raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(syntax_error)?;
         Self::from_raw(raw)
     }
 
     /// Validates a providers config given as an already-parsed YAML value (for `check`,
     /// which reads multi-document files).
     pub fn from_value(value: serde_norway::Value) -> Result<Self, ConfigError> {
-        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(|err| {
-            let path = err.path().to_string();
-            let location = if path == "." {
-                String::new()
-            } else {
-                format!("{path}: ")
-            };
-            ConfigError::Syntax {
-                location,
-                source: err.into_inner(),
-            }
-        })?;
+        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(syntax_error)?;
         Self::from_raw(raw)
     }
 
@@ -195,6 +173,20 @@ impl ProvidersConfig {
     /// Names of all instances, for error messages.
     pub fn names(&self) -> Vec<&str> {
         self.instances.iter().map(|i| i.name.as_str()).collect()
+    }
+}
+
+/// A shape error, located by its path in the document (`providers[2].name: `).
+fn syntax_error(err: serde_path_to_error::Error<serde_norway::Error>) -> ConfigError {
+    let path = err.path().to_string();
+    let location = if path == "." {
+        String::new()
+    } else {
+        format!("{path}: ")
+    };
+    ConfigError::Syntax {
+        location,
+        source: err.into_inner(),
     }
 }
 

@@ -14,7 +14,7 @@ use tracing::info;
 use super::progress::Progress;
 use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
-    controller::cluster::backend::DEFAULT_CLOUD_INIT_KEY,
+    controller::cluster::backend::{DEFAULT_CLOUD_INIT_KEY, secret_value},
     effects::{BackendError, ProxyBackend, ProxyKey, SecretError},
     machine::AuditEntry,
     provider::{Credentials, UserData},
@@ -73,17 +73,6 @@ fn key_of(proxy: &Proxy) -> ProxyKey {
     }
 }
 
-fn value(secret: &Secret, key: &str) -> Option<String> {
-    if let Some(value) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
-        return Some(value.clone());
-    }
-    secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(key))
-        .and_then(|v| String::from_utf8(v.0.clone()).ok())
-}
-
 #[async_trait]
 impl ProxyBackend for StandaloneBackend {
     async fn cloud_init(&self, namespace: &str, secret: &SecretKeyRef) -> Result<UserData, SecretError> {
@@ -97,7 +86,7 @@ impl ProxyBackend for StandaloneBackend {
                 secret.name
             )));
         };
-        value(&found, key).map(UserData).ok_or_else(|| {
+        secret_value(&found, key).map(UserData).ok_or_else(|| {
             SecretError::NotUsable(format!("Secret {namespace}/{} has no key {key:?}", secret.name))
         })
     }
@@ -108,7 +97,10 @@ impl ProxyBackend for StandaloneBackend {
                 "Secret {namespace}/{secret_name} not found in the manifests folder"
             ))
         })?;
-        match (value(&secret, "username"), value(&secret, "password")) {
+        match (
+            secret_value(&secret, "username"),
+            secret_value(&secret, "password"),
+        ) {
             (Some(username), Some(password)) => Ok(Credentials { username, password }),
             _ => Err(SecretError::NotUsable(format!(
                 "Secret {namespace}/{secret_name} must have the keys \"username\" and \"password\""

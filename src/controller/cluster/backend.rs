@@ -81,11 +81,17 @@ pub fn classify(err: kube::Error) -> BackendError {
     }
 }
 
-fn secret_value(secret: &Secret, key: &str) -> Option<String> {
-    if let Some(value) = secret.data.as_ref().and_then(|d| d.get(key)) {
-        return String::from_utf8(value.0.clone()).ok();
+/// The text of `key` in a Secret (`data`, or `stringData` as written in a manifest).
+pub fn secret_value(secret: &Secret, key: &str) -> Option<String> {
+    // As the API server does, `stringData` wins over `data` for the same key.
+    if let Some(value) = secret.string_data.as_ref().and_then(|d| d.get(key)) {
+        return Some(value.clone());
     }
-    secret.string_data.as_ref().and_then(|d| d.get(key)).cloned()
+    secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .and_then(|v| String::from_utf8(v.0.clone()).ok())
 }
 
 #[async_trait]
