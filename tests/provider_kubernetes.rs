@@ -117,27 +117,49 @@ async fn every_object_carries_the_labels_and_owner_annotations() {
     let request = request("labels", 3130);
     let before = jiff::Timestamp::now();
     let instance = provider.create(&request).await.expect("create");
-    assert_eq!(instance.id.to_string(), format!("kubernetes/cluster/{}", request.name));
-    assert_eq!(instance.state, InstanceState::Starting, "the fake's Pods stay Pending");
+    assert_eq!(
+        instance.id.to_string(),
+        format!("kubernetes/cluster/{}", request.name)
+    );
+    assert_eq!(
+        instance.state,
+        InstanceState::Starting,
+        "the fake's Pods stay Pending"
+    );
 
     for resource in ["pods", "configmaps", "services"] {
         let object = backend
             .object(resource, &request.name)
             .unwrap_or_else(|| panic!("no {resource} named {}", request.name));
         let labels = &object["metadata"]["labels"];
-        assert_eq!(labels["app.kubernetes.io/managed-by"], "egress-proxies-operator", "{resource}");
-        assert_eq!(labels["crawl.example.com/provider-instance"], "cluster", "{resource}");
+        assert_eq!(
+            labels["app.kubernetes.io/managed-by"], "egress-proxies-operator",
+            "{resource}"
+        );
+        assert_eq!(
+            labels["crawl.example.com/provider-instance"], "cluster",
+            "{resource}"
+        );
         let annotations = &object["metadata"]["annotations"];
-        assert_eq!(annotations["crawl.example.com/owner-uid"], request.owner.uid.as_str());
+        assert_eq!(
+            annotations["crawl.example.com/owner-uid"],
+            request.owner.uid.as_str()
+        );
         assert_eq!(annotations["crawl.example.com/owner-namespace"], "contract");
         assert_eq!(annotations["crawl.example.com/owner-name"], "labels");
-        assert_eq!(annotations["crawl.example.com/spec-hash"], request.spec_hash.as_str());
+        assert_eq!(
+            annotations["crawl.example.com/spec-hash"],
+            request.spec_hash.as_str()
+        );
         let created: jiff::Timestamp = annotations["crawl.example.com/created-at"]
             .as_str()
             .expect("created-at is a string")
             .parse()
             .expect("created-at is RFC 3339");
-        assert!(created >= before - jiff::SignedDuration::from_secs(1), "{resource}: {created}");
+        assert!(
+            created >= before - jiff::SignedDuration::from_secs(1),
+            "{resource}: {created}"
+        );
     }
     assert!(
         backend.object("secrets", &request.name).is_none(),
@@ -150,16 +172,25 @@ async fn every_object_carries_the_labels_and_owner_annotations() {
     let container = &pod["spec"]["containers"][0];
     assert_eq!(container["image"], "registry.example.com/squid:5.7");
     assert_eq!(container["volumeMounts"][0]["mountPath"], "/etc/squid/squid.conf");
-    assert_eq!(pod["spec"]["volumes"][0]["configMap"]["name"], request.name.as_str());
+    assert_eq!(
+        pod["spec"]["volumes"][0]["configMap"]["name"],
+        request.name.as_str()
+    );
     let service = backend.object("services", &request.name).expect("service");
     assert_eq!(service["spec"]["type"], "ClusterIP");
     assert_eq!(service["spec"]["ports"][0]["port"], 3130);
     for (key, value) in service["spec"]["selector"].as_object().expect("selector") {
-        assert_eq!(&pod["metadata"]["labels"][key], value, "the Service selects the Pod");
+        assert_eq!(
+            &pod["metadata"]["labels"][key], value,
+            "the Service selects the Pod"
+        );
     }
     provider.delete(&request.name).await.expect("delete");
     for resource in ["pods", "configmaps", "services"] {
-        assert!(backend.object(resource, &request.name).is_none(), "{resource} left behind");
+        assert!(
+            backend.object(resource, &request.name).is_none(),
+            "{resource} left behind"
+        );
     }
 }
 
@@ -195,17 +226,25 @@ async fn credentials_go_to_a_secret_as_a_hash_never_to_the_config_map() {
     assert!(conf.contains("auth_param basic program"), "{conf}");
     assert!(!config_map.to_string().contains(password));
 
-    let secret = backend.object("secrets", &request.name).expect("a Secret for the passwords");
+    let secret = backend
+        .object("secrets", &request.name)
+        .expect("a Secret for the passwords");
     let encoded = secret["data"]["passwd"].as_str().expect("passwd key");
     let passwd = String::from_utf8(base64_decode(encoded)).expect("utf-8");
-    assert!(passwd.starts_with("crawler:$6$"), "a SHA-512-crypt hash: {passwd}");
+    assert!(
+        passwd.starts_with("crawler:$6$"),
+        "a SHA-512-crypt hash: {passwd}"
+    );
     assert!(!passwd.contains(password), "the password itself is not stored");
     let pod = backend.object("pods", &request.name).expect("pod");
     let mounts = pod["spec"]["containers"][0]["volumeMounts"].to_string();
     assert!(mounts.contains("/etc/squid/passwd"), "{mounts}");
 
     provider.delete(&request.name).await.expect("delete");
-    assert!(backend.object("secrets", &request.name).is_none(), "the Secret is deleted too");
+    assert!(
+        backend.object("secrets", &request.name).is_none(),
+        "the Secret is deleted too"
+    );
 }
 
 fn base64_decode(text: &str) -> Vec<u8> {
@@ -258,7 +297,10 @@ async fn cluster_ip_endpoint_is_the_allocated_cluster_ip_and_port() {
     let request = request("cluster-ip", 3129);
     let instance = provider.create(&request).await.expect("create");
     let service = backend.object("services", &request.name).expect("service");
-    let cluster_ip = service["spec"]["clusterIP"].as_str().expect("allocated").to_owned();
+    let cluster_ip = service["spec"]["clusterIP"]
+        .as_str()
+        .expect("allocated")
+        .to_owned();
     let expected = Endpoint {
         host: cluster_ip,
         port: 3129,
@@ -403,7 +445,9 @@ async fn another_provider_instances_objects_are_invisible_and_untouched() {
         Err(ProviderError::NotFound(_)) => {}
         other => panic!("another instance's pod must be NotFound to us, got {other:?}"),
     }
-    ours.delete(&their_request.name).await.expect("delete of a name not ours succeeds");
+    ours.delete(&their_request.name)
+        .await
+        .expect("delete of a name not ours succeeds");
     for resource in ["pods", "configmaps", "services"] {
         assert!(
             backend.object(resource, &their_request.name).is_some(),
@@ -423,11 +467,9 @@ async fn a_create_interrupted_before_the_pod_is_completed_by_the_next_create() {
     let provider = backend.provider("cluster");
     let request = request("interrupted", 3128);
     // The Pod create fails (the crash point): config and Service exist, no Pod.
-    backend.server.fail_next(
-        RequestMatcher::any().verb(Verb::Create).resource("pods"),
-        1,
-        500,
-    );
+    backend
+        .server
+        .fail_next(RequestMatcher::any().verb(Verb::Create).resource("pods"), 1, 500);
     assert!(provider.create(&request).await.is_err());
     assert!(backend.object("configmaps", &request.name).is_some());
     assert!(backend.object("pods", &request.name).is_none());
@@ -435,11 +477,17 @@ async fn a_create_interrupted_before_the_pod_is_completed_by_the_next_create() {
         provider.get(&request.name).await,
         Err(ProviderError::NotFound(_))
     ));
-    let instance = provider.create(&request).await.expect("the repeated create completes");
+    let instance = provider
+        .create(&request)
+        .await
+        .expect("the repeated create completes");
     assert_eq!(instance.owner.as_ref(), Some(&request.owner));
     assert!(backend.object("pods", &request.name).is_some());
     provider.delete(&request.name).await.expect("delete");
     for resource in ["pods", "configmaps", "services"] {
-        assert!(backend.object(resource, &request.name).is_none(), "{resource} left behind");
+        assert!(
+            backend.object(resource, &request.name).is_none(),
+            "{resource} left behind"
+        );
     }
 }

@@ -12,9 +12,8 @@ use std::{collections::BTreeMap, future::Future, time::Duration};
 use async_trait::async_trait;
 use k8s_openapi::{
     api::core::v1::{
-        ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, KeyToPath, Pod, PodSpec, Probe,
-        Secret, SecretVolumeSource, Service, ServicePort, ServiceSpec, TCPSocketAction, Volume,
-        VolumeMount,
+        ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, KeyToPath, Pod, PodSpec, Probe, Secret,
+        SecretVolumeSource, Service, ServicePort, ServiceSpec, TCPSocketAction, Volume, VolumeMount,
     },
     apimachinery::pkg::{apis::meta::v1::ObjectMeta, util::intstr::IntOrString},
 };
@@ -132,7 +131,10 @@ impl KubernetesProvider {
         ]);
         let annotations = BTreeMap::from([
             (OWNER_UID_ANNOTATION.to_owned(), request.owner.uid.clone()),
-            (OWNER_NAMESPACE_ANNOTATION.to_owned(), request.owner.namespace.clone()),
+            (
+                OWNER_NAMESPACE_ANNOTATION.to_owned(),
+                request.owner.namespace.clone(),
+            ),
             (OWNER_NAME_ANNOTATION.to_owned(), request.owner.name.clone()),
             (SPEC_HASH_ANNOTATION.to_owned(), request.spec_hash.clone()),
             (CREATED_AT_ANNOTATION.to_owned(), created_at.to_string()),
@@ -392,7 +394,10 @@ impl KubernetesProvider {
         let service_port = u16::try_from(port.port).ok()?;
         match self.settings.service_type {
             ServiceType::ClusterIP => {
-                let ip = spec.cluster_ip.as_deref().filter(|ip| !ip.is_empty() && *ip != "None")?;
+                let ip = spec
+                    .cluster_ip
+                    .as_deref()
+                    .filter(|ip| !ip.is_empty() && *ip != "None")?;
                 Some(Endpoint {
                     host: ip.to_owned(),
                     port: service_port,
@@ -479,8 +484,12 @@ impl Provider for KubernetesProvider {
         if let Some(secret) = Self::secret(request, meta.clone()) {
             self.create_object(&self.secrets, Kind::Secret, &secret).await?;
         }
-        self.create_object(&self.services, Kind::Service, &self.service(request, meta.clone()))
-            .await?;
+        self.create_object(
+            &self.services,
+            Kind::Service,
+            &self.service(request, meta.clone()),
+        )
+        .await?;
         self.create_object(&self.pods, Kind::Pod, &self.pod(request, meta))
             .await?;
         // Read back: a concurrent create may have won, and its Pod (its creation time) is
@@ -504,8 +513,7 @@ impl Provider for KubernetesProvider {
         self.delete_object(&self.pods, Kind::Pod, name).await?;
         self.delete_object(&self.services, Kind::Service, name).await?;
         self.delete_object(&self.secrets, Kind::Secret, name).await?;
-        self.delete_object(&self.config_maps, Kind::ConfigMap, name)
-            .await
+        self.delete_object(&self.config_maps, Kind::ConfigMap, name).await
     }
 
     async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
