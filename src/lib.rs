@@ -5,6 +5,7 @@
 //! See `docs/architecture.md` for how the modules fit together.
 
 pub mod api;
+pub mod app;
 pub mod check;
 pub mod config;
 pub mod controller;

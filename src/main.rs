@@ -6,10 +6,11 @@ use std::{path::PathBuf, process::ExitCode};
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use egress_proxies_operator::{
-    api,
+    api, app,
     check::{Checker, Report},
     config::ProvidersConfig,
     machine,
+    standalone::status,
 };
 
 /// Provisions, health-checks and leases egress proxies.
@@ -44,11 +45,119 @@ enum Command {
         check: bool,
     },
     /// Replay a lifecycle scenario file (e.g. machines/scenarios/*.yaml) and print its audit trail.
+    /// Run the operator against the cluster of the kubeconfig / in-cluster config (cluster mode).
+    Run {
+        /// Providers config.
+        #[arg(long, value_name = "FILE")]
+        providers_config: PathBuf,
+        /// Watch only this namespace (disables orphan GC unless --gc-allow-namespaced).
+        #[arg(long, value_name = "NS")]
+        namespace: Option<String>,
+        /// Run orphan GC in namespace-restricted mode (it then judges only that namespace's instances).
+        #[arg(long)]
+        gc_allow_namespaced: bool,
+        /// Only log what orphan GC would delete.
+        #[arg(long)]
+        gc_dry_run: bool,
+        /// Namespace of the leader Lease and the lease checkpoint.
+        #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
+        system_namespace: String,
+        /// This replica's identity.
+        #[arg(long, env = "POD_NAME", default_value = "egress-proxies-operator")]
+        identity: String,
+        /// Admin server address (/healthz, /readyz, /metrics).
+        #[arg(long, default_value = "0.0.0.0:8081")]
+        admin_listen: std::net::SocketAddr,
+        /// Discovery API address.
+        #[arg(long, default_value = "0.0.0.0:8080")]
+        discovery_listen: std::net::SocketAddr,
+        /// Bearer tokens of the discovery API.
+        #[arg(
+            long,
+            value_name = "FILE",
+            default_value = "/etc/egress-proxies-operator/tokens/tokens"
+        )]
+        tokens: PathBuf,
+        /// Key signing lease tokens, shared by all replicas.
+        #[arg(
+            long,
+            value_name = "FILE",
+            default_value = "/etc/egress-proxies-operator/lease-key/key"
+        )]
+        lease_signing_key: PathBuf,
+        /// Parallel reconciles.
+        #[arg(long, default_value_t = 8)]
+        concurrency: u16,
+        /// Log as JSON lines instead of text.
+        #[arg(long)]
+        json_logs: bool,
+    },
+    /// Run the whole operator on this host without Kubernetes (standalone mode).
+    Standalone {
+        /// Folder of Proxy manifests (and the Secrets they reference).
+        #[arg(long, value_name = "DIR")]
+        manifests: PathBuf,
+        /// Providers config.
+        #[arg(long, value_name = "FILE")]
+        providers_config: PathBuf,
+        /// State folder: status, audit trail, leases.
+        #[arg(long, value_name = "DIR", default_value = ".standalone/state")]
+        state: PathBuf,
+        /// Address of the discovery API.
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// Bearer tokens of the discovery API (default: a token created in the state folder).
+        #[arg(long, value_name = "FILE")]
+        tokens: Option<PathBuf>,
+        /// Log as JSON lines instead of text.
+        #[arg(long)]
+        json_logs: bool,
+    },
+    /// Show the proxies of a standalone state folder, like `kubectl get proxies`.
+    Status {
+        /// State folder.
+        #[arg(long, value_name = "DIR", default_value = ".standalone/state")]
+        state: PathBuf,
+        /// Print the audit trail of this proxy (`name` or `namespace/name`) instead.
+        #[arg(long, value_name = "PROXY")]
+        audit: Option<String>,
+    },
     Audit {
         /// The scenario file.
         #[arg(value_name = "SCENARIO")]
         scenario: PathBuf,
     },
+}
+
+/// Logs to stderr, `RUST_LOG` selecting levels (default `info`).
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate => {}
+    }
+    tracing::info!("shutting down");
 }
 
 fn main() -> ExitCode {
@@ -114,6 +223,95 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let path = std::path::Path::new(machine::docs::DOC_PATH);
             machine::docs::check_markdown(path)?;
             eprintln!("{} is up to date", path.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Standalone {
+            manifests,
+            providers_config,
+            state,
+            listen,
+            tokens,
+            json_logs,
+        } => {
+            init_logging(json_logs);
+            let options = app::StandaloneOptions {
+                manifests,
+                providers_config,
+                state,
+                listen,
+                tokens,
+                poll: std::time::Duration::from_secs(1),
+                gc_grace: std::time::Duration::from_secs(300),
+            };
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(app::run_standalone(options, shutdown_signal()))?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run {
+            providers_config,
+            namespace,
+            gc_allow_namespaced,
+            gc_dry_run,
+            system_namespace,
+            identity,
+            admin_listen,
+            discovery_listen,
+            tokens,
+            lease_signing_key,
+            concurrency,
+            json_logs,
+        } => {
+            init_logging(json_logs);
+            let options = app::cluster::ClusterOptions {
+                providers_config,
+                namespace,
+                gc_allow_namespaced,
+                gc_dry_run,
+                system_namespace,
+                identity,
+                admin_listen,
+                discovery_listen,
+                tokens,
+                signing_key: lease_signing_key,
+                concurrency,
+            };
+            let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+            runtime.block_on(async {
+                let client = kube::Client::try_default()
+                    .await
+                    .context("connecting to the cluster")?;
+                app::cluster::run_cluster(client, options, shutdown_signal()).await?;
+                anyhow::Ok(())
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { state, audit } => {
+            let store = egress_proxies_operator::store::Store::read_only(&state)?;
+            match audit {
+                Some(proxy) => {
+                    let (namespace, name) = proxy.split_once('/').unwrap_or(("default", proxy.as_str()));
+                    let key = egress_proxies_operator::effects::ProxyKey {
+                        namespace: namespace.to_owned(),
+                        name: name.to_owned(),
+                    };
+                    print!("{}", status::render_audit(&store, &key)?);
+                }
+                None => {
+                    let checkpoint = state.join("leases.checkpoint");
+                    let leases =
+                        egress_proxies_operator::lease::checkpoint::active_leases_by_proxy(&checkpoint);
+                    let count = |key: &egress_proxies_operator::effects::ProxyKey| {
+                        leases
+                            .get(&format!("{}/{}", key.namespace, key.name))
+                            .copied()
+                            .unwrap_or(0)
+                    };
+                    print!(
+                        "{}",
+                        status::render_table(&store, jiff::Timestamp::now(), &count)?
+                    );
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Audit { scenario } => {

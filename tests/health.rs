@@ -76,6 +76,7 @@ async fn squid_passes_fails_when_stopped_and_recovers_when_restarted() {
     squid.restart().await;
     let recovered = next_event(&mut events).await;
     assert_eq!((recovered.verdict, recovered.recovered), (Verdict::Passing, true));
+    assert!(health.snapshot(&key).unwrap().recovered);
     // No event while nothing crosses a threshold.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(events.try_recv().is_err());

@@ -23,6 +23,7 @@
 //!
 //! The engine runs until every [`HealthHandle`] is dropped.
 
+mod control;
 mod probe;
 
 use std::{
@@ -128,6 +129,8 @@ pub struct HealthSnapshot {
     pub last_probe_at: Option<jiff::Timestamp>,
     /// When the verdict last changed.
     pub verdict_since: Option<jiff::Timestamp>,
+    /// The verdict is `Passing` and was `Failing` before (a recovery, not a first pass).
+    pub recovered: bool,
     /// Probes since the target was added (or its endpoint or URL changed).
     pub probes: u64,
 }
@@ -142,6 +145,7 @@ impl Default for HealthSnapshot {
             last_error: None,
             last_probe_at: None,
             verdict_since: None,
+            recovered: false,
             probes: 0,
         }
     }
@@ -519,6 +523,7 @@ fn apply(
     (next != old).then(|| {
         snapshot.verdict = next;
         snapshot.verdict_since = Some(now);
+        snapshot.recovered = old == Verdict::Failing && next == Verdict::Passing;
         (old, next)
     })
 }

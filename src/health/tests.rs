@@ -76,3 +76,41 @@ fn errors_are_bounded() {
     apply(&mut snapshot, &t, Err(long), jiff::Timestamp::UNIX_EPOCH);
     assert!(snapshot.last_error.unwrap().len() <= MAX_ERROR_LEN);
 }
+
+#[tokio::test]
+async fn the_health_executor_interface_maps_targets_and_verdicts() {
+    use crate::effects::{self, HealthControl};
+    let (handle, _events) = HealthEngine::start(HealthConfig {
+        tls_roots: Some(Arc::new(rustls::RootCertStore::empty())),
+        ..HealthConfig::default()
+    })
+    .unwrap();
+    let key = effects::ProxyKey {
+        namespace: "ns".into(),
+        name: "p".into(),
+    };
+    let control: &dyn HealthControl = &handle;
+    assert_eq!(control.verdict(&key), effects::HealthVerdict::Unknown);
+    control.upsert(effects::HealthTarget {
+        key: key.clone(),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 9,
+        },
+        check: crate::api::HealthCheck {
+            url: "http://127.0.0.1/".into(),
+            interval_seconds: 3600,
+            timeout_seconds: 1,
+            failure_threshold: 2,
+            success_threshold: 1,
+            expected_egress_address: Some("192.0.2.1".into()),
+        },
+        credentials: None,
+    });
+    assert_eq!(handle.len(), 1);
+    let snapshot = handle.snapshot(&ProxyKey::new("ns", "p")).unwrap();
+    assert_eq!(snapshot.verdict, Verdict::Unknown);
+    assert_eq!(control.verdict(&key), effects::HealthVerdict::Unknown);
+    control.remove(&key);
+    assert!(handle.is_empty());
+}

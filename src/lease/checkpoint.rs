@@ -385,3 +385,27 @@ pub async fn maintenance(
         None => Ok(()),
     }
 }
+
+/// Leases per proxy (`namespace/name`) in the checkpoint file at `path`, for `status`; an
+/// absent or unreadable file counts as no leases. Leases that had expired when it was saved are
+/// not counted.
+pub fn active_leases_by_proxy(path: &Path) -> BTreeMap<String, u32> {
+    let Ok(bytes) = std::fs::read(path) else {
+        return BTreeMap::new();
+    };
+    let Ok(checkpoint) = decode(&bytes) else {
+        return BTreeMap::new();
+    };
+    checkpoint
+        .proxies
+        .iter()
+        .map(|p| {
+            let live = p
+                .leases
+                .iter()
+                .filter(|l| l.expires_at_ms > checkpoint.saved_at_ms)
+                .count();
+            (p.key.to_string(), u32::try_from(live).unwrap_or(u32::MAX))
+        })
+        .collect()
+}

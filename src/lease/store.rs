@@ -81,6 +81,37 @@ enum AdmissionState {
     Draining,
 }
 
+/// A short string kept inline: holder names are short, and this spares an allocation (and a
+/// free) per lease on the hot path.
+#[derive(Clone, Debug)]
+enum SmallStr {
+    Inline { len: u8, bytes: [u8; 30] },
+    Heap(Box<str>),
+}
+
+impl SmallStr {
+    fn new(s: &str) -> Self {
+        if s.len() <= 30 {
+            let mut bytes = [0u8; 30];
+            bytes[..s.len()].copy_from_slice(s.as_bytes());
+            SmallStr::Inline {
+                len: s.len() as u8,
+                bytes,
+            }
+        } else {
+            SmallStr::Heap(s.into())
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        match self {
+            SmallStr::Inline { len, bytes } => std::str::from_utf8(&bytes[..*len as usize])
+                .expect("inline bytes are copied whole from a str"),
+            SmallStr::Heap(s) => s,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct LeaseRecord {
     first_token: u64,
@@ -89,7 +120,7 @@ struct LeaseRecord {
     expires_at: u64,
     /// What the holder asked for (capped), the default length of a renewal.
     ttl_ms: u64,
-    holder: Box<str>,
+    holder: SmallStr,
     target_domain: Option<Box<str>>,
     session_key: Option<Box<str>>,
     /// Loaded from a checkpoint and not touched since: the holder may hold a newer token
@@ -412,7 +443,7 @@ impl Shard {
             acquired_at: now,
             expires_at,
             ttl_ms,
-            holder: req.holder.into(),
+            holder: SmallStr::new(req.holder),
             target_domain: domain.map(Into::into),
             session_key: req.session_key.map(Into::into),
             restored: false,
@@ -959,7 +990,7 @@ impl LeaseStore {
             acquired_at: claim.acquired_at_ms,
             expires_at: claim.expires_at_ms,
             ttl_ms: claim.expires_at_ms.saturating_sub(claim.acquired_at_ms).max(1),
-            holder: claim.holder.as_str().into(),
+            holder: SmallStr::new(&claim.holder),
             target_domain: claim.target_domain.as_deref().map(Into::into),
             session_key: claim.session_key.as_deref().map(Into::into),
             restored: false,
@@ -1071,7 +1102,7 @@ impl LeaseStore {
                     .map(|l| LeaseCheckpoint {
                         first_token: l.first_token,
                         token: l.token,
-                        holder: l.holder.to_string(),
+                        holder: l.holder.as_str().to_owned(),
                         acquired_at_ms: l.acquired_at,
                         expires_at_ms: l.expires_at,
                         ttl_ms: l.ttl_ms,
@@ -1177,7 +1208,7 @@ impl LeaseStore {
                     acquired_at: l.acquired_at_ms,
                     expires_at: l.expires_at_ms,
                     ttl_ms: l.ttl_ms.max(1),
-                    holder: l.holder.as_str().into(),
+                    holder: SmallStr::new(&l.holder),
                     target_domain: l.target_domain.as_deref().map(Into::into),
                     session_key: l.session_key.as_deref().map(Into::into),
                     restored: true,

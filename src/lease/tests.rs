@@ -771,3 +771,42 @@ fn proxy_urls_carry_credentials_only_where_asked() {
     assert!("a/b/c".parse::<ProxyKey>().is_err());
     let _: BTreeMap<ProxyKey, ()> = BTreeMap::new();
 }
+
+#[test]
+fn the_lease_executor_interface_drives_the_store() {
+    use crate::effects::{self, LeaseControl};
+    let (store, _) = store(2);
+    let key = effects::ProxyKey {
+        namespace: "crawl".into(),
+        name: "a".into(),
+    };
+    let control: &dyn LeaseControl = &store;
+    control.upsert(effects::LeaseTarget {
+        key: key.clone(),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 3128,
+        },
+        attributes: BTreeMap::from([("region".to_owned(), "eu".to_owned())]),
+        policy: LeasePolicy {
+            max_concurrent: 2,
+            cooldown_seconds: 0,
+            max_ttl_seconds: 60,
+        },
+        credentials: None,
+    });
+    let eu = sel(&store, "region=eu");
+    assert!(acquire(&store, &eu).is_err(), "closed until enabled");
+    control.set_admission(&key, true);
+    let lease = acquire(&store, &eu).unwrap();
+    assert_eq!(lease.id.key, ProxyKey::new("crawl", "a"));
+    assert_eq!(control.active(&key), 1);
+    assert_eq!(control.drain(&key), effects::DrainStatus::Pending { active: 1 });
+    assert_eq!(control.revoke_all(&key), 1);
+    assert_eq!(control.drain(&key), effects::DrainStatus::Drained);
+    control.remove(&key);
+    assert_eq!(store.proxy_count(), 0);
+    // Unknown proxies are no error for the executor.
+    control.set_admission(&key, true);
+    assert_eq!(control.active(&key), 0);
+}

@@ -1,0 +1,257 @@
+//! Assembly of the operator's parts for each mode; the binary's `standalone` and `run`
+//! subcommands are thin wrappers around [`run_standalone`] and [`run_cluster`].
+
+pub mod cluster;
+
+use std::{collections::HashSet, future::Future, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use prometheus_client::registry::Registry;
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn};
+
+use crate::{
+    config::{ConfigError, ProvidersConfig},
+    controller::{ProviderAvailability, ReconcilerConfig},
+    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, auth::StaticTokens},
+    gc::{self, GcConfig, LiveOwners},
+    health::{HealthConfig, HealthEngine},
+    lease::{
+        LeaseStore, LeaseStoreConfig,
+        checkpoint::{CheckpointStore, FileCheckpoint, MaintenanceConfig, maintenance},
+        token::LeaseSigner,
+    },
+    monitor::{LogSink, Monitor},
+    provider::{ProviderRegistry, RegistryError},
+    standalone::{Standalone, StandaloneDeps, StandaloneError},
+    store::Store,
+};
+
+/// Why the operator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// The providers config.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Building the providers.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// The state or manifests folder.
+    #[error(transparent)]
+    Standalone(#[from] StandaloneError),
+    /// Anything else at start-up (bind, key files, engines).
+    #[error("{0}")]
+    Startup(String),
+}
+
+/// Options of standalone mode.
+#[derive(Clone, Debug)]
+pub struct StandaloneOptions {
+    /// Folder of Proxy (and Secret) manifests.
+    pub manifests: PathBuf,
+    /// Providers config file.
+    pub providers_config: PathBuf,
+    /// State folder (embedded store, lease checkpoint, signing key).
+    pub state: PathBuf,
+    /// Discovery API address.
+    pub listen: SocketAddr,
+    /// Bearer tokens file (one token per line, or `name: token`); created with one random token
+    /// under the state folder when not given.
+    pub tokens: Option<PathBuf>,
+    /// How often the manifests folder is re-read.
+    pub poll: Duration,
+    /// Grace period of orphan GC.
+    pub gc_grace: Duration,
+}
+
+/// The tokens file standalone mode creates when none is given.
+pub fn default_tokens_file(state: &std::path::Path) -> PathBuf {
+    state.join("discovery-tokens")
+}
+
+/// Runs standalone mode until `shutdown` resolves.
+pub async fn run_standalone(
+    options: StandaloneOptions,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), AppError> {
+    let config = ProvidersConfig::load(&options.providers_config)?;
+    let providers = ProviderRegistry::from_config(&config)?;
+    std::fs::create_dir_all(&options.state)
+        .map_err(|e| AppError::Startup(format!("creating {}: {e}", options.state.display())))?;
+
+    // Leases: restored from the last checkpoint, signed with a key kept in the state folder.
+    let store = LeaseStore::new(LeaseStoreConfig::default());
+    let checkpoint = Arc::new(FileCheckpoint::new(options.state.join("leases.checkpoint")));
+    match checkpoint.load().await {
+        Ok(Some(saved)) => {
+            info!(leases = saved.lease_count(), "lease checkpoint restored");
+            store.restore(&saved);
+        }
+        Ok(None) => {}
+        Err(err) => warn!(error = %err, "lease checkpoint unreadable; starting without it"),
+    }
+    let signer = LeaseSigner::load_or_create(&options.state.join("lease-signing.key"))
+        .map_err(|e| AppError::Startup(format!("lease signing key: {e}")))?;
+    let tokens_path = match &options.tokens {
+        Some(path) => path.clone(),
+        None => ensure_tokens_file(&default_tokens_file(&options.state))?,
+    };
+    let tokens = StaticTokens::from_file(&tokens_path).map_err(|e| AppError::Startup(e.to_string()))?;
+
+    let (health_handle, mut health_events) =
+        HealthEngine::start(HealthConfig::default()).map_err(|e| AppError::Startup(e.to_string()))?;
+    let availability = ProviderAvailability::default();
+    let mut registry = Registry::default();
+    let discovery_metrics = DiscoveryMetrics::register(&mut registry);
+    let registry = Arc::new(registry);
+    let (_readiness_tx, readiness) = watch::channel(Readiness {
+        synced: true,
+        leader: true,
+    });
+    let state = DiscoveryState::new(
+        store.clone(),
+        signer,
+        Arc::new(tokens),
+        readiness,
+        registry,
+        discovery_metrics,
+        DiscoveryConfig::default(),
+    );
+    let listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .map_err(|e| AppError::Startup(format!("binding the discovery API on {}: {e}", options.listen)))?;
+    let listen = listener
+        .local_addr()
+        .map_err(|e| AppError::Startup(e.to_string()))?;
+
+    let runner = Standalone::open(
+        &options.manifests,
+        &options.state,
+        StandaloneDeps {
+            providers: providers.clone(),
+            leases: Arc::new(store.clone()),
+            health: Arc::new(health_handle),
+            availability: availability.clone(),
+            reconciler: ReconcilerConfig::default(),
+        },
+    )?;
+    info!(
+        discovery = %format!("http://{listen}"),
+        tokens = %tokens_path.display(),
+        manifests = %options.manifests.display(),
+        "standalone mode running"
+    );
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let (trigger_tx, trigger_rx) = mpsc::channel(1024);
+    let forward = tokio::spawn(async move {
+        while let Some(event) = health_events.recv().await {
+            if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
+                break;
+            }
+        }
+    });
+    let api = tokio::spawn(discovery::serve(listener, state, stopped()));
+    let upkeep = tokio::spawn(maintenance(
+        store.clone(),
+        Some(checkpoint as Arc<dyn CheckpointStore>),
+        MaintenanceConfig::default(),
+        stopped(),
+    ));
+    let monitor = Monitor::new(
+        providers.clone(),
+        availability,
+        Arc::new(LogSink),
+        Duration::from_secs(10),
+    );
+    let monitor = tokio::spawn(monitor.run(Duration::from_secs(30), stopped()));
+    let owners = StateOwners(options.state.clone());
+    let gc_loop = tokio::spawn(gc_loop(providers, owners, options.gc_grace, stopped()));
+
+    runner.run(trigger_rx, options.poll, shutdown).await;
+    let _ = stop_tx.send(true);
+    forward.abort();
+    for task in [monitor, gc_loop] {
+        let _ = task.await;
+    }
+    if let Ok(Err(err)) = api.await {
+        warn!(error = %err, "discovery API stopped with an error");
+    }
+    if let Ok(Err(err)) = upkeep.await {
+        warn!(error = %err, "the last lease checkpoint failed");
+    }
+    Ok(())
+}
+
+/// The reconciler's key for a health event's proxy.
+pub fn proxy_key(key: &crate::lease::ProxyKey) -> crate::effects::ProxyKey {
+    crate::effects::ProxyKey {
+        namespace: key.namespace().to_owned(),
+        name: key.name().to_owned(),
+    }
+}
+
+/// Creates a tokens file with one random token if it does not exist (readable by the owner only).
+fn ensure_tokens_file(path: &std::path::Path) -> Result<PathBuf, AppError> {
+    if !path.exists() {
+        let token: String = (0..32).map(|_| format!("{:02x}", fastrand::u8(..))).collect();
+        let write = || -> std::io::Result<()> {
+            use std::{io::Write, os::unix::fs::OpenOptionsExt};
+            let mut file = std::fs::OpenOptions::new()
+                .create_new(true)
+                .write(true)
+                .mode(0o600)
+                .open(path)?;
+            writeln!(file, "{token}")
+        };
+        write().map_err(|e| AppError::Startup(format!("creating {}: {e}", path.display())))?;
+        info!(path = %path.display(), "created a discovery API token");
+    }
+    Ok(path.to_owned())
+}
+
+/// Live owners in standalone mode: the records of the state folder.
+struct StateOwners(PathBuf);
+
+#[async_trait]
+impl LiveOwners for StateOwners {
+    async fn live_uids(&self, _namespace: Option<&str>) -> Result<HashSet<String>, String> {
+        let store = Store::read_only(&self.0).map_err(|e| e.to_string())?;
+        Ok(store
+            .list()
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|(_, r)| r.uid)
+            .collect())
+    }
+}
+
+async fn gc_loop(
+    providers: ProviderRegistry,
+    owners: impl LiveOwners,
+    grace: Duration,
+    shutdown: impl Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    let config = GcConfig {
+        grace,
+        dry_run: false,
+        namespace: None,
+    };
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return,
+            _ = tokio::time::sleep(Duration::from_secs(60)) => {}
+        }
+        let report = gc::collect(&providers, &owners, &config, jiff::Timestamp::now()).await;
+        if !report.collected.is_empty() {
+            info!(collected = ?report.collected, "orphan GC");
+        }
+    }
+}

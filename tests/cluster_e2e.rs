@@ -1,0 +1,203 @@
+//! Cluster mode end to end in one process: `run_cluster` (leader election, controller, health
+//! engine, lease store with its ConfigMap checkpoint, discovery API, admin server) against the
+//! fake API server, with the `local` provider running real Squid. A Proxy object becomes
+//! Healthy, a crawler leases it and fetches through it, metrics show the lifecycle, and deleting
+//! the object removes its Squid.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use egress_proxies_operator::{
+    api::Proxy,
+    app::cluster::{ClusterOptions, run_cluster},
+};
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::{
+    Api,
+    api::{DeleteParams, PostParams},
+};
+use serde_json::json;
+use support::{Origin, fake_apiserver::FakeApiServer, free_port};
+
+async fn send(port: u16, method: &str, path: &str, token: Option<&str>, body: &str) -> (StatusCode, String) {
+    let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let mut request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "127.0.0.1");
+    if let Some(token) = token {
+        request = request
+            .header("authorization", format!("Bearer {token}"))
+            .header("content-type", "application/json");
+    }
+    let response = sender
+        .send_request(request.body(Full::new(Bytes::from(body.to_owned()))).unwrap())
+        .await
+        .expect("response");
+    let status = response.status();
+    let bytes = response.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+async fn eventually<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
+    let origin = Origin::start().await;
+    let server = FakeApiServer::start().await;
+    let client = server.client();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let providers = dir.path().join("providers.yaml");
+    std::fs::write(
+        &providers,
+        format!(
+            "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: {}\n",
+            dir.path().join("local").display()
+        ),
+    )
+    .expect("providers");
+    let token = "e2e-token-0123456789abcdef";
+    std::fs::write(dir.path().join("tokens"), format!("{token}\n")).expect("tokens");
+    std::fs::write(dir.path().join("key"), "0123456789abcdef0123456789abcdef").expect("key");
+    let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
+    let options = ClusterOptions {
+        providers_config: providers,
+        namespace: None,
+        gc_allow_namespaced: false,
+        gc_dry_run: false,
+        system_namespace: "egress-proxies-system".into(),
+        identity: "replica-a".into(),
+        admin_listen: format!("127.0.0.1:{admin_port}").parse().unwrap(),
+        discovery_listen: format!("127.0.0.1:{discovery_port}").parse().unwrap(),
+        tokens: dir.path().join("tokens"),
+        signing_key: dir.path().join("key"),
+        concurrency: 4,
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(run_cluster(client.clone(), options, async {
+        let _ = stopped.await;
+    }));
+
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
+    let proxy: Proxy = serde_json::from_value(json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "squid-1", "namespace": "crawl"},
+        "spec": {
+            "provider": "local",
+            "placement": {"address": "127.0.0.1"},
+            "port": proxy_port,
+            "attributes": {"region": "eu"},
+            "health": {"url": origin.http_url("/health"), "intervalSeconds": 2, "timeoutSeconds": 1},
+        },
+    }))
+    .unwrap();
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("created");
+    eventually("the Proxy is healthy", async || {
+        let p = proxies.get("squid-1").await.ok()?;
+        (p.status?.phase.as_deref() == Some("healthy")).then_some(())
+    })
+    .await;
+    eventually("the leader is ready", async || {
+        (send(admin_port, "GET", "/readyz", None, "").await.0 == StatusCode::OK).then_some(())
+    })
+    .await;
+
+    let (code, lease) = send(
+        discovery_port,
+        "POST",
+        "/v1/leases",
+        Some(token),
+        r#"{"selector":{"region":"eu"},"holder":"crawler-1","ttlSeconds":60}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::CREATED, "{lease}");
+    let lease: serde_json::Value = serde_json::from_str(&lease).unwrap();
+    assert_eq!(lease["proxyUrl"], format!("http://127.0.0.1:{proxy_port}"));
+    let stream = tokio::net::TcpStream::connect(("127.0.0.1", proxy_port))
+        .await
+        .expect("proxy");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let response = sender
+        .send_request(
+            Request::get(origin.http_url("/ip"))
+                .header("host", "127.0.0.1")
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+        .expect("through the proxy");
+    assert_eq!(response.status(), StatusCode::OK);
+
+    // The lease checkpoint lands in the cluster, in the operator's namespace.
+    eventually("the lease checkpoint", async || {
+        let cm = Api::<ConfigMap>::namespaced(client.clone(), "egress-proxies-system")
+            .get_opt("egress-proxies-operator")
+            .await
+            .ok()??;
+        cm.data?.values().any(|v| v.contains("crawler-1")).then_some(())
+    })
+    .await;
+    let (code, metrics) = send(admin_port, "GET", "/metrics", None, "").await;
+    assert_eq!(code, StatusCode::OK);
+    assert!(
+        metrics.contains(r#"epo_transitions_total{from="provisioning",to="healthy"} 1"#),
+        "{metrics}"
+    );
+
+    // Deleting the object drains (the lease is released first) and removes the Squid.
+    let lease_id = lease["leaseId"].as_str().unwrap();
+    let (code, _) = send(
+        discovery_port,
+        "POST",
+        &format!("/v1/leases/{lease_id}/release"),
+        Some(token),
+        &format!(r#"{{"fencingToken":{},"outcome":"ok"}}"#, lease["fencingToken"]),
+    )
+    .await;
+    assert!(code.is_success());
+    proxies
+        .delete("squid-1", &DeleteParams::default())
+        .await
+        .expect("delete");
+    eventually("the Proxy is gone", async || {
+        proxies.get_opt("squid-1").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", proxy_port)).is_err(),
+        "the Squid is gone"
+    );
+
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), operator)
+        .await
+        .expect("stops")
+        .expect("no panic")
+        .expect("clean exit");
+}

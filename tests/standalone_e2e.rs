@@ -1,0 +1,320 @@
+//! Standalone mode end to end, as a user runs it: the real binary, real Squid processes through
+//! the local provider, the discovery API over a socket. Healthy proxies, a lease, a fetch
+//! through the leased proxy, a release; a removed manifest takes its Squid away; a restart
+//! duplicates nothing and keeps the earlier state.
+
+mod support;
+
+use std::{
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use support::{Origin, free_port};
+
+const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
+
+/// The operator process, killed (with its process group) on Drop; Squids it started run in
+/// their own sessions and are stopped by [`Host`]'s Drop.
+struct Operator {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Operator {
+    fn start(host: &Host, log_name: &str) -> Operator {
+        let log = host.dir.path().join(log_name);
+        let out = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(BIN)
+            .current_dir(host.dir.path())
+            .args([
+                "standalone",
+                "--manifests",
+                "manifests",
+                "--providers-config",
+                "providers.yaml",
+            ])
+            .args([
+                "--state",
+                "state",
+                "--listen",
+                &format!("127.0.0.1:{}", host.api_port),
+            ])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup"))
+            .stderr(out)
+            .process_group(0)
+            .spawn()
+            .expect("operator starts");
+        Operator {
+            child: Some(child),
+            log,
+        }
+    }
+
+    /// SIGTERM, as systemd or Ctrl-C would; waits for a clean exit.
+    fn stop(mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                if let Ok(Some(status)) = child.try_wait() {
+                    assert!(status.success(), "operator exited with {status}");
+                    return;
+                }
+                assert!(Instant::now() < deadline, "operator did not stop on SIGTERM");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The temp folder the user would run in; kills every Squid started from it on Drop.
+struct Host {
+    dir: tempfile::TempDir,
+    api_port: u16,
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        for pid in squids(self.dir.path()) {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        }
+    }
+}
+
+/// Pids of Squids whose config lives under `dir`.
+fn squids(dir: &Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| {
+                    String::from_utf8_lossy(&c).contains("squid")
+                        && String::from_utf8_lossy(&c).contains(&needle)
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+fn manifest(name: &str, port: u16, health_url: &str) -> String {
+    format!(
+        "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\nmetadata:\n  name: {name}\nspec:\n  provider: local\n  placement:\n    address: 127.0.0.1\n  port: {port}\n  attributes:\n    pool: e2e\n  lease:\n    maxConcurrent: 1\n  health:\n    url: {health_url}\n    intervalSeconds: 2\n    timeoutSeconds: 1\n    failureThreshold: 2\n"
+    )
+}
+
+fn status(host: &Host) -> String {
+    try_status(host).expect("status succeeds")
+}
+
+/// `status`, or `None` while the operator has not created its state folder yet.
+fn try_status(host: &Host) -> Option<String> {
+    let output = Command::new(BIN)
+        .current_dir(host.dir.path())
+        .args(["status", "--state", "state"])
+        .output()
+        .expect("status runs");
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8(output.stdout).expect("utf-8"))
+}
+
+fn wait_status(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let table = try_status(host).unwrap_or_default();
+        if done(&table) {
+            return table;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; status:\n{table}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn healthy_rows(table: &str) -> usize {
+    table
+        .lines()
+        .filter(|l| l.split_whitespace().nth(2) == Some("healthy"))
+        .count()
+}
+
+async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, serde_json::Value) {
+    let token = std::fs::read_to_string(host.dir.path().join("state/discovery-tokens")).expect("token");
+    let stream = tokio::net::TcpStream::connect(("127.0.0.1", host.api_port))
+        .await
+        .expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "127.0.0.1")
+        .header("authorization", format!("Bearer {}", token.trim()))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .expect("request");
+    let response = sender.send_request(request).await.expect("response");
+    let status = response.status();
+    let bytes = response.into_body().collect().await.expect("body").to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+/// GET `url` through the HTTP proxy at `proxy` (absolute-form request).
+async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
+    let stream = tokio::net::TcpStream::connect(proxy)
+        .await
+        .expect("connect to proxy");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let request = Request::get(url)
+        .header("host", "127.0.0.1")
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let response = sender
+        .send_request(request)
+        .await
+        .expect("response through the proxy");
+    let status = response.status();
+    let body = response.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_end_to_end_with_real_squid() {
+    let origin = Origin::start().await;
+    let host = Host {
+        dir: tempfile::tempdir().expect("temp dir"),
+        api_port: free_port(),
+    };
+    let root = host.dir.path();
+    std::fs::create_dir_all(root.join("manifests")).expect("mkdir");
+    std::fs::write(
+        root.join("providers.yaml"),
+        "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: local\n",
+    )
+    .expect("providers");
+    let health_url = origin.http_url("/health");
+    let (port_a, port_b) = (free_port(), free_port());
+    std::fs::write(root.join("manifests/a.yaml"), manifest("a", port_a, &health_url)).expect("a");
+    std::fs::write(root.join("manifests/b.yaml"), manifest("b", port_b, &health_url)).expect("b");
+
+    let operator = Operator::start(&host, "operator-1.log");
+    let table = wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
+    assert!(table.contains(&format!("127.0.0.1:{port_a}")), "{table}");
+    assert_eq!(squids(root).len(), 2, "one Squid per proxy");
+
+    // A crawler leases a proxy and fetches through it.
+    let (code, lease) = api(
+        &host,
+        "POST",
+        "/v1/leases",
+        r#"{"selector":{"pool":"e2e"},"holder":"crawler-1","ttlSeconds":120}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::CREATED, "{lease}");
+    let proxy_url = lease["proxyUrl"].as_str().expect("proxyUrl");
+    let proxy = proxy_url.trim_start_matches("http://");
+    let (code, body) = fetch_through(proxy, &origin.http_url("/ip")).await;
+    assert_eq!(code, StatusCode::OK);
+    assert!(
+        body.contains("127.0.0.1"),
+        "the origin saw the proxy's loopback address: {body}"
+    );
+    let lease_id = lease["leaseId"].as_str().expect("leaseId");
+    let token = lease["fencingToken"].clone();
+    let (code, released) = api(
+        &host,
+        "POST",
+        &format!("/v1/leases/{lease_id}/release"),
+        &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
+    )
+    .await;
+    assert!(code.is_success(), "{code} {released}");
+
+    // Removing a manifest takes its Squid away.
+    std::fs::remove_file(root.join("manifests/b.yaml")).expect("rm");
+    wait_status(&host, "b deleted", |t| {
+        !t.lines().any(|l| l.split_whitespace().nth(1) == Some("b"))
+    });
+    assert_eq!(squids(root).len(), 1, "b's Squid is gone");
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port_b)).is_err(),
+        "b's port is closed"
+    );
+
+    // Restart: nothing is duplicated and the earlier state is there.
+    operator.stop();
+    let before = status(&host);
+    let operator = Operator::start(&host, "operator-2.log");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !operator.log().contains("standalone mode running") {
+        assert!(
+            Instant::now() < deadline,
+            "restart did not come up:\n{}",
+            operator.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Give the restarted operator its first reconcile of `a` (it runs at start-up).
+    wait_status(&host, "a still healthy", |t| healthy_rows(t) == 1);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(squids(root).len(), 1, "no Squid was started again");
+    assert!(!operator.log().contains("started squid"), "{}", operator.log());
+    assert_eq!(status(&host).lines().count(), before.lines().count());
+    let audit = Command::new(BIN)
+        .current_dir(root)
+        .args(["status", "--state", "state", "--audit", "a"])
+        .output()
+        .expect("audit");
+    let audit = String::from_utf8_lossy(&audit.stdout);
+    assert!(
+        audit.contains("provisioning --health_passed--> healthy"),
+        "{audit}"
+    );
+
+    // Clean up through the operator itself: no manifests, no Squids.
+    std::fs::remove_file(root.join("manifests/a.yaml")).expect("rm");
+    wait_status(&host, "everything deleted", |t| t.lines().count() == 1);
+    assert!(squids(root).is_empty());
+    operator.stop();
+}
