@@ -264,6 +264,17 @@ pub struct KubernetesSettings {
     /// How the Service exposes each proxy.
     #[serde(default)]
     pub service_type: ServiceType,
+    /// Host crawlers reach NodePort Services on (a node's address, or a name that resolves to
+    /// the nodes); required with `serviceType: NodePort`, unused otherwise.
+    #[serde(default)]
+    pub node_address: Option<String>,
+    /// Longest one API request may take before the provider gives up with `Unavailable`.
+    #[serde(default = "default_kubernetes_timeout_seconds")]
+    pub timeout_seconds: u64,
+}
+
+fn default_kubernetes_timeout_seconds() -> u64 {
+    10
 }
 
 /// Kubernetes Service type for the `kubernetes` provider's proxies.

@@ -15,6 +15,7 @@
 //!   time are stored where the backend keeps them (domain metadata, labels, state files), since
 //!   orphan GC decides from them alone.
 
+pub mod kubernetes;
 pub mod kvm;
 pub mod kvm2;
 pub mod libvirt;

@@ -4,6 +4,7 @@ use std::{collections::BTreeMap, sync::Arc};
 
 use super::{
     Provider, SharedProvider,
+    kubernetes::KubernetesProvider,
     kvm::KvmProvider,
     kvm2::Kvm2Provider,
     local::{LocalProvider, LocalSetupError},
@@ -13,13 +14,15 @@ use crate::config::{ProviderSettings, ProvidersConfig};
 /// A providers config that cannot be turned into providers.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
-    /// This build has no constructor for the type yet.
-    #[error("provider instance {instance:?}: type {provider_type:?} cannot be built by this version")]
-    NotBuilt {
+    /// A `kubernetes` instance, but no Kubernetes client to build it with (the standalone
+    /// mode has none).
+    #[error(
+        "provider instance {instance:?}: type kubernetes needs a Kubernetes API client, and this \
+         mode has none (the standalone mode runs kvm, kvm2 and local providers only)"
+    )]
+    NoKubeClient {
         /// The instance name.
         instance: String,
-        /// Its type.
-        provider_type: &'static str,
     },
     /// A `local` instance's settings cannot work.
     #[error("provider instance {instance:?}: {source}")]
@@ -64,8 +67,18 @@ impl ProviderRegistry {
         Self::default()
     }
 
-    /// One provider per instance of the providers config.
+    /// One provider per instance of the providers config, without a Kubernetes client: a
+    /// `kubernetes` instance is an error ([`RegistryError::NoKubeClient`]).
     pub fn from_config(config: &ProvidersConfig) -> Result<Self, RegistryError> {
+        Self::from_config_with_client(config, None)
+    }
+
+    /// One provider per instance of the providers config; `kubernetes` instances talk to the
+    /// cluster through `client` (the operator's own client, or one for another cluster).
+    pub fn from_config_with_client(
+        config: &ProvidersConfig,
+        client: Option<kube::Client>,
+    ) -> Result<Self, RegistryError> {
         let mut registry = Self::new();
         let mut state_dirs: BTreeMap<std::path::PathBuf, &str> = BTreeMap::new();
         for instance in &config.instances {
@@ -92,11 +105,13 @@ impl ProviderRegistry {
                 }
                 ProviderSettings::Kvm(settings) => Arc::new(KvmProvider::new(name, settings.clone())),
                 ProviderSettings::Kvm2(settings) => Arc::new(Kvm2Provider::new(name, settings.clone())),
-                ProviderSettings::Kubernetes(_) => {
-                    return Err(RegistryError::NotBuilt {
-                        instance: name.to_owned(),
-                        provider_type: instance.type_name(),
-                    });
+                ProviderSettings::Kubernetes(settings) => {
+                    let Some(client) = &client else {
+                        return Err(RegistryError::NoKubeClient {
+                            instance: name.to_owned(),
+                        });
+                    };
+                    Arc::new(KubernetesProvider::new(name, settings.clone(), client.clone()))
                 }
             };
             registry.insert(provider);

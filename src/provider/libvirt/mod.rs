@@ -7,7 +7,7 @@
 //! domains with ([`KVM2_NAMESPACE`], [`KVM_NAMESPACE`]) and the provider type in every volume
 //! name: neither sees, adopts or deletes the other's domains or volumes.
 
-mod crypt;
+pub(crate) mod crypt;
 pub mod seed;
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,493 @@
+//! The `kubernetes` provider against the in-process fake API server (a real `kube::Client`
+//! over HTTP on 127.0.0.1): the provider contract suite, the objects it makes (labels, owner
+//! annotations, the Squid config), the endpoint per Service type, error categories, and
+//! isolation between provider instances sharing a namespace.
+//!
+//! The fake runs no kubelet: Pods stay `Pending` unless a test writes a phase with
+//! `put_json`, and LoadBalancer Services get an ingress only when a test writes one.
+
+#[allow(dead_code)]
+#[macro_use]
+mod support {
+    #[macro_use]
+    pub mod contract;
+    pub mod fake_apiserver;
+}
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+use egress_proxies_operator::{
+    config::{KubernetesSettings, ServiceType},
+    provider::{
+        Credentials, Endpoint, InstanceRequest, InstanceState, Owner, Provider, ProviderError,
+        kubernetes::KubernetesProvider,
+    },
+};
+use serde_json::{Value, json};
+
+use support::{
+    contract::{self, ContractBackend},
+    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
+};
+
+const NAMESPACE: &str = "proxies";
+
+fn settings(service_type: ServiceType) -> KubernetesSettings {
+    KubernetesSettings {
+        namespace: NAMESPACE.to_owned(),
+        image: "registry.example.com/squid:5.7".to_owned(),
+        service_type,
+        node_address: None,
+        timeout_seconds: 10,
+    }
+}
+
+/// A fake API server and the settings providers on it are opened with.
+pub struct KubernetesBackend {
+    server: FakeApiServer,
+    settings: KubernetesSettings,
+}
+
+impl KubernetesBackend {
+    async fn start() -> Self {
+        Self::with_settings(settings(ServiceType::ClusterIP)).await
+    }
+
+    async fn with_settings(settings: KubernetesSettings) -> Self {
+        Self {
+            server: FakeApiServer::start().await,
+            settings,
+        }
+    }
+
+    fn provider(&self, instance: &str) -> KubernetesProvider {
+        KubernetesProvider::new(instance, self.settings.clone(), self.server.client())
+    }
+
+    fn object(&self, resource: &str, name: &str) -> Option<Value> {
+        self.server.get_json(resource, Some(NAMESPACE), name)
+    }
+}
+
+#[async_trait]
+impl ContractBackend for KubernetesBackend {
+    async fn open(&self) -> Arc<dyn Provider> {
+        Arc::new(self.provider("cluster"))
+    }
+
+    fn request(&self, owner: &Owner) -> InstanceRequest {
+        InstanceRequest {
+            spec_hash: format!("spec-{}", owner.uid),
+            ..contract::plain_request(owner.clone(), 3128)
+        }
+    }
+
+    /// Pods of that name: the instance is its Pod.
+    async fn backend_objects(&self, name: &str) -> usize {
+        self.server
+            .list_json("pods", Some(NAMESPACE))
+            .iter()
+            .filter(|pod| pod["metadata"]["name"] == name)
+            .count()
+    }
+}
+
+mod contract_suite {
+    use super::KubernetesBackend;
+
+    contract_tests!(KubernetesBackend::start().await);
+}
+
+fn request(check: &str, port: u16) -> InstanceRequest {
+    let owner = contract::new_owner(check);
+    InstanceRequest {
+        spec_hash: format!("spec-{}", owner.uid),
+        ..contract::plain_request(owner, port)
+    }
+}
+
+#[tokio::test]
+async fn every_object_carries_the_labels_and_owner_annotations() {
+    let backend = KubernetesBackend::start().await;
+    let provider = backend.provider("cluster");
+    let request = request("labels", 3130);
+    let before = jiff::Timestamp::now();
+    let instance = provider.create(&request).await.expect("create");
+    assert_eq!(
+        instance.id.to_string(),
+        format!("kubernetes/cluster/{}", request.name)
+    );
+    assert_eq!(
+        instance.state,
+        InstanceState::Starting,
+        "the fake's Pods stay Pending"
+    );
+
+    for resource in ["pods", "configmaps", "services"] {
+        let object = backend
+            .object(resource, &request.name)
+            .unwrap_or_else(|| panic!("no {resource} named {}", request.name));
+        let labels = &object["metadata"]["labels"];
+        assert_eq!(
+            labels["app.kubernetes.io/managed-by"], "egress-proxies-operator",
+            "{resource}"
+        );
+        assert_eq!(
+            labels["crawl.example.com/provider-instance"], "cluster",
+            "{resource}"
+        );
+        let annotations = &object["metadata"]["annotations"];
+        assert_eq!(
+            annotations["crawl.example.com/owner-uid"],
+            request.owner.uid.as_str()
+        );
+        assert_eq!(annotations["crawl.example.com/owner-namespace"], "contract");
+        assert_eq!(annotations["crawl.example.com/owner-name"], "labels");
+        assert_eq!(
+            annotations["crawl.example.com/spec-hash"],
+            request.spec_hash.as_str()
+        );
+        let created: jiff::Timestamp = annotations["crawl.example.com/created-at"]
+            .as_str()
+            .expect("created-at is a string")
+            .parse()
+            .expect("created-at is RFC 3339");
+        assert!(
+            created >= before - jiff::SignedDuration::from_secs(1),
+            "{resource}: {created}"
+        );
+    }
+    assert!(
+        backend.object("secrets", &request.name).is_none(),
+        "no credentials, no Secret"
+    );
+
+    // The Pod runs the configured image with the config mounted where Squid reads it, and
+    // the Service selects it on the proxy's port.
+    let pod = backend.object("pods", &request.name).expect("pod");
+    let container = &pod["spec"]["containers"][0];
+    assert_eq!(container["image"], "registry.example.com/squid:5.7");
+    assert_eq!(container["volumeMounts"][0]["mountPath"], "/etc/squid/squid.conf");
+    assert_eq!(
+        pod["spec"]["volumes"][0]["configMap"]["name"],
+        request.name.as_str()
+    );
+    let service = backend.object("services", &request.name).expect("service");
+    assert_eq!(service["spec"]["type"], "ClusterIP");
+    assert_eq!(service["spec"]["ports"][0]["port"], 3130);
+    for (key, value) in service["spec"]["selector"].as_object().expect("selector") {
+        assert_eq!(
+            &pod["metadata"]["labels"][key], value,
+            "the Service selects the Pod"
+        );
+    }
+    provider.delete(&request.name).await.expect("delete");
+    for resource in ["pods", "configmaps", "services"] {
+        assert!(
+            backend.object(resource, &request.name).is_none(),
+            "{resource} left behind"
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_config_map_holds_a_squid_conf_for_the_proxy_port() {
+    let backend = KubernetesBackend::start().await;
+    let provider = backend.provider("cluster");
+    let request = request("config", 8123);
+    provider.create(&request).await.expect("create");
+    let config_map = backend.object("configmaps", &request.name).expect("configmap");
+    let conf = config_map["data"]["squid.conf"].as_str().expect("squid.conf");
+    assert!(conf.lines().any(|l| l == "http_port 8123"), "{conf}");
+    assert!(conf.lines().any(|l| l == "http_access allow all"), "{conf}");
+    assert!(!conf.contains("auth_param"), "{conf}");
+    provider.delete(&request.name).await.expect("delete");
+}
+
+#[tokio::test]
+async fn credentials_go_to_a_secret_as_a_hash_never_to_the_config_map() {
+    let backend = KubernetesBackend::start().await;
+    let provider = backend.provider("cluster");
+    let password = "s3cret-password-value";
+    let request = InstanceRequest {
+        credentials: Some(Credentials {
+            username: "crawler".to_owned(),
+            password: password.to_owned(),
+        }),
+        ..request("auth", 3128)
+    };
+    provider.create(&request).await.expect("create");
+    let config_map = backend.object("configmaps", &request.name).expect("configmap");
+    let conf = config_map["data"]["squid.conf"].as_str().expect("squid.conf");
+    assert!(conf.contains("auth_param basic program"), "{conf}");
+    assert!(!config_map.to_string().contains(password));
+
+    let secret = backend
+        .object("secrets", &request.name)
+        .expect("a Secret for the passwords");
+    let encoded = secret["data"]["passwd"].as_str().expect("passwd key");
+    let passwd = String::from_utf8(base64_decode(encoded)).expect("utf-8");
+    assert!(
+        passwd.starts_with("crawler:$6$"),
+        "a SHA-512-crypt hash: {passwd}"
+    );
+    assert!(!passwd.contains(password), "the password itself is not stored");
+    let pod = backend.object("pods", &request.name).expect("pod");
+    let mounts = pod["spec"]["containers"][0]["volumeMounts"].to_string();
+    assert!(mounts.contains("/etc/squid/passwd"), "{mounts}");
+
+    provider.delete(&request.name).await.expect("delete");
+    assert!(
+        backend.object("secrets", &request.name).is_none(),
+        "the Secret is deleted too"
+    );
+}
+
+fn base64_decode(text: &str) -> Vec<u8> {
+    let value = |c: u8| -> u32 {
+        match c {
+            b'A'..=b'Z' => u32::from(c - b'A'),
+            b'a'..=b'z' => u32::from(c - b'a') + 26,
+            b'0'..=b'9' => u32::from(c - b'0') + 52,
+            b'+' => 62,
+            b'/' => 63,
+            other => panic!("not base64: {other}"),
+        }
+    };
+    let mut out = Vec::new();
+    for chunk in text.trim_end_matches('=').as_bytes().chunks(4) {
+        let mut bits = 0u32;
+        for (i, c) in chunk.iter().enumerate() {
+            bits |= value(*c) << (18 - 6 * i);
+        }
+        out.extend_from_slice(&bits.to_be_bytes()[1..chunk.len()]);
+    }
+    out
+}
+
+#[tokio::test]
+async fn state_follows_the_pod_phase() {
+    let backend = KubernetesBackend::start().await;
+    let provider = backend.provider("cluster");
+    let request = request("phase", 3128);
+    provider.create(&request).await.expect("create");
+    for (phase, state) in [
+        ("Running", InstanceState::Running),
+        ("Failed", InstanceState::Stopped),
+        ("Succeeded", InstanceState::Stopped),
+        ("Pending", InstanceState::Starting),
+    ] {
+        let mut pod = backend.object("pods", &request.name).expect("pod");
+        pod["status"] = json!({"phase": phase});
+        backend.server.put_json("pods", pod);
+        let instance = provider.get(&request.name).await.expect("get");
+        assert_eq!(instance.state, state, "phase {phase}");
+    }
+    provider.delete(&request.name).await.expect("delete");
+}
+
+#[tokio::test]
+async fn cluster_ip_endpoint_is_the_allocated_cluster_ip_and_port() {
+    let backend = KubernetesBackend::start().await;
+    let provider = backend.provider("cluster");
+    let request = request("cluster-ip", 3129);
+    let instance = provider.create(&request).await.expect("create");
+    let service = backend.object("services", &request.name).expect("service");
+    let cluster_ip = service["spec"]["clusterIP"]
+        .as_str()
+        .expect("allocated")
+        .to_owned();
+    let expected = Endpoint {
+        host: cluster_ip,
+        port: 3129,
+    };
+    assert_eq!(instance.endpoint.as_ref(), Some(&expected));
+    let listed = provider.list().await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].endpoint.as_ref(), Some(&expected));
+    provider.delete(&request.name).await.expect("delete");
+}
+
+#[tokio::test]
+async fn load_balancer_endpoint_appears_with_the_ingress() {
+    let backend = KubernetesBackend::with_settings(settings(ServiceType::LoadBalancer)).await;
+    let provider = backend.provider("cluster");
+    let request = request("load-balancer", 3128);
+    let instance = provider.create(&request).await.expect("create");
+    assert_eq!(instance.endpoint, None, "no ingress yet");
+    let mut service = backend.object("services", &request.name).expect("service");
+    assert_eq!(service["spec"]["type"], "LoadBalancer");
+    service["status"] = json!({"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}});
+    backend.server.put_json("services", service);
+    let instance = provider.get(&request.name).await.expect("get");
+    assert_eq!(
+        instance.endpoint,
+        Some(Endpoint {
+            host: "203.0.113.7".to_owned(),
+            port: 3128
+        })
+    );
+    provider.delete(&request.name).await.expect("delete");
+}
+
+#[tokio::test]
+async fn node_port_endpoint_is_the_node_address_and_node_port() {
+    let without_address = KubernetesBackend::with_settings(settings(ServiceType::NodePort)).await;
+    match without_address
+        .provider("cluster")
+        .create(&request("no-node-address", 3128))
+        .await
+    {
+        Err(ProviderError::Misconfigured(message)) => assert!(message.contains("nodeAddress"), "{message}"),
+        other => panic!("expected Misconfigured, got {other:?}"),
+    }
+
+    let backend = KubernetesBackend::with_settings(KubernetesSettings {
+        node_address: Some("nodes.example.com".to_owned()),
+        ..settings(ServiceType::NodePort)
+    })
+    .await;
+    let provider = backend.provider("cluster");
+    let request = request("node-port", 3128);
+    let instance = provider.create(&request).await.expect("create");
+    // The fake allocates no node port; Kubernetes would.
+    assert_eq!(instance.endpoint, None);
+    let mut service = backend.object("services", &request.name).expect("service");
+    assert_eq!(service["spec"]["type"], "NodePort");
+    service["spec"]["ports"][0]["nodePort"] = json!(30128);
+    backend.server.put_json("services", service);
+    let instance = provider.get(&request.name).await.expect("get");
+    assert_eq!(
+        instance.endpoint,
+        Some(Endpoint {
+            host: "nodes.example.com".to_owned(),
+            port: 30128
+        })
+    );
+    provider.delete(&request.name).await.expect("delete");
+}
+
+#[tokio::test]
+async fn an_unreachable_api_server_is_unavailable_quickly() {
+    // A port that was bound a moment ago and is closed now: connections are refused.
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("addr").port()
+    };
+    let config = kube::Config::new(format!("http://127.0.0.1:{port}").parse().expect("uri"));
+    let client = kube::Client::try_from(config).expect("client");
+    let provider = KubernetesProvider::new("cluster", settings(ServiceType::ClusterIP), client);
+    let started = Instant::now();
+    for outcome in [
+        provider.get("epo-x").await.map(drop),
+        provider.list().await.map(drop),
+        provider.probe().await.map(drop),
+        provider.delete("epo-x").await,
+        provider.create(&request("unreachable", 3128)).await.map(drop),
+    ] {
+        match outcome {
+            Err(ProviderError::Unavailable(_)) => {}
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn api_errors_map_to_categories_and_a_lost_get_is_not_not_found() {
+    let backend = KubernetesBackend::start().await;
+    let provider = backend.provider("cluster");
+    let request = request("errors", 3128);
+    provider.create(&request).await.expect("create");
+
+    // A 500 on the Pod read: doubt, never NotFound.
+    let pods = RequestMatcher::any().verb(Verb::Get).resource("pods");
+    backend.server.fail_next(pods.clone(), 1, 500);
+    match provider.get(&request.name).await {
+        Err(ProviderError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable on a 500, got {other:?}"),
+    }
+    // RBAC: a 403 is configuration, and says what permission is missing.
+    backend.server.fail_next(pods, 1, 403);
+    match provider.get(&request.name).await {
+        Err(ProviderError::Misconfigured(message)) => {
+            assert!(message.contains("pods") && message.contains("get"), "{message}");
+            assert!(message.contains(NAMESPACE), "{message}");
+        }
+        other => panic!("expected Misconfigured on a 403, got {other:?}"),
+    }
+    provider.delete(&request.name).await.expect("delete");
+}
+
+#[tokio::test]
+async fn another_provider_instances_objects_are_invisible_and_untouched() {
+    let backend = KubernetesBackend::start().await;
+    let ours = backend.provider("cluster");
+    let theirs = backend.provider("other-cluster");
+    let their_request = request("theirs", 3128);
+    theirs.create(&their_request).await.expect("their create");
+    let our_request = request("ours", 3128);
+    ours.create(&our_request).await.expect("our create");
+
+    let listed = ours.list().await.expect("list");
+    let names: Vec<_> = listed.iter().map(|i| i.id.native_id.as_str()).collect();
+    assert_eq!(names, [our_request.name.as_str()]);
+    assert_eq!(ours.probe().await.expect("probe").instance_count, 1);
+    match ours.get(&their_request.name).await {
+        Err(ProviderError::NotFound(_)) => {}
+        other => panic!("another instance's pod must be NotFound to us, got {other:?}"),
+    }
+    ours.delete(&their_request.name)
+        .await
+        .expect("delete of a name not ours succeeds");
+    for resource in ["pods", "configmaps", "services"] {
+        assert!(
+            backend.object(resource, &their_request.name).is_some(),
+            "their {resource} was deleted"
+        );
+    }
+    assert!(theirs.get(&their_request.name).await.is_ok());
+
+    ours.delete(&our_request.name).await.expect("delete ours");
+    theirs.delete(&their_request.name).await.expect("delete theirs");
+    assert!(backend.server.list_json("pods", Some(NAMESPACE)).is_empty());
+}
+
+#[tokio::test]
+async fn a_create_interrupted_before_the_pod_is_completed_by_the_next_create() {
+    let backend = KubernetesBackend::start().await;
+    let provider = backend.provider("cluster");
+    let request = request("interrupted", 3128);
+    // The Pod create fails (the crash point): config and Service exist, no Pod.
+    backend
+        .server
+        .fail_next(RequestMatcher::any().verb(Verb::Create).resource("pods"), 1, 500);
+    assert!(provider.create(&request).await.is_err());
+    assert!(backend.object("configmaps", &request.name).is_some());
+    assert!(backend.object("pods", &request.name).is_none());
+    assert!(matches!(
+        provider.get(&request.name).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    let instance = provider
+        .create(&request)
+        .await
+        .expect("the repeated create completes");
+    assert_eq!(instance.owner.as_ref(), Some(&request.owner));
+    assert!(backend.object("pods", &request.name).is_some());
+    provider.delete(&request.name).await.expect("delete");
+    for resource in ["pods", "configmaps", "services"] {
+        assert!(
+            backend.object(resource, &request.name).is_none(),
+            "{resource} left behind"
+        );
+    }
+}
