@@ -148,7 +148,8 @@ pub async fn run_cluster(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let config = ProvidersConfig::load(&options.providers_config)?;
-    let providers = ProviderRegistry::from_config(&config)?;
+    // kubernetes provider instances create their Pods through the operator's own client.
+    let providers = ProviderRegistry::from_config_with_client(&config, Some(client.clone()))?;
     let tokens = StaticTokens::from_file(&options.tokens).map_err(|e| AppError::Startup(e.to_string()))?;
     let signing_key = std::fs::read(&options.signing_key)
         .map_err(|e| AppError::Startup(format!("reading {}: {e}", options.signing_key.display())))?;
