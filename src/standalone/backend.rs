@@ -14,7 +14,7 @@ use tracing::info;
 use super::progress::Progress;
 use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
-    controller::cluster::backend::{DEFAULT_CLOUD_INIT_KEY, secret_value},
+    controller::cluster::backend::{credentials_of, user_data_of},
     effects::{BackendError, ProxyBackend, ProxyKey, SecretError},
     machine::AuditEntry,
     provider::{Credentials, UserData},
@@ -76,7 +76,6 @@ fn key_of(proxy: &Proxy) -> ProxyKey {
 #[async_trait]
 impl ProxyBackend for StandaloneBackend {
     async fn cloud_init(&self, namespace: &str, secret: &SecretKeyRef) -> Result<UserData, SecretError> {
-        let key = secret.key_or(DEFAULT_CLOUD_INIT_KEY);
         let labelled = self
             .secret(namespace, &secret.name)
             .filter(|s| s.labels().get(CLOUD_INIT_SECRET_LABEL).map(String::as_str) == Some("true"));
@@ -86,9 +85,7 @@ impl ProxyBackend for StandaloneBackend {
                 secret.name
             )));
         };
-        secret_value(&found, key).map(UserData).ok_or_else(|| {
-            SecretError::NotUsable(format!("Secret {namespace}/{} has no key {key:?}", secret.name))
-        })
+        user_data_of(&found, namespace, secret)
     }
 
     async fn credentials(&self, namespace: &str, secret_name: &str) -> Result<Credentials, SecretError> {
@@ -97,15 +94,7 @@ impl ProxyBackend for StandaloneBackend {
                 "Secret {namespace}/{secret_name} not found in the manifests folder"
             ))
         })?;
-        match (
-            secret_value(&secret, "username"),
-            secret_value(&secret, "password"),
-        ) {
-            (Some(username), Some(password)) => Ok(Credentials { username, password }),
-            _ => Err(SecretError::NotUsable(format!(
-                "Secret {namespace}/{secret_name} must have the keys \"username\" and \"password\""
-            ))),
-        }
+        credentials_of(&secret, namespace, secret_name)
     }
 
     async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {

@@ -94,10 +94,38 @@ pub fn secret_value(secret: &Secret, key: &str) -> Option<String> {
         .and_then(|v| String::from_utf8(v.0.clone()).ok())
 }
 
+/// The cloud-init user-data in `secret` (the Secret `secret_ref` names), both modes alike.
+pub fn user_data_of(
+    secret: &Secret,
+    namespace: &str,
+    secret_ref: &SecretKeyRef,
+) -> Result<UserData, SecretError> {
+    let key = secret_ref.key_or(DEFAULT_CLOUD_INIT_KEY);
+    secret_value(secret, key).map(UserData).ok_or_else(|| {
+        SecretError::NotUsable(format!(
+            "Secret {namespace}/{} has no key {key:?}",
+            secret_ref.name
+        ))
+    })
+}
+
+/// The proxy credentials in `secret` (keys `username` and `password`), both modes alike.
+pub fn credentials_of(
+    secret: &Secret,
+    namespace: &str,
+    secret_name: &str,
+) -> Result<Credentials, SecretError> {
+    match (secret_value(secret, "username"), secret_value(secret, "password")) {
+        (Some(username), Some(password)) => Ok(Credentials { username, password }),
+        _ => Err(SecretError::NotUsable(format!(
+            "Secret {namespace}/{secret_name} must have the keys \"username\" and \"password\""
+        ))),
+    }
+}
+
 #[async_trait]
 impl ProxyBackend for KubeBackend {
     async fn cloud_init(&self, namespace: &str, secret: &SecretKeyRef) -> Result<UserData, SecretError> {
-        let key = secret.key_or(DEFAULT_CLOUD_INIT_KEY);
         let found = self
             .cloud_init_secrets
             .get(&ObjectRef::new(&secret.name).within(namespace));
@@ -107,9 +135,7 @@ impl ProxyBackend for KubeBackend {
                 secret.name
             )));
         };
-        secret_value(&found, key).map(UserData).ok_or_else(|| {
-            SecretError::NotUsable(format!("Secret {namespace}/{} has no key {key:?}", secret.name))
-        })
+        user_data_of(&found, namespace, secret)
     }
 
     async fn credentials(&self, namespace: &str, secret_name: &str) -> Result<Credentials, SecretError> {
@@ -119,15 +145,7 @@ impl ProxyBackend for KubeBackend {
             .await
             .map_err(|e| SecretError::Transient(e.to_string()))?
             .ok_or_else(|| SecretError::NotUsable(format!("Secret {namespace}/{secret_name} not found")))?;
-        match (
-            secret_value(&secret, "username"),
-            secret_value(&secret, "password"),
-        ) {
-            (Some(username), Some(password)) => Ok(Credentials { username, password }),
-            _ => Err(SecretError::NotUsable(format!(
-                "Secret {namespace}/{secret_name} must have the keys \"username\" and \"password\""
-            ))),
-        }
+        credentials_of(&secret, namespace, secret_name)
     }
 
     async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
