@@ -407,9 +407,22 @@ async fn a_restarted_operator_adopts_the_running_squid() {
         (instance, squids[0])
         // The provider is dropped: its supervisor stops, Squid runs on in its own session.
     };
-    let provider = backend.provider();
+    // The new process may be configured differently: here it advertises another address.
+    let provider = LocalProvider::new(
+        "local",
+        LocalSettings {
+            advertise_address: Some("192.0.2.10".into()),
+            ..backend.state.settings()
+        },
+    )
+    .expect("valid settings");
     let found = provider.get(&name).await.expect("found after restart");
     assert_eq!(found.state, InstanceState::Running);
+    let endpoint = found.endpoint.clone().expect("endpoint");
+    assert_eq!(
+        endpoint.host, "192.0.2.10",
+        "advertiseAddress is what crawlers are told"
+    );
     assert_eq!(
         (found.id.clone(), found.created_at),
         (first.id.clone(), first.created_at)
