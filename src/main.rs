@@ -44,7 +44,6 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
-    /// Replay a lifecycle scenario file (e.g. machines/scenarios/*.yaml) and print its audit trail.
     /// Run the operator against the cluster of the kubeconfig / in-cluster config (cluster mode).
     Run {
         /// Providers config.
@@ -109,6 +108,12 @@ enum Command {
         /// Bearer tokens of the discovery API (default: a token created in the state folder).
         #[arg(long, value_name = "FILE")]
         tokens: Option<PathBuf>,
+        /// Seconds a new instance may take to pass its first health check; after that it is
+        /// deleted and created afresh (reason ProvisioningTimedOut). VMs under software
+        /// emulation need minutes.
+        #[arg(long, value_name = "SECONDS", default_value_t = 600,
+              value_parser = clap::value_parser!(u64).range(1..))]
+        provisioning_timeout: u64,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         json_logs: bool,
@@ -122,6 +127,7 @@ enum Command {
         #[arg(long, value_name = "PROXY")]
         audit: Option<String>,
     },
+    /// Replay a lifecycle scenario file (e.g. machines/scenarios/*.yaml) and print its audit trail.
     Audit {
         /// The scenario file.
         #[arg(value_name = "SCENARIO")]
@@ -231,6 +237,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             state,
             listen,
             tokens,
+            provisioning_timeout,
             json_logs,
         } => {
             init_logging(json_logs);
@@ -242,6 +249,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 tokens,
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
+                provisioning_timeout: std::time::Duration::from_secs(provisioning_timeout),
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(app::run_standalone(options, shutdown_signal()))?;

@@ -182,3 +182,67 @@ async fn a_second_runner_on_the_same_state_is_refused() {
     let message = second.err().expect("refused").to_string();
     assert!(message.contains("in use by another"), "{message}");
 }
+
+fn cloud_init_secret(revision: u32) -> String {
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: squid-init\n  labels:\n    crawl.example.com/cloud-init: \"true\"\nstringData:\n  user-data: |\n    #cloud-config\n    # revision {revision}\n"
+    )
+}
+
+#[tokio::test]
+async fn rotating_a_referenced_secret_replaces_its_proxy_without_waiting_for_the_resync() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let with_cloud_init = format!(
+        "{}  cloudInit:\n    secretRef:\n      name: squid-init\n",
+        manifest("a", 3128)
+    );
+    std::fs::write(manifests.join("a.yaml"), &with_cloud_init).expect("write");
+    std::fs::write(manifests.join("b.yaml"), manifest("b", 3129)).expect("write");
+    std::fs::write(manifests.join("secret.yaml"), cloud_init_secret(1)).expect("write");
+    let host = Host::new();
+    let (a, b) = (key("default", "a"), key("default", "b"));
+    let mut runner = host.open(&manifests, &state);
+    step_until(&mut runner, || {
+        phase(&state, &a).as_deref() == Some("provisioning")
+            && phase(&state, &b).as_deref() == Some("provisioning")
+    })
+    .await;
+    for k in [&a, &b] {
+        host.health
+            .set(k, HealthVerdict::Passing { after_failing: false });
+        runner.trigger(k.clone());
+    }
+    step_until(&mut runner, || {
+        phase(&state, &a).as_deref() == Some("healthy") && phase(&state, &b).as_deref() == Some("healthy")
+    })
+    .await;
+    let spec_hash = |k: &ProxyKey| {
+        Store::read_only(&state)
+            .unwrap()
+            .get(k)
+            .unwrap()
+            .unwrap()
+            .status
+            .unwrap()
+            .spec_hash
+    };
+    let (old_hash, b_hash) = (spec_hash(&a), spec_hash(&b));
+    assert_eq!(host.provider.created_count(), 2);
+
+    // Healthy proxies are due again only at the resync, minutes away: the rotation alone must
+    // bring `a` back (and leave `b`, which does not reference the Secret, alone).
+    std::fs::write(manifests.join("secret.yaml"), cloud_init_secret(2)).expect("rotate");
+    step_until(&mut runner, || host.provider.deleted_count() == 1).await;
+    let trail = Store::read_only(&state).unwrap().audit(&a).unwrap();
+    assert!(
+        trail.iter().any(|line| line.entry.reason == "SpecChanged"),
+        "{:?}",
+        trail.iter().map(|line| &line.entry.reason).collect::<Vec<_>>()
+    );
+    step_until(&mut runner, || host.provider.created_count() == 3).await;
+    assert_ne!(spec_hash(&a), old_hash, "the new instance runs the new content");
+    assert_eq!(spec_hash(&b), b_hash);
+    assert_eq!(phase(&state, &b).as_deref(), Some("healthy"));
+}

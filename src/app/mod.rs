@@ -21,6 +21,7 @@ use crate::{
         checkpoint::{CheckpointStore, FileCheckpoint, MaintenanceConfig, maintenance},
         token::LeaseSigner,
     },
+    machine::Timers,
     monitor::{LogSink, Monitor},
     provider::{ProviderRegistry, RegistryError},
     standalone::{Standalone, StandaloneDeps, StandaloneError},
@@ -62,6 +63,9 @@ pub struct StandaloneOptions {
     pub poll: Duration,
     /// Grace period of orphan GC.
     pub gc_grace: Duration,
+    /// How long a new instance may take to pass its first health check before it is deleted
+    /// and created afresh (`ProvisioningTimedOut`).
+    pub provisioning_timeout: Duration,
 }
 
 /// The tokens file standalone mode creates when none is given.
@@ -132,7 +136,13 @@ pub async fn run_standalone(
             leases: Arc::new(store.clone()),
             health: Arc::new(health_handle),
             availability: availability.clone(),
-            reconciler: ReconcilerConfig::default(),
+            reconciler: ReconcilerConfig {
+                timers: Timers {
+                    provisioning_timeout: options.provisioning_timeout,
+                    ..Timers::default()
+                },
+                ..ReconcilerConfig::default()
+            },
         },
     )?;
     info!(

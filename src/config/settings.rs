@@ -89,6 +89,22 @@ pub struct KvmSettings {
     /// provider gives up with `Unavailable`.
     #[serde(default = "default_timeout_seconds")]
     pub timeout_seconds: u64,
+    /// Folder on the libvirt host where each guest's serial console (kernel, init and
+    /// cloud-init messages) is logged, as `<domain name>.console.log`: what tells why a guest
+    /// never became healthy. The libvirt daemon's QEMU user must be able to write there. A
+    /// recreated domain starts its file afresh; deleting the instance leaves the file (a
+    /// post-mortem aid: prune the folder on the host). Unset: the console is a pty only.
+    #[serde(default)]
+    pub console_log_dir: Option<PathBuf>,
+}
+
+impl KvmSettings {
+    /// Where the serial console of domain `name` is logged, if `console_log_dir` is set.
+    pub fn console_log_path(&self, name: &str) -> Option<PathBuf> {
+        self.console_log_dir
+            .as_ref()
+            .map(|dir| dir.join(format!("{name}.console.log")))
+    }
 }
 
 /// The NIC of a libvirt provider's guests.

@@ -215,6 +215,12 @@ fn kvm_network_modes_and_boot_modes_parse_with_defaults() {
     assert_eq!(kernel.domain_type, DomainType::Qemu);
     let disk = kvm_settings(&format!("{{{base}, boot: {{mode: disk}}, timeoutSeconds: 5}}")).expect("valid");
     assert_eq!((disk.boot, disk.timeout_seconds), (BootSettings::Disk {}, 5));
+    assert_eq!(disk.console_log_dir, None);
+    let logged = kvm_settings(&format!("{{{base}, consoleLogDir: /var/log/epo}}")).expect("valid");
+    assert_eq!(
+        logged.console_log_path("epo-a-1"),
+        Some(PathBuf::from("/var/log/epo/epo-a-1.console.log"))
+    );
 }
 
 #[test]

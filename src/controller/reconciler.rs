@@ -284,7 +284,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                 continue;
             };
             working.reason = entry.reason.clone();
-            working.message = transition_message(&context, event);
+            working.message = transition_message(&context, event, &self.config.timers);
             if matches!(
                 event,
                 Event::HealthPassed | Event::HealthFailed | Event::HealthRecovered
@@ -573,8 +573,14 @@ struct EffectContext<'a> {
 }
 
 /// The `Ready` message for a transition caused by `event` (never secret content).
-fn transition_message(cx: &EffectContext<'_>, event: Event) -> String {
+fn transition_message(cx: &EffectContext<'_>, event: Event, timers: &Timers) -> String {
     match event {
+        // Says what did not happen, and by when, so the user knows which timeout to look at.
+        Event::ProvisioningTimeout => format!(
+            "no passing health check within the provisioning timeout ({} s): deleting the \
+             instance to start over",
+            timers.provisioning_timeout.as_secs()
+        ),
         Event::SpecInvalid => cx
             .problem
             .map(|p| format!("{}: {}", p.reason, p.message))

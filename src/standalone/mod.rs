@@ -199,9 +199,21 @@ impl Standalone {
 
     /// Merges the folder's desired state into the records, like API writes would.
     fn apply(&mut self, desired: Desired) {
-        *self.secrets.write().unwrap_or_else(|p| p.into_inner()) = desired.secrets;
+        let rotated = {
+            let mut secrets = self.secrets.write().unwrap_or_else(|p| p.into_inner());
+            let rotated = changed_secrets(&secrets, &desired.secrets);
+            *secrets = desired.secrets;
+            rotated
+        };
         let now = jiff::Timestamp::now();
         let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        // A Secret's new content is part of its Proxies' spec hash: reconcile them now, as the
+        // cluster's Secret watch does, not at the next resync.
+        for (key, record) in records.iter() {
+            if references_any(&record.spec, &key.namespace, &rotated) {
+                self.due.insert(key.clone(), Instant::now());
+            }
+        }
         let mut changed = Vec::new();
         for (key, wanted) in &desired.proxies {
             let source = wanted.source.display().to_string();
@@ -320,6 +332,33 @@ impl Standalone {
         }
         info!("standalone mode stopped");
     }
+}
+
+/// Secrets (namespace, name) added, removed or changed between two readings of the folder.
+fn changed_secrets(
+    before: &HashMap<(String, String), k8s_openapi::api::core::v1::Secret>,
+    after: &HashMap<(String, String), k8s_openapi::api::core::v1::Secret>,
+) -> Vec<(String, String)> {
+    let mut changed: Vec<(String, String)> = after
+        .iter()
+        .filter(|(key, secret)| before.get(*key) != Some(*secret))
+        .map(|(key, _)| key.clone())
+        .collect();
+    changed.extend(before.keys().filter(|key| !after.contains_key(*key)).cloned());
+    changed
+}
+
+/// Whether a Proxy `spec` (as stored) in `namespace` references one of `secrets`, through its
+/// cloud-init or its credentials.
+fn references_any(spec: &serde_json::Value, namespace: &str, secrets: &[(String, String)]) -> bool {
+    ["/cloudInit/secretRef/name", "/auth/secretRef/name"]
+        .iter()
+        .filter_map(|pointer| spec.pointer(pointer)?.as_str())
+        .any(|name| {
+            secrets
+                .iter()
+                .any(|(ns, secret)| ns == namespace && secret == name)
+        })
 }
 
 /// A random 128-bit identity, like `metadata.uid`.

@@ -25,6 +25,7 @@ pub fn settings(uri: &str, pool: &str, network: NetworkSettings) -> KvmSettings 
         vcpus: 1,
         domain_type: DomainType::Qemu,
         timeout_seconds: 30,
+        console_log_dir: None,
     }
 }
 

@@ -380,9 +380,19 @@ pub fn domain_xml(plan: &DomainPlan<'_>) -> String {
         }
         NetworkSettings::User { .. } => {}
     }
+    match settings.console_log_path(plan.name) {
+        Some(log) => {
+            // `append='off'`: a recreated domain's log tells only its own boot.
+            let _ = writeln!(
+                xml,
+                "    <serial type='pty'><log file='{}' append='off'/><target port='0'/></serial>",
+                escape(&log.to_string_lossy())
+            );
+        }
+        None => xml.push_str("    <serial type='pty'><target port='0'/></serial>\n"),
+    }
     xml.push_str(
-        "    <serial type='pty'><target port='0'/></serial>\n    \
-         <console type='pty'><target type='serial' port='0'/></console>\n    \
+        "    <console type='pty'><target type='serial' port='0'/></console>\n    \
          <channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>\n  \
          </devices>\n",
     );

@@ -22,6 +22,7 @@ fn settings(network: NetworkSettings, boot: BootSettings) -> KvmSettings {
         vcpus: 2,
         domain_type: DomainType::Qemu,
         timeout_seconds: 30,
+        console_log_dir: None,
     }
 }
 
@@ -262,6 +263,38 @@ fn domain_xml_for_user_mode_and_kernel_boot_has_what_a_real_guest_needs() {
     );
     assert!(doc.descendants().any(|n| n.has_tag_name("serial")));
     assert!(doc.descendants().any(|n| n.has_tag_name("channel")));
+}
+
+#[test]
+fn console_log_dir_logs_the_serial_console_to_a_file_per_domain() {
+    let mut settings = settings(NetworkSettings::default(), BootSettings::default());
+    let serial_log = |xml: &str| {
+        let doc = roxmltree::Document::parse(xml).expect("well-formed");
+        let serial = doc
+            .descendants()
+            .find(|n| n.has_tag_name("serial"))
+            .expect("a serial port");
+        assert_eq!(
+            serial.attribute("type"),
+            Some("pty"),
+            "still reachable with virsh console"
+        );
+        serial.children().find(|n| n.has_tag_name("log")).map(|log| {
+            (
+                log.attribute("file").map(str::to_owned),
+                log.attribute("append").map(str::to_owned),
+            )
+        })
+    };
+    assert_eq!(serial_log(&domain(&settings, None)), None, "unset: no log file");
+    settings.console_log_dir = Some(PathBuf::from("/var/log/epo & co"));
+    assert_eq!(
+        serial_log(&domain(&settings, None)),
+        Some((
+            Some("/var/log/epo & co/epo-crawl-web-1-0a1b2c3d.console.log".to_owned()),
+            Some("off".to_owned())
+        ))
+    );
 }
 
 #[test]
