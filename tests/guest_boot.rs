@@ -11,26 +11,23 @@
 //! /dev/kvm works).
 
 mod support {
+    pub mod blocking_http;
     pub mod guest_image;
 }
 
 use std::{
     fs::File,
-    io::{self, BufRead, BufReader, Read, Write},
-    net::{Shutdown, SocketAddr, TcpListener, TcpStream},
+    net::{SocketAddr, TcpListener, TcpStream},
     os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
     thread,
     time::{Duration, Instant},
 };
 
-use support::guest_image::{
-    GuestImage, build_seed_iso, create_overlay, default_cache_root, ensure_guest_image, tail_of,
+use support::{
+    blocking_http::{Origin, Response, get_through_proxy},
+    guest_image::{GuestImage, build_seed_iso, create_overlay, default_cache_root, ensure_guest_image, tail_of},
 };
 
 /// The guest port Squid listens on, forwarded from the host's loopback.
@@ -57,7 +54,7 @@ fn guest_boots_to_a_squid_configured_by_cloud_init() {
         .expect("temp dir");
     let token = format!("epo-guest-boot-{:016x}", fastrand::u64(..));
     let hostname = format!("epo-squid-{:08x}", fastrand::u32(..));
-    let server = HostServer::start(token.clone());
+    let server = Origin::start(&token);
 
     let overlay = work.path().join("overlay.qcow2");
     create_overlay(&image, &overlay).unwrap_or_else(|err| panic!("overlay: {err}"));
@@ -67,6 +64,7 @@ fn guest_boots_to_a_squid_configured_by_cloud_init() {
     let timeout = Duration::from_secs(env_number("EPO_GUEST_BOOT_TIMEOUT_SECS", 180));
     let mut vm = Vm::start(&image, &overlay, &seed, work.path());
     let url = format!("http://{HOST_FROM_GUEST}:{}/probe", server.port);
+    let expected_body = server.body_for("/probe");
     let response = vm.poll_until_proxied(&url, timeout);
     let boot = vm.started.elapsed();
     let boot_line = format!(
@@ -78,20 +76,20 @@ fn guest_boots_to_a_squid_configured_by_cloud_init() {
     write_timings(&[&image_line, &boot_line]);
 
     assert_eq!(response.status, 200, "{response:?}");
-    assert_eq!(response.body, token, "the body the host server sent");
+    assert_eq!(response.body, expected_body, "the body the host server sent");
     // Squid names itself with the cloud-init-written visible_hostname in Via and X-Cache.
     let via = response.header("via").unwrap_or_default();
     assert!(
         via.contains(&hostname),
         "Via {via:?} names {hostname}: {response:?}"
     );
-    let requests = server.requests.lock().unwrap();
+    let requests = server.seen();
     let forwarded = requests.last().expect("the host server saw the proxied request");
     assert!(
         forwarded
-            .to_ascii_lowercase()
-            .contains(&format!("via: 1.1 {hostname}")),
-        "the request reached the host through the guest's Squid: {forwarded}"
+            .header("via")
+            .is_some_and(|via| via.starts_with(&format!("1.1 {hostname}"))),
+        "the request reached the host through the guest's Squid: {forwarded:?}"
     );
 }
 
@@ -227,10 +225,10 @@ impl Vm {
 
     /// Fetches `url` through the guest's Squid until a response comes back with status 200,
     /// QEMU exits, or `timeout` (from QEMU's start) passes.
-    fn poll_until_proxied(&mut self, url: &str, timeout: Duration) -> ProxiedResponse {
+    fn poll_until_proxied(&mut self, url: &str, timeout: Duration) -> Response {
         let deadline = self.started + timeout;
         loop {
-            let last = match fetch_through(self.forward, url) {
+            let last = match get_through_proxy(self.forward, url, None) {
                 Ok(response) if response.status == 200 => return response,
                 Ok(response) => format!("Squid answered {response:?}"),
                 Err(err) => err.to_string(),
@@ -268,130 +266,5 @@ impl Drop for Vm {
             &self.serial_log,
             Path::new(env!("CARGO_TARGET_TMPDIR")).join("guest-boot-serial.log"),
         );
-    }
-}
-
-/// A response read through the proxy.
-#[derive(Debug)]
-struct ProxiedResponse {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
-}
-
-impl ProxiedResponse {
-    fn header(&self, name: &str) -> Option<String> {
-        self.headers
-            .iter()
-            .find(|(key, _)| key.eq_ignore_ascii_case(name))
-            .map(|(_, value)| value.clone())
-    }
-}
-
-/// One proxied `GET url` (absolute form) on a fresh connection to `proxy`.
-fn fetch_through(proxy: SocketAddr, url: &str) -> io::Result<ProxiedResponse> {
-    let mut stream = TcpStream::connect_timeout(&proxy, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let authority = url
-        .trim_start_matches("http://")
-        .split('/')
-        .next()
-        .unwrap_or_default();
-    write!(
-        stream,
-        "GET {url} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw)?;
-    let text = String::from_utf8_lossy(&raw);
-    let Some((head, body)) = text.split_once("\r\n\r\n") else {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            format!("incomplete response ({} bytes)", raw.len()),
-        ));
-    };
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|line| line.split_whitespace().nth(1))
-        .and_then(|code| code.parse().ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("bad status line in {head:?}")))?;
-    let headers = lines
-        .filter_map(|line| line.split_once(':'))
-        .map(|(key, value)| (key.trim().to_owned(), value.trim().to_owned()))
-        .collect();
-    Ok(ProxiedResponse {
-        status,
-        headers,
-        body: body.to_owned(),
-    })
-}
-
-/// An HTTP server on the host's loopback answering every request with `body`, recording the
-/// request heads it saw. Stopped on drop.
-struct HostServer {
-    port: u16,
-    requests: Arc<Mutex<Vec<String>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<thread::JoinHandle<()>>,
-}
-
-impl HostServer {
-    fn start(body: String) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-        let port = listener.local_addr().expect("local addr").port();
-        let requests = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = thread::spawn({
-            let requests = Arc::clone(&requests);
-            let stop = Arc::clone(&stop);
-            move || {
-                for stream in listener.incoming() {
-                    if stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let Ok(stream) = stream else { continue };
-                    let _ = serve(stream, &body, &requests);
-                }
-            }
-        });
-        Self {
-            port,
-            requests,
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-fn serve(mut stream: TcpStream, body: &str, requests: &Mutex<Vec<String>>) -> io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut head = String::new();
-    loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line)? == 0 || line == "\r\n" {
-            break;
-        }
-        head.push_str(&line);
-    }
-    requests.lock().unwrap().push(head);
-    write!(
-        stream,
-        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    stream.shutdown(Shutdown::Write)
-}
-
-impl Drop for HostServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        // Wake the accept loop so it sees the flag.
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }

@@ -25,8 +25,15 @@ const START_DEADLINE: Duration = Duration::from_secs(30);
 /// How long the daemon may take to exit after SIGTERM before it is killed.
 const STOP_DEADLINE: Duration = Duration::from_secs(5);
 
-/// A running private libvirtd; dropping it kills the daemon and the QEMU processes it started
-/// and removes its folder.
+/// A file in the daemon's folder that marks it as one of ours, for [`reap_orphans`].
+const MARKER: &str = "epo-private-libvirtd";
+
+/// A running private libvirtd; dropping it kills the daemon, the QEMU processes it started and
+/// its log daemon, and removes its folder.
+///
+/// If the test process dies without dropping it (killed by a timeout), the daemon dies with
+/// the thread that started it (parent-death signal), and the next [`PrivateLibvirtd::start`]
+/// reaps the QEMU processes such a daemon left (see [`reap_orphans`]).
 pub struct PrivateLibvirtd {
     child: Child,
     root: tempfile::TempDir,
@@ -37,6 +44,7 @@ impl PrivateLibvirtd {
     /// Starts the daemon and waits for its socket. Panics with the daemon's log if it exits or
     /// does not create its socket within the deadline.
     pub fn start() -> Self {
+        reap_orphans();
         // Short paths: QEMU's UNIX sockets (monitor, guest agent channel) live below the
         // config folder, and a socket path may not exceed 107 bytes.
         let root = tempfile::Builder::new()
@@ -51,10 +59,19 @@ impl PrivateLibvirtd {
             fs::create_dir(&path).expect("create folder");
             std::os::unix::fs::chown(&path, Some(uid), Some(gid)).expect("chown to nobody");
         }
+        fs::write(root.path().join(MARKER), "").expect("marker file");
         let log = fs::File::create(root.path().join("libvirtd.log")).expect("log file");
         let mut command = Command::new("setpriv");
         command
-            .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "libvirtd"])
+            // The parent-death signal is set after the change of user (which clears it): the
+            // daemon dies with this thread even if no Drop runs.
+            .args([
+                "--reuid=nobody",
+                "--regid=nogroup",
+                "--clear-groups",
+                "--pdeathsig=KILL",
+                "libvirtd",
+            ])
             .env_clear()
             .env(
                 "PATH",
@@ -158,6 +175,20 @@ impl PrivateLibvirtd {
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
+    /// The daemon's folder (removed on drop).
+    pub fn root(&self) -> &Path {
+        self.root.path()
+    }
+
+    /// A folder `name` in the daemon's folder owned by the daemon's user, for files QEMU reads
+    /// or writes (kernels, console logs).
+    pub fn nobody_folder(&self, name: &str) -> PathBuf {
+        let folder = self.root.path().join(name);
+        fs::create_dir(&folder).expect("create folder");
+        chown_nobody(&folder);
+        folder
+    }
+
     /// Defines and starts a dir storage pool `name` in the daemon's folder, with a small qcow2
     /// base image volume `base` (no OS in it: the contract needs a disk, not a boot). Returns
     /// the pool's folder.
@@ -176,9 +207,36 @@ impl PrivateLibvirtd {
             "qemu-img: {}",
             String::from_utf8_lossy(&output.stderr)
         );
-        let (uid, gid) = (id_of("/etc/passwd", "nobody"), id_of("/etc/group", "nogroup"));
-        for path in [&folder, &image] {
-            std::os::unix::fs::chown(path, Some(uid), Some(gid)).expect("chown to nobody");
+        self.define_dir_pool(name, &folder, &image);
+        folder
+    }
+
+    /// Defines and starts a dir storage pool `name` in the daemon's folder holding a copy of
+    /// `image` as volume `volume` (sparse: a copy of the test guest's root file system takes
+    /// about a second). Returns the pool's folder.
+    pub fn dir_pool_with_copy(&self, name: &str, volume: &str, image: &Path) -> PathBuf {
+        let folder = self.root.path().join("pools").join(name);
+        fs::create_dir(&folder).expect("pool folder");
+        let copy = folder.join(volume);
+        let output = Command::new("cp")
+            .args(["--sparse=always", "--reflink=auto"])
+            .arg(image)
+            .arg(&copy)
+            .output()
+            .expect("run cp");
+        assert!(
+            output.status.success(),
+            "copying {} into the pool: {}",
+            image.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        self.define_dir_pool(name, &folder, &copy);
+        folder
+    }
+
+    fn define_dir_pool(&self, name: &str, folder: &Path, image: &Path) {
+        for path in [folder, image] {
+            chown_nobody(path);
         }
         self.virsh_ok(
             &["pool-define-as", "--name", name, "--type", "dir", "--target"]
@@ -187,7 +245,6 @@ impl PrivateLibvirtd {
                 .collect::<Vec<_>>(),
         );
         self.virsh_ok(&["pool-start", "--pool", name]);
-        folder
     }
 
     /// Names of the volumes in `pool`.
@@ -210,30 +267,25 @@ impl PrivateLibvirtd {
             .collect()
     }
 
-    /// QEMU processes the daemon started, from its pid files.
-    fn qemu_pids(&self) -> Vec<u32> {
-        let folder = self.root.path().join("r/libvirt/qemu/run");
-        let Ok(entries) = fs::read_dir(folder) else {
-            return Vec::new();
-        };
-        entries
-            .filter_map(Result::ok)
-            .filter(|entry| entry.path().extension().is_some_and(|ext| ext == "pid"))
-            .filter_map(|entry| fs::read_to_string(entry.path()).ok()?.trim().parse().ok())
-            .collect()
+    /// The UUID of domain `name`, if it exists.
+    pub fn domain_uuid(&self, name: &str) -> Option<String> {
+        let output = self.virsh(&["domuuid", "--domain", name]);
+        output
+            .status
+            .success()
+            .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    }
+
+    /// Whether a domain with `uuid` exists.
+    pub fn has_domain_uuid(&self, uuid: &str) -> bool {
+        self.virsh(&["domname", "--domain", uuid]).status.success()
     }
 }
 
 impl Drop for PrivateLibvirtd {
     fn drop(&mut self) {
-        // QEMU processes outlive a session daemon: end them first, by pid, checking that the
-        // pid is still a QEMU (not a reused number).
-        for pid in self.qemu_pids() {
-            let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains("qemu") {
-                let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
-            }
-        }
+        // QEMU processes and the log daemon outlive a session daemon: end them first.
+        kill_helpers(self.root.path());
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
@@ -247,6 +299,82 @@ impl Drop for PrivateLibvirtd {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Kills, by their pid files, the QEMU processes and the log daemon of the daemon folder
+/// `root`, checking that each pid still runs that program for this folder (not a reused
+/// number): QEMU's command line names the folder's paths.
+fn kill_helpers(root: &Path) {
+    let mut pids: Vec<(u32, &str)> = Vec::new();
+    if let Ok(entries) = fs::read_dir(root.join("r/libvirt/qemu/run")) {
+        for entry in entries.flatten() {
+            if entry.path().extension().is_some_and(|ext| ext == "pid")
+                && let Some(pid) = read_pid(&entry.path())
+            {
+                pids.push((pid, "qemu"));
+            }
+        }
+    }
+    if let Some(pid) = read_pid(&root.join("r/libvirt/virtlogd.pid")) {
+        pids.push((pid, "virtlogd"));
+    }
+    let folder = root.to_string_lossy().into_owned();
+    for (pid, program) in pids {
+        let cmdline = String::from_utf8_lossy(&fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default())
+            .replace('\0', " ");
+        // virtlogd's command line names no path; its pid file is in the folder and it is
+        // checked to be a virtlogd of the daemon's user.
+        let ours = cmdline.contains(program) && (program == "virtlogd" || cmdline.contains(&folder));
+        if ours && is_alive(pid) {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        }
+    }
+}
+
+/// Stops what daemons of earlier test runs left behind: a test process killed by a timeout runs
+/// no Drop, and while its daemon dies with it (parent-death signal), the QEMU processes and the
+/// log daemon it started would run on. A folder is an orphan when it carries [`MARKER`] and its
+/// daemon's pid file names a process that is gone; a folder of a daemon that runs (another
+/// test's) or is still starting is left alone.
+pub fn reap_orphans() {
+    let Ok(entries) = fs::read_dir("/tmp") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let root = entry.path();
+        if !entry.file_name().to_string_lossy().starts_with("lv") || !root.join(MARKER).is_file() {
+            continue;
+        }
+        let Some(daemon) = read_pid(&root.join("r/libvirt/libvirtd.pid")) else {
+            continue;
+        };
+        let cmdline = fs::read(format!("/proc/{daemon}/cmdline")).unwrap_or_default();
+        if is_alive(daemon) && String::from_utf8_lossy(&cmdline).contains("libvirtd") {
+            continue;
+        }
+        eprintln!("reaping what a killed test's libvirtd left in {}", root.display());
+        kill_helpers(&root);
+        let _ = fs::remove_dir_all(&root);
+    }
+}
+
+fn read_pid(path: &Path) -> Option<u32> {
+    fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Whether `pid` runs (exists and is not a zombie waiting to be reaped).
+fn is_alive(pid: u32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the parenthesised command name, which may itself hold spaces.
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
+fn chown_nobody(path: &Path) {
+    let (uid, gid) = (id_of("/etc/passwd", "nobody"), id_of("/etc/group", "nogroup"));
+    std::os::unix::fs::chown(path, Some(uid), Some(gid)).expect("chown to nobody");
 }
 
 /// The numeric ID of `name` in an `/etc/passwd`-style file.
