@@ -27,7 +27,9 @@ use std::{
 
 use support::{
     blocking_http::{Origin, Response, get_through_proxy},
-    guest_image::{GuestImage, build_seed_iso, create_overlay, default_cache_root, ensure_guest_image, tail_of},
+    guest_image::{
+        GuestImage, build_seed_iso, create_overlay, default_cache_root, ensure_guest_image, tail_of,
+    },
 };
 
 /// The guest port Squid listens on, forwarded from the host's loopback.

@@ -35,8 +35,9 @@
 //! copied to `target/tmp/vm-e2e/<test>/`. Timings (image build or cache hit, boot, first
 //! healthy probe, replacement, deletion) go to stderr and `target/tmp/vm-e2e-timings.txt`.
 //!
-//! Knobs: `EPO_CACHE_DIR` (guest image cache), `EPO_VM_E2E_BOOT_TIMEOUT_SECS` (default 300:
-//! domain start to Healthy, also for the replacement). See docs/testing.md.
+//! Knobs: `EPO_CACHE_DIR` (guest image cache), `EPO_VM_E2E_BOOT_TIMEOUT_SECS` (default 420:
+//! domain start to Healthy, also for the replacement), `EPO_GUEST_ACCEL=kvm` (domain type
+//! `kvm` instead of `qemu`). See docs/testing.md.
 
 mod support {
     pub mod blocking_http;
@@ -95,13 +96,22 @@ const CREATE_DEADLINE: Duration = Duration::from_secs(90);
 const DELETE_DEADLINE: Duration = Duration::from_secs(120);
 const STOP_DEADLINE: Duration = Duration::from_secs(30);
 
+/// `kvm` with `EPO_GUEST_ACCEL=kvm` (a host whose CPU virtualises and whose `/dev/kvm` the
+/// daemon's user `nobody` may open), else `qemu` (TCG).
+fn domain_type() -> &'static str {
+    match std::env::var("EPO_GUEST_ACCEL").as_deref() {
+        Ok("kvm") => "kvm",
+        _ => "qemu",
+    }
+}
+
 /// Domain start to Healthy (a first boot or a replacement), `EPO_VM_E2E_BOOT_TIMEOUT_SECS`.
 fn boot_deadline() -> Duration {
     let secs = match std::env::var("EPO_VM_E2E_BOOT_TIMEOUT_SECS") {
         Ok(value) => value
             .parse()
             .unwrap_or_else(|_| panic!("EPO_VM_E2E_BOOT_TIMEOUT_SECS={value:?} is not a number")),
-        Err(_) => 300,
+        Err(_) => 420,
     };
     Duration::from_secs(secs)
 }
@@ -128,10 +138,13 @@ fn kvm2_guest_that_cannot_boot_is_reported_and_cleaned_up() {
     rig.write_proxy();
     rig.start_operator(BROKEN_PROVISIONING_TIMEOUT_SECS);
     let started = Instant::now();
-    let domain = rig.wait_for("the operator to start the proxy's domain", CREATE_DEADLINE, |rig| {
-        rig.running_domain()
-    });
-    rig.timings.record("domain running (operator start)", started.elapsed(), "");
+    let domain = rig.wait_for(
+        "the operator to start the proxy's domain",
+        CREATE_DEADLINE,
+        |rig| rig.running_domain(),
+    );
+    rig.timings
+        .record("domain running (operator start)", started.elapsed(), "");
 
     // The console (the provider's consoleLogDir) tells why the guest never serves.
     let console = rig.wait_for(
@@ -139,10 +152,12 @@ fn kvm2_guest_that_cannot_boot_is_reported_and_cleaned_up() {
         boot_deadline(),
         |rig| {
             let log = rig.console_log(&domain);
-            log.contains("Failed to mount /dev/vda as root file system").then_some(log)
+            log.contains("Failed to mount /dev/vda as root file system")
+                .then_some(log)
         },
     );
-    rig.timings.record("console shows the failed mount", started.elapsed(), "");
+    rig.timings
+        .record("console shows the failed mount", started.elapsed(), "");
     assert!(
         !console.contains("login:"),
         "the guest must not have booted:\n{}",
@@ -178,12 +193,21 @@ fn kvm2_guest_that_cannot_boot_is_reported_and_cleaned_up() {
         !rig.origin.seen().iter().any(|seen| seen.path == "/health"),
         "no probe got through a guest that never booted"
     );
-    // It starts over with a fresh instance (the timeout repeats until the user acts).
-    rig.wait_for("the operator to create a fresh instance", CREATE_DEADLINE, |rig| {
-        rig.audit()
-            .contains("replacing --instance_gone--> provisioning")
-            .then_some(())
-    });
+    // It starts over with a fresh instance (the timeout repeats until the user acts); the
+    // console log keeps the failed boot's messages for the user to read.
+    rig.wait_for(
+        "the operator to create a fresh instance",
+        CREATE_DEADLINE,
+        |rig| {
+            let recreated = rig.audit().contains("replacing --instance_gone--> provisioning");
+            (recreated && rig.running_domain().is_some()).then_some(())
+        },
+    );
+    assert!(
+        rig.console_log(&domain)
+            .contains("Failed to mount /dev/vda as root file system"),
+        "the recreated domain's console log keeps the failed boot"
+    );
 
     // The user gives up: removing the manifest removes everything.
     rig.delete_proxy_and_check_cleanup(&domain);
@@ -199,11 +223,14 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
 
     // 1. Create and boot.
     let started = Instant::now();
-    let domain = rig.wait_for("the operator to start the proxy's domain", CREATE_DEADLINE, |rig| {
-        rig.running_domain()
-    });
+    let domain = rig.wait_for(
+        "the operator to start the proxy's domain",
+        CREATE_DEADLINE,
+        |rig| rig.running_domain(),
+    );
     let running = Instant::now();
-    rig.timings.record("domain running (operator start)", started.elapsed(), "");
+    rig.timings
+        .record("domain running (operator start)", started.elapsed(), "");
     let expected_name = rig.record().and_then(|record| {
         let provider_id = record.status?.provider_id?;
         provider_id.rsplit('/').next().map(str::to_owned)
@@ -229,8 +256,11 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
     rig.wait_for("the Proxy to become Healthy", boot_deadline(), |rig| {
         (rig.phase().as_deref() == Some("healthy")).then_some(())
     });
-    rig.timings.record("Healthy in status (domain running)", running.elapsed(), "");
-    let endpoint = rig.endpoint().unwrap_or_else(|| rig.fail("a Healthy proxy has an endpoint"));
+    rig.timings
+        .record("Healthy in status (domain running)", running.elapsed(), "");
+    let endpoint = rig
+        .endpoint()
+        .unwrap_or_else(|| rig.fail("a Healthy proxy has an endpoint"));
     assert!(
         endpoint.starts_with("127.0.0.1:"),
         "the endpoint is the loopback host forward: {endpoint}"
@@ -242,9 +272,7 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
     let (code, lease) = rig.api(
         "POST",
         "/v1/leases",
-        &format!(
-            r#"{{"selector":{{"pool":"{POOL_ATTRIBUTE}"}},"holder":"crawler-1","ttlSeconds":120}}"#
-        ),
+        &format!(r#"{{"selector":{{"pool":"{POOL_ATTRIBUTE}"}},"holder":"crawler-1","ttlSeconds":120}}"#),
     );
     assert_eq!(code, 201, "lease acquired: {lease}");
     let proxy_url = lease["proxyUrl"].as_str().unwrap_or_default();
@@ -256,7 +284,10 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
         "the lease carries the proxy's credentials"
     );
     let proxy: SocketAddr = address.parse().expect("an IP endpoint");
-    let url = format!("http://{HOST_FROM_GUEST}:{}/fetched-by-crawler-1", rig.origin.port);
+    let url = format!(
+        "http://{HOST_FROM_GUEST}:{}/fetched-by-crawler-1",
+        rig.origin.port
+    );
     let fetched = get_through_proxy(proxy, &url, Some((&user, &password)))
         .unwrap_or_else(|err| rig.fail(&format!("fetch through the leased proxy: {err}")));
     assert_eq!(fetched.status, 200, "{fetched:?}");
@@ -300,8 +331,7 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
         |rig| {
             let uuid = rig.libvirtd.domain_uuid(&domain)?;
             let hash = rig.record()?.status?.spec_hash?;
-            (uuid != old_uuid && hash != first_hash && rig.running_domain().is_some())
-                .then_some((uuid, hash))
+            (uuid != old_uuid && hash != first_hash && rig.running_domain().is_some()).then_some((uuid, hash))
         },
     );
     let replaced_running = Instant::now();
@@ -330,7 +360,8 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
         let current = rig.record()?.status?.spec_hash? == new_hash;
         (healthy && current).then_some(())
     });
-    rig.timings.record("replacement Healthy (Secret changed)", rotated.elapsed(), "");
+    rig.timings
+        .record("replacement Healthy (Secret changed)", rotated.elapsed(), "");
     let audit = rig.audit();
     for step in [
         "healthy --spec_hash_changed--> replacing",
@@ -394,7 +425,8 @@ impl Rig {
     /// config for a `provider_type` instance booting with `cmdline` (the image's by default).
     fn new(test: &'static str, provider_type: &'static str, cmdline: Option<&str>) -> Self {
         let mut timings = Timings::new(test);
-        let image = ensure_guest_image(&default_cache_root()).unwrap_or_else(|err| panic!("guest image: {err}"));
+        let image =
+            ensure_guest_image(&default_cache_root()).unwrap_or_else(|err| panic!("guest image: {err}"));
         timings.record(
             if image.built {
                 "guest image built"
@@ -444,12 +476,13 @@ impl Rig {
              \x20       mode: user\n\
              \x20       hostForwardAddress: 127.0.0.1\n\
              \x20       hostForwardPorts: {{first: {first_port}, last: {last_port}}}\n\
-             \x20     domainType: qemu\n\
+             \x20     domainType: {domain_type}\n\
              \x20     memoryMib: 512\n\
              \x20     vcpus: 1\n\
              \x20     consoleLogDir: {console}\n\
              \x20     timeoutSeconds: 60\n",
             uri = libvirtd.uri(),
+            domain_type = domain_type(),
             kernel = images.join("vmlinuz").display(),
             initrd = images.join("initrd.img").display(),
             last_port = first_port + 199,
@@ -509,7 +542,9 @@ impl Rig {
         let operator = Operator::start(self.work.path(), self.api_port, provisioning_timeout_secs);
         self.operator = Some(operator);
         self.wait_for("the operator to start", OPERATOR_START_DEADLINE, |rig| {
-            rig.operator_log().contains("standalone mode running").then_some(())
+            rig.operator_log()
+                .contains("standalone mode running")
+                .then_some(())
         });
     }
 
@@ -522,7 +557,9 @@ impl Rig {
         match status {
             Some(status) if status.success() => {}
             Some(status) => self.fail(&format!("the operator exited with {status} on SIGTERM")),
-            None => self.fail(&format!("the operator did not stop within {STOP_DEADLINE:?} of SIGTERM")),
+            None => self.fail(&format!(
+                "the operator did not stop within {STOP_DEADLINE:?} of SIGTERM"
+            )),
         }
     }
 
@@ -539,7 +576,9 @@ impl Rig {
                 return found;
             }
             if let Some(status) = self.operator.as_mut().and_then(Operator::exited) {
-                self.fail(&format!("the operator exited ({status}) while waiting for {what}"));
+                self.fail(&format!(
+                    "the operator exited ({status}) while waiting for {what}"
+                ));
             }
             if Instant::now() >= deadline {
                 self.fail(&format!("timed out after {within:?} waiting for {what}"));
@@ -551,7 +590,12 @@ impl Rig {
     /// Waits for the first health probe through the guest's Squid on domain `domain` (running
     /// since `running`), noting when its console first showed a login prompt; returns the
     /// probe as the origin saw it.
-    fn wait_for_boot_and_probe(&mut self, domain: &str, running: Instant, label: &str) -> support::blocking_http::Seen {
+    fn wait_for_boot_and_probe(
+        &mut self,
+        domain: &str,
+        running: Instant,
+        label: &str,
+    ) -> support::blocking_http::Seen {
         let mut booted: Option<Duration> = None;
         let probe = self.wait_for(
             &format!("a health probe through the guest's Squid ({label})"),
@@ -565,18 +609,17 @@ impl Rig {
         );
         let probed = running.elapsed();
         match booted {
-            Some(boot) => self.timings.record(
-                &format!("guest boot to login prompt ({label})"),
-                boot,
-                "",
-            ),
+            Some(boot) => self
+                .timings
+                .record(&format!("guest boot to login prompt ({label})"), boot, ""),
             None => self.timings.record(
                 &format!("guest boot ({label})"),
                 probed,
                 " (no login prompt seen before the probe)",
             ),
         }
-        self.timings.record(&format!("first healthy probe ({label})"), probed, "");
+        self.timings
+            .record(&format!("first healthy probe ({label})"), probed, "");
         probe
     }
 
@@ -606,7 +649,10 @@ impl Rig {
         fs::remove_file(self.path("manifests/proxy.yaml")).expect("remove the Proxy manifest");
         self.wait_for("the operator to delete the Proxy", DELETE_DEADLINE, |rig| {
             let table = rig.status_table()?;
-            (!table.lines().any(|line| line.split_whitespace().nth(1) == Some(PROXY))).then_some(())
+            (!table
+                .lines()
+                .any(|line| line.split_whitespace().nth(1) == Some(PROXY)))
+            .then_some(())
         });
         let domains = self.libvirtd.domains();
         assert!(domains.is_empty(), "no domain remains: {domains:?}");
@@ -618,7 +664,11 @@ impl Rig {
             .flatten()
             .map(|entry| entry.file_name().to_string_lossy().into_owned())
             .collect();
-        assert_eq!(files, [BASE_VOLUME], "no file besides the base image in the pool folder");
+        assert_eq!(
+            files,
+            [BASE_VOLUME],
+            "no file besides the base image in the pool folder"
+        );
         let audit = self.audit();
         assert!(
             audit.contains("--deletion_requested--> deleting") && audit.contains("--> deleted"),
@@ -680,7 +730,11 @@ impl Rig {
             .args(["-x", file])
             .output()
             .expect("run isoinfo");
-        assert!(output.status.success(), "isoinfo: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "isoinfo: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         // The seed holds the proxy credentials' hash: no copy stays behind.
         let _ = fs::remove_file(&copy);
         String::from_utf8_lossy(&output.stdout).into_owned()
@@ -801,10 +855,7 @@ impl Rig {
             "libvirtd log (last 20 lines)",
             &tail(&self.libvirtd.log(), 20),
         );
-        out.push_str(&format!(
-            "(full logs: {})\n",
-            saved_logs_dir(self.test).display()
-        ));
+        out.push_str(&format!("(full logs: {})\n", saved_logs_dir(self.test).display()));
         out
     }
 
@@ -858,6 +909,8 @@ impl Operator {
             .arg("--provisioning-timeout")
             .arg(provisioning_timeout_secs.to_string())
             .env("RUST_LOG", "info")
+            // Plain text in the log file the diagnostics quote.
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log handle"))
             .stderr(log)

@@ -91,9 +91,11 @@ pub struct KvmSettings {
     pub timeout_seconds: u64,
     /// Folder on the libvirt host where each guest's serial console (kernel, init and
     /// cloud-init messages) is logged, as `<domain name>.console.log`: what tells why a guest
-    /// never became healthy. The libvirt daemon's QEMU user must be able to write there. A
-    /// recreated domain starts its file afresh; deleting the instance leaves the file (a
-    /// post-mortem aid: prune the folder on the host). Unset: the console is a pty only.
+    /// never became healthy. The libvirt daemon's QEMU user must be able to write there. Each
+    /// boot of a Proxy's instance (they share the name) appends, so a replacement after a
+    /// failed boot keeps the failure's messages; deleting the instance leaves the file (a
+    /// post-mortem aid: rotate or prune the folder on the host). Unset: the console is a pty
+    /// only.
     #[serde(default)]
     pub console_log_dir: Option<PathBuf>,
 }

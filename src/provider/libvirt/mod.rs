@@ -382,10 +382,11 @@ pub fn domain_xml(plan: &DomainPlan<'_>) -> String {
     }
     match settings.console_log_path(plan.name) {
         Some(log) => {
-            // `append='off'`: a recreated domain's log tells only its own boot.
+            // Appended to: a domain recreated after a failed boot (same name) must not wipe
+            // the evidence of why the last one failed.
             let _ = writeln!(
                 xml,
-                "    <serial type='pty'><log file='{}' append='off'/><target port='0'/></serial>",
+                "    <serial type='pty'><log file='{}' append='on'/><target port='0'/></serial>",
                 escape(&log.to_string_lossy())
             );
         }

@@ -292,7 +292,7 @@ fn console_log_dir_logs_the_serial_console_to_a_file_per_domain() {
         serial_log(&domain(&settings, None)),
         Some((
             Some("/var/log/epo & co/epo-crawl-web-1-0a1b2c3d.console.log".to_owned()),
-            Some("off".to_owned())
+            Some("on".to_owned())
         ))
     );
 }
