@@ -11,6 +11,7 @@ use egress_proxies_operator::{
     config::ProvidersConfig,
     machine,
     standalone::status,
+    telemetry::tracing_setup,
 };
 
 /// Provisions, health-checks and leases egress proxies.
@@ -129,20 +130,6 @@ enum Command {
     },
 }
 
-/// Logs to stderr, `RUST_LOG` selecting levels (default `info`).
-fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
 /// Resolves on SIGTERM or Ctrl-C.
 async fn shutdown_signal() {
     let terminate = async {
@@ -233,7 +220,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             tokens,
             json_logs,
         } => {
-            init_logging(json_logs);
+            let telemetry = tracing_setup::init(json_logs)?;
             let options = app::StandaloneOptions {
                 manifests,
                 providers_config,
@@ -242,9 +229,11 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 tokens,
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
+                terminal_progress: !json_logs,
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(app::run_standalone(options, shutdown_signal()))?;
+            telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
         Command::Run {
@@ -261,7 +250,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             concurrency,
             json_logs,
         } => {
-            init_logging(json_logs);
+            let telemetry = tracing_setup::init(json_logs)?;
             let options = app::cluster::ClusterOptions {
                 providers_config,
                 namespace,
@@ -283,6 +272,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 app::cluster::run_cluster(client, options, shutdown_signal()).await?;
                 anyhow::Ok(())
             })?;
+            telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { state, audit } => {
