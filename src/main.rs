@@ -130,21 +130,28 @@ enum Command {
     },
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
+/// Resolves on SIGTERM or SIGINT (Ctrl-C). The handlers are installed when this is called
+/// (inside the runtime, before start-up work), so a signal during start-up is a graceful stop
+/// that still flushes the last spans, not the default kill.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let terminate = signal(SignalKind::terminate());
+    let interrupt = signal(SignalKind::interrupt());
+    async move {
+        let received = |installed: std::io::Result<tokio::signal::unix::Signal>| async move {
+            match installed {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
             }
-            Err(_) => std::future::pending::<()>().await,
+        };
+        tokio::select! {
+            _ = received(terminate) => {}
+            _ = received(interrupt) => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
+        tracing::info!("shutting down");
     }
-    tracing::info!("shutting down");
 }
 
 fn main() -> ExitCode {
@@ -232,7 +239,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 terminal_progress: !json_logs,
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(app::run_standalone(options, shutdown_signal()))?;
+            runtime.block_on(async { app::run_standalone(options, shutdown_signal()).await })?;
             telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
@@ -266,10 +273,11 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(async {
+                let shutdown = shutdown_signal();
                 let client = kube::Client::try_default()
                     .await
                     .context("connecting to the cluster")?;
-                app::cluster::run_cluster(client, options, shutdown_signal()).await?;
+                app::cluster::run_cluster(client, options, shutdown).await?;
                 anyhow::Ok(())
             })?;
             telemetry.shutdown();

@@ -168,7 +168,10 @@ where
 /// finds an endpoint. Keep the returned [`Telemetry`] until exit and shut it down then.
 pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colours only for a person at a terminal, never in log files or container logs.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     let fmt = if json_logs {
         fmt.json().with_filter(filter).boxed()
     } else {
