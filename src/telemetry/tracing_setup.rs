@@ -179,7 +179,7 @@ pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
     };
     let settings = OtlpSettings::from_env();
     let provider = settings.as_ref().map(otlp_tracer_provider).transpose()?;
-    let otel = provider.as_ref().map(|provider| otel_layer(provider));
+    let otel = provider.as_ref().map(otel_layer);
     tracing_subscriber::registry().with(fmt).with(otel).try_init()?;
     if settings.is_some() {
         let endpoint = [
@@ -237,10 +237,10 @@ impl Telemetry {
     }
 
     fn stop(&mut self) {
-        if let Some(provider) = self.provider.take() {
-            if let Err(err) = provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT) {
-                tracing::warn!(error = %err, "the last spans may not have been exported");
-            }
+        if let Some(provider) = self.provider.take()
+            && let Err(err) = provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT)
+        {
+            tracing::warn!(error = %err, "the last spans may not have been exported");
         }
     }
 }
