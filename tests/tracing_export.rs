@@ -439,6 +439,31 @@ async fn an_unreachable_collector_is_logged_and_the_operator_carries_on() {
 }
 
 #[tokio::test]
+async fn a_misconfigured_exporter_is_logged_and_the_operator_runs_without_it() {
+    let dir = Workdir::new(LOCAL_PROVIDER, &unprovidable_proxy("plain"));
+    let operator = Operator::start(
+        &dir,
+        &[],
+        &[(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "http://no such host:4318".to_owned(),
+        )],
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "edge/plain reconciled",
+        || dir.status().contains("plain"),
+        || operator.log(),
+    )
+    .await;
+    let log = operator.log();
+    let status = operator.stop().await;
+    assert!(status.success(), "operator exited with {status}:\n{log}");
+    assert!(log.contains("OTLP trace export is misconfigured"), "{log}");
+    assert!(!log.contains("exporting traces"), "{log}");
+}
+
+#[tokio::test]
 async fn without_an_endpoint_no_exporter_is_built() {
     let dir = Workdir::new(LOCAL_PROVIDER, &unprovidable_proxy("quiet"));
     // Only the service name is set: no endpoint, so no exporter.

@@ -165,7 +165,8 @@ where
 
 /// Installs the process-wide subscriber: stderr logs (text, or JSON lines with `json_logs`)
 /// filtered by `RUST_LOG` (default `info`), plus OTLP export when [`OtlpSettings::from_env`]
-/// finds an endpoint. Keep the returned [`Telemetry`] until exit and shut it down then.
+/// finds an endpoint (an exporter that can't be built from the variables is logged and left
+/// out). Keep the returned [`Telemetry`] until exit and shut it down then.
 pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // Colours only for a person at a terminal, never in log files or container logs.
@@ -178,10 +179,17 @@ pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
         fmt.with_filter(filter).boxed()
     };
     let settings = OtlpSettings::from_env();
-    let provider = settings.as_ref().map(otlp_tracer_provider).transpose()?;
+    // A bad OTLP setting costs the traces, never the operator: it runs on without export.
+    let (provider, unusable) = match settings.as_ref().map(otlp_tracer_provider) {
+        Some(Ok(provider)) => (Some(provider), None),
+        Some(Err(err)) => (None, Some(err)),
+        None => (None, None),
+    };
     let otel = provider.as_ref().map(otel_layer);
     tracing_subscriber::registry().with(fmt).with(otel).try_init()?;
-    if settings.is_some() {
+    if let Some(err) = unusable {
+        tracing::error!(error = %err, "OTLP trace export is misconfigured; running without it");
+    } else if settings.is_some() {
         let endpoint = [
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
             "OTEL_EXPORTER_OTLP_ENDPOINT",
