@@ -199,6 +199,7 @@ pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
         .map(|url| without_userinfo(&url))
         .unwrap_or_default();
         tracing::info!(%endpoint, "exporting traces over OTLP/HTTP (protobuf)");
+        // The exporter would note these before logging is up; say it where it is seen.
         for var in [
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
             "OTEL_EXPORTER_OTLP_PROTOCOL",
@@ -207,6 +208,16 @@ pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
                 && protocol != "http/protobuf"
             {
                 tracing::warn!(%var, %protocol, "only http/protobuf is supported; using it");
+            }
+        }
+        for var in [
+            "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+            "OTEL_EXPORTER_OTLP_COMPRESSION",
+        ] {
+            if let Ok(compression) = std::env::var(var)
+                && compression != "none"
+            {
+                tracing::warn!(%var, %compression, "compression is not supported; sending uncompressed");
             }
         }
     }
