@@ -11,6 +11,7 @@ use egress_proxies_operator::{
     config::ProvidersConfig,
     machine,
     standalone::status,
+    telemetry::tracing_setup,
 };
 
 /// Provisions, health-checks and leases egress proxies.
@@ -129,35 +130,28 @@ enum Command {
     },
 }
 
-/// Logs to stderr, `RUST_LOG` selecting levels (default `info`).
-fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
-/// Resolves on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
+/// Resolves on SIGTERM or SIGINT (Ctrl-C). The handlers are installed when this is called
+/// (inside the runtime, before start-up work), so a signal during start-up is a graceful stop
+/// that still flushes the last spans, not the default kill.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let terminate = signal(SignalKind::terminate());
+    let interrupt = signal(SignalKind::interrupt());
+    async move {
+        let received = |installed: std::io::Result<tokio::signal::unix::Signal>| async move {
+            match installed {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
             }
-            Err(_) => std::future::pending::<()>().await,
+        };
+        tokio::select! {
+            _ = received(terminate) => {}
+            _ = received(interrupt) => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
+        tracing::info!("shutting down");
     }
-    tracing::info!("shutting down");
 }
 
 fn main() -> ExitCode {
@@ -233,7 +227,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             tokens,
             json_logs,
         } => {
-            init_logging(json_logs);
+            let telemetry = tracing_setup::init(json_logs)?;
             let options = app::StandaloneOptions {
                 manifests,
                 providers_config,
@@ -242,9 +236,11 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 tokens,
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
+                terminal_progress: !json_logs,
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(app::run_standalone(options, shutdown_signal()))?;
+            runtime.block_on(async { app::run_standalone(options, shutdown_signal()).await })?;
+            telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
         Command::Run {
@@ -261,7 +257,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             concurrency,
             json_logs,
         } => {
-            init_logging(json_logs);
+            let telemetry = tracing_setup::init(json_logs)?;
             let options = app::cluster::ClusterOptions {
                 providers_config,
                 namespace,
@@ -277,12 +273,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(async {
+                let shutdown = shutdown_signal();
                 let client = kube::Client::try_default()
                     .await
                     .context("connecting to the cluster")?;
-                app::cluster::run_cluster(client, options, shutdown_signal()).await?;
+                app::cluster::run_cluster(client, options, shutdown).await?;
                 anyhow::Ok(())
             })?;
+            telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { state, audit } => {

@@ -62,6 +62,8 @@ pub struct StandaloneOptions {
     pub poll: Duration,
     /// Grace period of orphan GC.
     pub gc_grace: Duration,
+    /// Print the live progress line to stderr (off with JSON logs: it is not JSON).
+    pub terminal_progress: bool,
 }
 
 /// The tokens file standalone mode creates when none is given.
@@ -135,6 +137,9 @@ pub async fn run_standalone(
             reconciler: ReconcilerConfig::default(),
         },
     )?;
+    if !options.terminal_progress {
+        runner.progress().mute();
+    }
     info!(
         discovery = %format!("http://{listen}"),
         tokens = %tokens_path.display(),

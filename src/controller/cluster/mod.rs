@@ -26,7 +26,7 @@ use kube::{
     },
 };
 use tokio::sync::watch;
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{info, warn};
 
 pub use backend::KubeBackend;
 
@@ -187,10 +187,9 @@ where
 }
 
 async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {
-    let span =
-        info_span!("reconcile", namespace = %proxy.namespace().unwrap_or_default(), name = %proxy.name_any());
     let started = std::time::Instant::now();
-    let result = context.reconciler.reconcile(&proxy).instrument(span).await;
+    // The reconciler opens the `reconcile` span itself (standalone mode gets it too).
+    let result = context.reconciler.reconcile(&proxy).await;
     context.metrics.observe_reconcile(
         started.elapsed(),
         result.as_ref().err().map(ReconcileError::category),
