@@ -59,6 +59,12 @@ enum Command {
         /// Only log what orphan GC would delete.
         #[arg(long)]
         gc_dry_run: bool,
+        /// Orphan GC spares instances younger than this (their create may be in flight).
+        #[arg(long, value_name = "SECONDS", default_value_t = 300)]
+        gc_grace_seconds: u64,
+        /// Time between two orphan GC passes.
+        #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+        gc_interval_seconds: u64,
         /// Namespace of the leader Lease and the lease checkpoint.
         #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
         system_namespace: String,
@@ -242,6 +248,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 tokens,
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
+                gc_interval: std::time::Duration::from_secs(60),
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(app::run_standalone(options, shutdown_signal()))?;
@@ -252,6 +259,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             namespace,
             gc_allow_namespaced,
             gc_dry_run,
+            gc_grace_seconds,
+            gc_interval_seconds,
             system_namespace,
             identity,
             admin_listen,
@@ -267,6 +276,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 namespace,
                 gc_allow_namespaced,
                 gc_dry_run,
+                gc_grace: std::time::Duration::from_secs(gc_grace_seconds),
+                gc_interval: std::time::Duration::from_secs(gc_interval_seconds.max(1)),
                 system_namespace,
                 identity,
                 admin_listen,
