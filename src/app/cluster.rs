@@ -285,7 +285,7 @@ pub async fn run_cluster(
             namespace: options.namespace.clone(),
         };
         info!(
-            namespace = options.namespace.as_deref().unwrap_or("(all)"),
+            namespace = %options.namespace.as_deref().unwrap_or("(all)"),
             dry_run = options.gc_dry_run,
             grace = ?options.gc_grace,
             interval = ?options.gc_interval,
@@ -301,7 +301,7 @@ pub async fn run_cluster(
         ));
     } else {
         warn!(
-            namespace = options.namespace.as_deref().unwrap_or_default(),
+            namespace = %options.namespace.as_deref().unwrap_or_default(),
             "orphan GC is disabled in namespace-restricted mode (pass --gc-allow-namespaced to enable it)"
         );
     }
