@@ -376,8 +376,9 @@ pub async fn run_cluster(
     Ok(())
 }
 
-/// Sends the key of every Proxy on a provider whose availability flipped to the controller.
-async fn reconcile_providers_proxies(
+/// Sends the key of every Proxy (in `namespace`, if restricted) on a provider whose availability
+/// flipped (names arrive on `flipped`, e.g. from [`Monitor::on_change`]) to the controller.
+pub async fn reconcile_providers_proxies(
     client: Client,
     namespace: Option<String>,
     mut flipped: mpsc::UnboundedReceiver<String>,
