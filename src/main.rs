@@ -60,6 +60,12 @@ enum Command {
         /// Only log what orphan GC would delete.
         #[arg(long)]
         gc_dry_run: bool,
+        /// Orphan GC spares instances younger than this (their create may be in flight).
+        #[arg(long, value_name = "SECONDS", default_value_t = 300)]
+        gc_grace_seconds: u64,
+        /// Time between two orphan GC passes.
+        #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+        gc_interval_seconds: u64,
         /// Namespace of the leader Lease and the lease checkpoint.
         #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
         system_namespace: String,
@@ -237,6 +243,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
                 terminal_progress: !json_logs,
+                gc_interval: std::time::Duration::from_secs(60),
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(async { app::run_standalone(options, shutdown_signal()).await })?;
@@ -248,6 +255,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             namespace,
             gc_allow_namespaced,
             gc_dry_run,
+            gc_grace_seconds,
+            gc_interval_seconds,
             system_namespace,
             identity,
             admin_listen,
@@ -263,6 +272,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 namespace,
                 gc_allow_namespaced,
                 gc_dry_run,
+                gc_grace: std::time::Duration::from_secs(gc_grace_seconds),
+                gc_interval: std::time::Duration::from_secs(gc_interval_seconds.max(1)),
                 system_namespace,
                 identity,
                 admin_listen,

@@ -26,9 +26,10 @@ const START_DEADLINE: Duration = Duration::from_secs(30);
 const STOP_DEADLINE: Duration = Duration::from_secs(5);
 
 /// A running private libvirtd; dropping it kills the daemon and the QEMU processes it started
-/// and removes its folder.
+/// and removes its folder. [`Self::stop`] and [`Self::restart`] take the daemon away and bring
+/// it back on the same folder and socket, as an outage of a libvirt host would.
 pub struct PrivateLibvirtd {
-    child: Child,
+    child: Option<Child>,
     root: tempfile::TempDir,
     uri: String,
 }
@@ -51,7 +52,31 @@ impl PrivateLibvirtd {
             fs::create_dir(&path).expect("create folder");
             std::os::unix::fs::chown(&path, Some(uid), Some(gid)).expect("chown to nobody");
         }
-        let log = fs::File::create(root.path().join("libvirtd.log")).expect("log file");
+        let uri = format!(
+            "qemu+unix:///session?socket={}",
+            Self::socket_in(root.path()).display()
+        );
+        let mut daemon = Self {
+            child: None,
+            root,
+            uri,
+        };
+        daemon.spawn();
+        daemon
+    }
+
+    fn socket_in(root: &Path) -> PathBuf {
+        root.join("r/libvirt/libvirt-sock")
+    }
+
+    /// Runs libvirtd on the folder and waits until it answers.
+    fn spawn(&mut self) {
+        let root = self.root.path();
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(root.join("libvirtd.log"))
+            .expect("log file");
         let mut command = Command::new("setpriv");
         command
             .args(["--reuid=nobody", "--regid=nogroup", "--clear-groups", "libvirtd"])
@@ -60,40 +85,40 @@ impl PrivateLibvirtd {
                 "PATH",
                 "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             )
-            .envs(Self::env_in(root.path()))
-            .current_dir(root.path())
+            .envs(Self::env_in(root))
+            .current_dir(root)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log file"))
             .stderr(log)
             // Its own process group, so a test harness never waits on it.
             .process_group(0);
-        let child = command.spawn().expect("spawn setpriv libvirtd");
-        let socket = root.path().join("r/libvirt/libvirt-sock");
-        let uri = format!("qemu+unix:///session?socket={}", socket.display());
-        let mut daemon = Self { child, root, uri };
+        let socket = Self::socket_in(root);
+        // A socket left by a daemon that was killed must not pass for a fresh one.
+        let _ = fs::remove_file(&socket);
+        self.child = Some(command.spawn().expect("spawn setpriv libvirtd"));
         let started = Instant::now();
         loop {
             if socket.exists() {
                 break;
             }
-            if let Ok(Some(status)) = daemon.child.try_wait() {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 panic!(
                     "libvirtd exited ({status}) before creating its socket:\n{}",
-                    daemon.log()
+                    self.log()
                 );
             }
             if started.elapsed() > START_DEADLINE {
                 panic!(
                     "libvirtd created no socket at {} within {START_DEADLINE:?}:\n{}",
                     socket.display(),
-                    daemon.log()
+                    self.log()
                 );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         // The socket appears before the daemon serves; wait until a client gets an answer.
         loop {
-            let output = daemon.virsh(&["uri"]);
+            let output = self.virsh(&["uri"]);
             if output.status.success() {
                 break;
             }
@@ -101,12 +126,48 @@ impl PrivateLibvirtd {
                 panic!(
                     "libvirtd did not answer within {START_DEADLINE:?}: {}\n{}",
                     String::from_utf8_lossy(&output.stderr),
-                    daemon.log()
+                    self.log()
                 );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        daemon
+    }
+
+    /// Stops the daemon (SIGTERM, then SIGKILL after a deadline) and waits until clients are
+    /// refused. Its folder, definitions and any running QEMU stay, as after a daemon crash.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let stopping = Instant::now();
+            loop {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                if stopping.elapsed() > STOP_DEADLINE {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        assert!(
+            !self.virsh(&["uri"]).status.success(),
+            "libvirtd still answers after it stopped"
+        );
+    }
+
+    /// Starts the daemon again on the same folder and socket (after [`Self::stop`]), and
+    /// restarts the storage pools that were active (a session daemon does not autostart them).
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+        let inactive = self.virsh_ok(&["pool-list", "--inactive", "--name"]);
+        for pool in inactive.lines().map(str::trim).filter(|p| !p.is_empty()) {
+            self.virsh_ok(&["pool-start", "--pool", pool]);
+        }
     }
 
     /// The URI clients (this process, running as root, included) connect with.
@@ -234,18 +295,21 @@ impl Drop for PrivateLibvirtd {
                 let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
             }
         }
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
         let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args(["-TERM", &child.id().to_string()])
             .status();
         let stopping = Instant::now();
         while stopping.elapsed() < STOP_DEADLINE {
-            if let Ok(Some(_)) = self.child.try_wait() {
+            if let Ok(Some(_)) = child.try_wait() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }
 

@@ -158,6 +158,7 @@ pub async fn run_controller(
         }
     };
     tokio::spawn(readiness);
+    let sampler = tokio::spawn(sample_phases(proxy_store, context.metrics.clone()));
 
     controller
         .run(reconcile, error_policy, context)
@@ -167,7 +168,32 @@ pub async fn run_controller(
             }
         })
         .await;
+    sampler.abort();
     info!("controller stopped");
+}
+
+/// How often `epo_proxies` is recounted from the cache.
+const PHASE_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Keeps `epo_proxies` current: counts the cached Proxies per reported phase (one pass over
+/// the cache per interval, independent of how many reconciles run).
+async fn sample_phases(store: reflector::Store<Proxy>, metrics: Arc<Metrics>) {
+    if !wait_ready(&store).await {
+        return;
+    }
+    loop {
+        let mut counts = std::collections::BTreeMap::new();
+        for proxy in store.state() {
+            let phase = proxy
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_else(|| "pending".to_owned());
+            *counts.entry(phase).or_insert(0) += 1;
+        }
+        metrics.set_phase_counts(&counts);
+        tokio::time::sleep(PHASE_SAMPLE_INTERVAL).await;
+    }
 }
 
 /// Waits until `store` has its initial list. The store's readiness is a shared one-shot that
