@@ -241,6 +241,15 @@ impl Load {
     }
 }
 
+/// The two fields of an acquire answer the client needs (the rest is skipped unparsed, so the
+/// client spends its core on requests, not on JSON trees).
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Granted {
+    lease_id: String,
+    fencing_token: u64,
+}
+
 /// 64 keep-alive connections, each acquiring then releasing in a closed loop.
 async fn drive(addr: std::net::SocketAddr, connections: usize, for_: Duration) -> Load {
     let stop = Arc::new(AtomicBool::new(false));
@@ -269,9 +278,9 @@ async fn drive(addr: std::net::SocketAddr, connections: usize, for_: Duration) -
                 assert!(response.status().is_success(), "acquire: {}", response.status());
                 let body = response.into_body().collect().await.expect("body").to_bytes();
                 latencies.push(t.elapsed().as_micros() as u32);
-                let lease: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
-                let id = lease["leaseId"].as_str().expect("leaseId");
-                let release = format!(r#"{{"fencingToken":{},"outcome":"ok"}}"#, lease["fencingToken"]);
+                let lease: Granted = serde_json::from_slice(&body).expect("JSON");
+                let id = lease.lease_id;
+                let release = format!(r#"{{"fencingToken":{},"outcome":"ok"}}"#, lease.fencing_token);
                 let t = Instant::now();
                 let req = Request::post(format!("/v1/leases/{id}/release"))
                     .header("host", "bench")
@@ -342,14 +351,22 @@ fn bench_http() {
         "discovery API: {connections} keep-alive connections, acquire then release, {}s per server",
         for_.as_secs()
     );
-    // Server and client each get their own 2-thread runtime on the same 2 cores, for both servers.
+    // Server and client each get their own runtime, the same for both servers. By default one
+    // worker thread each: on a 2-core machine that gives each side a core, so the latency
+    // measured is the server's, not the OS time-slicing four busy threads over two cores.
+    let threads = |var: &str| std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    let (server_threads, client_threads) = (
+        threads("EPO_BENCH_SERVER_THREADS"),
+        threads("EPO_BENCH_CLIENT_THREADS"),
+    );
+    println!("  server runtime: {server_threads} worker thread(s), client runtime: {client_threads}");
     let server_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(server_threads)
         .enable_all()
         .build()
         .expect("server runtime");
     let client_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(client_threads)
         .enable_all()
         .build()
         .expect("client runtime");

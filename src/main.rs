@@ -11,6 +11,7 @@ use egress_proxies_operator::{
     config::ProvidersConfig,
     machine,
     standalone::status,
+    telemetry::tracing_setup,
 };
 
 /// Provisions, health-checks and leases egress proxies.
@@ -58,6 +59,12 @@ enum Command {
         /// Only log what orphan GC would delete.
         #[arg(long)]
         gc_dry_run: bool,
+        /// Orphan GC spares instances younger than this (their create may be in flight).
+        #[arg(long, value_name = "SECONDS", default_value_t = 300)]
+        gc_grace_seconds: u64,
+        /// Time between two orphan GC passes.
+        #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+        gc_interval_seconds: u64,
         /// Namespace of the leader Lease and the lease checkpoint.
         #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
         system_namespace: String,
@@ -135,35 +142,28 @@ enum Command {
     },
 }
 
-/// Logs to stderr, `RUST_LOG` selecting levels (default `info`).
-fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
-/// Resolves on SIGTERM or Ctrl-C.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
+/// Resolves on SIGTERM or SIGINT (Ctrl-C). The handlers are installed when this is called
+/// (inside the runtime, before start-up work), so a signal during start-up is a graceful stop
+/// that still flushes the last spans, not the default kill.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let terminate = signal(SignalKind::terminate());
+    let interrupt = signal(SignalKind::interrupt());
+    async move {
+        let received = |installed: std::io::Result<tokio::signal::unix::Signal>| async move {
+            match installed {
+                Ok(mut signal) => {
+                    signal.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
             }
-            Err(_) => std::future::pending::<()>().await,
+        };
+        tokio::select! {
+            _ = received(terminate) => {}
+            _ = received(interrupt) => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = terminate => {}
+        tracing::info!("shutting down");
     }
-    tracing::info!("shutting down");
 }
 
 fn main() -> ExitCode {
@@ -240,7 +240,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             provisioning_timeout,
             json_logs,
         } => {
-            init_logging(json_logs);
+            let telemetry = tracing_setup::init(json_logs)?;
             let options = app::StandaloneOptions {
                 manifests,
                 providers_config,
@@ -250,9 +250,12 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
                 provisioning_timeout: std::time::Duration::from_secs(provisioning_timeout),
+                terminal_progress: !json_logs,
+                gc_interval: std::time::Duration::from_secs(60),
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(app::run_standalone(options, shutdown_signal()))?;
+            runtime.block_on(async { app::run_standalone(options, shutdown_signal()).await })?;
+            telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
         Command::Run {
@@ -260,6 +263,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             namespace,
             gc_allow_namespaced,
             gc_dry_run,
+            gc_grace_seconds,
+            gc_interval_seconds,
             system_namespace,
             identity,
             admin_listen,
@@ -269,12 +274,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             concurrency,
             json_logs,
         } => {
-            init_logging(json_logs);
+            let telemetry = tracing_setup::init(json_logs)?;
             let options = app::cluster::ClusterOptions {
                 providers_config,
                 namespace,
                 gc_allow_namespaced,
                 gc_dry_run,
+                gc_grace: std::time::Duration::from_secs(gc_grace_seconds),
+                gc_interval: std::time::Duration::from_secs(gc_interval_seconds.max(1)),
                 system_namespace,
                 identity,
                 admin_listen,
@@ -285,12 +292,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(async {
+                let shutdown = shutdown_signal();
                 let client = kube::Client::try_default()
                     .await
                     .context("connecting to the cluster")?;
-                app::cluster::run_cluster(client, options, shutdown_signal()).await?;
+                app::cluster::run_cluster(client, options, shutdown).await?;
                 anyhow::Ok(())
             })?;
+            telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { state, audit } => {

@@ -85,6 +85,8 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         namespace: None,
         gc_allow_namespaced: false,
         gc_dry_run: false,
+        gc_grace: Duration::from_secs(300),
+        gc_interval: Duration::from_secs(60),
         system_namespace: "egress-proxies-system".into(),
         identity: "replica-a".into(),
         admin_listen: format!("127.0.0.1:{admin_port}").parse().unwrap(),

@@ -197,6 +197,32 @@ async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, 
     )
 }
 
+/// The discovery API's `/metrics` (no token needed) once `done` holds for it.
+async fn metrics_when(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", host.api_port))
+            .await
+            .expect("connect");
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .expect("handshake");
+        tokio::spawn(conn);
+        let request = Request::get("/metrics")
+            .header("host", "127.0.0.1")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let response = sender.send_request(request).await.expect("response");
+        let body = response.into_body().collect().await.expect("body").to_bytes();
+        let text = String::from_utf8_lossy(&body).into_owned();
+        if done(&text) {
+            return text;
+        }
+        assert!(Instant::now() < deadline, "metrics never showed {what}:\n{text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// GET `url` through the HTTP proxy at `proxy` (absolute-form request).
 async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
     let stream = tokio::net::TcpStream::connect(proxy)
@@ -281,6 +307,30 @@ async fn standalone_end_to_end_with_real_squid() {
         std::net::TcpStream::connect(("127.0.0.1", port_b)).is_err(),
         "b's port is closed"
     );
+
+    // Standalone mode exposes the same metrics as cluster mode, on the discovery API.
+    let metrics = metrics_when(&host, "one healthy proxy left", |t| {
+        t.lines().any(|l| l == r#"epo_proxies{phase="healthy"} 1"#)
+    })
+    .await;
+    for line in [
+        r#"epo_transitions_total{from="provisioning",to="healthy"} 2"#,
+        r#"epo_transitions_total{from="deleting",to="deleted"} 1"#,
+        r#"epo_provider_available{provider="local"} 1"#,
+        r#"epo_discovery_leases_released_total{code="ok"} 1"#,
+        "epo_discovery_leases_active 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "no {line} in:\n{metrics}");
+    }
+    for prefix in [
+        r#"epo_reconciles_total{result="ok"} "#,
+        r#"epo_probe_duration_seconds_count{result="ok"} "#,
+    ] {
+        assert!(
+            metrics.lines().any(|l| l.starts_with(prefix)),
+            "no {prefix} in:\n{metrics}"
+        );
+    }
 
     // Restart: nothing is duplicated and the earlier state is there.
     operator.stop();

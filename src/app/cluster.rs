@@ -8,8 +8,8 @@ use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, sync::Arc, time
 use async_trait::async_trait;
 use k8s_openapi::api::{coordination::v1::Lease, core::v1::ConfigMap};
 use kube::{
-    Api, Client,
-    api::{ObjectMeta, PostParams},
+    Api, Client, ResourceExt,
+    api::{ListParams, ObjectMeta, PostParams},
 };
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
@@ -17,6 +17,7 @@ use tracing::{info, warn};
 
 use super::{AppError, proxy_key};
 use crate::{
+    api::Proxy,
     config::ProvidersConfig,
     controller::{
         ProviderAvailability, ReconcilerConfig,
@@ -61,6 +62,10 @@ pub struct ClusterOptions {
     pub gc_allow_namespaced: bool,
     /// Only log what GC would delete.
     pub gc_dry_run: bool,
+    /// GC never collects an instance younger than this (its create may be in flight).
+    pub gc_grace: Duration,
+    /// Time between two GC passes.
+    pub gc_interval: Duration,
     /// Namespace of the leader Lease and the lease checkpoint (the operator's own).
     pub system_namespace: String,
     /// This replica's identity (the pod name).
@@ -219,8 +224,11 @@ pub async fn run_cluster(
             warn!(error = %err, "lease checkpoint unreadable; leases are honoured by their signed tokens")
         }
     }
-    let (health_handle, mut health_events) =
-        HealthEngine::start(HealthConfig::default()).map_err(|e| AppError::Startup(e.to_string()))?;
+    let (health_handle, mut health_events) = HealthEngine::start(HealthConfig {
+        probe_metrics: Some(metrics.probe_metrics()),
+        ..HealthConfig::default()
+    })
+    .map_err(|e| AppError::Startup(e.to_string()))?;
     let availability = ProviderAvailability::default();
     let (caches_tx, mut caches_rx) = watch::channel(false);
     let (discovery_ready_tx, discovery_ready) = watch::channel(Readiness::default());
@@ -249,34 +257,55 @@ pub async fn run_cluster(
         stopped(),
     ));
 
+    let (trigger_tx, trigger_rx) = mpsc::channel(1024);
+    // A provider that comes back (or goes away) re-reconciles its Proxies now, rather than at
+    // their next requeue.
+    let (flipped_tx, flipped_rx) = mpsc::unbounded_channel::<String>();
+    tokio::spawn(reconcile_providers_proxies(
+        client.clone(),
+        options.namespace.clone(),
+        flipped_rx,
+        trigger_tx.clone(),
+    ));
     let monitor = Monitor::new(
         providers.clone(),
         availability.clone(),
         Arc::new(KubeHealthSink::new(client.clone())),
         Duration::from_secs(10),
-    );
+    )
+    .with_metrics(metrics.clone())
+    .on_change(Arc::new(move |provider: &str| {
+        let _ = flipped_tx.send(provider.to_owned());
+    }));
     tokio::spawn(monitor.run(Duration::from_secs(30), stopped()));
     if gc_enabled(options.namespace.as_deref(), options.gc_allow_namespaced) {
         let gc_config = GcConfig {
-            grace: Duration::from_secs(300),
+            grace: options.gc_grace,
             dry_run: options.gc_dry_run,
             namespace: options.namespace.clone(),
         };
-        tokio::spawn(gc_loop(
+        info!(
+            namespace = %options.namespace.as_deref().unwrap_or("(all)"),
+            dry_run = options.gc_dry_run,
+            grace = ?options.gc_grace,
+            interval = ?options.gc_interval,
+            "orphan GC enabled"
+        );
+        tokio::spawn(gc::run(
             providers.clone(),
             KubeLiveOwners::new(client.clone()),
             gc_config,
-            metrics.clone(),
+            options.gc_interval,
+            Some(metrics.clone()),
             stopped(),
         ));
     } else {
         warn!(
-            namespace = options.namespace.as_deref().unwrap_or_default(),
+            namespace = %options.namespace.as_deref().unwrap_or_default(),
             "orphan GC is disabled in namespace-restricted mode (pass --gc-allow-namespaced to enable it)"
         );
     }
 
-    let (trigger_tx, trigger_rx) = mpsc::channel(1024);
     tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
             if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
@@ -347,24 +376,34 @@ pub async fn run_cluster(
     Ok(())
 }
 
-async fn gc_loop(
-    providers: ProviderRegistry,
-    owners: KubeLiveOwners,
-    config: GcConfig,
-    metrics: Arc<Metrics>,
-    shutdown: impl std::future::Future<Output = ()>,
+/// Sends the key of every Proxy (in `namespace`, if restricted) on a provider whose availability
+/// flipped (names arrive on `flipped`, e.g. from [`Monitor::on_change`]) to the controller.
+pub async fn reconcile_providers_proxies(
+    client: Client,
+    namespace: Option<String>,
+    mut flipped: mpsc::UnboundedReceiver<String>,
+    triggers: mpsc::Sender<crate::effects::ProxyKey>,
 ) {
-    tokio::pin!(shutdown);
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => return,
-            _ = tokio::time::sleep(Duration::from_secs(60)) => {}
-        }
-        let report = gc::collect(&providers, &owners, &config, jiff::Timestamp::now()).await;
-        for id in &report.collected {
-            let provider = id.split('/').nth(1).unwrap_or_default();
-            if !config.dry_run {
-                metrics.observe_gc_deletions(provider, 1);
+    let api: Api<Proxy> = match &namespace {
+        Some(ns) => Api::namespaced(client, ns),
+        None => Api::all(client),
+    };
+    while let Some(provider) = flipped.recv().await {
+        let proxies = match api.list(&ListParams::default()).await {
+            Ok(list) => list.items,
+            // The Proxies still requeue on their own timers.
+            Err(err) => {
+                warn!(provider = %provider, error = %err, "listing Proxies after a provider flip failed");
+                continue;
+            }
+        };
+        for proxy in proxies.iter().filter(|p| p.spec.provider == provider) {
+            let key = crate::effects::ProxyKey {
+                namespace: proxy.namespace().unwrap_or_default(),
+                name: proxy.name_any(),
+            };
+            if triggers.send(key).await.is_err() {
+                return;
             }
         }
     }

@@ -26,6 +26,7 @@ use crate::{
     provider::{ProviderRegistry, RegistryError},
     standalone::{Standalone, StandaloneDeps, StandaloneError},
     store::Store,
+    telemetry::Metrics,
 };
 
 /// Why the operator could not start.
@@ -66,6 +67,10 @@ pub struct StandaloneOptions {
     /// How long a new instance may take to pass its first health check before it is deleted
     /// and created afresh (`ProvisioningTimedOut`).
     pub provisioning_timeout: Duration,
+    /// Print the live progress line to stderr (off with JSON logs: it is not JSON).
+    pub terminal_progress: bool,
+    /// Time between two orphan GC passes.
+    pub gc_interval: Duration,
 }
 
 /// The tokens file standalone mode creates when none is given.
@@ -102,12 +107,16 @@ pub async fn run_standalone(
     };
     let tokens = StaticTokens::from_file(&tokens_path).map_err(|e| AppError::Startup(e.to_string()))?;
 
-    let (health_handle, mut health_events) =
-        HealthEngine::start(HealthConfig::default()).map_err(|e| AppError::Startup(e.to_string()))?;
-    let availability = ProviderAvailability::default();
     let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::register(&mut registry));
     let discovery_metrics = DiscoveryMetrics::register(&mut registry);
     let registry = Arc::new(registry);
+    let (health_handle, mut health_events) = HealthEngine::start(HealthConfig {
+        probe_metrics: Some(metrics.probe_metrics()),
+        ..HealthConfig::default()
+    })
+    .map_err(|e| AppError::Startup(e.to_string()))?;
+    let availability = ProviderAvailability::default();
     let (_readiness_tx, readiness) = watch::channel(Readiness {
         synced: true,
         leader: true,
@@ -144,7 +153,11 @@ pub async fn run_standalone(
                 ..ReconcilerConfig::default()
             },
         },
-    )?;
+    )?
+    .with_metrics(metrics.clone());
+    if !options.terminal_progress {
+        runner.progress().mute();
+    }
     info!(
         discovery = %format!("http://{listen}"),
         tokens = %tokens_path.display(),
@@ -179,10 +192,23 @@ pub async fn run_standalone(
         availability,
         Arc::new(LogSink),
         Duration::from_secs(10),
-    );
+    )
+    .with_metrics(metrics.clone());
     let monitor = tokio::spawn(monitor.run(Duration::from_secs(30), stopped()));
     let owners = StateOwners(options.state.clone());
-    let gc_loop = tokio::spawn(gc_loop(providers, owners, options.gc_grace, stopped()));
+    let gc_config = GcConfig {
+        grace: options.gc_grace,
+        dry_run: false,
+        namespace: None,
+    };
+    let gc_loop = tokio::spawn(gc::run(
+        providers,
+        owners,
+        gc_config,
+        options.gc_interval,
+        Some(metrics),
+        stopped(),
+    ));
 
     runner.run(trigger_rx, options.poll, shutdown).await;
     let _ = stop_tx.send(true);
@@ -239,29 +265,5 @@ impl LiveOwners for StateOwners {
             .into_iter()
             .map(|(_, r)| r.uid)
             .collect())
-    }
-}
-
-async fn gc_loop(
-    providers: ProviderRegistry,
-    owners: impl LiveOwners,
-    grace: Duration,
-    shutdown: impl Future<Output = ()>,
-) {
-    tokio::pin!(shutdown);
-    let config = GcConfig {
-        grace,
-        dry_run: false,
-        namespace: None,
-    };
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => return,
-            _ = tokio::time::sleep(Duration::from_secs(60)) => {}
-        }
-        let report = gc::collect(&providers, &owners, &config, jiff::Timestamp::now()).await;
-        if !report.collected.is_empty() {
-            info!(collected = ?report.collected, "orphan GC");
-        }
     }
 }

@@ -5,7 +5,7 @@ use std::{collections::VecDeque, sync::Arc, time::Duration};
 
 use jiff::Timestamp;
 use kube::ResourceExt;
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use super::{
     ProviderAvailability,
@@ -157,8 +157,36 @@ impl<B: ProxyBackend> Reconciler<B> {
         &self.backend
     }
 
-    /// Reconciles one Proxy.
+    /// Reconciles one Proxy, inside one `reconcile` span naming it (`proxy.namespace`,
+    /// `proxy.name`; `proxy.phase` after, or `error.category` and an error status on failure).
+    /// Both modes call this, so both get the same span; nothing secret is ever recorded on it.
     pub async fn reconcile(&self, proxy: &Proxy) -> Result<ReconcileOutcome, ReconcileError> {
+        // Not `namespace`/`name`: a span field called `name` collides with the span's own name
+        // in JSON logs.
+        let span = tracing::info_span!(
+            "reconcile",
+            proxy.namespace = proxy.metadata.namespace.as_deref().unwrap_or_default(),
+            proxy.name = proxy.metadata.name.as_deref().unwrap_or_default(),
+            proxy.phase = tracing::field::Empty,
+            error.category = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        let result = self.reconcile_steps(proxy).instrument(span.clone()).await;
+        match &result {
+            Ok(outcome) => {
+                if let Some(phase) = outcome.phase {
+                    span.record("proxy.phase", phase.as_str());
+                }
+            }
+            Err(err) => {
+                span.record("error.category", err.category());
+                span.record("otel.status_code", "ERROR");
+            }
+        }
+        result
+    }
+
+    async fn reconcile_steps(&self, proxy: &Proxy) -> Result<ReconcileOutcome, ReconcileError> {
         let now = (self.clock)();
         let key = ProxyKey {
             namespace: proxy

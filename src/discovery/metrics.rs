@@ -1,15 +1,20 @@
 //! The discovery API's Prometheus metrics (all labels bounded).
 
+use std::sync::{Arc, OnceLock};
+
 use prometheus_client::{
-    encoding::EncodeLabelSet,
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
     metrics::{
         counter::Counter,
         family::Family,
-        gauge::Gauge,
+        gauge::ConstGauge,
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
 };
+
+use crate::lease::LeaseStore;
 
 /// A route, as a metric label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -44,7 +49,35 @@ pub struct DiscoveryMetrics {
     pub(crate) acquired: Counter,
     pub(crate) refused: Family<CodeLabels, Counter>,
     pub(crate) released: Family<CodeLabels, Counter>,
-    pub(crate) active: Gauge,
+    pub(crate) active: ActiveLeases,
+}
+
+/// `leases_active`, read from the lease store at every scrape of whichever endpoint serves the
+/// registry (the admin server's `/metrics` as well as the discovery API's). The store is
+/// attached by [`crate::discovery::DiscoveryState::new`]; until then it reads 0.
+#[derive(Clone, Default)]
+pub(crate) struct ActiveLeases(pub(crate) Arc<OnceLock<LeaseStore>>);
+
+impl std::fmt::Debug for ActiveLeases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ActiveLeases")
+            .field("attached", &self.0.get().is_some())
+            .finish()
+    }
+}
+
+impl Collector for ActiveLeases {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let active = self.0.get().map_or(0, LeaseStore::active_total);
+        let gauge = ConstGauge::new(i64::try_from(active).unwrap_or(i64::MAX));
+        let metric = encoder.encode_descriptor(
+            "leases_active",
+            "Active leases (sampled at scrape)",
+            None,
+            gauge.metric_type(),
+        )?;
+        gauge.encode(metric)
+    }
 }
 
 fn duration_histogram() -> Histogram {
@@ -61,7 +94,7 @@ impl DiscoveryMetrics {
             acquired: Counter::default(),
             refused: Family::default(),
             released: Family::default(),
-            active: Gauge::default(),
+            active: ActiveLeases::default(),
         };
         let r = registry.sub_registry_with_prefix("epo_discovery");
         r.register(
@@ -85,11 +118,7 @@ impl DiscoveryMetrics {
             "Leases released, by outcome",
             metrics.released.clone(),
         );
-        r.register(
-            "leases_active",
-            "Active leases (sampled at scrape)",
-            metrics.active.clone(),
-        );
+        r.register_collector(Box::new(metrics.active.clone()));
         metrics
     }
 }

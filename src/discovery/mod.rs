@@ -109,6 +109,8 @@ impl DiscoveryState {
         metrics: DiscoveryMetrics,
         config: DiscoveryConfig,
     ) -> Self {
+        // Metrics built for another state keep reading that state's store.
+        let _ = metrics.active.0.set(store.clone());
         Self {
             inner: Arc::new(StateInner {
                 store,
@@ -375,7 +377,6 @@ where
             return Ok(json(StatusCode::OK, &serde_json::json!({"status": "ready"})));
         }
         Route::Metrics => {
-            s.metrics.active.set(s.store.active_total() as i64);
             let mut text = String::new();
             prometheus_client::encoding::text::encode(&mut text, &s.registry).map_err(|_| {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics")

@@ -11,13 +11,21 @@
 //! - in namespace-restricted mode, its owner lived in the watched namespace: instances of other
 //!   namespaces are invisible to us and therefore never judged.
 
-use std::{collections::HashSet, time::Duration};
+use std::{
+    collections::{BTreeMap, HashSet},
+    future::Future,
+    sync::Arc,
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use jiff::Timestamp;
 use tracing::{info, warn};
 
-use crate::provider::{Instance, ProviderRegistry};
+use crate::{
+    provider::{Instance, ProviderRegistry},
+    telemetry::Metrics,
+};
 
 /// Where the live owners come from.
 #[async_trait]
@@ -48,6 +56,8 @@ pub struct GcReport {
     pub unknown_owner: Vec<String>,
     /// Providers that could not be listed.
     pub failed_providers: Vec<String>,
+    /// Instances actually deleted, per provider instance name (none in dry-run).
+    pub deleted: BTreeMap<String, u64>,
 }
 
 /// Whether GC may run at all, given the operator's scope. Namespace-restricted mode cannot see
@@ -95,6 +105,7 @@ pub async fn collect(
                     Ok(()) => {
                         info!(instance = %id, owner = ?instance.owner, "deleted orphaned instance");
                         report.collected.push(id);
+                        *report.deleted.entry(name.to_owned()).or_insert(0) += 1;
                     }
                     Err(err) => warn!(instance = %id, error = %err, "deleting orphaned instance failed"),
                 },
@@ -102,6 +113,40 @@ pub async fn collect(
         }
     }
     report
+}
+
+/// Runs a GC pass every `interval` (the first one an interval after the start) until
+/// `shutdown` resolves, counting deletions in `epo_gc_deletions_total`.
+pub async fn run(
+    providers: ProviderRegistry,
+    owners: impl LiveOwners,
+    config: GcConfig,
+    interval: Duration,
+    metrics: Option<Arc<Metrics>>,
+    shutdown: impl Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let report = collect(&providers, &owners, &config, Timestamp::now()).await;
+        if let Some(metrics) = &metrics {
+            for (provider, deleted) in &report.deleted {
+                metrics.observe_gc_deletions(provider, *deleted);
+            }
+        }
+        if !report.collected.is_empty() {
+            info!(
+                collected = ?report.collected,
+                dry_run = config.dry_run,
+                spared_young = report.spared_young.len(),
+                unknown_owner = report.unknown_owner.len(),
+                "orphan GC pass"
+            );
+        }
+    }
 }
 
 enum Verdict {

@@ -73,6 +73,7 @@ async fn deletes_true_orphans_only() {
 
     let report = collect(&registry, &owners, &config(300), t(600)).await;
     assert_eq!(report.collected, [format!("memory/mem/{orphan}")]);
+    assert_eq!(report.deleted, BTreeMap::from([("mem".to_owned(), 1)]));
     assert_eq!(provider.names(), [live]);
 }
 
@@ -96,6 +97,7 @@ async fn never_touches_unknown_owners_and_respects_dry_run() {
     assert_eq!(report.collected.len(), 1);
     assert_eq!(report.unknown_owner, ["memory/mem/foreign"]);
     assert_eq!(provider.names().len(), 2, "dry run deletes nothing");
+    assert!(report.deleted.is_empty(), "dry run counts no deletion");
 
     collect(&registry, &owners, &config(0), t(600)).await;
     assert_eq!(

@@ -44,7 +44,10 @@ use tokio::{
 use tokio_rustls::rustls;
 
 pub use crate::lease::ProxyKey;
-use crate::provider::{Credentials, Endpoint};
+use crate::{
+    provider::{Credentials, Endpoint},
+    telemetry::{ProbeMetrics, ProbeResult},
+};
 pub use probe::ProbeError;
 
 /// Longest `last_error` kept, in bytes.
@@ -63,6 +66,8 @@ pub struct HealthConfig {
     pub max_body_bytes: usize,
     /// Capacity of the event channel (the engine waits when it is full).
     pub event_capacity: usize,
+    /// Where probe durations are recorded (`epo_probe_duration_seconds`), if anywhere.
+    pub probe_metrics: Option<ProbeMetrics>,
 }
 
 impl Default for HealthConfig {
@@ -73,6 +78,7 @@ impl Default for HealthConfig {
             tls_roots: None,
             max_body_bytes: 64 * 1024,
             event_capacity: 1024,
+            probe_metrics: None,
         }
     }
 }
@@ -411,6 +417,9 @@ async fn scheduler(
                     let result = probe::probe(&target, &tls, state.config.max_body_bytes).await;
                     let latency = started.elapsed();
                     drop(permit);
+                    if let Some(metrics) = &state.config.probe_metrics {
+                        metrics.observe(probe_result(&result), latency);
+                    }
                     record(&state, &events, key, identity, result.map(|()| latency)).await;
                 });
             }
@@ -427,6 +436,15 @@ async fn scheduler(
                 }
             }
         }
+    }
+}
+
+/// The metric label of a probe's outcome.
+fn probe_result(result: &Result<(), ProbeError>) -> ProbeResult {
+    match result {
+        Ok(()) => ProbeResult::Ok,
+        Err(ProbeError::Timeout(_)) => ProbeResult::Timeout,
+        Err(_) => ProbeResult::Fail,
     }
 }
 

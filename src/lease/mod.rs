@@ -20,10 +20,11 @@
 //! - **Choice.** Among eligible proxies, the least recently used one (acquired or released the
 //!   longest ago). The store is split into shards, each with its own lock and LRU lists; an
 //!   acquire visits shards from a random one, so the choice is LRU within a shard and close to
-//!   LRU overall. `shards: 1` makes it strict. A selector with several terms walks the shortest
-//!   term's list and skips proxies that miss another term; proxies that match no frequent
-//!   selector gather at the head of such a list, so the walk costs O(skipped) (see the
-//!   `region=eu,tier=dc` case of the benchmark; a per-combination list is the next step).
+//!   LRU overall. `shards: 1` makes it strict. A selector with several terms gets a list of its
+//!   own for its combination the first time it is compiled (up to [`MAX_INDEXED_COMBINATIONS`],
+//!   first come first served), so its acquire takes that list's head. Beyond the cap, a
+//!   selector walks its rarest term's list and skips proxies that miss another term; those
+//!   gather at the head of the list, so such a walk costs O(skipped).
 //! - **Sticky sessions.** An acquire with a session key returns the proxy bound to that key
 //!   while it stays eligible (open, a free slot, matching the selector, not banned for the
 //!   domain; its post-release cooldown does not apply to its own session). Otherwise a new
@@ -60,7 +61,7 @@ pub use checkpoint::maintenance;
 pub use clock::{Clock, rfc3339};
 pub use key::{MalformedProxyKey, ProxyKey};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
-pub use store::{LeaseStore, MAX_SHARDS};
+pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
 
 use crate::{
     api::LeasePolicy,

@@ -78,6 +78,14 @@ impl Selector {
 pub enum CompiledSelector {
     /// Sorted, deduplicated pair ids; empty selects every proxy.
     Pairs(Vec<u32>),
+    /// Two or more sorted pair ids whose combination has an LRU list of its own in the store
+    /// (`list`), so an acquire never walks past proxies that match only some terms.
+    Indexed {
+        /// Sorted, deduplicated pair ids.
+        terms: Vec<u32>,
+        /// The combination's list id.
+        list: u32,
+    },
     /// Names a pair no proxy has ever carried, or one key with two values: matches nothing.
     Unsatisfiable,
 }
@@ -87,24 +95,28 @@ impl CompiledSelector {
     pub fn matches(&self, pairs: &[u32]) -> bool {
         match self {
             CompiledSelector::Unsatisfiable => false,
-            CompiledSelector::Pairs(terms) => {
-                // Both sorted: one merge pass.
-                let mut it = pairs.iter();
-                'terms: for t in terms {
-                    for p in it.by_ref() {
-                        if p == t {
-                            continue 'terms;
-                        }
-                        if p > t {
-                            return false;
-                        }
-                    }
-                    return false;
-                }
-                true
+            CompiledSelector::Pairs(terms) | CompiledSelector::Indexed { terms, .. } => {
+                is_sorted_subset(terms, pairs)
             }
         }
     }
+}
+
+/// Whether every id of sorted `terms` is in sorted `pairs` (one merge pass).
+pub(crate) fn is_sorted_subset(terms: &[u32], pairs: &[u32]) -> bool {
+    let mut it = pairs.iter();
+    'terms: for t in terms {
+        for p in it.by_ref() {
+            if p == t {
+                continue 'terms;
+            }
+            if p > t {
+                return false;
+            }
+        }
+        return false;
+    }
+    true
 }
 
 /// The table of attribute pairs.

@@ -4,10 +4,12 @@
 //! Layout, for speed: a proxy lives in the shard its key hashes to, in a slab slot (`Vec`
 //! indexed by slot number, reused with a generation counter). Each shard keeps one intrusive
 //! doubly linked LRU list of its *eligible* proxies (open, a free slot, not cooling down) plus one
-//! per attribute pair; an acquire walks the shortest list its selector names and takes the
+//! per attribute pair, plus one per *indexed combination* (a selector of two or more terms,
+//! indexed the first time it is compiled, up to [`MAX_INDEXED_COMBINATIONS`]). An acquire walks
+//! the list its selector names (its combination's, or else its rarest term's) and takes the
 //! first proxy that matches every term and is not banned for the domain. Acquire and release
-//! are O(attributes) in the common case, under one short shard lock, with no allocation
-//! beyond the holder string.
+//! are O(lists a proxy is in) in the common case, under one short shard lock, with no
+//! allocation beyond the holder string.
 
 use std::{
     cmp::Reverse,
@@ -24,7 +26,7 @@ use super::{
     checkpoint::{
         BanCheckpoint, Checkpoint, CheckpointAdmission, LeaseCheckpoint, ProxyCheckpoint, SessionCheckpoint,
     },
-    selector::Interner,
+    selector::{Interner, is_sorted_subset},
 };
 
 /// Most shards a store may have (the shard number is kept in the low bits of each token).
@@ -40,6 +42,13 @@ const RESTORE_SEQ_RESERVE: u64 = SEQ_PER_MS * 60_000;
 const DEFAULT_RETRY: Duration = Duration::from_secs(5);
 const NIL: u32 = u32::MAX;
 const SESSION_SHARDS: usize = 16;
+/// Most attribute combinations (selectors of two or more terms) that get an LRU list of their
+/// own. Each costs one link per matching proxy per shard; selectors beyond the cap still work,
+/// walking their rarest term's list instead.
+pub const MAX_INDEXED_COMBINATIONS: usize = 64;
+/// List ids from here on name combination lists (kept apart from the per-pair lists, whose
+/// ids grow with the number of distinct pairs ever interned).
+const COMBINATION_BASE: u32 = 1 << 31;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic inside a critical section leaves state that is still structurally valid
@@ -202,6 +211,10 @@ struct Shard {
     free: Vec<u32>,
     by_key: HashMap<ProxyKey, u32>,
     lists: Vec<ListHead>,
+    /// Lists of the indexed combinations, list id `COMBINATION_BASE + i` at index `i`.
+    combination_lists: Vec<ListHead>,
+    /// The indexed combinations' sorted pair ids, in list-id order.
+    combinations: Vec<Box<[u32]>>,
     cooling: BinaryHeap<Reverse<(u64, u32, u32)>>,
     seq: u64,
     active: usize,
@@ -227,6 +240,8 @@ impl Shard {
             free: Vec::new(),
             by_key: HashMap::new(),
             lists: vec![ListHead::EMPTY],
+            combination_lists: Vec::new(),
+            combinations: Vec::new(),
             cooling: BinaryHeap::new(),
             seq: 0,
             active: 0,
@@ -276,20 +291,41 @@ impl Shard {
         slot
     }
 
+    fn head(&self, list: u32) -> &ListHead {
+        match list.checked_sub(COMBINATION_BASE) {
+            Some(i) => &self.combination_lists[i as usize],
+            None => &self.lists[list as usize],
+        }
+    }
+
+    fn head_mut(&mut self, list: u32) -> &mut ListHead {
+        match list.checked_sub(COMBINATION_BASE) {
+            Some(i) => &mut self.combination_lists[i as usize],
+            None => &mut self.lists[list as usize],
+        }
+    }
+
     fn set_pairs(&mut self, slot: u32, pairs: Vec<u32>) {
         let was_linked = self.proxy(slot).linked;
         if was_linked {
             self.unlink(slot);
         }
+        let combinations = self
+            .combinations
+            .iter()
+            .enumerate()
+            .filter(|(_, terms)| is_sorted_subset(terms, &pairs))
+            .map(|(i, _)| COMBINATION_BASE + i as u32);
         let links: Vec<Link> = std::iter::once(0)
             .chain(pairs.iter().map(|p| p + 1))
+            .chain(combinations)
             .map(|list| Link {
                 list,
                 prev: NIL,
                 next: NIL,
             })
             .collect();
-        if let Some(max) = links.iter().map(|l| l.list).max()
+        if let Some(max) = pairs.iter().max().map(|p| p + 1)
             && self.lists.len() <= max as usize
         {
             self.lists.resize(max as usize + 1, ListHead::EMPTY);
@@ -301,21 +337,61 @@ impl Shard {
         }
     }
 
+    /// Gives the combination `terms` an LRU list (id `list`) holding every matching proxy;
+    /// eligible ones join in their current LRU order, so the new list is as fair as the others.
+    fn add_combination(&mut self, terms: &[u32], list: u32) {
+        debug_assert_eq!(list - COMBINATION_BASE, self.combinations.len() as u32);
+        self.combinations.push(terms.into());
+        self.combination_lists.push(ListHead::EMPTY);
+        let mut cur = self.lists[0].head;
+        while cur != NIL {
+            let next = link_of(&mut self.links[cur as usize], 0).next;
+            if is_sorted_subset(terms, &self.proxy(cur).pairs) {
+                self.links[cur as usize].push(Link {
+                    list,
+                    prev: NIL,
+                    next: NIL,
+                });
+                let pos = self.links[cur as usize].len() - 1;
+                self.append(cur, pos);
+            }
+            cur = next;
+        }
+        // The others carry the link too, for when they become eligible.
+        for slot in 0..self.slots.len() {
+            if let Some(p) = &self.slots[slot].proxy
+                && !p.linked
+                && is_sorted_subset(terms, &p.pairs)
+            {
+                self.links[slot].push(Link {
+                    list,
+                    prev: NIL,
+                    next: NIL,
+                });
+            }
+        }
+    }
+
+    /// Appends `slot` to the tail of the list its link at `pos` names.
+    fn append(&mut self, slot: u32, pos: usize) {
+        let list = self.links[slot as usize][pos].list;
+        let tail = self.head(list).tail;
+        let link = &mut self.links[slot as usize][pos];
+        link.prev = tail;
+        link.next = NIL;
+        if tail == NIL {
+            self.head_mut(list).head = slot;
+        } else {
+            link_of(&mut self.links[tail as usize], list).next = slot;
+        }
+        let head = self.head_mut(list);
+        head.tail = slot;
+        head.len += 1;
+    }
+
     fn link_tail(&mut self, slot: u32) {
         for pos in 0..self.links[slot as usize].len() {
-            let list = self.links[slot as usize][pos].list;
-            let tail = self.lists[list as usize].tail;
-            let link = &mut self.links[slot as usize][pos];
-            link.prev = tail;
-            link.next = NIL;
-            if tail == NIL {
-                self.lists[list as usize].head = slot;
-            } else {
-                link_of(&mut self.links[tail as usize], list).next = slot;
-            }
-            let head = &mut self.lists[list as usize];
-            head.tail = slot;
-            head.len += 1;
+            self.append(slot, pos);
         }
         self.proxy_mut(slot).linked = true;
     }
@@ -324,16 +400,16 @@ impl Shard {
         for pos in 0..self.links[slot as usize].len() {
             let Link { list, prev, next } = self.links[slot as usize][pos];
             if prev == NIL {
-                self.lists[list as usize].head = next;
+                self.head_mut(list).head = next;
             } else {
                 link_of(&mut self.links[prev as usize], list).next = next;
             }
             if next == NIL {
-                self.lists[list as usize].tail = prev;
+                self.head_mut(list).tail = prev;
             } else {
                 link_of(&mut self.links[next as usize], list).prev = prev;
             }
-            self.lists[list as usize].len -= 1;
+            self.head_mut(list).len -= 1;
         }
         self.proxy_mut(slot).linked = false;
     }
@@ -388,14 +464,17 @@ impl Shard {
     }
 
     fn pick(&self, selector: &CompiledSelector, domain: Option<&str>, now: u64) -> Option<u32> {
-        let list = match selector {
+        // `exact`: everything on the list matches the selector, so only bans need a look.
+        let (list, exact) = match selector {
             CompiledSelector::Unsatisfiable => return None,
-            CompiledSelector::Pairs(terms) if terms.is_empty() => 0,
+            CompiledSelector::Pairs(terms) if terms.is_empty() => (0, true),
+            CompiledSelector::Indexed { list, .. } => (*list, true),
             CompiledSelector::Pairs(terms) => {
+                // Not indexed: walk the rarest term's list.
                 let mut best = None;
                 for t in terms {
-                    let list = (*t + 1) as usize;
-                    let len = self.lists.get(list).map_or(0, |l| l.len);
+                    let list = *t + 1;
+                    let len = self.lists.get(list as usize).map_or(0, |l| l.len);
                     if len == 0 {
                         return None;
                     }
@@ -403,18 +482,21 @@ impl Shard {
                         best = Some((list, len));
                     }
                 }
-                best?.0
+                (best?.0, terms.len() == 1)
             }
         };
-        let mut cur = self.lists[list].head;
+        let mut cur = self.head(list).head;
+        if exact && domain.is_none() {
+            return (cur != NIL).then_some(cur);
+        }
         while cur != NIL {
             let p = self.proxy(cur);
-            if selector.matches(&p.pairs) && !p.banned_for(domain, now) {
+            if (exact || selector.matches(&p.pairs)) && !p.banned_for(domain, now) {
                 return Some(cur);
             }
             cur = self.links[cur as usize]
                 .iter()
-                .find(|l| l.list == list as u32)
+                .find(|l| l.list == list)
                 .map_or(NIL, |l| l.next);
         }
         None
@@ -528,6 +610,8 @@ struct Inner {
     shards: Box<[Padded<Mutex<Shard>>]>,
     sessions: Box<[Padded<Mutex<SessionMap>>]>,
     interner: RwLock<Interner>,
+    /// Indexed combinations (sorted pair ids) and their list ids; every shard has their lists.
+    combinations: RwLock<HashMap<Box<[u32]>, u32>>,
     restore: RwLock<RestoreInfo>,
     config: LeaseStoreConfig,
     hasher: std::hash::RandomState,
@@ -581,6 +665,7 @@ impl LeaseStore {
                 shards: shard_vec.into_boxed_slice(),
                 sessions: sessions.into_boxed_slice(),
                 interner: RwLock::new(Interner::default()),
+                combinations: RwLock::new(HashMap::new()),
                 restore: RwLock::new(RestoreInfo {
                     hwm: HashMap::new(),
                     seq_floor: now * SEQ_PER_MS,
@@ -608,13 +693,47 @@ impl LeaseStore {
         lock(&self.inner.shards[self.shard_index(key)].0)
     }
 
-    /// Resolves a selector to attribute-pair ids, once per request.
+    /// Resolves a selector to attribute-pair ids, once per request. A selector of two or more
+    /// terms gets its combination indexed (an LRU list of its own in every shard) the first
+    /// time it is seen, up to [`MAX_INDEXED_COMBINATIONS`].
     pub fn compile(&self, selector: &Selector) -> CompiledSelector {
-        self.inner
+        let compiled = self
+            .inner
             .interner
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .compile(selector)
+            .compile(selector);
+        match compiled {
+            CompiledSelector::Pairs(terms) if terms.len() >= 2 => match self.combination_list(&terms) {
+                Some(list) => CompiledSelector::Indexed { terms, list },
+                None => CompiledSelector::Pairs(terms),
+            },
+            other => other,
+        }
+    }
+
+    /// The list id of the combination `terms`, indexing it if new and there is room.
+    fn combination_list(&self, terms: &[u32]) -> Option<u32> {
+        let read = |c: &HashMap<Box<[u32]>, u32>| c.get(terms).copied();
+        let combinations = &self.inner.combinations;
+        if let Some(list) = read(&combinations.read().unwrap_or_else(|e| e.into_inner())) {
+            return Some(list);
+        }
+        // Lock order: combinations, then each shard (no shard holder takes `combinations`).
+        let mut combinations = combinations.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(list) = read(&combinations) {
+            return Some(list);
+        }
+        if combinations.len() >= MAX_INDEXED_COMBINATIONS {
+            return None;
+        }
+        let list = COMBINATION_BASE + combinations.len() as u32;
+        for shard in &self.inner.shards {
+            lock(&shard.0).add_combination(terms, list);
+        }
+        // Published only once every shard has the list.
+        combinations.insert(terms.into(), list);
+        Some(list)
     }
 
     /// Adds a proxy, or updates its endpoint, credentials, attributes and limits in place.

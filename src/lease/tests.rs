@@ -810,3 +810,179 @@ fn the_lease_executor_interface_drives_the_store() {
     control.set_admission(&key, true);
     assert_eq!(control.active(&key), 0);
 }
+
+#[test]
+fn a_combination_selector_is_indexed_and_keeps_lru_order_among_its_matches() {
+    let (store, _) = store(1);
+    for (n, region, tier) in [
+        ("a", "eu", "dc"),
+        ("b", "eu", "res"),
+        ("c", "eu", "dc"),
+        ("d", "us", "dc"),
+    ] {
+        add_open(&store, target(n, &[("region", region), ("tier", tier)], 1, 0));
+    }
+    let all = sel(&store, "");
+    let a = acquire(&store, &all).unwrap();
+    assert_eq!(name(&a), "a");
+    store.release(&a.id, a.fencing_token, Outcome::Ok, None).unwrap();
+    // Indexed after the proxies exist: its list takes them in their LRU order (c before a).
+    let eu_dc = sel(&store, "tier=dc,region=eu");
+    assert!(matches!(eu_dc, CompiledSelector::Indexed { .. }), "{eu_dc:?}");
+    assert_eq!(
+        sel(&store, "region=eu,tier=dc"),
+        eu_dc,
+        "same combination, same list"
+    );
+    let c = acquire(&store, &eu_dc).unwrap();
+    assert_eq!(name(&c), "c");
+    // A proxy added later, and one whose attributes change to match, join the list.
+    add_open(&store, target("e", &[("region", "eu"), ("tier", "dc")], 1, 0));
+    add_open(&store, target("b", &[("region", "eu"), ("tier", "dc")], 1, 0));
+    let picked: Vec<_> = (0..3)
+        .map(|_| name(&acquire(&store, &eu_dc).unwrap()).to_owned())
+        .collect();
+    assert_eq!(picked, ["a", "e", "b"]);
+    assert!(matches!(
+        acquire(&store, &eu_dc),
+        Err(LeaseError::NoProxyAvailable { .. })
+    ));
+    // A proxy whose attributes stop matching leaves it.
+    store.release(&c.id, c.fencing_token, Outcome::Ok, None).unwrap();
+    add_open(&store, target("c", &[("region", "us"), ("tier", "dc")], 1, 0));
+    assert!(matches!(
+        acquire(&store, &eu_dc),
+        Err(LeaseError::NoProxyAvailable { .. })
+    ));
+    assert_eq!(name(&acquire(&store, &sel(&store, "region=us")).unwrap()), "d");
+}
+
+#[test]
+fn combinations_beyond_the_cap_are_served_unindexed() {
+    let (store, _) = store(2);
+    for i in 0..=MAX_INDEXED_COMBINATIONS {
+        add_open(
+            &store,
+            target(&format!("p{i}"), &[("n", &i.to_string()), ("tier", "dc")], 1, 0),
+        );
+    }
+    for i in 0..MAX_INDEXED_COMBINATIONS {
+        assert!(matches!(
+            sel(&store, &format!("n={i},tier=dc")),
+            CompiledSelector::Indexed { .. }
+        ));
+    }
+    let last = sel(&store, &format!("n={MAX_INDEXED_COMBINATIONS},tier=dc"));
+    assert!(matches!(last, CompiledSelector::Pairs(_)), "{last:?}");
+    let lease = acquire(&store, &last).unwrap();
+    assert_eq!(name(&lease), format!("p{MAX_INDEXED_COMBINATIONS}"));
+}
+
+/// Random operations on a one-shard store against a plain model: every acquire must grant the
+/// least recently (re)linked proxy among the open, free ones that match, whether the selector
+/// is indexed, walked by its rarest term, or empty.
+#[test]
+fn acquire_agrees_with_a_plain_lru_model_under_random_operations() {
+    #[derive(Clone, Debug)]
+    struct Model {
+        region: &'static str,
+        tier: &'static str,
+        open: bool,
+        lease: Option<Lease>,
+        /// When the proxy last went to the lists' tail.
+        seq: u64,
+    }
+    const REGIONS: [&str; 3] = ["eu", "us", "ap"];
+    const TIERS: [&str; 2] = ["dc", "res"];
+    let mut rng = fastrand::Rng::with_seed(0x5eed);
+    for round in 0..20 {
+        let (store, _) = store(1);
+        let mut model: BTreeMap<String, Model> = BTreeMap::new();
+        let mut seq = 0u64;
+        let selectors = [
+            "",
+            "region=eu",
+            "tier=dc",
+            "region=eu,tier=dc",
+            "region=us,tier=res",
+        ];
+        for step in 0..400 {
+            let n = format!("p{}", rng.usize(..12));
+            let context = format!("round {round} step {step}");
+            match rng.u8(..5) {
+                0 => {
+                    let (region, tier) = (REGIONS[rng.usize(..3)], TIERS[rng.usize(..2)]);
+                    store.upsert_proxy(target(&n, &[("region", region), ("tier", tier)], 1, 0));
+                    let m = model.entry(n.clone()).or_insert(Model {
+                        region,
+                        tier,
+                        open: false,
+                        lease: None,
+                        seq: 0,
+                    });
+                    let linked = m.open && m.lease.is_none();
+                    if (m.region, m.tier) != (region, tier) && linked {
+                        seq += 1;
+                        m.seq = seq;
+                    }
+                    (m.region, m.tier) = (region, tier);
+                }
+                1 => {
+                    let Some(m) = model.get_mut(&n) else { continue };
+                    let open = rng.bool();
+                    let admission = if open { Admission::Open } else { Admission::Closed };
+                    store.set_admission(&key(&n), admission).unwrap();
+                    if open && !m.open && m.lease.is_none() {
+                        seq += 1;
+                        m.seq = seq;
+                    }
+                    m.open = open;
+                }
+                2 => {
+                    let Some(m) = model.get_mut(&n) else { continue };
+                    let Some(lease) = m.lease.take() else { continue };
+                    store
+                        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+                        .unwrap();
+                    if m.open {
+                        seq += 1;
+                        m.seq = seq;
+                    }
+                }
+                _ => {
+                    let text = selectors[rng.usize(..selectors.len())];
+                    let wanted = Selector::parse(text).unwrap();
+                    let expected = model
+                        .iter()
+                        .filter(|(_, m)| m.open && m.lease.is_none())
+                        .filter(|(_, m)| {
+                            let attrs = BTreeMap::from([
+                                ("region".to_owned(), m.region.to_owned()),
+                                ("tier".to_owned(), m.tier.to_owned()),
+                            ]);
+                            wanted.matches(&attrs)
+                        })
+                        .min_by_key(|(_, m)| m.seq)
+                        .map(|(n, _)| n.clone());
+                    let compiled = sel(&store, text);
+                    // The same selector walked unindexed must agree too.
+                    let unindexed = match &compiled {
+                        CompiledSelector::Indexed { terms, .. } => CompiledSelector::Pairs(terms.clone()),
+                        other => other.clone(),
+                    };
+                    let selector = if rng.bool() { compiled } else { unindexed };
+                    match (acquire(&store, &selector), expected) {
+                        (Ok(lease), Some(expected)) => {
+                            assert_eq!(name(&lease), expected, "{context}: {text:?} via {selector:?}");
+                            model.get_mut(&expected).unwrap().lease = Some(lease);
+                        }
+                        (Err(LeaseError::NoProxyAvailable { .. }), None) => {}
+                        (got, expected) => {
+                            panic!("{context}: {text:?}: got {got:?}, model says {expected:?}")
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

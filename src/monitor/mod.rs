@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use jiff::Timestamp;
 use tracing::{info, warn};
 
-use crate::{controller::ProviderAvailability, provider::ProviderRegistry};
+use crate::{controller::ProviderAvailability, provider::ProviderRegistry, telemetry::Metrics};
 
 pub mod kube_sink;
 
@@ -49,7 +49,10 @@ pub struct Monitor {
     sink: Arc<dyn HealthSink>,
     timeout: Duration,
     published: HashMap<String, bool>,
+    /// Availability at the last probe, for the change hook (independent of publishing).
+    seen: HashMap<String, bool>,
     on_change: Option<ChangeHook>,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl Monitor {
@@ -67,12 +70,20 @@ impl Monitor {
             sink,
             timeout,
             published: HashMap::new(),
+            seen: HashMap::new(),
             on_change: None,
+            metrics: None,
         }
     }
 
+    /// Records every probe's outcome in `epo_provider_available`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
     /// Calls `hook` with a provider's name whenever its availability flips (the controller
-    /// re-reconciles that provider's Proxies).
+    /// re-reconciles that provider's Proxies). The first probe of a provider is no flip.
     pub fn on_change(mut self, hook: ChangeHook) -> Self {
         self.on_change = Some(hook);
         self
@@ -106,6 +117,9 @@ impl Monitor {
             };
             self.availability
                 .set(&name, (!available).then(|| outcome.message.clone()));
+            if let Some(metrics) = &self.metrics {
+                metrics.set_provider_available(&name, available);
+            }
             if self.published.get(&name) != Some(&available) {
                 if available {
                     info!(provider = %name, "provider available");
@@ -119,9 +133,12 @@ impl Monitor {
                     // Not recorded as published: the next round retries the write.
                     Err(err) => warn!(provider = %name, error = %err, "publishing provider health failed"),
                 }
-                if let Some(hook) = &self.on_change {
-                    hook(&name);
-                }
+            }
+            if let Some(before) = self.seen.insert(name.clone(), available)
+                && before != available
+                && let Some(hook) = &self.on_change
+            {
+                hook(&name);
             }
             outcomes.push(outcome);
         }

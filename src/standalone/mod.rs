@@ -36,6 +36,7 @@ use crate::{
     effects::{HealthControl, LeaseControl, ProxyKey},
     provider::ProviderRegistry,
     store::{ProxyRecord, Store, StoreError},
+    telemetry::Metrics,
 };
 
 /// A standalone failure at start-up.
@@ -76,6 +77,7 @@ pub struct Standalone {
     due: HashMap<ProxyKey, Instant>,
     failures: HashMap<ProxyKey, u32>,
     broken_files: usize,
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl Standalone {
@@ -114,7 +116,14 @@ impl Standalone {
             due,
             failures: HashMap::new(),
             broken_files: 0,
+            metrics: None,
         })
+    }
+
+    /// Records reconciles, transitions and proxies per phase in `metrics`, as cluster mode does.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The progress view.
@@ -165,7 +174,15 @@ impl Standalone {
             self.due.remove(key);
             return;
         };
-        match self.reconciler.reconcile(&proxy).await {
+        let started = std::time::Instant::now();
+        let result = self.reconciler.reconcile(&proxy).await;
+        if let Some(metrics) = &self.metrics {
+            metrics.observe_reconcile(started.elapsed(), result.as_ref().err().map(|e| e.category()));
+            for entry in result.iter().flat_map(|outcome| &outcome.audit) {
+                metrics.observe_transition(entry.from.as_str(), entry.to.as_str());
+            }
+        }
+        match result {
             Ok(outcome) => {
                 self.failures.remove(key);
                 let gone = !self
@@ -308,7 +325,11 @@ impl Standalone {
     }
 
     fn update_progress(&self) {
-        self.progress.set_counts(self.phase_counts(), self.broken_files);
+        let counts = self.phase_counts();
+        if let Some(metrics) = &self.metrics {
+            metrics.set_phase_counts(&counts);
+        }
+        self.progress.set_counts(counts, self.broken_files);
     }
 
     /// Runs until `shutdown` resolves: steps whenever something is due, a trigger arrives or

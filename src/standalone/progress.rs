@@ -24,6 +24,7 @@ struct View {
     recent: VecDeque<String>,
     invalid_files: usize,
     printed: String,
+    muted: bool,
 }
 
 impl Progress {
@@ -50,11 +51,17 @@ impl Progress {
         render(&view)
     }
 
-    /// Prints the summary to stderr if it changed since the last print.
+    /// Never print again: stderr carries JSON log lines only (`--json-logs`), which a plain
+    /// text line would break for the programs that parse them.
+    pub fn mute(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).muted = true;
+    }
+
+    /// Prints the summary to stderr if it changed since the last print (unless muted).
     pub fn print_if_changed(&self) {
         let mut view = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let line = render(&view);
-        if line != view.printed {
+        if line != view.printed && !view.muted {
             // The terminal is a user interface here, not a log: write it directly.
             let _ = writeln!(std::io::stderr(), "{line}");
             view.printed = line;

@@ -3,12 +3,18 @@
 //! Labels are bounded: error categories, phases and transition endpoints come from closed sets.
 
 pub mod admin;
+pub mod tracing_setup;
 
 use std::time::Duration;
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
     registry::Registry,
 };
 
@@ -44,7 +50,70 @@ pub struct ProviderLabels {
     pub provider: String,
 }
 
-/// The controller's metrics.
+/// Labels of a health probe's outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProbeLabels {
+    /// `ok`, `fail` or `timeout` (see [`ProbeResult`]).
+    pub result: &'static str,
+}
+
+/// How a health probe through a proxy ended: a closed set, used as the `result` label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeResult {
+    /// The probe passed.
+    Ok,
+    /// The probe failed before its timeout (refused, bad status, wrong egress...).
+    Fail,
+    /// The probe did not finish within its timeout.
+    Timeout,
+}
+
+impl ProbeResult {
+    /// The label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Fail => "fail",
+            Self::Timeout => "timeout",
+        }
+    }
+}
+
+type ProbeHistograms = Family<ProbeLabels, Histogram, fn() -> Histogram>;
+
+fn probe_histogram() -> Histogram {
+    // 5 ms .. ~10 s: a loopback probe up to a slow one near a long timeout.
+    Histogram::new(exponential_buckets(0.005, 2.0, 12))
+}
+
+/// The health engine's probe durations; cheap to clone (the engine keeps one, see
+/// [`crate::health::HealthConfig::probe_metrics`]).
+#[derive(Clone, Debug)]
+pub struct ProbeMetrics {
+    durations: ProbeHistograms,
+}
+
+impl Default for ProbeMetrics {
+    fn default() -> Self {
+        Self {
+            durations: Family::new_with_constructor(probe_histogram as fn() -> Histogram),
+        }
+    }
+}
+
+impl ProbeMetrics {
+    /// Records one probe.
+    pub fn observe(&self, result: ProbeResult, took: Duration) {
+        self.durations
+            .get_or_create(&ProbeLabels {
+                result: result.as_str(),
+            })
+            .observe(took.as_secs_f64());
+    }
+}
+
+/// The operator's metrics (controller, health engine, monitor, GC); the discovery API's are in
+/// [`crate::discovery::DiscoveryMetrics`].
 pub struct Metrics {
     reconciles: Family<ResultLabels, Counter>,
     reconcile_duration: Histogram,
@@ -52,6 +121,7 @@ pub struct Metrics {
     proxies: Family<PhaseLabels, Gauge>,
     gc_deletions: Family<ProviderLabels, Counter>,
     provider_available: Family<ProviderLabels, Gauge>,
+    probes: ProbeMetrics,
 }
 
 impl Metrics {
@@ -64,6 +134,7 @@ impl Metrics {
             proxies: Family::default(),
             gc_deletions: Family::default(),
             provider_available: Family::default(),
+            probes: ProbeMetrics::default(),
         };
         registry.register(
             "epo_reconciles",
@@ -80,7 +151,32 @@ impl Metrics {
             "Lifecycle transitions by phase",
             metrics.transitions.clone(),
         );
+        registry.register(
+            "epo_proxies",
+            "Proxies per lifecycle phase (sampled)",
+            metrics.proxies.clone(),
+        );
+        registry.register(
+            "epo_gc_deletions",
+            "Orphaned provider instances deleted by GC",
+            metrics.gc_deletions.clone(),
+        );
+        registry.register(
+            "epo_provider_available",
+            "1 if the provider instance answered its last probe, else 0",
+            metrics.provider_available.clone(),
+        );
+        registry.register(
+            "epo_probe_duration_seconds",
+            "Duration of health probes through proxies, by result (ok, fail, timeout)",
+            metrics.probes.durations.clone(),
+        );
         metrics
+    }
+
+    /// The health engine's handle on the probe histogram.
+    pub fn probe_metrics(&self) -> ProbeMetrics {
+        self.probes.clone()
     }
 
     /// Records a reconcile.

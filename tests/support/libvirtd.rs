@@ -25,17 +25,18 @@ const START_DEADLINE: Duration = Duration::from_secs(30);
 /// How long the daemon may take to exit after SIGTERM before it is killed.
 const STOP_DEADLINE: Duration = Duration::from_secs(5);
 
-/// A file in the daemon's folder that marks it as one of ours, for [`reap_orphans`].
+/// A file in the daemon's folder naming the test process that owns it, for [`reap_orphans`].
 const MARKER: &str = "epo-private-libvirtd";
 
 /// A running private libvirtd; dropping it kills the daemon, the QEMU processes it started and
-/// its log daemon, and removes its folder.
+/// its log daemon, and removes its folder. [`Self::stop`] and [`Self::restart`] take the daemon
+/// away and bring it back on the same folder and socket, as an outage of a libvirt host would.
 ///
 /// If the test process dies without dropping it (killed by a timeout), the daemon dies with
 /// the thread that started it (parent-death signal), and the next [`PrivateLibvirtd::start`]
-/// reaps the QEMU processes such a daemon left (see [`reap_orphans`]).
+/// (of any test) reaps the QEMU processes and the folder it left (see [`reap_orphans`]).
 pub struct PrivateLibvirtd {
-    child: Child,
+    child: Option<Child>,
     root: tempfile::TempDir,
     uri: String,
 }
@@ -59,12 +60,40 @@ impl PrivateLibvirtd {
             fs::create_dir(&path).expect("create folder");
             std::os::unix::fs::chown(&path, Some(uid), Some(gid)).expect("chown to nobody");
         }
-        fs::write(root.path().join(MARKER), "").expect("marker file");
-        let log = fs::File::create(root.path().join("libvirtd.log")).expect("log file");
+        fs::write(
+            root.path().join(MARKER),
+            owner_mark(std::process::id()).unwrap_or_default(),
+        )
+        .expect("marker file");
+        let uri = format!(
+            "qemu+unix:///session?socket={}",
+            Self::socket_in(root.path()).display()
+        );
+        let mut daemon = Self {
+            child: None,
+            root,
+            uri,
+        };
+        daemon.spawn();
+        daemon
+    }
+
+    fn socket_in(root: &Path) -> PathBuf {
+        root.join("r/libvirt/libvirt-sock")
+    }
+
+    /// Runs libvirtd on the folder and waits until it answers.
+    fn spawn(&mut self) {
+        let root = self.root.path();
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(root.join("libvirtd.log"))
+            .expect("log file");
         let mut command = Command::new("setpriv");
         command
             // The parent-death signal is set after the change of user (which clears it): the
-            // daemon dies with this thread even if no Drop runs.
+            // daemon dies with the thread that started it even if no Drop runs.
             .args([
                 "--reuid=nobody",
                 "--regid=nogroup",
@@ -77,40 +106,40 @@ impl PrivateLibvirtd {
                 "PATH",
                 "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             )
-            .envs(Self::env_in(root.path()))
-            .current_dir(root.path())
+            .envs(Self::env_in(root))
+            .current_dir(root)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log file"))
             .stderr(log)
             // Its own process group, so a test harness never waits on it.
             .process_group(0);
-        let child = command.spawn().expect("spawn setpriv libvirtd");
-        let socket = root.path().join("r/libvirt/libvirt-sock");
-        let uri = format!("qemu+unix:///session?socket={}", socket.display());
-        let mut daemon = Self { child, root, uri };
+        let socket = Self::socket_in(root);
+        // A socket left by a daemon that was killed must not pass for a fresh one.
+        let _ = fs::remove_file(&socket);
+        self.child = Some(command.spawn().expect("spawn setpriv libvirtd"));
         let started = Instant::now();
         loop {
             if socket.exists() {
                 break;
             }
-            if let Ok(Some(status)) = daemon.child.try_wait() {
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
                 panic!(
                     "libvirtd exited ({status}) before creating its socket:\n{}",
-                    daemon.log()
+                    self.log()
                 );
             }
             if started.elapsed() > START_DEADLINE {
                 panic!(
                     "libvirtd created no socket at {} within {START_DEADLINE:?}:\n{}",
                     socket.display(),
-                    daemon.log()
+                    self.log()
                 );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         // The socket appears before the daemon serves; wait until a client gets an answer.
         loop {
-            let output = daemon.virsh(&["uri"]);
+            let output = self.virsh(&["uri"]);
             if output.status.success() {
                 break;
             }
@@ -118,12 +147,48 @@ impl PrivateLibvirtd {
                 panic!(
                     "libvirtd did not answer within {START_DEADLINE:?}: {}\n{}",
                     String::from_utf8_lossy(&output.stderr),
-                    daemon.log()
+                    self.log()
                 );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        daemon
+    }
+
+    /// Stops the daemon (SIGTERM, then SIGKILL after a deadline) and waits until clients are
+    /// refused. Its folder, definitions and any running QEMU stay, as after a daemon crash.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let stopping = Instant::now();
+            loop {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                if stopping.elapsed() > STOP_DEADLINE {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        assert!(
+            !self.virsh(&["uri"]).status.success(),
+            "libvirtd still answers after it stopped"
+        );
+    }
+
+    /// Starts the daemon again on the same folder and socket (after [`Self::stop`]), and
+    /// restarts the storage pools that were active (a session daemon does not autostart them).
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+        let inactive = self.virsh_ok(&["pool-list", "--inactive", "--name"]);
+        for pool in inactive.lines().map(str::trim).filter(|p| !p.is_empty()) {
+            self.virsh_ok(&["pool-start", "--pool", pool]);
+        }
     }
 
     /// The URI clients (this process, running as root, included) connect with.
@@ -286,18 +351,21 @@ impl Drop for PrivateLibvirtd {
     fn drop(&mut self) {
         // QEMU processes and the log daemon outlive a session daemon: end them first.
         kill_helpers(self.root.path());
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
         let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args(["-TERM", &child.id().to_string()])
             .status();
         let stopping = Instant::now();
         while stopping.elapsed() < STOP_DEADLINE {
-            if let Ok(Some(_)) = self.child.try_wait() {
+            if let Ok(Some(_)) = child.try_wait() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }
 
@@ -331,31 +399,55 @@ fn kill_helpers(root: &Path) {
     }
 }
 
-/// Stops what daemons of earlier test runs left behind: a test process killed by a timeout runs
-/// no Drop, and while its daemon dies with it (parent-death signal), the QEMU processes and the
-/// log daemon it started would run on. A folder is an orphan when it carries [`MARKER`] and its
-/// daemon's pid file names a process that is gone; a folder of a daemon that runs (another
-/// test's) or is still starting is left alone.
+/// Stops what the daemons of killed test processes left behind: a test process killed by a
+/// timeout runs no Drop, and while its daemon dies with it (parent-death signal), the QEMU
+/// processes and the log daemon it started would run on. A folder is an orphan when its
+/// [`MARKER`] names an owner process that is gone (a pid that no longer runs, or runs another
+/// program since a different start time); a folder whose owner runs is left alone, even while
+/// its daemon is stopped on purpose ([`PrivateLibvirtd::stop`]). A folder without a readable
+/// marker (being created, or made by an older version of this code) is left alone too.
 pub fn reap_orphans() {
     let Ok(entries) = fs::read_dir("/tmp") else {
         return;
     };
     for entry in entries.flatten() {
         let root = entry.path();
-        if !entry.file_name().to_string_lossy().starts_with("lv") || !root.join(MARKER).is_file() {
+        if !entry.file_name().to_string_lossy().starts_with("lv") {
             continue;
         }
-        let Some(daemon) = read_pid(&root.join("r/libvirt/libvirtd.pid")) else {
+        let Ok(mark) = fs::read_to_string(root.join(MARKER)) else {
             continue;
         };
-        let cmdline = fs::read(format!("/proc/{daemon}/cmdline")).unwrap_or_default();
-        if is_alive(daemon) && String::from_utf8_lossy(&cmdline).contains("libvirtd") {
+        let Some(owner) = mark.split_whitespace().next().and_then(|pid| pid.parse().ok()) else {
+            continue;
+        };
+        if is_alive(owner) && owner_mark(owner).as_deref() == Some(mark.as_str()) {
             continue;
         }
-        eprintln!("reaping what a killed test's libvirtd left in {}", root.display());
+        eprintln!(
+            "reaping what the private libvirtd of a killed test left in {}",
+            root.display()
+        );
+        if let Some(daemon) = read_pid(&root.join("r/libvirt/libvirtd.pid")) {
+            let cmdline = fs::read(format!("/proc/{daemon}/cmdline")).unwrap_or_default();
+            if is_alive(daemon) && String::from_utf8_lossy(&cmdline).contains("libvirtd") {
+                let _ = Command::new("kill").args(["-KILL", &daemon.to_string()]).status();
+            }
+        }
         kill_helpers(&root);
         let _ = fs::remove_dir_all(&root);
     }
+}
+
+/// `"<pid> <start time>"` of process `pid`: the start time (in clock ticks since boot, from
+/// `/proc/<pid>/stat`) tells a process from a later one that reuses its number.
+fn owner_mark(pid: u32) -> Option<String> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name, which may hold spaces: state is the 3rd
+    // field of the line, start time the 22nd.
+    let (_, rest) = stat.rsplit_once(')')?;
+    let start_time = rest.split_whitespace().nth(19)?;
+    Some(format!("{pid} {start_time}"))
 }
 
 fn read_pid(path: &Path) -> Option<u32> {

@@ -26,7 +26,7 @@ use kube::{
     },
 };
 use tokio::sync::watch;
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{info, warn};
 
 pub use backend::KubeBackend;
 
@@ -158,6 +158,7 @@ pub async fn run_controller(
         }
     };
     tokio::spawn(readiness);
+    let sampler = tokio::spawn(sample_phases(proxy_store, context.metrics.clone()));
 
     controller
         .run(reconcile, error_policy, context)
@@ -167,7 +168,32 @@ pub async fn run_controller(
             }
         })
         .await;
+    sampler.abort();
     info!("controller stopped");
+}
+
+/// How often `epo_proxies` is recounted from the cache.
+const PHASE_SAMPLE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Keeps `epo_proxies` current: counts the cached Proxies per reported phase (one pass over
+/// the cache per interval, independent of how many reconciles run).
+async fn sample_phases(store: reflector::Store<Proxy>, metrics: Arc<Metrics>) {
+    if !wait_ready(&store).await {
+        return;
+    }
+    loop {
+        let mut counts = std::collections::BTreeMap::new();
+        for proxy in store.state() {
+            let phase = proxy
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_else(|| "pending".to_owned());
+            *counts.entry(phase).or_insert(0) += 1;
+        }
+        metrics.set_phase_counts(&counts);
+        tokio::time::sleep(PHASE_SAMPLE_INTERVAL).await;
+    }
 }
 
 /// Waits until `store` has its initial list. The store's readiness is a shared one-shot that
@@ -187,10 +213,9 @@ where
 }
 
 async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {
-    let span =
-        info_span!("reconcile", namespace = %proxy.namespace().unwrap_or_default(), name = %proxy.name_any());
     let started = std::time::Instant::now();
-    let result = context.reconciler.reconcile(&proxy).instrument(span).await;
+    // The reconciler opens the `reconcile` span itself (standalone mode gets it too).
+    let result = context.reconciler.reconcile(&proxy).await;
     context.metrics.observe_reconcile(
         started.elapsed(),
         result.as_ref().err().map(ReconcileError::category),

@@ -1,0 +1,498 @@
+//! Orphan GC on real backends, with the live owners read from the (fake) API server:
+//!
+//! - `kvm2` on a private libvirtd (real QEMU driver, guests that run firmware only): a true
+//!   orphan's domain and volumes go; an instance whose create is in flight, an instance whose
+//!   owner lives, one of unknown ownership and a `kvm` domain on the same daemon stay.
+//! - `local` (real Squid): a true orphan's Squid stops and its folder goes; the others stay.
+//! - the `run` binary in namespace-restricted mode: GC is off and says so; with
+//!   `--gc-allow-namespaced` it judges only the watched namespace; `--gc-dry-run` only logs.
+
+#[allow(dead_code)]
+mod support {
+    pub mod contract;
+    pub mod fake_apiserver;
+    pub mod local;
+}
+#[path = "support/libvirt_requests.rs"]
+mod libvirt_requests;
+#[path = "support/libvirtd.rs"]
+mod libvirtd;
+
+use std::{
+    collections::{BTreeMap, HashSet},
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::Duration,
+};
+
+use egress_proxies_operator::{
+    api::Proxy,
+    gc::{GcConfig, GcReport, KubeLiveOwners, collect, gc_enabled},
+    provider::{
+        Instance, InstanceRequest, Owner, Provider, ProviderRegistry, instance_name, kvm::KvmProvider,
+        kvm2::Kvm2Provider, libvirt::KVM2_NAMESPACE, local::LocalProvider,
+    },
+};
+use jiff::{SignedDuration, Timestamp};
+use kube::{
+    Api,
+    api::{DeleteParams, PostParams},
+};
+use libvirt_requests::{request, settings, user_network};
+use libvirtd::PrivateLibvirtd;
+use serde_json::json;
+use support::{
+    contract::plain_request,
+    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
+    local::{StateDir, eventually, free_port, squids_under},
+};
+
+const GRACE: Duration = Duration::from_secs(300);
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// A Proxy object in the API server (nothing reconciles it here); returns its UID.
+async fn live_proxy(server: &FakeApiServer, namespace: &str, name: &str, provider: &str) -> String {
+    let proxy: Proxy = serde_json::from_value(json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"provider": provider},
+    }))
+    .expect("valid Proxy");
+    Api::<Proxy>::namespaced(server.client(), namespace)
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("created")
+        .metadata
+        .uid
+        .expect("the server sets a UID")
+}
+
+/// `request` re-owned by `owner` (the instance name follows the owner, as the reconciler's).
+fn owned_by(mut request: InstanceRequest, owner: Owner) -> InstanceRequest {
+    request.name = instance_name(&owner.namespace, &owner.name, &owner.uid);
+    request.owner = owner;
+    request
+}
+
+fn config(dry_run: bool) -> GcConfig {
+    GcConfig {
+        grace: GRACE,
+        dry_run,
+        namespace: None,
+    }
+}
+
+/// A pass time at which `old` is exactly `GRACE` old (collectable) and `young`, created after
+/// it, is younger than `GRACE` (an in-flight create).
+fn judgement_time(old: &Instance, young: &Instance) -> Timestamp {
+    assert!(
+        young.created_at > old.created_at,
+        "the young instance was created after the old one"
+    );
+    old.created_at + SignedDuration::try_from(GRACE).expect("small")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_on_a_real_libvirt_driver_deletes_only_true_orphans() {
+    virt::error::clear_error_callback();
+    let daemon = PrivateLibvirtd::start();
+    daemon.dir_pool_with_base("epo", "base.qcow2");
+    let kvm2 = Arc::new(Kvm2Provider::new(
+        "kvm2-gc",
+        settings(daemon.uri(), "epo", user_network(24400)),
+    ));
+    let kvm = KvmProvider::new("kvm-gc", settings(daemon.uri(), "epo", user_network(24500)));
+    let server = FakeApiServer::start().await;
+
+    let alive_uid = live_proxy(&server, "crawl", "alive", "kvm2-gc").await;
+    let alive_request = owned_by(
+        request("alive"),
+        Owner {
+            uid: alive_uid,
+            namespace: "crawl".into(),
+            name: "alive".into(),
+        },
+    );
+    let alive = kvm2.create(&alive_request).await.expect("create alive");
+    // Owners of these were never in the API server.
+    let orphan = kvm2.create(&request("orphan")).await.expect("create orphan");
+    let young = kvm2.create(&request("in-flight")).await.expect("create young");
+    let kvm_orphan = kvm.create(&request("kvm-orphan")).await.expect("create kvm");
+    // A domain carrying kvm2's stamp without a readable owner.
+    let damaged = format!("crawl-damaged-{:08x}", fastrand::u32(..));
+    let xml_file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(
+        xml_file.path(),
+        format!(
+            "<domain type='qemu'><name>{damaged}</name><memory unit='MiB'>64</memory>\
+             <os><type arch='x86_64'>hvm</type></os>\
+             <metadata><k:owner xmlns:k='{KVM2_NAMESPACE}' uid='no-name-no-time'/></metadata></domain>"
+        ),
+    )
+    .expect("domain XML");
+    daemon.virsh_ok(&["define", xml_file.path().to_str().expect("UTF-8")]);
+
+    let mut registry = ProviderRegistry::new();
+    registry.insert(kvm2.clone());
+    let owners = KubeLiveOwners::new(server.client());
+    let now = judgement_time(&orphan, &young);
+    let id = |i: &Instance| i.id.to_string();
+    let orphan_volumes = || {
+        daemon
+            .volumes("epo")
+            .into_iter()
+            .filter(|v| v.starts_with(&orphan.id.native_id))
+            .count()
+    };
+    assert_eq!(orphan_volumes(), 2, "disk and seed");
+
+    // Dry run: reports, deletes nothing.
+    let dry = collect(&registry, &owners, &config(true), now).await;
+    assert_eq!(dry.collected, [id(&orphan)]);
+    assert!(dry.deleted.is_empty());
+    assert!(daemon.domains().contains(&orphan.id.native_id));
+
+    // Without the truth about live Proxies nothing is judged.
+    server.fail_next(RequestMatcher::any().verb(Verb::List).resource("proxies"), 1, 500);
+    assert_eq!(
+        collect(&registry, &owners, &config(false), now).await,
+        GcReport::default()
+    );
+
+    let report = collect(&registry, &owners, &config(false), now).await;
+    assert_eq!(report.collected, [id(&orphan)], "{report:?}");
+    assert_eq!(report.spared_young, [id(&young)], "{report:?}");
+    assert_eq!(report.unknown_owner, [format!("kvm2/kvm2-gc/{damaged}")]);
+    assert_eq!(report.deleted, BTreeMap::from([("kvm2-gc".to_owned(), 1)]));
+    let domains: HashSet<String> = daemon.domains().into_iter().collect();
+    assert!(!domains.contains(&orphan.id.native_id), "orphan undefined");
+    assert_eq!(orphan_volumes(), 0, "orphan's volumes removed");
+    for kept in [
+        &alive.id.native_id,
+        &young.id.native_id,
+        &kvm_orphan.id.native_id,
+        &damaged,
+    ] {
+        assert!(domains.contains(kept), "{kept} must stay: {domains:?}");
+    }
+
+    // The owners are read from the API server on every pass, not from a cache: once the
+    // Proxy is gone, its instance is an orphan at the next pass.
+    Api::<Proxy>::namespaced(server.client(), "crawl")
+        .delete("alive", &DeleteParams::default())
+        .await
+        .expect("delete Proxy");
+    let report = collect(&registry, &owners, &config(false), now).await;
+    assert_eq!(report.collected, [id(&alive)]);
+    assert!(!daemon.domains().contains(&alive.id.native_id));
+
+    kvm2.delete(&young.id.native_id).await.expect("clean up");
+    kvm.delete(&kvm_orphan.id.native_id).await.expect("clean up");
+    daemon.virsh_ok(&["undefine", "--domain", &damaged]);
+}
+
+/// Creates `request` on `provider`, choosing another port if the free one was taken meanwhile.
+async fn create_local(provider: &LocalProvider, mut request: InstanceRequest) -> Instance {
+    for _ in 0..3 {
+        match provider.create(&request).await {
+            Err(err) if err.to_string().contains("in use") => request.port = free_port(),
+            Ok(instance) => return instance,
+            Err(err) => panic!("create failed: {err}"),
+        }
+    }
+    panic!("no free port after 3 attempts");
+}
+
+fn local_owner(namespace: &str, name: &str) -> Owner {
+    Owner {
+        uid: format!("{:016x}-{name}", fastrand::u64(..)),
+        namespace: namespace.into(),
+        name: name.into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
+    let state = StateDir::new();
+    let other_state = StateDir::new();
+    let local = Arc::new(LocalProvider::new("local", state.settings()).expect("settings"));
+    let other = LocalProvider::new("local-other", other_state.settings()).expect("settings");
+    let server = FakeApiServer::start().await;
+
+    let alive_owner = Owner {
+        uid: live_proxy(&server, "crawl", "alive", "local").await,
+        namespace: "crawl".into(),
+        name: "alive".into(),
+    };
+    let alive = create_local(&local, plain_request(alive_owner, free_port())).await;
+    let orphan = create_local(&local, plain_request(local_owner("crawl", "orphan"), free_port())).await;
+    let young = create_local(
+        &local,
+        plain_request(local_owner("crawl", "in-flight"), free_port()),
+    )
+    .await;
+    let unreadable = create_local(
+        &local,
+        plain_request(local_owner("crawl", "unreadable"), free_port()),
+    )
+    .await;
+    std::fs::write(
+        local.instance_dir(&unreadable.id.native_id).join("owner.json"),
+        b"{ damaged",
+    )
+    .expect("damage the owner record");
+    // Another provider instance's orphan (not in this GC's registry).
+    let foreign = create_local(
+        &other,
+        plain_request(local_owner("crawl", "foreign"), free_port()),
+    )
+    .await;
+
+    let mut registry = ProviderRegistry::new();
+    registry.insert(local.clone());
+    let owners = KubeLiveOwners::new(server.client());
+    let now = judgement_time(&orphan, &young);
+    let orphan_dir = local.instance_dir(&orphan.id.native_id);
+    assert_eq!(squids_under(&orphan_dir).len(), 1);
+
+    let dry = collect(&registry, &owners, &config(true), now).await;
+    assert_eq!(dry.collected, [orphan.id.to_string()]);
+    assert_eq!(squids_under(&orphan_dir).len(), 1, "dry run stops nothing");
+
+    let report = collect(&registry, &owners, &config(false), now).await;
+    assert_eq!(report.collected, [orphan.id.to_string()], "{report:?}");
+    assert_eq!(report.spared_young, [young.id.to_string()]);
+    assert_eq!(report.unknown_owner, [unreadable.id.to_string()]);
+    assert_eq!(report.deleted, BTreeMap::from([("local".to_owned(), 1)]));
+    assert!(!orphan_dir.exists(), "the orphan's folder is removed");
+    assert!(
+        eventually(DEADLINE, async || squids_under(&orphan_dir).is_empty()).await,
+        "the orphan's Squid is stopped"
+    );
+    for (provider, kept) in [
+        (&*local, &alive),
+        (&*local, &young),
+        (&*local, &unreadable),
+        (&other, &foreign),
+    ] {
+        assert_eq!(
+            squids_under(&provider.instance_dir(&kept.id.native_id)).len(),
+            1,
+            "{} keeps running",
+            kept.id
+        );
+    }
+
+    for instance in [&alive, &young, &unreadable] {
+        local.delete(&instance.id.native_id).await.expect("clean up");
+    }
+    other.delete(&foreign.id.native_id).await.expect("clean up");
+}
+
+// --- the binary in namespace-restricted mode ---------------------------------------------------
+
+const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
+
+/// `egress-proxies-operator run` against the fake API server, killed (with its process group)
+/// on Drop.
+struct Operator {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Operator {
+    fn start(dir: &Path, run: &str, args: &[&str]) -> Operator {
+        let log = dir.join(format!("{run}.log"));
+        let out = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(BIN)
+            .current_dir(dir)
+            .args(["run", "--providers-config", "providers.yaml"])
+            .args(["--tokens", "tokens", "--lease-signing-key", "key"])
+            .args([
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--discovery-listen",
+                "127.0.0.1:0",
+            ])
+            .args(["--identity", "gc-test", "--gc-grace-seconds", "0"])
+            .args(["--gc-interval-seconds", "1"])
+            .args(args)
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env("KUBECONFIG", dir.join("kubeconfig"))
+            .env("RUST_LOG", "info")
+            // Plain text, so lines can be matched field by field.
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup"))
+            .stderr(out)
+            .process_group(0)
+            .spawn()
+            .expect("operator starts");
+        Operator {
+            child: Some(child),
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn wait_log(&self, what: &str, line: impl Fn(&str) -> bool) -> String {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            if let Some(found) = self.log().lines().find(|l| line(l)) {
+                return found.to_owned();
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no log line {what}:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGTERM; waits for a clean exit.
+    async fn stop(mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                assert!(status.success(), "operator exited with {status}:\n{}", self.log());
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "operator did not stop on SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_namespace() {
+    assert!(!gc_enabled(Some("crawl"), false));
+    assert!(gc_enabled(Some("crawl"), true));
+    assert!(gc_enabled(None, false));
+
+    let server = FakeApiServer::start().await;
+    let state = StateDir::new();
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("kubeconfig"),
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
+             clusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n\
+             users:\n- name: fake\n  user: {{}}\n",
+            server.url()
+        ),
+    )
+    .expect("kubeconfig");
+    std::fs::write(
+        dir.path().join("providers.yaml"),
+        format!(
+            "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: {}\n",
+            state.path().display()
+        ),
+    )
+    .expect("providers");
+    std::fs::write(dir.path().join("tokens"), "gc-test-token-0123456789\n").expect("tokens");
+    std::fs::write(dir.path().join("key"), "0123456789abcdef0123456789abcdef").expect("key");
+
+    // Orphans in the watched namespace and in another one, made before the operator runs; the
+    // provider object is dropped so only the operator's supervises them.
+    let (ours, theirs) = {
+        let local = LocalProvider::new("local", state.settings()).expect("settings");
+        let ours = create_local(&local, plain_request(local_owner("crawl", "ours"), free_port())).await;
+        let theirs = create_local(&local, plain_request(local_owner("other", "theirs"), free_port())).await;
+        (ours.id.native_id, theirs.id.native_id)
+    };
+    let running = |name: &str| squids_under(&state.path().join(name)).len() == 1;
+
+    // Namespace mode: GC is off, and the operator says so.
+    let operator = Operator::start(dir.path(), "restricted", &["--namespace", "crawl"]);
+    operator
+        .wait_log("saying GC is disabled", |l| {
+            l.contains("orphan GC is disabled in namespace-restricted mode")
+        })
+        .await;
+    operator
+        .wait_log("the caches synced", |l| l.contains("caches synced"))
+        .await;
+    assert!(!operator.log().contains("orphan GC enabled"));
+    assert!(running(&ours) && running(&theirs));
+    operator.stop().await;
+
+    // Allowed, dry run: only the watched namespace's orphan would be deleted.
+    let operator = Operator::start(
+        dir.path(),
+        "dry-run",
+        &["--namespace", "crawl", "--gc-allow-namespaced", "--gc-dry-run"],
+    );
+    let enabled = operator
+        .wait_log("saying GC is enabled", |l| l.contains("orphan GC enabled"))
+        .await;
+    assert!(
+        enabled.contains("namespace=crawl") && enabled.contains("dry_run=true"),
+        "{enabled}"
+    );
+    operator
+        .wait_log("a dry-run verdict", |l| {
+            l.contains("dry run: would delete orphaned instance") && l.contains(&ours)
+        })
+        .await;
+    assert!(
+        !operator.log().contains(&theirs),
+        "another namespace's instance is never judged:\n{}",
+        operator.log()
+    );
+    assert!(running(&ours) && running(&theirs), "a dry run deletes nothing");
+    operator.stop().await;
+
+    // Allowed: the watched namespace's orphan goes; the other namespace's stays.
+    let operator = Operator::start(
+        dir.path(),
+        "allowed",
+        &["--namespace", "crawl", "--gc-allow-namespaced"],
+    );
+    operator
+        .wait_log("the orphan's deletion", |l| {
+            l.contains("deleted orphaned instance") && l.contains(&ours)
+        })
+        .await;
+    assert!(!state.path().join(&ours).exists(), "its folder is removed");
+    assert!(
+        eventually(DEADLINE, async || squids_under(&state.path().join(&ours))
+            .is_empty())
+        .await,
+        "its Squid is stopped"
+    );
+    // The pass that deleted ours listed theirs too and left it.
+    assert!(running(&theirs), "{}", operator.log());
+    assert!(!operator.log().contains(&theirs));
+    operator.stop().await;
+
+    let local = LocalProvider::new("local", state.settings()).expect("settings");
+    local.delete(&theirs).await.expect("clean up");
+}

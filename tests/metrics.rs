@@ -1,0 +1,309 @@
+//! Metrics after a scripted lifecycle in cluster mode (`run_cluster` against the fake API
+//! server, the `local` provider running real Squid): a Proxy is created and becomes Healthy,
+//! a lease is acquired and released, one acquisition is refused, the Proxy is deleted, and
+//! orphan GC removes a planted orphan. Then the admin server's `/metrics`, scraped over HTTP,
+//! must show exactly the metric names docs/operations.md lists, with values that tell the
+//! story.
+
+#[allow(dead_code)]
+mod support {
+    pub mod contract;
+    pub mod fake_apiserver;
+    pub mod http;
+    pub mod local;
+    pub mod origin;
+}
+
+use std::{
+    collections::BTreeSet,
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use egress_proxies_operator::{
+    api::Proxy,
+    app::cluster::{ClusterOptions, run_cluster},
+    provider::{Owner, Provider, local::LocalProvider},
+};
+use http_body_util::Full;
+use hyper::{Request, StatusCode};
+use kube::{
+    Api,
+    api::{DeleteParams, PostParams},
+};
+use serde_json::json;
+use support::{
+    contract::plain_request,
+    fake_apiserver::FakeApiServer,
+    http::{get, request},
+    local::{StateDir, free_port, squids_under},
+    origin::OriginServer,
+};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const TOKEN: &str = "metrics-token-0123456789abcdef";
+
+async fn eventually<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn post(addr: SocketAddr, path: &str, body: serde_json::Value) -> (StatusCode, serde_json::Value) {
+    let (status, text) = request(
+        addr,
+        Request::post(path)
+            .header("host", "localhost")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .expect("request"),
+    )
+    .await;
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+/// The value of the sample `series` (name with labels, exactly as exposed).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.split(' ').next()?.parse().ok())
+}
+
+/// Metric names as a scrape exposes them: counters with `_total`, others as declared.
+fn exposed_names(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| {
+            let (name, kind) = rest.split_once(' ')?;
+            Some(match kind {
+                "counter" => format!("{name}_total"),
+                _ => name.to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// Metric names listed in docs/operations.md's metrics table.
+fn documented_names() -> BTreeSet<String> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
+        .expect("docs/operations.md");
+    doc.lines()
+        .filter_map(|line| line.strip_prefix("| `epo_"))
+        .filter_map(|rest| Some(format!("epo_{}", rest.split_once('`')?.0)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
+    let origin = OriginServer::start().await;
+    let server = FakeApiServer::start().await;
+    let client = server.client();
+    let state = StateDir::new();
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("providers.yaml"),
+        format!(
+            "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: {}\n",
+            state.path().display()
+        ),
+    )
+    .expect("providers");
+    std::fs::write(dir.path().join("tokens"), format!("{TOKEN}\n")).expect("tokens");
+    std::fs::write(dir.path().join("key"), "0123456789abcdef0123456789abcdef").expect("key");
+
+    // An orphan from before: its Proxy is long gone.
+    let orphan = {
+        let local = LocalProvider::new("local", state.settings()).expect("settings");
+        let owner = Owner {
+            uid: format!("{:016x}-gone", fastrand::u64(..)),
+            namespace: "crawl".into(),
+            name: "gone".into(),
+        };
+        local
+            .create(&plain_request(owner, free_port()))
+            .await
+            .expect("orphan created")
+            .id
+            .native_id
+    };
+
+    let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
+    let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    let discovery: SocketAddr = format!("127.0.0.1:{discovery_port}").parse().unwrap();
+    let options = ClusterOptions {
+        providers_config: dir.path().join("providers.yaml"),
+        namespace: None,
+        gc_allow_namespaced: false,
+        gc_dry_run: false,
+        gc_grace: Duration::ZERO,
+        gc_interval: Duration::from_secs(1),
+        system_namespace: "egress-proxies-system".into(),
+        identity: "metrics-test".into(),
+        admin_listen: admin,
+        discovery_listen: discovery,
+        tokens: dir.path().join("tokens"),
+        signing_key: dir.path().join("key"),
+        concurrency: 2,
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(run_cluster(client.clone(), options, async {
+        let _ = stopped.await;
+    }));
+
+    // Create → Healthy.
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
+    let proxy: Proxy = serde_json::from_value(json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "squid-1", "namespace": "crawl"},
+        "spec": {
+            "provider": "local",
+            "placement": {"address": "127.0.0.1"},
+            "port": proxy_port,
+            "attributes": {"region": "eu"},
+            "health": {"url": origin.url("/health"), "intervalSeconds": 1, "timeoutSeconds": 1},
+        },
+    }))
+    .expect("valid");
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("created");
+    eventually("the Proxy healthy", async || {
+        let p = proxies.get("squid-1").await.ok()?;
+        (p.status?.phase.as_deref() == Some("healthy")).then_some(())
+    })
+    .await;
+    eventually("the leader ready", async || {
+        (get(admin, "/readyz").await.0 == StatusCode::OK).then_some(())
+    })
+    .await;
+
+    // A lease acquired and released; an acquisition nothing matches is refused.
+    let (code, lease) = post(
+        discovery,
+        "/v1/leases",
+        json!({"selector": {"region": "eu"}, "holder": "crawler-1", "ttlSeconds": 60}),
+    )
+    .await;
+    assert_eq!(code, StatusCode::CREATED, "{lease}");
+    let (code, refused) = post(
+        discovery,
+        "/v1/leases",
+        json!({"selector": {"region": "nowhere"}, "holder": "crawler-1"}),
+    )
+    .await;
+    assert!(code.is_client_error() || code.is_server_error(), "{refused}");
+    let refused_code = refused["error"]["code"]
+        .as_str()
+        .or_else(|| refused["code"].as_str())
+        .unwrap_or_default()
+        .to_owned();
+    let (_, mid_lease) = get(admin, "/metrics").await;
+    assert_eq!(
+        sample(&mid_lease, "epo_discovery_leases_active"),
+        Some(1.0),
+        "the admin server samples active leases at scrape"
+    );
+    let lease_id = lease["leaseId"].as_str().expect("lease id");
+    let (code, released) = post(
+        discovery,
+        &format!("/v1/leases/{lease_id}/release"),
+        json!({"fencingToken": lease["fencingToken"], "outcome": "ok"}),
+    )
+    .await;
+    assert!(code.is_success(), "{released}");
+
+    // Delete; GC removes the orphan.
+    proxies
+        .delete("squid-1", &DeleteParams::default())
+        .await
+        .expect("delete");
+    eventually("the Proxy gone", async || {
+        proxies.get_opt("squid-1").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    eventually("the orphan collected", async || {
+        squids_under(&state.path().join(&orphan)).is_empty().then_some(())
+    })
+    .await;
+
+    // The scrape: proxies per phase is sampled, so wait for it to show the deletion.
+    let text = eventually("the metrics after the lifecycle", async || {
+        let (code, text) = get(admin, "/metrics").await;
+        (code == StatusCode::OK
+            && sample(&text, r#"epo_proxies{phase="healthy"}"#) == Some(0.0)
+            && sample(&text, r#"epo_gc_deletions_total{provider="local"}"#).is_some())
+        .then_some(text)
+    })
+    .await;
+    let value = |series: &str| sample(&text, series).unwrap_or_else(|| panic!("no {series} in:\n{text}"));
+
+    assert_eq!(exposed_names(&text), documented_names(), "{text}");
+    // create, healthy, deleting, deleted: at least three reconciles end well (the first makes
+    // two transitions); every reconcile, whatever its result, is timed.
+    assert!(value(r#"epo_reconciles_total{result="ok"}"#) >= 3.0, "{text}");
+    let reconciles: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("epo_reconciles_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(value("epo_reconcile_duration_seconds_count"), reconciles);
+    for (from, to) in [
+        ("pending", "provisioning"),
+        ("provisioning", "healthy"),
+        ("healthy", "deleting"),
+        ("deleting", "deleted"),
+    ] {
+        assert_eq!(
+            value(&format!(r#"epo_transitions_total{{from="{from}",to="{to}"}}"#)),
+            1.0,
+            "{from} -> {to}"
+        );
+    }
+    for phase in [
+        "pending",
+        "provisioning",
+        "healthy",
+        "degraded",
+        "replacing",
+        "deleting",
+        "deleted",
+    ] {
+        assert_eq!(
+            value(&format!(r#"epo_proxies{{phase="{phase}"}}"#)),
+            0.0,
+            "{phase}"
+        );
+    }
+    assert_eq!(value(r#"epo_gc_deletions_total{provider="local"}"#), 1.0);
+    assert_eq!(value(r#"epo_provider_available{provider="local"}"#), 1.0);
+    assert!(value(r#"epo_probe_duration_seconds_count{result="ok"}"#) >= 1.0);
+    assert!(value(r#"epo_probe_duration_seconds_bucket{le="+Inf",result="ok"}"#) >= 1.0);
+    assert_eq!(value("epo_discovery_leases_acquired_total"), 1.0);
+    assert_eq!(
+        value(&format!(
+            r#"epo_discovery_lease_acquire_refused_total{{code="{refused_code}"}}"#
+        )),
+        1.0
+    );
+    assert_eq!(value(r#"epo_discovery_leases_released_total{code="ok"}"#), 1.0);
+    assert_eq!(value("epo_discovery_leases_active"), 0.0);
+    assert!(value(r#"epo_discovery_requests_total{route="acquire",code="ok"}"#) >= 1.0);
+
+    stop.send(()).expect("operator running");
+    tokio::time::timeout(Duration::from_secs(30), operator)
+        .await
+        .expect("stops")
+        .expect("no panic")
+        .expect("clean exit");
+}

@@ -1,0 +1,273 @@
+//! The provider-health monitor over a `kvm2` instance on a private libvirtd, publishing
+//! `ProviderHealth` objects to the fake API server, next to the cluster controller: when the
+//! daemon goes away the object flips to unavailable with the reason, a new Proxy on it is held
+//! in `pending` saying why, and when the daemon comes back on the same socket the object flips
+//! back and the held Proxy is provisioned at once. Writes happen only on changes.
+
+mod support {
+    pub mod fake_apiserver;
+}
+#[path = "support/libvirt_requests.rs"]
+mod libvirt_requests;
+#[path = "support/libvirtd.rs"]
+mod libvirtd;
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use egress_proxies_operator::{
+    api::{ProviderHealth, Proxy},
+    app::cluster::reconcile_providers_proxies,
+    controller::{
+        ProviderAvailability, ReconcilerConfig,
+        cluster::{ClusterDeps, run_controller},
+    },
+    health::{HealthConfig, HealthEngine},
+    lease::{LeaseStore, LeaseStoreConfig},
+    monitor::{Monitor, kube_sink::KubeHealthSink},
+    provider::{ProviderRegistry, kvm2::Kvm2Provider},
+    telemetry::Metrics,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{
+    Api,
+    api::{DeleteParams, PostParams},
+};
+use libvirt_requests::{settings, user_network};
+use libvirtd::PrivateLibvirtd;
+use prometheus_client::registry::Registry;
+use serde_json::json;
+use support::fake_apiserver::FakeApiServer;
+use tokio::sync::{mpsc, oneshot, watch};
+
+const PROVIDER: &str = "kvm2-mon";
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn available(health: &ProviderHealth) -> Condition {
+    health
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Available"))
+        .cloned()
+        .expect("an Available condition")
+}
+
+/// Successful writes to ProviderHealth objects so far.
+fn health_writes(server: &FakeApiServer) -> usize {
+    server
+        .writes()
+        .iter()
+        .filter(|r| r.resource == "providerhealths" && r.succeeded())
+        .count()
+}
+
+fn gauge(registry: &Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry).expect("encodes");
+    text.lines()
+        .find(|l| l.starts_with(&format!("epo_provider_available{{provider=\"{PROVIDER}\"}}")))
+        .unwrap_or_default()
+        .to_owned()
+}
+
+async fn wait_for<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provisioning_meanwhile() {
+    virt::error::clear_error_callback();
+    let mut daemon = PrivateLibvirtd::start();
+    daemon.dir_pool_with_base("epo", "base.qcow2");
+    let socket = daemon
+        .uri()
+        .split_once("socket=")
+        .map(|(_, path)| path.to_owned())
+        .expect("socket in the URI");
+    let mut providers = ProviderRegistry::new();
+    providers.insert(Arc::new(Kvm2Provider::new(
+        PROVIDER,
+        settings(daemon.uri(), "epo", user_network(24600)),
+    )));
+    let server = FakeApiServer::start().await;
+    let client = server.client();
+    let healths: Api<ProviderHealth> = Api::all(client.clone());
+
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::register(&mut registry));
+    let availability = ProviderAvailability::default();
+    let flips = Arc::new(Mutex::new(Vec::new()));
+    let (flipped_tx, flipped_rx) = mpsc::unbounded_channel();
+    let mut monitor = Monitor::new(
+        providers.clone(),
+        availability.clone(),
+        Arc::new(KubeHealthSink::new(client.clone())),
+        Duration::from_secs(10),
+    )
+    .with_metrics(metrics.clone())
+    .on_change({
+        let flips = flips.clone();
+        Arc::new(move |name: &str| {
+            flips.lock().unwrap().push(name.to_owned());
+            let _ = flipped_tx.send(name.to_owned());
+        })
+    });
+
+    // Available: one object, written once however often it is probed.
+    monitor.probe_all().await;
+    let health = healths.get(PROVIDER).await.expect("ProviderHealth exists");
+    let condition = available(&health);
+    assert_eq!(
+        (condition.status.as_str(), condition.reason.as_str()),
+        ("True", "ProbeSucceeded")
+    );
+    let status = health.status.as_ref().expect("status");
+    assert_eq!(status.provider_type.as_deref(), Some("kvm2"));
+    assert!(status.message.as_deref().unwrap_or_default().contains("libvirt"));
+    let writes = health_writes(&server);
+    assert_eq!(writes, 2, "create, then its status");
+    monitor.probe_all().await;
+    assert_eq!(health_writes(&server), writes, "no change, no write");
+    assert!(gauge(&registry).ends_with(" 1"), "{}", gauge(&registry));
+    assert!(flips.lock().unwrap().is_empty(), "the first probe is no flip");
+
+    // The daemon goes away.
+    daemon.stop();
+    monitor.probe_all().await;
+    let condition = available(&healths.get(PROVIDER).await.expect("exists"));
+    assert_eq!(
+        (condition.status.as_str(), condition.reason.as_str()),
+        ("False", "ProbeFailed")
+    );
+    assert!(
+        condition.message.contains(&socket),
+        "the reason names what is unreachable: {}",
+        condition.message
+    );
+    assert_eq!(health_writes(&server), writes + 1);
+    monitor.probe_all().await;
+    assert_eq!(health_writes(&server), writes + 1, "still down, no write");
+    assert!(gauge(&registry).ends_with(" 0"), "{}", gauge(&registry));
+    assert_eq!(*flips.lock().unwrap(), [PROVIDER]);
+    let down = availability.down_reason(PROVIDER).expect("down");
+
+    // Meanwhile a new Proxy on it is held in pending, saying why.
+    let (health_engine, _events) = HealthEngine::start(HealthConfig::default()).expect("health engine");
+    let (triggers_tx, triggers_rx) = mpsc::channel(16);
+    let retrigger = tokio::spawn(reconcile_providers_proxies(
+        client.clone(),
+        None,
+        flipped_rx,
+        triggers_tx,
+    ));
+    let (ready_tx, mut ready) = watch::channel(false);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let controller = tokio::spawn(run_controller(
+        ClusterDeps {
+            client: client.clone(),
+            providers,
+            leases: Arc::new(LeaseStore::new(LeaseStoreConfig::default())),
+            health: Arc::new(health_engine),
+            availability: availability.clone(),
+            // Default timers: a held Proxy retries after a minute, so resuming within the
+            // deadline below is the flip's doing.
+            reconciler: ReconcilerConfig::default(),
+            namespace: None,
+            concurrency: 2,
+            debounce: Duration::from_millis(10),
+            identity: "monitor-test".into(),
+            metrics,
+        },
+        futures::stream::unfold(
+            triggers_rx,
+            |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
+        ),
+        ready_tx,
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    tokio::time::timeout(DEADLINE, ready.wait_for(|r| *r))
+        .await
+        .expect("caches sync")
+        .expect("ready");
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
+    let proxy: Proxy = serde_json::from_value(json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "held", "namespace": "crawl"},
+        "spec": {"provider": PROVIDER},
+    }))
+    .expect("valid");
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("created");
+    let ready_condition = wait_for("the Proxy held for its provider", async || {
+        let status = proxies.get("held").await.ok()?.status?;
+        let ready = status.conditions.iter().find(|c| c.type_ == "Ready")?.clone();
+        (status.phase.as_deref() == Some("pending") && ready.reason == "ProviderUnavailable").then_some(ready)
+    })
+    .await;
+    assert_eq!(ready_condition.status, "False");
+    assert_eq!(ready_condition.message, format!("provider unavailable: {down}"));
+
+    // The daemon comes back on the same socket: the object flips back and the held Proxy is
+    // provisioned now.
+    daemon.restart();
+    monitor.probe_all().await;
+    let condition = available(&healths.get(PROVIDER).await.expect("exists"));
+    assert_eq!(
+        (condition.status.as_str(), condition.reason.as_str()),
+        ("True", "ProbeSucceeded")
+    );
+    assert_eq!(health_writes(&server), writes + 2);
+    monitor.probe_all().await;
+    assert_eq!(health_writes(&server), writes + 2);
+    assert_eq!(*flips.lock().unwrap(), [PROVIDER, PROVIDER]);
+    assert_eq!(availability.down_reason(PROVIDER), None);
+    let held = wait_for("the held Proxy provisioned", async || {
+        let proxy = proxies.get("held").await.ok()?;
+        (proxy.status.as_ref()?.phase.as_deref() == Some("provisioning")).then_some(proxy)
+    })
+    .await;
+    let provider_id = held.status.and_then(|s| s.provider_id).expect("a provider ID");
+    let domain = provider_id
+        .rsplit('/')
+        .next()
+        .expect("type/instance/name")
+        .to_owned();
+    assert!(daemon.domains().contains(&domain), "{domain} defined");
+
+    // Deleting the Proxy removes the domain; then everything stops.
+    proxies
+        .delete("held", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_for("the Proxy gone", async || {
+        proxies.get_opt("held").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    assert!(!daemon.domains().contains(&domain), "{domain} removed");
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, controller)
+        .await
+        .expect("controller stops")
+        .expect("no panic");
+    drop(monitor);
+    tokio::time::timeout(DEADLINE, retrigger)
+        .await
+        .expect("the retrigger task ends with the monitor")
+        .expect("no panic");
+}
