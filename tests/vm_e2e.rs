@@ -403,14 +403,16 @@ fn split_proxy_url(url: &str) -> (String, String, String) {
 /// Everything one test runs: the private daemon with its pool, the operator's folder, the
 /// loopback origin and the operator. Dropping it (in every outcome) kills the operator, saves
 /// the logs to `target/tmp/vm-e2e/<test>/`, then stops the daemon, which kills the QEMU
-/// processes it started and removes its folder (pool and volumes with it).
+/// processes it started and removes its folder (pool, volumes and the operator's folder with it).
 struct Rig {
     test: &'static str,
     provider_type: &'static str,
     /// First field: dropped (killed) first, so nothing acts on libvirt while it goes.
     operator: Option<Operator>,
     origin: Origin,
-    work: tempfile::TempDir,
+    /// The operator's folder (manifests, providers config, state, log), inside the daemon's
+    /// folder so that it goes with it, also when a killed test's folder is reaped.
+    work: PathBuf,
     console_dir: PathBuf,
     pool_dir: PathBuf,
     api_port: u16,
@@ -450,11 +452,8 @@ impl Rig {
         timings.record("libvirtd started, pool with the image", prepared.elapsed(), "");
 
         let origin = Origin::start("vm-e2e-origin");
-        let work = tempfile::Builder::new()
-            .prefix("epo-vm-e2e-")
-            .tempdir()
-            .expect("temp dir");
-        fs::create_dir(work.path().join("manifests")).expect("manifests folder");
+        let work = libvirtd.root().join("operator");
+        fs::create_dir_all(work.join("manifests")).expect("the operator's folder");
         // A block of 200 ports below the ephemeral range (which cannot be bound here), picked
         // at random so parallel runs rarely meet; the provider takes one that is free.
         let first_port = 20_000 + 200 * fastrand::u16(0..50);
@@ -488,7 +487,7 @@ impl Rig {
             last_port = first_port + 199,
             console = console_dir.display(),
         );
-        fs::write(work.path().join("providers.yaml"), providers).expect("providers config");
+        fs::write(work.join("providers.yaml"), providers).expect("providers config");
         Self {
             test,
             provider_type,
@@ -505,7 +504,7 @@ impl Rig {
     }
 
     fn path(&self, relative: &str) -> PathBuf {
-        self.work.path().join(relative)
+        self.work.join(relative)
     }
 
     /// The cloud-init Secret (content revision `revision`) and the credentials Secret.
@@ -539,7 +538,7 @@ impl Rig {
     }
 
     fn start_operator(&mut self, provisioning_timeout_secs: u64) {
-        let operator = Operator::start(self.work.path(), self.api_port, provisioning_timeout_secs);
+        let operator = Operator::start(&self.work, self.api_port, provisioning_timeout_secs);
         self.operator = Some(operator);
         self.wait_for("the operator to start", OPERATOR_START_DEADLINE, |rig| {
             rig.operator_log()
@@ -743,7 +742,7 @@ impl Rig {
     /// `status --state state`, or `None` before the operator made its state folder.
     fn status_table(&self) -> Option<String> {
         let output = Command::new(BIN)
-            .current_dir(self.work.path())
+            .current_dir(&self.work)
             .args(["status", "--state", "state"])
             .stdin(Stdio::null())
             .output()
@@ -786,7 +785,7 @@ impl Rig {
     /// `status --audit`: the Proxy's audit trail.
     fn audit(&self) -> String {
         let output = Command::new(BIN)
-            .current_dir(self.work.path())
+            .current_dir(&self.work)
             .args(["status", "--state", "state", "--audit", PROXY])
             .stdin(Stdio::null())
             .output()
