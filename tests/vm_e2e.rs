@@ -231,14 +231,14 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
     let running = Instant::now();
     rig.timings
         .record("domain running (operator start)", started.elapsed(), "");
-    let expected_name = rig.record().and_then(|record| {
-        let provider_id = record.status?.provider_id?;
-        provider_id.rsplit('/').next().map(str::to_owned)
+    // The status is written when the create call returns, a moment after the domain runs.
+    let provider_id = rig.wait_for("the status to record the provider ID", CREATE_DEADLINE, |rig| {
+        rig.record()?.status?.provider_id
     });
     assert_eq!(
-        expected_name.as_deref(),
-        Some(domain.as_str()),
-        "the status's provider ID names the domain"
+        provider_id,
+        format!("{provider_type}/{PROVIDER}/{domain}"),
+        "the status's provider ID names the provider instance and the domain"
     );
 
     // 2. The guest boots and the health engine's probe reaches the host through its Squid.
