@@ -45,7 +45,6 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
-    /// Replay a lifecycle scenario file (e.g. machines/scenarios/*.yaml) and print its audit trail.
     /// Run the operator against the cluster of the kubeconfig / in-cluster config (cluster mode).
     Run {
         /// Providers config.
@@ -129,6 +128,7 @@ enum Command {
         #[arg(long, value_name = "PROXY")]
         audit: Option<String>,
     },
+    /// Replay a lifecycle scenario file (e.g. machines/scenarios/*.yaml) and print its audit trail.
     Audit {
         /// The scenario file.
         #[arg(value_name = "SCENARIO")]

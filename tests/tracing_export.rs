@@ -446,7 +446,7 @@ async fn a_misconfigured_exporter_is_logged_and_the_operator_runs_without_it() {
         &[],
         &[(
             "OTEL_EXPORTER_OTLP_ENDPOINT",
-            "http://no such host:4318".to_owned(),
+            "http://collector:canary-otlp-password@no such host:4318".to_owned(),
         )],
     );
     wait_for(
@@ -461,6 +461,10 @@ async fn a_misconfigured_exporter_is_logged_and_the_operator_runs_without_it() {
     assert!(status.success(), "operator exited with {status}:\n{log}");
     assert!(log.contains("OTLP trace export is misconfigured"), "{log}");
     assert!(!log.contains("exporting traces"), "{log}");
+    assert!(
+        !log.contains("canary-otlp-password"),
+        "the endpoint's password reached the log:\n{log}"
+    );
 }
 
 #[tokio::test]
