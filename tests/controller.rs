@@ -2,6 +2,7 @@
 //! provider and scripted health: the whole reconcile pipeline through a real `kube::Client`.
 
 mod support {
+    pub mod controller;
     pub mod fake_apiserver;
     pub mod scripted;
 }
@@ -10,41 +11,26 @@ use std::{sync::Arc, time::Duration};
 
 use egress_proxies_operator::{
     api::{Proxy, ProxyStatus},
-    controller::{
-        ProviderAvailability, ReconcilerConfig,
-        cluster::{ClusterDeps, run_controller},
-    },
-    effects::{HealthVerdict, ProxyKey},
+    effects::HealthVerdict,
     provider::{
         InstanceRequest, InstanceState, Owner, Provider, ProviderRegistry, instance_name,
         memory::MemoryProvider,
     },
-    telemetry::Metrics,
 };
 use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api, Client, ResourceExt,
     api::{DeleteParams, Patch, PatchParams, PostParams},
 };
-use prometheus_client::registry::Registry;
 use serde_json::json;
 use support::{
+    controller::{ControllerSetup, RunningController},
     fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
-use tokio::sync::{mpsc, oneshot, watch};
 
 const NS: &str = "crawl";
 const DEADLINE: Duration = Duration::from_secs(15);
-
-/// A running controller and the stand-ins it drives.
-struct Operator {
-    triggers: mpsc::Sender<ProxyKey>,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<()>,
-    ready: watch::Receiver<bool>,
-    registry: Arc<Registry>,
-}
 
 struct World {
     server: FakeApiServer,
@@ -72,47 +58,17 @@ impl World {
         }
     }
 
-    async fn start(&self) -> Operator {
+    async fn start(&self) -> RunningController {
         let mut providers = ProviderRegistry::new();
         providers.insert(self.provider.clone());
-        let mut registry = Registry::default();
-        let metrics = Arc::new(Metrics::register(&mut registry));
-        let (triggers, trigger_rx) = mpsc::channel(16);
-        let (stop, stopped) = oneshot::channel::<()>();
-        let (ready_tx, ready) = watch::channel(false);
-        let deps = ClusterDeps {
-            client: self.client.clone(),
+        let mut setup = ControllerSetup::new(
+            self.client.clone(),
             providers,
-            leases: self.leases.clone(),
-            health: self.health.clone(),
-            availability: ProviderAvailability::default(),
-            reconciler: ReconcilerConfig::default(),
-            namespace: None,
-            concurrency: 4,
-            debounce: Duration::from_millis(10),
-            identity: "test-operator".into(),
-            metrics,
-        };
-        let trigger_stream =
-            futures::stream::unfold(
-                trigger_rx,
-                |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
-            );
-        let task = tokio::spawn(run_controller(deps, trigger_stream, ready_tx, async {
-            let _ = stopped.await;
-        }));
-        let mut operator = Operator {
-            triggers,
-            stop: Some(stop),
-            task,
-            ready,
-            registry: Arc::new(registry),
-        };
-        tokio::time::timeout(DEADLINE, operator.ready.wait_for(|r| *r))
-            .await
-            .expect("caches sync")
-            .expect("ready");
-        operator
+            self.leases.clone(),
+            self.health.clone(),
+        );
+        setup.concurrency = 4;
+        setup.start().await
     }
 
     fn proxies(&self) -> Api<Proxy> {
@@ -165,44 +121,6 @@ impl World {
     }
 }
 
-impl Operator {
-    async fn trigger(&self, key: ProxyKey) {
-        self.triggers.send(key).await.expect("controller running");
-    }
-
-    /// Reconciles finished so far (any result), from the operator's own metrics.
-    fn reconciles(&self) -> u64 {
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("encodes");
-        text.lines()
-            .filter(|l| l.starts_with("epo_reconciles_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-            .sum()
-    }
-
-    async fn wait_reconciles(&self, at_least: u64) {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        while self.reconciles() < at_least {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "reconciles stuck at {}",
-                self.reconciles()
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        tokio::time::timeout(DEADLINE, &mut self.task)
-            .await
-            .expect("stops in time")
-            .expect("no panic");
-    }
-}
-
 fn phase_of(proxy: Option<&Proxy>) -> Option<&str> {
     proxy?.status.as_ref()?.phase.as_deref()
 }
@@ -222,7 +140,7 @@ fn passing() -> HealthVerdict {
     HealthVerdict::Passing { after_failing: false }
 }
 
-async fn make_healthy(world: &World, operator: &Operator, name: &str) -> Proxy {
+async fn make_healthy(world: &World, operator: &RunningController, name: &str) -> Proxy {
     world.wait_phase(name, "provisioning").await;
     world.health.set(&key(NS, name), passing());
     operator.trigger(key(NS, name)).await;

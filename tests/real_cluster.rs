@@ -4,6 +4,7 @@
 //! returns at once and says so. It uses its own namespace and deletes it afterwards.
 
 mod support {
+    pub mod controller;
     pub mod scripted;
 }
 
@@ -11,13 +12,8 @@ use std::{sync::Arc, time::Duration};
 
 use egress_proxies_operator::{
     api::Proxy,
-    controller::{
-        ProviderAvailability, ReconcilerConfig,
-        cluster::{ClusterDeps, run_controller},
-    },
     effects::HealthVerdict,
     provider::{ProviderRegistry, memory::MemoryProvider},
-    telemetry::Metrics,
 };
 use k8s_openapi::api::core::v1::Namespace;
 use kube::{
@@ -25,10 +21,11 @@ use kube::{
     api::{DeleteParams, PostParams},
     config::{KubeConfigOptions, Kubeconfig},
 };
-use prometheus_client::registry::Registry;
 use serde_json::json;
-use support::scripted::{ScriptedHealth, ScriptedLeases, key};
-use tokio::sync::{mpsc, oneshot, watch};
+use support::{
+    controller::ControllerSetup,
+    scripted::{ScriptedHealth, ScriptedLeases, key},
+};
 
 async fn wait_for(api: &Api<Proxy>, name: &str, done: impl Fn(Option<&Proxy>) -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
@@ -74,31 +71,11 @@ async fn controller_converges_on_a_real_cluster() {
     let mut providers = ProviderRegistry::new();
     providers.insert(provider.clone());
     let health = ScriptedHealth::new();
-    let (trigger_tx, trigger_rx) = mpsc::channel(8);
-    let (ready_tx, mut ready) = watch::channel(false);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let mut registry = Registry::default();
-    let deps = ClusterDeps {
-        client: client.clone(),
-        providers,
-        leases: ScriptedLeases::new(),
-        health: health.clone(),
-        availability: ProviderAvailability::default(),
-        reconciler: ReconcilerConfig::default(),
-        namespace: Some(namespace.clone()),
-        concurrency: 2,
-        debounce: Duration::from_millis(100),
-        identity: "real-cluster-test".into(),
-        metrics: Arc::new(Metrics::register(&mut registry)),
-    };
-    let triggers = futures::stream::unfold(
-        trigger_rx,
-        |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
-    );
-    let controller = tokio::spawn(run_controller(deps, triggers, ready_tx, async {
-        let _ = stopped.await;
-    }));
-    ready.wait_for(|r| *r).await.expect("caches sync");
+    let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
+    setup.namespace = Some(namespace.clone());
+    setup.debounce = Duration::from_millis(100);
+    setup.identity = "real-cluster-test".into();
+    let controller = setup.start().await;
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), &namespace);
     let proxy: Proxy = serde_json::from_value(json!({
@@ -116,10 +93,7 @@ async fn controller_converges_on_a_real_cluster() {
         &key(&namespace, "real-1"),
         HealthVerdict::Passing { after_failing: false },
     );
-    trigger_tx
-        .send(key(&namespace, "real-1"))
-        .await
-        .expect("controller running");
+    controller.trigger(key(&namespace, "real-1")).await;
     wait_for(&proxies, "real-1", |p| phase(p) == Some("healthy")).await;
     proxies
         .delete("real-1", &DeleteParams::default())
@@ -128,8 +102,7 @@ async fn controller_converges_on_a_real_cluster() {
     wait_for(&proxies, "real-1", |p| p.is_none()).await;
     assert!(provider.names().is_empty());
 
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.stop().await;
     namespaces
         .delete(&namespace, &DeleteParams::default())
         .await

@@ -3,6 +3,7 @@
 //! a whole lifecycle in cluster mode against the fake API server.
 
 mod support {
+    pub mod controller;
     pub mod fake_apiserver;
     pub mod scripted;
 }
@@ -15,26 +16,20 @@ use std::{
 
 use egress_proxies_operator::{
     api::Proxy,
-    controller::{
-        ProviderAvailability, ReconcilerConfig,
-        cluster::{ClusterDeps, run_controller},
-    },
     effects::HealthVerdict,
     provider::{ProviderRegistry, memory::MemoryProvider},
-    telemetry::Metrics,
 };
 use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api,
     api::{DeleteParams, PostParams},
 };
-use prometheus_client::registry::Registry;
 use serde_json::json;
 use support::{
+    controller::ControllerSetup,
     fake_apiserver::FakeApiServer,
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
-use tokio::sync::{mpsc, oneshot, watch};
 
 const CANARY: &str = "canary-7f3a9c2e-do-not-log";
 
@@ -91,31 +86,9 @@ async fn canary_secrets_stay_out_of_logs_status_and_events() {
     let mut providers = ProviderRegistry::new();
     providers.insert(Arc::new(MemoryProvider::new("mem")));
     let health = ScriptedHealth::new();
-    let (trigger_tx, trigger_rx) = mpsc::channel(8);
-    let (ready_tx, mut ready) = watch::channel(false);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let mut registry = Registry::default();
-    let deps = ClusterDeps {
-        client: client.clone(),
-        providers,
-        leases: ScriptedLeases::new(),
-        health: health.clone(),
-        availability: ProviderAvailability::default(),
-        reconciler: ReconcilerConfig::default(),
-        namespace: None,
-        concurrency: 2,
-        debounce: Duration::from_millis(10),
-        identity: "canary-test".into(),
-        metrics: Arc::new(Metrics::register(&mut registry)),
-    };
-    let triggers = futures::stream::unfold(
-        trigger_rx,
-        |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
-    );
-    let controller = tokio::spawn(run_controller(deps, triggers, ready_tx, async {
-        let _ = stopped.await;
-    }));
-    ready.wait_for(|r| *r).await.expect("caches sync");
+    let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
+    setup.identity = "canary-test".into();
+    let controller = setup.start().await;
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
     let proxy: Proxy = serde_json::from_value(json!({
@@ -137,7 +110,7 @@ async fn canary_secrets_stay_out_of_logs_status_and_events() {
                 &key("crawl", "secretive"),
                 HealthVerdict::Passing { after_failing: false },
             );
-            trigger_tx.send(key("crawl", "secretive")).await.unwrap();
+            controller.trigger(key("crawl", "secretive")).await;
             passed = true;
         }
         if phase.as_deref() == Some("healthy") {
@@ -161,8 +134,7 @@ async fn canary_secrets_stay_out_of_logs_status_and_events() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.stop().await;
 
     let events: Vec<String> = ["events", "events.events.k8s.io"]
         .iter()

@@ -27,6 +27,7 @@ struct Host {
     provider: Arc<MemoryProvider>,
     health: Arc<ScriptedHealth>,
     leases: Arc<ScriptedLeases>,
+    availability: ProviderAvailability,
 }
 
 impl Host {
@@ -35,6 +36,7 @@ impl Host {
             provider: Arc::new(MemoryProvider::new("local")),
             health: ScriptedHealth::new(),
             leases: ScriptedLeases::new(),
+            availability: ProviderAvailability::default(),
         }
     }
 
@@ -48,7 +50,7 @@ impl Host {
                 providers,
                 leases: self.leases.clone(),
                 health: self.health.clone(),
-                availability: ProviderAvailability::default(),
+                availability: self.availability.clone(),
                 reconciler: ReconcilerConfig::default(),
             },
         )
@@ -245,4 +247,54 @@ async fn rotating_a_referenced_secret_replaces_its_proxy_without_waiting_for_the
     assert_ne!(spec_hash(&a), old_hash, "the new instance runs the new content");
     assert_eq!(spec_hash(&b), b_hash);
     assert_eq!(phase(&state, &b).as_deref(), Some("healthy"));
+}
+
+#[tokio::test]
+async fn proxies_held_by_an_unavailable_provider_provision_as_soon_as_it_returns() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    let host = Host::new();
+    let a = key("default", "a");
+    host.availability.set(
+        "local",
+        Some("libvirt at qemu:///system: connection refused".into()),
+    );
+
+    let mut runner = host.open(&manifests, &state);
+    step_until(&mut runner, || phase(&state, &a).as_deref() == Some("pending")).await;
+    let status = Store::read_only(&state)
+        .unwrap()
+        .get(&a)
+        .unwrap()
+        .unwrap()
+        .status
+        .unwrap();
+    let ready = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .expect("Ready condition");
+    assert_eq!(ready.reason, "ProviderUnavailable", "{ready:?}");
+    assert_eq!(
+        host.provider.created_count(),
+        0,
+        "nothing provisioned while the provider is down"
+    );
+
+    // Back, but nobody says so: the held Proxy waits for its own retry (far off).
+    host.availability.set("local", None);
+    runner.trigger_provider("another-provider");
+    runner.step().await;
+    assert_eq!(phase(&state, &a).as_deref(), Some("pending"));
+    assert_eq!(host.provider.created_count(), 0);
+
+    // The monitor's flip for its provider makes it due at once.
+    runner.trigger_provider("local");
+    step_until(&mut runner, || {
+        phase(&state, &a).as_deref() == Some("provisioning")
+    })
+    .await;
+    assert_eq!(host.provider.created_count(), 1);
 }

@@ -8,6 +8,7 @@
 
 #[allow(dead_code)] // Each test binary uses a different part of the support code.
 mod support {
+    pub mod controller;
     pub mod fake_apiserver;
     pub mod origin;
     pub mod otlp;
@@ -24,25 +25,18 @@ use std::{
 
 use egress_proxies_operator::{
     api::Proxy,
-    controller::{
-        ProviderAvailability, ReconcilerConfig,
-        cluster::{ClusterDeps, run_controller},
-    },
     effects::HealthVerdict,
     provider::{ProviderRegistry, memory::MemoryProvider},
-    telemetry::{
-        Metrics,
-        tracing_setup::{OtlpSettings, otel_layer, otlp_tracer_provider},
-    },
+    telemetry::tracing_setup::{OtlpSettings, otel_layer, otlp_tracer_provider},
 };
 use kube::{Api, api::PostParams};
 use support::{
+    controller::ControllerSetup,
     fake_apiserver::FakeApiServer,
     origin::OriginServer,
     otlp::Collector,
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
-use tokio::sync::{mpsc, oneshot, watch};
 use tracing_subscriber::layer::SubscriberExt;
 
 const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
@@ -446,7 +440,7 @@ async fn a_misconfigured_exporter_is_logged_and_the_operator_runs_without_it() {
         &[],
         &[(
             "OTEL_EXPORTER_OTLP_ENDPOINT",
-            "http://no such host:4318".to_owned(),
+            "http://collector:canary-otlp-password@no such host:4318".to_owned(),
         )],
     );
     wait_for(
@@ -461,6 +455,10 @@ async fn a_misconfigured_exporter_is_logged_and_the_operator_runs_without_it() {
     assert!(status.success(), "operator exited with {status}:\n{log}");
     assert!(log.contains("OTLP trace export is misconfigured"), "{log}");
     assert!(!log.contains("exporting traces"), "{log}");
+    assert!(
+        !log.contains("canary-otlp-password"),
+        "the endpoint's password reached the log:\n{log}"
+    );
 }
 
 #[tokio::test]
@@ -503,31 +501,9 @@ async fn cluster_mode_reconciles_are_spans_under_the_controllers_own() {
         &key("crawl", "spanned"),
         HealthVerdict::Passing { after_failing: false },
     );
-    let (_trigger_tx, trigger_rx) = mpsc::channel(8);
-    let (ready_tx, mut ready) = watch::channel(false);
-    let (stop, stopped) = oneshot::channel::<()>();
-    let mut registry = prometheus_client::registry::Registry::default();
-    let deps = ClusterDeps {
-        client: client.clone(),
-        providers,
-        leases: ScriptedLeases::new(),
-        health: health.clone(),
-        availability: ProviderAvailability::default(),
-        reconciler: ReconcilerConfig::default(),
-        namespace: None,
-        concurrency: 2,
-        debounce: Duration::from_millis(10),
-        identity: "tracing-test".into(),
-        metrics: Arc::new(Metrics::register(&mut registry)),
-    };
-    let triggers = futures::stream::unfold(
-        trigger_rx,
-        |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
-    );
-    let controller = tokio::spawn(run_controller(deps, triggers, ready_tx, async {
-        let _ = stopped.await;
-    }));
-    ready.wait_for(|r| *r).await.expect("caches sync");
+    let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
+    setup.identity = "tracing-test".into();
+    let controller = setup.start().await;
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
     let proxy: Proxy = serde_json::from_value(serde_json::json!({
@@ -549,8 +525,7 @@ async fn cluster_mode_reconciles_are_spans_under_the_controllers_own() {
         assert!(Instant::now() < deadline, "no Healthy; phase {phase:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let _ = stop.send(());
-    let _ = controller.await;
+    controller.stop().await;
     // Flushing blocks until the collector (on this runtime) has answered.
     let flushed = tokio::task::spawn_blocking(move || provider.force_flush())
         .await

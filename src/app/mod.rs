@@ -187,13 +187,18 @@ pub async fn run_standalone(
         MaintenanceConfig::default(),
         stopped(),
     ));
+    let (flips_tx, flips_rx) = mpsc::unbounded_channel();
     let monitor = Monitor::new(
         providers.clone(),
         availability,
         Arc::new(LogSink),
         Duration::from_secs(10),
     )
-    .with_metrics(metrics.clone());
+    .with_metrics(metrics.clone())
+    .on_change(Arc::new(move |provider: &str| {
+        // The runner may have stopped already; then nothing needs the news.
+        let _ = flips_tx.send(provider.to_owned());
+    }));
     let monitor = tokio::spawn(monitor.run(Duration::from_secs(30), stopped()));
     let owners = StateOwners(options.state.clone());
     let gc_config = GcConfig {
@@ -210,7 +215,7 @@ pub async fn run_standalone(
         stopped(),
     ));
 
-    runner.run(trigger_rx, options.poll, shutdown).await;
+    runner.run(trigger_rx, flips_rx, options.poll, shutdown).await;
     let _ = stop_tx.send(true);
     forward.abort();
     for task in [monitor, gc_loop] {

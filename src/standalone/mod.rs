@@ -143,6 +143,18 @@ impl Standalone {
         }
     }
 
+    /// Reconcile every Proxy placed on `provider` at the next step (its availability flipped:
+    /// held Proxies provision at once instead of at their next retry).
+    pub fn trigger_provider(&mut self, provider: &str) {
+        let now = Instant::now();
+        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        for (key, record) in records.iter() {
+            if record.spec.get("provider").and_then(|p| p.as_str()) == Some(provider) {
+                self.due.insert(key.clone(), now);
+            }
+        }
+    }
+
     /// One round: pick up manifest changes, reconcile what is due. Returns when the next
     /// reconcile is due (if any).
     pub async fn step(&mut self) -> Option<Instant> {
@@ -332,11 +344,13 @@ impl Standalone {
         self.progress.set_counts(counts, self.broken_files);
     }
 
-    /// Runs until `shutdown` resolves: steps whenever something is due, a trigger arrives or
-    /// `poll` elapses (to notice manifest changes).
+    /// Runs until `shutdown` resolves: steps whenever something is due, a trigger arrives (a
+    /// Proxy's key, or the name of a provider whose availability flipped) or `poll` elapses
+    /// (to notice manifest changes).
     pub async fn run(
         mut self,
         mut triggers: mpsc::Receiver<ProxyKey>,
+        mut provider_flips: mpsc::UnboundedReceiver<String>,
         poll: Duration,
         shutdown: impl std::future::Future<Output = ()>,
     ) {
@@ -348,6 +362,7 @@ impl Standalone {
             tokio::select! {
                 _ = &mut shutdown => break,
                 Some(key) = triggers.recv() => self.trigger(key),
+                Some(provider) = provider_flips.recv() => self.trigger_provider(&provider),
                 _ = tokio::time::sleep_until(wake) => {}
             }
         }

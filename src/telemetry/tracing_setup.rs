@@ -188,16 +188,16 @@ pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
     let otel = provider.as_ref().map(otel_layer);
     tracing_subscriber::registry().with(fmt).with(otel).try_init()?;
     if let Some(err) = unusable {
-        tracing::error!(error = %err, "OTLP trace export is misconfigured; running without it");
+        // The exporter's message may quote the endpoint, userinfo and all.
+        let error = configured_endpoints()
+            .iter()
+            .fold(err.to_string(), |message, url| redact_userinfo(&message, url));
+        tracing::error!(%error, "OTLP trace export is misconfigured; running without it");
     } else if settings.is_some() {
-        let endpoint = [
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-        ]
-        .into_iter()
-        .find_map(|var| std::env::var(var).ok().filter(|v| !v.trim().is_empty()))
-        .map(|url| without_userinfo(&url))
-        .unwrap_or_default();
+        let endpoint = configured_endpoints()
+            .first()
+            .map(|url| without_userinfo(url))
+            .unwrap_or_default();
         tracing::info!(%endpoint, "exporting traces over OTLP/HTTP (protobuf)");
         // The exporter would note these before logging is up; say it where it is seen.
         for var in [
@@ -222,6 +222,27 @@ pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
         }
     }
     Ok(Telemetry { provider })
+}
+
+/// The endpoint variables that are set, the traces-specific one first.
+fn configured_endpoints() -> Vec<String> {
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ]
+    .into_iter()
+    .filter_map(|var| std::env::var(var).ok().filter(|v| !v.trim().is_empty()))
+    .collect()
+}
+
+/// `message` with the userinfo of `url` (if it has one) replaced by `***`.
+fn redact_userinfo(message: &str, url: &str) -> String {
+    let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = &authority[..authority.find('/').unwrap_or(authority.len())];
+    match authority.rsplit_once('@') {
+        Some((userinfo, _)) if !userinfo.is_empty() => message.replace(userinfo, "***"),
+        _ => message.to_owned(),
+    }
 }
 
 /// `url` for a log line: credentials in its userinfo part (`user:pass@`) are left out.
@@ -404,6 +425,17 @@ mod tests {
             "https://collector:4318/v1/traces"
         );
         assert_eq!(without_userinfo("http://collector:4318"), "http://collector:4318");
+        assert_eq!(
+            redact_userinfo(
+                "invalid URI http://user:s3cret@coll ector:4318/v1/traces",
+                "http://user:s3cret@coll ector:4318/v1/traces"
+            ),
+            "invalid URI http://***@coll ector:4318/v1/traces"
+        );
+        assert_eq!(
+            redact_userinfo("no userinfo here", "http://c:4318/p@x"),
+            "no userinfo here"
+        );
         assert_eq!(without_userinfo("http://c/p@x"), "http://c/p@x");
     }
 
