@@ -6,6 +6,14 @@
 #[path = "support/libvirt_requests.rs"]
 mod libvirt_requests;
 
+#[allow(dead_code)]
+#[macro_use]
+mod support {
+    #[macro_use]
+    pub mod contract;
+    pub mod libvirt_contract;
+}
+
 use egress_proxies_operator::{
     config::NetworkSettings,
     provider::{
@@ -14,7 +22,7 @@ use egress_proxies_operator::{
         libvirt::{KVM_NAMESPACE, KVM2_NAMESPACE},
     },
 };
-use libvirt_requests::{check_contract, request, settings, user_network};
+use libvirt_requests::{request, request_for, settings, user_network};
 use virt::{connect::Connect, storage_vol::StorageVol};
 
 const URI: &str = "test:///default";
@@ -53,12 +61,31 @@ fn volumes(connection: &Connect) -> Vec<String> {
         .expect("volumes")
 }
 
+/// The shared contract suite, one test per property.
+mod contract_on_the_test_driver {
+    use std::sync::Arc;
+
+    use super::{URI, provider, request_for, test_driver};
+    use crate::support::libvirt_contract::LibvirtBackend;
+
+    fn backend() -> LibvirtBackend {
+        LibvirtBackend::new(URI, || Arc::new(provider()), request_for, test_driver())
+    }
+
+    contract_tests!(backend());
+}
+
 #[tokio::test]
-async fn kvm2_keeps_the_contract_on_the_test_driver() {
+async fn delete_takes_every_volume_with_the_domain() {
     let connection = test_driver();
     let provider = provider();
-    let req = request("contract");
-    check_contract(&provider, &|| Box::new(self::provider()), &req).await;
+    let req = request("volumes");
+    provider.create(&req).await.expect("create");
+    assert!(
+        volumes(&connection).iter().any(|v| v.starts_with(&req.name)),
+        "create made volumes"
+    );
+    provider.delete(&req.name).await.expect("delete");
     // Everything made for the instance went with it.
     let left: Vec<_> = volumes(&connection)
         .into_iter()

@@ -10,17 +10,28 @@
 //!   127.0.0.1:20000-20999.
 //! - `EPO_KVM_TEST_DOMAIN_TYPE` (`kvm` by default, or `qemu`).
 //!
-//! The tests create and delete domains named `epo-crawl-host-test-...`; they leave nothing
-//! behind when they pass.
+//! Each runs the shared provider contract suite (tests/support/contract.rs); the domains it
+//! creates and deletes are named `epo-contract-...`, and nothing is left behind when it passes.
 
 #[path = "support/libvirt_requests.rs"]
 mod libvirt_requests;
+
+#[allow(dead_code)]
+#[macro_use]
+mod support {
+    #[macro_use]
+    pub mod contract;
+    pub mod libvirt_contract;
+}
+
+use std::sync::Arc;
 
 use egress_proxies_operator::{
     config::{DomainType, KvmSettings, NetworkSettings},
     provider::{Provider, ProviderError, kvm::KvmProvider, kvm2::Kvm2Provider},
 };
-use libvirt_requests::{check_contract, request};
+use libvirt_requests::request_for;
+use support::{contract::run_contract_suite, libvirt_contract::LibvirtBackend};
 
 fn host_settings(uri_variable: &str) -> Option<KvmSettings> {
     let uri = std::env::var(uri_variable).ok().filter(|uri| !uri.is_empty())?;
@@ -52,12 +63,20 @@ fn host_settings(uri_variable: &str) -> Option<KvmSettings> {
     Some(settings)
 }
 
-async fn contract_on_host(provider: &dyn Provider, restarted: &dyn Fn() -> Box<dyn Provider>) {
+async fn contract_on_host(settings: KvmSettings, open: fn(KvmSettings) -> Arc<dyn Provider>) {
+    let provider = open(settings.clone());
     let report = provider.probe().await.expect("probe the host");
     eprintln!("{}: {}", provider.provider_type(), report.detail);
-    check_contract(provider, restarted, &request("host-test")).await;
+    let uri = settings.uri.clone();
+    run_contract_suite(&LibvirtBackend::new(
+        &uri,
+        move || open(settings.clone()),
+        request_for,
+        (),
+    ))
+    .await;
     assert!(matches!(
-        provider.get("epo-crawl-host-test-none").await,
+        provider.get("epo-contract-none").await,
         Err(ProviderError::NotFound(_))
     ));
 }
@@ -68,11 +87,7 @@ async fn kvm2_keeps_the_contract_on_a_real_host() {
         eprintln!("skipped: set EPO_KVM2_TEST_URI (see docs/providers-existing.md)");
         return;
     };
-    let provider = Kvm2Provider::new("kvm2-host", settings.clone());
-    contract_on_host(&provider, &|| {
-        Box::new(Kvm2Provider::new("kvm2-host", settings.clone()))
-    })
-    .await;
+    contract_on_host(settings, |s| Arc::new(Kvm2Provider::new("kvm2-host", s))).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -81,9 +96,5 @@ async fn kvm_keeps_the_contract_on_a_real_host() {
         eprintln!("skipped: set EPO_KVM_TEST_URI (see docs/providers-existing.md)");
         return;
     };
-    let provider = KvmProvider::new("kvm-host", settings.clone());
-    contract_on_host(&provider, &|| {
-        Box::new(KvmProvider::new("kvm-host", settings.clone()))
-    })
-    .await;
+    contract_on_host(settings, |s| Arc::new(KvmProvider::new("kvm-host", s))).await;
 }

@@ -1,5 +1,5 @@
-//! Fixtures for the libvirt provider tests: settings, unique requests, and contract checks
-//! that every libvirt provider must pass.
+//! Fixtures for the libvirt provider tests: settings and unique requests (the contract checks
+//! are the shared suite's, through `libvirt_contract.rs`).
 //!
 //! Include with `#[path = "support/libvirt_requests.rs"] mod libvirt_requests;`.
 
@@ -8,9 +8,7 @@
 use egress_proxies_operator::{
     api::Placement,
     config::{BootSettings, DomainType, KvmSettings, NetworkSettings, PortRange},
-    provider::{
-        Credentials, Instance, InstanceRequest, Owner, Provider, ProviderError, UserData, instance_name,
-    },
+    provider::{Credentials, Instance, InstanceRequest, Owner, Provider, UserData, instance_name},
 };
 
 /// Settings for `uri` and `pool` with a `base.qcow2` base image, type `qemu`, small guests.
@@ -52,14 +50,20 @@ pub fn request(name: &str) -> InstanceRequest {
         fastrand::u16(..0x1000),
         fastrand::u64(..1 << 48)
     );
+    request_for(&Owner {
+        uid,
+        namespace: "crawl".to_owned(),
+        name: name.to_owned(),
+    })
+}
+
+/// The request for `owner`'s Proxy: the same owner always gives the same request (the spec
+/// hash derives from the UID), with user-data and credentials to seed.
+pub fn request_for(owner: &Owner) -> InstanceRequest {
     InstanceRequest {
-        name: instance_name("crawl", name, &uid),
-        owner: Owner {
-            uid,
-            namespace: "crawl".to_owned(),
-            name: name.to_owned(),
-        },
-        spec_hash: format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..)),
+        name: instance_name(&owner.namespace, &owner.name, &owner.uid),
+        owner: owner.clone(),
+        spec_hash: format!("spec-{}", owner.uid),
         placement: Placement::default(),
         port: 3128,
         user_data: Some(UserData(
@@ -86,75 +90,4 @@ pub fn assert_owned_by(instance: &Instance, provider: &dyn Provider, request: &I
     );
     assert_eq!(instance.owner.as_ref(), Some(&request.owner));
     assert_eq!(instance.spec_hash.as_deref(), Some(request.spec_hash.as_str()));
-}
-
-/// The contract every provider keeps, checked on `provider` with `request` (a fresh name);
-/// `restarted` builds a new provider object on the same backend, as an operator that crashed
-/// and came back would. Leaves the instance deleted.
-pub async fn check_contract(
-    provider: &dyn Provider,
-    restarted: &dyn Fn() -> Box<dyn Provider>,
-    request: &InstanceRequest,
-) {
-    let name = &request.name;
-    // Truthful NotFound before anything exists.
-    match provider.get(name).await {
-        Err(ProviderError::NotFound(missing)) => assert_eq!(&missing, name),
-        other => panic!("get of a missing instance: {other:?}"),
-    }
-    let before = jiff::Timestamp::now();
-    let created = provider.create(request).await.expect("create");
-    let after = jiff::Timestamp::now();
-    assert_owned_by(&created, provider, request);
-    // The stamp keeps the creation time to the nanosecond.
-    assert!(
-        created.created_at >= before && created.created_at <= after,
-        "created_at {} not within [{before}, {after}]",
-        created.created_at
-    );
-
-    // Idempotent create: the same instance, not a second one.
-    let again = provider.create(request).await.expect("second create");
-    assert_eq!(again.id, created.id);
-    assert_eq!(
-        again.created_at, created.created_at,
-        "a second create must not remake the instance"
-    );
-
-    let got = provider.get(name).await.expect("get");
-    assert_owned_by(&got, provider, request);
-    assert_eq!(got.created_at, created.created_at);
-
-    // List carries owner UID and creation time.
-    let listed = provider.list().await.expect("list");
-    let mine: Vec<_> = listed.iter().filter(|i| i.id.native_id == *name).collect();
-    assert_eq!(mine.len(), 1, "listed: {listed:?}");
-    assert_eq!(
-        mine[0].owner.as_ref().map(|o| o.uid.as_str()),
-        Some(request.owner.uid.as_str())
-    );
-    assert_eq!(mine[0].created_at, created.created_at);
-
-    // After a crash: a new provider object finds the instance instead of making another.
-    let fresh = restarted();
-    let found = fresh.create(request).await.expect("create after restart");
-    assert_eq!(found.id, created.id);
-    assert_eq!(found.created_at, created.created_at);
-
-    // Idempotent delete and truthful NotFound afterwards.
-    provider.delete(name).await.expect("delete");
-    match provider.get(name).await {
-        Err(ProviderError::NotFound(_)) => {}
-        other => panic!("get after delete: {other:?}"),
-    }
-    provider.delete(name).await.expect("second delete");
-    fresh
-        .delete(name)
-        .await
-        .expect("delete from the restarted provider");
-    let listed = provider.list().await.expect("list after delete");
-    assert!(
-        listed.iter().all(|i| i.id.native_id != *name),
-        "still listed: {listed:?}"
-    );
 }
