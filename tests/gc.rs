@@ -12,6 +12,7 @@ mod support {
     pub mod contract;
     pub mod fake_apiserver;
     pub mod local;
+    pub mod process;
 }
 #[path = "support/libvirt_requests.rs"]
 mod libvirt_requests;
@@ -20,9 +21,8 @@ mod libvirtd;
 
 use std::{
     collections::{BTreeMap, HashSet},
-    os::unix::process::CommandExt,
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    path::Path,
+    process::Command,
     sync::Arc,
     time::Duration,
 };
@@ -47,6 +47,7 @@ use support::{
     contract::plain_request,
     fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
     local::{StateDir, eventually, free_port, squids_under},
+    process::GroupChild,
 };
 
 const GRACE: Duration = Duration::from_secs(300);
@@ -295,49 +296,37 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
 
 const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
 
-/// `egress-proxies-operator run` against the fake API server, killed (with its process group)
-/// on Drop.
-struct Operator {
-    child: Option<Child>,
-    log: PathBuf,
-}
+/// `egress-proxies-operator run` against the fake API server (the kubeconfig in `dir`), in
+/// its own process group (killed on Drop), logging to `{run}.log`.
+struct Operator(GroupChild);
 
 impl Operator {
     fn start(dir: &Path, run: &str, args: &[&str]) -> Operator {
-        let log = dir.join(format!("{run}.log"));
-        let out = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(BIN)
-            .current_dir(dir)
-            .args(["run", "--providers-config", "providers.yaml"])
-            .args(["--tokens", "tokens", "--lease-signing-key", "key"])
-            .args([
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--discovery-listen",
-                "127.0.0.1:0",
-            ])
-            .args(["--identity", "gc-test", "--gc-grace-seconds", "0"])
-            .args(["--gc-interval-seconds", "1"])
-            .args(args)
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .env("KUBECONFIG", dir.join("kubeconfig"))
-            .env("RUST_LOG", "info")
-            // Plain text, so lines can be matched field by field.
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().expect("dup"))
-            .stderr(out)
-            .process_group(0)
-            .spawn()
-            .expect("operator starts");
-        Operator {
-            child: Some(child),
-            log,
-        }
+        Operator(GroupChild::spawn(
+            Command::new(BIN)
+                .current_dir(dir)
+                .args(["run", "--providers-config", "providers.yaml"])
+                .args(["--tokens", "tokens", "--lease-signing-key", "key"])
+                .args([
+                    "--admin-listen",
+                    "127.0.0.1:0",
+                    "--discovery-listen",
+                    "127.0.0.1:0",
+                ])
+                .args(["--identity", "gc-test", "--gc-grace-seconds", "0"])
+                .args(["--gc-interval-seconds", "1"])
+                .args(args)
+                .env_remove("KUBERNETES_SERVICE_HOST")
+                .env("KUBECONFIG", dir.join("kubeconfig"))
+                .env("RUST_LOG", "info")
+                // Plain text, so lines can be matched field by field.
+                .env("NO_COLOR", "1"),
+            &dir.join(format!("{run}.log")),
+        ))
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.0.log()
     }
 
     async fn wait_log(&self, what: &str, line: impl Fn(&str) -> bool) -> String {
@@ -357,34 +346,9 @@ impl Operator {
 
     /// SIGTERM; waits for a clean exit.
     async fn stop(mut self) {
-        let Some(mut child) = self.child.take() else {
-            return;
-        };
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        let deadline = tokio::time::Instant::now() + DEADLINE;
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                assert!(status.success(), "operator exited with {status}:\n{}", self.log());
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "operator did not stop on SIGTERM"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.wait();
+        match self.0.terminate_async(DEADLINE).await {
+            Some(status) => assert!(status.success(), "operator exited with {status}:\n{}", self.log()),
+            None => panic!("operator did not stop on SIGTERM:\n{}", self.log()),
         }
     }
 }

@@ -6,9 +6,8 @@
 mod support;
 
 use std::{
-    os::unix::process::CommandExt,
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    path::Path,
+    process::Command,
     time::{Duration, Instant},
 };
 
@@ -16,81 +15,34 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
-use support::{Origin, free_port};
+use support::{Origin, free_port, process::GroupChild};
 
 const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
 
-/// The operator process, killed (with its process group) on Drop; Squids it started run in
-/// their own sessions and are stopped by [`Host`]'s Drop.
-struct Operator {
-    child: Option<Child>,
-    log: PathBuf,
-}
-
-impl Operator {
-    fn start(host: &Host, log_name: &str) -> Operator {
-        let log = host.dir.path().join(log_name);
-        let out = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(BIN)
+/// The operator in standalone mode on `host`, logging to `log_name` in its folder. Squids it
+/// starts run in their own sessions and are stopped by [`Host`]'s Drop.
+fn start_operator(host: &Host, log_name: &str) -> GroupChild {
+    GroupChild::spawn(
+        Command::new(BIN)
             .current_dir(host.dir.path())
-            .args([
-                "standalone",
-                "--manifests",
-                "manifests",
-                "--providers-config",
-                "providers.yaml",
-            ])
-            .args([
-                "--state",
-                "state",
-                "--listen",
-                &format!("127.0.0.1:{}", host.api_port),
-            ])
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().expect("dup"))
-            .stderr(out)
-            .process_group(0)
-            .spawn()
-            .expect("operator starts");
-        Operator {
-            child: Some(child),
-            log,
-        }
-    }
-
-    /// SIGTERM, as systemd or Ctrl-C would; waits for a clean exit.
-    fn stop(mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
-            let deadline = Instant::now() + Duration::from_secs(20);
-            loop {
-                if let Ok(Some(status)) = child.try_wait() {
-                    assert!(status.success(), "operator exited with {status}");
-                    return;
-                }
-                assert!(Instant::now() < deadline, "operator did not stop on SIGTERM");
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
+            .args(["standalone", "--manifests", "manifests"])
+            .args(["--providers-config", "providers.yaml", "--state", "state"])
+            .args(["--listen", &format!("127.0.0.1:{}", host.api_port)])
+            .env("RUST_LOG", "info"),
+        &host.dir.path().join(log_name),
+    )
 }
 
-impl Drop for Operator {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.wait();
-        }
-    }
+/// SIGTERM, as systemd or Ctrl-C would; asserts a clean exit.
+fn stop(mut operator: GroupChild) {
+    let status = operator
+        .terminate(Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("operator did not stop on SIGTERM:\n{}", operator.log()));
+    assert!(
+        status.success(),
+        "operator exited with {status}:\n{}",
+        operator.log()
+    );
 }
 
 /// The temp folder the user would run in; kills every Squid started from it on Drop.
@@ -264,7 +216,7 @@ async fn standalone_end_to_end_with_real_squid() {
     std::fs::write(root.join("manifests/a.yaml"), manifest("a", port_a, &health_url)).expect("a");
     std::fs::write(root.join("manifests/b.yaml"), manifest("b", port_b, &health_url)).expect("b");
 
-    let operator = Operator::start(&host, "operator-1.log");
+    let operator = start_operator(&host, "operator-1.log");
     let table = wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
     assert!(table.contains(&format!("127.0.0.1:{port_a}")), "{table}");
     assert_eq!(squids(root).len(), 2, "one Squid per proxy");
@@ -333,9 +285,9 @@ async fn standalone_end_to_end_with_real_squid() {
     }
 
     // Restart: nothing is duplicated and the earlier state is there.
-    operator.stop();
+    stop(operator);
     let before = status(&host);
-    let operator = Operator::start(&host, "operator-2.log");
+    let operator = start_operator(&host, "operator-2.log");
     let deadline = Instant::now() + Duration::from_secs(30);
     while !operator.log().contains("standalone mode running") {
         assert!(
@@ -366,5 +318,5 @@ async fn standalone_end_to_end_with_real_squid() {
     std::fs::remove_file(root.join("manifests/a.yaml")).expect("rm");
     wait_status(&host, "everything deleted", |t| t.lines().count() == 1);
     assert!(squids(root).is_empty());
-    operator.stop();
+    stop(operator);
 }

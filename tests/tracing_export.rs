@@ -12,13 +12,13 @@ mod support {
     pub mod fake_apiserver;
     pub mod origin;
     pub mod otlp;
+    pub mod process;
     pub mod scripted;
 }
 
 use std::{
-    os::unix::process::CommandExt,
-    path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
+    path::Path,
+    process::{Command, ExitStatus},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -35,6 +35,7 @@ use support::{
     fake_apiserver::FakeApiServer,
     origin::OriginServer,
     otlp::Collector,
+    process::GroupChild,
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
 use tracing_subscriber::layer::SubscriberExt;
@@ -85,16 +86,12 @@ impl Drop for Workdir {
     }
 }
 
-/// The operator in standalone mode, in its own process group (killed on Drop); stdout and
-/// stderr go to separate files so stderr holds the log lines only.
-struct Operator {
-    child: Option<Child>,
-    stderr: PathBuf,
-}
+/// The operator in standalone mode, in its own process group (killed on Drop). Its output is
+/// all log lines: standalone mode writes nothing to stdout.
+struct Operator(GroupChild);
 
 impl Operator {
     fn start(dir: &Workdir, extra_args: &[&str], env: &[(&str, String)]) -> Operator {
-        let stderr = dir.path().join("operator.stderr");
         let mut command = Command::new(BIN);
         command
             .current_dir(dir.path())
@@ -116,51 +113,19 @@ impl Operator {
         for (name, value) in env {
             command.env(name, value);
         }
-        let child = command
-            .stdin(Stdio::null())
-            .stdout(std::fs::File::create(dir.path().join("operator.stdout")).expect("stdout file"))
-            .stderr(std::fs::File::create(&stderr).expect("stderr file"))
-            .process_group(0)
-            .spawn()
-            .expect("operator starts");
-        Operator {
-            child: Some(child),
-            stderr,
-        }
+        Operator(GroupChild::spawn(&mut command, &dir.path().join("operator.log")))
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+        self.0.log()
     }
 
     /// SIGTERM and wait for the exit (graceful shutdown flushes the last spans). Waits without
     /// blocking the runtime: the collector answers the final export from this test's runtime.
     async fn stop(mut self) -> ExitStatus {
-        let mut child = self.child.take().expect("running");
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                return status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("operator did not stop on SIGTERM:\n{}", self.log());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.wait();
+        match self.0.terminate_async(Duration::from_secs(20)).await {
+            Some(status) => status,
+            None => panic!("operator did not stop on SIGTERM:\n{}", self.log()),
         }
     }
 }
@@ -334,7 +299,7 @@ async fn reconcile_spans_reach_an_otlp_collector_and_json_logs_carry_them_withou
     let ids: std::collections::HashSet<_> = reconciles.iter().map(|s| s.span_id.clone()).collect();
     assert_eq!(ids.len(), reconciles.len(), "each reconcile is its own span");
 
-    // --json-logs: stderr is one JSON object per line, and the lines logged inside a reconcile
+    // --json-logs: the log is one JSON object per line, and the lines logged inside a reconcile
     // carry the span with the proxy's namespace and name.
     let mut in_reconcile = 0;
     for line in log.lines().filter(|l| !l.trim().is_empty()) {

@@ -43,15 +43,15 @@ mod support {
     pub mod blocking_http;
     pub mod guest_image;
     pub mod libvirtd;
+    pub mod process;
 }
 
 use std::{
     fs,
     io::Write as _,
     net::{SocketAddr, TcpListener},
-    os::unix::process::CommandExt,
     path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
+    process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -64,6 +64,7 @@ use support::{
     blocking_http::{Origin, get_through_proxy, percent_decode, request},
     guest_image::{default_cache_root, ensure_guest_image, tail_of},
     libvirtd::PrivateLibvirtd,
+    process::GroupChild,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
@@ -408,7 +409,7 @@ struct Rig {
     test: &'static str,
     provider_type: &'static str,
     /// First field: dropped (killed) first, so nothing acts on libvirt while it goes.
-    operator: Option<Operator>,
+    operator: Option<GroupChild>,
     origin: Origin,
     /// The operator's folder (manifests, providers config, state, log), inside the daemon's
     /// folder so that it goes with it, also when a killed test's folder is reaped.
@@ -538,7 +539,7 @@ impl Rig {
     }
 
     fn start_operator(&mut self, provisioning_timeout_secs: u64) {
-        let operator = Operator::start(&self.work, self.api_port, provisioning_timeout_secs);
+        let operator = start_operator(&self.work, self.api_port, provisioning_timeout_secs);
         self.operator = Some(operator);
         self.wait_for("the operator to start", OPERATOR_START_DEADLINE, |rig| {
             rig.operator_log()
@@ -574,7 +575,7 @@ impl Rig {
             if let Some(found) = probe(self) {
                 return found;
             }
-            if let Some(status) = self.operator.as_mut().and_then(Operator::exited) {
+            if let Some(status) = self.operator.as_mut().and_then(GroupChild::exited) {
                 self.fail(&format!(
                     "the operator exited ({status}) while waiting for {what}"
                 ));
@@ -889,18 +890,11 @@ fn saved_logs_dir(test: &str) -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join("vm-e2e").join(test)
 }
 
-/// The operator process (`standalone`), logging to `operator.log` in its folder. It runs in
-/// its own process group and dies with the test's thread (parent-death signal) even when no
-/// Drop runs; Drop kills it.
-struct Operator {
-    child: Option<Child>,
-}
-
-impl Operator {
-    fn start(work: &Path, api_port: u16, provisioning_timeout_secs: u64) -> Self {
-        let log = fs::File::create(work.join("operator.log")).expect("operator log");
-        let mut command = Command::new(BIN);
-        command
+/// The operator process (`standalone`), logging to `operator.log` in its folder: a
+/// [`GroupChild`], so it dies with the test's thread even when no Drop runs.
+fn start_operator(work: &Path, api_port: u16, provisioning_timeout_secs: u64) -> GroupChild {
+    GroupChild::spawn(
+        Command::new(BIN)
             .current_dir(work)
             .args(["standalone", "--manifests", "manifests", "--providers-config"])
             .args(["providers.yaml", "--state", "state", "--listen"])
@@ -909,58 +903,9 @@ impl Operator {
             .arg(provisioning_timeout_secs.to_string())
             .env("RUST_LOG", "info")
             // Plain text in the log file the diagnostics quote.
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log handle"))
-            .stderr(log)
-            .process_group(0);
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::last_os_error())
-                }
-            });
-        }
-        let child = command.spawn().expect("start the operator");
-        Self { child: Some(child) }
-    }
-
-    /// The exit status, if the operator exited.
-    fn exited(&mut self) -> Option<ExitStatus> {
-        self.child.as_mut()?.try_wait().ok().flatten()
-    }
-
-    /// SIGTERM and wait up to `within`; `None` if it still runs (it is killed on drop).
-    fn terminate(&mut self, within: Duration) -> Option<ExitStatus> {
-        let child = self.child.as_mut()?;
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = child.try_wait() {
-                self.child = None;
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        None
-    }
-}
-
-impl Drop for Operator {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
+            .env("NO_COLOR", "1"),
+        &work.join("operator.log"),
+    )
 }
 
 /// Timings of one test: printed to stderr as they are taken and kept in

@@ -8,6 +8,7 @@
 #![allow(dead_code)] // Each test binary uses a different part of the support code.
 
 pub mod fake_apiserver;
+pub mod process;
 
 use std::os::unix::process::CommandExt;
 use std::{

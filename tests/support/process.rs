@@ -1,0 +1,120 @@
+//! A test's long-running child (the operator binary, mostly) started one way everywhere: the
+//! leader of a process group of its own, stdin closed, stdout and stderr in a log file, and
+//! killed with its whole group when the guard drops, or when the test process dies (the
+//! parent-death signal), so no outcome leaves it running.
+//!
+//! The parent-death signal fires when the *thread* that spawned the child exits: spawn from the
+//! test's own thread (an async test's body runs there), not from a short-lived worker.
+
+#![allow(dead_code)]
+
+use std::{
+    os::unix::process::CommandExt,
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+/// A running child in its own process group; dropping it kills the group.
+pub struct GroupChild {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl GroupChild {
+    /// Spawns `command` with its output in `log` (created afresh). Panics if it cannot start.
+    pub fn spawn(command: &mut Command, log: &Path) -> Self {
+        let out = std::fs::File::create(log).expect("log file");
+        command
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log file handle"))
+            .stderr(out)
+            .process_group(0);
+        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+        let child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {:?}: {e}", command.get_program()));
+        Self {
+            child: Some(child),
+            log: log.to_owned(),
+        }
+    }
+
+    /// Everything the child wrote so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Where the child writes.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    /// The exit status, if the child exited.
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.as_mut()?.try_wait().ok().flatten()
+    }
+
+    /// SIGTERM (as systemd or Ctrl-C would) and wait up to `within` for the exit, blocking
+    /// this thread; `None` if it still runs (it is killed on drop).
+    pub fn terminate(&mut self, within: Duration) -> Option<ExitStatus> {
+        self.signal_term()?;
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(status) = self.reap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    /// [`GroupChild::terminate`] without blocking the async runtime (for tests whose runtime
+    /// serves the child meanwhile, e.g. a collector answering its last export).
+    pub async fn terminate_async(&mut self, within: Duration) -> Option<ExitStatus> {
+        self.signal_term()?;
+        let deadline = tokio::time::Instant::now() + within;
+        while tokio::time::Instant::now() < deadline {
+            if let Some(status) = self.reap() {
+                return Some(status);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    }
+
+    fn signal_term(&mut self) -> Option<()> {
+        let child = self.child.as_ref()?;
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        Some(())
+    }
+
+    fn reap(&mut self) -> Option<ExitStatus> {
+        let status = self.exited()?;
+        self.child = None;
+        Some(status)
+    }
+}
+
+impl Drop for GroupChild {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
