@@ -65,6 +65,12 @@ enum Command {
         /// Time between two orphan GC passes.
         #[arg(long, value_name = "SECONDS", default_value_t = 60)]
         gc_interval_seconds: u64,
+        /// Seconds a new instance may take to pass its first health check; after that it is
+        /// deleted and created afresh (reason ProvisioningTimedOut). VMs under software
+        /// emulation need minutes.
+        #[arg(long, value_name = "SECONDS", default_value_t = 600,
+              value_parser = clap::value_parser!(u64).range(1..))]
+        provisioning_timeout: u64,
         /// Namespace of the leader Lease and the lease checkpoint.
         #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
         system_namespace: String,
@@ -265,6 +271,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             gc_dry_run,
             gc_grace_seconds,
             gc_interval_seconds,
+            provisioning_timeout,
             system_namespace,
             identity,
             admin_listen,
@@ -282,6 +289,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 gc_dry_run,
                 gc_grace: std::time::Duration::from_secs(gc_grace_seconds),
                 gc_interval: std::time::Duration::from_secs(gc_interval_seconds.max(1)),
+                provisioning_timeout: std::time::Duration::from_secs(provisioning_timeout),
                 system_namespace,
                 identity,
                 admin_listen,

@@ -87,6 +87,7 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         gc_dry_run: false,
         gc_grace: Duration::from_secs(300),
         gc_interval: Duration::from_secs(60),
+        provisioning_timeout: Duration::from_secs(600),
         system_namespace: "egress-proxies-system".into(),
         identity: "replica-a".into(),
         admin_listen: format!("127.0.0.1:{admin_port}").parse().unwrap(),

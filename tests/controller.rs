@@ -59,6 +59,11 @@ impl World {
     }
 
     async fn start(&self) -> RunningController {
+        self.start_with(|_| {}).await
+    }
+
+    /// Starts the controller after `adjust` had its say on the setup.
+    async fn start_with(&self, adjust: impl FnOnce(&mut ControllerSetup)) -> RunningController {
         let mut providers = ProviderRegistry::new();
         providers.insert(self.provider.clone());
         let mut setup = ControllerSetup::new(
@@ -68,6 +73,7 @@ impl World {
             self.health.clone(),
         );
         setup.concurrency = 4;
+        adjust(&mut setup);
         setup.start().await
     }
 
@@ -221,6 +227,41 @@ async fn create_to_healthy_within_the_write_budget_and_a_resync_writes_nothing()
     }
     assert!(operator.reconciles() >= before + 3);
     assert_eq!(world.proxy_writes("web-1"), writes, "a resync must not write");
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn an_instance_that_never_passes_its_health_check_is_replaced_after_the_provisioning_timeout() {
+    let world = World::new().await;
+    let operator = world
+        .start_with(|setup| setup.reconciler.timers.provisioning_timeout = Duration::from_secs(1))
+        .await;
+    // Health stays Unknown: the instance never passes its first check.
+    world.create_proxy("stuck", json!({"provider": "mem"})).await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while world.provider.created_count() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no replacement after the provisioning timeout; created {}",
+            world.provider.created_count()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        world.provider.deleted_count() >= 1,
+        "the stuck instance was deleted"
+    );
+    let events: Vec<String> = ["events", "events.events.k8s.io"]
+        .iter()
+        .flat_map(|r| world.server.list_json(r, Some(NS)))
+        .map(|e| e.to_string())
+        .collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains("ProvisioningTimedOut") && e.contains("1 s")),
+        "an Event names the reason and the timeout: {events:#?}"
+    );
     operator.stop().await;
 }
 

@@ -147,6 +147,7 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         gc_dry_run: false,
         gc_grace: Duration::ZERO,
         gc_interval: Duration::from_secs(1),
+        provisioning_timeout: Duration::from_secs(600),
         system_namespace: "egress-proxies-system".into(),
         identity: "metrics-test".into(),
         admin_listen: admin,
