@@ -10,7 +10,6 @@
 //! volume names: the two providers never adopt each other's domains.
 
 use std::{
-    collections::BTreeSet,
     path::{Path, PathBuf},
     process::Stdio,
     sync::Arc,
@@ -384,20 +383,12 @@ impl KvmProvider {
             NetworkSettings::User {
                 host_forward_address,
                 host_forward_ports,
-            } => {
-                let address = libvirt::host_forward_address(request, *host_forward_address)?;
-                let taken: BTreeSet<u16> = self
-                    .stamped()
-                    .await?
-                    .into_iter()
-                    .filter_map(|(_, stamp)| stamp.ok()?.host_forward.map(|forward| forward.port))
-                    .collect();
-                let port = libvirt::choose_host_port(*host_forward_ports, address, &taken)?;
-                Some(Endpoint {
-                    host: address.to_string(),
-                    port,
-                })
-            }
+            } => Some(libvirt::plan_host_forward(
+                request,
+                *host_forward_address,
+                *host_forward_ports,
+                self.stamped().await?.into_iter().map(|(_, stamp)| stamp),
+            )?),
             _ => None,
         };
         let stamp = Stamp::for_request(&self.instance, request, created_at, host_forward);

@@ -9,7 +9,6 @@
 //! `kvm` (see [`super::libvirt`]); the stamp's namespace is kvm2's own, [`KVM2_NAMESPACE`].
 
 use std::{
-    collections::BTreeSet,
     sync::{Arc, Once},
     time::Duration,
 };
@@ -415,19 +414,14 @@ impl Session {
             NetworkSettings::User {
                 host_forward_address,
                 host_forward_ports,
-            } => {
-                let address = libvirt::host_forward_address(request, *host_forward_address)?;
-                let taken: BTreeSet<u16> = self
-                    .stamped_domains(connection)?
+            } => Some(libvirt::plan_host_forward(
+                request,
+                *host_forward_address,
+                *host_forward_ports,
+                self.stamped_domains(connection)?
                     .into_iter()
-                    .filter_map(|(_, _, stamp)| stamp.ok()?.host_forward.map(|forward| forward.port))
-                    .collect();
-                let port = libvirt::choose_host_port(*host_forward_ports, address, &taken)?;
-                Some(Endpoint {
-                    host: address.to_string(),
-                    port,
-                })
-            }
+                    .map(|(_, _, stamp)| stamp),
+            )?),
             _ => None,
         };
         let stamp = Stamp::for_request(&self.instance, request, created_at, host_forward);

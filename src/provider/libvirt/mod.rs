@@ -465,6 +465,27 @@ pub fn choose_host_port(
     )))
 }
 
+/// The forward of a new domain on user-mode networking: on the request's (or the configured)
+/// `address`, on a port of `ports` that no existing domain's stamp (`stamps`) holds and that is
+/// free right now.
+pub fn plan_host_forward(
+    request: &InstanceRequest,
+    address: Ipv4Addr,
+    ports: PortRange,
+    stamps: impl IntoIterator<Item = Result<Stamp, StampError>>,
+) -> Result<Endpoint, ProviderError> {
+    let address = host_forward_address(request, address)?;
+    let taken: BTreeSet<u16> = stamps
+        .into_iter()
+        .filter_map(|stamp| stamp.ok()?.host_forward.map(|forward| forward.port))
+        .collect();
+    let port = choose_host_port(ports, address, &taken)?;
+    Ok(Endpoint {
+        host: address.to_string(),
+        port,
+    })
+}
+
 /// The best address among a guest's interfaces (from DHCP leases or the guest agent): the
 /// first global IPv4 address, else the first global IPv6 address.
 pub fn pick_address<'a>(addresses: impl IntoIterator<Item = &'a str>) -> Option<String> {
