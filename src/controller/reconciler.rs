@@ -378,37 +378,29 @@ impl<B: ProxyBackend> Reconciler<B> {
     ) -> Result<Result<Resolved, SpecProblem>, ReconcileError> {
         let user_data = match &proxy.spec.cloud_init {
             None => None,
-            Some(cloud_init) => match self
-                .backend
-                .cloud_init(&key.namespace, &cloud_init.secret_ref)
-                .await
-            {
-                Ok(data) => Some(data),
-                Err(SecretError::NotUsable(message)) => {
-                    return Ok(Err(SpecProblem {
-                        reason: "CloudInitSecretUnusable",
-                        message,
-                    }));
+            Some(cloud_init) => {
+                let read = self
+                    .backend
+                    .cloud_init(&key.namespace, &cloud_init.secret_ref)
+                    .await;
+                match secret_value(read, "CloudInitSecretUnusable")? {
+                    Ok(data) => Some(data),
+                    Err(problem) => return Ok(Err(problem)),
                 }
-                Err(transient) => return Err(ReconcileError::Secret(transient)),
-            },
+            }
         };
         let credentials = match &proxy.spec.auth {
             None => None,
-            Some(auth) => match self
-                .backend
-                .credentials(&key.namespace, &auth.secret_ref.name)
-                .await
-            {
-                Ok(credentials) => Some(credentials),
-                Err(SecretError::NotUsable(message)) => {
-                    return Ok(Err(SpecProblem {
-                        reason: "CredentialsSecretUnusable",
-                        message,
-                    }));
+            Some(auth) => {
+                let read = self
+                    .backend
+                    .credentials(&key.namespace, &auth.secret_ref.name)
+                    .await;
+                match secret_value(read, "CredentialsSecretUnusable")? {
+                    Ok(credentials) => Some(credentials),
+                    Err(problem) => return Ok(Err(problem)),
                 }
-                Err(transient) => return Err(ReconcileError::Secret(transient)),
-            },
+            }
         };
         let hash = spec_hash::for_spec(&proxy.spec, user_data.as_ref().map(|d| d.0.as_str()));
         Ok(Ok(Resolved {
@@ -634,4 +626,17 @@ fn parse_endpoint(endpoint: &str) -> Option<Endpoint> {
         host: host.to_owned(),
         port: port.parse().ok()?,
     })
+}
+
+/// A referenced Secret's value. A Secret the user must fix becomes a [`SpecProblem`] with
+/// `reason`; anything else stays an error, retried with back-off.
+fn secret_value<T>(
+    read: Result<T, SecretError>,
+    reason: &'static str,
+) -> Result<Result<T, SpecProblem>, ReconcileError> {
+    match read {
+        Ok(value) => Ok(Ok(value)),
+        Err(SecretError::NotUsable(message)) => Ok(Err(SpecProblem { reason, message })),
+        Err(transient) => Err(ReconcileError::Secret(transient)),
+    }
 }
