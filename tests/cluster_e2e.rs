@@ -9,10 +9,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use egress_proxies_operator::{
-    api::Proxy,
-    app::cluster::{ClusterOptions, run_cluster},
-};
+use egress_proxies_operator::api::Proxy;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -22,7 +19,12 @@ use kube::{
     api::{DeleteParams, PostParams},
 };
 use serde_json::json;
-use support::{Origin, fake_apiserver::FakeApiServer, free_port};
+use support::{
+    Origin,
+    cluster_app::{ClusterApp, local_cluster},
+    fake_apiserver::FakeApiServer,
+    free_port,
+};
 
 async fn send(port: u16, method: &str, path: &str, token: Option<&str>, body: &str) -> (StatusCode, String) {
     let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -67,39 +69,17 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
     let server = FakeApiServer::start().await;
     let client = server.client();
     let dir = tempfile::tempdir().expect("temp dir");
-    let providers = dir.path().join("providers.yaml");
-    std::fs::write(
-        &providers,
-        format!(
-            "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: {}\n",
-            dir.path().join("local").display()
-        ),
-    )
-    .expect("providers");
     let token = "e2e-token-0123456789abcdef";
-    std::fs::write(dir.path().join("tokens"), format!("{token}\n")).expect("tokens");
-    std::fs::write(dir.path().join("key"), "0123456789abcdef0123456789abcdef").expect("key");
     let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
-    let options = ClusterOptions {
-        providers_config: providers,
-        namespace: None,
-        gc_allow_namespaced: false,
-        gc_dry_run: false,
-        gc_grace: Duration::from_secs(300),
-        gc_interval: Duration::from_secs(60),
-        provisioning_timeout: Duration::from_secs(600),
-        system_namespace: "egress-proxies-system".into(),
-        identity: "replica-a".into(),
-        admin_listen: format!("127.0.0.1:{admin_port}").parse().unwrap(),
-        discovery_listen: format!("127.0.0.1:{discovery_port}").parse().unwrap(),
-        tokens: dir.path().join("tokens"),
-        signing_key: dir.path().join("key"),
-        concurrency: 4,
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(run_cluster(client.clone(), options, async {
-        let _ = stopped.await;
-    }));
+    let mut options = local_cluster(
+        dir.path(),
+        &dir.path().join("local"),
+        token,
+        format!("127.0.0.1:{admin_port}").parse().unwrap(),
+        format!("127.0.0.1:{discovery_port}").parse().unwrap(),
+    );
+    options.identity = "replica-a".into();
+    let operator = ClusterApp::start(client.clone(), options);
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
     let proxy: Proxy = serde_json::from_value(json!({
@@ -197,10 +177,5 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         "the Squid is gone"
     );
 
-    stop.send(()).unwrap();
-    tokio::time::timeout(Duration::from_secs(30), operator)
-        .await
-        .expect("stops")
-        .expect("no panic")
-        .expect("clean exit");
+    operator.stop().await;
 }

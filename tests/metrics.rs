@@ -7,6 +7,7 @@
 
 #[allow(dead_code)]
 mod support {
+    pub mod cluster_app;
     pub mod contract;
     pub mod fake_apiserver;
     pub mod http;
@@ -23,7 +24,6 @@ use std::{
 use bytes::Bytes;
 use egress_proxies_operator::{
     api::Proxy,
-    app::cluster::{ClusterOptions, run_cluster},
     provider::{Owner, Provider, local::LocalProvider},
 };
 use http_body_util::Full;
@@ -34,6 +34,7 @@ use kube::{
 };
 use serde_json::json;
 use support::{
+    cluster_app::{ClusterApp, local_cluster},
     contract::plain_request,
     fake_apiserver::FakeApiServer,
     http::{get, request},
@@ -110,16 +111,6 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     let client = server.client();
     let state = StateDir::new();
     let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(
-        dir.path().join("providers.yaml"),
-        format!(
-            "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: {}\n",
-            state.path().display()
-        ),
-    )
-    .expect("providers");
-    std::fs::write(dir.path().join("tokens"), format!("{TOKEN}\n")).expect("tokens");
-    std::fs::write(dir.path().join("key"), "0123456789abcdef0123456789abcdef").expect("key");
 
     // An orphan from before: its Proxy is long gone.
     let orphan = {
@@ -140,26 +131,12 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
     let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
     let discovery: SocketAddr = format!("127.0.0.1:{discovery_port}").parse().unwrap();
-    let options = ClusterOptions {
-        providers_config: dir.path().join("providers.yaml"),
-        namespace: None,
-        gc_allow_namespaced: false,
-        gc_dry_run: false,
-        gc_grace: Duration::ZERO,
-        gc_interval: Duration::from_secs(1),
-        provisioning_timeout: Duration::from_secs(600),
-        system_namespace: "egress-proxies-system".into(),
-        identity: "metrics-test".into(),
-        admin_listen: admin,
-        discovery_listen: discovery,
-        tokens: dir.path().join("tokens"),
-        signing_key: dir.path().join("key"),
-        concurrency: 2,
-    };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(run_cluster(client.clone(), options, async {
-        let _ = stopped.await;
-    }));
+    let mut options = local_cluster(dir.path(), &state.path(), TOKEN, admin, discovery);
+    options.gc_grace = Duration::ZERO;
+    options.gc_interval = Duration::from_secs(1);
+    options.identity = "metrics-test".into();
+    options.concurrency = 2;
+    let operator = ClusterApp::start(client.clone(), options);
 
     // Create → Healthy.
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
@@ -301,10 +278,5 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     assert_eq!(value("epo_discovery_leases_active"), 0.0);
     assert!(value(r#"epo_discovery_requests_total{route="acquire",code="ok"}"#) >= 1.0);
 
-    stop.send(()).expect("operator running");
-    tokio::time::timeout(Duration::from_secs(30), operator)
-        .await
-        .expect("stops")
-        .expect("no panic")
-        .expect("clean exit");
+    operator.stop().await;
 }

@@ -7,6 +7,7 @@
 
 #![allow(dead_code)] // Each test binary uses a different part of the support code.
 
+pub mod cluster_app;
 pub mod fake_apiserver;
 pub mod process;
 

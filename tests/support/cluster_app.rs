@@ -1,0 +1,98 @@
+//! The whole cluster mode (`run_cluster`: leader election, controller, health engine, leases,
+//! discovery API, GC, monitor) in-process for end-to-end tests: the files it reads, options with
+//! `run`'s defaults, and a guard that stops it.
+//!
+//! Include with `mod support { pub mod cluster_app; }` (or from `tests/support/mod.rs`).
+
+#![allow(dead_code)]
+
+use std::{net::SocketAddr, path::Path, time::Duration};
+
+use egress_proxies_operator::app::{
+    AppError,
+    cluster::{ClusterOptions, run_cluster},
+};
+use kube::Client;
+use tokio::{sync::oneshot, task::JoinHandle};
+
+/// Writes into `dir` what cluster mode reads: `providers.yaml` with one `local` provider named
+/// `local` keeping its Squids under `local_state`, `tokens` holding `token`, and the lease
+/// signing `key`. Returns options with `run`'s defaults for them, the admin server on
+/// `admin` and the discovery API on `discovery`.
+pub fn local_cluster(
+    dir: &Path,
+    local_state: &Path,
+    token: &str,
+    admin: SocketAddr,
+    discovery: SocketAddr,
+) -> ClusterOptions {
+    std::fs::write(
+        dir.join("providers.yaml"),
+        format!(
+            "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: {}\n",
+            local_state.display()
+        ),
+    )
+    .expect("providers config");
+    std::fs::write(dir.join("tokens"), format!("{token}\n")).expect("tokens");
+    std::fs::write(dir.join("key"), "0123456789abcdef0123456789abcdef").expect("signing key");
+    ClusterOptions {
+        providers_config: dir.join("providers.yaml"),
+        namespace: None,
+        gc_allow_namespaced: false,
+        gc_dry_run: false,
+        gc_grace: Duration::from_secs(300),
+        gc_interval: Duration::from_secs(60),
+        provisioning_timeout: Duration::from_secs(600),
+        system_namespace: "egress-proxies-system".into(),
+        identity: "test-replica".into(),
+        admin_listen: admin,
+        discovery_listen: discovery,
+        tokens: dir.join("tokens"),
+        signing_key: dir.join("key"),
+        concurrency: 4,
+    }
+}
+
+/// `run_cluster` on a task; [`ClusterApp::stop`] shuts it down and checks it exited cleanly.
+/// Dropping it stops it without waiting.
+pub struct ClusterApp {
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), AppError>>,
+}
+
+impl ClusterApp {
+    /// Starts cluster mode against `client`'s API server.
+    pub fn start(client: Client, options: ClusterOptions) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(run_cluster(client, options, async {
+            let _ = stopped.await;
+        }));
+        Self {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// Graceful shutdown, within 30 s, without an error.
+    pub async fn stop(mut self) {
+        self.stop
+            .take()
+            .expect("stopped once")
+            .send(())
+            .expect("the operator still running");
+        tokio::time::timeout(Duration::from_secs(30), &mut self.task)
+            .await
+            .expect("stops within 30 s")
+            .expect("no panic")
+            .expect("clean exit");
+    }
+}
+
+impl Drop for ClusterApp {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
