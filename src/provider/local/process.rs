@@ -174,18 +174,25 @@ pub(super) async fn stop(
     }
 }
 
+/// Squid with a minimal environment (a fixed PATH for the helpers it starts) and no stdin.
+fn squid_command(squid_path: &Path) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(squid_path);
+    command
+        .env_clear()
+        .env("PATH", SQUID_PATH_ENV)
+        .stdin(Stdio::null());
+    command
+}
+
 /// Validates `config` with `squid -k parse`. Squid reports some fatal problems (a missing
 /// helper) with exit status 0, so a `FATAL:` line fails the check too.
 pub(super) async fn parse_config(squid_path: &Path, config: &Path) -> Result<(), ProviderError> {
-    let mut command = tokio::process::Command::new(squid_path);
+    let mut command = squid_command(squid_path);
     command
         .arg("-k")
         .arg("parse")
         .arg("-f")
         .arg(config)
-        .env_clear()
-        .env("PATH", SQUID_PATH_ENV)
-        .stdin(Stdio::null())
         .kill_on_drop(true);
     let output = match tokio::time::timeout(PARSE_TIMEOUT, command.output()).await {
         Ok(Ok(output)) => output,
@@ -271,13 +278,8 @@ pub(super) fn spawn_error(squid_path: &Path, err: &io::Error) -> ProviderError {
 
 /// `squid -v`'s first line (`Squid Cache: Version 5.7`).
 pub(super) async fn squid_version(squid_path: &Path) -> Result<String, ProviderError> {
-    let mut command = tokio::process::Command::new(squid_path);
-    command
-        .arg("-v")
-        .env_clear()
-        .env("PATH", SQUID_PATH_ENV)
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
+    let mut command = squid_command(squid_path);
+    command.arg("-v").kill_on_drop(true);
     let output = match tokio::time::timeout(PARSE_TIMEOUT, command.output()).await {
         Ok(Ok(output)) => output,
         Ok(Err(err)) => return Err(spawn_error(squid_path, &err)),
@@ -311,15 +313,12 @@ pub(super) fn spawn_squid(
     let output_for_stderr = output
         .try_clone()
         .map_err(|err| ProviderError::Backend(format!("cannot duplicate output file: {err}")))?;
-    let mut command = tokio::process::Command::new(squid_path);
+    let mut command = squid_command(squid_path);
     command
         .arg("-N")
         .arg("-f")
         .arg(dir.config_file())
         .current_dir(dir.run_dir())
-        .env_clear()
-        .env("PATH", SQUID_PATH_ENV)
-        .stdin(Stdio::null())
         .stdout(Stdio::from(output))
         .stderr(Stdio::from(output_for_stderr))
         .kill_on_drop(false);
