@@ -72,7 +72,7 @@ impl World {
             self.leases.clone(),
             self.health.clone(),
         );
-        setup.concurrency = 4;
+        setup.deps.concurrency = 4;
         adjust(&mut setup);
         setup.start().await
     }
@@ -234,7 +234,7 @@ async fn create_to_healthy_within_the_write_budget_and_a_resync_writes_nothing()
 async fn an_instance_that_never_passes_its_health_check_is_replaced_after_the_provisioning_timeout() {
     let world = World::new().await;
     let operator = world
-        .start_with(|setup| setup.reconciler.timers.provisioning_timeout = Duration::from_secs(1))
+        .start_with(|setup| setup.deps.reconciler.timers.provisioning_timeout = Duration::from_secs(1))
         .await;
     // Health stays Unknown: the instance never passes its first check.
     world.create_proxy("stuck", json!({"provider": "mem"})).await;

@@ -72,9 +72,9 @@ async fn controller_converges_on_a_real_cluster() {
     providers.insert(provider.clone());
     let health = ScriptedHealth::new();
     let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
-    setup.namespace = Some(namespace.clone());
-    setup.debounce = Duration::from_millis(100);
-    setup.identity = "real-cluster-test".into();
+    setup.deps.namespace = Some(namespace.clone());
+    setup.deps.debounce = Duration::from_millis(100);
+    setup.deps.identity = "real-cluster-test".into();
     let controller = setup.start().await;
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), &namespace);

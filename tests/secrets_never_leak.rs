@@ -87,7 +87,7 @@ async fn canary_secrets_stay_out_of_logs_status_and_events() {
     providers.insert(Arc::new(MemoryProvider::new("mem")));
     let health = ScriptedHealth::new();
     let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
-    setup.identity = "canary-test".into();
+    setup.deps.identity = "canary-test".into();
     let controller = setup.start().await;
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");

@@ -467,7 +467,7 @@ async fn cluster_mode_reconciles_are_spans_under_the_controllers_own() {
         HealthVerdict::Passing { after_failing: false },
     );
     let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
-    setup.identity = "tracing-test".into();
+    setup.deps.identity = "tracing-test".into();
     let controller = setup.start().await;
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");

@@ -27,68 +27,52 @@ const READY_DEADLINE: Duration = Duration::from_secs(30);
 /// How long a stop, or an awaited number of reconciles, may take.
 const STOP_DEADLINE: Duration = Duration::from_secs(15);
 
-/// What a controller runs with; the knobs default to what tests want (fast debounce).
+/// What a controller runs with: the controller's own [`ClusterDeps`] (public, to adjust) with
+/// the knobs tests want (2 workers, a 10 ms debounce), and the registry its metrics are in.
 pub struct ControllerSetup {
-    pub client: Client,
-    pub providers: ProviderRegistry,
-    pub leases: Arc<dyn LeaseControl>,
-    pub health: Arc<dyn HealthControl>,
-    pub availability: ProviderAvailability,
-    pub reconciler: ReconcilerConfig,
-    pub namespace: Option<String>,
-    pub concurrency: u16,
-    pub debounce: Duration,
-    pub identity: String,
+    pub deps: ClusterDeps,
+    registry: Registry,
 }
 
 impl ControllerSetup {
-    /// A setup watching every namespace, with 2 workers and a 10 ms debounce.
+    /// A setup watching every namespace.
     pub fn new(
         client: Client,
         providers: ProviderRegistry,
         leases: Arc<dyn LeaseControl>,
         health: Arc<dyn HealthControl>,
     ) -> Self {
+        let mut registry = Registry::default();
+        let metrics = Arc::new(Metrics::register(&mut registry));
         Self {
-            client,
-            providers,
-            leases,
-            health,
-            availability: ProviderAvailability::default(),
-            reconciler: ReconcilerConfig::default(),
-            namespace: None,
-            concurrency: 2,
-            debounce: Duration::from_millis(10),
-            identity: "test-operator".into(),
+            deps: ClusterDeps {
+                client,
+                providers,
+                leases,
+                health,
+                availability: ProviderAvailability::default(),
+                reconciler: ReconcilerConfig::default(),
+                namespace: None,
+                concurrency: 2,
+                debounce: Duration::from_millis(10),
+                identity: "test-operator".into(),
+                metrics,
+            },
+            registry,
         }
     }
 
     /// Starts the controller and waits until its caches are synced (panics past a deadline).
     pub async fn start(self) -> RunningController {
-        let mut registry = Registry::default();
-        let metrics = Arc::new(Metrics::register(&mut registry));
         let (triggers, trigger_rx) = mpsc::channel(1024);
         let (stop, stopped) = oneshot::channel::<()>();
         let (ready_tx, mut ready) = watch::channel(false);
-        let deps = ClusterDeps {
-            client: self.client,
-            providers: self.providers,
-            leases: self.leases,
-            health: self.health,
-            availability: self.availability,
-            reconciler: self.reconciler,
-            namespace: self.namespace,
-            concurrency: self.concurrency,
-            debounce: self.debounce,
-            identity: self.identity,
-            metrics,
-        };
         let trigger_stream =
             futures::stream::unfold(
                 trigger_rx,
                 |mut rx| async move { rx.recv().await.map(|k| (k, rx)) },
             );
-        let task = tokio::spawn(run_controller(deps, trigger_stream, ready_tx, async {
+        let task = tokio::spawn(run_controller(self.deps, trigger_stream, ready_tx, async {
             let _ = stopped.await;
         }));
         tokio::time::timeout(READY_DEADLINE, ready.wait_for(|r| *r))
@@ -99,7 +83,7 @@ impl ControllerSetup {
             triggers,
             stop: Some(stop),
             task,
-            registry: Arc::new(registry),
+            registry: Arc::new(self.registry),
         }
     }
 }
