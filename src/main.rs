@@ -4,7 +4,7 @@
 use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use egress_proxies_operator::{
     api, app,
     check::{Checker, Report},
@@ -20,6 +20,71 @@ use egress_proxies_operator::{
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// The lifecycle's timers, retry backoff and pool budgets (docs/machines.md, docs/operations.md).
+#[derive(Args, Clone, Copy, Debug)]
+struct LifecycleArgs {
+    /// Seconds a new instance may take to pass its first health check; after that it is
+    /// deleted and created afresh (reason ProvisioningTimedOut). VMs under software emulation
+    /// need minutes.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    provisioning_timeout: u64,
+    /// Seconds a proxy may fail its health checks before it is replaced (within the budgets).
+    #[arg(long, value_name = "SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..))]
+    degraded_timeout: u64,
+    /// Seconds a drain waits for leases before revoking them, and between retries of a delete
+    /// that did not finish.
+    #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    drain_timeout: u64,
+    /// Seconds before the first retry of a failed provider call (doubling per failure).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    retry_initial: u64,
+    /// The longest retry delay, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    retry_cap: u64,
+    /// At most this percentage of a provider instance's proxies may be unavailable (being
+    /// provisioned or replaced) at once; at least one.
+    #[arg(long, value_name = "PERCENT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(0..=100))]
+    max_unavailable: u32,
+    /// Health-driven replacement pauses while more than this percentage of a provider instance's
+    /// proxies is degraded.
+    #[arg(long, value_name = "PERCENT", default_value_t = 40, value_parser = clap::value_parser!(u32).range(0..=100))]
+    max_unhealthy: u32,
+}
+
+impl LifecycleArgs {
+    fn config(self) -> anyhow::Result<egress_proxies_operator::controller::ReconcilerConfig> {
+        use egress_proxies_operator::{
+            controller::{ReconcilerConfig, pool::Budgets},
+            machine::{Backoff, Timers},
+        };
+        use std::time::Duration;
+        if self.retry_initial > self.retry_cap {
+            anyhow::bail!(
+                "--retry-initial ({} s) must not exceed --retry-cap ({} s)",
+                self.retry_initial,
+                self.retry_cap
+            );
+        }
+        Ok(ReconcilerConfig {
+            timers: Timers {
+                provisioning_timeout: Duration::from_secs(self.provisioning_timeout),
+                degraded_timeout: Duration::from_secs(self.degraded_timeout),
+                drain_timeout: Duration::from_secs(self.drain_timeout),
+                ..Timers::default()
+            },
+            backoff: Backoff {
+                initial: Duration::from_secs(self.retry_initial),
+                cap: Duration::from_secs(self.retry_cap),
+                ..Backoff::default()
+            },
+            budgets: Budgets {
+                max_unavailable_percent: self.max_unavailable,
+                max_unhealthy_percent: self.max_unhealthy,
+            },
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -65,12 +130,8 @@ enum Command {
         /// Time between two orphan GC passes.
         #[arg(long, value_name = "SECONDS", default_value_t = 60)]
         gc_interval_seconds: u64,
-        /// Seconds a new instance may take to pass its first health check; after that it is
-        /// deleted and created afresh (reason ProvisioningTimedOut). VMs under software
-        /// emulation need minutes.
-        #[arg(long, value_name = "SECONDS", default_value_t = 600,
-              value_parser = clap::value_parser!(u64).range(1..))]
-        provisioning_timeout: u64,
+        #[command(flatten)]
+        lifecycle: LifecycleArgs,
         /// Namespace of the leader Lease and the lease checkpoint.
         #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
         system_namespace: String,
@@ -121,12 +182,8 @@ enum Command {
         /// Bearer tokens of the discovery API (default: a token created in the state folder).
         #[arg(long, value_name = "FILE")]
         tokens: Option<PathBuf>,
-        /// Seconds a new instance may take to pass its first health check; after that it is
-        /// deleted and created afresh (reason ProvisioningTimedOut). VMs under software
-        /// emulation need minutes.
-        #[arg(long, value_name = "SECONDS", default_value_t = 600,
-              value_parser = clap::value_parser!(u64).range(1..))]
-        provisioning_timeout: u64,
+        #[command(flatten)]
+        lifecycle: LifecycleArgs,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         json_logs: bool,
@@ -243,7 +300,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             state,
             listen,
             tokens,
-            provisioning_timeout,
+            lifecycle,
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
@@ -255,7 +312,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 tokens,
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
-                provisioning_timeout: std::time::Duration::from_secs(provisioning_timeout),
+                reconciler: lifecycle.config()?,
                 terminal_progress: !json_logs,
                 gc_interval: std::time::Duration::from_secs(60),
             };
@@ -271,7 +328,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             gc_dry_run,
             gc_grace_seconds,
             gc_interval_seconds,
-            provisioning_timeout,
+            lifecycle,
             system_namespace,
             identity,
             admin_listen,
@@ -289,7 +346,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 gc_dry_run,
                 gc_grace: std::time::Duration::from_secs(gc_grace_seconds),
                 gc_interval: std::time::Duration::from_secs(gc_interval_seconds.max(1)),
-                provisioning_timeout: std::time::Duration::from_secs(provisioning_timeout),
+                reconciler: lifecycle.config()?,
                 system_namespace,
                 identity,
                 admin_listen,
@@ -340,7 +397,12 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Audit { scenario } => {
-            print!("{}", machine::scenario::replay_file(&scenario)?);
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .context("starting the async runtime")?;
+            let trail = runtime.block_on(egress_proxies_operator::controller::simulate::replay_file(&scenario))?;
+            print!("{trail}");
             Ok(ExitCode::SUCCESS)
         }
     }

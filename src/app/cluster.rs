@@ -38,7 +38,6 @@ use crate::{
         },
         token::LeaseSigner,
     },
-    machine::Timers,
     monitor::{Monitor, kube_sink::KubeHealthSink},
     provider::ProviderRegistry,
     telemetry::{
@@ -67,8 +66,8 @@ pub struct ClusterOptions {
     pub gc_grace: Duration,
     /// Time between two GC passes.
     pub gc_interval: Duration,
-    /// How long a new instance may take to pass its first health check before it is replaced.
-    pub provisioning_timeout: Duration,
+    /// The lifecycle's timers, retry backoff and pool budgets.
+    pub reconciler: ReconcilerConfig,
     /// Namespace of the leader Lease and the lease checkpoint (the operator's own).
     pub system_namespace: String,
     /// This replica's identity (the pod name).
@@ -338,13 +337,7 @@ pub async fn run_cluster(
         leases: Arc::new(store),
         health: Arc::new(health_handle),
         availability,
-        reconciler: ReconcilerConfig {
-            timers: Timers {
-                provisioning_timeout: options.provisioning_timeout,
-                ..Timers::default()
-            },
-            ..ReconcilerConfig::default()
-        },
+        reconciler: options.reconciler.clone(),
         namespace: options.namespace.clone(),
         concurrency: options.concurrency,
         debounce: Duration::from_millis(200),

@@ -21,7 +21,6 @@ use crate::{
         checkpoint::{CheckpointStore, FileCheckpoint, MaintenanceConfig, maintenance},
         token::LeaseSigner,
     },
-    machine::Timers,
     monitor::{LogSink, Monitor},
     provider::{ProviderRegistry, RegistryError},
     standalone::{Standalone, StandaloneDeps, StandaloneError},
@@ -64,9 +63,8 @@ pub struct StandaloneOptions {
     pub poll: Duration,
     /// Grace period of orphan GC.
     pub gc_grace: Duration,
-    /// How long a new instance may take to pass its first health check before it is deleted
-    /// and created afresh (`ProvisioningTimedOut`).
-    pub provisioning_timeout: Duration,
+    /// The lifecycle's timers, retry backoff and pool budgets.
+    pub reconciler: ReconcilerConfig,
     /// Print the live progress line to stderr (off with JSON logs: it is not JSON).
     pub terminal_progress: bool,
     /// Time between two orphan GC passes.
@@ -145,13 +143,7 @@ pub async fn run_standalone(
             leases: Arc::new(store.clone()),
             health: Arc::new(health_handle),
             availability: availability.clone(),
-            reconciler: ReconcilerConfig {
-                timers: Timers {
-                    provisioning_timeout: options.provisioning_timeout,
-                    ..Timers::default()
-                },
-                ..ReconcilerConfig::default()
-            },
+            reconciler: options.reconciler.clone(),
         },
     )?
     .with_metrics(metrics.clone());

@@ -234,6 +234,10 @@ pub enum ProviderError {
     /// base image or pool, a Squid config that does not parse); retrying won't help.
     #[error("provider misconfigured: {0}")]
     Misconfigured(String),
+    /// This Proxy's request cannot be met as it stands (its port is taken, its placement names
+    /// an address the host does not have): the Proxy's problem, not the provider's.
+    #[error("request rejected: {0}")]
+    Rejected(String),
     /// Any other backend failure; retry with backoff.
     #[error("provider error: {0}")]
     Backend(String),
@@ -246,6 +250,7 @@ impl ProviderError {
             Self::NotFound(_) => "NotFound",
             Self::Unavailable(_) => "ProviderUnavailable",
             Self::Misconfigured(_) => "ProviderMisconfigured",
+            Self::Rejected(_) => "RequestRejected",
             Self::Backend(_) => "ProviderError",
         }
     }
