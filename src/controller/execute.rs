@@ -91,9 +91,15 @@ impl<B: ProxyBackend> Reconciler<B> {
                 }
                 Vec::new()
             }
-            Planned::SetConditions { reason, message, spec } => {
+            Planned::SetConditions {
+                reason,
+                message,
+                spec,
+                provisioned,
+            } => {
                 record.ready_reason = (*reason).to_owned();
                 record.ready_message = message.clone();
+                record.instance_running |= *provisioned;
                 match spec {
                     SpecReport::Keep => {}
                     SpecReport::Invalid(text) => record.spec_problem = Some(text.clone()),
@@ -191,6 +197,8 @@ impl<B: ProxyBackend> Reconciler<B> {
                 record.provider_id = Some(instance.id.to_string());
                 record.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
                 record.spec_hash = Some(resolved.hash.clone());
+                // Provisioned=True is reported once this instance is seen running.
+                record.instance_running = false;
                 vec![Occurrence::new(Event::InstanceCreated, format!("instance {}", instance.id))]
             }
             Err(err @ ProviderError::Unavailable(_)) => vec![Occurrence::new(Event::ProviderUnavailable, err.to_string())],
@@ -220,14 +228,20 @@ impl<B: ProxyBackend> Reconciler<B> {
         if let Err(err) = provider.delete(cx.instance).await {
             return vec![Occurrence::new(Event::DeleteFailed, err.to_string())];
         }
-        // Only a truthful NotFound says it is gone (a pod may still be terminating; then the
-        // next round or the state's timer looks again).
+        // Only a truthful NotFound says it is gone; an instance still there is terminating.
         match provider.get(cx.instance).await {
             Err(ProviderError::NotFound(_)) => {
                 record.forget_instance();
                 vec![Occurrence::new(Event::InstanceMissing, "deleted: the provider reports NotFound")]
             }
-            Ok(_) | Err(_) => Vec::new(),
+            Ok(instance) => vec![Occurrence::new(
+                Event::DeletePending,
+                format!("instance {} is still there after the delete (terminating)", instance.id),
+            )],
+            Err(err) => vec![Occurrence::new(
+                Event::DeletePending,
+                format!("the delete was accepted, but looking it up failed: {err}"),
+            )],
         }
     }
 }

@@ -36,7 +36,7 @@ pub enum Planned {
     DrainLeases,
     /// `revoke_leases`.
     RevokeLeases,
-    /// `set_conditions`: the `Ready` reason and message, and `SpecValid`.
+    /// `set_conditions`: the `Ready` reason and message, `SpecValid`, and `Provisioned`.
     SetConditions {
         /// Ready's reason (the row's).
         reason: &'static str,
@@ -44,6 +44,8 @@ pub enum Planned {
         message: String,
         /// What happens to `SpecValid`.
         spec: SpecReport,
+        /// Report `Provisioned=True` (the event says the instance runs).
+        provisioned: bool,
     },
     /// `record_event`: a Kubernetes Event / store entry.
     RecordEvent {
@@ -68,8 +70,16 @@ pub enum Planned {
 impl fmt::Display for Planned {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Planned::SetConditions { reason, message, spec } => {
+            Planned::SetConditions {
+                reason,
+                message,
+                spec,
+                provisioned,
+            } => {
                 write!(f, "set_conditions(Ready={reason}: {message:?}")?;
+                if *provisioned {
+                    f.write_str(", Provisioned=True")?;
+                }
                 match spec {
                     SpecReport::Keep => f.write_str(")"),
                     SpecReport::Invalid(text) => write!(f, ", SpecValid=False: {text:?})"),
@@ -168,6 +178,7 @@ pub fn plan(decision: &Decision, cause: Option<&str>, input: PlanInput<'_>) -> P
                     Event::SpecFixed => SpecReport::Valid,
                     _ => SpecReport::Keep,
                 },
+                provisioned: decision.event == Event::InstanceRunning,
             },
             EffectKind::RecordEvent => Planned::RecordEvent {
                 reason,

@@ -232,6 +232,7 @@ impl<B: ProxyBackend> Reconciler<B> {
         let mut audit = Vec::new();
         let mut plans = Vec::new();
         let mut yielded = true;
+        let mut held_by_budget = false;
         for _round in 0..MAX_ROUNDS {
             // --- observe: the world, every round (effects change it) -----------------------------
             let observation = self
@@ -240,6 +241,8 @@ impl<B: ProxyBackend> Reconciler<B> {
             let facts = facts(&observation, &record, now, &self.config.timers);
             // --- derive ----------------------------------------------------------------------
             let Some(event) = derive(record.state.phase(), facts) else {
+                // A replacement the pool's budget holds back is looked at again on every poll.
+                held_by_budget = facts.get(Fact::SpecChanged) && !facts.get(Fact::ReplacementBudgetLeft);
                 yielded = false;
                 break;
             };
@@ -307,6 +310,8 @@ impl<B: ProxyBackend> Reconciler<B> {
         }
         let requeue_after = if yielded {
             Some(Duration::ZERO)
+        } else if held_by_budget {
+            Some(self.config.timers.poll)
         } else {
             next_wake(&record, now, &self.config.timers, resolved.is_ok())
         };

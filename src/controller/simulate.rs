@@ -119,6 +119,19 @@ pub struct Scenario {
     pub start: Start,
     /// Steps in time order.
     pub steps: Vec<SimStep>,
+    /// What the replay must show (checked by `tests/machine_scenarios.rs`).
+    #[serde(default)]
+    pub expect: Expect,
+}
+
+/// What a replay must show.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// The phase at the end.
+    pub end: Option<String>,
+    /// Exactly this many create calls reached the provider.
+    pub creates: Option<u32>,
 }
 
 /// Configuration overrides, in seconds and percent.
@@ -142,6 +155,10 @@ pub struct SimConfig {
     /// New instances boot slowly: they start `starting` and run once a step says `instance: running`.
     #[serde(default)]
     pub slow_boot: bool,
+    /// Deletes are slow: the provider accepts them, but the instance stays (terminating) until a
+    /// step says `instance: vanished`.
+    #[serde(default)]
+    pub slow_delete: bool,
 }
 
 /// The start of a scenario.
@@ -255,11 +272,13 @@ impl Scenario {
             path: path.to_owned(),
             message,
         };
-        if let Some(phase) = &self.start.phase
-            && Phase::from_name(phase).is_none()
-        {
-            let known: Vec<&str> = Phase::ALL.iter().map(|p| p.as_str()).collect();
-            return Err(invalid(format!("start: unknown phase `{phase}`; known phases: {}", known.join(", "))));
+        for (field, phase) in [("start.phase", &self.start.phase), ("expect.end", &self.expect.end)] {
+            if let Some(phase) = phase
+                && Phase::from_name(phase).is_none()
+            {
+                let known: Vec<&str> = Phase::ALL.iter().map(|p| p.as_str()).collect();
+                return Err(invalid(format!("{field}: unknown phase `{phase}`; known phases: {}", known.join(", "))));
+            }
         }
         let mut previous = 0;
         for (i, step) in self.steps.iter().enumerate() {
@@ -332,16 +351,19 @@ impl Scenario {
     pub async fn replay(&self) -> Result<Replay, ScenarioError> {
         let world = Arc::new(World::default());
         let clock = world.clone();
+        // The provider-health monitor's view: a step that takes the provider down tells it too.
+        let availability = ProviderAvailability::default();
         let reconciler = Reconciler::new(
             SimBackend(world.clone()),
             ProviderRegistry::new().with(SimProvider(world.clone())),
             Arc::new(SimLeases(world.clone())),
             Arc::new(SimHealth(world.clone())),
-            ProviderAvailability::default(),
+            availability.clone(),
             self.reconciler_config(),
         )
         .with_clock(move || clock.now());
         world.lock().slow_boot = self.config.slow_boot;
+        world.lock().slow_delete = self.config.slow_delete;
         let mut proxy = sim_proxy();
         if let Some(phase) = self.start.phase.as_deref().and_then(Phase::from_name) {
             let mut record = Record::new(EPOCH);
@@ -377,6 +399,9 @@ impl Scenario {
                 .checked_add(jiff::SignedDuration::from_secs(i64::try_from(step.at).unwrap_or(i64::MAX)))
                 .unwrap_or(Timestamp::MAX);
             let changes = world.apply(step, at, &mut proxy, reconciler.pools());
+            if let Some(provider) = &step.world.provider {
+                availability.set(PROVIDER, (provider == "down").then(|| "the provider is down".to_owned()));
+            }
             sync_proxy(&world, &mut proxy);
             let outcome = reconciler.reconcile(&proxy).await.map_err(|err| ScenarioError::Reconcile {
                 name: self.name.clone(),
@@ -521,6 +546,7 @@ struct WorldState {
     spec_problem: Option<String>,
     instance: Option<SimInstance>,
     slow_boot: bool,
+    slow_delete: bool,
     health: HealthVerdict,
     leases: u32,
     provider_down: bool,
@@ -539,6 +565,7 @@ impl Default for WorldState {
             spec_problem: None,
             instance: None,
             slow_boot: false,
+            slow_delete: false,
             health: HealthVerdict::Unknown,
             leases: 0,
             provider_down: false,
@@ -797,7 +824,13 @@ impl Provider for SimProvider {
             return Err(err);
         }
         let mut w = self.0.lock();
-        w.instance = None;
+        if w.slow_delete {
+            if let Some(instance) = &mut w.instance {
+                instance.running = false;
+            }
+        } else {
+            w.instance = None;
+        }
         w.health = HealthVerdict::Unknown;
         Ok(())
     }

@@ -43,7 +43,7 @@ pub fn local_cluster(
         gc_dry_run: false,
         gc_grace: Duration::from_secs(300),
         gc_interval: Duration::from_secs(60),
-        provisioning_timeout: Duration::from_secs(600),
+        reconciler: egress_proxies_operator::controller::ReconcilerConfig::default(),
         system_namespace: "egress-proxies-system".into(),
         identity: "test-replica".into(),
         admin_listen: admin,
