@@ -401,7 +401,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 .enable_time()
                 .build()
                 .context("starting the async runtime")?;
-            let trail = runtime.block_on(egress_proxies_operator::controller::simulate::replay_file(&scenario))?;
+            let trail = runtime.block_on(egress_proxies_operator::controller::simulate::replay_file(
+                &scenario,
+            ))?;
             print!("{trail}");
             Ok(ExitCode::SUCCESS)
         }

@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use egress_proxies_operator::machine::docs::render_markdown;
 use egress_proxies_operator::controller::simulate::{Scenario, ScenarioError, replay_file};
+use egress_proxies_operator::machine::docs::render_markdown;
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"))
@@ -60,7 +60,10 @@ async fn audit_prints_the_trail_of_a_shipped_scenario() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8(out.stdout).expect("utf-8");
     assert_eq!(stdout, replay_file(&file).await.expect("replays"));
-    assert!(stdout.contains("provisioning --health_passed--> healthy"), "{stdout}");
+    assert!(
+        stdout.contains("provisioning --health_passed--> healthy"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -85,15 +88,24 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
 #[tokio::test]
 async fn scenario_errors_are_specific() {
     let err = parse("name: x\nstart: {phase: runnin}\nsteps: []\n").expect_err("unknown phase");
-    assert!(matches!(err, ScenarioError::Invalid { ref message, .. } if message.contains("runnin")), "{err}");
+    assert!(
+        matches!(err, ScenarioError::Invalid { ref message, .. } if message.contains("runnin")),
+        "{err}"
+    );
 
     let err = parse("name: x\nsteps:\n  - {at: 10}\n  - {at: 5}\n").expect_err("time order");
-    assert!(err.to_string().contains("step 2: at 5s is before the previous step's 10s"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("step 2: at 5s is before the previous step's 10s"),
+        "{err}"
+    );
 
     let err = parse("name: x\nsteps:\n  - {at: 0, colour: red}\n").expect_err("unknown key");
     assert!(matches!(err, ScenarioError::Parse { .. }), "{err}");
 
-    let err = replay_file(Path::new("/nonexistent/scenario.yaml")).await.expect_err("missing file");
+    let err = replay_file(Path::new("/nonexistent/scenario.yaml"))
+        .await
+        .expect_err("missing file");
     assert!(matches!(err, ScenarioError::Io { .. }), "{err}");
 }
 

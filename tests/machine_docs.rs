@@ -21,7 +21,10 @@ fn every_name_is_explained_in_one_line() {
         assert!(doc.contains(phase.doc()), "state {phase}");
     }
     for event in Event::ALL {
-        assert!(doc.contains(&format!("`{event}` |")) && doc.contains(event.doc()), "event {event}");
+        assert!(
+            doc.contains(&format!("`{event}` |")) && doc.contains(event.doc()),
+            "event {event}"
+        );
     }
     for effect in &EFFECTS {
         assert!(
@@ -31,7 +34,10 @@ fn every_name_is_explained_in_one_line() {
         );
     }
     for fact in Fact::ALL {
-        assert!(doc.contains(&format!("| `{fact}` | {} |", fact.doc())), "fact {fact}");
+        assert!(
+            doc.contains(&format!("| `{fact}` | {} |", fact.doc())),
+            "fact {fact}"
+        );
     }
     for timer in TimerKind::ALL {
         assert!(doc.contains(timer.doc()), "timer {}", timer.as_str());

@@ -21,10 +21,9 @@ fn variants() -> Vec<Facts> {
     let facts = guard_facts();
     (0..1u32 << facts.len())
         .map(|bits| {
-            facts
-                .iter()
-                .enumerate()
-                .fold(Facts::NONE, |acc, (i, fact)| acc.with(*fact, bits & (1 << i) != 0))
+            facts.iter().enumerate().fold(Facts::NONE, |acc, (i, fact)| {
+                acc.with(*fact, bits & (1 << i) != 0)
+            })
         })
         .collect()
 }
@@ -63,7 +62,12 @@ fn whole_matrix() {
                         let reenter = if row.reenter { " (re-enters)" } else { "" };
                         (
                             row.index,
-                            format!("{when}-> {}{reenter}  [{}]  ({})", d.to.phase(), effects(&d.effects), row.reason),
+                            format!(
+                                "{when}-> {}{reenter}  [{}]  ({})",
+                                d.to.phase(),
+                                effects(&d.effects),
+                                row.reason
+                            ),
                         )
                     }
                     Err(_) => (usize::MAX, "INVALID".to_owned()),
@@ -108,7 +112,10 @@ fn decide_follows_declared_coverage() {
                         assert_eq!(d.to.phase(), row.to);
                         assert_eq!(d.effects, row.effects);
                         // The first row whose guard holds wins; the unguarded last row otherwise.
-                        let expected = rows.iter().find(|r| facts.all(r.guard)).expect("a fallback row exists");
+                        let expected = rows
+                            .iter()
+                            .find(|r| facts.all(r.guard))
+                            .expect("a fallback row exists");
                         assert_eq!(row.index, expected.index, "{phase}/{event} with {facts:?}");
                     }
                     (cov, d) => panic!("{phase}/{event}: coverage {cov:?} but decide gave {d:?}"),
@@ -124,10 +131,14 @@ fn every_row_is_reachable_through_decide() {
     for (i, row) in ROWS.iter().enumerate() {
         assert_eq!(row.index, i);
         let state = State::new(row.from, EPOCH);
-        let taken = variants()
-            .into_iter()
-            .any(|facts| decide(&state, row.on, facts, now()).is_ok_and(|d| d.row.is_some_and(|r| r.index == i)));
-        assert!(taken, "row #{i} ({} --{}--> {}) is never taken", row.from, row.on, row.to);
+        let taken = variants().into_iter().any(|facts| {
+            decide(&state, row.on, facts, now()).is_ok_and(|d| d.row.is_some_and(|r| r.index == i))
+        });
+        assert!(
+            taken,
+            "row #{i} ({} --{}--> {}) is never taken",
+            row.from, row.on, row.to
+        );
     }
 }
 
@@ -136,7 +147,10 @@ fn every_row_is_reachable_through_decide() {
 fn since_follows_the_rules() {
     for row in &ROWS {
         let state = State::new(row.from, EPOCH);
-        let facts = variants().into_iter().find(|f| f.all(row.guard)).expect("satisfiable guard");
+        let facts = variants()
+            .into_iter()
+            .find(|f| f.all(row.guard))
+            .expect("satisfiable guard");
         let Ok(d) = decide(&state, row.on, facts, now()) else {
             continue;
         };
@@ -144,9 +158,19 @@ fn since_follows_the_rules() {
             continue;
         }
         if row.to == row.from && !row.reenter {
-            assert_eq!(d.to.since(), EPOCH, "row #{}: a self-transition keeps since", row.index);
+            assert_eq!(
+                d.to.since(),
+                EPOCH,
+                "row #{}: a self-transition keeps since",
+                row.index
+            );
         } else {
-            assert_eq!(d.to.since(), now(), "row #{}: a new (or re-entered) state starts now", row.index);
+            assert_eq!(
+                d.to.since(),
+                now(),
+                "row #{}: a new (or re-entered) state starts now",
+                row.index
+            );
         }
     }
 }
@@ -162,7 +186,10 @@ fn effect_names_match_the_rust_enum() {
     documented.sort();
     let mut all = EffectKind::ALL.to_vec();
     all.sort();
-    assert_eq!(documented, all, "the table documents every EffectKind and nothing else");
+    assert_eq!(
+        documented, all,
+        "the table documents every EffectKind and nothing else"
+    );
     assert_eq!(STATES.len(), Phase::ALL.len());
 }
 
@@ -173,14 +200,22 @@ fn names_round_trip_and_reasons_are_constants() {
     }
     for event in Event::ALL {
         assert_eq!(Event::from_name(event.as_str()), Some(event));
-        assert_eq!(serde_json::to_string(&event).expect("json"), format!("\"{event}\""));
+        assert_eq!(
+            serde_json::to_string(&event).expect("json"),
+            format!("\"{event}\"")
+        );
     }
     for fact in Fact::ALL {
         assert_eq!(Fact::from_name(fact.as_str()), Some(fact));
     }
     assert_eq!(Event::from_name("nope"), None);
     for row in &ROWS {
-        assert!(reason::ALL.contains(&row.reason), "row #{} reason {} is a constant", row.index, row.reason);
+        assert!(
+            reason::ALL.contains(&row.reason),
+            "row #{} reason {} is a constant",
+            row.index,
+            row.reason
+        );
     }
     assert_eq!(reason::SPEC_CHANGED, "SpecChanged");
 }
@@ -190,7 +225,10 @@ fn names_round_trip_and_reasons_are_constants() {
 fn state_persists_flat() {
     let state = State::Provisioning { since: EPOCH };
     let json = serde_json::to_value(&state).expect("serializes");
-    assert_eq!(json, serde_json::json!({"phase": "provisioning", "since": "2025-01-01T00:00:00Z"}));
+    assert_eq!(
+        json,
+        serde_json::json!({"phase": "provisioning", "since": "2025-01-01T00:00:00Z"})
+    );
     for phase in Phase::ALL {
         let state = State::new(phase, EPOCH);
         let back: State = serde_json::from_value(serde_json::to_value(&state).expect("json")).expect("back");
@@ -198,7 +236,12 @@ fn state_persists_flat() {
         assert_eq!(State::from(StateRecord::from(state.clone())), state);
     }
     assert!(serde_json::from_value::<State>(serde_json::json!({"phase": "provisioning"})).is_err());
-    assert!(serde_json::from_value::<State>(serde_json::json!({"phase": "exploded", "since": "2025-01-01T00:00:00Z"})).is_err());
+    assert!(
+        serde_json::from_value::<State>(
+            serde_json::json!({"phase": "exploded", "since": "2025-01-01T00:00:00Z"})
+        )
+        .is_err()
+    );
 }
 
 /// The schema a CRD status embeds is a flat object (structural for Kubernetes).
@@ -206,6 +249,9 @@ fn state_persists_flat() {
 fn state_schema_is_flat() {
     let schema = serde_json::to_value(schemars::schema_for!(State)).expect("schema json");
     let props = schema["properties"].as_object().expect("properties");
-    assert_eq!(props.keys().cloned().collect::<Vec<_>>(), vec!["phase".to_owned(), "since".to_owned()]);
+    assert_eq!(
+        props.keys().cloned().collect::<Vec<_>>(),
+        vec!["phase".to_owned(), "since".to_owned()]
+    );
     assert!(schema.get("oneOf").is_none() && schema.get("anyOf").is_none());
 }

@@ -53,7 +53,11 @@ fn derive_picks_the_first_handled_event_in_priority_order() {
                 .map(|e| e.event)
                 .filter(|e| matches!(coverage(phase, *e), Coverage::Rows(_)))
                 .collect();
-            assert_eq!(derive(phase, facts), handled.first().copied(), "{phase} {facts:?}");
+            assert_eq!(
+                derive(phase, facts),
+                handled.first().copied(),
+                "{phase} {facts:?}"
+            );
         }
     }
 }
@@ -70,14 +74,19 @@ fn every_transition_row_is_reachable() {
         let info = event_info(row.on);
         let by_facts = !info.when.is_empty()
             && all_facts().any(|facts| derive(row.from, facts) == Some(row.on) && guard_ok(facts));
-        let by_effect = ROWS.iter().any(|into| {
-            into.to == row.from && into.effects.iter().any(|e| info.raised_by.contains(e))
-        }) && all_facts().step_by(7).any(guard_ok);
+        let by_effect = ROWS
+            .iter()
+            .any(|into| into.to == row.from && into.effects.iter().any(|e| info.raised_by.contains(e)))
+            && all_facts().step_by(7).any(guard_ok);
         if !by_facts && !by_effect {
             unreachable.push(format!("#{} {} --{}--> {}", row.index, row.from, row.on, row.to));
         }
     }
-    assert!(unreachable.is_empty(), "rows no fact combination or effect reaches:\n{}", unreachable.join("\n"));
+    assert!(
+        unreachable.is_empty(),
+        "rows no fact combination or effect reaches:\n{}",
+        unreachable.join("\n")
+    );
 }
 
 #[tokio::test]
@@ -93,10 +102,19 @@ async fn deletion_ends_in_deleted_from_every_state() {
             let label = format!("from {phase} with {leases} lease(s):\n{}", replay.render());
             assert_eq!(replay.end(), Phase::Deleted, "{label}");
             let effects: Vec<EffectKind> = replay.audit().flat_map(|e| e.effects.clone()).collect();
-            let removes = effects.iter().filter(|e| **e == EffectKind::RemoveFinalizer).count();
+            let removes = effects
+                .iter()
+                .filter(|e| **e == EffectKind::RemoveFinalizer)
+                .count();
             assert_eq!(removes, 1, "{label}");
-            assert!(!effects.contains(&EffectKind::CreateInstance), "{label}: deletion never creates");
-            assert!(!effects.contains(&EffectKind::EnableLeases), "{label}: deletion never enables leases");
+            assert!(
+                !effects.contains(&EffectKind::CreateInstance),
+                "{label}: deletion never creates"
+            );
+            assert!(
+                !effects.contains(&EffectKind::EnableLeases),
+                "{label}: deletion never enables leases"
+            );
         }
     }
 }

@@ -25,7 +25,11 @@ async fn replay_all() -> Vec<(String, Scenario, Replay)> {
     for path in scenario_files() {
         let scenario = Scenario::load(&path).unwrap_or_else(|e| panic!("{e}"));
         let replay = scenario.replay().await.unwrap_or_else(|e| panic!("{e}"));
-        let stem = path.file_stem().and_then(|s| s.to_str()).expect("utf-8 name").to_owned();
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("utf-8 name")
+            .to_owned();
         out.push((stem, scenario, replay));
     }
     out
@@ -34,7 +38,11 @@ async fn replay_all() -> Vec<(String, Scenario, Replay)> {
 #[tokio::test]
 async fn every_scenario_file_replays_as_its_snapshot_and_expectation() {
     let replays = replay_all().await;
-    assert!(replays.len() >= 25, "at least 25 scenarios ship, found {}", replays.len());
+    assert!(
+        replays.len() >= 25,
+        "at least 25 scenarios ship, found {}",
+        replays.len()
+    );
     for (stem, scenario, replay) in &replays {
         let trail = replay.render();
         insta::with_settings!(
@@ -74,7 +82,11 @@ async fn every_transition_row_is_covered_by_a_scenario() {
         .filter(|r| !covered.contains(&r.index))
         .map(|r| format!("#{} {} --{}--> {} ({})", r.index, r.from, r.on, r.to, r.reason))
         .collect();
-    assert!(uncovered.is_empty(), "rows no scenario covers:\n{}", uncovered.join("\n"));
+    assert!(
+        uncovered.is_empty(),
+        "rows no scenario covers:\n{}",
+        uncovered.join("\n")
+    );
 }
 
 /// An event only executors raise appears right after a transition that ran one of its raising
@@ -102,9 +114,17 @@ async fn executors_raise_only_declared_events() {
 /// A failing effect is never silent: the trail names the transition it caused and its cause.
 #[tokio::test]
 async fn failures_are_in_the_audit_with_their_cause() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("machines/scenarios/delete-fails-then-succeeds.yaml");
-    let replay = Scenario::load(&path).expect("loads").replay().await.expect("replays");
-    let failed: Vec<_> = replay.audit().filter(|e| e.reason == reason::DELETE_FAILED).collect();
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("machines/scenarios/delete-fails-then-succeeds.yaml");
+    let replay = Scenario::load(&path)
+        .expect("loads")
+        .replay()
+        .await
+        .expect("replays");
+    let failed: Vec<_> = replay
+        .audit()
+        .filter(|e| e.reason == reason::DELETE_FAILED)
+        .collect();
     assert_eq!(failed.len(), 2, "{}", replay.render());
     for entry in failed {
         assert_eq!(entry.cause.as_deref(), Some("provider error: domain is locked"));
@@ -115,10 +135,22 @@ async fn failures_are_in_the_audit_with_their_cause() {
 #[test]
 fn a_bad_scenario_gets_a_clear_error() {
     let bad = [
-        ("name: x\nsteps:\n  - {at: 5}\n  - {at: 1}\n", "before the previous step"),
-        ("name: x\nstart: {phase: booting}\nsteps: []\n", "unknown phase `booting`"),
-        ("name: x\nsteps:\n  - {at: 0, fail: {add_finalizer: {times: 1, kind: transient}}}\n", "only create_instance and delete_instance"),
-        ("name: x\nsteps:\n  - {at: 0, world: {health: green}}\n", "world.health `green`"),
+        (
+            "name: x\nsteps:\n  - {at: 5}\n  - {at: 1}\n",
+            "before the previous step",
+        ),
+        (
+            "name: x\nstart: {phase: booting}\nsteps: []\n",
+            "unknown phase `booting`",
+        ),
+        (
+            "name: x\nsteps:\n  - {at: 0, fail: {add_finalizer: {times: 1, kind: transient}}}\n",
+            "only create_instance and delete_instance",
+        ),
+        (
+            "name: x\nsteps:\n  - {at: 0, world: {health: green}}\n",
+            "world.health `green`",
+        ),
         ("name: x\nsteps:\n  - {at: 0, wrold: {}}\n", "unknown field"),
     ];
     for (yaml, needle) in bad {

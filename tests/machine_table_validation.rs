@@ -67,7 +67,10 @@ fn a_fact_raised_event_cannot_be_invalid_anywhere() {
         "invalid: [delete_failed, delete_pending]",
         "invalid: [delete_failed, delete_pending, health_failed]",
     );
-    assert_mentions(&errors, "state `provisioning`: event `health_failed` is raised by facts");
+    assert_mentions(
+        &errors,
+        "state `provisioning`: event `health_failed` is raised by facts",
+    );
 }
 
 #[test]
@@ -112,7 +115,10 @@ fn every_pair_is_covered_exactly_once() {
         "    ignore: [spec_observed, provider_available, health_failed, drain_complete]",
         "    ignore: [spec_observed, provider_available, health_failed, drain_complete, health_passed]",
     );
-    assert_mentions(&errors, "state `provisioning`, event `health_passed` is covered more than once");
+    assert_mentions(
+        &errors,
+        "state `provisioning`, event `health_passed` is covered more than once",
+    );
 }
 
 #[test]

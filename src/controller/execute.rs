@@ -114,7 +114,10 @@ impl<B: ProxyBackend> Reconciler<B> {
                 }
                 Vec::new()
             }
-            Planned::ScheduleRetry { attempts, next_attempt } => {
+            Planned::ScheduleRetry {
+                attempts,
+                next_attempt,
+            } => {
                 record.retry_attempts = *attempts;
                 record.next_attempt = Some(*next_attempt);
                 Vec::new()
@@ -127,7 +130,11 @@ impl<B: ProxyBackend> Reconciler<B> {
         })
     }
 
-    async fn add_finalizer(&self, cx: &EffectContext<'_>, finalizer: &mut bool) -> Result<(), ReconcileError> {
+    async fn add_finalizer(
+        &self,
+        cx: &EffectContext<'_>,
+        finalizer: &mut bool,
+    ) -> Result<(), ReconcileError> {
         if !*finalizer {
             self.backend.add_finalizer(cx.proxy).await?;
             *finalizer = true;
@@ -135,7 +142,11 @@ impl<B: ProxyBackend> Reconciler<B> {
         Ok(())
     }
 
-    async fn remove_finalizer(&self, cx: &EffectContext<'_>, finalizer: &mut bool) -> Result<(), ReconcileError> {
+    async fn remove_finalizer(
+        &self,
+        cx: &EffectContext<'_>,
+        finalizer: &mut bool,
+    ) -> Result<(), ReconcileError> {
         self.leases.remove(cx.key);
         self.health.remove(cx.key);
         if *finalizer {
@@ -179,7 +190,12 @@ impl<B: ProxyBackend> Reconciler<B> {
         match provider.create(&request).await {
             // An instance that already existed (an interrupted earlier create) is ours only if it
             // was built from this spec; an old one is never adopted as current.
-            Ok(instance) if instance.spec_hash.as_ref().is_some_and(|stamped| *stamped != resolved.hash) => {
+            Ok(instance)
+                if instance
+                    .spec_hash
+                    .as_ref()
+                    .is_some_and(|stamped| *stamped != resolved.hash) =>
+            {
                 record.provider_id = Some(instance.id.to_string());
                 record.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
                 record.spec_hash = instance.spec_hash.clone();
@@ -199,9 +215,14 @@ impl<B: ProxyBackend> Reconciler<B> {
                 record.spec_hash = Some(resolved.hash.clone());
                 // Provisioned=True is reported once this instance is seen running.
                 record.instance_running = false;
-                vec![Occurrence::new(Event::InstanceCreated, format!("instance {}", instance.id))]
+                vec![Occurrence::new(
+                    Event::InstanceCreated,
+                    format!("instance {}", instance.id),
+                )]
             }
-            Err(err @ ProviderError::Unavailable(_)) => vec![Occurrence::new(Event::ProviderUnavailable, err.to_string())],
+            Err(err @ ProviderError::Unavailable(_)) => {
+                vec![Occurrence::new(Event::ProviderUnavailable, err.to_string())]
+            }
             Err(err @ (ProviderError::Misconfigured(_) | ProviderError::Rejected(_))) => {
                 vec![Occurrence::new(Event::CreateRejected, err.to_string())]
             }
@@ -232,11 +253,17 @@ impl<B: ProxyBackend> Reconciler<B> {
         match provider.get(cx.instance).await {
             Err(ProviderError::NotFound(_)) => {
                 record.forget_instance();
-                vec![Occurrence::new(Event::InstanceMissing, "deleted: the provider reports NotFound")]
+                vec![Occurrence::new(
+                    Event::InstanceMissing,
+                    "deleted: the provider reports NotFound",
+                )]
             }
             Ok(instance) => vec![Occurrence::new(
                 Event::DeletePending,
-                format!("instance {} is still there after the delete (terminating)", instance.id),
+                format!(
+                    "instance {} is still there after the delete (terminating)",
+                    instance.id
+                ),
             )],
             Err(err) => vec![Occurrence::new(
                 Event::DeletePending,

@@ -7,10 +7,7 @@
 
 use jiff::Timestamp;
 
-use super::{
-    pool::PoolFacts,
-    status::Record,
-};
+use super::{pool::PoolFacts, status::Record};
 use crate::{
     effects::HealthVerdict,
     machine::{Fact, Facts, Phase, Timers, reason},
@@ -41,7 +38,7 @@ pub enum InstanceObservation {
     /// NotFound: it certainly does not exist.
     Missing,
     /// It exists.
-    Present(Instance),
+    Present(Box<Instance>),
     /// The lookup failed; nothing can be concluded.
     Unknown,
 }
@@ -103,12 +100,18 @@ pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers:
         (Fact::SpecInvalidReported, spec_invalid_reported),
         (Fact::SpecChanged, spec_changed),
         (Fact::ProviderDown, o.provider_down.is_some()),
-        (Fact::ProviderDownReported, record.ready_reason == reason::PROVIDER_UNAVAILABLE),
+        (
+            Fact::ProviderDownReported,
+            record.ready_reason == reason::PROVIDER_UNAVAILABLE,
+        ),
         (Fact::InstancePresent, instance_present),
         (Fact::InstanceMissing, instance_missing),
         (Fact::InstanceRunning, instance_running),
         (Fact::RunningReported, record.instance_running),
-        (Fact::HealthPassing, matches!(o.health, HealthVerdict::Passing { .. })),
+        (
+            Fact::HealthPassing,
+            matches!(o.health, HealthVerdict::Passing { .. }),
+        ),
         (Fact::HealthFailing, o.health == HealthVerdict::Failing),
         (Fact::LeasesActive, o.active_leases > 0),
         (Fact::RetryDue, retry_due),

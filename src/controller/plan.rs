@@ -87,7 +87,10 @@ impl fmt::Display for Planned {
                 }
             }
             Planned::RecordEvent { reason, message } => write!(f, "record_event({reason}: {message:?})"),
-            Planned::ScheduleRetry { attempts, next_attempt } => {
+            Planned::ScheduleRetry {
+                attempts,
+                next_attempt,
+            } => {
                 write!(f, "schedule_retry(attempt {attempts}, next at {next_attempt})")
             }
             other => f.write_str(other.kind().as_str()),
@@ -134,7 +137,11 @@ pub struct Plan {
 
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} --{}--> {} ({})", self.from, self.event, self.to, self.reason)?;
+        write!(
+            f,
+            "{} --{}--> {} ({})",
+            self.from, self.event, self.to, self.reason
+        )?;
         for effect in &self.effects {
             write!(f, "\n  {effect}")?;
         }
@@ -218,7 +225,12 @@ fn add(now: Timestamp, delay: std::time::Duration) -> Timestamp {
 
 /// When the reconciler should look at this Proxy again, after a reconcile that ended in `record`
 /// (`None`: only a change wakes it).
-pub fn next_wake(record: &Record, now: Timestamp, timers: &crate::machine::Timers, spec_valid: bool) -> Option<std::time::Duration> {
+pub fn next_wake(
+    record: &Record,
+    now: Timestamp,
+    timers: &crate::machine::Timers,
+    spec_valid: bool,
+) -> Option<std::time::Duration> {
     let phase = record.state.phase();
     let retry = record.next_attempt.map(|at| policy::until(at, now));
     let timer = timers.remaining(&record.state, now);

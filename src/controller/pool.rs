@@ -101,7 +101,14 @@ impl Pools {
 
     /// The budget facts of `key` in `phase`. With `reserve`, a granted replacement budget marks
     /// `key` replacing at once (the end of its reconcile records its real phase).
-    pub fn facts(&self, key: &ProxyKey, provider: &str, phase: Phase, budgets: &Budgets, reserve: bool) -> PoolFacts {
+    pub fn facts(
+        &self,
+        key: &ProxyKey,
+        provider: &str,
+        phase: Phase,
+        budgets: &Budgets,
+        reserve: bool,
+    ) -> PoolFacts {
         let mut members = self.lock();
         let (mut total, mut unavailable_others, mut degraded) = (0u64, 0u64, 0u64);
         for (other, member) in members.iter() {
@@ -167,7 +174,12 @@ mod tests {
 
     fn pool(phases: &[Phase]) -> Pools {
         let pools = Pools::default();
-        pools.seed(phases.iter().enumerate().map(|(i, p)| (key(i), "kvm".to_owned(), *p)));
+        pools.seed(
+            phases
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (key(i), "kvm".to_owned(), *p)),
+        );
         pools
     }
 
@@ -176,27 +188,51 @@ mod tests {
         let pools = pool(&[Phase::Healthy; 20]);
         let budgets = Budgets::default();
         let granted: Vec<bool> = (0..20)
-            .map(|i| pools.facts(&key(i), "kvm", Phase::Healthy, &budgets, true).replacement_budget_left)
+            .map(|i| {
+                pools
+                    .facts(&key(i), "kvm", Phase::Healthy, &budgets, true)
+                    .replacement_budget_left
+            })
             .collect();
         assert_eq!(granted.iter().filter(|g| **g).count(), 5, "{granted:?}");
         // A proxy already unavailable may always be replaced: it takes nothing more down.
-        assert!(pools.facts(&key(0), "kvm", Phase::Replacing, &budgets, false).replacement_budget_left);
+        assert!(
+            pools
+                .facts(&key(0), "kvm", Phase::Replacing, &budgets, false)
+                .replacement_budget_left
+        );
         // Other pools are not affected.
-        assert!(pools.facts(&key(99), "other", Phase::Healthy, &budgets, false).replacement_budget_left);
+        assert!(
+            pools
+                .facts(&key(99), "other", Phase::Healthy, &budgets, false)
+                .replacement_budget_left
+        );
     }
 
     #[test]
     fn the_brake_holds_while_too_many_are_degraded() {
         let budgets = Budgets::default();
         let pools = pool(&[Phase::Degraded; 20]);
-        assert!(!pools.facts(&key(0), "kvm", Phase::Degraded, &budgets, false).remediation_allowed);
+        assert!(
+            !pools
+                .facts(&key(0), "kvm", Phase::Degraded, &budgets, false)
+                .remediation_allowed
+        );
         let mut phases = vec![Phase::Healthy; 20];
         phases[..8].fill(Phase::Degraded);
         let pools = pool(&phases);
-        assert!(pools.facts(&key(0), "kvm", Phase::Degraded, &budgets, false).remediation_allowed);
+        assert!(
+            pools
+                .facts(&key(0), "kvm", Phase::Degraded, &budgets, false)
+                .remediation_allowed
+        );
         phases[8] = Phase::Degraded;
         let pools = pool(&phases);
-        assert!(!pools.facts(&key(0), "kvm", Phase::Degraded, &budgets, false).remediation_allowed);
+        assert!(
+            !pools
+                .facts(&key(0), "kvm", Phase::Degraded, &budgets, false)
+                .remediation_allowed
+        );
     }
 
     #[test]

@@ -20,7 +20,9 @@ use crate::{
     api::Proxy,
     effects::{BackendError, HealthControl, HealthTarget, LeaseControl, ProxyBackend, ProxyKey, SecretError},
     machine::{AuditEntry, Backoff, Event, Fact, Outcome, Phase, Timers, decide, derive},
-    provider::{Credentials, Owner, ProviderError, ProviderRegistry, SharedProvider, UserData, instance_name},
+    provider::{
+        Credentials, Owner, ProviderError, ProviderRegistry, SharedProvider, UserData, instance_name,
+    },
 };
 
 /// Rounds one reconcile may run before it yields (and requeues at once): each round changes the
@@ -200,7 +202,8 @@ impl<B: ProxyBackend> Reconciler<B> {
             name: key.name.clone(),
         };
         let previous = proxy.status.clone().unwrap_or_default();
-        let mut record = Record::from_status(proxy.status.as_ref(), now).map_err(ReconcileError::UnreadableStatus)?;
+        let mut record =
+            Record::from_status(proxy.status.as_ref(), now).map_err(ReconcileError::UnreadableStatus)?;
         let mut finalizer = proxy.finalizers().iter().any(|f| f == FINALIZER);
         let started_with_finalizer = finalizer;
 
@@ -225,9 +228,12 @@ impl<B: ProxyBackend> Reconciler<B> {
             owner: &owner,
             provider_name,
             provider: provider.as_ref(),
-            resolved: resolved.as_ref().map_err(|_| problem_text.as_deref().unwrap_or_default()),
+            resolved: resolved
+                .as_ref()
+                .map_err(|_| problem_text.as_deref().unwrap_or_default()),
         };
-        let mut spec_edited = proxy.metadata.generation != previous.observed_generation && proxy.status.is_some();
+        let mut spec_edited =
+            proxy.metadata.generation != previous.observed_generation && proxy.status.is_some();
 
         let mut audit = Vec::new();
         let mut plans = Vec::new();
@@ -236,7 +242,16 @@ impl<B: ProxyBackend> Reconciler<B> {
         for _round in 0..MAX_ROUNDS {
             // --- observe: the world, every round (effects change it) -----------------------------
             let observation = self
-                .observe(proxy, &key, &record, &context, &resolved, spec_edited, finalizer, now)
+                .observe(
+                    proxy,
+                    &key,
+                    &record,
+                    &context,
+                    &resolved,
+                    spec_edited,
+                    finalizer,
+                    now,
+                )
                 .await;
             let facts = facts(&observation, &record, now, &self.config.timers);
             // --- derive ----------------------------------------------------------------------
@@ -270,7 +285,8 @@ impl<B: ProxyBackend> Reconciler<B> {
                         jitter: fastrand::f64(),
                     },
                 );
-                let Some(entry) = AuditEntry::from_decision(&decision, now, occurrence.cause.as_deref()) else {
+                let Some(entry) = AuditEntry::from_decision(&decision, now, occurrence.cause.as_deref())
+                else {
                     continue;
                 };
                 debug!(proxy = %key, transition = %entry.arrow(), reason = %entry.reason, "transition");
@@ -279,7 +295,9 @@ impl<B: ProxyBackend> Reconciler<B> {
                     record.last_health_check_time = Some(now);
                 }
                 for effect in &planned.effects {
-                    let raised = self.execute(effect, &context, &mut record, &mut finalizer, &entry).await?;
+                    let raised = self
+                        .execute(effect, &context, &mut record, &mut finalizer, &entry)
+                        .await?;
                     queue.extend(raised);
                 }
                 audit.push(entry);
@@ -337,7 +355,9 @@ impl<B: ProxyBackend> Reconciler<B> {
         finalizer: bool,
         now: Timestamp,
     ) -> Observation {
-        let mut provider_down = cx.provider.and_then(|_| self.availability.down_reason(cx.provider_name));
+        let mut provider_down = cx
+            .provider
+            .and_then(|_| self.availability.down_reason(cx.provider_name));
         let instance = match cx.provider {
             Some(provider) if needs_instance(record.state.phase()) => {
                 self.look_up(provider, cx.instance, key, &mut provider_down).await
@@ -364,9 +384,9 @@ impl<B: ProxyBackend> Reconciler<B> {
         let phase = record.state.phase();
         let replacing_soon = unbudgeted.get(Fact::SpecChanged)
             || (phase == Phase::Degraded && unbudgeted.get(Fact::TimerExpired));
-        observation.pool = self
-            .pools
-            .facts(key, cx.provider_name, phase, &self.config.budgets, replacing_soon);
+        observation.pool =
+            self.pools
+                .facts(key, cx.provider_name, phase, &self.config.budgets, replacing_soon);
         observation
     }
 
@@ -378,7 +398,7 @@ impl<B: ProxyBackend> Reconciler<B> {
         provider_down: &mut Option<String>,
     ) -> InstanceObservation {
         match provider.get(instance).await {
-            Ok(found) => InstanceObservation::Present(found),
+            Ok(found) => InstanceObservation::Present(Box::new(found)),
             Err(ProviderError::NotFound(_)) => InstanceObservation::Missing,
             Err(ProviderError::Unavailable(reason)) => {
                 provider_down.get_or_insert(reason);

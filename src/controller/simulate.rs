@@ -50,8 +50,8 @@ use crate::{
     },
     machine::{AuditEntry, Phase, audit},
     provider::{
-        Credentials, Endpoint, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
-        ProviderId, ProviderRegistry, UserData,
+        Credentials, Endpoint, Instance, InstanceRequest, InstanceState, ProbeReport, Provider,
+        ProviderError, ProviderId, ProviderRegistry, UserData,
     },
 };
 
@@ -272,19 +272,28 @@ impl Scenario {
             path: path.to_owned(),
             message,
         };
-        for (field, phase) in [("start.phase", &self.start.phase), ("expect.end", &self.expect.end)] {
+        for (field, phase) in [
+            ("start.phase", &self.start.phase),
+            ("expect.end", &self.expect.end),
+        ] {
             if let Some(phase) = phase
                 && Phase::from_name(phase).is_none()
             {
                 let known: Vec<&str> = Phase::ALL.iter().map(|p| p.as_str()).collect();
-                return Err(invalid(format!("{field}: unknown phase `{phase}`; known phases: {}", known.join(", "))));
+                return Err(invalid(format!(
+                    "{field}: unknown phase `{phase}`; known phases: {}",
+                    known.join(", ")
+                )));
             }
         }
         let mut previous = 0;
         for (i, step) in self.steps.iter().enumerate() {
             let n = i + 1;
             if step.at < previous {
-                return Err(invalid(format!("step {n}: at {}s is before the previous step's {previous}s", step.at)));
+                return Err(invalid(format!(
+                    "step {n}: at {}s is before the previous step's {previous}s",
+                    step.at
+                )));
             }
             previous = step.at;
             for (effect, failure) in &step.fail {
@@ -293,7 +302,10 @@ impl Scenario {
                         "step {n}: `fail` names `{effect}`; only create_instance and delete_instance can fail"
                     )));
                 }
-                if !matches!(failure.kind.as_str(), "transient" | "permanent" | "rejected" | "unavailable") {
+                if !matches!(
+                    failure.kind.as_str(),
+                    "transient" | "permanent" | "rejected" | "unavailable"
+                ) {
                     return Err(invalid(format!(
                         "step {n}: failure kind `{}`; use transient, permanent, rejected or unavailable",
                         failure.kind
@@ -304,7 +316,11 @@ impl Scenario {
             for (field, value, allowed) in [
                 ("health", &world.health, &["passing", "failing", "unknown"][..]),
                 ("provider", &world.provider, &["up", "down"][..]),
-                ("instance", &world.instance, &["running", "starting", "vanished"][..]),
+                (
+                    "instance",
+                    &world.instance,
+                    &["running", "starting", "vanished"][..],
+                ),
             ] {
                 if let Some(value) = value
                     && !allowed.contains(&value.as_str())
@@ -341,8 +357,12 @@ impl Scenario {
         // Deterministic trails: no jitter in scenarios.
         config.backoff.jitter = 0.0;
         config.budgets = Budgets {
-            max_unavailable_percent: c.max_unavailable_percent.unwrap_or(config.budgets.max_unavailable_percent),
-            max_unhealthy_percent: c.max_unhealthy_percent.unwrap_or(config.budgets.max_unhealthy_percent),
+            max_unavailable_percent: c
+                .max_unavailable_percent
+                .unwrap_or(config.budgets.max_unavailable_percent),
+            max_unhealthy_percent: c
+                .max_unhealthy_percent
+                .unwrap_or(config.budgets.max_unhealthy_percent),
         };
         config
     }
@@ -396,18 +416,26 @@ impl Scenario {
         let mut steps = Vec::new();
         for step in &self.steps {
             let at = EPOCH
-                .checked_add(jiff::SignedDuration::from_secs(i64::try_from(step.at).unwrap_or(i64::MAX)))
+                .checked_add(jiff::SignedDuration::from_secs(
+                    i64::try_from(step.at).unwrap_or(i64::MAX),
+                ))
                 .unwrap_or(Timestamp::MAX);
             let changes = world.apply(step, at, &mut proxy, reconciler.pools());
             if let Some(provider) = &step.world.provider {
-                availability.set(PROVIDER, (provider == "down").then(|| "the provider is down".to_owned()));
+                availability.set(
+                    PROVIDER,
+                    (provider == "down").then(|| "the provider is down".to_owned()),
+                );
             }
             sync_proxy(&world, &mut proxy);
-            let outcome = reconciler.reconcile(&proxy).await.map_err(|err| ScenarioError::Reconcile {
-                name: self.name.clone(),
-                at: step.at,
-                message: err.to_string(),
-            })?;
+            let outcome = reconciler
+                .reconcile(&proxy)
+                .await
+                .map_err(|err| ScenarioError::Reconcile {
+                    name: self.name.clone(),
+                    at: step.at,
+                    message: err.to_string(),
+                })?;
             if !step.crash
                 && let Some(status) = world.lock().written.take()
             {
@@ -516,10 +544,18 @@ impl Replay {
                 .collect();
             out.push_str(&audit::render_lines(&lines));
             let wake = match step.wake {
-                Some(d) => format!("looks again in {}", audit::format_offset(i64::try_from(d.as_secs()).unwrap_or(i64::MAX)).trim_start_matches('+')),
+                Some(d) => format!(
+                    "looks again in {}",
+                    audit::format_offset(i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+                        .trim_start_matches('+')
+                ),
                 None => "waits for a change".to_owned(),
             };
-            let crash = if step.crashed { "  CRASH: the status write is lost" } else { "" };
+            let crash = if step.crashed {
+                "  CRASH: the status write is lost"
+            } else {
+                ""
+            };
             out.push_str(&format!("      => {}; {wake}{crash}\n", step.phase));
         }
         out.push_str(&format!("\nend: {}\n", self.end()));
@@ -591,7 +627,13 @@ impl World {
     }
 
     /// Applies a step's changes; returns them as text for the trail.
-    fn apply(&self, step: &SimStep, at: Timestamp, proxy: &mut Proxy, pools: &super::pool::Pools) -> Vec<String> {
+    fn apply(
+        &self,
+        step: &SimStep,
+        at: Timestamp,
+        proxy: &mut Proxy,
+        pools: &super::pool::Pools,
+    ) -> Vec<String> {
         let mut w = self.lock();
         w.now = at;
         let mut changes = Vec::new();
@@ -719,7 +761,7 @@ fn sim_proxy() -> Proxy {
         "provider": PROVIDER,
         "cloudInit": {"secretRef": {"name": "sim-cloud-init"}},
     }))
-        .unwrap_or_else(|err| unreachable!("a literal minimal spec parses: {err}"));
+    .unwrap_or_else(|err| unreachable!("a literal minimal spec parses: {err}"));
     Proxy {
         metadata: ObjectMeta {
             name: Some("proxy".to_owned()),

@@ -61,7 +61,8 @@ impl Record {
         let state = match status.phase.as_deref() {
             None => State::new(Phase::INITIAL, now),
             Some(name) => {
-                let phase = Phase::from_name(name).ok_or_else(|| format!("unknown phase {name:?} in status"))?;
+                let phase =
+                    Phase::from_name(name).ok_or_else(|| format!("unknown phase {name:?} in status"))?;
                 State::new(phase, status.phase_since.as_ref().map_or(now, |t| t.0))
             }
         };
@@ -71,7 +72,9 @@ impl Record {
             state,
             ready_reason: ready.map_or_else(|| "Accepted".to_owned(), |c| c.reason.clone()),
             ready_message: ready.map(|c| c.message.clone()).unwrap_or_default(),
-            spec_problem: spec_valid.filter(|c| c.status == "False").map(|c| c.message.clone()),
+            spec_problem: spec_valid
+                .filter(|c| c.status == "False")
+                .map(|c| c.message.clone()),
             provider_id: status.provider_id.clone(),
             endpoint: status.endpoint.clone(),
             spec_hash: status.spec_hash.clone(),
@@ -140,12 +143,18 @@ impl Record {
             make(SPEC_VALID, spec_valid, spec_reason, spec_message),
         ];
         if phase == Phase::Degraded && self.ready_reason == reason::REMEDIATION_PAUSED {
-            conditions.push(make(REMEDIATION_PAUSED, "True", reason::REMEDIATION_PAUSED, &self.ready_message));
+            conditions.push(make(
+                REMEDIATION_PAUSED,
+                "True",
+                reason::REMEDIATION_PAUSED,
+                &self.ready_message,
+            ));
         }
         ProxyStatus {
             phase: Some(phase.as_str().to_owned()),
             phase_since: Some(Time(self.state.since())),
-            retry_attempts: (self.retry_attempts > 0).then(|| i32::try_from(self.retry_attempts).unwrap_or(i32::MAX)),
+            retry_attempts: (self.retry_attempts > 0)
+                .then(|| i32::try_from(self.retry_attempts).unwrap_or(i32::MAX)),
             next_attempt_time: self.next_attempt.map(Time),
             conditions,
             observed_generation: generation,
@@ -210,7 +219,10 @@ mod tests {
         record.next_attempt = Some(t(30));
         record.instance_running = true;
         let status = record.to_status(&ProxyStatus::default(), Some(3), t(6));
-        assert_eq!(Record::from_status(Some(&status), t(99)).expect("readable"), record);
+        assert_eq!(
+            Record::from_status(Some(&status), t(99)).expect("readable"),
+            record
+        );
     }
 
     #[test]

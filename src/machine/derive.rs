@@ -6,7 +6,7 @@
 //! table in which a state declares a fact-raised event `invalid`, so derive can only yield events
 //! the state has rows for; `tests/machine_properties.rs` checks that over every fact combination.
 
-use super::table::{Event, Facts, Phase, EVENTS, state_info};
+use super::table::{EVENTS, Event, Facts, Phase, state_info};
 
 /// The highest-priority event `facts` raise that `phase` handles with a row, if any.
 pub fn derive(phase: Phase, facts: Facts) -> Option<Event> {

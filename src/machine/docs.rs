@@ -82,7 +82,10 @@ pub fn render_markdown() -> String {
     let _ = writeln!(w, "| State | Timer | Meaning |");
     let _ = writeln!(w, "|---|---|---|");
     for phase in Phase::ALL {
-        let data = phase.timer().map(|t| format!("`{t}`", t = t.as_str())).unwrap_or_default();
+        let data = phase
+            .timer()
+            .map(|t| format!("`{t}`", t = t.as_str()))
+            .unwrap_or_default();
         let marker = if phase.is_final() {
             " (final)"
         } else if phase == Phase::INITIAL {

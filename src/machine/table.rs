@@ -93,7 +93,11 @@ impl std::fmt::Display for Literal {
 
 /// Literals as the table writes them: `a, not b`.
 pub fn format_literals(literals: &[Literal]) -> String {
-    literals.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    literals
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// One transition row of the table.

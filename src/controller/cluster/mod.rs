@@ -23,12 +23,11 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api, Client, ResourceExt,
     runtime::{
-        Controller, WatchStreamExt,
+        Controller, PredicateConfig, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
         events::{Recorder, Reporter},
         reflector::{self, ObjectRef},
         watcher::{self, watcher},
-        PredicateConfig,
     },
 };
 use tokio::sync::watch;
@@ -244,24 +243,30 @@ pub fn proxy_changed(proxy: &Proxy) -> Option<u64> {
 }
 
 async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {
-    if !context.pools_seeded.swap(true, std::sync::atomic::Ordering::SeqCst) {
+    if !context
+        .pools_seeded
+        .swap(true, std::sync::atomic::Ordering::SeqCst)
+    {
         // The pool budgets count every Proxy, not only the ones reconciled so far.
-        context.reconciler.pools().seed(context.proxies.state().iter().map(|p| {
-            let phase = p
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.as_deref())
-                .and_then(crate::machine::Phase::from_name)
-                .unwrap_or(crate::machine::Phase::INITIAL);
-            (
-                ProxyKey {
-                    namespace: p.namespace().unwrap_or_default(),
-                    name: p.name_any(),
-                },
-                p.spec.provider.clone(),
-                phase,
-            )
-        }));
+        context
+            .reconciler
+            .pools()
+            .seed(context.proxies.state().iter().map(|p| {
+                let phase = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.phase.as_deref())
+                    .and_then(crate::machine::Phase::from_name)
+                    .unwrap_or(crate::machine::Phase::INITIAL);
+                (
+                    ProxyKey {
+                        namespace: p.namespace().unwrap_or_default(),
+                        name: p.name_any(),
+                    },
+                    p.spec.provider.clone(),
+                    phase,
+                )
+            }));
     }
     let started = std::time::Instant::now();
     // The reconciler opens the `reconcile` span itself (standalone mode gets it too).
