@@ -77,6 +77,12 @@ enum Command {
         /// This replica's identity.
         #[arg(long, env = "POD_NAME", default_value = "egress-proxies-operator")]
         identity: String,
+        /// This installation's name in the cluster: with the cluster's identity (the
+        /// kube-system namespace's UID) it is stamped on every instance, and orphan GC and
+        /// adoption act only on instances carrying both. Give each installation sharing a
+        /// backend its own.
+        #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-operator")]
+        installation_name: String,
         /// Admin server address (/healthz, /readyz, /metrics).
         #[arg(long, default_value = "0.0.0.0:8081")]
         admin_listen: std::net::SocketAddr,
@@ -127,6 +133,10 @@ enum Command {
         #[arg(long, value_name = "SECONDS", default_value_t = 600,
               value_parser = clap::value_parser!(u64).range(1..))]
         provisioning_timeout: u64,
+        /// This installation's name: with the state folder's generated ID it is stamped on
+        /// every instance, and orphan GC and adoption act only on instances carrying both.
+        #[arg(long, default_value = "standalone")]
+        installation_name: String,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         json_logs: bool,
@@ -244,10 +254,12 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             listen,
             tokens,
             provisioning_timeout,
+            installation_name,
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
             let options = app::StandaloneOptions {
+                installation_name,
                 manifests,
                 providers_config,
                 state,
@@ -274,6 +286,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             provisioning_timeout,
             system_namespace,
             identity,
+            installation_name,
             admin_listen,
             discovery_listen,
             tokens,
@@ -292,6 +305,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 provisioning_timeout: std::time::Duration::from_secs(provisioning_timeout),
                 system_namespace,
                 identity,
+                installation_name,
                 admin_listen,
                 discovery_listen,
                 tokens,

@@ -46,6 +46,7 @@ pub fn local_cluster(
         provisioning_timeout: Duration::from_secs(600),
         system_namespace: "egress-proxies-system".into(),
         identity: "test-replica".into(),
+        installation_name: "egress-proxies-system".into(),
         admin_listen: admin,
         discovery_listen: discovery,
         tokens: dir.join("tokens"),
