@@ -111,6 +111,11 @@ pub fn installation_id(state: &std::path::Path) -> Result<String, AppError> {
     Ok(id)
 }
 
+/// The tokens file standalone mode creates when none is given.
+pub fn default_tokens_file(state: &std::path::Path) -> PathBuf {
+    state.join("discovery-tokens")
+}
+
 /// Runs standalone mode until `shutdown` resolves.
 pub async fn run_standalone(
     options: StandaloneOptions,
