@@ -4,6 +4,11 @@
 //!   orphan's domain and volumes go; an instance whose create is in flight, an instance whose
 //!   owner lives, one of unknown ownership and a `kvm` domain on the same daemon stay.
 //! - `local` (real Squid): a true orphan's Squid stops and its folder goes; the others stay.
+//! - two installations (two clusters, each with its own API server) sharing one backend —
+//!   `kvm2` on libvirt's test driver, `local` on one stateDir with real Squid — run GC side by
+//!   side: each collects its own orphans, neither deletes, adopts, returns or supervises the
+//!   other's instances, and a legacy-stamped instance is adopted only by the installation
+//!   where its owner lives.
 //! - the `run` binary in namespace-restricted mode: GC is off and says so; with
 //!   `--gc-allow-namespaced` it judges only the watched namespace; `--gc-dry-run` only logs.
 
@@ -31,8 +36,9 @@ use egress_proxies_operator::{
     api::Proxy,
     gc::{GcConfig, GcReport, KubeLiveOwners, collect, gc_enabled},
     provider::{
-        Instance, InstanceRequest, Owner, Provider, ProviderRegistry, instance_name, kvm::KvmProvider,
-        kvm2::Kvm2Provider, libvirt::KVM2_NAMESPACE, local::LocalProvider,
+        Installation, Instance, InstanceRequest, Owner, Provider, ProviderError, ProviderRegistry,
+        instance_name, kvm::KvmProvider, kvm2::Kvm2Provider, libvirt::KVM2_NAMESPACE,
+        local::LocalProvider,
     },
 };
 use jiff::{SignedDuration, Timestamp};
@@ -40,7 +46,7 @@ use kube::{
     Api,
     api::{DeleteParams, PostParams},
 };
-use libvirt_requests::{request, settings, user_network};
+use libvirt_requests::{request, settings, test_driver, user_network};
 use libvirtd::PrivateLibvirtd;
 use serde_json::json;
 use support::{
@@ -290,6 +296,294 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
         local.delete(&instance.id.native_id).await.expect("clean up");
     }
     other.delete(&foreign.id.native_id).await.expect("clean up");
+}
+
+// --- two installations sharing one backend -------------------------------------------------------
+
+/// Two clusters' installations: distinct cluster IDs (as two kube-system UIDs would be).
+fn installations() -> (Installation, Installation) {
+    let cluster = || format!("{:016x}", fastrand::u64(..));
+    (
+        Installation::new(cluster(), "egress-proxies-system"),
+        Installation::new(cluster(), "egress-proxies-system"),
+    )
+}
+
+/// A pass time at which every one of `instances` is older than `GRACE`.
+fn after_grace(instances: &[&Instance]) -> Timestamp {
+    let newest = instances
+        .iter()
+        .map(|i| i.created_at)
+        .max()
+        .expect("some instances");
+    newest + SignedDuration::try_from(GRACE).expect("small")
+}
+
+fn registry_of(provider: Arc<dyn Provider>) -> ProviderRegistry {
+    let mut registry = ProviderRegistry::new();
+    registry.insert(provider);
+    registry
+}
+
+fn sorted(mut ids: Vec<String>) -> Vec<String> {
+    ids.sort();
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_their_own() {
+    const URI: &str = "test:///default";
+    const POOL: &str = "default-pool";
+    let connection = test_driver(URI, POOL);
+    let (prod_id, staging_id) = installations();
+    // The same providers config in both clusters: the same provider instance name.
+    let prod = Arc::new(
+        Kvm2Provider::new("kvm2", settings(URI, POOL, Default::default())).with_installation(prod_id.clone()),
+    );
+    let staging = Arc::new(
+        Kvm2Provider::new("kvm2", settings(URI, POOL, Default::default()))
+            .with_installation(staging_id.clone()),
+    );
+    let prod_cluster = FakeApiServer::start().await;
+    let staging_cluster = FakeApiServer::start().await;
+
+    let live = async |server: &FakeApiServer, name: &str| Owner {
+        uid: live_proxy(server, "crawl", name, "kvm2").await,
+        namespace: "crawl".into(),
+        name: name.into(),
+    };
+    let prod_alive = prod
+        .create(&owned_by(request("p-alive"), live(&prod_cluster, "p-alive").await))
+        .await
+        .expect("create");
+    let prod_orphan = prod.create(&request("p-orphan")).await.expect("create");
+    let staging_alive = staging
+        .create(&owned_by(request("s-alive"), live(&staging_cluster, "s-alive").await))
+        .await
+        .expect("create");
+    let staging_orphan = staging.create(&request("s-orphan")).await.expect("create");
+    for (instance, installation) in [
+        (&prod_alive, &prod_id),
+        (&prod_orphan, &prod_id),
+        (&staging_alive, &staging_id),
+        (&staging_orphan, &staging_id),
+    ] {
+        assert_eq!(instance.installation.as_ref(), Some(installation), "stamped on create");
+    }
+
+    // Domains stamped in today's format (no installation): one whose owner lives in prod, one
+    // whose owner lives nowhere.
+    let legacy_owner = live(&prod_cluster, "legacy").await;
+    let legacy = instance_name(&legacy_owner.namespace, &legacy_owner.name, &legacy_owner.uid);
+    let legacy_orphan = format!("epo-crawl-legacy-orphan-{:08x}", fastrand::u32(..));
+    let stamp_created = prod_orphan.created_at - SignedDuration::from_hours(1);
+    for (name, uid, proxy) in [
+        (&legacy, legacy_owner.uid.as_str(), "legacy"),
+        (&legacy_orphan, "never-lived", "legacy-orphan"),
+    ] {
+        connection
+            .define_domain_xml(&format!(
+                "<domain type='test'><name>{name}</name><memory unit='MiB'>64</memory>\
+                 <os><type arch='x86_64'>hvm</type></os><metadata>\
+                 <epo:owner xmlns:epo='{KVM2_NAMESPACE}' provider='kvm2' uid='{uid}' \
+                 namespace='crawl' name='{proxy}' specHash='h' createdAt='{stamp_created}' port='3128'/>\
+                 </metadata></domain>"
+            ))
+            .expect("define a legacy-stamped domain");
+    }
+    let id = |name: &str| format!("kvm2/kvm2/{name}");
+
+    let now = after_grace(&[&prod_alive, &prod_orphan, &staging_alive, &staging_orphan]);
+    let prod_registry = registry_of(prod.clone());
+    let staging_registry = registry_of(staging.clone());
+    let prod_owners = KubeLiveOwners::new(prod_cluster.client());
+    let staging_owners = KubeLiveOwners::new(staging_cluster.client());
+    let gc = config(false);
+    let (prod_report, staging_report) = tokio::join!(
+        collect(&prod_registry, &prod_owners, &gc, now),
+        collect(&staging_registry, &staging_owners, &gc, now),
+    );
+
+    assert_eq!(prod_report.collected, [prod_orphan.id.to_string()], "{prod_report:?}");
+    assert_eq!(staging_report.collected, [staging_orphan.id.to_string()], "{staging_report:?}");
+    assert!(staging_report.foreign.contains(&prod_alive.id.to_string()));
+    assert!(prod_report.foreign.contains(&staging_alive.id.to_string()));
+    assert_eq!(prod_report.adopted, [id(&legacy)], "prod, where its owner lives, adopts it");
+    assert_eq!(prod_report.legacy, [id(&legacy_orphan)]);
+    assert!(staging_report.adopted.is_empty());
+    assert!(staging_report.legacy.contains(&id(&legacy_orphan)));
+    // The passes ran side by side: staging listed the legacy domain either before prod's
+    // adoption (legacy, owner not live in staging) or after it (prod's): never collected.
+    assert!(
+        staging_report.legacy.contains(&id(&legacy)) || staging_report.foreign.contains(&id(&legacy)),
+        "{staging_report:?}"
+    );
+
+    let domains: HashSet<String> = connection
+        .list_all_domains(0)
+        .expect("domains")
+        .iter()
+        .map(|d| d.name().expect("name"))
+        .collect();
+    assert!(!domains.contains(&prod_orphan.id.native_id));
+    assert!(!domains.contains(&staging_orphan.id.native_id));
+    for kept in [
+        &prod_alive.id.native_id,
+        &staging_alive.id.native_id,
+        &legacy,
+        &legacy_orphan,
+    ] {
+        assert!(domains.contains(kept), "{kept} must stay: {domains:?}");
+    }
+    let adopted = prod.get(&legacy).await.expect("prod's now");
+    assert_eq!(adopted.installation, Some(prod_id.clone()), "restamped");
+
+    // A second pass: the adopted domain is prod's like any other; staging now counts it as
+    // foreign; still nobody touches anything live-owned.
+    let (prod_report, staging_report) = tokio::join!(
+        collect(&prod_registry, &prod_owners, &gc, now),
+        collect(&staging_registry, &staging_owners, &gc, now),
+    );
+    assert!(prod_report.collected.is_empty() && staging_report.collected.is_empty());
+    assert!(prod_report.adopted.is_empty(), "adopted once");
+    assert_eq!(
+        sorted(staging_report.foreign),
+        sorted(vec![prod_alive.id.to_string(), id(&legacy)])
+    );
+    assert_eq!(prod_report.foreign, [staging_alive.id.to_string()]);
+
+    // Neither installation returns, adopts, re-creates or deletes the other's instances.
+    assert!(matches!(
+        staging.get(&prod_alive.id.native_id).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    let prod_request = owned_by(request("p-alive"), prod_alive.owner.clone().expect("owner"));
+    match staging.create(&prod_request).await {
+        Err(ProviderError::Misconfigured(message)) => {
+            assert!(message.contains("belongs to installation"), "{message}")
+        }
+        other => panic!("staging must not take over prod's domain: {other:?}"),
+    }
+    assert!(staging.adopt(&legacy).await.is_err(), "already prod's");
+    staging
+        .delete(&prod_alive.id.native_id)
+        .await
+        .expect("nothing of staging's to delete");
+    assert_eq!(
+        prod.get(&prod_alive.id.native_id).await.expect("still there").installation,
+        Some(prod_id)
+    );
+
+    for name in [&prod_alive.id.native_id, &legacy, &legacy_orphan] {
+        prod.delete(name).await.expect("clean up");
+    }
+    staging
+        .delete(&staging_alive.id.native_id)
+        .await
+        .expect("clean up");
+    // The legacy orphan carried no installation, so prod could delete it explicitly.
+    assert!(
+        connection
+            .lookup_domain_by_name(&legacy_orphan)
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squids() {
+    let state = StateDir::new();
+    let (prod_id, staging_id) = installations();
+    let prod = Arc::new(LocalProvider::for_installation(prod_id.clone(), "local", state.settings()).expect("settings"));
+    let staging =
+        Arc::new(LocalProvider::for_installation(staging_id.clone(), "local", state.settings()).expect("settings"));
+    let prod_cluster = FakeApiServer::start().await;
+    let staging_cluster = FakeApiServer::start().await;
+    let live = async |server: &FakeApiServer, name: &str| Owner {
+        uid: live_proxy(server, "crawl", name, "local").await,
+        namespace: "crawl".into(),
+        name: name.into(),
+    };
+
+    let prod_alive = create_local(&prod, plain_request(live(&prod_cluster, "p-alive").await, free_port())).await;
+    let prod_orphan = create_local(&prod, plain_request(local_owner("crawl", "p-orphan"), free_port())).await;
+    let staging_alive =
+        create_local(&staging, plain_request(live(&staging_cluster, "s-alive").await, free_port())).await;
+    let staging_orphan =
+        create_local(&staging, plain_request(local_owner("crawl", "s-orphan"), free_port())).await;
+    // Made before installations were recorded: its owner record names none. Its owner lives
+    // in staging.
+    let legacy = create_local(
+        &staging,
+        plain_request(live(&staging_cluster, "legacy").await, free_port()),
+    )
+    .await;
+    let owner_file = staging.instance_dir(&legacy.id.native_id).join("owner.json");
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&owner_file).expect("owner record")).expect("JSON");
+    record.as_object_mut().expect("object").remove("installation");
+    std::fs::write(&owner_file, serde_json::to_vec(&record).expect("JSON")).expect("legacy record");
+    assert_eq!(staging.get(&legacy.id.native_id).await.expect("legacy").installation, None);
+
+    let now = after_grace(&[&prod_alive, &prod_orphan, &staging_alive, &staging_orphan, &legacy]);
+    let prod_registry = registry_of(prod.clone());
+    let staging_registry = registry_of(staging.clone());
+    let prod_owners = KubeLiveOwners::new(prod_cluster.client());
+    let staging_owners = KubeLiveOwners::new(staging_cluster.client());
+    let gc = config(false);
+    let (prod_report, staging_report) = tokio::join!(
+        collect(&prod_registry, &prod_owners, &gc, now),
+        collect(&staging_registry, &staging_owners, &gc, now),
+    );
+    assert_eq!(prod_report.collected, [prod_orphan.id.to_string()], "{prod_report:?}");
+    assert_eq!(staging_report.collected, [staging_orphan.id.to_string()], "{staging_report:?}");
+    assert_eq!(staging_report.adopted, [legacy.id.to_string()]);
+    assert!(prod_report.adopted.is_empty(), "its owner does not live in prod");
+    assert!(prod_report.foreign.contains(&staging_alive.id.to_string()));
+    assert!(staging_report.foreign.contains(&prod_alive.id.to_string()));
+    assert_eq!(
+        staging.get(&legacy.id.native_id).await.expect("adopted").installation,
+        Some(staging_id)
+    );
+
+    for gone in [&prod_orphan, &staging_orphan] {
+        let dir = state.path().join(&gone.id.native_id);
+        assert!(!dir.exists(), "{} removed", gone.id);
+        assert!(
+            eventually(DEADLINE, async || squids_under(&dir).is_empty()).await,
+            "{}'s Squid is stopped",
+            gone.id
+        );
+    }
+    for kept in [&prod_alive, &staging_alive, &legacy] {
+        assert_eq!(
+            squids_under(&state.path().join(&kept.id.native_id)).len(),
+            1,
+            "{} keeps running",
+            kept.id
+        );
+    }
+
+    // Neither returns, re-creates or deletes the other's; nor restarts the other's dead Squid.
+    assert!(matches!(
+        prod.get(&staging_alive.id.native_id).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    let staging_request = plain_request(staging_alive.owner.clone().expect("owner"), free_port());
+    assert!(matches!(
+        prod.create(&staging_request).await,
+        Err(ProviderError::Misconfigured(_))
+    ));
+    prod.delete(&staging_alive.id.native_id).await.expect("nothing of prod's");
+    assert_eq!(squids_under(&state.path().join(&staging_alive.id.native_id)).len(), 1);
+    let listed: Vec<String> = prod.list().await.expect("list").into_iter().map(|i| i.id.native_id).collect();
+    assert!(listed.contains(&staging_alive.id.native_id), "list reports every instance: {listed:?}");
+
+    for instance in [&prod_alive] {
+        prod.delete(&instance.id.native_id).await.expect("clean up");
+    }
+    for instance in [&staging_alive, &legacy] {
+        staging.delete(&instance.id.native_id).await.expect("clean up");
+    }
 }
 
 // --- the binary in namespace-restricted mode ---------------------------------------------------

@@ -680,7 +680,7 @@ impl Provider for KvmProvider {
         };
         let (stamp, changed) = libvirt::adoption_stamp(name, stamp, &self.installation)?;
         if changed {
-            let xml = stamp.to_xml(KVM_NAMESPACE);
+            let xml = stamp.to_element();
             let mut args = vec![
                 "metadata",
                 "--domain",

@@ -291,7 +291,7 @@ impl Session {
         domain
             .set_metadata(
                 sys::VIR_DOMAIN_METADATA_ELEMENT as i32,
-                Some(&stamp.to_xml(KVM2_NAMESPACE)),
+                Some(&stamp.to_element()),
                 Some(libvirt::STAMP_PREFIX),
                 Some(KVM2_NAMESPACE),
                 flags,

@@ -122,10 +122,23 @@ impl Stamp {
 
     /// The stamp as an element in `namespace`, for a domain's `<metadata>`.
     pub fn to_xml(&self, namespace: &str) -> String {
-        let mut xml = format!(
-            "<{STAMP_PREFIX}:{STAMP_ELEMENT} xmlns:{STAMP_PREFIX}=\"{}\" provider=\"{}\" uid=\"{}\" \
-             namespace=\"{}\" name=\"{}\" specHash=\"{}\" createdAt=\"{}\" port=\"{}\"",
+        format!(
+            "<{STAMP_PREFIX}:{STAMP_ELEMENT} xmlns:{STAMP_PREFIX}=\"{}\"{}/>",
             escape(namespace),
+            self.attributes()
+        )
+    }
+
+    /// The stamp as a bare element, for `virDomainSetMetadata` (`virsh metadata --set`),
+    /// which puts it into the namespace itself and refuses an element that declares one.
+    pub fn to_element(&self) -> String {
+        format!("<{STAMP_ELEMENT}{}/>", self.attributes())
+    }
+
+    fn attributes(&self) -> String {
+        let mut xml = format!(
+            " provider=\"{}\" uid=\"{}\" namespace=\"{}\" name=\"{}\" specHash=\"{}\" createdAt=\"{}\" \
+             port=\"{}\"",
             escape(&self.provider_instance),
             escape(&self.owner.uid),
             escape(&self.owner.namespace),
@@ -148,7 +161,6 @@ impl Stamp {
         if let Some(forward) = &self.host_forward {
             let _ = write!(xml, " hostForward=\"{}\"", escape(&forward.to_string()));
         }
-        xml.push_str("/>");
         xml
     }
 
