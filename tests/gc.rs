@@ -34,6 +34,7 @@ use std::{
 
 use egress_proxies_operator::{
     api::Proxy,
+    app::cluster::cluster_identity,
     gc::{GcConfig, GcReport, KubeLiveOwners, collect, gc_enabled},
     provider::{
         Installation, Instance, InstanceRequest, Owner, Provider, ProviderError, ProviderRegistry,
@@ -607,7 +608,8 @@ impl Operator {
                     "--discovery-listen",
                     "127.0.0.1:0",
                 ])
-                .args(["--identity", "gc-test", "--gc-grace-seconds", "0"])
+                .args(["--identity", "gc-test", "--installation-name", "gc-test"])
+                .args(["--gc-grace-seconds", "0"])
                 .args(["--gc-interval-seconds", "1"])
                 .args(args)
                 .env_remove("KUBERNETES_SERVICE_HOST")
@@ -678,10 +680,29 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     std::fs::write(dir.path().join("tokens"), "gc-test-token-0123456789\n").expect("tokens");
     std::fs::write(dir.path().join("key"), "0123456789abcdef0123456789abcdef").expect("key");
 
-    // Orphans in the watched namespace and in another one, made before the operator runs; the
-    // provider object is dropped so only the operator's supervises them.
+    // Orphans in the watched namespace and in another one, made by this installation (the
+    // operator's: the API server's kube-system UID and `--installation-name`) before the
+    // operator runs; the provider object is dropped so only the operator's supervises them.
+    let this_installation = Installation::new(
+        cluster_identity(&server.client())
+            .await
+            .expect("the cluster identity"),
+        "gc-test",
+    );
+    let ours_provider = || {
+        LocalProvider::for_installation(this_installation.clone(), "local", state.settings()).expect("settings")
+    };
+    // And an orphan of another installation of this cluster sharing the stateDir.
+    let foreign = {
+        let other = Installation::new(this_installation.cluster_id.clone(), "another");
+        let local = LocalProvider::for_installation(other, "local", state.settings()).expect("settings");
+        create_local(&local, plain_request(local_owner("crawl", "foreign"), free_port()))
+            .await
+            .id
+            .native_id
+    };
     let (ours, theirs) = {
-        let local = LocalProvider::new("local", state.settings()).expect("settings");
+        let local = ours_provider();
         let ours = create_local(&local, plain_request(local_owner("crawl", "ours"), free_port())).await;
         let theirs = create_local(&local, plain_request(local_owner("other", "theirs"), free_port())).await;
         (ours.id.native_id, theirs.id.native_id)
@@ -749,8 +770,36 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     // The pass that deleted ours listed theirs too and left it.
     assert!(running(&theirs), "{}", operator.log());
     assert!(!operator.log().contains(&theirs));
+    // Another installation's orphan is left alone, and said so once, not at every pass: a
+    // second orphan of ours planted now is collected by a later pass.
+    let left_alone = |l: &str| l.contains("leaves alone an instance of another installation") && l.contains(&foreign);
+    operator.wait_log("the foreign instance left alone", left_alone).await;
+    let ours_again = create_local(
+        &ours_provider(),
+        plain_request(local_owner("crawl", "ours-again"), free_port()),
+    )
+    .await
+    .id
+    .native_id;
+    operator
+        .wait_log("the second orphan's deletion", |l| {
+            l.contains("deleted orphaned instance") && l.contains(&ours_again)
+        })
+        .await;
+    assert_eq!(
+        operator.log().lines().filter(|l| left_alone(l)).count(),
+        1,
+        "{}",
+        operator.log()
+    );
+    assert!(running(&foreign), "another installation's instance keeps running");
     operator.stop().await;
 
-    let local = LocalProvider::new("local", state.settings()).expect("settings");
-    local.delete(&theirs).await.expect("clean up");
+    ours_provider().delete(&theirs).await.expect("clean up");
+    let other = Installation::new(this_installation.cluster_id.clone(), "another");
+    LocalProvider::for_installation(other, "local", state.settings())
+        .expect("settings")
+        .delete(&foreign)
+        .await
+        .expect("clean up");
 }

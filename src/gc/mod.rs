@@ -187,11 +187,13 @@ pub async fn run(
             for (provider, deleted) in &report.deleted {
                 metrics.observe_gc_deletions(provider, *deleted);
             }
-            for (provider, adopted) in &report.adoptions {
-                metrics.observe_gc_adoptions(provider, *adopted);
-            }
             for ((provider, kind), count) in &report.left_alone {
                 metrics.set_gc_left_alone(provider, kind, *count);
+                if *kind == FOREIGN {
+                    // Every listed provider's counter shows, zero included.
+                    let adopted = report.adoptions.get(provider).copied().unwrap_or(0);
+                    metrics.observe_gc_adoptions(provider, adopted);
+                }
             }
         }
         if !report.collected.is_empty() {
