@@ -312,3 +312,28 @@ impl LiveOwners for StateOwners {
             .collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_installation_id_is_generated_once_and_kept_with_the_state_folder() {
+        let state = tempfile::tempdir().expect("temp dir");
+        let first = installation_id(state.path()).expect("generated");
+        assert_eq!(first.len(), 32, "{first}");
+        assert_eq!(installation_id(state.path()).expect("read back"), first);
+        let other = tempfile::tempdir().expect("temp dir");
+        assert_ne!(installation_id(other.path()).expect("generated"), first, "one per state folder");
+        // Nothing but the ID file is left behind.
+        let files: Vec<_> = std::fs::read_dir(state.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(files, [INSTALLATION_ID_FILE]);
+
+        std::fs::write(state.path().join(INSTALLATION_ID_FILE), "\n").expect("emptied");
+        let err = installation_id(state.path()).expect_err("an empty ID is refused");
+        assert!(err.to_string().contains("is empty"), "{err}");
+    }
+}
