@@ -38,7 +38,8 @@ use egress_proxies_operator::{
     gc::{GcConfig, GcReport, KubeLiveOwners, collect, gc_enabled},
     provider::{
         Installation, Instance, InstanceRequest, Owner, Provider, ProviderError, ProviderRegistry,
-        instance_name, kvm::KvmProvider, kvm2::Kvm2Provider, libvirt::KVM2_NAMESPACE,
+        instance_name, kvm::KvmProvider, kvm2::Kvm2Provider,
+        libvirt::{KVM_NAMESPACE, KVM2_NAMESPACE},
         local::LocalProvider,
     },
 };
@@ -488,6 +489,76 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
             .lookup_domain_by_name(&legacy_orphan)
             .is_err()
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_installations_on_a_real_libvirtd_through_virsh_keep_apart_and_adopt_a_running_legacy_domain() {
+    let daemon = PrivateLibvirtd::start();
+    daemon.dir_pool_with_base("epo", "base.qcow2");
+    let (prod_id, staging_id) = installations();
+    let kvm = |installation: &Installation| {
+        Arc::new(
+            KvmProvider::new("kvm", settings(daemon.uri(), "epo", user_network(24600)))
+                .with_installation(installation.clone()),
+        )
+    };
+    let (prod, staging) = (kvm(&prod_id), kvm(&staging_id));
+    let prod_cluster = FakeApiServer::start().await;
+    let staging_cluster = FakeApiServer::start().await;
+
+    let prod_orphan = prod.create(&request("p-orphan")).await.expect("create");
+    let staging_orphan = staging.create(&request("s-orphan")).await.expect("create");
+    // A running domain in today's stamp format, whose owner lives in prod.
+    let owner = Owner {
+        uid: live_proxy(&prod_cluster, "crawl", "legacy", "kvm").await,
+        namespace: "crawl".into(),
+        name: "legacy".into(),
+    };
+    let legacy = instance_name(&owner.namespace, &owner.name, &owner.uid);
+    let xml_file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(
+        xml_file.path(),
+        format!(
+            "<domain type='qemu'><name>{legacy}</name><memory unit='MiB'>32</memory>\
+             <os><type arch='x86_64'>hvm</type></os><metadata>\
+             <epo:owner xmlns:epo='{KVM_NAMESPACE}' provider='kvm' uid='{}' namespace='crawl' \
+             name='legacy' specHash='h' createdAt='{}' port='3128'/></metadata></domain>",
+            owner.uid,
+            prod_orphan.created_at - SignedDuration::from_hours(1)
+        ),
+    )
+    .expect("domain XML");
+    daemon.virsh_ok(&["define", xml_file.path().to_str().expect("UTF-8")]);
+    daemon.virsh_ok(&["start", &legacy]);
+
+    let now = after_grace(&[&prod_orphan, &staging_orphan]);
+    let (prod_registry, staging_registry) = (registry_of(prod.clone()), registry_of(staging.clone()));
+    let prod_owners = KubeLiveOwners::new(prod_cluster.client());
+    let staging_owners = KubeLiveOwners::new(staging_cluster.client());
+    let gc = config(false);
+    let (prod_report, staging_report) = tokio::join!(
+        collect(&prod_registry, &prod_owners, &gc, now),
+        collect(&staging_registry, &staging_owners, &gc, now),
+    );
+    assert_eq!(prod_report.collected, [prod_orphan.id.to_string()], "{prod_report:?}");
+    assert_eq!(staging_report.collected, [staging_orphan.id.to_string()], "{staging_report:?}");
+    assert_eq!(prod_report.adopted, [format!("kvm/kvm/{legacy}")], "{prod_report:?}");
+    assert!(staging_report.adopted.is_empty());
+    let domains = daemon.domains();
+    assert!(!domains.contains(&prod_orphan.id.native_id) && !domains.contains(&staging_orphan.id.native_id));
+    assert!(domains.contains(&legacy), "{domains:?}");
+
+    // Restamped in the running definition and the persistent one.
+    let cluster = format!("cluster=\"{}\"", prod_id.cluster_id);
+    let live = daemon.virsh_ok(&["metadata", "--domain", &legacy, "--uri", KVM_NAMESPACE, "--live"]);
+    let config = daemon.virsh_ok(&["metadata", "--domain", &legacy, "--uri", KVM_NAMESPACE, "--config"]);
+    assert!(live.contains(&cluster) && config.contains(&cluster), "{live}\n{config}");
+    assert_eq!(prod.get(&legacy).await.expect("prod's").installation, Some(prod_id));
+    assert!(matches!(staging.get(&legacy).await, Err(ProviderError::NotFound(_))));
+    staging.delete(&legacy).await.expect("not staging's to delete");
+    assert!(daemon.domains().contains(&legacy));
+    prod.delete(&legacy).await.expect("clean up");
+    assert!(!daemon.domains().contains(&legacy));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
