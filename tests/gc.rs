@@ -38,7 +38,9 @@ use egress_proxies_operator::{
     gc::{GcConfig, GcReport, KubeLiveOwners, collect, gc_enabled},
     provider::{
         Installation, Instance, InstanceRequest, Owner, Provider, ProviderError, ProviderRegistry,
-        instance_name, kvm::KvmProvider, kvm2::Kvm2Provider,
+        instance_name,
+        kvm::KvmProvider,
+        kvm2::Kvm2Provider,
         libvirt::{KVM_NAMESPACE, KVM2_NAMESPACE},
         local::LocalProvider,
     },
@@ -355,12 +357,18 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
         name: name.into(),
     };
     let prod_alive = prod
-        .create(&owned_by(request("p-alive"), live(&prod_cluster, "p-alive").await))
+        .create(&owned_by(
+            request("p-alive"),
+            live(&prod_cluster, "p-alive").await,
+        ))
         .await
         .expect("create");
     let prod_orphan = prod.create(&request("p-orphan")).await.expect("create");
     let staging_alive = staging
-        .create(&owned_by(request("s-alive"), live(&staging_cluster, "s-alive").await))
+        .create(&owned_by(
+            request("s-alive"),
+            live(&staging_cluster, "s-alive").await,
+        ))
         .await
         .expect("create");
     let staging_orphan = staging.create(&request("s-orphan")).await.expect("create");
@@ -370,7 +378,11 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
         (&staging_alive, &staging_id),
         (&staging_orphan, &staging_id),
     ] {
-        assert_eq!(instance.installation.as_ref(), Some(installation), "stamped on create");
+        assert_eq!(
+            instance.installation.as_ref(),
+            Some(installation),
+            "stamped on create"
+        );
     }
 
     // Domains stamped in today's format (no installation): one whose owner lives in prod, one
@@ -406,11 +418,23 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
         collect(&staging_registry, &staging_owners, &gc, now),
     );
 
-    assert_eq!(prod_report.collected, [prod_orphan.id.to_string()], "{prod_report:?}");
-    assert_eq!(staging_report.collected, [staging_orphan.id.to_string()], "{staging_report:?}");
+    assert_eq!(
+        prod_report.collected,
+        [prod_orphan.id.to_string()],
+        "{prod_report:?}"
+    );
+    assert_eq!(
+        staging_report.collected,
+        [staging_orphan.id.to_string()],
+        "{staging_report:?}"
+    );
     assert!(staging_report.foreign.contains(&prod_alive.id.to_string()));
     assert!(prod_report.foreign.contains(&staging_alive.id.to_string()));
-    assert_eq!(prod_report.adopted, [id(&legacy)], "prod, where its owner lives, adopts it");
+    assert_eq!(
+        prod_report.adopted,
+        [id(&legacy)],
+        "prod, where its owner lives, adopts it"
+    );
     assert_eq!(prod_report.legacy, [id(&legacy_orphan)]);
     assert!(staging_report.adopted.is_empty());
     assert!(staging_report.legacy.contains(&id(&legacy_orphan)));
@@ -472,7 +496,10 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
         .await
         .expect("nothing of staging's to delete");
     assert_eq!(
-        prod.get(&prod_alive.id.native_id).await.expect("still there").installation,
+        prod.get(&prod_alive.id.native_id)
+            .await
+            .expect("still there")
+            .installation,
         Some(prod_id)
     );
 
@@ -484,11 +511,7 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
         .await
         .expect("clean up");
     // The legacy orphan carried no installation, so prod could delete it explicitly.
-    assert!(
-        connection
-            .lookup_domain_by_name(&legacy_orphan)
-            .is_err()
-    );
+    assert!(connection.lookup_domain_by_name(&legacy_orphan).is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -540,9 +563,21 @@ async fn two_installations_on_a_real_libvirtd_through_virsh_keep_apart_and_adopt
         collect(&prod_registry, &prod_owners, &gc, now),
         collect(&staging_registry, &staging_owners, &gc, now),
     );
-    assert_eq!(prod_report.collected, [prod_orphan.id.to_string()], "{prod_report:?}");
-    assert_eq!(staging_report.collected, [staging_orphan.id.to_string()], "{staging_report:?}");
-    assert_eq!(prod_report.adopted, [format!("kvm/kvm/{legacy}")], "{prod_report:?}");
+    assert_eq!(
+        prod_report.collected,
+        [prod_orphan.id.to_string()],
+        "{prod_report:?}"
+    );
+    assert_eq!(
+        staging_report.collected,
+        [staging_orphan.id.to_string()],
+        "{staging_report:?}"
+    );
+    assert_eq!(
+        prod_report.adopted,
+        [format!("kvm/kvm/{legacy}")],
+        "{prod_report:?}"
+    );
     assert!(staging_report.adopted.is_empty());
     let domains = daemon.domains();
     assert!(!domains.contains(&prod_orphan.id.native_id) && !domains.contains(&staging_orphan.id.native_id));
@@ -551,10 +586,26 @@ async fn two_installations_on_a_real_libvirtd_through_virsh_keep_apart_and_adopt
     // Restamped in the running definition and the persistent one.
     let cluster = format!("cluster=\"{}\"", prod_id.cluster_id);
     let live = daemon.virsh_ok(&["metadata", "--domain", &legacy, "--uri", KVM_NAMESPACE, "--live"]);
-    let config = daemon.virsh_ok(&["metadata", "--domain", &legacy, "--uri", KVM_NAMESPACE, "--config"]);
-    assert!(live.contains(&cluster) && config.contains(&cluster), "{live}\n{config}");
-    assert_eq!(prod.get(&legacy).await.expect("prod's").installation, Some(prod_id));
-    assert!(matches!(staging.get(&legacy).await, Err(ProviderError::NotFound(_))));
+    let config = daemon.virsh_ok(&[
+        "metadata",
+        "--domain",
+        &legacy,
+        "--uri",
+        KVM_NAMESPACE,
+        "--config",
+    ]);
+    assert!(
+        live.contains(&cluster) && config.contains(&cluster),
+        "{live}\n{config}"
+    );
+    assert_eq!(
+        prod.get(&legacy).await.expect("prod's").installation,
+        Some(prod_id)
+    );
+    assert!(matches!(
+        staging.get(&legacy).await,
+        Err(ProviderError::NotFound(_))
+    ));
     staging.delete(&legacy).await.expect("not staging's to delete");
     assert!(daemon.domains().contains(&legacy));
     prod.delete(&legacy).await.expect("clean up");
@@ -565,9 +616,12 @@ async fn two_installations_on_a_real_libvirtd_through_virsh_keep_apart_and_adopt
 async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squids() {
     let state = StateDir::new();
     let (prod_id, staging_id) = installations();
-    let prod = Arc::new(LocalProvider::for_installation(prod_id.clone(), "local", state.settings()).expect("settings"));
-    let staging =
-        Arc::new(LocalProvider::for_installation(staging_id.clone(), "local", state.settings()).expect("settings"));
+    let prod = Arc::new(
+        LocalProvider::for_installation(prod_id.clone(), "local", state.settings()).expect("settings"),
+    );
+    let staging = Arc::new(
+        LocalProvider::for_installation(staging_id.clone(), "local", state.settings()).expect("settings"),
+    );
     let prod_cluster = FakeApiServer::start().await;
     let staging_cluster = FakeApiServer::start().await;
     let live = async |server: &FakeApiServer, name: &str| Owner {
@@ -576,12 +630,26 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         name: name.into(),
     };
 
-    let prod_alive = create_local(&prod, plain_request(live(&prod_cluster, "p-alive").await, free_port())).await;
-    let prod_orphan = create_local(&prod, plain_request(local_owner("crawl", "p-orphan"), free_port())).await;
-    let staging_alive =
-        create_local(&staging, plain_request(live(&staging_cluster, "s-alive").await, free_port())).await;
-    let staging_orphan =
-        create_local(&staging, plain_request(local_owner("crawl", "s-orphan"), free_port())).await;
+    let prod_alive = create_local(
+        &prod,
+        plain_request(live(&prod_cluster, "p-alive").await, free_port()),
+    )
+    .await;
+    let prod_orphan = create_local(
+        &prod,
+        plain_request(local_owner("crawl", "p-orphan"), free_port()),
+    )
+    .await;
+    let staging_alive = create_local(
+        &staging,
+        plain_request(live(&staging_cluster, "s-alive").await, free_port()),
+    )
+    .await;
+    let staging_orphan = create_local(
+        &staging,
+        plain_request(local_owner("crawl", "s-orphan"), free_port()),
+    )
+    .await;
     // Made before installations were recorded: its owner record names none. Its owner lives
     // in staging.
     let legacy = create_local(
@@ -594,9 +662,22 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         serde_json::from_slice(&std::fs::read(&owner_file).expect("owner record")).expect("JSON");
     record.as_object_mut().expect("object").remove("installation");
     std::fs::write(&owner_file, serde_json::to_vec(&record).expect("JSON")).expect("legacy record");
-    assert_eq!(staging.get(&legacy.id.native_id).await.expect("legacy").installation, None);
+    assert_eq!(
+        staging
+            .get(&legacy.id.native_id)
+            .await
+            .expect("legacy")
+            .installation,
+        None
+    );
 
-    let now = after_grace(&[&prod_alive, &prod_orphan, &staging_alive, &staging_orphan, &legacy]);
+    let now = after_grace(&[
+        &prod_alive,
+        &prod_orphan,
+        &staging_alive,
+        &staging_orphan,
+        &legacy,
+    ]);
     let prod_registry = registry_of(prod.clone());
     let staging_registry = registry_of(staging.clone());
     let prod_owners = KubeLiveOwners::new(prod_cluster.client());
@@ -606,14 +687,26 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         collect(&prod_registry, &prod_owners, &gc, now),
         collect(&staging_registry, &staging_owners, &gc, now),
     );
-    assert_eq!(prod_report.collected, [prod_orphan.id.to_string()], "{prod_report:?}");
-    assert_eq!(staging_report.collected, [staging_orphan.id.to_string()], "{staging_report:?}");
+    assert_eq!(
+        prod_report.collected,
+        [prod_orphan.id.to_string()],
+        "{prod_report:?}"
+    );
+    assert_eq!(
+        staging_report.collected,
+        [staging_orphan.id.to_string()],
+        "{staging_report:?}"
+    );
     assert_eq!(staging_report.adopted, [legacy.id.to_string()]);
     assert!(prod_report.adopted.is_empty(), "its owner does not live in prod");
     assert!(prod_report.foreign.contains(&staging_alive.id.to_string()));
     assert!(staging_report.foreign.contains(&prod_alive.id.to_string()));
     assert_eq!(
-        staging.get(&legacy.id.native_id).await.expect("adopted").installation,
+        staging
+            .get(&legacy.id.native_id)
+            .await
+            .expect("adopted")
+            .installation,
         Some(staging_id)
     );
 
@@ -645,10 +738,24 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         prod.create(&staging_request).await,
         Err(ProviderError::Misconfigured(_))
     ));
-    prod.delete(&staging_alive.id.native_id).await.expect("nothing of prod's");
-    assert_eq!(squids_under(&state.path().join(&staging_alive.id.native_id)).len(), 1);
-    let listed: Vec<String> = prod.list().await.expect("list").into_iter().map(|i| i.id.native_id).collect();
-    assert!(listed.contains(&staging_alive.id.native_id), "list reports every instance: {listed:?}");
+    prod.delete(&staging_alive.id.native_id)
+        .await
+        .expect("nothing of prod's");
+    assert_eq!(
+        squids_under(&state.path().join(&staging_alive.id.native_id)).len(),
+        1
+    );
+    let listed: Vec<String> = prod
+        .list()
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|i| i.id.native_id)
+        .collect();
+    assert!(
+        listed.contains(&staging_alive.id.native_id),
+        "list reports every instance: {listed:?}"
+    );
 
     for instance in [&prod_alive] {
         prod.delete(&instance.id.native_id).await.expect("clean up");
@@ -761,16 +868,20 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
         "gc-test",
     );
     let ours_provider = || {
-        LocalProvider::for_installation(this_installation.clone(), "local", state.settings()).expect("settings")
+        LocalProvider::for_installation(this_installation.clone(), "local", state.settings())
+            .expect("settings")
     };
     // And an orphan of another installation of this cluster sharing the stateDir.
     let foreign = {
         let other = Installation::new(this_installation.cluster_id.clone(), "another");
         let local = LocalProvider::for_installation(other, "local", state.settings()).expect("settings");
-        create_local(&local, plain_request(local_owner("crawl", "foreign"), free_port()))
-            .await
-            .id
-            .native_id
+        create_local(
+            &local,
+            plain_request(local_owner("crawl", "foreign"), free_port()),
+        )
+        .await
+        .id
+        .native_id
     };
     let (ours, theirs) = {
         let local = ours_provider();
@@ -843,8 +954,11 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     assert!(!operator.log().contains(&theirs));
     // Another installation's orphan is left alone, and said so once, not at every pass: a
     // second orphan of ours planted now is collected by a later pass.
-    let left_alone = |l: &str| l.contains("leaves alone an instance of another installation") && l.contains(&foreign);
-    operator.wait_log("the foreign instance left alone", left_alone).await;
+    let left_alone =
+        |l: &str| l.contains("leaves alone an instance of another installation") && l.contains(&foreign);
+    operator
+        .wait_log("the foreign instance left alone", left_alone)
+        .await;
     let ours_again = create_local(
         &ours_provider(),
         plain_request(local_owner("crawl", "ours-again"), free_port()),

@@ -283,10 +283,20 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         );
     }
     assert_eq!(value(r#"epo_gc_deletions_total{provider="local"}"#), 1.0);
-    assert_eq!(value(r#"epo_gc_foreign_instances{provider="local",kind="foreign"}"#), 1.0);
-    assert_eq!(value(r#"epo_gc_foreign_instances{provider="local",kind="legacy"}"#), 0.0);
+    assert_eq!(
+        value(r#"epo_gc_foreign_instances{provider="local",kind="foreign"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(r#"epo_gc_foreign_instances{provider="local",kind="legacy"}"#),
+        0.0
+    );
     assert_eq!(value(r#"epo_gc_adoptions_total{provider="local"}"#), 0.0);
-    assert_eq!(squids_under(&state.path().join(&foreign_name)).len(), 1, "left running");
+    assert_eq!(
+        squids_under(&state.path().join(&foreign_name)).len(),
+        1,
+        "left running"
+    );
     foreign.delete(&foreign_name).await.expect("clean up");
     assert_eq!(value(r#"epo_provider_available{provider="local"}"#), 1.0);
     assert!(value(r#"epo_probe_duration_seconds_count{result="ok"}"#) >= 1.0);

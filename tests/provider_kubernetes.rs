@@ -23,8 +23,8 @@ use async_trait::async_trait;
 use egress_proxies_operator::{
     config::{KubernetesSettings, ServiceType},
     provider::{
-        Credentials, Endpoint, Installation, InstanceRequest, InstanceState, Owner, Provider,
-        ProviderError, kubernetes::KubernetesProvider,
+        Credentials, Endpoint, Installation, InstanceRequest, InstanceState, Owner, Provider, ProviderError,
+        kubernetes::KubernetesProvider,
     },
 };
 use serde_json::{Value, json};
@@ -473,28 +473,48 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
     let made = prod.create(&prod_request).await.expect("create");
     assert_eq!(made.installation.as_ref(), Some(&prod_id));
     for resource in ["pods", "configmaps", "services"] {
-        let annotations = &backend.object(resource, &prod_request.name).expect("object")["metadata"]["annotations"];
-        assert_eq!(annotations["crawl.example.com/installation-cluster"], "cluster-uid", "{resource}");
-        assert_eq!(annotations["crawl.example.com/installation-name"], "prod", "{resource}");
+        let annotations =
+            &backend.object(resource, &prod_request.name).expect("object")["metadata"]["annotations"];
+        assert_eq!(
+            annotations["crawl.example.com/installation-cluster"], "cluster-uid",
+            "{resource}"
+        );
+        assert_eq!(
+            annotations["crawl.example.com/installation-name"], "prod",
+            "{resource}"
+        );
     }
 
     let listed = staging.list().await.expect("list");
     assert_eq!(listed.len(), 1);
-    assert_eq!(listed[0].installation.as_ref(), Some(&prod_id), "listed with its installation");
+    assert_eq!(
+        listed[0].installation.as_ref(),
+        Some(&prod_id),
+        "listed with its installation"
+    );
     assert!(matches!(
         staging.get(&prod_request.name).await,
         Err(ProviderError::NotFound(_))
     ));
     match staging.create(&prod_request).await {
         Err(ProviderError::Misconfigured(message)) => {
-            assert!(message.contains("belongs to installation prod@cluster-uid"), "{message}")
+            assert!(
+                message.contains("belongs to installation prod@cluster-uid"),
+                "{message}"
+            )
         }
         other => panic!("staging must not take prod's Pod: {other:?}"),
     }
     assert!(staging.adopt(&prod_request.name).await.is_err());
-    staging.delete(&prod_request.name).await.expect("nothing of staging's");
+    staging
+        .delete(&prod_request.name)
+        .await
+        .expect("nothing of staging's");
     for resource in ["pods", "configmaps", "services"] {
-        assert!(backend.object(resource, &prod_request.name).is_some(), "{resource} kept");
+        assert!(
+            backend.object(resource, &prod_request.name).is_some(),
+            "{resource} kept"
+        );
     }
 
     // A Pod from before installations were recorded: treated as ours by both, adopted once.
@@ -502,20 +522,33 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
     prod.create(&legacy_request).await.expect("create");
     for resource in ["pods", "configmaps", "services"] {
         let mut object = backend.object(resource, &legacy_request.name).expect("object");
-        let annotations = object["metadata"]["annotations"].as_object_mut().expect("annotations");
+        let annotations = object["metadata"]["annotations"]
+            .as_object_mut()
+            .expect("annotations");
         annotations.remove("crawl.example.com/installation-cluster");
         annotations.remove("crawl.example.com/installation-name");
         backend.server.put_json(resource, object);
     }
-    assert_eq!(staging.get(&legacy_request.name).await.expect("legacy").installation, None);
+    assert_eq!(
+        staging
+            .get(&legacy_request.name)
+            .await
+            .expect("legacy")
+            .installation,
+        None
+    );
     let adopted = staging.adopt(&legacy_request.name).await.expect("adopt");
     assert_eq!(adopted.installation.as_ref(), Some(&staging_id));
     assert_eq!(
-        backend.object("configmaps", &legacy_request.name).expect("config map")["metadata"]["annotations"]
-            ["crawl.example.com/installation-name"],
+        backend
+            .object("configmaps", &legacy_request.name)
+            .expect("config map")["metadata"]["annotations"]["crawl.example.com/installation-name"],
         "staging"
     );
-    assert!(prod.adopt(&legacy_request.name).await.is_err(), "adopted once, by staging");
+    assert!(
+        prod.adopt(&legacy_request.name).await.is_err(),
+        "adopted once, by staging"
+    );
     assert!(matches!(
         prod.get(&legacy_request.name).await,
         Err(ProviderError::NotFound(_))

@@ -324,7 +324,11 @@ mod tests {
         assert_eq!(first.len(), 32, "{first}");
         assert_eq!(installation_id(state.path()).expect("read back"), first);
         let other = tempfile::tempdir().expect("temp dir");
-        assert_ne!(installation_id(other.path()).expect("generated"), first, "one per state folder");
+        assert_ne!(
+            installation_id(other.path()).expect("generated"),
+            first,
+            "one per state folder"
+        );
         // Nothing but the ID file is left behind.
         let files: Vec<_> = std::fs::read_dir(state.path())
             .expect("list")

@@ -143,7 +143,9 @@ pub async fn collect(
                         report.adopted.push(id);
                         *report.adoptions.entry(name.to_owned()).or_insert(0) += 1;
                     }
-                    Err(err) => warn!(instance = %id, error = %err, "adopting legacy-stamped instance failed"),
+                    Err(err) => {
+                        warn!(instance = %id, error = %err, "adopting legacy-stamped instance failed")
+                    }
                 },
                 Verdict::Young => report.spared_young.push(id),
                 Verdict::Collect if config.dry_run => {
@@ -233,7 +235,9 @@ impl LeftAloneLog {
             for id in ids {
                 if self.seen.insert(id.clone()) {
                     match kind {
-                        FOREIGN => info!(instance = %id, "orphan GC leaves alone an instance of another installation"),
+                        FOREIGN => {
+                            info!(instance = %id, "orphan GC leaves alone an instance of another installation")
+                        }
                         _ => info!(
                             instance = %id,
                             "orphan GC leaves alone a legacy-stamped instance whose owner is not live here \

@@ -161,7 +161,8 @@ async fn acts_only_on_its_own_installation_and_adopts_live_owned_legacy_instance
     );
     let own_orphan = stamped(&provider, "gone-1", Some(prod())).await;
     let foreign_orphan = stamped(&provider, "gone-2", Some(staging())).await;
-    let foreign_same_cluster = stamped(&provider, "gone-3", Some(Installation::new("cluster-a", "other"))).await;
+    let foreign_same_cluster =
+        stamped(&provider, "gone-3", Some(Installation::new("cluster-a", "other"))).await;
     let legacy_live = stamped(&provider, "live-legacy", None).await;
     let legacy_orphan = stamped(&provider, "gone-legacy", None).await;
     let mut registry = ProviderRegistry::new();
@@ -177,7 +178,10 @@ async fn acts_only_on_its_own_installation_and_adopts_live_owned_legacy_instance
     let report = collect(&registry, &owners, &dry, t(600)).await;
     assert_eq!(report.adopted, [id(&legacy_live)]);
     assert!(report.adoptions.is_empty());
-    assert_eq!(provider.get(&legacy_live).await.expect("exists").installation, None);
+    assert_eq!(
+        provider.get(&legacy_live).await.expect("exists").installation,
+        None
+    );
 
     let report = collect(&registry, &owners, &config(0), t(600)).await;
     assert_eq!(report.collected, [id(&own_orphan)], "{report:?}");
@@ -189,9 +193,17 @@ async fn acts_only_on_its_own_installation_and_adopts_live_owned_legacy_instance
     assert_eq!(report.adoptions, BTreeMap::from([("mem".to_owned(), 1)]));
     assert_eq!(
         report.left_alone,
-        BTreeMap::from([(("mem".to_owned(), "foreign"), 2), (("mem".to_owned(), "legacy"), 1)])
+        BTreeMap::from([
+            (("mem".to_owned(), "foreign"), 2),
+            (("mem".to_owned(), "legacy"), 1)
+        ])
     );
-    let mut left = vec![foreign_orphan.clone(), foreign_same_cluster, legacy_live.clone(), legacy_orphan];
+    let mut left = vec![
+        foreign_orphan.clone(),
+        foreign_same_cluster,
+        legacy_live.clone(),
+        legacy_orphan,
+    ];
     left.sort();
     assert_eq!(provider.names(), left, "only its own orphan is gone");
     assert_eq!(
@@ -227,7 +239,10 @@ async fn acts_only_on_its_own_installation_and_adopts_live_owned_legacy_instance
     };
     match provider.create(&request).await {
         Err(ProviderError::Misconfigured(message)) => {
-            assert!(message.contains("belongs to installation staging@cluster-b"), "{message}")
+            assert!(
+                message.contains("belongs to installation staging@cluster-b"),
+                "{message}"
+            )
         }
         other => panic!("create must refuse another installation's instance: {other:?}"),
     }

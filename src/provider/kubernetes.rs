@@ -24,8 +24,8 @@ use kube::{
 use serde::de::DeserializeOwned;
 
 use super::{
-    Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProbeReport, Provider, ProviderError,
-    ProviderId,
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProbeReport, Provider,
+    ProviderError, ProviderId,
     libvirt::{
         crypt,
         seed::{SQUID_CONF_PATH, SQUID_PASSWD_PATH, squid_conf},
@@ -498,7 +498,11 @@ impl KubernetesProvider {
             INSTALLATION_NAME_ANNOTATION: self.installation.name,
         }}});
         match self
-            .call(kind, "patch", api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)))
+            .call(
+                kind,
+                "patch",
+                api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)),
+            )
             .await
         {
             Ok(_) | Err(KubeFailure::NotFound) => Ok(()),
@@ -573,7 +577,13 @@ impl Provider for KubernetesProvider {
     async fn get(&self, name: &str) -> Result<Instance, ProviderError> {
         let pod = match self.pod_of(name).await? {
             // Another installation's Pod is not an instance of this one.
-            Some(pod) if !self.installation.is_foreign(stamped_installation(&pod.metadata).as_ref()) => pod,
+            Some(pod)
+                if !self
+                    .installation
+                    .is_foreign(stamped_installation(&pod.metadata).as_ref()) =>
+            {
+                pod
+            }
             _ => return Err(ProviderError::NotFound(name.to_owned())),
         };
         let service = self.service_of(name).await?;
@@ -591,14 +601,17 @@ impl Provider for KubernetesProvider {
             // keeps its legacy stamp: the provider may not patch Secrets.)
             self.stamp_object(&self.pods, Kind::Pod, name).await?;
             self.stamp_object(&self.services, Kind::Service, name).await?;
-            self.stamp_object(&self.config_maps, Kind::ConfigMap, name).await?;
+            self.stamp_object(&self.config_maps, Kind::ConfigMap, name)
+                .await?;
         }
         self.get(name).await
     }
 
     async fn delete(&self, name: &str) -> Result<(), ProviderError> {
         if let Some(pod) = self.pod_of(name).await?
-            && self.installation.is_foreign(stamped_installation(&pod.metadata).as_ref())
+            && self
+                .installation
+                .is_foreign(stamped_installation(&pod.metadata).as_ref())
         {
             tracing::info!(provider = %self.instance, name, "delete: another installation's instance; left alone");
             return Ok(());

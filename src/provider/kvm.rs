@@ -122,8 +122,8 @@ enum Lookup {
     Missing,
     /// A domain without kvm's stamp: not ours, never touched.
     Foreign,
-    /// A domain kvm made, with its stamp.
-    Ours(Result<Stamp, StampError>),
+    /// A domain kvm made, with its stamp (boxed: it dwarfs the other variants).
+    Ours(Box<Result<Stamp, StampError>>),
 }
 
 impl KvmProvider {
@@ -227,7 +227,7 @@ impl KvmProvider {
             .virsh(&["metadata", "--domain", name, "--uri", KVM_NAMESPACE])
             .await
         {
-            Ok(xml) => Ok(Lookup::Ours(Stamp::parse(xml.trim()))),
+            Ok(xml) => Ok(Lookup::Ours(Box::new(Stamp::parse(xml.trim())))),
             Err(err) if err.message().contains("metadata not found") => Ok(Lookup::Foreign),
             Err(err) if err.is_missing("domain") => {
                 // virsh says "failed to get domain" for more than absence; a listing that
@@ -407,7 +407,13 @@ impl KvmProvider {
             )?),
             _ => None,
         };
-        let stamp = Stamp::for_request(&self.installation, &self.instance, request, created_at, host_forward);
+        let stamp = Stamp::for_request(
+            &self.installation,
+            &self.instance,
+            request,
+            created_at,
+            host_forward,
+        );
         let volumes = VolumeNames::new(name, PROVIDER_TYPE);
         // No domain of this name exists, so volumes of its names are left from an interrupted
         // attempt and unused: start afresh.
@@ -611,7 +617,7 @@ impl Provider for KvmProvider {
         let _guard = self.locks.lock(name).await;
         match self.lookup(name).await? {
             Lookup::Ours(stamp) => {
-                if let Ok(stamp) = &stamp {
+                if let Ok(stamp) = &*stamp {
                     self.installation
                         .refuse_foreign(name, stamp.installation.as_ref())?;
                 }
@@ -621,7 +627,7 @@ impl Provider for KvmProvider {
                         .await
                         .map_err(|err| classify(format!("starting existing domain {name}"), err))?;
                 }
-                self.describe(name, stamp, true).await
+                self.describe(name, *stamp, true).await
             }
             Lookup::Foreign => Err(libvirt::foreign_domain(name, KVM_NAMESPACE)),
             Lookup::Missing => self.create_new(request, &iso, jiff::Timestamp::now()).await,
@@ -634,7 +640,7 @@ impl Provider for KvmProvider {
         }
         match self.lookup(name).await? {
             Lookup::Ours(stamp) if self.is_foreign(&stamp) => Err(ProviderError::NotFound(name.to_owned())),
-            Lookup::Ours(stamp) => match self.describe(name, stamp, true).await {
+            Lookup::Ours(stamp) => match self.describe(name, *stamp, true).await {
                 // Deleted between the two calls.
                 Err(_) if matches!(self.lookup(name).await?, Lookup::Missing) => {
                     Err(ProviderError::NotFound(name.to_owned()))
@@ -675,7 +681,7 @@ impl Provider for KvmProvider {
         }
         let _guard = self.locks.lock(name).await;
         let stamp = match self.lookup(name).await? {
-            Lookup::Ours(stamp) => stamp,
+            Lookup::Ours(stamp) => *stamp,
             Lookup::Missing | Lookup::Foreign => return Err(ProviderError::NotFound(name.to_owned())),
         };
         let (stamp, changed) = libvirt::adoption_stamp(name, stamp, &self.installation)?;

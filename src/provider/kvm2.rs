@@ -26,7 +26,8 @@ use virt::{
 };
 
 use super::{
-    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError, ProviderId,
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
+    ProviderId,
     libvirt::{
         self, BaseVolume, DomainPlan, KVM2_NAMESPACE, NameLocks, Stamp, StampError, VolumeNames,
         seed::{Seed, SeedError},
@@ -492,7 +493,13 @@ impl Session {
             )?),
             _ => None,
         };
-        let stamp = Stamp::for_request(&self.installation, &self.instance, request, created_at, host_forward);
+        let stamp = Stamp::for_request(
+            &self.installation,
+            &self.instance,
+            request,
+            created_at,
+            host_forward,
+        );
         let volumes = VolumeNames::new(name, PROVIDER_TYPE);
         // No domain of this name exists, so volumes of its names are left from an interrupted
         // attempt and unused: start afresh.

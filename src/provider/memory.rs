@@ -14,8 +14,7 @@ use std::{
 use async_trait::async_trait;
 
 use super::{
-    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider,
-    ProviderError,
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
 };
 
 /// The in-memory provider. Instances start `Running` unless [`MemoryProvider::start_instances_as`]

@@ -105,9 +105,9 @@ impl ProviderRegistry {
                         })?;
                     Arc::new(local)
                 }
-                ProviderSettings::Kvm(settings) => Arc::new(
-                    KvmProvider::new(name, settings.clone()).with_installation(installation.clone()),
-                ),
+                ProviderSettings::Kvm(settings) => {
+                    Arc::new(KvmProvider::new(name, settings.clone()).with_installation(installation.clone()))
+                }
                 ProviderSettings::Kvm2(settings) => Arc::new(
                     Kvm2Provider::new(name, settings.clone()).with_installation(installation.clone()),
                 ),

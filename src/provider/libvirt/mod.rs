@@ -21,7 +21,9 @@ use std::{
 
 use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
 
-use super::{Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProviderError, ProviderId};
+use super::{
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProviderError, ProviderId,
+};
 
 /// Metadata namespace of the `kvm2` provider's owner stamp.
 pub const KVM2_NAMESPACE: &str = "https://crawl.example.com/kvm2/v1";
@@ -589,9 +591,8 @@ pub fn adoption_stamp(
     stamp: Result<Stamp, StampError>,
     installation: &Installation,
 ) -> Result<(Stamp, bool), ProviderError> {
-    let mut stamp = stamp.map_err(|err| {
-        ProviderError::Misconfigured(format!("domain {name} cannot be adopted: {err}"))
-    })?;
+    let mut stamp = stamp
+        .map_err(|err| ProviderError::Misconfigured(format!("domain {name} cannot be adopted: {err}")))?;
     installation.refuse_foreign(name, stamp.installation.as_ref())?;
     let changed = stamp.installation.is_none();
     stamp.installation = Some(installation.clone());

@@ -66,12 +66,12 @@ fn stamp_carries_its_installation_and_a_legacy_stamp_has_none() {
     assert_eq!(instance.installation, Some(installation()));
 
     // Today's format (before installations): readable, with no installation.
-    let legacy = r#"<owner uid="u" namespace="n" name="x" specHash="h" createdAt="2025-01-01T00:00:00Z" port="1"/>"#;
+    let legacy =
+        r#"<owner uid="u" namespace="n" name="x" specHash="h" createdAt="2025-01-01T00:00:00Z" port="1"/>"#;
     let legacy = Stamp::parse(legacy).expect("a legacy stamp is readable");
     assert_eq!(legacy.installation, None);
     // Adoption adds this installation's; another installation's is refused; ours is kept.
-    let (adopted, changed) =
-        adoption_stamp("epo-x", Ok(legacy.clone()), &installation()).expect("adoptable");
+    let (adopted, changed) = adoption_stamp("epo-x", Ok(legacy.clone()), &installation()).expect("adoptable");
     assert!(changed);
     assert_eq!(adopted.installation, Some(installation()));
     assert_eq!(
@@ -111,7 +111,13 @@ fn stamp_round_trips_through_its_xml_with_awkward_characters() {
     };
     let mut req = request();
     req.placement.address = Some("192.0.2.7".into());
-    let stamp = Stamp::for_request(&installation(), "kvm2-local", &req, created_at(), Some(forward.clone()));
+    let stamp = Stamp::for_request(
+        &installation(),
+        "kvm2-local",
+        &req,
+        created_at(),
+        Some(forward.clone()),
+    );
     let xml = stamp.to_xml(KVM2_NAMESPACE);
     assert!(
         xml.starts_with("<epo:owner xmlns:epo=\"https://crawl.example.com/kvm2/v1\""),
@@ -128,7 +134,10 @@ fn stamp_round_trips_through_its_xml_with_awkward_characters() {
 #[test]
 fn stamp_endpoint_is_placement_address_with_the_proxy_port_without_a_forward() {
     let mut req = request();
-    assert_eq!(Stamp::for_request(&installation(), "k", &req, created_at(), None).endpoint(), None);
+    assert_eq!(
+        Stamp::for_request(&installation(), "k", &req, created_at(), None).endpoint(),
+        None
+    );
     req.placement.address = Some("2001:db8::7".into());
     let stamp = Stamp::for_request(&installation(), "k", &req, created_at(), None);
     assert_eq!(
@@ -223,7 +232,13 @@ fn overlay_volume_xml_backs_onto_the_base_in_its_format() {
 }
 
 fn domain(settings: &KvmSettings, host_forward: Option<Endpoint>) -> String {
-    let stamp = Stamp::for_request(&installation(), "kvm2-local", &request(), created_at(), host_forward);
+    let stamp = Stamp::for_request(
+        &installation(),
+        "kvm2-local",
+        &request(),
+        created_at(),
+        host_forward,
+    );
     let volumes = VolumeNames::new(&request().name, "kvm2");
     domain_xml(&DomainPlan {
         name: &request().name,

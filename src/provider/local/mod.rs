@@ -45,7 +45,8 @@ use self::{
     state::{InstanceDir, OWNER_RECORD_VERSION, OwnerRecord, ProcessRecord, TEMP_PREFIX, TRASH_PREFIX},
 };
 use super::{
-    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError, ProviderId,
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
+    ProviderId,
 };
 use crate::config::{LocalSettings, is_dns_label};
 
@@ -444,15 +445,18 @@ impl Provider for LocalProvider {
             return Err(ProviderError::NotFound(name.to_owned()));
         }
         let mut record: OwnerRecord = state::read_json(&dir.owner_file()).map_err(|err| {
-            ProviderError::Misconfigured(format!("{name} cannot be adopted: its owner record is unreadable: {err}"))
+            ProviderError::Misconfigured(format!(
+                "{name} cannot be adopted: its owner record is unreadable: {err}"
+            ))
         })?;
         inner
             .installation
             .refuse_foreign(name, record.installation.as_ref())?;
         if record.installation.is_none() {
             record.installation = Some(inner.installation.clone());
-            state::write_json(&dir.owner_file(), &record)
-                .map_err(|err| ProviderError::Backend(format!("cannot restamp {name}'s owner record: {err}")))?;
+            state::write_json(&dir.owner_file(), &record).map_err(|err| {
+                ProviderError::Backend(format!("cannot restamp {name}'s owner record: {err}"))
+            })?;
         }
         inner.read_instance(name).await
     }

@@ -247,7 +247,10 @@ fn owner_records_round_trip_in_camel_case() {
     };
     let json = serde_json::to_string(&record).expect("serialise");
     assert!(json.contains(r#""specHash":"abc""#) && json.contains(r#""createdAt":"2026-01-02T03:04:05Z""#));
-    assert!(json.contains(r#""installation":{"clusterId":"cluster-1","name":"prod"}"#), "{json}");
+    assert!(
+        json.contains(r#""installation":{"clusterId":"cluster-1","name":"prod"}"#),
+        "{json}"
+    );
     assert_eq!(serde_json::from_str::<OwnerRecord>(&json).expect("parse"), record);
     // A record written before installations were recorded reads as legacy (none).
     let legacy = OwnerRecord {

@@ -260,7 +260,13 @@ impl FakeApiServer {
         let namespaces = resolve(&store, "namespaces");
         for name in ["default", "kube-system"] {
             store
-                .create(namespaces, None, json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}), false, true)
+                .create(
+                    namespaces,
+                    None,
+                    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+                    false,
+                    true,
+                )
                 .expect("a fresh store takes the built-in namespaces");
         }
         let inner = Arc::new(Inner {
