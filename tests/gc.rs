@@ -323,10 +323,44 @@ fn after_grace(instances: &[&Instance]) -> Timestamp {
     newest + SignedDuration::try_from(GRACE).expect("small")
 }
 
-fn registry_of(provider: Arc<dyn Provider>) -> ProviderRegistry {
-    let mut registry = ProviderRegistry::new();
-    registry.insert(provider);
-    registry
+/// Two installations' orphan GC over one backend: each with a registry of its own provider
+/// object and the live owners of its own cluster.
+struct SideBySide {
+    prod: (ProviderRegistry, KubeLiveOwners),
+    staging: (ProviderRegistry, KubeLiveOwners),
+}
+
+impl SideBySide {
+    fn new(prod: (Arc<dyn Provider>, &FakeApiServer), staging: (Arc<dyn Provider>, &FakeApiServer)) -> Self {
+        let half = |(provider, cluster): (Arc<dyn Provider>, &FakeApiServer)| {
+            let mut registry = ProviderRegistry::new();
+            registry.insert(provider);
+            (registry, KubeLiveOwners::new(cluster.client()))
+        };
+        Self {
+            prod: half(prod),
+            staging: half(staging),
+        }
+    }
+
+    /// One pass of each at `now`, run concurrently; asserts that each collected exactly its
+    /// own orphan of `orphans` (prod's, staging's) or, with `None`, nothing.
+    async fn pass(&self, now: Timestamp, orphans: Option<(&Instance, &Instance)>) -> (GcReport, GcReport) {
+        let gc = config(false);
+        let (prod, staging) = tokio::join!(
+            collect(&self.prod.0, &self.prod.1, &gc, now),
+            collect(&self.staging.0, &self.staging.1, &gc, now),
+        );
+        let expected =
+            |orphan: Option<&Instance>| orphan.map(|o| o.id.to_string()).into_iter().collect::<Vec<_>>();
+        assert_eq!(prod.collected, expected(orphans.map(|o| o.0)), "prod: {prod:?}");
+        assert_eq!(
+            staging.collected,
+            expected(orphans.map(|o| o.1)),
+            "staging: {staging:?}"
+        );
+        (prod, staging)
+    }
 }
 
 fn sorted(mut ids: Vec<String>) -> Vec<String> {
@@ -408,26 +442,8 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
     let id = |name: &str| format!("kvm2/kvm2/{name}");
 
     let now = after_grace(&[&prod_alive, &prod_orphan, &staging_alive, &staging_orphan]);
-    let prod_registry = registry_of(prod.clone());
-    let staging_registry = registry_of(staging.clone());
-    let prod_owners = KubeLiveOwners::new(prod_cluster.client());
-    let staging_owners = KubeLiveOwners::new(staging_cluster.client());
-    let gc = config(false);
-    let (prod_report, staging_report) = tokio::join!(
-        collect(&prod_registry, &prod_owners, &gc, now),
-        collect(&staging_registry, &staging_owners, &gc, now),
-    );
-
-    assert_eq!(
-        prod_report.collected,
-        [prod_orphan.id.to_string()],
-        "{prod_report:?}"
-    );
-    assert_eq!(
-        staging_report.collected,
-        [staging_orphan.id.to_string()],
-        "{staging_report:?}"
-    );
+    let gc = SideBySide::new((prod.clone(), &prod_cluster), (staging.clone(), &staging_cluster));
+    let (prod_report, staging_report) = gc.pass(now, Some((&prod_orphan, &staging_orphan))).await;
     assert!(staging_report.foreign.contains(&prod_alive.id.to_string()));
     assert!(prod_report.foreign.contains(&staging_alive.id.to_string()));
     assert_eq!(
@@ -466,11 +482,7 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
 
     // A second pass: the adopted domain is prod's like any other; staging now counts it as
     // foreign; still nobody touches anything live-owned.
-    let (prod_report, staging_report) = tokio::join!(
-        collect(&prod_registry, &prod_owners, &gc, now),
-        collect(&staging_registry, &staging_owners, &gc, now),
-    );
-    assert!(prod_report.collected.is_empty() && staging_report.collected.is_empty());
+    let (prod_report, staging_report) = gc.pass(now, None).await;
     assert!(prod_report.adopted.is_empty(), "adopted once");
     assert_eq!(
         sorted(staging_report.foreign),
@@ -555,24 +567,8 @@ async fn two_installations_on_a_real_libvirtd_through_virsh_keep_apart_and_adopt
     daemon.virsh_ok(&["start", &legacy]);
 
     let now = after_grace(&[&prod_orphan, &staging_orphan]);
-    let (prod_registry, staging_registry) = (registry_of(prod.clone()), registry_of(staging.clone()));
-    let prod_owners = KubeLiveOwners::new(prod_cluster.client());
-    let staging_owners = KubeLiveOwners::new(staging_cluster.client());
-    let gc = config(false);
-    let (prod_report, staging_report) = tokio::join!(
-        collect(&prod_registry, &prod_owners, &gc, now),
-        collect(&staging_registry, &staging_owners, &gc, now),
-    );
-    assert_eq!(
-        prod_report.collected,
-        [prod_orphan.id.to_string()],
-        "{prod_report:?}"
-    );
-    assert_eq!(
-        staging_report.collected,
-        [staging_orphan.id.to_string()],
-        "{staging_report:?}"
-    );
+    let gc = SideBySide::new((prod.clone(), &prod_cluster), (staging.clone(), &staging_cluster));
+    let (prod_report, staging_report) = gc.pass(now, Some((&prod_orphan, &staging_orphan))).await;
     assert_eq!(
         prod_report.adopted,
         [format!("kvm/kvm/{legacy}")],
@@ -678,25 +674,8 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         &staging_orphan,
         &legacy,
     ]);
-    let prod_registry = registry_of(prod.clone());
-    let staging_registry = registry_of(staging.clone());
-    let prod_owners = KubeLiveOwners::new(prod_cluster.client());
-    let staging_owners = KubeLiveOwners::new(staging_cluster.client());
-    let gc = config(false);
-    let (prod_report, staging_report) = tokio::join!(
-        collect(&prod_registry, &prod_owners, &gc, now),
-        collect(&staging_registry, &staging_owners, &gc, now),
-    );
-    assert_eq!(
-        prod_report.collected,
-        [prod_orphan.id.to_string()],
-        "{prod_report:?}"
-    );
-    assert_eq!(
-        staging_report.collected,
-        [staging_orphan.id.to_string()],
-        "{staging_report:?}"
-    );
+    let gc = SideBySide::new((prod.clone(), &prod_cluster), (staging.clone(), &staging_cluster));
+    let (prod_report, staging_report) = gc.pass(now, Some((&prod_orphan, &staging_orphan))).await;
     assert_eq!(staging_report.adopted, [legacy.id.to_string()]);
     assert!(prod_report.adopted.is_empty(), "its owner does not live in prod");
     assert!(prod_report.foreign.contains(&staging_alive.id.to_string()));
