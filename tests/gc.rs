@@ -56,7 +56,7 @@ use serde_json::json;
 use support::{
     contract::plain_request,
     fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
-    local::{StateDir, eventually, free_port, squids_under},
+    local::{StateDir, eventually, free_port, kill, squids_under},
     process::GroupChild,
 };
 
@@ -736,12 +736,40 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         "list reports every instance: {listed:?}"
     );
 
-    for instance in [&prod_alive] {
-        prod.delete(&instance.id.native_id).await.expect("clean up");
-    }
+    prod.delete(&prod_alive.id.native_id).await.expect("clean up");
     for instance in [&staging_alive, &legacy] {
         staging.delete(&instance.id.native_id).await.expect("clean up");
     }
+
+    // A dead Squid is restarted by its own installation's supervision only. (With no prod
+    // provider object left, only the supervision passes below can restart anything.)
+    drop(gc);
+    drop(prod);
+    let prod_provider =
+        || LocalProvider::for_installation(prod_id.clone(), "local", state.settings()).expect("settings");
+    let dead = create_local(
+        &prod_provider(),
+        plain_request(local_owner("crawl", "dead"), free_port()),
+    )
+    .await;
+    let dead_dir = state.path().join(&dead.id.native_id);
+    for pid in squids_under(&dead_dir) {
+        kill(pid);
+    }
+    assert!(eventually(DEADLINE, async || squids_under(&dead_dir).is_empty()).await);
+    staging.supervise_now().await;
+    assert!(
+        squids_under(&dead_dir).is_empty(),
+        "staging never restarts prod's Squid"
+    );
+    assert!(staging.supervision(&dead.id.native_id).is_none());
+    let prod = prod_provider();
+    prod.supervise_now().await;
+    assert!(
+        eventually(DEADLINE, async || squids_under(&dead_dir).len() == 1).await,
+        "prod restarts its own"
+    );
+    prod.delete(&dead.id.native_id).await.expect("clean up");
 }
 
 // --- the binary in namespace-restricted mode ---------------------------------------------------
