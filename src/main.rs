@@ -138,6 +138,12 @@ enum Command {
         /// This replica's identity.
         #[arg(long, env = "POD_NAME", default_value = "egress-proxies-operator")]
         identity: String,
+        /// This installation's name in the cluster: with the cluster's identity (the
+        /// kube-system namespace's UID) it is stamped on every instance, and orphan GC and
+        /// adoption act only on instances carrying both. Give each installation sharing a
+        /// backend its own.
+        #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-operator")]
+        installation_name: String,
         /// Admin server address (/healthz, /readyz, /metrics).
         #[arg(long, default_value = "0.0.0.0:8081")]
         admin_listen: std::net::SocketAddr,
@@ -184,6 +190,10 @@ enum Command {
         tokens: Option<PathBuf>,
         #[command(flatten)]
         lifecycle: LifecycleArgs,
+        /// This installation's name: with the state folder's generated ID it is stamped on
+        /// every instance, and orphan GC and adoption act only on instances carrying both.
+        #[arg(long, default_value = "standalone")]
+        installation_name: String,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         json_logs: bool,
@@ -301,10 +311,12 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             listen,
             tokens,
             lifecycle,
+            installation_name,
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
             let options = app::StandaloneOptions {
+                installation_name,
                 manifests,
                 providers_config,
                 state,
@@ -331,6 +343,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             lifecycle,
             system_namespace,
             identity,
+            installation_name,
             admin_listen,
             discovery_listen,
             tokens,
@@ -349,6 +362,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 reconciler: lifecycle.config()?,
                 system_namespace,
                 identity,
+                installation_name,
                 admin_listen,
                 discovery_listen,
                 tokens,

@@ -6,7 +6,10 @@
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
-use k8s_openapi::api::{coordination::v1::Lease, core::v1::ConfigMap};
+use k8s_openapi::api::{
+    coordination::v1::Lease,
+    core::v1::{ConfigMap, Namespace},
+};
 use kube::{
     Api, Client, ResourceExt,
     api::{ListParams, ObjectMeta, PostParams},
@@ -39,7 +42,7 @@ use crate::{
         token::LeaseSigner,
     },
     monitor::{Monitor, kube_sink::KubeHealthSink},
-    provider::ProviderRegistry,
+    provider::{Installation, ProviderRegistry},
     telemetry::{
         Metrics,
         admin::{self, serve_admin},
@@ -72,6 +75,9 @@ pub struct ClusterOptions {
     pub system_namespace: String,
     /// This replica's identity (the pod name).
     pub identity: String,
+    /// This installation's name in the cluster (the operator's namespace by default): with
+    /// the cluster's identity, what every instance is stamped with and GC acts on.
+    pub installation_name: String,
     /// Admin server (`/healthz`, `/readyz`, `/metrics`).
     pub admin_listen: SocketAddr,
     /// Discovery API.
@@ -155,8 +161,10 @@ pub async fn run_cluster(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let config = ProvidersConfig::load(&options.providers_config)?;
+    let installation = Installation::new(cluster_identity(&client).await?, &options.installation_name);
+    info!(installation = %installation, "installation identity");
     // kubernetes provider instances create their Pods through the operator's own client.
-    let providers = ProviderRegistry::from_config_with_client(&config, Some(client.clone()))?;
+    let providers = ProviderRegistry::for_installation(&config, Some(client.clone()), &installation)?;
     let tokens = StaticTokens::from_file(&options.tokens).map_err(|e| AppError::Startup(e.to_string()))?;
     let signing_key = std::fs::read(&options.signing_key)
         .map_err(|e| AppError::Startup(format!("reading {}: {e}", options.signing_key.display())))?;
@@ -376,6 +384,25 @@ pub async fn run_cluster(
         ));
     }
     Ok(())
+}
+
+/// The cluster's identity: the UID of its `kube-system` namespace, which lives as long as the
+/// cluster and differs between clusters (needs `get` on namespaces).
+pub async fn cluster_identity(client: &Client) -> Result<String, AppError> {
+    let namespace = Api::<Namespace>::all(client.clone())
+        .get("kube-system")
+        .await
+        .map_err(|err| {
+            AppError::Startup(format!(
+                "reading the cluster identity (the kube-system namespace's UID) failed: {err} \
+                 (the operator needs get on namespaces, see config/rbac/role.yaml)"
+            ))
+        })?;
+    namespace
+        .metadata
+        .uid
+        .filter(|uid| !uid.is_empty())
+        .ok_or_else(|| AppError::Startup("the kube-system namespace has no UID".to_owned()))
 }
 
 /// Sends the key of every Proxy (in `namespace`, if restricted) on a provider whose availability

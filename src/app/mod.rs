@@ -22,7 +22,7 @@ use crate::{
         token::LeaseSigner,
     },
     monitor::{LogSink, Monitor},
-    provider::{ProviderRegistry, RegistryError},
+    provider::{Installation, ProviderRegistry, RegistryError},
     standalone::{Standalone, StandaloneDeps, StandaloneError},
     store::Store,
     telemetry::Metrics,
@@ -69,6 +69,44 @@ pub struct StandaloneOptions {
     pub terminal_progress: bool,
     /// Time between two orphan GC passes.
     pub gc_interval: Duration,
+    /// This installation's name; its cluster identity is the ID generated once into the
+    /// state folder ([`installation_id`]).
+    pub installation_name: String,
+}
+
+/// The file in the state folder holding standalone mode's generated cluster identity.
+pub const INSTALLATION_ID_FILE: &str = "installation-id";
+
+/// Standalone mode's cluster identity: generated at the first start into `state`'s
+/// [`INSTALLATION_ID_FILE`] and read back ever after, so it lives as long as the state folder.
+pub fn installation_id(state: &std::path::Path) -> Result<String, AppError> {
+    let path = state.join(INSTALLATION_ID_FILE);
+    let startup = |e: std::io::Error| AppError::Startup(format!("installation ID {}: {e}", path.display()));
+    if !path.exists() {
+        // Written beside it and linked into place: the file appears whole or not at all, and
+        // of two concurrent starts the first link wins.
+        let id: String = (0..16).map(|_| format!("{:02x}", fastrand::u8(..))).collect();
+        let temp = state.join(format!(".{INSTALLATION_ID_FILE}.{:08x}", fastrand::u32(..)));
+        std::fs::write(&temp, format!("{id}\n"))
+            .and_then(|()| std::fs::File::open(&temp)?.sync_all())
+            .map_err(startup)?;
+        let linked = std::fs::hard_link(&temp, &path);
+        let _ = std::fs::remove_file(&temp);
+        match linked {
+            Ok(()) => info!(path = %path.display(), "generated this state folder's installation ID"),
+            Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(err) => return Err(startup(err)),
+        }
+    }
+    let id = std::fs::read_to_string(&path).map_err(startup)?.trim().to_owned();
+    if id.is_empty() {
+        return Err(AppError::Startup(format!(
+            "installation ID {} is empty: restore it from a backup (instances stamped with the \
+             lost ID are no longer this installation's)",
+            path.display()
+        )));
+    }
+    Ok(id)
 }
 
 /// The tokens file standalone mode creates when none is given.
@@ -82,9 +120,11 @@ pub async fn run_standalone(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AppError> {
     let config = ProvidersConfig::load(&options.providers_config)?;
-    let providers = ProviderRegistry::from_config(&config)?;
     std::fs::create_dir_all(&options.state)
         .map_err(|e| AppError::Startup(format!("creating {}: {e}", options.state.display())))?;
+    let installation = Installation::new(installation_id(&options.state)?, &options.installation_name);
+    info!(installation = %installation, "installation identity");
+    let providers = ProviderRegistry::for_installation(&config, None, &installation)?;
 
     // Leases: restored from the last checkpoint, signed with a key kept in the state folder.
     let store = LeaseStore::new(LeaseStoreConfig::default());
@@ -262,5 +302,34 @@ impl LiveOwners for StateOwners {
             .into_iter()
             .map(|(_, r)| r.uid)
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_installation_id_is_generated_once_and_kept_with_the_state_folder() {
+        let state = tempfile::tempdir().expect("temp dir");
+        let first = installation_id(state.path()).expect("generated");
+        assert_eq!(first.len(), 32, "{first}");
+        assert_eq!(installation_id(state.path()).expect("read back"), first);
+        let other = tempfile::tempdir().expect("temp dir");
+        assert_ne!(
+            installation_id(other.path()).expect("generated"),
+            first,
+            "one per state folder"
+        );
+        // Nothing but the ID file is left behind.
+        let files: Vec<_> = std::fs::read_dir(state.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(files, [INSTALLATION_ID_FILE]);
+
+        std::fs::write(state.path().join(INSTALLATION_ID_FILE), "\n").expect("emptied");
+        let err = installation_id(state.path()).expect_err("an empty ID is refused");
+        assert!(err.to_string().contains("is empty"), "{err}");
     }
 }

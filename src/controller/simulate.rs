@@ -50,7 +50,7 @@ use crate::{
     },
     machine::{AuditEntry, Phase, audit},
     provider::{
-        Credentials, Endpoint, Instance, InstanceRequest, InstanceState, ProbeReport, Provider,
+        Credentials, Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider,
         ProviderError, ProviderId, ProviderRegistry, UserData,
     },
 };
@@ -375,7 +375,7 @@ impl Scenario {
         let availability = ProviderAvailability::default();
         let reconciler = Reconciler::new(
             SimBackend(world.clone()),
-            ProviderRegistry::new().with(SimProvider(world.clone())),
+            ProviderRegistry::new().with(SimProvider(world.clone(), Installation::default())),
             Arc::new(SimLeases(world.clone())),
             Arc::new(SimHealth(world.clone())),
             availability.clone(),
@@ -805,13 +805,14 @@ impl ProxyBackend for SimBackend {
     }
 }
 
-struct SimProvider(Arc<World>);
+struct SimProvider(Arc<World>, Installation);
 
 impl SimProvider {
     fn instance(instance: &SimInstance) -> Instance {
         Instance {
             id: ProviderId::new("sim", PROVIDER, INSTANCE),
             owner: None,
+            installation: None,
             spec_hash: Some(instance.spec.clone()),
             created_at: EPOCH,
             state: if instance.running {
@@ -834,6 +835,12 @@ impl Provider for SimProvider {
     }
     fn instance(&self) -> &str {
         PROVIDER
+    }
+    fn installation(&self) -> &Installation {
+        &self.1
+    }
+    async fn adopt(&self, name: &str) -> Result<Instance, ProviderError> {
+        self.get(name).await
     }
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         self.0.lock().creates += 1;

@@ -34,7 +34,7 @@ use std::{
     time::Duration,
 };
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 pub use registry::ResourceDef;
@@ -254,8 +254,23 @@ impl FakeApiServer {
         let addr = listener
             .local_addr()
             .expect("a bound listener has a local address");
+        let mut store = Store::new(registry::default_resources(), options.history_limit);
+        // A real API server always has these; the operator reads kube-system's UID as the
+        // cluster's identity.
+        let namespaces = resolve(&store, "namespaces");
+        for name in ["default", "kube-system"] {
+            store
+                .create(
+                    namespaces,
+                    None,
+                    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+                    false,
+                    true,
+                )
+                .expect("a fresh store takes the built-in namespaces");
+        }
         let inner = Arc::new(Inner {
-            store: Mutex::new(Store::new(registry::default_resources(), options.history_limit)),
+            store: Mutex::new(store),
             hooks: Mutex::new(Hooks::default()),
             expire: watch::channel(0).0,
             open_watches: AtomicUsize::new(0),
