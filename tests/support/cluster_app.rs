@@ -9,7 +9,7 @@
 use std::{net::SocketAddr, path::Path, time::Duration};
 
 use egress_proxies_operator::app::{
-    AppError,
+    AppError, DiscoveryAuthOptions,
     cluster::{ClusterOptions, run_cluster},
 };
 use kube::Client;
@@ -48,7 +48,7 @@ pub fn local_cluster(
         identity: "test-replica".into(),
         admin_listen: admin,
         discovery_listen: discovery,
-        tokens: dir.join("tokens"),
+        auth: DiscoveryAuthOptions::tokens_file(dir.join("tokens")),
         signing_key: dir.join("key"),
         concurrency: 4,
     }
