@@ -332,6 +332,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             concurrency,
             json_logs,
         } => {
+            let auth = auth.options();
+            // Before connecting: a missing choice is a usage error, not a cluster problem.
+            auth.validate(true)?;
             let telemetry = tracing_setup::init(json_logs)?;
             let options = app::cluster::ClusterOptions {
                 providers_config,
@@ -345,7 +348,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 identity,
                 admin_listen,
                 discovery_listen,
-                auth: auth.options(),
+                auth,
                 signing_key: lease_signing_key,
                 concurrency,
             };

@@ -113,43 +113,66 @@ impl DiscoveryAuthOptions {
     }
 }
 
-/// The discovery API's authenticator for `options`. `kube`: the client and the operator's
-/// namespace, in cluster mode (Secrets and TokenReview need them). Logs what is in force.
+impl DiscoveryAuthOptions {
+    /// Checks that exactly one choice was made (some methods, or the opt-out) and that each
+    /// method fits the mode (`cluster`: Secrets and TokenReview need Kubernetes). Pure, so the
+    /// binary checks its flags before connecting anywhere.
+    pub fn validate(&self, cluster: bool) -> Result<(), AppError> {
+        let misconfigured =
+            |why: &str| Err(AppError::Startup(format!("discovery API authentication: {why}")));
+        let any_method = self.tokens_file.is_some()
+            || self.tokens_secret.is_some()
+            || !self.token_review_audiences.is_empty();
+        if self.no_auth {
+            if any_method || !self.allowed_subjects.is_empty() {
+                return misconfigured(
+                    "--discovery-no-auth excludes every other --discovery-* authentication flag",
+                );
+            }
+            return Ok(());
+        }
+        if !any_method {
+            return misconfigured(
+                "choose --discovery-tokens, --discovery-tokens-secret and/or --discovery-token-review \
+                 with --discovery-token-audience (or opt out explicitly with --discovery-no-auth)",
+            );
+        }
+        if self.token_review_audiences.is_empty() && !self.allowed_subjects.is_empty() {
+            return misconfigured(
+                "--discovery-allowed-subject applies to TokenReview only (add --discovery-token-review)",
+            );
+        }
+        if !cluster && self.tokens_secret.is_some() {
+            return misconfigured("--discovery-tokens-secret needs cluster mode");
+        }
+        if !cluster && !self.token_review_audiences.is_empty() {
+            return misconfigured("--discovery-token-review needs cluster mode");
+        }
+        Ok(())
+    }
+}
+
+/// The discovery API's authenticator for `options` (see [`DiscoveryAuthOptions::validate`]).
+/// `kube`: the client and the operator's namespace, in cluster mode (Secrets and TokenReview
+/// need them). Token files and Secrets are read once here (an unreadable one fails the start),
+/// then re-read in the background. Logs what is in force, and loudly when nothing is.
 pub async fn discovery_authenticator(
     options: &DiscoveryAuthOptions,
     kube: Option<(&kube::Client, &str)>,
 ) -> Result<Arc<dyn Authenticator>, AppError> {
-    let misconfigured = |why: &str| AppError::Startup(format!("discovery API authentication: {why}"));
-    let any_method = options.tokens_file.is_some()
-        || options.tokens_secret.is_some()
-        || !options.token_review_audiences.is_empty();
+    options.validate(kube.is_some())?;
     if options.no_auth {
-        if any_method || !options.allowed_subjects.is_empty() {
-            return Err(misconfigured(
-                "--discovery-no-auth excludes every other --discovery-* authentication flag",
-            ));
-        }
         warn!(
             "discovery API authentication is OFF (--discovery-no-auth): anyone who can reach it can lease proxies"
         );
         return Ok(Arc::new(NoAuthentication));
-    }
-    if !any_method {
-        return Err(misconfigured(
-            "choose --discovery-tokens, --discovery-tokens-secret and/or --discovery-token-review              (or opt out explicitly with --discovery-no-auth)",
-        ));
-    }
-    if options.token_review_audiences.is_empty() && !options.allowed_subjects.is_empty() {
-        return Err(misconfigured(
-            "--discovery-allowed-subject applies to TokenReview only (add --discovery-token-review)",
-        ));
     }
     let reload = if options.reload_interval.is_zero() {
         TOKEN_RELOAD_INTERVAL
     } else {
         options.reload_interval
     };
-    let needs_cluster = |flag: &str| misconfigured(&format!("{flag} needs cluster mode"));
+    let needs_cluster = |flag: &str| AppError::Startup(format!("{flag} needs cluster mode"));
     let mut chain: Vec<Arc<dyn Authenticator>> = Vec::new();
     if let Some(path) = &options.tokens_file {
         let tokens = ReloadingTokens::start(TokenFile(path.clone()), reload)
