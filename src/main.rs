@@ -30,7 +30,7 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         out_dir: Option<PathBuf>,
     },
-    /// Validate Proxy manifests and providers configs offline, as the API server would.
+    /// Validate Proxy manifests (CRD schema, unknown fields, CEL rules) and providers configs offline.
     Check {
         /// Files to validate; each may hold several YAML documents.
         #[arg(required = true, value_name = "FILE")]
