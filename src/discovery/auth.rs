@@ -489,3 +489,70 @@ impl Authenticator for TokenReviewAuthenticator {
         answer
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(tokens: &StaticTokens, token: &str) -> Option<String> {
+        tokens.by_digest.get(&digest(token)).cloned()
+    }
+
+    #[test]
+    fn a_secret_value_holds_one_token_or_one_per_line() {
+        let map = BTreeMap::from([
+            ("crawler-a".to_owned(), " token-a\n".to_owned()),
+            ("fleet".to_owned(), "# two crawlers\nt1\n\nt2\n".to_owned()),
+            ("empty".to_owned(), "  \n".to_owned()),
+        ]);
+        let tokens = StaticTokens::from_map(&map);
+        assert_eq!(tokens.len(), 3);
+        assert_eq!(name(&tokens, "token-a").as_deref(), Some("crawler-a"));
+        assert_eq!(name(&tokens, "t1").as_deref(), Some("fleet-2"));
+        assert_eq!(name(&tokens, "t2").as_deref(), Some("fleet-4"));
+        assert_eq!(name(&tokens, ""), None);
+    }
+
+    /// Answers a fixed result for every token.
+    struct Fixed(Result<Identity, AuthError>);
+
+    #[async_trait]
+    impl Authenticator for Fixed {
+        async fn authenticate(&self, _token: &str) -> Result<Identity, AuthError> {
+            self.0.clone()
+        }
+    }
+
+    fn fixed(answer: Result<Identity, AuthError>) -> Arc<dyn Authenticator> {
+        Arc::new(Fixed(answer))
+    }
+
+    #[tokio::test]
+    async fn any_of_lets_the_first_that_knows_the_token_decide() {
+        let ok = || Ok(Identity { name: "a".into() });
+        let forbidden = || Err(AuthError::Forbidden("u".into()));
+        let unknown = || Err(AuthError::Unauthenticated);
+        let down = || Err(AuthError::Unavailable("down".into()));
+        let cases = [
+            (vec![unknown(), ok()], ok()),
+            (vec![ok(), down()], ok()),
+            (vec![unknown(), forbidden(), ok()], forbidden()),
+            (vec![unknown(), unknown()], unknown()),
+            // Nobody knows it and one could not be asked: not "invalid token".
+            (vec![down(), unknown()], down()),
+            (vec![unknown(), down()], down()),
+            (vec![down(), ok()], ok()),
+        ];
+        for (answers, expected) in cases {
+            let chain = AnyOf(answers.clone().into_iter().map(fixed).collect());
+            assert_eq!(chain.authenticate("t").await, expected, "{answers:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn only_the_opt_out_needs_no_token() {
+        assert!(NoAuthentication.anonymous().is_some());
+        assert!(StaticTokens::parse("t").anonymous().is_none());
+        assert!(AnyOf(vec![]).anonymous().is_none());
+    }
+}
