@@ -474,6 +474,7 @@ async fn token_review_against_the_fake_api_server() {
     api.fail_next(RequestMatcher::any().resource("tokenreviews"), 0, 500);
     let (status, _) = get_with(&mut c, "/v1/proxies", Some("sa-new")).await;
     assert_eq!(status, StatusCode::OK);
+    // Gone: connections refused.
     drop(api);
     let (status, body) = get_with(&mut c, "/v1/proxies", Some("sa-unknown")).await;
     assert_eq!(
@@ -481,6 +482,27 @@ async fn token_review_against_the_fake_api_server() {
         (StatusCode::SERVICE_UNAVAILABLE, Some("auth_unavailable"))
     );
     server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_token_review_that_hangs_answers_503_within_the_timeout() {
+    let api = FakeApiServer::start().await;
+    api.add_token("sa-bot", "system:serviceaccount:crawlers:bot", &[AUDIENCE]);
+    api.set_latency(Duration::from_secs(30));
+    let auth = TokenReviewAuthenticator::new(api.client(), vec![AUDIENCE.to_owned()], vec![])
+        .with_timeout(Duration::from_millis(300));
+    let asked = std::time::Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(10), auth.authenticate("sa-bot"))
+        .await
+        .expect("the review gives up by itself");
+    assert!(matches!(answer, Err(AuthError::Unavailable(_))), "{answer:?}");
+    assert!(asked.elapsed() < Duration::from_secs(5), "{:?}", asked.elapsed());
+    // Not cached: once the API server answers again, the token works.
+    api.set_latency(Duration::ZERO);
+    assert_eq!(
+        auth.authenticate("sa-bot").await.unwrap().name,
+        "system:serviceaccount:crawlers:bot"
+    );
 }
 
 #[tokio::test]

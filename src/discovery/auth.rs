@@ -373,6 +373,9 @@ fn anonymous() -> Identity {
 
 /// How long a TokenReview answer is reused.
 pub const TOKEN_REVIEW_CACHE_TTL: Duration = Duration::from_secs(30);
+/// How long a request waits for a TokenReview before it is answered 503 `auth_unavailable`:
+/// an API server that accepts connections but does not answer must not hang crawlers.
+pub const TOKEN_REVIEW_TIMEOUT: Duration = Duration::from_secs(5);
 const TOKEN_REVIEW_CACHE_MAX: usize = 10_000;
 
 /// A TokenReview answer and when it was given.
@@ -386,6 +389,7 @@ pub struct TokenReviewAuthenticator {
     cache: Mutex<HashMap<[u8; 32], CachedAnswer>>,
     /// Whether the last review failed, so an outage is logged once, not per request.
     down: AtomicBool,
+    timeout: Duration,
 }
 
 impl TokenReviewAuthenticator {
@@ -401,7 +405,14 @@ impl TokenReviewAuthenticator {
             allowed: allowed_subjects,
             cache: Mutex::new(HashMap::new()),
             down: AtomicBool::new(false),
+            timeout: TOKEN_REVIEW_TIMEOUT,
         }
+    }
+
+    /// Waits at most `timeout` for each TokenReview (default [`TOKEN_REVIEW_TIMEOUT`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     fn allowed(&self, user: &str) -> bool {
@@ -424,7 +435,17 @@ impl TokenReviewAuthenticator {
             },
             ..TokenReview::default()
         };
-        let answer = match api.create(&kube::api::PostParams::default(), &review).await {
+        let asked = tokio::time::timeout(
+            self.timeout,
+            api.create(&kube::api::PostParams::default(), &review),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(kube::Error::Service(
+                format!("no answer within {:?}", self.timeout).into(),
+            ))
+        });
+        let answer = match asked {
             Ok(answer) => {
                 if self.down.swap(false, Ordering::Relaxed) {
                     info!("TokenReview answers again");
