@@ -270,6 +270,11 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
             ));
         }
     };
+    // TokenReview is a create-only virtual resource: nothing to read, update or delete.
+    if def.is_named("tokenreviews.authentication.k8s.io") && verb != Verb::Create {
+        let verb = format!("{verb:?}").to_lowercase();
+        return error_response(&ApiError::method_not_supported(&def, &verb));
+    }
     let mut record = RequestRecord {
         verb,
         group: def.group.clone(),
