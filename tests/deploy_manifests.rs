@@ -331,3 +331,35 @@ fn config_mentions_only_existing_discovery_flags() {
         }
     }
 }
+
+/// `run` without a discovery authentication choice stops before connecting anywhere, naming the
+/// flags; the opt-out does not combine with a method.
+#[test]
+fn run_needs_an_explicit_discovery_authentication_choice() {
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"))
+            .arg("run")
+            .args(["--providers-config", "/nonexistent/providers.yaml"])
+            .args(args)
+            // No cluster to reach: a start that got past the check would fail differently.
+            .env("KUBECONFIG", "/nonexistent/kubeconfig")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .expect("running the binary")
+    };
+    let output = run(&[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("discovery API authentication") && stderr.contains("--discovery-no-auth"),
+        "{stderr}"
+    );
+    let output = run(&["--discovery-no-auth", "--discovery-tokens", "/tmp/tokens"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+    let output = run(&["--discovery-token-review"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("--discovery-token-audience"), "{stderr}");
+}
