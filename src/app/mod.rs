@@ -111,9 +111,7 @@ impl DiscoveryAuthOptions {
             ..Self::default()
         }
     }
-}
 
-impl DiscoveryAuthOptions {
     /// Checks that exactly one choice was made (some methods, or the opt-out) and that each
     /// method fits the mode (`cluster`: Secrets and TokenReview need Kubernetes). Pure, so the
     /// binary checks its flags before connecting anywhere.

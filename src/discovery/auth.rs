@@ -151,6 +151,12 @@ impl StaticTokens {
 #[async_trait]
 impl Authenticator for StaticTokens {
     async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
+        self.lookup(token)
+    }
+}
+
+impl StaticTokens {
+    fn lookup(&self, token: &str) -> Result<Identity, AuthError> {
         self.by_digest
             .get(&digest(token))
             .map(|name| Identity { name: name.clone() })
@@ -324,7 +330,11 @@ async fn reload(source: impl TokenSource, current: Weak<RwLock<Arc<StaticTokens>
 #[async_trait]
 impl Authenticator for ReloadingTokens {
     async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
-        self.snapshot().authenticate(token).await
+        // Looked up under the read lock: no clone of the set per request.
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .lookup(token)
     }
 }
 
