@@ -95,7 +95,7 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         out_dir: Option<PathBuf>,
     },
-    /// Validate Proxy manifests and providers configs offline, as the API server would.
+    /// Validate Proxy manifests (CRD schema, unknown fields, CEL rules) and providers configs offline.
     Check {
         /// Files to validate; each may hold several YAML documents.
         #[arg(required = true, value_name = "FILE")]
@@ -150,13 +150,9 @@ enum Command {
         /// Discovery API address.
         #[arg(long, default_value = "0.0.0.0:8080")]
         discovery_listen: std::net::SocketAddr,
-        /// Bearer tokens of the discovery API.
-        #[arg(
-            long,
-            value_name = "FILE",
-            default_value = "/etc/egress-proxies-operator/tokens/tokens"
-        )]
-        tokens: PathBuf,
+        /// How the discovery API authenticates callers (at least one method, or --discovery-no-auth).
+        #[command(flatten)]
+        auth: ClusterAuthArgs,
         /// Key signing lease tokens, shared by all replicas.
         #[arg(
             long,
@@ -185,9 +181,13 @@ enum Command {
         /// Address of the discovery API.
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
-        /// Bearer tokens of the discovery API (default: a token created in the state folder).
-        #[arg(long, value_name = "FILE")]
-        tokens: Option<PathBuf>,
+        /// Static bearer tokens of the discovery API, one per line, re-read every 2 s (default: a
+        /// token created in the state folder).
+        #[arg(long = "discovery-tokens", alias = "tokens", value_name = "FILE")]
+        discovery_tokens: Option<PathBuf>,
+        /// Serve the discovery API without any authentication (logged as a warning).
+        #[arg(long, conflicts_with = "discovery_tokens")]
+        discovery_no_auth: bool,
         #[command(flatten)]
         lifecycle: LifecycleArgs,
         /// This installation's name: with the state folder's generated ID it is stamped on
@@ -213,6 +213,51 @@ enum Command {
         #[arg(value_name = "SCENARIO")]
         scenario: PathBuf,
     },
+}
+
+/// Discovery API authentication flags of `run`: static tokens (file and/or Secret), TokenReview,
+/// or the explicit opt-out.
+#[derive(clap::Args)]
+struct ClusterAuthArgs {
+    /// Static bearer tokens, one per line (e.g. a mounted Secret's key), re-read every 2 s.
+    #[arg(long = "discovery-tokens", alias = "tokens", value_name = "FILE")]
+    discovery_tokens: Option<PathBuf>,
+    /// Static bearer tokens from this Secret in the operator's namespace (each data key a token),
+    /// re-read every 2 s through the API.
+    #[arg(long, value_name = "NAME")]
+    discovery_tokens_secret: Option<String>,
+    /// Accept Kubernetes service-account tokens, verified with a TokenReview (needs
+    /// --discovery-token-audience).
+    #[arg(long, requires = "discovery_token_audience")]
+    discovery_token_review: bool,
+    /// Audience a TokenReview'd token must hold (repeatable), e.g. the one crawlers request for
+    /// their projected service-account token.
+    #[arg(long, value_name = "AUDIENCE", requires = "discovery_token_review")]
+    discovery_token_audience: Vec<String>,
+    /// TokenReview'd users allowed in (repeatable), exact or ending in `*`, e.g.
+    /// `system:serviceaccount:crawlers:*` (default: every authenticated user).
+    #[arg(long, value_name = "USER", requires = "discovery_token_review")]
+    discovery_allowed_subject: Vec<String>,
+    /// Serve the discovery API without any authentication (logged as a warning).
+    #[arg(long, conflicts_with_all = ["discovery_tokens", "discovery_tokens_secret", "discovery_token_review"])]
+    discovery_no_auth: bool,
+}
+
+impl ClusterAuthArgs {
+    fn options(self) -> app::DiscoveryAuthOptions {
+        app::DiscoveryAuthOptions {
+            tokens_file: self.discovery_tokens,
+            tokens_secret: self.discovery_tokens_secret,
+            token_review_audiences: if self.discovery_token_review {
+                self.discovery_token_audience
+            } else {
+                Vec::new()
+            },
+            allowed_subjects: self.discovery_allowed_subject,
+            no_auth: self.discovery_no_auth,
+            reload_interval: app::TOKEN_RELOAD_INTERVAL,
+        }
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT (Ctrl-C). The handlers are installed when this is called
@@ -309,7 +354,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             providers_config,
             state,
             listen,
-            tokens,
+            discovery_tokens,
+            discovery_no_auth,
             lifecycle,
             installation_name,
             json_logs,
@@ -321,7 +367,12 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 providers_config,
                 state,
                 listen,
-                tokens,
+                auth: app::DiscoveryAuthOptions {
+                    tokens_file: discovery_tokens,
+                    no_auth: discovery_no_auth,
+                    reload_interval: app::TOKEN_RELOAD_INTERVAL,
+                    ..app::DiscoveryAuthOptions::default()
+                },
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
                 reconciler: lifecycle.config()?,
@@ -346,11 +397,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             installation_name,
             admin_listen,
             discovery_listen,
-            tokens,
+            auth,
             lease_signing_key,
             concurrency,
             json_logs,
         } => {
+            let auth = auth.options();
+            // Before connecting: a missing choice is a usage error, not a cluster problem.
+            auth.validate(true)?;
             let telemetry = tracing_setup::init(json_logs)?;
             let options = app::cluster::ClusterOptions {
                 providers_config,
@@ -365,7 +419,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 installation_name,
                 admin_listen,
                 discovery_listen,
-                tokens,
+                auth,
                 signing_key: lease_signing_key,
                 concurrency,
             };

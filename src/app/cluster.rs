@@ -18,7 +18,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
-use super::{AppError, proxy_key};
+use super::{AppError, DiscoveryAuthOptions, discovery_authenticator, proxy_key};
 use crate::{
     api::Proxy,
     config::ProvidersConfig,
@@ -30,7 +30,7 @@ use crate::{
             run_controller,
         },
     },
-    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, auth::StaticTokens},
+    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness},
     gc::{self, GcConfig, KubeLiveOwners, gc_enabled},
     health::{HealthConfig, HealthEngine},
     lease::{
@@ -82,8 +82,8 @@ pub struct ClusterOptions {
     pub admin_listen: SocketAddr,
     /// Discovery API.
     pub discovery_listen: SocketAddr,
-    /// Bearer tokens of the discovery API.
-    pub tokens: PathBuf,
+    /// Authentication of the discovery API.
+    pub auth: DiscoveryAuthOptions,
     /// HMAC key signing lease tokens, shared by all replicas (a mounted Secret).
     pub signing_key: PathBuf,
     /// Parallel reconciles.
@@ -165,7 +165,8 @@ pub async fn run_cluster(
     info!(installation = %installation, "installation identity");
     // kubernetes provider instances create their Pods through the operator's own client.
     let providers = ProviderRegistry::for_installation(&config, Some(client.clone()), &installation)?;
-    let tokens = StaticTokens::from_file(&options.tokens).map_err(|e| AppError::Startup(e.to_string()))?;
+    // Checked (and token files read) before leading: a misconfigured replica fails at start.
+    let auth = discovery_authenticator(&options.auth, Some((&client, &options.system_namespace))).await?;
     let signing_key = std::fs::read(&options.signing_key)
         .map_err(|e| AppError::Startup(format!("reading {}: {e}", options.signing_key.display())))?;
     let signer =
@@ -245,7 +246,7 @@ pub async fn run_cluster(
     let discovery_state = DiscoveryState::new(
         store.clone(),
         signer,
-        Arc::new(tokens),
+        auth,
         discovery_ready,
         registry.clone(),
         discovery_metrics,

@@ -212,7 +212,8 @@ impl<B: ProxyBackend> Reconciler<B> {
             Ok(instance) => {
                 record.provider_id = Some(instance.id.to_string());
                 record.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
-                record.spec_hash = Some(resolved.hash.clone());
+                // What it was built from (an older encoding of the same spec stays as stamped).
+                record.spec_hash = instance.spec_hash.clone().or_else(|| Some(resolved.hash.clone()));
                 // Provisioned=True is reported once this instance is seen running.
                 record.instance_running = false;
                 vec![Occurrence::new(

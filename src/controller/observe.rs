@@ -54,6 +54,10 @@ pub struct Observation {
     pub spec_edited: bool,
     /// The desired spec hash, or why the spec cannot be realised.
     pub desired_hash: Result<String, SpecProblem>,
+    /// The instance was built from another spec: its hash (the instance's own stamp, else the
+    /// status's), compared under the encoding version it was written with, differs from the
+    /// spec's ([`super::spec_hash::compare`]). An older encoding is never a change by itself.
+    pub spec_changed: bool,
     /// Why the provider is unavailable, if it is.
     pub provider_down: Option<String>,
     /// The instance.
@@ -69,22 +73,10 @@ pub struct Observation {
 /// The facts of `observation` for `record` at `now`.
 pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers: &Timers) -> Facts {
     let o = observation;
-    let (instance_present, instance_missing, instance_running, stamped_hash) = match &o.instance {
-        InstanceObservation::Present(instance) => (
-            true,
-            false,
-            instance.state == InstanceState::Running,
-            instance.spec_hash.as_deref(),
-        ),
-        InstanceObservation::Missing => (false, true, false, None),
-        InstanceObservation::NotChecked | InstanceObservation::Unknown => (false, false, false, None),
-    };
-    // What the instance runs: its own stamp when the provider reports one, else what the status
-    // recorded when it was created.
-    let applied = stamped_hash.or(record.spec_hash.as_deref());
-    let spec_changed = match (&o.desired_hash, applied) {
-        (Ok(desired), Some(applied)) => desired != applied,
-        _ => false,
+    let (instance_present, instance_missing, instance_running) = match &o.instance {
+        InstanceObservation::Present(instance) => (true, false, instance.state == InstanceState::Running),
+        InstanceObservation::Missing => (false, true, false),
+        InstanceObservation::NotChecked | InstanceObservation::Unknown => (false, false, false),
     };
     let spec_invalid_reported = match (&o.desired_hash, &record.spec_problem) {
         (Err(problem), Some(reported)) => *reported == problem.text(),
@@ -98,7 +90,7 @@ pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers:
         (Fact::FinalizerPresent, o.finalizer_present),
         (Fact::SpecValid, o.desired_hash.is_ok()),
         (Fact::SpecInvalidReported, spec_invalid_reported),
-        (Fact::SpecChanged, spec_changed),
+        (Fact::SpecChanged, o.spec_changed),
         (Fact::ProviderDown, o.provider_down.is_some()),
         (
             Fact::ProviderDownReported,
@@ -122,6 +114,16 @@ pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers:
         facts.set(fact, holds);
     }
     facts
+}
+
+/// The hash what runs was built from: the instance's own stamp when the provider reports one,
+/// else what the status recorded when it was created.
+pub fn applied_hash<'a>(instance: &'a InstanceObservation, record: &'a Record) -> Option<&'a str> {
+    match instance {
+        InstanceObservation::Present(instance) => instance.spec_hash.as_deref(),
+        _ => None,
+    }
+    .or(record.spec_hash.as_deref())
 }
 
 /// Phases in which the instance's existence decides events (elsewhere no instance is expected).

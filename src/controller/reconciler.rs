@@ -10,10 +10,10 @@ use tracing::{Instrument, debug, warn};
 use super::{
     ProviderAvailability,
     execute::{EffectContext, Occurrence, lease_target, parse_endpoint, short},
-    observe::{InstanceObservation, Observation, SpecProblem, facts, needs_instance},
+    observe::{InstanceObservation, Observation, SpecProblem, applied_hash, facts, needs_instance},
     plan::{Plan, PlanInput, next_wake, plan},
     pool::{Budgets, PoolFacts, Pools},
-    spec_hash,
+    spec_hash::{self, Comparison},
     status::{FINALIZER, Record},
 };
 use crate::{
@@ -364,11 +364,28 @@ impl<B: ProxyBackend> Reconciler<B> {
             }
             _ => InstanceObservation::NotChecked,
         };
+        let spec_changed = match (resolved, applied_hash(&instance, record)) {
+            (Ok(resolved), Some(applied)) => {
+                let user_data = resolved.user_data.as_ref().map(|d| d.0.as_str());
+                match spec_hash::compare(applied, &proxy.spec, user_data) {
+                    Comparison::Same => false,
+                    Comparison::Changed => true,
+                    // Written by a newer operator (a downgrade), or not a hash: replacing every
+                    // instance on that guess would be worse than keeping them.
+                    Comparison::Unknown => {
+                        debug!(proxy = %key, applied, "spec hash of an unknown encoding: not treated as a change");
+                        false
+                    }
+                }
+            }
+            _ => false,
+        };
         let mut observation = Observation {
             deletion_requested: proxy.metadata.deletion_timestamp.is_some(),
             finalizer_present: finalizer,
             spec_edited,
             desired_hash: resolved.as_ref().map(|r| r.hash.clone()).map_err(Clone::clone),
+            spec_changed,
             provider_down,
             instance,
             health: self.health.verdict(key),

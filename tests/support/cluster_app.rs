@@ -10,7 +10,7 @@ use std::{net::SocketAddr, path::Path, time::Duration};
 
 use egress_proxies_operator::{
     app::{
-        AppError,
+        AppError, DiscoveryAuthOptions,
         cluster::{ClusterOptions, cluster_identity, run_cluster},
     },
     provider::Installation,
@@ -64,7 +64,7 @@ pub fn local_cluster(
         installation_name: INSTALLATION_NAME.into(),
         admin_listen: admin,
         discovery_listen: discovery,
-        tokens: dir.join("tokens"),
+        auth: DiscoveryAuthOptions::tokens_file(dir.join("tokens")),
         signing_key: dir.join("key"),
         concurrency: 4,
     }
