@@ -56,10 +56,58 @@ struct Member {
     phase: Phase,
 }
 
+/// Running counts of one pool, kept in step with its members so a lookup costs O(1) however
+/// large the pool (a full pass over 10,000 Proxies must stay linear).
+#[derive(Clone, Copy, Debug, Default)]
+struct Counts {
+    total: u64,
+    unavailable: u64,
+    degraded: u64,
+}
+
+impl Counts {
+    fn add(&mut self, phase: Phase, sign: i64) {
+        let apply = |n: &mut u64| *n = n.saturating_add_signed(sign);
+        if in_pool(phase) {
+            apply(&mut self.total);
+        }
+        if unavailable(phase) {
+            apply(&mut self.unavailable);
+        }
+        if phase == Phase::Degraded {
+            apply(&mut self.degraded);
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    members: HashMap<ProxyKey, Member>,
+    pools: HashMap<String, Counts>,
+}
+
+impl Inner {
+    fn put(&mut self, key: &ProxyKey, provider: &str, phase: Option<Phase>) {
+        if let Some(old) = self.members.remove(key) {
+            self.pools.entry(old.provider).or_default().add(old.phase, -1);
+        }
+        if let Some(phase) = phase {
+            self.pools.entry(provider.to_owned()).or_default().add(phase, 1);
+            self.members.insert(
+                key.clone(),
+                Member {
+                    provider: provider.to_owned(),
+                    phase,
+                },
+            );
+        }
+    }
+}
+
 /// The phases of every known Proxy, by pool.
 #[derive(Debug, Default)]
 pub struct Pools {
-    members: Mutex<HashMap<ProxyKey, Member>>,
+    inner: Mutex<Inner>,
 }
 
 fn unavailable(phase: Phase) -> bool {
@@ -71,79 +119,40 @@ fn in_pool(phase: Phase) -> bool {
 }
 
 impl Pools {
-    fn lock(&self) -> MutexGuard<'_, HashMap<ProxyKey, Member>> {
-        self.members.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Records that `key` (on `provider`) is in `phase`; a deleted Proxy leaves its pool.
     pub fn set(&self, key: &ProxyKey, provider: &str, phase: Phase) {
-        let mut members = self.lock();
-        if phase == Phase::Deleted {
-            members.remove(key);
-        } else {
-            members.insert(
-                key.clone(),
-                Member {
-                    provider: provider.to_owned(),
-                    phase,
-                },
-            );
-        }
+        self.lock().put(key, provider, (phase != Phase::Deleted).then_some(phase));
     }
 
     /// Records every `(key, provider, phase)` not known yet (a mode's store at start).
     pub fn seed(&self, known: impl IntoIterator<Item = (ProxyKey, String, Phase)>) {
-        let mut members = self.lock();
+        let mut inner = self.lock();
         for (key, provider, phase) in known {
-            members.entry(key).or_insert(Member { provider, phase });
+            if !inner.members.contains_key(&key) {
+                inner.put(&key, &provider, Some(phase));
+            }
         }
     }
 
     /// The budget facts of `key` in `phase`. With `reserve`, a granted replacement budget marks
     /// `key` replacing at once (the end of its reconcile records its real phase).
-    pub fn facts(
-        &self,
-        key: &ProxyKey,
-        provider: &str,
-        phase: Phase,
-        budgets: &Budgets,
-        reserve: bool,
-    ) -> PoolFacts {
-        let mut members = self.lock();
-        let (mut total, mut unavailable_others, mut degraded) = (0u64, 0u64, 0u64);
-        for (other, member) in members.iter() {
-            if member.provider != provider {
-                continue;
-            }
-            // This proxy counts with the phase it has now, whatever was recorded before.
-            let member_phase = if other == key { phase } else { member.phase };
-            if !in_pool(member_phase) {
-                continue;
-            }
-            total += 1;
-            if member_phase == Phase::Degraded {
-                degraded += 1;
-            }
-            if other != key && unavailable(member_phase) {
-                unavailable_others += 1;
-            }
-        }
-        if !members.contains_key(key) && in_pool(phase) {
-            total += 1;
-            degraded += u64::from(phase == Phase::Degraded);
-        }
-        let limit = (total * u64::from(budgets.max_unavailable_percent) / 100).max(1);
+    pub fn facts(&self, key: &ProxyKey, provider: &str, phase: Phase, budgets: &Budgets, reserve: bool) -> PoolFacts {
+        let mut inner = self.lock();
+        // Count this proxy with the phase it has now, whatever was recorded before.
+        inner.put(key, provider, Some(phase));
+        let counts = inner.pools.get(provider).copied().unwrap_or_default();
+        let unavailable_others = counts.unavailable - u64::from(unavailable(phase));
+        let limit = (counts.total * u64::from(budgets.max_unavailable_percent) / 100).max(1);
         let replacement_budget_left = unavailable(phase) || unavailable_others < limit;
         // At least one degraded proxy may always be replaced: a pool of one must heal too.
-        let remediation_allowed = degraded <= (total * u64::from(budgets.max_unhealthy_percent) / 100).max(1);
+        let remediation_allowed =
+            counts.degraded <= (counts.total * u64::from(budgets.max_unhealthy_percent) / 100).max(1);
         if reserve && replacement_budget_left && !unavailable(phase) {
-            members.insert(
-                key.clone(),
-                Member {
-                    provider: provider.to_owned(),
-                    phase: Phase::Replacing,
-                },
-            );
+            inner.put(key, provider, Some(Phase::Replacing));
         }
         PoolFacts {
             replacement_budget_left,
@@ -154,7 +163,7 @@ impl Pools {
     /// How many proxies of `provider` are in each phase (for metrics and the status page).
     pub fn counts(&self, provider: &str) -> HashMap<Phase, usize> {
         let mut counts = HashMap::new();
-        for member in self.lock().values().filter(|m| m.provider == provider) {
+        for member in self.lock().members.values().filter(|m| m.provider == provider) {
             *counts.entry(member.phase).or_insert(0) += 1;
         }
         counts
