@@ -1,18 +1,21 @@
 //! [`ProxyBackend`] over the Kubernetes API: finalizers and status on the Proxy, Events as the
 //! audit trail, Secrets from the label-selected cache (cloud-init) or a direct read (credentials).
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api, Client, Resource, ResourceExt,
     api::{Patch, PatchParams, PostParams},
     runtime::{
-        events::{Event as KubeEvent, EventType, Recorder},
+        events::{Event as KubeEvent, EventType},
         reflector::{ObjectRef, Store},
     },
 };
 use serde_json::json;
 
+use super::events::EventPublisher;
 use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
     controller::status::FINALIZER,
@@ -40,17 +43,18 @@ const WARNING_REASONS: [&str; 8] = [
 #[derive(Clone)]
 pub struct KubeBackend {
     client: Client,
-    recorder: Recorder,
+    events: Arc<EventPublisher>,
     cloud_init_secrets: Store<Secret>,
 }
 
 impl KubeBackend {
     /// A backend writing through `client`, reading cloud-init Secrets from `cloud_init_secrets`
-    /// (a reflector over Secrets labelled [`CLOUD_INIT_SECRET_LABEL`]).
-    pub fn new(client: Client, recorder: Recorder, cloud_init_secrets: Store<Secret>) -> Self {
+    /// (a reflector over Secrets labelled [`CLOUD_INIT_SECRET_LABEL`]), publishing the audit trail
+    /// through `events`.
+    pub fn new(client: Client, events: EventPublisher, cloud_init_secrets: Store<Secret>) -> Self {
         Self {
             client,
-            recorder,
+            events: Arc::new(events),
             cloud_init_secrets,
         }
     }
@@ -197,7 +201,7 @@ impl ProxyBackend for KubeBackend {
             action: entry.event.as_str().to_owned(),
             secondary: None,
         };
-        self.recorder
+        self.events
             .publish(&event, &proxy.object_ref(&()))
             .await
             .map_err(classify)

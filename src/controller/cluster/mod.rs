@@ -9,6 +9,7 @@
 //! brings a waiting Proxy back.
 
 pub mod backend;
+pub mod events;
 pub mod leader;
 
 use std::{
@@ -25,7 +26,7 @@ use kube::{
     runtime::{
         Controller, PredicateConfig, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
-        events::{Recorder, Reporter},
+        events::Reporter,
         reflector::{self, ObjectRef},
         watcher::{self, watcher},
     },
@@ -105,14 +106,14 @@ pub async fn run_controller(
     .reflect(secret_writer)
     .touched_objects();
 
-    let recorder = Recorder::new(
+    let events = events::EventPublisher::new(
         deps.client.clone(),
         Reporter {
             controller: CONTROLLER_NAME.to_owned(),
             instance: Some(deps.identity.clone()),
         },
     );
-    let backend = KubeBackend::new(deps.client.clone(), recorder, secret_store.clone());
+    let backend = KubeBackend::new(deps.client.clone(), events, secret_store.clone());
     let (proxy_store, proxy_writer) = reflector::store();
     let context = Arc::new(Context {
         reconciler: Reconciler::new(
