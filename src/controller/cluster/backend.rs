@@ -1,7 +1,10 @@
 //! [`ProxyBackend`] over the Kubernetes API: finalizers and status on the Proxy, Events as the
 //! audit trail, Secrets from the label-selected cache (cloud-init) or a direct read (credentials).
 
-use std::sync::Arc;
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+};
 
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Secret;
@@ -45,6 +48,11 @@ pub struct KubeBackend {
     client: Client,
     events: Arc<EventPublisher>,
     cloud_init_secrets: Store<Secret>,
+    /// Per Proxy UID, the resourceVersion our own finalizer patch started from and the one it
+    /// produced. A reconcile that adds the finalizer writes the status next, from the object it
+    /// read: without this, that write would carry the pre-patch version and always conflict
+    /// (a wasted write, a requeue and every transition redone).
+    own_versions: Arc<Mutex<HashMap<String, (String, String)>>>,
 }
 
 impl KubeBackend {
@@ -56,6 +64,7 @@ impl KubeBackend {
             client,
             events: Arc::new(events),
             cloud_init_secrets,
+            own_versions: Arc::default(),
         }
     }
 
@@ -68,11 +77,33 @@ impl KubeBackend {
         // finalizer list gives a conflict instead of being overwritten.
         let patch =
             json!({"metadata": {"finalizers": finalizers, "resourceVersion": proxy.resource_version()}});
-        self.proxies(proxy)
+        let patched = self
+            .proxies(proxy)
             .patch(&proxy.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map(|_| ())
-            .map_err(classify)
+            .map_err(classify)?;
+        if let (Some(uid), Some(before), Some(after)) =
+            (proxy.uid(), proxy.resource_version(), patched.resource_version())
+        {
+            self.versions().insert(uid, (before, after));
+        }
+        Ok(())
+    }
+
+    fn versions(&self) -> MutexGuard<'_, HashMap<String, (String, String)>> {
+        self.own_versions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The resourceVersion a status write of `proxy` must carry: the one our own finalizer patch
+    /// produced if `proxy` is what that patch started from, else `proxy`'s.
+    fn version_for_status(&self, proxy: &Proxy) -> Option<String> {
+        let own = proxy.uid().and_then(|uid| self.versions().remove(&uid));
+        match own {
+            Some((before, after)) if proxy.resource_version().as_deref() == Some(before.as_str()) => {
+                Some(after)
+            }
+            _ => proxy.resource_version(),
+        }
     }
 }
 
@@ -168,17 +199,23 @@ impl ProxyBackend for KubeBackend {
             .filter(|f| *f != FINALIZER)
             .cloned()
             .collect();
-        match self.set_finalizers(proxy, finalizers).await {
+        let result = match self.set_finalizers(proxy, finalizers).await {
             // Already gone: the finalizer is as removed as it gets.
             Err(BackendError::Gone(_)) => Ok(()),
             other => other,
+        };
+        // No status write follows a removal: forget the versions rather than keep them.
+        if let Some(uid) = proxy.uid() {
+            self.versions().remove(&uid);
         }
+        result
     }
 
     async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
         // A full replace (with the resourceVersion we read) clears fields that became unset and
         // turns a concurrent writer into a conflict rather than a lost update.
         let mut updated = proxy.clone();
+        updated.metadata.resource_version = self.version_for_status(proxy);
         updated.status = Some(status.clone());
         self.proxies(proxy)
             .replace_status(&proxy.name_any(), &PostParams::default(), &updated)
