@@ -48,7 +48,7 @@ use egress_proxies_operator::{
         cluster::{ClusterDeps, run_controller},
     },
     effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey},
-    provider::{ProviderRegistry, memory::MemoryProvider},
+    provider::{Instance, Provider, ProviderRegistry, memory::MemoryProvider},
     telemetry::Metrics,
 };
 use fake_apiserver::FakeApiServer;
@@ -362,7 +362,8 @@ async fn run_case(n: usize, steady: Duration) -> Figures {
     let mut api = ApiProcess::start().await;
     let client = api.client();
     let mut providers = ProviderRegistry::new();
-    providers.insert(Arc::new(MemoryProvider::new("mem")));
+    let memory = Arc::new(MemoryProvider::new("mem"));
+    providers.insert(memory.clone());
     let (trigger_tx, trigger_rx) = mpsc::unbounded_channel();
     let health = Arc::new(InstantHealth {
         passing: Mutex::default(),
@@ -460,16 +461,32 @@ async fn run_case(n: usize, steady: Duration) -> Figures {
         );
     }
 
+    // The in-memory provider keeps every instance in this process, where a real one keeps them
+    // in libvirt or the cluster: its share is estimated as the heap a copy of its table takes.
+    let before = LIVE_HEAP.load(Ordering::Relaxed);
+    let table: BTreeMap<String, Instance> = memory
+        .list()
+        .await
+        .expect("the in-memory provider lists")
+        .into_iter()
+        .map(|i| (i.id.native_id.clone(), i))
+        .collect();
+    let provider_heap = LIVE_HEAP.load(Ordering::Relaxed).saturating_sub(before) as u64;
+    drop(table);
     let own_rss = proc_status_bytes("self", "VmRSS");
+    let own_anon = proc_status_bytes("self", "RssAnon");
     let own_peak = proc_status_bytes("self", "VmHWM");
     let heap = LIVE_HEAP.load(Ordering::Relaxed) as u64;
     let api_rss: u64 = api.ask("rss").await.parse().expect("bytes");
     println!(
-        "converge {n}: operator memory: RSS {:.1} MB (peak {:.1} MB during this case; target <= 64 MB), \
-         live heap {:.1} MB; the fake API server's RSS (another process) {:.1} MB",
+        "converge {n}: operator memory: RSS {:.1} MB (anonymous {:.1} MB; peak {:.1} MB during this case; \
+         target <= 64 MB), live heap {:.1} MB of which ~{:.1} MB the bench's in-memory provider's \
+         instance table; the fake API server's RSS (another process) {:.1} MB",
         mb(own_rss),
+        mb(own_anon),
         mb(own_peak),
         mb(heap),
+        mb(provider_heap),
         mb(api_rss)
     );
 

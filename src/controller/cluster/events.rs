@@ -7,7 +7,7 @@
 //! published Event object in it, so publishing is O(Events of the last six minutes) in time and
 //! a full Event per entry in memory. At 10,000 Proxies (five Events each on the way to Healthy)
 //! that sweep dominated convergence (quadratic) and the cache held tens of MB. Here a cache entry
-//! is a hash, a name and a count, and the sweep runs at most once a minute (amortised O(1)).
+//! is a hash, a timestamp and a count, and the sweep runs at most once a minute (amortised O(1)).
 
 use std::{
     collections::HashMap,
@@ -34,9 +34,10 @@ const SERIES_WINDOW: SignedDuration = SignedDuration::from_mins(6);
 /// How often the cache drops entries older than [`SERIES_WINDOW`].
 const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
 
-/// The Event a repeat is added to.
+/// The Event a repeat is added to. Its name is `{regarding name}.{created_ns:x}` (as
+/// kube-runtime names them), so only the timestamp is kept, not the name.
 struct Cached {
-    name: String,
+    created_ns: i128,
     count: i32,
     last_observed: Timestamp,
 }
@@ -77,12 +78,13 @@ impl EventPublisher {
                 .entries
                 .get(&key)
                 .filter(|c| c.last_observed + SERIES_WINDOW > now)
-                .map(|c| (c.name.clone(), c.count + 1))
+                .map(|c| (c.created_ns, c.count + 1))
         };
         let namespace = regarding.namespace.as_deref().unwrap_or("default");
         let events: Api<K8sEvent> = Api::namespaced(self.client.clone(), namespace);
-        let (name, count) = match repeat {
-            Some((name, count)) => {
+        let (created_ns, count) = match repeat {
+            Some((created_ns, count)) => {
+                let name = self.event_name(regarding, created_ns);
                 let patch = json!({
                     "series": {"count": count, "lastObservedTime": MicroTime(now)},
                     "note": event.note,
@@ -90,14 +92,13 @@ impl EventPublisher {
                 events
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await?;
-                (name, count)
+                (created_ns, count)
             }
             None => {
                 let created = self.generate(event, regarding, now);
-                let name = created.metadata.name.clone().unwrap_or_default();
                 events.create(&PostParams::default(), &created).await?;
                 // A series' count starts at 2 (the first repeat), as client-go's.
-                (name, 1)
+                (now.as_nanosecond(), 1)
             }
         };
         self.cache
@@ -107,12 +108,17 @@ impl EventPublisher {
             .insert(
                 key,
                 Cached {
-                    name,
+                    created_ns,
                     count,
                     last_observed: now,
                 },
             );
         Ok(())
+    }
+
+    fn event_name(&self, regarding: &ObjectReference, created_ns: i128) -> String {
+        let base = regarding.name.as_ref().unwrap_or(&self.reporter.controller);
+        format!("{base}.{created_ns:x}")
     }
 
     fn generate(&self, event: &Event, regarding: &ObjectReference, now: Timestamp) -> K8sEvent {
@@ -125,11 +131,7 @@ impl EventPublisher {
             note: event.note.clone(),
             metadata: ObjectMeta {
                 namespace: regarding.namespace.clone(),
-                name: Some(format!(
-                    "{}.{:x}",
-                    regarding.name.as_ref().unwrap_or(&self.reporter.controller),
-                    now.as_nanosecond()
-                )),
+                name: Some(self.event_name(regarding, now.as_nanosecond())),
                 ..ObjectMeta::default()
             },
             reporting_controller: Some(self.reporter.controller.clone()),
