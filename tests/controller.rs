@@ -546,3 +546,56 @@ async fn an_unknown_provider_is_a_user_error_not_a_crash() {
     );
     operator.stop().await;
 }
+
+#[tokio::test]
+async fn the_status_write_after_adding_the_finalizer_does_not_conflict() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    // Health stays Unknown: one reconcile adds the finalizer and writes `provisioning`.
+    world.create_proxy("first", json!({"provider": "mem"})).await;
+    world.wait_phase("first", "provisioning").await;
+    let status_writes: Vec<_> = world
+        .server
+        .writes()
+        .into_iter()
+        .filter(|r| r.name.as_deref() == Some("first") && r.subresource.as_deref() == Some("status"))
+        .collect();
+    assert!(
+        status_writes.iter().all(|r| r.succeeded()),
+        "the status write must carry the resourceVersion of the operator's own finalizer patch: {status_writes:#?}"
+    );
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn a_repeated_event_joins_the_first_ones_series() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world.create_proxy("flappy", json!({"provider": "mem"})).await;
+    make_healthy(&world, &operator, "flappy").await;
+    let k = key(NS, "flappy");
+    for _ in 0..2 {
+        world.health.set(&k, HealthVerdict::Failing);
+        operator.trigger(k.clone()).await;
+        world.wait_phase("flappy", "degraded").await;
+        world
+            .health
+            .set(&k, HealthVerdict::Passing { after_failing: true });
+        operator.trigger(k.clone()).await;
+        world.wait_phase("flappy", "healthy").await;
+    }
+    let failed: Vec<serde_json::Value> = world
+        .server
+        .list_json("events.events.k8s.io", Some(NS))
+        .into_iter()
+        .filter(|e| e["reason"] == "HealthCheckFailed")
+        .collect();
+    assert_eq!(
+        failed.len(),
+        1,
+        "a repeat within six minutes is a series, not a new Event: {failed:#?}"
+    );
+    assert_eq!(failed[0]["series"]["count"], 2, "{failed:#?}");
+    assert!(failed[0]["series"]["lastObservedTime"].is_string(), "{failed:#?}");
+    operator.stop().await;
+}
