@@ -53,6 +53,17 @@ pub struct KubeBackend {
     /// read: without this, that write would carry the pre-patch version and always conflict
     /// (a wasted write, a requeue and every transition redone).
     own_versions: Arc<Mutex<HashMap<String, (String, String)>>>,
+    /// Per Proxy (hash of its UID), hashes of the resourceVersions our last status write of it
+    /// replaced (the one read, the one sent): see [`Self::is_superseded`]. Hashes keep this at
+    /// a few dozen bytes per Proxy.
+    superseded: Arc<Mutex<HashMap<u64, [u64; 2]>>>,
+}
+
+fn short_hash(text: Option<&str>) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut hasher = DefaultHasher::new();
+    text.hash(&mut hasher);
+    hasher.finish()
 }
 
 impl KubeBackend {
@@ -65,6 +76,7 @@ impl KubeBackend {
             events: Arc::new(events),
             cloud_init_secrets,
             own_versions: Arc::default(),
+            superseded: Arc::default(),
         }
     }
 
@@ -88,6 +100,30 @@ impl KubeBackend {
             self.versions().insert(uid, (before, after));
         }
         Ok(())
+    }
+
+    fn superseded(&self) -> MutexGuard<'_, HashMap<u64, [u64; 2]>> {
+        self.superseded.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether `proxy` is a version our own last status write of it already replaced: the cache
+    /// has not received that write yet, and a reconcile of it would redo transitions and end
+    /// in a conflicting status write. Forgets the Proxy's entry once the cache has moved on.
+    pub fn is_superseded(&self, proxy: &Proxy) -> bool {
+        let Some(uid) = proxy.uid() else {
+            return false;
+        };
+        let uid = short_hash(Some(&uid));
+        let version = short_hash(proxy.resource_version().as_deref());
+        let mut superseded = self.superseded();
+        match superseded.get(&uid) {
+            Some(versions) if versions.contains(&version) => true,
+            Some(_) => {
+                superseded.remove(&uid);
+                false
+            }
+            None => false,
+        }
     }
 
     fn versions(&self) -> MutexGuard<'_, HashMap<String, (String, String)>> {
@@ -206,6 +242,7 @@ impl ProxyBackend for KubeBackend {
         };
         // No status write follows a removal: forget the versions rather than keep them.
         if let Some(uid) = proxy.uid() {
+            self.superseded().remove(&short_hash(Some(&uid)));
             self.versions().remove(&uid);
         }
         result
@@ -215,13 +252,18 @@ impl ProxyBackend for KubeBackend {
         // A full replace (with the resourceVersion we read) clears fields that became unset and
         // turns a concurrent writer into a conflict rather than a lost update.
         let mut updated = proxy.clone();
-        updated.metadata.resource_version = self.version_for_status(proxy);
+        let sent = self.version_for_status(proxy);
+        updated.metadata.resource_version = sent.clone();
         updated.status = Some(status.clone());
         self.proxies(proxy)
             .replace_status(&proxy.name_any(), &PostParams::default(), &updated)
             .await
-            .map(|_| ())
-            .map_err(classify)
+            .map_err(classify)?;
+        if let Some(uid) = proxy.uid() {
+            let superseded = [proxy.resource_version(), sent].map(|rv| short_hash(rv.as_deref()));
+            self.superseded().insert(short_hash(Some(&uid)), superseded);
+        }
+        Ok(())
     }
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {

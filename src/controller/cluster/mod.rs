@@ -262,7 +262,14 @@ pub fn proxy_changed(proxy: &Proxy) -> Option<u64> {
     Some(hasher.finish())
 }
 
+/// How soon a Proxy whose cached version our own status write already replaced is looked at
+/// again (the watch normally delivers that write within milliseconds).
+const SUPERSEDED_RETRY: Duration = Duration::from_millis(100);
+
 async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {
+    if context.reconciler.backend().is_superseded(&proxy) {
+        return Ok(Action::requeue(SUPERSEDED_RETRY));
+    }
     if !context
         .pools_seeded
         .swap(true, std::sync::atomic::Ordering::SeqCst)
