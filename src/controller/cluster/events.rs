@@ -37,9 +37,10 @@ const SWEEP_INTERVAL: Duration = Duration::from_secs(60);
 /// The Event a repeat is added to. Its name is `{regarding name}.{created_ns:x}` (as
 /// kube-runtime names them), so only the timestamp is kept, not the name.
 struct Cached {
-    created_ns: i128,
+    created_ns: i64,
     count: i32,
-    last_observed: Timestamp,
+    /// Unix seconds: entry size matters, there is one per Event of the last six minutes.
+    last_observed: i64,
 }
 
 #[derive(Default)]
@@ -77,7 +78,7 @@ impl EventPublisher {
             cache
                 .entries
                 .get(&key)
-                .filter(|c| c.last_observed + SERIES_WINDOW > now)
+                .filter(|c| c.last_observed + SERIES_WINDOW.as_secs() > now.as_second())
                 .map(|c| (c.created_ns, c.count + 1))
         };
         let namespace = regarding.namespace.as_deref().unwrap_or("default");
@@ -98,7 +99,7 @@ impl EventPublisher {
                 let created = self.generate(event, regarding, now);
                 events.create(&PostParams::default(), &created).await?;
                 // A series' count starts at 2 (the first repeat), as client-go's.
-                (now.as_nanosecond(), 1)
+                (nanos(now), 1)
             }
         };
         self.cache
@@ -110,13 +111,13 @@ impl EventPublisher {
                 Cached {
                     created_ns,
                     count,
-                    last_observed: now,
+                    last_observed: now.as_second(),
                 },
             );
         Ok(())
     }
 
-    fn event_name(&self, regarding: &ObjectReference, created_ns: i128) -> String {
+    fn event_name(&self, regarding: &ObjectReference, created_ns: i64) -> String {
         let base = regarding.name.as_ref().unwrap_or(&self.reporter.controller);
         format!("{base}.{created_ns:x}")
     }
@@ -131,7 +132,7 @@ impl EventPublisher {
             note: event.note.clone(),
             metadata: ObjectMeta {
                 namespace: regarding.namespace.clone(),
-                name: Some(self.event_name(regarding, now.as_nanosecond())),
+                name: Some(self.event_name(regarding, nanos(now))),
                 ..ObjectMeta::default()
             },
             reporting_controller: Some(self.reporter.controller.clone()),
@@ -151,6 +152,11 @@ impl EventPublisher {
             ..K8sEvent::default()
         }
     }
+}
+
+/// Nanoseconds since the epoch; an i64 holds them until 2262.
+fn nanos(at: Timestamp) -> i64 {
+    i64::try_from(at.as_nanosecond()).unwrap_or(i64::MAX)
 }
 
 fn key_of(event: &Event, regarding: &ObjectReference) -> u64 {
@@ -180,7 +186,8 @@ fn sweep(cache: &mut Cache, now: Timestamp) {
         .last_sweep
         .is_none_or(|at| now.duration_since(at).unsigned_abs() >= SWEEP_INTERVAL);
     if due {
-        cache.entries.retain(|_, c| c.last_observed + SERIES_WINDOW > now);
+        let oldest = now.as_second() - SERIES_WINDOW.as_secs();
+        cache.entries.retain(|_, c| c.last_observed > oldest);
         cache.last_sweep = Some(now);
     }
 }
