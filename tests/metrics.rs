@@ -255,16 +255,18 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert_eq!(value("epo_reconcile_duration_seconds_count"), reconciles);
-    for (from, to) in [
-        ("pending", "provisioning"),
-        ("provisioning", "healthy"),
-        ("healthy", "deleting"),
-        ("deleting", "deleted"),
+    for (from, to, reason) in [
+        ("pending", "provisioning", "ProvisioningStarted"),
+        ("provisioning", "healthy", "Healthy"),
+        ("healthy", "deleting", "DeletionRequested"),
+        ("deleting", "deleted", "Deleted"),
     ] {
         assert_eq!(
-            value(&format!(r#"epo_transitions_total{{from="{from}",to="{to}"}}"#)),
+            value(&format!(
+                r#"epo_transitions_total{{from="{from}",to="{to}",reason="{reason}"}}"#
+            )),
             1.0,
-            "{from} -> {to}"
+            "{from} -> {to} ({reason})"
         );
     }
     for phase in [

@@ -266,8 +266,8 @@ async fn standalone_end_to_end_with_real_squid() {
     })
     .await;
     for line in [
-        r#"epo_transitions_total{from="provisioning",to="healthy"} 2"#,
-        r#"epo_transitions_total{from="deleting",to="deleted"} 1"#,
+        r#"epo_transitions_total{from="provisioning",to="healthy",reason="Healthy"} 2"#,
+        r#"epo_transitions_total{from="deleting",to="deleted",reason="Deleted"} 1"#,
         r#"epo_provider_available{provider="local"} 1"#,
         r#"epo_discovery_leases_released_total{code="ok"} 1"#,
         "epo_discovery_leases_active 0",

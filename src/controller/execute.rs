@@ -36,6 +36,17 @@ impl Occurrence {
     }
 }
 
+/// What the reconcile's own writes changed on the Proxy object.
+#[derive(Debug)]
+pub(crate) struct ObjectWrites {
+    /// The operator's finalizer is on the object.
+    pub finalizer: bool,
+    /// The object's resourceVersion after our last write, if it moved.
+    pub resource_version: Option<String>,
+    /// Writes made to the object (finalizer patches), for the write budget.
+    pub writes: usize,
+}
+
 /// The per-reconcile inputs of the executors.
 pub(crate) struct EffectContext<'a> {
     pub proxy: &'a Proxy,
@@ -54,16 +65,16 @@ impl<B: ProxyBackend> Reconciler<B> {
         effect: &Planned,
         cx: &EffectContext<'_>,
         record: &mut Record,
-        finalizer: &mut bool,
+        object: &mut ObjectWrites,
         entry: &AuditEntry,
     ) -> Result<Vec<Occurrence>, ReconcileError> {
         Ok(match effect {
             Planned::AddFinalizer => {
-                self.add_finalizer(cx, finalizer).await?;
+                self.add_finalizer(cx, object).await?;
                 Vec::new()
             }
             Planned::RemoveFinalizer => {
-                self.remove_finalizer(cx, finalizer).await?;
+                self.remove_finalizer(cx, object).await?;
                 Vec::new()
             }
             Planned::CreateInstance => self.create_instance(cx, record).await,
@@ -133,11 +144,14 @@ impl<B: ProxyBackend> Reconciler<B> {
     async fn add_finalizer(
         &self,
         cx: &EffectContext<'_>,
-        finalizer: &mut bool,
+        object: &mut ObjectWrites,
     ) -> Result<(), ReconcileError> {
-        if !*finalizer {
-            self.backend.add_finalizer(cx.proxy).await?;
-            *finalizer = true;
+        if !object.finalizer {
+            if let Some(version) = self.backend.add_finalizer(cx.proxy).await? {
+                object.resource_version = Some(version);
+            }
+            object.finalizer = true;
+            object.writes += 1;
         }
         Ok(())
     }
@@ -145,13 +159,14 @@ impl<B: ProxyBackend> Reconciler<B> {
     async fn remove_finalizer(
         &self,
         cx: &EffectContext<'_>,
-        finalizer: &mut bool,
+        object: &mut ObjectWrites,
     ) -> Result<(), ReconcileError> {
         self.leases.remove(cx.key);
         self.health.remove(cx.key);
-        if *finalizer {
+        if object.finalizer {
             self.backend.remove_finalizer(cx.proxy).await?;
-            *finalizer = false;
+            object.finalizer = false;
+            object.writes += 1;
         }
         Ok(())
     }

@@ -125,7 +125,8 @@ impl Pools {
 
     /// Records that `key` (on `provider`) is in `phase`; a deleted Proxy leaves its pool.
     pub fn set(&self, key: &ProxyKey, provider: &str, phase: Phase) {
-        self.lock().put(key, provider, (phase != Phase::Deleted).then_some(phase));
+        self.lock()
+            .put(key, provider, (phase != Phase::Deleted).then_some(phase));
     }
 
     /// Records every `(key, provider, phase)` not known yet (a mode's store at start).
@@ -140,7 +141,14 @@ impl Pools {
 
     /// The budget facts of `key` in `phase`. With `reserve`, a granted replacement budget marks
     /// `key` replacing at once (the end of its reconcile records its real phase).
-    pub fn facts(&self, key: &ProxyKey, provider: &str, phase: Phase, budgets: &Budgets, reserve: bool) -> PoolFacts {
+    pub fn facts(
+        &self,
+        key: &ProxyKey,
+        provider: &str,
+        phase: Phase,
+        budgets: &Budgets,
+        reserve: bool,
+    ) -> PoolFacts {
         let mut inner = self.lock();
         // Count this proxy with the phase it has now, whatever was recorded before.
         inner.put(key, provider, Some(phase));

@@ -9,7 +9,7 @@ use tracing::{Instrument, debug, warn};
 
 use super::{
     ProviderAvailability,
-    execute::{EffectContext, Occurrence, lease_target, parse_endpoint, short},
+    execute::{EffectContext, ObjectWrites, Occurrence, lease_target, parse_endpoint, short},
     observe::{InstanceObservation, Observation, SpecProblem, applied_hash, facts, needs_instance},
     plan::{Plan, PlanInput, next_wake, plan},
     pool::{Budgets, PoolFacts, Pools},
@@ -204,8 +204,11 @@ impl<B: ProxyBackend> Reconciler<B> {
         let previous = proxy.status.clone().unwrap_or_default();
         let mut record =
             Record::from_status(proxy.status.as_ref(), now).map_err(ReconcileError::UnreadableStatus)?;
-        let mut finalizer = proxy.finalizers().iter().any(|f| f == FINALIZER);
-        let started_with_finalizer = finalizer;
+        let mut object = ObjectWrites {
+            finalizer: proxy.finalizers().iter().any(|f| f == FINALIZER),
+            resource_version: None,
+            writes: 0,
+        };
 
         // --- observe, once per reconcile: what the spec resolves to ------------------------------
         let provider_name = proxy.spec.provider.as_str();
@@ -249,7 +252,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                     &context,
                     &resolved,
                     spec_edited,
-                    finalizer,
+                    object.finalizer,
                     now,
                 )
                 .await;
@@ -296,7 +299,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                 }
                 for effect in &planned.effects {
                     let raised = self
-                        .execute(effect, &context, &mut record, &mut finalizer, &entry)
+                        .execute(effect, &context, &mut record, &mut object, &entry)
                         .await?;
                     queue.extend(raised);
                 }
@@ -316,13 +319,20 @@ impl<B: ProxyBackend> Reconciler<B> {
         self.sync_targets(&record, &context);
 
         // --- status: only if it changed ------------------------------------------------------
-        let mut proxy_writes = usize::from(finalizer != started_with_finalizer);
-        if phase == Phase::Deleted {
-            proxy_writes = usize::from(started_with_finalizer);
-        } else {
+        let mut proxy_writes = object.writes;
+        if phase != Phase::Deleted {
             let status = record.to_status(&previous, proxy.metadata.generation, now);
             if Some(&status) != proxy.status.as_ref() {
-                self.backend.write_status(proxy, &status).await?;
+                match object.resource_version {
+                    // Our own finalizer write moved the version: write on top of it, not into
+                    // a conflict with ourselves.
+                    Some(version) => {
+                        let mut current = proxy.clone();
+                        current.metadata.resource_version = Some(version);
+                        self.backend.write_status(&current, &status).await?;
+                    }
+                    None => self.backend.write_status(proxy, &status).await?,
+                }
                 proxy_writes += 1;
             }
         }

@@ -788,9 +788,9 @@ impl ProxyBackend for SimBackend {
     async fn credentials(&self, _: &str, _: &str) -> Result<Credentials, SecretError> {
         Err(SecretError::NotUsable("scenarios use no Secrets".to_owned()))
     }
-    async fn add_finalizer(&self, _: &Proxy) -> Result<(), BackendError> {
+    async fn add_finalizer(&self, _: &Proxy) -> Result<Option<String>, BackendError> {
         self.0.lock().finalizer = true;
-        Ok(())
+        Ok(None)
     }
     async fn remove_finalizer(&self, _: &Proxy) -> Result<(), BackendError> {
         self.0.lock().finalizer = false;

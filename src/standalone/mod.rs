@@ -214,7 +214,7 @@ impl Standalone {
         if let Some(metrics) = &self.metrics {
             metrics.observe_reconcile(started.elapsed(), result.as_ref().err().map(|e| e.category()));
             for entry in result.iter().flat_map(|outcome| &outcome.audit) {
-                metrics.observe_transition(entry.from.as_str(), entry.to.as_str());
+                metrics.observe_transition(entry.from.as_str(), entry.to.as_str(), &entry.reason);
             }
         }
         match result {

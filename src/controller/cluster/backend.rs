@@ -59,7 +59,11 @@ impl KubeBackend {
         Api::namespaced(self.client.clone(), &proxy.namespace().unwrap_or_default())
     }
 
-    async fn set_finalizers(&self, proxy: &Proxy, finalizers: Vec<String>) -> Result<(), BackendError> {
+    async fn set_finalizers(
+        &self,
+        proxy: &Proxy,
+        finalizers: Vec<String>,
+    ) -> Result<Option<String>, BackendError> {
         // The resourceVersion makes the merge patch conditional: a concurrent change to the
         // finalizer list gives a conflict instead of being overwritten.
         let patch =
@@ -67,7 +71,7 @@ impl KubeBackend {
         self.proxies(proxy)
             .patch(&proxy.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map(|_| ())
+            .map(|patched| patched.resource_version())
             .map_err(classify)
     }
 }
@@ -148,10 +152,10 @@ impl ProxyBackend for KubeBackend {
         credentials_of(&secret, namespace, secret_name)
     }
 
-    async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<Option<String>, BackendError> {
         let mut finalizers = proxy.finalizers().to_vec();
         if finalizers.iter().any(|f| f == FINALIZER) {
-            return Ok(());
+            return Ok(None);
         }
         finalizers.push(FINALIZER.to_owned());
         self.set_finalizers(proxy, finalizers).await
@@ -167,7 +171,7 @@ impl ProxyBackend for KubeBackend {
         match self.set_finalizers(proxy, finalizers).await {
             // Already gone: the finalizer is as removed as it gets.
             Err(BackendError::Gone(_)) => Ok(()),
-            other => other,
+            other => other.map(|_| ()),
         }
     }
 

@@ -279,7 +279,7 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
     for entry in &outcome.audit {
         context
             .metrics
-            .observe_transition(entry.from.as_str(), entry.to.as_str());
+            .observe_transition(entry.from.as_str(), entry.to.as_str(), &entry.reason);
     }
     context
         .failures

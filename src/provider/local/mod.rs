@@ -641,13 +641,11 @@ impl Inner {
     /// Validates a request into what the config needs.
     fn plan(&self, request: &InstanceRequest) -> Result<Plan, ProviderError> {
         if request.port == 0 {
-            return Err(ProviderError::Misconfigured(
-                "port 0 cannot be listened on".to_owned(),
-            ));
+            return Err(ProviderError::Rejected("port 0 cannot be listened on".to_owned()));
         }
         let address = match &request.placement.address {
             Some(address) => address.parse::<IpAddr>().map_err(|_| {
-                ProviderError::Misconfigured(format!("placement.address {address:?} is not an IP address"))
+                ProviderError::Rejected(format!("placement.address {address:?} is not an IP address"))
             })?,
             None => self.bind_address,
         };
@@ -657,7 +655,7 @@ impl Inner {
             .as_deref()
             .map(|outgoing| {
                 outgoing.parse::<IpAddr>().map_err(|_| {
-                    ProviderError::Misconfigured(format!(
+                    ProviderError::Rejected(format!(
                         "placement.outgoingAddress {outgoing:?} is not an IP address"
                     ))
                 })
@@ -668,7 +666,7 @@ impl Inner {
             .as_ref()
             .map(squid_config::password_line)
             .transpose()
-            .map_err(|err| ProviderError::Misconfigured(err.to_string()))?;
+            .map_err(|err| ProviderError::Rejected(err.to_string()))?;
         Ok(Plan {
             listen: SocketAddr::new(address, request.port),
             outgoing,
