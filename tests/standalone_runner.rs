@@ -314,11 +314,13 @@ async fn a_provider_that_fails_every_create_is_asked_with_backoff() {
     std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
     let host = Host::new();
     host.provider.fail_next_creates(1_000_000);
-    let mut config = ReconcilerConfig::default();
-    config.backoff = egress_proxies_operator::machine::Backoff {
-        initial: std::time::Duration::from_millis(100),
-        cap: std::time::Duration::from_secs(3),
-        jitter: 0.1,
+    let config = ReconcilerConfig {
+        backoff: egress_proxies_operator::machine::Backoff {
+            initial: std::time::Duration::from_millis(100),
+            cap: std::time::Duration::from_secs(3),
+            jitter: 0.1,
+        },
+        ..ReconcilerConfig::default()
     };
     let mut runner = host.open_with(&manifests, &state, config);
     let window = tokio::time::Instant::now() + std::time::Duration::from_secs(6);
