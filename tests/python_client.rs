@@ -1,0 +1,168 @@
+//! The Python client and Scrapy middleware (`clients/python/`) against standalone mode as a
+//! crawler team runs it: the real operator binary, three real Squids from the `local`
+//! provider, the discovery API over a socket. The package is installed (not imported from the
+//! checkout) into a virtualenv that sees Debian's Scrapy and pytest, then its pytest suite runs
+//! with the API's URL and token and each Squid's access log in the environment.
+//!
+//! Needs `python3-scrapy`, `python3-pytest` and `python3-venv` (scripts/test.sh installs them).
+//! `EPO_PYTHON` names another interpreter (default `/usr/bin/python3`, Debian's, where those
+//! packages live).
+
+mod support;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use support::{
+    Origin, crate_path, free_port,
+    process::GroupChild,
+    standalone::{self, Host, healthy_rows, start_operator, stop, wait_status},
+};
+
+/// Runs `command`, panicking with its output unless it succeeds.
+fn run(what: &str, command: &mut Command) -> Output {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run {:?}: {e}", command.get_program()));
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Copies the package's sources (not its tests) to `to`, so that building it writes nothing
+/// into the checkout.
+fn copy_package(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("read package dir").flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name == "tests"
+            || name.starts_with('.')
+            || name == "build"
+            || name.ends_with(".egg-info")
+            || name == "__pycache__"
+        {
+            continue;
+        }
+        if entry.file_type().expect("file type").is_dir() {
+            copy_package(&entry.path(), &to.join(&*name));
+        } else {
+            std::fs::copy(entry.path(), to.join(&*name)).expect("copy");
+        }
+    }
+}
+
+/// A virtualenv in `dir` over the system's site packages (Scrapy, pytest) with the package
+/// installed from a copy of `clients/python`, offline; returns its interpreter.
+fn install_package(dir: &Path) -> PathBuf {
+    let python = std::env::var("EPO_PYTHON").unwrap_or_else(|_| "/usr/bin/python3".to_owned());
+    run(
+        "Scrapy and pytest importable (apt-get install python3-scrapy python3-pytest, or bash scripts/test.sh)",
+        Command::new(&python).args(["-c", "import scrapy, pytest"]),
+    );
+    let venv = dir.join("venv");
+    run(
+        "creating a virtualenv (apt-get install python3-venv)",
+        Command::new(&python)
+            .args(["-m", "venv", "--system-site-packages"])
+            .arg(&venv),
+    );
+    let source = dir.join("package");
+    copy_package(&crate_path("clients/python"), &source);
+    let venv_python = venv.join("bin/python");
+    run(
+        "pip install clients/python",
+        Command::new(&venv_python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-index",
+                "--no-deps",
+                "--no-build-isolation",
+            ])
+            .arg(&source)
+            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+    );
+    venv_python
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_client_and_scrapy_middleware_against_standalone_mode() {
+    let origin = Origin::start().await;
+    let host = Host::new();
+    let health_url = origin.http_url("/health");
+    for name in ["py-1", "py-2", "py-3"] {
+        host.add_manifest(
+            name,
+            &standalone::manifest(
+                name,
+                free_port(),
+                &health_url,
+                &[("pool", "pytest")],
+                &[("maxConcurrent", 1), ("cooldownSeconds", 1)],
+            ),
+        );
+    }
+    let python = install_package(host.path());
+
+    let operator = start_operator(&host, "operator.log");
+    wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
+    let logs = host.access_logs();
+    assert_eq!(logs.len(), 3, "one access log per Squid: {logs:?}");
+    let access_logs: serde_json::Map<String, serde_json::Value> = logs
+        .iter()
+        .map(|(endpoint, path)| (endpoint.clone(), path.display().to_string().into()))
+        .collect();
+
+    // pytest's output goes to a file, so that a hang still shows how far it got.
+    let pytest_log = host.path().join("pytest.log");
+    let mut pytest = GroupChild::spawn(
+        Command::new(&python)
+            .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "tests"])
+            .current_dir(crate_path("clients/python"))
+            .env("EPO_URL", host.api_url())
+            .env("EPO_TOKEN_FILE", host.token_file())
+            .env("EPO_SELECTOR", "pool=pytest")
+            .env(
+                "EPO_ACCESS_LOGS",
+                serde_json::Value::Object(access_logs).to_string(),
+            )
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env_remove("http_proxy")
+            .env_remove("HTTP_PROXY"),
+        &pytest_log,
+    );
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(status) = pytest.exited() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pytest still running after 5 minutes:\n{}\noperator log:\n{}",
+            pytest.log(),
+            operator.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let output = pytest.log();
+    println!("{output}");
+    assert!(
+        status.success(),
+        "pytest failed ({status}):\n{output}\noperator log:\n{}",
+        operator.log()
+    );
+    assert!(output.contains(" passed"), "{output}");
+    assert!(!output.contains(" skipped"), "every Python test ran: {output}");
+    stop(operator);
+}
