@@ -1,7 +1,7 @@
 """Runs one Scrapy crawl with the middleware, in its own process (a Twisted reactor runs once
 per process): ``python crawl.py CONFIG.json RESULT.json``.
 
-CONFIG: ``start_url``, ``settings`` (Scrapy settings, the middleware's included),
+CONFIG: ``start_urls``, ``settings`` (Scrapy settings, the middleware's included),
 ``allowed_domains`` (optional), ``session`` (optional: a sticky session for every request).
 RESULT: ``pages`` (url, status, the lease's proxy endpoint and ID for each response) and the
 crawl's ``stats``.
@@ -23,11 +23,11 @@ PAGES: List[Dict[str, Any]] = []
 class SiteSpider(scrapy.Spider):
     name = "site"
     # See the banning site's 403s, which Scrapy would otherwise drop before the spider.
-    handle_httpstatus_list = [403, 429]
+    handle_httpstatus_list = [403, 404, 429]
 
-    def __init__(self, start_url: str, session: Optional[str] = None, allowed: Optional[List[str]] = None, **kwargs: Any):
+    def __init__(self, start_urls: List[str], session: Optional[str] = None, allowed: Optional[List[str]] = None, **kwargs: Any):
         super().__init__(**kwargs)
-        self.start_urls = [start_url]
+        self.start_urls = start_urls
         self.session = session
         if allowed:
             self.allowed_domains = allowed
@@ -71,7 +71,7 @@ def main(config_path: str, result_path: str) -> None:
     crawler = process.create_crawler(SiteSpider)
     process.crawl(
         crawler,
-        start_url=config["start_url"],
+        start_urls=config["start_urls"],
         session=config.get("session"),
         allowed=config.get("allowed_domains"),
     )

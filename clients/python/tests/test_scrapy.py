@@ -27,7 +27,8 @@ def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], si
         **config.pop("settings", {}),
     }
     config_path, result_path = tmp_path / "crawl.json", tmp_path / "result.json"
-    config_path.write_text(json.dumps({"start_url": site.url("/"), "settings": settings, **config}))
+    config.setdefault("start_urls", [site.url("/")])
+    config_path.write_text(json.dumps({"settings": settings, **config}))
     done = subprocess.run(
         [sys.executable, str(CRAWL), str(config_path), str(result_path)],
         capture_output=True,
@@ -142,3 +143,36 @@ def test_request_mode_leases_each_request_and_releases_it(
         # A sticky session gets its proxy back, its own post-release cooldown aside.
         assert len({p["proxy"] for p in pages}) == 1, Counter(p["proxy"] for p in pages)
     assert_no_active_lease(client, selector)
+
+
+def test_ban_codes_are_configurable(
+    tmp_path: Path,
+    api_url: str,
+    token: str,
+    selector: Dict[str, str],
+    client: DiscoveryClient,
+    site: Site,
+    access_logs: AccessLogs,
+) -> None:
+    # Last in this suite: it bans a proxy for 127.0.0.1 for the store's ban cooldown (30 min).
+    result = crawl(
+        tmp_path,
+        api_url,
+        token,
+        selector,
+        site,
+        settings={"EGRESS_PROXIES_MODE": "request", "EGRESS_PROXIES_BAN_CODES": [404], "CONCURRENT_REQUESTS": 1},
+        start_urls=[site.url("/missing"), site.url("/c", host=BANNING_HOST)],
+    )
+    pages, stats = result["pages"], result["stats"]
+    statuses = {p["url"]: p["status"] for p in pages}
+    assert statuses == {site.url("/missing"): 404, site.url("/c", host=BANNING_HOST): 403}
+    assert_every_page_went_through_its_proxy(pages, site, access_logs)
+    # 404 is a ban now; 403 is not.
+    assert stats.get("egress_proxies/released/banned") == 1, stats
+    assert stats.get("egress_proxies/released/ok") == 1, stats
+    assert_no_active_lease(client, selector)
+
+    banned_proxy = next(p["proxy"] for p in pages if p["status"] == 404)
+    all_proxies = {p.proxy.endpoint for p in client.list_proxies(selector)}
+    assert drain(client, selector, "127.0.0.1") == all_proxies - {banned_proxy}

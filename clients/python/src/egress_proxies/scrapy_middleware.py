@@ -104,8 +104,8 @@ class EgressProxiesMiddleware:
         self.ttl_seconds = ttl_seconds
         self.idle_release = idle_release
         self._held: Dict[_Key, _Held] = {}
-        self._acquiring: Dict[_Key, List[defer.Deferred]] = {}
-        self._releases: Set[defer.Deferred] = set()
+        self._acquiring: Dict[_Key, List[defer.Deferred[Any]]] = {}
+        self._releases: Set[defer.Deferred[Any]] = set()
         # Own threads for the blocking API calls: an acquire may wait for a proxy, and must
         # not hold up Twisted's pool, which also resolves host names.
         self._pool = ThreadPool(minthreads=0, maxthreads=max(threads_max, 1), name="egress-proxies")
@@ -153,12 +153,12 @@ class EgressProxiesMiddleware:
         self._pool.start()
         # Stopped when the reactor stops, as Twisted does with its own pool: its threads would
         # otherwise keep the process alive.
-        reactor.addSystemEventTrigger("during", "shutdown", self._pool.stop)
+        reactor.addSystemEventTrigger("during", "shutdown", self._pool.stop)  # type: ignore[attr-defined]
         if self.mode == "domain" and self.idle_release > 0:
             self._sweeper = task.LoopingCall(self._release_idle)
             self._sweeper.start(min(self.idle_release, 5.0), now=False)
 
-    def spider_closed(self, spider: Spider) -> defer.Deferred:
+    def spider_closed(self, spider: Spider) -> defer.Deferred[Any]:
         """Releases every lease still held (``ok``); the crawl ends once every release has."""
         if self._sweeper is not None and self._sweeper.running:
             self._sweeper.stop()
@@ -174,7 +174,7 @@ class EgressProxiesMiddleware:
 
     # -- downloader middleware ------------------------------------------------------------
 
-    def process_request(self, request: Request, spider: Spider) -> Optional[defer.Deferred]:
+    def process_request(self, request: Request, spider: Spider) -> Optional[defer.Deferred[Any]]:
         if request.meta.get(SKIP_META) or ("proxy" in request.meta and LEASE_META not in request.meta):
             return None
         domain = urlparse_cached(request).hostname or ""
@@ -190,7 +190,7 @@ class EgressProxiesMiddleware:
             return None
         if held is not None:  # the server dropped it (expired while unused, revoked)
             self._drop(key, "ok")
-        waiting: defer.Deferred = defer.Deferred()
+        waiting: defer.Deferred[Any] = defer.Deferred()
         waiting.addCallback(lambda held: self._use(key, held, request))
         waiters = self._acquiring.get(key)
         if waiters is not None:  # another request of this domain is acquiring: share it
@@ -254,7 +254,8 @@ class EgressProxiesMiddleware:
         # Each download ends once (response or exception); a retried copy is routed afresh.
         if not request.meta.pop("_egress_proxies_pending", False):
             return None
-        return request.meta.get(LEASE_META)
+        lease: Optional[Lease] = request.meta.get(LEASE_META)
+        return lease
 
     def _done(self, request: Request, lease: Lease, outcome: Outcome) -> None:
         domain = urlparse_cached(request).hostname or None
@@ -303,7 +304,7 @@ class EgressProxiesMiddleware:
         self._releases.add(releasing)
         releasing.addBoth(finished)
 
-    def _in_pool(self, function: Any, *args: Any) -> defer.Deferred:
+    def _in_pool(self, function: Any, *args: Any) -> defer.Deferred[Any]:
         # Imported here: importing the reactor installs one, and Scrapy picks it (asyncio or not).
         from twisted.internet import reactor
 
