@@ -106,6 +106,8 @@ class EgressProxiesMiddleware:
         self._held: Dict[_Key, _Held] = {}
         self._acquiring: Dict[_Key, List[defer.Deferred[Any]]] = {}
         self._releases: Set[defer.Deferred[Any]] = set()
+        # The release in progress of each session's last lease.
+        self._session_releases: Dict[str, defer.Deferred[Any]] = {}
         # Own threads for the blocking API calls: an acquire may wait for a proxy, and must
         # not hold up Twisted's pool, which also resolves host names.
         self._pool = ThreadPool(minthreads=0, maxthreads=max(threads_max, 1), name="egress-proxies")
@@ -180,7 +182,7 @@ class EgressProxiesMiddleware:
         domain = urlparse_cached(request).hostname or ""
         session = request.meta.get(SESSION_META)
         if self.mode == "request":
-            acquired = self._in_pool(self._acquire, domain, session)
+            acquired = self._acquire_in_turn(domain, session)
             acquired.addCallback(self._route, request)
             return acquired
         key = (domain, session)
@@ -197,7 +199,7 @@ class EgressProxiesMiddleware:
             waiters.append(waiting)
             return waiting
         self._acquiring[key] = [waiting]
-        self._in_pool(self._acquire, domain, session).addBoth(self._acquired, key)
+        self._acquire_in_turn(domain, session).addBoth(self._acquired, key)
         return waiting
 
     def process_response(self, request: Request, response: Response, spider: Spider) -> Response:
@@ -214,6 +216,19 @@ class EgressProxiesMiddleware:
         return None
 
     # -- leases ---------------------------------------------------------------------------
+
+    def _acquire_in_turn(self, domain: str, session: Optional[str]) -> defer.Deferred[Any]:
+        """Acquires in a pool thread; for a session, once its last lease's release is done.
+
+        Releases run in the background; without the wait, a session's next request could find
+        the session's proxy still taken by its previous lease and be bound to another proxy.
+        """
+        releasing = self._session_releases.get(session) if session else None
+        if releasing is None:
+            return self._in_pool(self._acquire, domain, session)
+        after: defer.Deferred[Any] = defer.DeferredList([releasing])
+        after.addCallback(lambda _: self._in_pool(self._acquire, domain, session))
+        return after
 
     def _acquire(self, domain: str, session: Optional[str]) -> Lease:
         return self.client.acquire(
@@ -290,6 +305,8 @@ class EgressProxiesMiddleware:
 
         def finished(result: Any) -> None:
             self._releases.discard(releasing)
+            if session and self._session_releases.get(session) is releasing:
+                del self._session_releases[session]
             if isinstance(result, Failure):
                 self.crawler.spider.logger.warning(
                     "releasing lease on %s failed: %s", lease.proxy.key, result.getErrorMessage()
@@ -300,8 +317,11 @@ class EgressProxiesMiddleware:
             self.stats.inc_value(f"egress_proxies/released/{outcome}" if result else "egress_proxies/lost")
             return None
 
+        session = lease.session_key
         releasing = self._in_pool(release)
         self._releases.add(releasing)
+        if session:
+            self._session_releases[session] = releasing
         releasing.addBoth(finished)
 
     def _in_pool(self, function: Any, *args: Any) -> defer.Deferred[Any]:
