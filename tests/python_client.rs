@@ -19,7 +19,7 @@ use std::{
 use support::{
     Origin, crate_path, free_port,
     process::GroupChild,
-    standalone::{self, Host, healthy_rows, start_operator, stop, wait_status},
+    standalone::{self, Host, healthy_rows, metrics_when, start_operator, stop, wait_status},
 };
 
 /// Runs `command`, panicking with its output unless it succeeds.
@@ -164,5 +164,10 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
     );
     assert!(output.contains(" passed"), "{output}");
     assert!(!output.contains(" skipped"), "every Python test ran: {output}");
+    // The operator's own count agrees: the crawls left no lease behind.
+    metrics_when(&host, "no active lease", |t| {
+        t.lines().any(|l| l == "epo_discovery_leases_active 0")
+    })
+    .await;
     stop(operator);
 }

@@ -16,7 +16,9 @@ use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use support::{
     Origin, free_port,
-    standalone::{self, BIN, Host, healthy_rows, squids, start_operator, status, stop, wait_status},
+    standalone::{
+        self, BIN, Host, healthy_rows, metrics_when, squids, start_operator, status, stop, wait_status,
+    },
 };
 
 fn manifest(name: &str, port: u16, health_url: &str) -> String {
@@ -53,32 +55,6 @@ async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, 
         status,
         serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
     )
-}
-
-/// The discovery API's `/metrics` (no token needed) once `done` holds for it.
-async fn metrics_when(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let stream = tokio::net::TcpStream::connect(("127.0.0.1", host.api_port))
-            .await
-            .expect("connect");
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .expect("handshake");
-        tokio::spawn(conn);
-        let request = Request::get("/metrics")
-            .header("host", "127.0.0.1")
-            .body(Full::new(Bytes::new()))
-            .expect("request");
-        let response = sender.send_request(request).await.expect("response");
-        let body = response.into_body().collect().await.expect("body").to_bytes();
-        let text = String::from_utf8_lossy(&body).into_owned();
-        if done(&text) {
-            return text;
-        }
-        assert!(Instant::now() < deadline, "metrics never showed {what}:\n{text}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// GET `url` through the HTTP proxy at `proxy` (absolute-form request).

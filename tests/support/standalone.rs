@@ -9,6 +9,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+
 use super::{free_port, process::GroupChild};
 
 /// The operator binary under test.
@@ -198,4 +203,30 @@ pub fn healthy_rows(table: &str) -> usize {
         .lines()
         .filter(|l| l.split_whitespace().nth(2) == Some("healthy"))
         .count()
+}
+
+/// The discovery API's `/metrics` (no token needed) once `done` holds for it.
+pub async fn metrics_when(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", host.api_port))
+            .await
+            .expect("connect");
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .expect("handshake");
+        tokio::spawn(conn);
+        let request = Request::get("/metrics")
+            .header("host", "127.0.0.1")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let response = sender.send_request(request).await.expect("response");
+        let body = response.into_body().collect().await.expect("body").to_bytes();
+        let text = String::from_utf8_lossy(&body).into_owned();
+        if done(&text) {
+            return text;
+        }
+        assert!(Instant::now() < deadline, "metrics never showed {what}:\n{text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
