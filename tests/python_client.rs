@@ -2,9 +2,11 @@
 //! crawler team runs it: the real operator binary, three real Squids from the `local`
 //! provider, the discovery API over a socket. The package is installed (not imported from the
 //! checkout) into a virtualenv that sees Debian's Scrapy and pytest, then its pytest suite runs
-//! with the API's URL and token and each Squid's access log in the environment.
+//! with the API's URL and token and each Squid's access log in the environment. Apart from that,
+//! mypy checks the package's types.
 //!
-//! Needs `python3-scrapy`, `python3-pytest` and `python3-venv` (scripts/test.sh installs them).
+//! Needs `python3-scrapy`, `python3-pytest`, `python3-venv` and `python3-mypy` (scripts/test.sh
+//! installs them).
 //! `EPO_PYTHON` names another interpreter (default `/usr/bin/python3`, Debian's, where those
 //! packages live).
 
@@ -60,10 +62,15 @@ fn copy_package(from: &Path, to: &Path) {
     }
 }
 
+/// The interpreter whose site packages hold Debian's Scrapy, pytest and mypy.
+fn system_python() -> String {
+    std::env::var("EPO_PYTHON").unwrap_or_else(|_| "/usr/bin/python3".to_owned())
+}
+
 /// A virtualenv in `dir` over the system's site packages (Scrapy, pytest) with the package
 /// installed from a copy of `clients/python`, offline; returns its interpreter.
 fn install_package(dir: &Path) -> PathBuf {
-    let python = std::env::var("EPO_PYTHON").unwrap_or_else(|_| "/usr/bin/python3".to_owned());
+    let python = system_python();
     run(
         "Scrapy and pytest importable (apt-get install python3-scrapy python3-pytest, or bash scripts/test.sh)",
         Command::new(&python).args(["-c", "import scrapy, pytest"]),
@@ -170,4 +177,21 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
     })
     .await;
     stop(operator);
+}
+
+/// The package is typed: mypy in strict mode (its settings in pyproject.toml) finds nothing.
+#[test]
+fn python_package_type_checks() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let source = dir.path().join("package");
+    copy_package(&crate_path("clients/python"), &source);
+    let output = run(
+        "mypy (apt-get install python3-mypy, or bash scripts/test.sh)",
+        Command::new(system_python())
+            .args(["-m", "mypy", "--cache-dir"])
+            .arg(dir.path().join("mypy-cache"))
+            .current_dir(&source),
+    );
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(report.contains("Success: no issues found"), "{report}");
 }

@@ -117,7 +117,7 @@ class Site:
     every page on the host name ``localhost`` (the same server) answering 403, as a site that
     bans the proxy would. Records ``(host name, path)`` of every request it answers."""
 
-    PAGES = {
+    PAGES: Dict[str, List[str]] = {
         "/": ["/a", "/b", "/slow", f"http://{BANNING_HOST}:{{port}}/"],
         "/a": ["/b", "/c"],
         "/b": ["/c", "/"],

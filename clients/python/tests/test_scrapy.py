@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Set
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import pytest
 
@@ -18,28 +18,38 @@ from conftest import BANNING_HOST, AccessLogs, Site, assert_no_active_lease
 CRAWL = Path(__file__).with_name("crawl.py")
 
 
-def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], site: Site, **config: Any) -> Dict[str, Any]:
-    """Runs crawl.py; returns its pages and stats."""
-    settings = {
-        "EGRESS_PROXIES_URL": api_url,
-        "EGRESS_PROXIES_TOKEN": token,
-        "EGRESS_PROXIES_SELECTOR": selector,
-        **config.pop("settings", {}),
-    }
-    config_path, result_path = tmp_path / "crawl.json", tmp_path / "result.json"
-    config.setdefault("start_urls", [site.url("/")])
-    config_path.write_text(json.dumps({"settings": settings, **config}))
-    done = subprocess.run(
-        [sys.executable, str(CRAWL), str(config_path), str(result_path)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    print(done.stderr[-20000:])
-    assert done.returncode == 0, done.stderr[-5000:]
-    result = json.loads(result_path.read_text())
-    assert "ERROR" not in done.stderr, "the crawl logged errors"
-    return result
+Crawl = Callable[..., Dict[str, Any]]
+
+
+@pytest.fixture
+def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], site: Site) -> Crawl:
+    """Runs crawl.py on ``site`` with the middleware set up for the test's proxies; returns
+    the crawl's pages and stats. Keyword arguments: ``settings`` (more Scrapy settings) and
+    crawl.py's config (``start_urls``, default the site's root; ``allowed_domains``, ``session``)."""
+
+    def run(settings: Optional[Dict[str, Any]] = None, **config: Any) -> Dict[str, Any]:
+        config["settings"] = {
+            "EGRESS_PROXIES_URL": api_url,
+            "EGRESS_PROXIES_TOKEN": token,
+            "EGRESS_PROXIES_SELECTOR": selector,
+            **(settings or {}),
+        }
+        config.setdefault("start_urls", [site.url("/")])
+        config_path, result_path = tmp_path / "crawl.json", tmp_path / "result.json"
+        config_path.write_text(json.dumps(config))
+        done = subprocess.run(
+            [sys.executable, str(CRAWL), str(config_path), str(result_path)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        print(done.stderr[-20000:])
+        assert done.returncode == 0, done.stderr[-5000:]
+        assert "ERROR" not in done.stderr, "the crawl logged errors"
+        result: Dict[str, Any] = json.loads(result_path.read_text())
+        return result
+
+    return run
 
 
 def assert_every_page_went_through_its_proxy(pages: List[Dict[str, Any]], site: Site, access_logs: AccessLogs) -> None:
@@ -69,16 +79,10 @@ def drain(client: DiscoveryClient, selector: Dict[str, str], domain: str) -> Set
 
 
 def test_domain_mode_bans_the_proxy_for_the_banning_domain_only(
-    tmp_path: Path,
-    api_url: str,
-    token: str,
-    selector: Dict[str, str],
-    client: DiscoveryClient,
-    site: Site,
-    access_logs: AccessLogs,
+    crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site, access_logs: AccessLogs
 ) -> None:
     # TTL 2 s and a page that takes 2.5 s: the domain's lease lives on renewals alone.
-    result = crawl(tmp_path, api_url, token, selector, site, settings={"EGRESS_PROXIES_TTL": 2})
+    result = crawl(settings={"EGRESS_PROXIES_TTL": 2})
     pages, stats = result["pages"], result["stats"]
 
     by_host: Dict[str, List[Dict[str, Any]]] = {}
@@ -110,21 +114,14 @@ def test_domain_mode_bans_the_proxy_for_the_banning_domain_only(
 
 @pytest.mark.parametrize("session", [None, "login-1"], ids=["per-request", "sticky-session"])
 def test_request_mode_leases_each_request_and_releases_it(
-    tmp_path: Path,
-    api_url: str,
-    token: str,
+    crawl: Crawl,
     selector: Dict[str, str],
     client: DiscoveryClient,
     site: Site,
     access_logs: AccessLogs,
-    session: Any,
+    session: Optional[str],
 ) -> None:
     result = crawl(
-        tmp_path,
-        api_url,
-        token,
-        selector,
-        site,
         # One request at a time in a session: a second one would find its proxy's only slot
         # taken and be bound to another proxy.
         settings={"EGRESS_PROXIES_MODE": "request", "CONCURRENT_REQUESTS": 1 if session else 2},
@@ -146,21 +143,10 @@ def test_request_mode_leases_each_request_and_releases_it(
 
 
 def test_ban_codes_are_configurable(
-    tmp_path: Path,
-    api_url: str,
-    token: str,
-    selector: Dict[str, str],
-    client: DiscoveryClient,
-    site: Site,
-    access_logs: AccessLogs,
+    crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site, access_logs: AccessLogs
 ) -> None:
     # Last in this suite: it bans a proxy for 127.0.0.1 for the store's ban cooldown (30 min).
     result = crawl(
-        tmp_path,
-        api_url,
-        token,
-        selector,
-        site,
         settings={"EGRESS_PROXIES_MODE": "request", "EGRESS_PROXIES_BAN_CODES": [404], "CONCURRENT_REQUESTS": 1},
         start_urls=[site.url("/missing"), site.url("/c", host=BANNING_HOST)],
     )

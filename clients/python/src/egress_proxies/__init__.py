@@ -4,25 +4,7 @@
 needs Scrapy (``pip install egress-proxies[scrapy]``) and is not imported here.
 """
 
-from .client import (
-    DiscoveryClient,
-    DiscoveryError,
-    Lease,
-    LeaseNotFound,
-    NoProxyAvailable,
-    Proxy,
-    ProxyStatus,
-    StaleToken,
-)
+from .client import *  # noqa: F401,F403 (the client's public names are the package's)
+from .client import __all__
 
-__all__ = [
-    "DiscoveryClient",
-    "DiscoveryError",
-    "Lease",
-    "LeaseNotFound",
-    "NoProxyAvailable",
-    "Proxy",
-    "ProxyStatus",
-    "StaleToken",
-]
 __version__ = "0.1.0"
