@@ -171,9 +171,16 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
     );
     assert!(output.contains(" passed"), "{output}");
     assert!(!output.contains(" skipped"), "every Python test ran: {output}");
-    // The operator's own count agrees: the crawls left no lease behind.
-    metrics_when(&host, "no active lease", |t| {
-        t.lines().any(|l| l == "epo_discovery_leases_active 0")
+    // The operator's own counts agree: no lease left behind, and the outcomes the client and
+    // the middleware reported (two bans: the 403 site, the 404 with configured ban codes; one
+    // error: the client's context manager left by an exception).
+    let expected = [
+        "epo_discovery_leases_active 0",
+        r#"epo_discovery_leases_released_total{code="banned"} 2"#,
+        r#"epo_discovery_leases_released_total{code="error"} 1"#,
+    ];
+    metrics_when(&host, "the Python tests' leases", |t| {
+        expected.iter().all(|line| t.lines().any(|l| l == *line))
     })
     .await;
     stop(operator);
