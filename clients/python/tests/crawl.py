@@ -2,7 +2,8 @@
 per process): ``python crawl.py CONFIG.json RESULT.json``.
 
 CONFIG: ``start_urls``, ``settings`` (Scrapy settings, the middleware's included),
-``allowed_domains`` (optional), ``session`` (optional: a sticky session for every request).
+``allowed_domains`` (optional), ``session`` (optional: a sticky session for every request),
+``sessions`` (optional: a session for a start URL, overriding ``session``).
 RESULT: ``pages`` (url, status, the lease's proxy endpoint and ID for each response) and the
 crawl's ``stats``.
 """
@@ -25,19 +26,27 @@ class SiteSpider(scrapy.Spider):
     # See the banning site's 403s, which Scrapy would otherwise drop before the spider.
     handle_httpstatus_list = [403, 404, 429]
 
-    def __init__(self, start_urls: List[str], session: Optional[str] = None, allowed: Optional[List[str]] = None, **kwargs: Any):
+    def __init__(
+        self,
+        start_urls: List[str],
+        session: Optional[str] = None,
+        sessions: Optional[Dict[str, str]] = None,
+        allowed: Optional[List[str]] = None,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         self.start_urls = start_urls
         self.session = session
+        self.sessions = sessions or {}
         if allowed:
             self.allowed_domains = allowed
 
     def start_requests(self) -> Iterator[scrapy.Request]:
         for url in self.start_urls:
-            yield self._request(url)
+            yield self._request(url, self.sessions.get(url, self.session))
 
-    def _request(self, url: str) -> scrapy.Request:
-        meta = {"egress_proxies_session": self.session} if self.session else {}
+    def _request(self, url: str, session: Optional[str]) -> scrapy.Request:
+        meta = {"egress_proxies_session": session} if session else {}
         return scrapy.Request(url, meta=meta, callback=self.parse)
 
     def parse(self, response: Response) -> Iterator[scrapy.Request]:
@@ -52,7 +61,7 @@ class SiteSpider(scrapy.Spider):
         )
         if response.status == 200:
             for href in response.css("a::attr(href)").getall():
-                yield self._request(response.urljoin(href))
+                yield self._request(response.urljoin(href), self.session)
 
 
 def main(config_path: str, result_path: str) -> None:
@@ -73,6 +82,7 @@ def main(config_path: str, result_path: str) -> None:
         crawler,
         start_urls=config["start_urls"],
         session=config.get("session"),
+        sessions=config.get("sessions"),
         allowed=config.get("allowed_domains"),
     )
     process.start()

@@ -25,9 +25,10 @@ Crawl = Callable[..., Dict[str, Any]]
 def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], site: Site) -> Crawl:
     """Runs crawl.py on ``site`` with the middleware set up for the test's proxies; returns
     the crawl's pages and stats. Keyword arguments: ``settings`` (more Scrapy settings) and
-    crawl.py's config (``start_urls``, default the site's root; ``allowed_domains``, ``session``)."""
+    crawl.py's config (``start_urls``, default the site's root; ``allowed_domains``, ``session``,
+    ``sessions``); ``errors_expected`` allows errors in Scrapy's log."""
 
-    def run(settings: Optional[Dict[str, Any]] = None, **config: Any) -> Dict[str, Any]:
+    def run(settings: Optional[Dict[str, Any]] = None, errors_expected: bool = False, **config: Any) -> Dict[str, Any]:
         config["settings"] = {
             "EGRESS_PROXIES_URL": api_url,
             "EGRESS_PROXIES_TOKEN": token,
@@ -45,7 +46,7 @@ def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], si
         )
         print(done.stderr[-20000:])
         assert done.returncode == 0, done.stderr[-5000:]
-        assert "ERROR" not in done.stderr, "the crawl logged errors"
+        assert errors_expected or "ERROR" not in done.stderr, "the crawl logged errors"
         result: Dict[str, Any] = json.loads(result_path.read_text())
         return result
 
@@ -139,6 +140,36 @@ def test_request_mode_leases_each_request_and_releases_it(
     if session:
         # A sticky session gets its proxy back, its own post-release cooldown aside.
         assert len({p["proxy"] for p in pages}) == 1, Counter(p["proxy"] for p in pages)
+    assert_no_active_lease(client, selector)
+
+
+def test_domain_mode_releases_idle_session_leases_and_errors(
+    crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site
+) -> None:
+    # A session has a lease of its own, released once idle for half a second while /slow keeps
+    # the crawl (and the domain's other lease) busy for 2.5 s.
+    result = crawl(
+        settings={"EGRESS_PROXIES_IDLE_RELEASE": 0.5},
+        start_urls=[site.url("/c"), site.url("/slow")],
+        sessions={site.url("/c"): "basket-1"},
+    )
+    pages, stats = result["pages"], result["stats"]
+    # /slow's link to /c is a duplicate Scrapy filters out.
+    assert sorted(p["url"] for p in pages) == [site.url("/c"), site.url("/slow")], pages
+    assert pages[0]["lease"] != pages[1]["lease"], "the session has its own lease"
+    assert stats.get("egress_proxies/acquired") == 2, stats
+    assert stats.get("egress_proxies/idle_released") == 1, stats
+    assert stats.get("egress_proxies/released/ok") == 2, stats
+    assert_no_active_lease(client, selector)
+
+    # A download error (here a timeout) releases the domain's lease as "error".
+    result = crawl(
+        settings={"DOWNLOAD_TIMEOUT": 1, "RETRY_ENABLED": False},
+        start_urls=[site.url("/slow")],
+        errors_expected=True,
+    )
+    assert result["pages"] == []
+    assert result["stats"].get("egress_proxies/released/error") == 1, result["stats"]
     assert_no_active_lease(client, selector)
 
 

@@ -41,6 +41,7 @@ a leased proxy, as does a ``proxy`` set by someone else. The middleware sets
 ``egress_proxies_lease`` (a :class:`~egress_proxies.client.Lease`) on every request it routes.
 
 Stats: ``egress_proxies/acquired``, ``egress_proxies/released/<outcome>``,
+``egress_proxies/idle_released`` (of those, domain leases released for being idle),
 ``egress_proxies/renewals``, ``egress_proxies/lost`` (leases the server dropped before release).
 """
 
@@ -295,6 +296,7 @@ class EgressProxiesMiddleware:
         cutoff = time.monotonic() - self.idle_release
         for key, held in list(self._held.items()):
             if held.in_flight == 0 and held.idle_since <= cutoff:
+                self.stats.inc_value("egress_proxies/idle_released")
                 self._drop(key, "ok")
 
     def _release(self, lease: Lease, outcome: Outcome, domain: Optional[str]) -> None:
