@@ -173,6 +173,23 @@ def test_domain_mode_releases_idle_session_leases_and_errors(
     assert_no_active_lease(client, selector)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"EGRESS_PROXIES_URL": "http://127.0.0.1:9"},
+        {"EGRESS_PROXIES_URL": "http://127.0.0.1:9", "EGRESS_PROXIES_TOKEN": "t", "EGRESS_PROXIES_MODE": "page"},
+    ],
+    ids=["no-token", "unknown-mode"],
+)
+def test_misconfiguration_stops_the_crawl_instead_of_crawling_directly(settings: Dict[str, Any]) -> None:
+    from scrapy.utils.test import get_crawler
+
+    from egress_proxies.scrapy_middleware import EgressProxiesMiddleware
+
+    with pytest.raises(ValueError):
+        EgressProxiesMiddleware.from_crawler(get_crawler(settings_dict=settings))
+
+
 def test_ban_codes_are_configurable(
     crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site, access_logs: AccessLogs
 ) -> None:

@@ -10,7 +10,8 @@ which turns the lease's proxy URL into the request's proxy and its credentials:
     EGRESS_PROXIES_URL = "http://127.0.0.1:8080"
     EGRESS_PROXIES_TOKEN = "..."            # or EGRESS_PROXIES_TOKEN_FILE = "/path/to/token"
 
-Settings (all optional but the URL and token):
+Settings (all optional but the URL and token; without them, or with an unknown mode, the crawl
+does not start, rather than crawl from this host's own address):
 
 ``EGRESS_PROXIES_MODE``
     ``"domain"`` (default): one lease per target domain (and per session, see below), shared
@@ -68,11 +69,13 @@ LEASE_META = "egress_proxies_lease"
 SESSION_META = "egress_proxies_session"
 SKIP_META = "egress_proxies_skip"
 
-# A lease held for many requests: who uses it now and since when it is idle.
+# Domain mode's leases are keyed by (domain, session).
 _Key = Tuple[str, Optional[str]]
 
 
 class _Held:
+    """A lease held for many requests: how many use it now, and since when none has."""
+
     def __init__(self, lease: Lease) -> None:
         self.lease = lease
         self.in_flight = 0
@@ -95,7 +98,7 @@ class EgressProxiesMiddleware:
         threads_max: int = 4,
     ) -> None:
         if mode not in ("domain", "request"):
-            raise NotConfigured(f"EGRESS_PROXIES_MODE must be 'domain' or 'request', not {mode!r}")
+            raise ValueError(f"EGRESS_PROXIES_MODE must be 'domain' or 'request', not {mode!r}")
         self.crawler = crawler
         self.stats = crawler.stats
         self.client = client
@@ -125,7 +128,12 @@ class EgressProxiesMiddleware:
         if not token and token_file:
             token = Path(token_file).read_text().strip()
         if not url or not token:
-            raise NotConfigured("EGRESS_PROXIES_URL and EGRESS_PROXIES_TOKEN (or _TOKEN_FILE) are required")
+            # An error, not NotConfigured: Scrapy would carry on without the middleware and
+            # crawl from this host's own address.
+            raise ValueError(
+                "EGRESS_PROXIES_URL and EGRESS_PROXIES_TOKEN (or EGRESS_PROXIES_TOKEN_FILE) are required;"
+                " set EGRESS_PROXIES_ENABLED = False to crawl without leased proxies"
+            )
         spider_name = getattr(crawler.spidercls, "name", None) or "spider"
         client = DiscoveryClient(
             url,
