@@ -24,6 +24,11 @@ use support::{
     standalone::{self, Host, healthy_rows, metrics_when, start_operator, stop, wait_status},
 };
 
+/// The user name in the proxies' credentials (Squid logs it with each request).
+const PROXY_USER: &str = "crawler";
+/// Their password, which no crawl log may show.
+const PROXY_PASSWORD: &str = "py-secret-7";
+
 /// Runs `command`, panicking with its output unless it succeeds.
 fn run(what: &str, command: &mut Command) -> Output {
     let output = command
@@ -108,17 +113,20 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
     let origin = Origin::start().await;
     let host = Host::new();
     let health_url = origin.http_url("/health");
+    // Proxies with credentials, as in production: the client and Scrapy must present them.
+    host.add_manifest(
+        "credentials",
+        &standalone::credentials_secret("proxy-credentials", PROXY_USER, PROXY_PASSWORD),
+    );
     for name in ["py-1", "py-2", "py-3"] {
-        host.add_manifest(
+        let manifest = standalone::manifest(
             name,
-            &standalone::manifest(
-                name,
-                free_port(),
-                &health_url,
-                &[("pool", "pytest")],
-                &[("maxConcurrent", 1), ("cooldownSeconds", 1)],
-            ),
+            free_port(),
+            &health_url,
+            &[("pool", "pytest")],
+            &[("maxConcurrent", 1), ("cooldownSeconds", 1)],
         );
+        host.add_manifest(name, &standalone::with_auth(&manifest, "proxy-credentials"));
     }
     let python = install_package(host.path());
 
@@ -140,6 +148,8 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
             .env("EPO_URL", host.api_url())
             .env("EPO_TOKEN_FILE", host.token_file())
             .env("EPO_SELECTOR", "pool=pytest")
+            .env("EPO_PROXY_USER", PROXY_USER)
+            .env("EPO_PROXY_PASSWORD", PROXY_PASSWORD)
             .env(
                 "EPO_ACCESS_LOGS",
                 serde_json::Value::Object(access_logs).to_string(),

@@ -163,6 +163,18 @@ pub fn manifest(
     )
 }
 
+/// `manifest` with `auth.secretRef` naming the Secret `secret` (proxy credentials).
+pub fn with_auth(manifest: &str, secret: &str) -> String {
+    format!("{manifest}  auth:\n    secretRef:\n      name: {secret}\n")
+}
+
+/// A Secret manifest with proxy credentials.
+pub fn credentials_secret(name: &str, username: &str, password: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\nstringData:\n  username: {username}\n  password: {password}\n"
+    )
+}
+
 /// `status`; panics if it fails.
 pub fn status(host: &Host) -> String {
     try_status(host).expect("status succeeds")

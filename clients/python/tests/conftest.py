@@ -6,7 +6,9 @@ Squids and runs this suite with:
 - ``EPO_URL``: the discovery API, ``EPO_TOKEN_FILE`` (or ``EPO_TOKEN``): its token;
 - ``EPO_SELECTOR``: ``key=value,...`` matching exactly the test's proxies (each with
   ``maxConcurrent: 1`` and ``cooldownSeconds: 1``);
-- ``EPO_ACCESS_LOGS``: JSON ``{"host:port": "/path/to/access.log"}``, each Squid's access log.
+- ``EPO_ACCESS_LOGS``: JSON ``{"host:port": "/path/to/access.log"}``, each Squid's access log;
+- ``EPO_PROXY_USER``: the user name of the proxies' credentials (Squid logs it per request),
+  ``EPO_PROXY_PASSWORD``: their password (no crawl log may show it).
 """
 
 from __future__ import annotations
@@ -77,9 +79,9 @@ class AccessLogs:
         except FileNotFoundError:
             return 0
 
-    def lines(self) -> Dict[str, List[Tuple[str, str, str]]]:
-        """``(result code, method, URL)`` of each new line (native log format), by endpoint."""
-        seen: Dict[str, List[Tuple[str, str, str]]] = {}
+    def lines(self) -> Dict[str, List[Tuple[str, str, str, str]]]:
+        """``(result code, method, URL, user)`` of each new line (native log format), by endpoint."""
+        seen: Dict[str, List[Tuple[str, str, str, str]]] = {}
         for endpoint, path in self.paths.items():
             entries = seen.setdefault(endpoint, [])
             if not path.exists():
@@ -88,11 +90,11 @@ class AccessLogs:
                 log.seek(self.offsets[endpoint])
                 for raw in log.read().decode("utf-8", "replace").splitlines():
                     fields = raw.split()
-                    if len(fields) >= 7:
-                        entries.append((fields[3], fields[5], fields[6]))
+                    if len(fields) >= 8:
+                        entries.append((fields[3], fields[5], fields[6], fields[7]))
         return seen
 
-    def wait_for(self, count: int, url_part: str, within: float = 10.0) -> Dict[str, List[Tuple[str, str, str]]]:
+    def wait_for(self, count: int, url_part: str, within: float = 10.0) -> Dict[str, List[Tuple[str, str, str, str]]]:
         """The new lines mentioning ``url_part``, once there are ``count`` (Squid writes a
         line when a transaction ends)."""
         deadline = time.monotonic() + within
@@ -101,6 +103,11 @@ class AccessLogs:
             if sum(map(len, lines.values())) >= count or time.monotonic() > deadline:
                 return lines
             time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def proxy_user() -> str:
+    return _env("EPO_PROXY_USER")
 
 
 @pytest.fixture

@@ -71,7 +71,8 @@ def main(config_path: str, result_path: str) -> None:
         "DOWNLOADER_MIDDLEWARES": {"egress_proxies.scrapy_middleware.EgressProxiesMiddleware": 740},
         "COOKIES_ENABLED": False,
         "TELNETCONSOLE_ENABLED": False,
-        "LOG_LEVEL": "INFO",
+        # Everything Scrapy logs, so that the test sees that no proxy password is among it.
+        "LOG_LEVEL": "DEBUG",
         "REQUEST_FINGERPRINTER_IMPLEMENTATION": "2.7",
         "DOWNLOAD_TIMEOUT": 20,
         **config["settings"],

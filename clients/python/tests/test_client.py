@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Dict, List
 
@@ -21,7 +22,9 @@ def hold_all(client: DiscoveryClient, selector: Dict[str, str]) -> List[Lease]:
 def test_acquire_list_release(client: DiscoveryClient, selector: Dict[str, str]) -> None:
     lease = client.acquire(selector, ttl_seconds=30, target_domain="shop.example", session_key="s-1")
     assert lease.proxy.attributes.items() >= selector.items()
-    assert lease.proxy_url.startswith("http://") and lease.proxy_url.endswith(lease.proxy.endpoint)
+    assert lease.proxy_url.startswith("http://") and lease.proxy_url.endswith("@" + lease.proxy.endpoint)
+    assert os.environ["EPO_PROXY_PASSWORD"] in lease.proxy_url
+    assert os.environ["EPO_PROXY_PASSWORD"] not in repr(lease), "the credentials stay out of the lease's repr"
     assert lease.ttl_seconds == 30
     assert lease.expires_at > lease.acquired_at
     listed = {p.proxy.key: p for p in client.list_proxies(selector)}
@@ -113,7 +116,7 @@ def test_error_answers(client: DiscoveryClient, api_url: str, selector: Dict[str
 
 
 def test_fetch_through_a_leased_proxy_reaches_its_squid(
-    client: DiscoveryClient, selector: Dict[str, str], site: Site, access_logs: AccessLogs
+    client: DiscoveryClient, selector: Dict[str, str], site: Site, access_logs: AccessLogs, proxy_user: str
 ) -> None:
     import urllib.request
 
@@ -122,4 +125,5 @@ def test_fetch_through_a_leased_proxy_reaches_its_squid(
         with opener.open(site.url("/c"), timeout=10) as page:
             assert page.status == 200
     lines = access_logs.wait_for(1, f":{site.port}/c")
-    assert [l[2] for l in lines[lease.proxy.endpoint]] == [site.url("/c")], lines
+    # proxy_url carries the credentials; urllib presented them.
+    assert [(l[2], l[3]) for l in lines[lease.proxy.endpoint]] == [(site.url("/c"), proxy_user)], lines

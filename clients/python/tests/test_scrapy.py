@@ -4,6 +4,7 @@ Squid's access logs and against the discovery API."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -47,6 +48,7 @@ def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], si
         print(done.stderr[-20000:])
         assert done.returncode == 0, done.stderr[-5000:]
         assert errors_expected or "ERROR" not in done.stderr, "the crawl logged errors"
+        assert os.environ["EPO_PROXY_PASSWORD"] not in done.stderr, "the proxy password is in the crawl's log"
         result: Dict[str, Any] = json.loads(result_path.read_text())
         return result
 
@@ -55,13 +57,16 @@ def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], si
 
 def assert_every_page_went_through_its_proxy(pages: List[Dict[str, Any]], site: Site, access_logs: AccessLogs) -> None:
     """Each response came through the Squid of its lease (that Squid logged the URL with the
-    status), and the site answered nothing that no Squid logged."""
+    status, and the user of the proxy credentials Scrapy presented), and the site answered
+    nothing that no Squid logged."""
+    user = os.environ["EPO_PROXY_USER"]
     lines = access_logs.wait_for(len(site.served), f":{site.port}/")
     for page in pages:
         assert page["proxy"] in lines, f"{page['url']} was not fetched through a leased proxy: {page}"
         logged = [l for l in lines[page["proxy"]] if l[2] == page["url"]]
         assert len(logged) == 1, f"{page['url']} not in {page['proxy']}'s access log: {lines}"
         assert logged[0][0].endswith(f"/{page['status']}"), logged
+        assert logged[0][3] == user, f"Squid saw no credentials: {logged}"
     assert sum(map(len, lines.values())) == len(site.served) == len(pages), (lines, site.served, pages)
 
 
