@@ -6,7 +6,6 @@
 mod support;
 
 use std::{
-    path::Path,
     process::Command,
     time::{Duration, Instant},
 };
@@ -15,112 +14,21 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
-use support::{Origin, free_port, process::GroupChild};
-
-const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
-
-/// The operator in standalone mode on `host`, logging to `log_name` in its folder. Squids it
-/// starts run in their own sessions and are stopped by [`Host`]'s Drop.
-fn start_operator(host: &Host, log_name: &str) -> GroupChild {
-    GroupChild::spawn(
-        Command::new(BIN)
-            .current_dir(host.dir.path())
-            .args(["standalone", "--manifests", "manifests"])
-            .args(["--providers-config", "providers.yaml", "--state", "state"])
-            .args(["--listen", &format!("127.0.0.1:{}", host.api_port)])
-            .env("RUST_LOG", "info"),
-        &host.dir.path().join(log_name),
-    )
-}
-
-/// SIGTERM, as systemd or Ctrl-C would; asserts a clean exit.
-fn stop(mut operator: GroupChild) {
-    let status = operator
-        .terminate(Duration::from_secs(20))
-        .unwrap_or_else(|| panic!("operator did not stop on SIGTERM:\n{}", operator.log()));
-    assert!(
-        status.success(),
-        "operator exited with {status}:\n{}",
-        operator.log()
-    );
-}
-
-/// The temp folder the user would run in; kills every Squid started from it on Drop.
-struct Host {
-    dir: tempfile::TempDir,
-    api_port: u16,
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        for pid in squids(self.dir.path()) {
-            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
-        }
-    }
-}
-
-/// Pids of Squids whose config lives under `dir`.
-fn squids(dir: &Path) -> Vec<u32> {
-    let needle = dir.display().to_string();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| {
-                    String::from_utf8_lossy(&c).contains("squid")
-                        && String::from_utf8_lossy(&c).contains(&needle)
-                })
-                .unwrap_or(false)
-        })
-        .collect()
-}
+use support::{
+    Origin, free_port,
+    standalone::{
+        self, BIN, Host, healthy_rows, metrics_when, squids, start_operator, status, stop, wait_status,
+    },
+};
 
 fn manifest(name: &str, port: u16, health_url: &str) -> String {
-    format!(
-        "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\nmetadata:\n  name: {name}\nspec:\n  provider: local\n  placement:\n    address: 127.0.0.1\n  port: {port}\n  attributes:\n    pool: e2e\n  lease:\n    maxConcurrent: 1\n  health:\n    url: {health_url}\n    intervalSeconds: 2\n    timeoutSeconds: 1\n    failureThreshold: 2\n"
+    standalone::manifest(
+        name,
+        port,
+        health_url,
+        &[("pool", "e2e")],
+        &[("maxConcurrent", 1)],
     )
-}
-
-fn status(host: &Host) -> String {
-    try_status(host).expect("status succeeds")
-}
-
-/// `status`, or `None` while the operator has not created its state folder yet.
-fn try_status(host: &Host) -> Option<String> {
-    let output = Command::new(BIN)
-        .current_dir(host.dir.path())
-        .args(["status", "--state", "state"])
-        .output()
-        .expect("status runs");
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8(output.stdout).expect("utf-8"))
-}
-
-fn wait_status(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let table = try_status(host).unwrap_or_default();
-        if done(&table) {
-            return table;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}; status:\n{table}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn healthy_rows(table: &str) -> usize {
-    table
-        .lines()
-        .filter(|l| l.split_whitespace().nth(2) == Some("healthy"))
-        .count()
 }
 
 async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, serde_json::Value) {
@@ -149,32 +57,6 @@ async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, 
     )
 }
 
-/// The discovery API's `/metrics` (no token needed) once `done` holds for it.
-async fn metrics_when(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let stream = tokio::net::TcpStream::connect(("127.0.0.1", host.api_port))
-            .await
-            .expect("connect");
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .expect("handshake");
-        tokio::spawn(conn);
-        let request = Request::get("/metrics")
-            .header("host", "127.0.0.1")
-            .body(Full::new(Bytes::new()))
-            .expect("request");
-        let response = sender.send_request(request).await.expect("response");
-        let body = response.into_body().collect().await.expect("body").to_bytes();
-        let text = String::from_utf8_lossy(&body).into_owned();
-        if done(&text) {
-            return text;
-        }
-        assert!(Instant::now() < deadline, "metrics never showed {what}:\n{text}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// GET `url` through the HTTP proxy at `proxy` (absolute-form request).
 async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
     let stream = tokio::net::TcpStream::connect(proxy)
@@ -200,17 +82,8 @@ async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_end_to_end_with_real_squid() {
     let origin = Origin::start().await;
-    let host = Host {
-        dir: tempfile::tempdir().expect("temp dir"),
-        api_port: free_port(),
-    };
+    let host = Host::new();
     let root = host.dir.path();
-    std::fs::create_dir_all(root.join("manifests")).expect("mkdir");
-    std::fs::write(
-        root.join("providers.yaml"),
-        "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: local\n",
-    )
-    .expect("providers");
     let health_url = origin.http_url("/health");
     let (port_a, port_b) = (free_port(), free_port());
     std::fs::write(root.join("manifests/a.yaml"), manifest("a", port_a, &health_url)).expect("a");
