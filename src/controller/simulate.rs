@@ -436,18 +436,20 @@ impl Scenario {
                     at: step.at,
                     message: err.to_string(),
                 })?;
+            let written = world.lock().written.take();
             if !step.crash
-                && let Some(status) = world.lock().written.take()
+                && let Some(status) = &written
             {
-                proxy.status = Some(status);
+                proxy.status = Some(status.clone());
             }
-            world.lock().written = None;
             sync_proxy(&world, &mut proxy);
             steps.push(ReplayedStep {
                 at: step.at,
                 changes,
                 crashed: step.crash,
                 audit: outcome.audit,
+                plans: outcome.plans,
+                written,
                 phase: outcome.phase.unwrap_or(Phase::INITIAL),
                 wake: outcome.requeue_after,
             });
@@ -481,6 +483,10 @@ pub struct ReplayedStep {
     pub crashed: bool,
     /// The transitions.
     pub audit: Vec<AuditEntry>,
+    /// The plan of each transition (its effects with their parameters).
+    pub plans: Vec<super::plan::Plan>,
+    /// The status the reconcile wrote (even if a crash lost it), if it wrote one.
+    pub written: Option<ProxyStatus>,
     /// The phase after the reconcile.
     pub phase: Phase,
     /// When the reconciler asked to look again.
@@ -543,6 +549,19 @@ impl Replay {
                 })
                 .collect();
             out.push_str(&audit::render_lines(&lines));
+            for retry in step.plans.iter().flat_map(|p| &p.effects).filter_map(|e| match e {
+                super::plan::Planned::ScheduleRetry { attempts, next_attempt } => Some((attempts, next_attempt)),
+                _ => None,
+            }) {
+                out.push_str(&format!(
+                    "      retry: attempt {}, next at {}\n",
+                    retry.0,
+                    offset(*retry.1)
+                ));
+            }
+            if let Some(status) = &step.written {
+                out.push_str(&format!("      status written: {}\n", summary(status)));
+            }
             let wake = match step.wake {
                 Some(d) => format!(
                     "looks again in {}",
@@ -561,6 +580,38 @@ impl Replay {
         out.push_str(&format!("\nend: {}\n", self.end()));
         out
     }
+}
+
+/// A time as an offset from the scenario start.
+fn offset(at: Timestamp) -> String {
+    audit::format_offset(at.duration_since(EPOCH).as_secs())
+}
+
+/// The status fields a trail shows: phase, Ready, SpecValid, Provisioned, the retry state.
+fn summary(status: &ProxyStatus) -> String {
+    let condition = |type_: &str| status.conditions.iter().find(|c| c.type_ == type_);
+    let mut parts = vec![format!("phase={}", status.phase.as_deref().unwrap_or("-"))];
+    if let Some(ready) = condition(super::status::READY) {
+        parts.push(format!("Ready={}/{}", ready.status, ready.reason));
+    }
+    for type_ in [
+        super::status::PROVISIONED,
+        super::status::SPEC_VALID,
+        super::status::REMEDIATION_PAUSED,
+    ] {
+        if let Some(c) = condition(type_)
+            && (c.status != "True" || type_ == super::status::REMEDIATION_PAUSED)
+        {
+            parts.push(format!("{type_}={}", c.status));
+        }
+    }
+    if let Some(attempts) = status.retry_attempts {
+        parts.push(format!("retryAttempts={attempts}"));
+    }
+    if let Some(next) = &status.next_attempt_time {
+        parts.push(format!("nextAttemptTime={}", offset(next.0)));
+    }
+    parts.join(" ")
 }
 
 // ---- the scripted world ---------------------------------------------------------------------
