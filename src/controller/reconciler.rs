@@ -18,7 +18,10 @@ use super::{
 };
 use crate::{
     api::Proxy,
-    effects::{BackendError, HealthControl, HealthTarget, LeaseControl, ProxyBackend, ProxyKey, SecretError},
+    effects::{
+        BackendError, HealthControl, HealthTarget, HealthVerdict, LeaseControl, ProxyBackend, ProxyKey,
+        SecretError,
+    },
     machine::{AuditEntry, Backoff, Event, Fact, Outcome, Phase, Timers, decide, derive},
     provider::{
         Credentials, Owner, ProviderError, ProviderRegistry, SharedProvider, UserData, instance_name,
@@ -527,7 +530,11 @@ impl<B: ProxyBackend> Reconciler<B> {
                 if let Some(target) = lease_target(cx, record) {
                     self.leases.upsert(target);
                 }
-                self.leases.set_admission(cx.key, phase == Phase::Healthy);
+                // Leasable only once *this process* has seen the proxy pass a probe: after a
+                // restart the persisted `healthy` may describe an instance that died meanwhile.
+                let verified = matches!(self.health.verdict(cx.key), HealthVerdict::Passing { .. });
+                self.leases
+                    .set_admission(cx.key, phase == Phase::Healthy && verified);
             }
             _ if phase == Phase::Pending => {
                 self.health.remove(cx.key);

@@ -549,10 +549,18 @@ impl Replay {
                 })
                 .collect();
             out.push_str(&audit::render_lines(&lines));
-            for retry in step.plans.iter().flat_map(|p| &p.effects).filter_map(|e| match e {
-                super::plan::Planned::ScheduleRetry { attempts, next_attempt } => Some((attempts, next_attempt)),
-                _ => None,
-            }) {
+            for retry in step
+                .plans
+                .iter()
+                .flat_map(|p| &p.effects)
+                .filter_map(|e| match e {
+                    super::plan::Planned::ScheduleRetry {
+                        attempts,
+                        next_attempt,
+                    } => Some((attempts, next_attempt)),
+                    _ => None,
+                })
+            {
                 out.push_str(&format!(
                     "      retry: attempt {}, next at {}\n",
                     retry.0,

@@ -1308,7 +1308,9 @@ impl LeaseStore {
             let generation = shard.slots[slot as usize].generation;
             let p = shard.proxy_mut(slot);
             p.admission = match pc.admission {
-                CheckpointAdmission::Open => AdmissionState::Open,
+                // Open before the restart is not open now: the proxy may have died meanwhile.
+                // The controller opens it again once this process has seen it pass a probe.
+                CheckpointAdmission::Open => AdmissionState::Closed,
                 CheckpointAdmission::Closed => AdmissionState::Closed,
                 CheckpointAdmission::Draining => AdmissionState::Draining,
             };

@@ -496,11 +496,19 @@ async fn leases_survive_a_restart_through_the_file_checkpoint() {
             current: r.fencing_token
         })
     );
-    // ...and once it does, limits count the restored leases and admission is kept.
+    // ...but nothing new is leased until the controller has seen each proxy pass a probe in
+    // this process (it may have died while the checkpoint aged)...
     after.upsert_proxy(target("a", &[("name", "a")], 2, 30));
     after.upsert_proxy(target("b", &[("name", "b")], 1, 0));
     assert_eq!(after.active_total(), 2);
     let all = sel(&after, "");
+    assert!(
+        acquire(&after, &all).is_err(),
+        "restored proxies stay closed until verified"
+    );
+    // ...and once it opens them, limits count the restored leases.
+    after.set_admission(&key("a"), Admission::Open).unwrap();
+    after.set_admission(&key("b"), Admission::Open).unwrap();
     let l4 = acquire(&after, &all).unwrap();
     assert_eq!(name(&l4), "b", "a is full with its two restored leases");
     assert!(acquire(&after, &all).is_err());
@@ -544,8 +552,9 @@ fn signed_claims_bring_back_leases_the_checkpoint_missed() {
     clock.advance(Duration::from_secs(5));
     let leader2 = store_with_clock(&clock);
     leader2.restore(&cp);
-    leader2.upsert_proxy(target("a", &[], 1, 0));
-    leader2.upsert_proxy(target("b", &[], 2, 0));
+    // The controller of the new leader verifies and opens the proxies again.
+    add_open(&leader2, target("a", &[], 1, 0));
+    add_open(&leader2, target("b", &[], 2, 0));
     let claim = LeaseSigner::new(&secret).unwrap().verify(&missed_id).unwrap();
     assert_eq!(
         leader2.release(&claim.id, renewed.fencing_token, Outcome::Ok, None),
