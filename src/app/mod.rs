@@ -29,9 +29,10 @@ use crate::{
     },
     monitor::{LogSink, Monitor},
     provider::{Installation, ProviderRegistry, RegistryError},
-    standalone::{Standalone, StandaloneDeps, StandaloneError},
+    standalone::{Standalone, StandaloneDeps, StandaloneError, ui::StoreSource},
     store::Store,
     telemetry::Metrics,
+    ui::StatusPage,
 };
 
 /// Why the operator could not start.
@@ -293,12 +294,20 @@ pub async fn run_standalone(
     let state = DiscoveryState::new(
         store.clone(),
         signer,
-        auth,
+        auth.clone(),
         readiness,
         registry,
         discovery_metrics,
         DiscoveryConfig::default(),
     );
+    state.set_status_page(Arc::new(StatusPage::new(
+        Arc::new(StoreSource::new(&options.state)),
+        store.clone(),
+        health_handle.clone(),
+        availability.clone(),
+        providers.iter().map(|(name, _)| name.to_owned()).collect(),
+        auth,
+    )));
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
         .map_err(|e| AppError::Startup(format!("binding the discovery API on {}: {e}", options.listen)))?;
