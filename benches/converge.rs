@@ -140,6 +140,7 @@ async fn main() {
         debounce: Duration::from_millis(1),
         identity: "bench".into(),
         metrics: Arc::new(Metrics::register(&mut registry)),
+        status_feed: None,
     };
     let triggers = futures::stream::unfold(
         trigger_rx,

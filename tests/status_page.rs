@@ -6,6 +6,9 @@
 //! audit reasons, and neither the credentials' canary password nor the token; the screenshot
 //! must be a real PNG. Without credentials the page asks for them (401 with a Basic challenge).
 //!
+//! The same page in cluster mode (on the admin port, against the in-process fake API server)
+//! shows the same things from the controller's cache and its in-memory audit.
+//!
 //! `EPO_UI_SCREENSHOT=FILE` keeps a copy of the screenshot (to look at it).
 //! Needs `chromium` and `squid` (scripts/test.sh installs them).
 
@@ -13,11 +16,22 @@
 mod blocking_http;
 mod support;
 
-use std::{net::SocketAddr, path::Path, process::Command};
+use std::{
+    net::SocketAddr,
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
 
 use blocking_http::{base64, request};
+use egress_proxies_operator::api::Proxy;
+use k8s_openapi::api::core::v1::Secret;
+use kube::{Api, api::PostParams};
 use support::{
-    Origin, free_port,
+    Origin,
+    cluster_app::{ClusterApp, local_cluster},
+    fake_apiserver::FakeApiServer,
+    free_port,
     standalone::{self, Host, healthy_rows, start_operator, stop, wait_status},
 };
 
@@ -113,20 +127,9 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
 
     // Two leases on web-1 (whose URL carries the password: the page must not).
     for holder in ["crawler-a", "crawler-b"] {
-        let lease = request(
-            api,
-            "POST",
-            "/v1/leases",
-            &[
-                ("Authorization", format!("Bearer {token}")),
-                ("Content-Type", "application/json".to_owned()),
-            ],
-            &format!(r#"{{"selector":{{"slot":"one"}},"holder":"{holder}","ttlSeconds":300}}"#),
-        )
-        .expect("acquire");
-        assert_eq!(lease.status, 201, "{}", lease.body);
+        let lease = acquire(api, &token, r#"{"slot":"one"}"#, holder);
         assert!(
-            lease.body.contains(CANARY_PASSWORD),
+            lease.contains(CANARY_PASSWORD),
             "the lease itself carries the credentials"
         );
     }
@@ -226,4 +229,128 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     }
 
     stop(operator);
+}
+
+/// Acquires a lease on the proxies matching `selector` (`{"key":"value"}`) for `holder`.
+fn acquire(api: SocketAddr, token: &str, selector: &str, holder: &str) -> String {
+    let lease = request(
+        api,
+        "POST",
+        "/v1/leases",
+        &[
+            ("Authorization", format!("Bearer {token}")),
+            ("Content-Type", "application/json".to_owned()),
+        ],
+        &format!(r#"{{"selector":{selector},"holder":"{holder}","ttlSeconds":300}}"#),
+    )
+    .expect("acquire");
+    assert_eq!(lease.status, 201, "{}", lease.body);
+    lease.body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_in_cluster_mode_is_on_the_admin_port() {
+    const TOKEN: &str = "status-page-cluster-token-0123456789";
+    let origin = Origin::start().await;
+    let server = FakeApiServer::start().await;
+    let client = server.client();
+    let host = Host::new(); // Kills the local provider's Squids under it on Drop.
+    let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
+    let admin: SocketAddr = ([127, 0, 0, 1], admin_port).into();
+    let discovery: SocketAddr = ([127, 0, 0, 1], discovery_port).into();
+    let options = local_cluster(host.path(), &host.path().join("local"), TOKEN, admin, discovery);
+    let operator = ClusterApp::start(client.clone(), options);
+
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "web-credentials", "namespace": "crawl"},
+        "data": {"username": base64(b"crawler"), "password": base64(CANARY_PASSWORD.as_bytes())},
+    }))
+    .expect("valid Secret");
+    Api::<Secret>::namespaced(client.clone(), "crawl")
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("Secret created");
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
+    let proxy: Proxy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "edge-1", "namespace": "crawl"},
+        "spec": {
+            "provider": "local",
+            "placement": {"address": "127.0.0.1"},
+            "port": proxy_port,
+            "attributes": {"pool": "cluster"},
+            "lease": {"maxConcurrent": 2},
+            "auth": {"secretRef": {"name": "web-credentials"}},
+            "health": {"url": origin.http_url("/health"), "intervalSeconds": 1, "timeoutSeconds": 1},
+        },
+    }))
+    .expect("valid Proxy");
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("Proxy created");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let phase = proxies.get("edge-1").await.ok().and_then(|p| p.status?.phase);
+        if phase.as_deref() == Some("healthy") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "edge-1 never became healthy: {phase:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let lease =
+        tokio::task::spawn_blocking(move || acquire(discovery, TOKEN, r#"{"pool":"cluster"}"#, "crawler-c"))
+            .await
+            .expect("acquire task");
+    assert!(
+        lease.contains(CANARY_PASSWORD),
+        "the lease carries the credentials"
+    );
+
+    let denied = tokio::task::spawn_blocking(move || request(admin, "GET", "/ui", &[], "").expect("GET /ui"))
+        .await
+        .expect("request task");
+    assert_eq!(
+        denied.status, 401,
+        "the admin port's /ui needs the discovery token: {}",
+        denied.body
+    );
+
+    let url = format!("http://ui:{TOKEN}@127.0.0.1:{admin_port}/ui");
+    let profile = tempfile::tempdir().expect("chromium profile");
+    let dom = tokio::task::spawn_blocking(move || chromium(profile.path(), &["--dump-dom"], &url))
+        .await
+        .expect("chromium task");
+    let text = visible_text(&dom);
+    assert!(text.contains("cluster mode"), "{text}");
+    let cells = visible_text(row(&dom, "data-proxy=\"crawl/edge-1\""));
+    for expected in [
+        "crawl/ edge-1",
+        "healthy",
+        "local",
+        &format!("127.0.0.1:{proxy_port}"),
+        "1 / 2 slots",
+        "passing",
+    ] {
+        assert!(cells.contains(expected), "{expected:?} not in {cells}");
+    }
+    let at = dom
+        .find("class=\"audit\" data-proxy=\"crawl/edge-1\"")
+        .expect("audit section");
+    let audit = visible_text(&dom[at..at + dom[at..].find("</details>").expect("end of section")]);
+    assert!(
+        audit.contains("provisioning --health_passed--> healthy"),
+        "{audit}"
+    );
+    assert!(audit.contains("InstanceCreated"), "{audit}");
+    assert!(
+        !dom.contains(CANARY_PASSWORD),
+        "the proxy password reached the page"
+    );
+    assert!(!dom.contains(TOKEN), "the token reached the page");
+    operator.stop().await;
 }

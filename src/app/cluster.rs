@@ -45,8 +45,9 @@ use crate::{
     provider::{Installation, ProviderRegistry},
     telemetry::{
         Metrics,
-        admin::{self, serve_admin},
+        admin::{self, StatusPageSlot, serve_admin_with_ui},
     },
+    ui::{StatusPage, cluster::ClusterFeed},
 };
 
 /// Name of the Lease used for leader election and of the ConfigMap holding the lease checkpoint.
@@ -202,7 +203,14 @@ pub async fn run_cluster(
                 options.admin_listen
             ))
         })?;
-    tokio::spawn(serve_admin(admin_listener, admin_rx, registry.clone(), stopped()));
+    let status_page = StatusPageSlot::default();
+    tokio::spawn(serve_admin_with_ui(
+        admin_listener,
+        admin_rx,
+        registry.clone(),
+        status_page.clone(),
+        stopped(),
+    ));
 
     // Leader election first: nothing acts before this replica leads.
     let (leader_tx, mut leadership) = watch::channel(Leadership::Unknown);
@@ -243,6 +251,15 @@ pub async fn run_cluster(
     let availability = ProviderAvailability::default();
     let (caches_tx, mut caches_rx) = watch::channel(false);
     let (discovery_ready_tx, discovery_ready) = watch::channel(Readiness::default());
+    let status_feed = ClusterFeed::default();
+    let _ = status_page.set(Arc::new(StatusPage::new(
+        Arc::new(status_feed.clone()),
+        store.clone(),
+        health_handle.clone(),
+        availability.clone(),
+        providers.iter().map(|(name, _)| name.to_owned()).collect(),
+        auth.clone(),
+    )));
     let discovery_state = DiscoveryState::new(
         store.clone(),
         signer,
@@ -352,6 +369,7 @@ pub async fn run_cluster(
         debounce: Duration::from_millis(200),
         identity: options.identity.clone(),
         metrics,
+        status_feed: Some(status_feed),
     };
     let controller = tokio::spawn(run_controller(deps, triggers, caches_tx, controller_stop));
     // Readiness follows the caches and the leadership.

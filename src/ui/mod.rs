@@ -11,6 +11,7 @@
 //! The page is authenticated like the discovery API: `Authorization: Bearer <token>`, or HTTP
 //! Basic with the token as the password (what a browser can send; a 401 asks for it).
 
+pub mod cluster;
 mod render;
 
 use std::{
@@ -161,8 +162,13 @@ impl AuditLog {
 
     /// Forgets a Proxy that is gone.
     pub fn forget(&self, namespace: &str, name: &str) {
+        self.retain(|ns, n| (ns, n) != (namespace, name));
+    }
+
+    /// Keeps the trails of the Proxies `keep` accepts (by namespace and name).
+    pub fn retain(&self, keep: impl Fn(&str, &str) -> bool) {
         let mut all = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        all.remove(&(namespace.to_owned(), name.to_owned()));
+        all.retain(|(namespace, name), _| keep(namespace, name));
     }
 
     /// The last `n` entries of `namespace/name`, oldest first.

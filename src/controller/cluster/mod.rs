@@ -70,6 +70,8 @@ pub struct ClusterDeps {
     pub identity: String,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// The status page's view of the Proxies and their audit, if it is served.
+    pub status_feed: Option<crate::ui::cluster::ClusterFeed>,
 }
 
 struct Context {
@@ -78,6 +80,7 @@ struct Context {
     pools_seeded: std::sync::atomic::AtomicBool,
     failures: Mutex<HashMap<ObjectRef<Proxy>, u32>>,
     metrics: Arc<Metrics>,
+    status_feed: Option<crate::ui::cluster::ClusterFeed>,
 }
 
 /// Runs the controller until `shutdown` resolves; `ready` turns true once the caches are synced.
@@ -114,6 +117,9 @@ pub async fn run_controller(
     );
     let backend = KubeBackend::new(deps.client.clone(), recorder, secret_store.clone());
     let (proxy_store, proxy_writer) = reflector::store();
+    if let Some(feed) = &deps.status_feed {
+        feed.set_proxies(proxy_store.clone());
+    }
     let context = Arc::new(Context {
         reconciler: Reconciler::new(
             backend,
@@ -127,6 +133,7 @@ pub async fn run_controller(
         pools_seeded: std::sync::atomic::AtomicBool::new(false),
         failures: Mutex::default(),
         metrics: deps.metrics,
+        status_feed: deps.status_feed,
     });
 
     let proxy_events = watcher(proxies, watcher::Config::default())
@@ -280,6 +287,9 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
         context
             .metrics
             .observe_transition(entry.from.as_str(), entry.to.as_str(), &entry.reason);
+    }
+    if let Some(feed) = &context.status_feed {
+        feed.record(&proxy, &outcome.audit);
     }
     context
         .failures
