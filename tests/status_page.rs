@@ -120,10 +120,45 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
             &[("maxConcurrent", 1)],
         ),
     );
+    // web-3's health URL answers 500: it stays provisioning with a failing verdict.
+    let port_3 = free_port();
+    host.add_manifest(
+        "web-3",
+        &standalone::manifest(
+            "web-3",
+            port_3,
+            &origin.http_url("/status/500"),
+            &[("pool", "ui"), ("slot", "three")],
+            &[("maxConcurrent", 1)],
+        ),
+    );
     let operator = start_operator(&host, "operator.log");
     wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
     let token = host.token();
     let api: SocketAddr = ([127, 0, 0, 1], host.api_port).into();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let page = request(
+            api,
+            "GET",
+            "/ui",
+            &[("Authorization", format!("Bearer {token}"))],
+            "",
+        )
+        .expect("GET /ui");
+        if page.status == 200
+            && page.body.contains("data-proxy=\"default/web-3\"")
+            && visible_text(row(&page.body, "data-proxy=\"default/web-3\"")).contains("failing")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "web-3 never shown failing:\n{}",
+            page.body
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 
     // Two leases on web-1 (whose URL carries the password: the page must not).
     for holder in ["crawler-a", "crawler-b"] {
@@ -180,10 +215,20 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
         assert!(cells.contains(&format!("127.0.0.1:{port}")), "{cells}");
         assert!(cells.contains(&format!("{leases} slots")), "{cells}");
         assert!(cells.contains("passing"), "health: {cells}");
+        assert!(
+            cells.contains("changes:") && cells.contains(" passing"),
+            "history: {cells}"
+        );
         assert!(cells.contains("local"), "provider: {cells}");
     }
+    let web_3 = row(&dom, "data-proxy=\"default/web-3\"");
+    assert!(web_3.contains("data-phase=\"provisioning\""), "{web_3}");
+    let cells = visible_text(web_3);
+    assert!(cells.contains(&format!("127.0.0.1:{port_3}")), "{cells}");
+    assert!(cells.contains("failing"), "health: {cells}");
+    assert!(cells.contains("500"), "the probe's error: {cells}");
     assert!(
-        visible_text(row(&dom, "data-provider=\"local\"")).contains("available 2"),
+        visible_text(row(&dom, "data-provider=\"local\"")).contains("available 3"),
         "{text}"
     );
     assert!(text.contains("2 active leases"), "{text}");

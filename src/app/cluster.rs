@@ -252,14 +252,16 @@ pub async fn run_cluster(
     let (caches_tx, mut caches_rx) = watch::channel(false);
     let (discovery_ready_tx, discovery_ready) = watch::channel(Readiness::default());
     let status_feed = ClusterFeed::default();
-    let _ = status_page.set(Arc::new(StatusPage::new(
+    let page = Arc::new(StatusPage::new(
         Arc::new(status_feed.clone()),
         store.clone(),
         health_handle.clone(),
         availability.clone(),
         providers.iter().map(|(name, _)| name.to_owned()).collect(),
         auth.clone(),
-    )));
+    ));
+    let health_log = page.health_log();
+    let _ = status_page.set(page);
     let discovery_state = DiscoveryState::new(
         store.clone(),
         signer,
@@ -336,6 +338,7 @@ pub async fn run_cluster(
 
     tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
+            health_log.record(&event);
             if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
                 break;
             }

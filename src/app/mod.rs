@@ -300,14 +300,16 @@ pub async fn run_standalone(
         discovery_metrics,
         DiscoveryConfig::default(),
     );
-    state.set_status_page(Arc::new(StatusPage::new(
+    let status_page = Arc::new(StatusPage::new(
         Arc::new(StoreSource::new(&options.state)),
         store.clone(),
         health_handle.clone(),
         availability.clone(),
         providers.iter().map(|(name, _)| name.to_owned()).collect(),
         auth,
-    )));
+    ));
+    let health_log = status_page.health_log();
+    state.set_status_page(status_page);
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
         .map_err(|e| AppError::Startup(format!("binding the discovery API on {}: {e}", options.listen)))?;
@@ -350,6 +352,7 @@ pub async fn run_standalone(
     let (trigger_tx, trigger_rx) = mpsc::channel(1024);
     let forward = tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
+            health_log.record(&event);
             if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
                 break;
             }

@@ -32,7 +32,7 @@ use crate::{
     api::ProxyStatus,
     controller::ProviderAvailability,
     discovery::auth::{AuthError, Authenticator},
-    health::{HealthHandle, HealthSnapshot},
+    health::{HealthEvent, HealthHandle, HealthSnapshot, Verdict},
     lease::{LeaseStore, ProxyView, Selector},
     machine::audit::AuditEntry,
 };
@@ -137,26 +137,41 @@ pub trait ProxySource: Send + Sync {
     fn mode(&self) -> &'static str;
 }
 
-/// One proxy's last audit entries, oldest first.
-type Trail = VecDeque<AuditRow>;
+/// A Proxy's namespace and name.
+type NameKey = (String, String);
 
-/// The last audit entries per proxy, kept in memory as the reconciler produces them (cluster
-/// mode, whose audit otherwise lives only in Events and logs).
-#[derive(Clone, Default)]
-pub struct AuditLog {
-    entries: Arc<Mutex<HashMap<(String, String), Trail>>>,
+/// The last entries per proxy (by namespace and name), at most [`AUDIT_ENTRIES_SHOWN`] each;
+/// cheap to clone (clones share the entries).
+pub struct Recent<T> {
+    entries: Arc<Mutex<HashMap<NameKey, VecDeque<T>>>>,
 }
 
-impl AuditLog {
-    /// Records the entries a reconcile of `namespace/name` produced.
-    pub fn record<'a>(&self, namespace: &str, name: &str, entries: impl IntoIterator<Item = &'a AuditEntry>) {
+impl<T> Clone for Recent<T> {
+    fn clone(&self) -> Self {
+        Self {
+            entries: self.entries.clone(),
+        }
+    }
+}
+
+impl<T> Default for Recent<T> {
+    fn default() -> Self {
+        Self {
+            entries: Arc::default(),
+        }
+    }
+}
+
+impl<T: Clone> Recent<T> {
+    /// Appends `items` to `namespace/name`'s entries, dropping the oldest beyond the limit.
+    pub fn push(&self, namespace: &str, name: &str, items: impl IntoIterator<Item = T>) {
         let mut all = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         let trail = all.entry((namespace.to_owned(), name.to_owned())).or_default();
-        for entry in entries {
+        for item in items {
             if trail.len() == AUDIT_ENTRIES_SHOWN {
                 trail.pop_front();
             }
-            trail.push_back(AuditRow::from_entry(entry, ""));
+            trail.push_back(item);
         }
     }
 
@@ -165,14 +180,14 @@ impl AuditLog {
         self.retain(|ns, n| (ns, n) != (namespace, name));
     }
 
-    /// Keeps the trails of the Proxies `keep` accepts (by namespace and name).
+    /// Keeps the entries of the Proxies `keep` accepts (by namespace and name).
     pub fn retain(&self, keep: impl Fn(&str, &str) -> bool) {
         let mut all = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         all.retain(|(namespace, name), _| keep(namespace, name));
     }
 
     /// The last `n` entries of `namespace/name`, oldest first.
-    pub fn last(&self, namespace: &str, name: &str, n: usize) -> Vec<AuditRow> {
+    pub fn last(&self, namespace: &str, name: &str, n: usize) -> Vec<T> {
         let all = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         all.get(&(namespace.to_owned(), name.to_owned()))
             .map(|trail| {
@@ -183,6 +198,51 @@ impl AuditLog {
                     .collect()
             })
             .unwrap_or_default()
+    }
+}
+
+/// The last audit entries per proxy, kept in memory as the reconciler produces them (cluster
+/// mode, whose audit otherwise lives only in Events and logs).
+pub type AuditLog = Recent<AuditRow>;
+
+impl AuditLog {
+    /// Records the entries a reconcile of `namespace/name` produced.
+    pub fn record<'a>(&self, namespace: &str, name: &str, entries: impl IntoIterator<Item = &'a AuditEntry>) {
+        self.push(
+            namespace,
+            name,
+            entries.into_iter().map(|entry| AuditRow::from_entry(entry, "")),
+        );
+    }
+}
+
+/// A change of a proxy's health verdict.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthChange {
+    /// When the verdict changed.
+    pub at: Timestamp,
+    /// The new verdict.
+    pub verdict: Verdict,
+    /// The last probe's error, when failing.
+    pub error: Option<String>,
+}
+
+/// The health engine's last verdict changes per proxy (both modes record them as the engine
+/// reports them; the engine itself keeps only the current verdict).
+pub type HealthLog = Recent<HealthChange>;
+
+impl HealthLog {
+    /// Records one verdict change.
+    pub fn record(&self, event: &HealthEvent) {
+        self.push(
+            event.key.namespace(),
+            event.key.name(),
+            [HealthChange {
+                at: event.at,
+                verdict: event.verdict,
+                error: event.last_error.clone(),
+            }],
+        );
     }
 }
 
@@ -219,6 +279,8 @@ pub struct ProxyRow {
     pub leases: Option<ProxyView>,
     /// From the health engine (`None`: not probed).
     pub health: Option<HealthSnapshot>,
+    /// The last verdict changes, oldest first.
+    pub health_history: Vec<HealthChange>,
     /// The last audit entries, oldest first.
     pub audit: Vec<AuditRow>,
 }
@@ -231,6 +293,7 @@ pub struct StatusPage {
     availability: ProviderAvailability,
     providers: Vec<String>,
     auth: Arc<dyn Authenticator>,
+    health_log: HealthLog,
 }
 
 impl StatusPage {
@@ -250,7 +313,13 @@ impl StatusPage {
             availability,
             providers,
             auth,
+            health_log: HealthLog::default(),
         }
+    }
+
+    /// Where the mode records the health engine's verdict changes for the page.
+    pub fn health_log(&self) -> HealthLog {
+        self.health_log.clone()
     }
 
     /// Gathers what the page shows, now.
@@ -283,6 +352,9 @@ impl StatusPage {
                 proxies: per_provider.get(name.as_str()).copied().unwrap_or(0),
             })
             .collect();
+        // Verdict changes of Proxies that are gone are dropped here, so the log stays bounded.
+        self.health_log
+            .retain(|namespace, name| states.iter().any(|s| s.namespace == namespace && s.name == name));
         let proxies = states
             .into_iter()
             .map(|state| {
@@ -290,6 +362,9 @@ impl StatusPage {
                 ProxyRow {
                     leases: leases.remove(&(state.namespace.clone(), state.name.clone())),
                     health: self.health.snapshot(&key),
+                    health_history: self
+                        .health_log
+                        .last(&state.namespace, &state.name, AUDIT_ENTRIES_SHOWN),
                     audit: self
                         .source
                         .audit(&state.namespace, &state.name, AUDIT_ENTRIES_SHOWN),

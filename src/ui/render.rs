@@ -5,11 +5,7 @@ use std::fmt::Write as _;
 use jiff::Timestamp;
 
 use super::{ProxyRow, StatusView};
-use crate::{
-    health::{HealthSnapshot, Verdict},
-    lease::Availability,
-    standalone::status::age,
-};
+use crate::{health::Verdict, lease::Availability, standalone::status::age};
 
 /// Escapes text for HTML element content and quoted attribute values.
 pub fn esc(text: &str) -> String {
@@ -40,10 +36,11 @@ code{font:13px 'DejaVu Sans Mono',monospace}
 .degraded,.down,.failing,.closed{background:#fbd9d6;color:#8c1d13}
 .provisioning,.replacing,.pending,.busy,.cooling-down,.draining,.unknown{background:#fdf0c8;color:#6b5200}
 .deleting{background:#e0dcf5;color:#3d2c8d}
-.muted{color:#5b6475}.err{color:#8c1d13}
+.muted{color:#5b6475}.err{color:#8c1d13}.nowrap,.endpoint{white-space:nowrap}
 .summary span{margin-right:1.2em}
 details{margin:.3em 0}summary{cursor:pointer}
 .audit td{font-size:.92em}
+.history{margin-top:.2em;font-size:.85em;color:#5b6475}.history .badge{font-weight:400}
 ";
 
 /// The whole page.
@@ -130,7 +127,7 @@ fn proxies(html: &mut String, view: &StatusView) {
         let _ = write!(
             html,
             "<tr class=\"proxy\" data-proxy=\"{ns}/{name}\" data-phase=\"{phase}\">\
-             <td><span class=\"muted\">{ns}/</span><b>{name}</b></td>\
+             <td class=\"nowrap\"><span class=\"muted\">{ns}/</span><b>{name}</b></td>\
              <td><span class=\"badge {phase_class}\">{phase_text}</span></td>\
              <td><code>{provider}</code></td><td><code class=\"endpoint\">{endpoint}</code></td>",
             ns = esc(&s.namespace),
@@ -142,7 +139,7 @@ fn proxies(html: &mut String, view: &StatusView) {
             endpoint = esc(s.endpoint.as_deref().unwrap_or("-")),
         );
         leases(html, row);
-        health(html, row.health.as_ref(), view.now);
+        health(html, row, view.now);
         match &s.ready {
             Some((reason, message)) => {
                 let _ = write!(
@@ -185,16 +182,12 @@ fn leases(html: &mut String, row: &ProxyRow) {
     );
 }
 
-fn health(html: &mut String, health: Option<&HealthSnapshot>, now: Timestamp) {
-    let Some(h) = health else {
+fn health(html: &mut String, row: &ProxyRow, now: Timestamp) {
+    let Some(h) = &row.health else {
         html.push_str("<td class=\"muted\">not probed</td>");
         return;
     };
-    let (class, word) = match h.verdict {
-        Verdict::Passing => ("passing", "passing"),
-        Verdict::Failing => ("failing", "failing"),
-        Verdict::Unknown => ("unknown", "unknown"),
-    };
+    let (class, word) = verdict(h.verdict);
     let _ = write!(html, "<td><span class=\"badge {class}\">{word}</span>");
     if let Some(since) = h.verdict_since {
         let _ = write!(html, " for {}", esc(&age(now, since)));
@@ -217,7 +210,29 @@ fn health(html: &mut String, health: Option<&HealthSnapshot>, now: Timestamp) {
     if let Some(error) = &h.last_error {
         let _ = write!(html, "<br><span class=\"err\">{}</span>", esc(error));
     }
+    if !row.health_history.is_empty() {
+        html.push_str("<div class=\"history\">changes:");
+        for change in &row.health_history {
+            let (class, word) = verdict(change.verdict);
+            let title = change.error.as_deref().unwrap_or(word);
+            let _ = write!(
+                html,
+                " <span class=\"badge {class}\" title=\"{}\">{} {word}</span>",
+                esc(title),
+                esc(&change.at.strftime("%H:%M:%S").to_string()),
+            );
+        }
+        html.push_str("</div>");
+    }
     html.push_str("</td>");
+}
+
+fn verdict(verdict: Verdict) -> (&'static str, &'static str) {
+    match verdict {
+        Verdict::Passing => ("passing", "passing"),
+        Verdict::Failing => ("failing", "failing"),
+        Verdict::Unknown => ("unknown", "unknown"),
+    }
 }
 
 fn audit(html: &mut String, view: &StatusView) {
