@@ -62,3 +62,57 @@ fn the_audit_log_keeps_the_last_entries_per_proxy() {
     assert!(log.last("crawl", "web-1", 100).is_empty());
     assert_eq!(log.last("crawl", "web-2", 100).len(), 1);
 }
+
+#[test]
+fn user_input_on_the_page_is_escaped_and_every_section_renders() {
+    let hostile = "<script>alert(1)</script>";
+    let view = StatusView {
+        mode: "standalone",
+        now: Timestamp::from_second(1_000).expect("time"),
+        providers: vec![ProviderRow {
+            name: "kvm".to_owned(),
+            down_reason: Some(format!("probe failed: {hostile}")),
+            proxies: 1,
+        }],
+        proxies: vec![ProxyRow {
+            state: ProxyState {
+                namespace: "crawl".to_owned(),
+                name: "web-\"1\"".to_owned(),
+                provider: "kvm".to_owned(),
+                phase: "degraded".to_owned(),
+                deleting: true,
+                endpoint: Some("10.0.0.7:3128".to_owned()),
+                ready: Some(("HealthCheckFailed".to_owned(), hostile.to_owned())),
+                created: Some(Timestamp::from_second(400).expect("time")),
+            },
+            leases: None,
+            health: None,
+            health_history: vec![HealthChange {
+                at: Timestamp::from_second(900).expect("time"),
+                verdict: Verdict::Failing,
+                error: Some(hostile.to_owned()),
+            }],
+            audit: vec![AuditRow {
+                at: Timestamp::from_second(900).expect("time"),
+                arrow: "healthy --health_failed--> degraded".to_owned(),
+                reason: "HealthCheckFailed".to_owned(),
+                message: hostile.to_owned(),
+            }],
+        }],
+    };
+    let html = render::page(&view);
+    assert!(!html.contains("<script"), "{html}");
+    assert!(html.contains("&lt;script&gt;alert(1)&lt;/script&gt;"), "{html}");
+    assert!(html.contains("data-proxy=\"crawl/web-&quot;1&quot;\""), "{html}");
+    for shown in [
+        "degraded (deleting)",
+        "10.0.0.7:3128",
+        "unavailable",
+        "not in rotation",
+        "not probed",
+        "healthy --health_failed--&gt; degraded",
+        "10m",
+    ] {
+        assert!(html.contains(shown), "{shown} missing: {html}");
+    }
+}
