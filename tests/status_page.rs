@@ -79,7 +79,7 @@ fn visible_text(dom: &str) -> String {
         .replace("&lt;", "<")
         .replace("&gt;", ">")
         .replace("&quot;", "\"")
-        .replace("&#39;", "'")
+        .replace("&apos;", "'")
         .replace("&amp;", "&")
 }
 
@@ -138,14 +138,7 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     let api: SocketAddr = ([127, 0, 0, 1], host.api_port).into();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let page = request(
-            api,
-            "GET",
-            "/ui",
-            &[("Authorization", format!("Bearer {token}"))],
-            "",
-        )
-        .expect("GET /ui");
+        let page = ui_page(api, &token);
         if page.status == 200
             && page.body.contains("data-proxy=\"default/web-3\"")
             && visible_text(row(&page.body, "data-proxy=\"default/web-3\"")).contains("failing")
@@ -185,14 +178,7 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
         );
         assert!(!denied.body.contains("web-1"), "{}", denied.body);
     }
-    let page = request(
-        api,
-        "GET",
-        "/ui",
-        &[("Authorization", format!("Bearer {token}"))],
-        "",
-    )
-    .expect("GET /ui");
+    let page = ui_page(api, &token);
     assert_eq!(page.status, 200, "{}", page.body);
     assert!(
         page.header("content-type")
@@ -274,6 +260,12 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     }
 
     stop(operator);
+}
+
+/// `GET /ui` with `token` as a bearer token.
+fn ui_page(api: SocketAddr, token: &str) -> blocking_http::Response {
+    let bearer = [("Authorization", format!("Bearer {token}"))];
+    request(api, "GET", "/ui", &bearer, "").expect("GET /ui")
 }
 
 /// Acquires a lease on the proxies matching `selector` (`{"key":"value"}`) for `holder`.

@@ -7,21 +7,9 @@ use jiff::Timestamp;
 use super::{ProxyRow, StatusView};
 use crate::{health::Verdict, lease::Availability, standalone::status::age};
 
-/// Escapes text for HTML element content and quoted attribute values.
-pub fn esc(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
+/// Escapes text for HTML element content and quoted attribute values (HTML5 knows XML's five
+/// entities).
+pub use crate::provider::libvirt::escape as esc;
 
 const STYLE: &str = "
 body{font:14px/1.4 'DejaVu Sans',system-ui,sans-serif;margin:1.5em;color:#1d2330;background:#f6f7f9}

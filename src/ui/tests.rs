@@ -6,7 +6,7 @@ use super::{render::esc, *};
 fn every_html_special_character_is_escaped() {
     assert_eq!(
         esc(r#"<script>alert("x&'y")</script>"#),
-        "&lt;script&gt;alert(&quot;x&amp;&#39;y&quot;)&lt;/script&gt;"
+        "&lt;script&gt;alert(&quot;x&amp;&apos;y&quot;)&lt;/script&gt;"
     );
 }
 
