@@ -291,3 +291,147 @@ async fn after_a_restart_no_lease_is_handed_out_on_an_unverified_proxy() {
     }
     stop(operator);
 }
+
+/// GET `url` through `proxy` with basic proxy credentials.
+async fn fetch_with_credentials(proxy: &str, url: &str, user: &str, password: &str) -> StatusCode {
+    use base64::Engine as _;
+    let stream = tokio::net::TcpStream::connect(proxy)
+        .await
+        .expect("connect to proxy");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+    let request = Request::get(url)
+        .header("host", "127.0.0.1")
+        .header("proxy-authorization", format!("Basic {basic}"))
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    sender.send_request(request).await.expect("response").status()
+}
+
+/// Rotating a proxy's credentials Secret reaches the running Squid in place: the new password
+/// works, the old one gets 407, a lease held across the rotation is not revoked, and the API
+/// hands out the new password only once Squid accepts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotated_credentials_reach_the_running_squid_without_a_replacement() {
+    let origin = Origin::start().await;
+    let host = Host::new();
+    let root = host.dir.path();
+    let port = free_port();
+    let proxy = format!("127.0.0.1:{port}");
+    let yaml = standalone::manifest(
+        "c",
+        port,
+        &origin.http_url("/health"),
+        &[("pool", "rotate")],
+        &[("maxConcurrent", 4)],
+    );
+    std::fs::write(
+        root.join("manifests/c.yaml"),
+        standalone::with_auth(&yaml, "c-auth"),
+    )
+    .expect("manifest");
+    let secret = root.join("manifests/c-auth.yaml");
+    std::fs::write(
+        &secret,
+        standalone::credentials_secret("c-auth", "crawler", "old-password-1"),
+    )
+    .expect("secret");
+    let operator = start_operator(&host, "operator.log");
+    wait_status(&host, "c healthy", |t| healthy_rows(t) == 1);
+    let squid_pids = squids(root);
+
+    let (code, held) = api(
+        &host,
+        "POST",
+        "/v1/leases",
+        r#"{"selector":{"pool":"rotate"},"holder":"before","ttlSeconds":120}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::CREATED, "{held}");
+    assert!(held["proxyUrl"].as_str().expect("url").contains("old-password-1"));
+    let url = origin.http_url("/ip");
+    assert_eq!(
+        fetch_with_credentials(&proxy, &url, "crawler", "old-password-1").await,
+        StatusCode::OK
+    );
+
+    let rotated = Instant::now();
+    std::fs::write(
+        &secret,
+        standalone::credentials_secret("c-auth", "crawler", "new-password-2"),
+    )
+    .expect("rotate");
+    let deadline = rotated + Duration::from_secs(20);
+    loop {
+        // Until Squid accepts the new password, the API keeps handing out the old one.
+        let (code, lease) = api(
+            &host,
+            "POST",
+            "/v1/leases",
+            r#"{"selector":{"pool":"rotate"},"holder":"during","ttlSeconds":30}"#,
+        )
+        .await;
+        assert_eq!(code, StatusCode::CREATED, "{lease}");
+        let handed = lease["proxyUrl"].as_str().expect("url").to_owned();
+        let (id, token) = (
+            lease["leaseId"].as_str().expect("id").to_owned(),
+            lease["fencingToken"].clone(),
+        );
+        api(
+            &host,
+            "POST",
+            &format!("/v1/leases/{id}/release"),
+            &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
+        )
+        .await;
+        let password = if handed.contains("new-password-2") {
+            "new-password-2"
+        } else {
+            "old-password-1"
+        };
+        assert_eq!(
+            fetch_with_credentials(&proxy, &url, "crawler", password).await,
+            StatusCode::OK,
+            "the API handed out credentials Squid does not accept ({password})"
+        );
+        if password == "new-password-2" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new credentials never reached the API"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "credentials rotation: Secret change to new credentials accepted and handed out in {:.2} s",
+        rotated.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        fetch_with_credentials(&proxy, &url, "crawler", "old-password-1").await,
+        StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+        "the old password is refused"
+    );
+    assert_eq!(
+        squids(root),
+        squid_pids,
+        "the same Squid serves on: nothing was replaced"
+    );
+    // The lease held across the rotation is still valid.
+    let (code, renewed) = api(
+        &host,
+        "POST",
+        &format!("/v1/leases/{}/renew", held["leaseId"].as_str().expect("id")),
+        &format!(r#"{{"fencingToken":{}}}"#, held["fencingToken"]),
+    )
+    .await;
+    assert_eq!(
+        code,
+        StatusCode::OK,
+        "the lease held across the rotation was not revoked: {renewed}"
+    );
+    stop(operator);
+}

@@ -22,6 +22,7 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api, Client, ResourceExt,
+    core::PartialObjectMeta,
     runtime::{
         Controller, PredicateConfig, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
@@ -139,8 +140,31 @@ pub async fn run_controller(
             .concurrency(deps.concurrency)
             .debounce(deps.debounce),
     );
+    // Credentials Secrets carry no label: their *metadata* is watched (no content is cached), so
+    // a rotation reaches the running proxies at once instead of at the next resync.
+    let secret_metadata: Api<PartialObjectMeta<Secret>> = match &deps.namespace {
+        Some(ns) => Api::namespaced(deps.client.clone(), ns),
+        None => Api::all(deps.client.clone()),
+    };
+    let credential_events = watcher(secret_metadata, watcher::Config::default())
+        .default_backoff()
+        .touched_objects();
+    let referencing_credentials = proxy_store.clone();
     let referencing = proxy_store.clone();
     let controller = controller
+        .watches_stream(credential_events, move |secret: PartialObjectMeta<Secret>| {
+            let namespace = secret.namespace();
+            let name = secret.name_any();
+            referencing_credentials
+                .state()
+                .into_iter()
+                .filter(|p| {
+                    p.namespace() == namespace
+                        && p.spec.auth.as_ref().is_some_and(|a| a.secret_ref.name == name)
+                })
+                .map(|p| ObjectRef::from_obj(&*p))
+                .collect::<Vec<_>>()
+        })
         .watches_stream(secret_stream, move |secret: Secret| {
             let namespace = secret.namespace();
             let name = secret.name_any();
