@@ -153,33 +153,14 @@ pub async fn run_controller(
     let referencing = proxy_store.clone();
     let controller = controller
         .watches_stream(credential_events, move |secret: PartialObjectMeta<Secret>| {
-            let namespace = secret.namespace();
-            let name = secret.name_any();
-            referencing_credentials
-                .state()
-                .into_iter()
-                .filter(|p| {
-                    p.namespace() == namespace
-                        && p.spec.auth.as_ref().is_some_and(|a| a.secret_ref.name == name)
-                })
-                .map(|p| ObjectRef::from_obj(&*p))
-                .collect::<Vec<_>>()
+            referencing_secret(&referencing_credentials, &secret, |spec| {
+                spec.auth.as_ref().map(|a| a.secret_ref.name.as_str())
+            })
         })
         .watches_stream(secret_stream, move |secret: Secret| {
-            let namespace = secret.namespace();
-            let name = secret.name_any();
-            referencing
-                .state()
-                .into_iter()
-                .filter(|p| {
-                    p.namespace() == namespace
-                        && p.spec
-                            .cloud_init
-                            .as_ref()
-                            .is_some_and(|c| c.secret_ref.name == name)
-                })
-                .map(|p| ObjectRef::from_obj(&*p))
-                .collect::<Vec<_>>()
+            referencing_secret(&referencing, &secret, |spec| {
+                spec.cloud_init.as_ref().map(|c| c.secret_ref.name.as_str())
+            })
         })
         .reconcile_on(triggers.map(|key| ObjectRef::new(&key.name).within(&key.namespace)))
         .graceful_shutdown_on(shutdown);
@@ -248,6 +229,22 @@ where
             Err(_elapsed) => continue,
         }
     }
+}
+
+/// The Proxies in `secret`'s namespace whose `reference` names it.
+fn referencing_secret(
+    proxies: &reflector::Store<Proxy>,
+    secret: &impl kube::Resource,
+    reference: impl Fn(&crate::api::ProxySpec) -> Option<&str>,
+) -> Vec<ObjectRef<Proxy>> {
+    let namespace = secret.meta().namespace.clone();
+    let name = secret.meta().name.as_deref().unwrap_or_default();
+    proxies
+        .state()
+        .into_iter()
+        .filter(|p| p.namespace() == namespace && reference(&p.spec) == Some(name))
+        .map(|p| ObjectRef::from_obj(&*p))
+        .collect()
 }
 
 /// What makes a Proxy watch event worth a reconcile: a new generation (a spec edit), a change of
