@@ -728,3 +728,49 @@ async fn a_pool_wide_health_failure_replaces_none_while_the_brake_holds() {
     }
     operator.stop().await;
 }
+
+/// The providers config no longer names a Proxy's provider while its instance may still run:
+/// deleting the Proxy keeps the finalizer (nothing can confirm the instance is gone) and says
+/// why and what to do, instead of releasing the object and leaking the instance.
+#[tokio::test]
+async fn deleting_a_proxy_whose_provider_is_gone_keeps_the_finalizer_and_says_why() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world.create_proxy("orphaned", json!({"provider": "mem"})).await;
+    make_healthy(&world, &operator, "orphaned").await;
+    operator.stop().await;
+
+    // The operator restarts with a providers config that lacks `mem`.
+    let operator = world
+        .start_with(|setup| setup.deps.providers = ProviderRegistry::new())
+        .await;
+    world
+        .proxies()
+        .delete("orphaned", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let stuck = world
+        .wait_for("orphaned", "DeleteFailed", |p| {
+            p.and_then(|p| p.status.as_ref())
+                .is_some_and(|s| condition(s, "Ready").reason == "DeleteFailed")
+        })
+        .await
+        .expect("still there");
+    let message = &condition(stuck.status.as_ref().expect("status"), "Ready").message;
+    assert!(
+        message.contains("provider \"mem\" is not configured"),
+        "{message}"
+    );
+    assert!(
+        message.contains("remove the finalizer"),
+        "the escape hatch is named: {message}"
+    );
+    assert!(
+        stuck
+            .finalizers()
+            .iter()
+            .any(|f| f == "crawl.example.com/proxy-cleanup")
+    );
+    assert_eq!(world.provider.names().len(), 1, "the instance was not touched");
+    operator.stop().await;
+}

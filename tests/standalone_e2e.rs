@@ -57,8 +57,10 @@ async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, 
     )
 }
 
-/// GET `url` through the HTTP proxy at `proxy` (absolute-form request).
-async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
+/// GET `url` through the HTTP proxy at `proxy` (absolute-form request), with basic proxy
+/// credentials `(user, password)` if given.
+async fn fetch_through(proxy: &str, url: &str, credentials: Option<(&str, &str)>) -> (StatusCode, String) {
+    use base64::Engine as _;
     let stream = tokio::net::TcpStream::connect(proxy)
         .await
         .expect("connect to proxy");
@@ -66,10 +68,12 @@ async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
         .await
         .expect("handshake");
     tokio::spawn(conn);
-    let request = Request::get(url)
-        .header("host", "127.0.0.1")
-        .body(Full::new(Bytes::new()))
-        .expect("request");
+    let mut request = Request::get(url).header("host", "127.0.0.1");
+    if let Some((user, password)) = credentials {
+        let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        request = request.header("proxy-authorization", format!("Basic {basic}"));
+    }
+    let request = request.body(Full::new(Bytes::new())).expect("request");
     let response = sender
         .send_request(request)
         .await
@@ -77,6 +81,19 @@ async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
     let status = response.status();
     let body = response.into_body().collect().await.expect("body").to_bytes();
     (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Releases the lease of an acquire answer with outcome `ok`.
+async fn release(host: &Host, lease: &serde_json::Value) -> (StatusCode, serde_json::Value) {
+    let id = lease["leaseId"].as_str().expect("leaseId");
+    let token = &lease["fencingToken"];
+    api(
+        host,
+        "POST",
+        &format!("/v1/leases/{id}/release"),
+        &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -105,21 +122,13 @@ async fn standalone_end_to_end_with_real_squid() {
     assert_eq!(code, StatusCode::CREATED, "{lease}");
     let proxy_url = lease["proxyUrl"].as_str().expect("proxyUrl");
     let proxy = proxy_url.trim_start_matches("http://");
-    let (code, body) = fetch_through(proxy, &origin.http_url("/ip")).await;
+    let (code, body) = fetch_through(proxy, &origin.http_url("/ip"), None).await;
     assert_eq!(code, StatusCode::OK);
     assert!(
         body.contains("127.0.0.1"),
         "the origin saw the proxy's loopback address: {body}"
     );
-    let lease_id = lease["leaseId"].as_str().expect("leaseId");
-    let token = lease["fencingToken"].clone();
-    let (code, released) = api(
-        &host,
-        "POST",
-        &format!("/v1/leases/{lease_id}/release"),
-        &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
-    )
-    .await;
+    let (code, released) = release(&host, &lease).await;
     assert!(code.is_success(), "{code} {released}");
 
     // Removing a manifest takes its Squid away.
@@ -289,5 +298,134 @@ async fn after_a_restart_no_lease_is_handed_out_on_an_unverified_proxy() {
         ),
         None => eprintln!("standalone restart: b not leasable within 12 s (its Squid was dead)"),
     }
+    stop(operator);
+}
+
+/// Rotating a proxy's credentials Secret reaches the running Squid in place: the new password
+/// works, the old one gets 407, a lease held across the rotation is not revoked, and the API
+/// hands out the new password only once Squid accepts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotated_credentials_reach_the_running_squid_without_a_replacement() {
+    let origin = Origin::start().await;
+    let host = Host::new();
+    let root = host.dir.path();
+    let port = free_port();
+    let proxy = format!("127.0.0.1:{port}");
+    let yaml = standalone::manifest(
+        "c",
+        port,
+        &origin.http_url("/health"),
+        &[("pool", "rotate")],
+        &[("maxConcurrent", 4)],
+    );
+    std::fs::write(
+        root.join("manifests/c.yaml"),
+        standalone::with_auth(&yaml, "c-auth"),
+    )
+    .expect("manifest");
+    let secret = root.join("manifests/c-auth.yaml");
+    std::fs::write(
+        &secret,
+        standalone::credentials_secret("c-auth", "crawler", "old-password-1"),
+    )
+    .expect("secret");
+    let operator = start_operator(&host, "operator.log");
+    wait_status(&host, "c healthy", |t| healthy_rows(t) == 1);
+    let squid_pids = squids(root);
+
+    let (code, held) = api(
+        &host,
+        "POST",
+        "/v1/leases",
+        r#"{"selector":{"pool":"rotate"},"holder":"before","ttlSeconds":120}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::CREATED, "{held}");
+    assert!(held["proxyUrl"].as_str().expect("url").contains("old-password-1"));
+    let url = origin.http_url("/ip");
+    assert_eq!(
+        fetch_through(&proxy, &url, Some(("crawler", "old-password-1")))
+            .await
+            .0,
+        StatusCode::OK
+    );
+
+    let rotated = Instant::now();
+    std::fs::write(
+        &secret,
+        standalone::credentials_secret("c-auth", "crawler", "new-password-2"),
+    )
+    .expect("rotate");
+    let deadline = rotated + Duration::from_secs(20);
+    loop {
+        // Until Squid accepts the new password, the API keeps handing out the old one.
+        let (code, lease) = api(
+            &host,
+            "POST",
+            "/v1/leases",
+            r#"{"selector":{"pool":"rotate"},"holder":"during","ttlSeconds":30}"#,
+        )
+        .await;
+        assert_eq!(code, StatusCode::CREATED, "{lease}");
+        let handed = lease["proxyUrl"].as_str().expect("url").to_owned();
+        let (id, token) = (
+            lease["leaseId"].as_str().expect("id").to_owned(),
+            lease["fencingToken"].clone(),
+        );
+        api(
+            &host,
+            "POST",
+            &format!("/v1/leases/{id}/release"),
+            &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
+        )
+        .await;
+        let password = if handed.contains("new-password-2") {
+            "new-password-2"
+        } else {
+            "old-password-1"
+        };
+        assert_eq!(
+            fetch_through(&proxy, &url, Some(("crawler", password))).await.0,
+            StatusCode::OK,
+            "the API handed out credentials Squid does not accept ({password})"
+        );
+        if password == "new-password-2" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new credentials never reached the API"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "credentials rotation: Secret change to new credentials accepted and handed out in {:.2} s",
+        rotated.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        fetch_through(&proxy, &url, Some(("crawler", "old-password-1")))
+            .await
+            .0,
+        StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+        "the old password is refused"
+    );
+    assert_eq!(
+        squids(root),
+        squid_pids,
+        "the same Squid serves on: nothing was replaced"
+    );
+    // The lease held across the rotation is still valid.
+    let (code, renewed) = api(
+        &host,
+        "POST",
+        &format!("/v1/leases/{}/renew", held["leaseId"].as_str().expect("id")),
+        &format!(r#"{{"fencingToken":{}}}"#, held["fencingToken"]),
+    )
+    .await;
+    assert_eq!(
+        code,
+        StatusCode::OK,
+        "the lease held across the rotation was not revoked: {renewed}"
+    );
     stop(operator);
 }

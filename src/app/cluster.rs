@@ -72,6 +72,8 @@ pub struct ClusterOptions {
     pub gc_interval: Duration,
     /// The lifecycle's timers, retry backoff and pool budgets.
     pub reconciler: ReconcilerConfig,
+    /// How often the provider-health monitor probes each provider instance.
+    pub provider_probe_interval: Duration,
     /// Namespace of the leader Lease and the lease checkpoint (the operator's own).
     pub system_namespace: String,
     /// This replica's identity (the pod name).
@@ -307,7 +309,7 @@ pub async fn run_cluster(
     .on_change(Arc::new(move |provider: &str| {
         let _ = flipped_tx.send(provider.to_owned());
     }));
-    tokio::spawn(monitor.run(Duration::from_secs(30), stopped()));
+    tokio::spawn(monitor.run(options.provider_probe_interval, stopped()));
     if gc_enabled(options.namespace.as_deref(), options.gc_allow_namespaced) {
         let gc_config = GcConfig {
             grace: options.gc_grace,

@@ -72,6 +72,8 @@ pub struct StandaloneOptions {
     pub gc_grace: Duration,
     /// The lifecycle's timers, retry backoff and pool budgets.
     pub reconciler: ReconcilerConfig,
+    /// How often the provider-health monitor probes each provider instance.
+    pub provider_probe_interval: Duration,
     /// Print the live progress line to stderr (off with JSON logs: it is not JSON).
     pub terminal_progress: bool,
     /// Time between two orphan GC passes.
@@ -377,7 +379,7 @@ pub async fn run_standalone(
         // The runner may have stopped already; then nothing needs the news.
         let _ = flips_tx.send(provider.to_owned());
     }));
-    let monitor = tokio::spawn(monitor.run(Duration::from_secs(30), stopped()));
+    let monitor = tokio::spawn(monitor.run(options.provider_probe_interval, stopped()));
     let owners = StateOwners(options.state.clone());
     let gc_config = GcConfig {
         grace: options.gc_grace,

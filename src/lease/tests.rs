@@ -23,6 +23,7 @@ fn store(shards: usize) -> (LeaseStore, Clock) {
         ban_cooldown: Duration::from_secs(600),
         session_idle_ttl: Duration::from_secs(60),
         restore_grace: Duration::from_secs(60),
+        unconfirmed_grace: Duration::from_secs(30),
         clock: clock.clone(),
     });
     (store, clock)
@@ -994,4 +995,47 @@ fn acquire_agrees_with_a_plain_lru_model_under_random_operations() {
             }
         }
     }
+}
+
+/// A lease restored from a checkpoint may have been released just before a crash (the holder was
+/// told, and will never end it again): the lifecycle waits for it only a bounded grace, while a
+/// lease its holder confirms (renews) after the restore is waited for like any other.
+#[test]
+fn unconfirmed_restored_leases_hold_up_a_drain_only_for_the_grace() {
+    let (before, clock) = store(2);
+    add_open(&before, target("a", &[], 3, 0));
+    let all = sel(&before, "");
+    let forgotten = acquire(&before, &all).unwrap();
+    let renewed_later = acquire(&before, &all).unwrap();
+    let cp = before.checkpoint();
+    drop(before);
+
+    let after = store_with_clock(&clock);
+    after.restore(&cp);
+    add_open(&after, target("a", &[], 3, 0));
+    assert_eq!(
+        after.active_leases(&key("a")),
+        2,
+        "both still count against the limit"
+    );
+    assert_eq!(
+        after.leases_to_wait_for(&key("a")),
+        2,
+        "both are waited for at first"
+    );
+    after
+        .renew(&renewed_later.id, renewed_later.fencing_token, None)
+        .unwrap();
+    clock.advance(LeaseStoreConfig::default().unconfirmed_grace);
+    assert_eq!(
+        after.leases_to_wait_for(&key("a")),
+        1,
+        "after the grace only the confirmed lease holds a drain up, not {:?}",
+        forgotten.id
+    );
+    assert_eq!(
+        after.active_leases(&key("a")),
+        2,
+        "the unconfirmed one still counts until it expires"
+    );
 }

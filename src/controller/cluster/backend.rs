@@ -17,24 +17,12 @@ use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
     controller::status::FINALIZER,
     effects::{BackendError, ProxyBackend, SecretError},
-    machine::AuditEntry,
+    machine::{AuditEntry, reason},
     provider::{Credentials, UserData},
 };
 
 /// Default Secret key of cloud-init user-data.
 pub const DEFAULT_CLOUD_INIT_KEY: &str = "user-data";
-
-/// Reasons recorded as `Warning` Events; everything else is `Normal`.
-const WARNING_REASONS: [&str; 8] = [
-    "HealthCheckFailed",
-    "CreateFailed",
-    "CreateAttemptsExhausted",
-    "ProviderUnavailable",
-    "InvalidSpec",
-    "InstanceVanished",
-    "ProvisioningTimedOut",
-    "DegradedTooLong",
-];
 
 /// The cluster-mode backend.
 #[derive(Clone)]
@@ -188,7 +176,7 @@ impl ProxyBackend for KubeBackend {
     }
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
-        let type_ = if WARNING_REASONS.contains(&entry.reason.as_str()) {
+        let type_ = if reason::WARNINGS.contains(&entry.reason.as_str()) {
             EventType::Warning
         } else {
             EventType::Normal

@@ -22,6 +22,7 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api, Client, ResourceExt,
+    core::PartialObjectMeta,
     runtime::{
         Controller, PredicateConfig, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
@@ -146,23 +147,27 @@ pub async fn run_controller(
             .concurrency(deps.concurrency)
             .debounce(deps.debounce),
     );
+    // Credentials Secrets carry no label: their *metadata* is watched (no content is cached), so
+    // a rotation reaches the running proxies at once instead of at the next resync.
+    let secret_metadata: Api<PartialObjectMeta<Secret>> = match &deps.namespace {
+        Some(ns) => Api::namespaced(deps.client.clone(), ns),
+        None => Api::all(deps.client.clone()),
+    };
+    let credential_events = watcher(secret_metadata, watcher::Config::default())
+        .default_backoff()
+        .touched_objects();
+    let referencing_credentials = proxy_store.clone();
     let referencing = proxy_store.clone();
     let controller = controller
+        .watches_stream(credential_events, move |secret: PartialObjectMeta<Secret>| {
+            referencing_secret(&referencing_credentials, &secret, |spec| {
+                spec.auth.as_ref().map(|a| a.secret_ref.name.as_str())
+            })
+        })
         .watches_stream(secret_stream, move |secret: Secret| {
-            let namespace = secret.namespace();
-            let name = secret.name_any();
-            referencing
-                .state()
-                .into_iter()
-                .filter(|p| {
-                    p.namespace() == namespace
-                        && p.spec
-                            .cloud_init
-                            .as_ref()
-                            .is_some_and(|c| c.secret_ref.name == name)
-                })
-                .map(|p| ObjectRef::from_obj(&*p))
-                .collect::<Vec<_>>()
+            referencing_secret(&referencing, &secret, |spec| {
+                spec.cloud_init.as_ref().map(|c| c.secret_ref.name.as_str())
+            })
         })
         .reconcile_on(triggers.map(|key| ObjectRef::new(&key.name).within(&key.namespace)))
         .graceful_shutdown_on(shutdown);
@@ -231,6 +236,22 @@ where
             Err(_elapsed) => continue,
         }
     }
+}
+
+/// The Proxies in `secret`'s namespace whose `reference` names it.
+fn referencing_secret(
+    proxies: &reflector::Store<Proxy>,
+    secret: &impl kube::Resource,
+    reference: impl Fn(&crate::api::ProxySpec) -> Option<&str>,
+) -> Vec<ObjectRef<Proxy>> {
+    let namespace = secret.meta().namespace.clone();
+    let name = secret.meta().name.as_deref().unwrap_or_default();
+    proxies
+        .state()
+        .into_iter()
+        .filter(|p| p.namespace() == namespace && reference(&p.spec) == Some(name))
+        .map(|p| ObjectRef::from_obj(&*p))
+        .collect()
 }
 
 /// What makes a Proxy watch event worth a reconcile: a new generation (a spec edit), a change of

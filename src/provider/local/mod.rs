@@ -45,8 +45,8 @@ use self::{
     state::{InstanceDir, OWNER_RECORD_VERSION, OwnerRecord, ProcessRecord, TEMP_PREFIX, TRASH_PREFIX},
 };
 use super::{
-    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
-    ProviderId,
+    Credentials, CredentialsUpdate, Endpoint, Installation, Instance, InstanceRequest, InstanceState,
+    ProbeReport, Provider, ProviderError, ProviderId,
 };
 use crate::config::{LocalSettings, is_dns_label};
 
@@ -459,6 +459,57 @@ impl Provider for LocalProvider {
             })?;
         }
         inner.read_instance(name).await
+    }
+
+    /// Rewrites the password file in place: Squid's `basic_ncsa_auth` re-reads it when it
+    /// changes, so the new credentials work from the next request on, the old ones get 407, and
+    /// nothing is restarted. Adding or removing authentication changes `squid.conf`: only a new
+    /// instance can do that (`Unsupported`).
+    fn updates_credentials_in_place(&self) -> bool {
+        true
+    }
+
+    async fn update_credentials(
+        &self,
+        name: &str,
+        credentials: Option<&Credentials>,
+    ) -> Result<CredentialsUpdate, ProviderError> {
+        let inner = &self.inner;
+        if !is_dns_label(name) {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        }
+        let _guard = inner.locks.lock(name).await;
+        let dir = inner.dir(name);
+        if !dir.is_ours() || inner.is_foreign(&dir) {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        }
+        let record: OwnerRecord = state::read_json(&dir.owner_file()).map_err(|err| match err.kind() {
+            io::ErrorKind::NotFound => ProviderError::NotFound(name.to_owned()),
+            _ => ProviderError::Backend(format!("cannot read the owner record of {name}: {err}")),
+        })?;
+        let Some(credentials) = credentials else {
+            return Ok(if record.authenticated {
+                CredentialsUpdate::Unsupported
+            } else {
+                CredentialsUpdate::Applied
+            });
+        };
+        if !record.authenticated {
+            return Ok(CredentialsUpdate::Unsupported);
+        }
+        let line = squid_config::password_line(credentials)
+            .map_err(|err| ProviderError::Rejected(err.to_string()))?;
+        let passwords = dir.passwords_file();
+        state::write_atomic(&passwords, line.as_bytes(), 0o640).map_err(|err| {
+            ProviderError::Backend(format!("cannot write the password file of {name}: {err}"))
+        })?;
+        if let Some(user) = &inner.squid_user {
+            std::os::unix::fs::chown(&passwords, None, Some(user.gid)).map_err(|err| {
+                ProviderError::Backend(format!("cannot hand the password file of {name} to Squid: {err}"))
+            })?;
+        }
+        tracing::info!(instance = %inner.instance, name, "proxy credentials updated in place");
+        Ok(CredentialsUpdate::Applied)
     }
 
     async fn probe(&self) -> Result<ProbeReport, ProviderError> {
