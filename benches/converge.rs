@@ -382,6 +382,7 @@ async fn run_case(n: usize, steady: Duration) -> Figures {
         debounce: Duration::from_millis(1),
         identity: "bench".into(),
         metrics: Arc::new(Metrics::register(&mut registry)),
+        status_feed: None,
     };
     let triggers = futures::stream::unfold(
         trigger_rx,

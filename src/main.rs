@@ -51,6 +51,10 @@ struct LifecycleArgs {
     /// proxies is degraded.
     #[arg(long, value_name = "PERCENT", default_value_t = 40, value_parser = clap::value_parser!(u32).range(0..=100))]
     max_unhealthy: u32,
+    /// Seconds between two probes of each provider instance by the provider-health monitor
+    /// (`ProviderHealth`, and holding Proxies back while a provider is down).
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    provider_probe_interval: u64,
 }
 
 impl LifecycleArgs {
@@ -376,6 +380,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
                 reconciler: lifecycle.config()?,
+                provider_probe_interval: std::time::Duration::from_secs(lifecycle.provider_probe_interval),
                 terminal_progress: !json_logs,
                 gc_interval: std::time::Duration::from_secs(60),
             };
@@ -414,6 +419,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 gc_grace: std::time::Duration::from_secs(gc_grace_seconds),
                 gc_interval: std::time::Duration::from_secs(gc_interval_seconds.max(1)),
                 reconciler: lifecycle.config()?,
+                provider_probe_interval: std::time::Duration::from_secs(lifecycle.provider_probe_interval),
                 system_namespace,
                 identity,
                 installation_name,

@@ -22,7 +22,7 @@ async fn probes_follow_readiness_and_metrics_are_exposed() {
     let metrics = Metrics::register(&mut registry);
     metrics.observe_reconcile(std::time::Duration::from_millis(3), None);
     metrics.observe_reconcile(std::time::Duration::from_millis(3), Some("Conflict"));
-    metrics.observe_transition("pending", "provisioning");
+    metrics.observe_transition("pending", "provisioning", "ProvisioningStarted");
     let (ready_tx, ready_rx) = watch::channel(Readiness::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -58,7 +58,9 @@ async fn probes_follow_readiness_and_metrics_are_exposed() {
         "{body}"
     );
     assert!(
-        body.contains(r#"epo_transitions_total{from="pending",to="provisioning"} 1"#),
+        body.contains(
+            r#"epo_transitions_total{from="pending",to="provisioning",reason="ProvisioningStarted"} 1"#
+        ),
         "{body}"
     );
     assert!(body.contains("epo_reconcile_duration_seconds_bucket"), "{body}");

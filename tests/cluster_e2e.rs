@@ -149,7 +149,7 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
     let (code, metrics) = send(admin_port, "GET", "/metrics", None, "").await;
     assert_eq!(code, StatusCode::OK);
     assert!(
-        metrics.contains(r#"epo_transitions_total{from="provisioning",to="healthy"} 1"#),
+        metrics.contains(r#"epo_transitions_total{from="provisioning",to="healthy",reason="Healthy"} 1"#),
         "{metrics}"
     );
 

@@ -599,3 +599,231 @@ async fn a_repeated_event_joins_the_first_ones_series() {
     assert!(failed[0]["series"]["lastObservedTime"].is_string(), "{failed:#?}");
     operator.stop().await;
 }
+
+/// The defaults scaled down 100x (10 s doubling to 5 min becomes 100 ms doubling to 3 s), so a
+/// 6 s window stands for the first 10 minutes.
+fn scaled_backoff() -> egress_proxies_operator::machine::Backoff {
+    egress_proxies_operator::machine::Backoff {
+        initial: Duration::from_millis(100),
+        cap: Duration::from_secs(3),
+        jitter: 0.1,
+    }
+}
+
+#[tokio::test]
+async fn a_provider_that_fails_every_create_is_asked_with_backoff() {
+    let world = World::new().await;
+    world.provider.fail_next_creates(1_000_000);
+    let operator = world
+        .start_with(|setup| {
+            setup.deps.reconciler.backoff = scaled_backoff();
+            setup.deps.reconciler.timers.poll = Duration::from_millis(20);
+        })
+        .await;
+    world.create_proxy("flaky", json!({"provider": "mem"})).await;
+    let window = Duration::from_secs(6);
+    let started = tokio::time::Instant::now();
+    let mut seen_backoff = false;
+    while started.elapsed() < window {
+        // The status carries the count and the next attempt time, so neither a restart nor
+        // a status-triggered reconcile could shorten the wait.
+        if let Some(status) = world.proxies().get("flaky").await.expect("readable").status {
+            seen_backoff |= status.retry_attempts.unwrap_or(0) >= 2 && status.next_attempt_time.is_some();
+            if status.phase.as_deref() == Some("pending") && status.retry_attempts.is_some() {
+                let ready = condition(&status, "Ready");
+                assert_eq!(ready.reason, "CreateFailed");
+                assert!(
+                    ready.message.contains("scripted create failure"),
+                    "the cause is kept: {ready:?}"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let calls = world.provider.create_calls();
+    // 0, 0.1, 0.3, 0.7, 1.5, 3.1, 6.1 s: six calls in the window (jitter only shortens delays).
+    assert!(
+        (4..=8).contains(&calls),
+        "{calls} create calls in the scaled first 10 minutes"
+    );
+    assert!(seen_backoff, "retryAttempts and nextAttemptTime were reported");
+    operator.stop().await;
+}
+
+/// Twenty Proxies share one cloud-init Secret; rotating it replaces them a quarter at a time.
+#[tokio::test]
+async fn a_shared_secret_rotation_replaces_at_most_a_quarter_at_once() {
+    let world = World::new().await;
+    labelled_secret(&world, "shared-init", "#cloud-config\npackages: [squid]\n").await;
+    let operator = world
+        .start_with(|setup| setup.deps.reconciler.timers.poll = Duration::from_millis(100))
+        .await;
+    let names: Vec<String> = (0..20).map(|i| format!("pool-{i:02}")).collect();
+    for name in &names {
+        world
+            .create_proxy(
+                name,
+                json!({"provider": "mem", "cloudInit": {"secretRef": {"name": "shared-init"}}}),
+            )
+            .await;
+    }
+    drive_to_healthy(&world, &operator, &names, None).await;
+    let created_before = world.provider.created_count();
+
+    Api::<Secret>::namespaced(world.client.clone(), NS)
+        .patch(
+            "shared-init",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"stringData": {"user-data": "#cloud-config\npackages: [squid, curl]\n"}})),
+        )
+        .await
+        .expect("rotated");
+    let max_unavailable = drive_to_healthy(&world, &operator, &names, Some(created_before + 20)).await;
+    assert!(
+        max_unavailable <= 5,
+        "{max_unavailable} of 20 were unavailable at once (budget 25 % = 5)"
+    );
+    assert!(max_unavailable >= 1, "the rotation replaced something");
+    assert_eq!(
+        world.provider.created_count(),
+        created_before + 20,
+        "every proxy was replaced once"
+    );
+    operator.stop().await;
+}
+
+/// Passes health for every proxy that is provisioning, until all are Healthy (and, with
+/// `creates`, the provider made that many instances in all); returns the most proxies seen
+/// unavailable (pending, provisioning or replacing) at once.
+async fn drive_to_healthy(
+    world: &World,
+    operator: &RunningController,
+    names: &[String],
+    creates: Option<usize>,
+) -> usize {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut max_unavailable = 0;
+    loop {
+        let proxies = world.proxies().list(&Default::default()).await.expect("list");
+        let phases: Vec<(String, String)> = proxies
+            .items
+            .iter()
+            .filter(|p| names.contains(&p.name_any()))
+            .map(|p| (p.name_any(), phase_of(Some(p)).unwrap_or("pending").to_owned()))
+            .collect();
+        let unavailable = phases
+            .iter()
+            .filter(|(_, phase)| matches!(phase.as_str(), "pending" | "provisioning" | "replacing"))
+            .count();
+        max_unavailable = max_unavailable.max(unavailable);
+        for (name, phase) in &phases {
+            if phase == "provisioning" {
+                world.health.set(&key(NS, name), passing());
+                operator.trigger(key(NS, name)).await;
+            }
+        }
+        let all_healthy = phases.len() == names.len() && phases.iter().all(|(_, p)| p == "healthy");
+        if all_healthy && creates.is_none_or(|n| world.provider.created_count() >= n) {
+            return max_unavailable;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not all healthy: {phases:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// All twenty fail their health checks at once (a shared health URL is down): the brake holds,
+/// none is replaced, and each says why.
+#[tokio::test]
+async fn a_pool_wide_health_failure_replaces_none_while_the_brake_holds() {
+    let world = World::new().await;
+    let operator = world
+        .start_with(|setup| setup.deps.reconciler.timers.degraded_timeout = Duration::from_secs(1))
+        .await;
+    let names: Vec<String> = (0..20).map(|i| format!("brake-{i:02}")).collect();
+    for name in &names {
+        world.create_proxy(name, json!({"provider": "mem"})).await;
+    }
+    drive_to_healthy(&world, &operator, &names, None).await;
+    for name in &names {
+        world.health.set(&key(NS, name), HealthVerdict::Failing);
+        operator.trigger(key(NS, name)).await;
+    }
+    for name in &names {
+        world.wait_phase(name, "degraded").await;
+    }
+    // Several degraded timeouts pass; every proxy reports the paused remediation.
+    for name in &names {
+        world
+            .wait_for(name, "RemediationPaused", |p| {
+                p.and_then(|p| p.status.as_ref()).is_some_and(|s| {
+                    s.conditions
+                        .iter()
+                        .any(|c| c.type_ == "RemediationPaused" && c.status == "True")
+                })
+            })
+            .await;
+    }
+    // Two more degraded timeouts: the brake is re-checked and still holds.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        world.provider.deleted_count(),
+        0,
+        "no instance was replaced while the brake held"
+    );
+    for name in &names {
+        assert_eq!(
+            phase_of(world.proxies().get_opt(name).await.expect("read").as_ref()),
+            Some("degraded")
+        );
+    }
+    operator.stop().await;
+}
+
+/// The providers config no longer names a Proxy's provider while its instance may still run:
+/// deleting the Proxy keeps the finalizer (nothing can confirm the instance is gone) and says
+/// why and what to do, instead of releasing the object and leaking the instance.
+#[tokio::test]
+async fn deleting_a_proxy_whose_provider_is_gone_keeps_the_finalizer_and_says_why() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world.create_proxy("orphaned", json!({"provider": "mem"})).await;
+    make_healthy(&world, &operator, "orphaned").await;
+    operator.stop().await;
+
+    // The operator restarts with a providers config that lacks `mem`.
+    let operator = world
+        .start_with(|setup| setup.deps.providers = ProviderRegistry::new())
+        .await;
+    world
+        .proxies()
+        .delete("orphaned", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let stuck = world
+        .wait_for("orphaned", "DeleteFailed", |p| {
+            p.and_then(|p| p.status.as_ref())
+                .is_some_and(|s| condition(s, "Ready").reason == "DeleteFailed")
+        })
+        .await
+        .expect("still there");
+    let message = &condition(stuck.status.as_ref().expect("status"), "Ready").message;
+    assert!(
+        message.contains("provider \"mem\" is not configured"),
+        "{message}"
+    );
+    assert!(
+        message.contains("remove the finalizer"),
+        "the escape hatch is named: {message}"
+    );
+    assert!(
+        stuck
+            .finalizers()
+            .iter()
+            .any(|f| f == "crawl.example.com/proxy-cleanup")
+    );
+    assert_eq!(world.provider.names().len(), 1, "the instance was not touched");
+    operator.stop().await;
+}

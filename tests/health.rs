@@ -241,3 +241,19 @@ async fn credentials_go_in_proxy_authorization_and_never_in_errors() {
     let text = format!("{e:?} {:?}", health.snapshot(&failing));
     assert!(!text.contains("hunter2") && !text.contains("crawler:"), "{text}");
 }
+
+/// A new proxy is probed at once, not at a random point of its first interval: time to Healthy
+/// must not depend on luck (with a one-hour interval, a random first probe would almost never
+/// come within the test's deadline).
+#[tokio::test]
+async fn a_new_target_is_probed_at_once() {
+    let origin = Origin::start().await;
+    let squid = Squid::start().await;
+    let (health, mut events) = engine(&origin);
+    let key = ProxyKey::new("crawl", "fresh");
+    let mut fresh = target(&key, &squid, origin.http_url("/ip"));
+    fresh.interval = Duration::from_secs(3600);
+    health.upsert(fresh);
+    let passed = next_event(&mut events).await;
+    assert_eq!((passed.key, passed.verdict), (key, Verdict::Passing));
+}

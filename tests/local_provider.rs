@@ -246,12 +246,13 @@ async fn bad_requests_are_clear_errors_that_leave_nothing() {
     for (check, adjust, expected) in cases {
         let mut request = request(check);
         adjust(&mut request);
+        // The Proxy's own request is at fault, not the provider's configuration.
         match provider.create(&request).await {
-            Err(ProviderError::Misconfigured(message)) => {
+            Err(ProviderError::Rejected(message)) => {
                 assert!(message.contains(expected), "{check}: {message}");
                 assert!(!message.contains("canary-secret"), "{check}: leaks the password");
             }
-            other => panic!("{check}: expected Misconfigured, got {other:?}"),
+            other => panic!("{check}: expected Rejected, got {other:?}"),
         }
     }
     assert_nothing_left(&backend);
@@ -264,11 +265,12 @@ async fn a_port_in_use_is_a_clear_error_and_leaves_nothing() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let mut request = request("port-in-use");
     request.port = taken.local_addr().expect("addr").port();
+    // This Proxy's port is taken: its problem (the engine's create_rejected), not the provider's.
     match provider.create(&request).await {
-        Err(ProviderError::Misconfigured(message)) => {
+        Err(ProviderError::Rejected(message)) => {
             assert!(message.contains("already in use"), "{message}");
         }
-        other => panic!("expected Misconfigured, got {other:?}"),
+        other => panic!("expected Rejected, got {other:?}"),
     }
     assert_nothing_left(&backend);
 }

@@ -145,7 +145,7 @@ fn a_bad_scenario_gets_a_clear_error() {
         ),
         (
             "name: x\nsteps:\n  - {at: 0, fail: {add_finalizer: {times: 1, kind: transient}}}\n",
-            "only create_instance and delete_instance",
+            "only create_instance, delete_instance and update_credentials",
         ),
         (
             "name: x\nsteps:\n  - {at: 0, world: {health: green}}\n",

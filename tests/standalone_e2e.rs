@@ -6,7 +6,6 @@
 mod support;
 
 use std::{
-    path::Path,
     process::Command,
     time::{Duration, Instant},
 };
@@ -15,112 +14,21 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
-use support::{Origin, free_port, process::GroupChild};
-
-const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
-
-/// The operator in standalone mode on `host`, logging to `log_name` in its folder. Squids it
-/// starts run in their own sessions and are stopped by [`Host`]'s Drop.
-fn start_operator(host: &Host, log_name: &str) -> GroupChild {
-    GroupChild::spawn(
-        Command::new(BIN)
-            .current_dir(host.dir.path())
-            .args(["standalone", "--manifests", "manifests"])
-            .args(["--providers-config", "providers.yaml", "--state", "state"])
-            .args(["--listen", &format!("127.0.0.1:{}", host.api_port)])
-            .env("RUST_LOG", "info"),
-        &host.dir.path().join(log_name),
-    )
-}
-
-/// SIGTERM, as systemd or Ctrl-C would; asserts a clean exit.
-fn stop(mut operator: GroupChild) {
-    let status = operator
-        .terminate(Duration::from_secs(20))
-        .unwrap_or_else(|| panic!("operator did not stop on SIGTERM:\n{}", operator.log()));
-    assert!(
-        status.success(),
-        "operator exited with {status}:\n{}",
-        operator.log()
-    );
-}
-
-/// The temp folder the user would run in; kills every Squid started from it on Drop.
-struct Host {
-    dir: tempfile::TempDir,
-    api_port: u16,
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        for pid in squids(self.dir.path()) {
-            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
-        }
-    }
-}
-
-/// Pids of Squids whose config lives under `dir`.
-fn squids(dir: &Path) -> Vec<u32> {
-    let needle = dir.display().to_string();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| {
-                    String::from_utf8_lossy(&c).contains("squid")
-                        && String::from_utf8_lossy(&c).contains(&needle)
-                })
-                .unwrap_or(false)
-        })
-        .collect()
-}
+use support::{
+    Origin, free_port,
+    standalone::{
+        self, BIN, Host, healthy_rows, metrics_when, squids, start_operator, status, stop, wait_status,
+    },
+};
 
 fn manifest(name: &str, port: u16, health_url: &str) -> String {
-    format!(
-        "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\nmetadata:\n  name: {name}\nspec:\n  provider: local\n  placement:\n    address: 127.0.0.1\n  port: {port}\n  attributes:\n    pool: e2e\n  lease:\n    maxConcurrent: 1\n  health:\n    url: {health_url}\n    intervalSeconds: 2\n    timeoutSeconds: 1\n    failureThreshold: 2\n"
+    standalone::manifest(
+        name,
+        port,
+        health_url,
+        &[("pool", "e2e")],
+        &[("maxConcurrent", 1)],
     )
-}
-
-fn status(host: &Host) -> String {
-    try_status(host).expect("status succeeds")
-}
-
-/// `status`, or `None` while the operator has not created its state folder yet.
-fn try_status(host: &Host) -> Option<String> {
-    let output = Command::new(BIN)
-        .current_dir(host.dir.path())
-        .args(["status", "--state", "state"])
-        .output()
-        .expect("status runs");
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8(output.stdout).expect("utf-8"))
-}
-
-fn wait_status(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let table = try_status(host).unwrap_or_default();
-        if done(&table) {
-            return table;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {what}; status:\n{table}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn healthy_rows(table: &str) -> usize {
-    table
-        .lines()
-        .filter(|l| l.split_whitespace().nth(2) == Some("healthy"))
-        .count()
 }
 
 async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, serde_json::Value) {
@@ -149,34 +57,10 @@ async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, 
     )
 }
 
-/// The discovery API's `/metrics` (no token needed) once `done` holds for it.
-async fn metrics_when(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let stream = tokio::net::TcpStream::connect(("127.0.0.1", host.api_port))
-            .await
-            .expect("connect");
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .expect("handshake");
-        tokio::spawn(conn);
-        let request = Request::get("/metrics")
-            .header("host", "127.0.0.1")
-            .body(Full::new(Bytes::new()))
-            .expect("request");
-        let response = sender.send_request(request).await.expect("response");
-        let body = response.into_body().collect().await.expect("body").to_bytes();
-        let text = String::from_utf8_lossy(&body).into_owned();
-        if done(&text) {
-            return text;
-        }
-        assert!(Instant::now() < deadline, "metrics never showed {what}:\n{text}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// GET `url` through the HTTP proxy at `proxy` (absolute-form request).
-async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
+/// GET `url` through the HTTP proxy at `proxy` (absolute-form request), with basic proxy
+/// credentials `(user, password)` if given.
+async fn fetch_through(proxy: &str, url: &str, credentials: Option<(&str, &str)>) -> (StatusCode, String) {
+    use base64::Engine as _;
     let stream = tokio::net::TcpStream::connect(proxy)
         .await
         .expect("connect to proxy");
@@ -184,10 +68,12 @@ async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
         .await
         .expect("handshake");
     tokio::spawn(conn);
-    let request = Request::get(url)
-        .header("host", "127.0.0.1")
-        .body(Full::new(Bytes::new()))
-        .expect("request");
+    let mut request = Request::get(url).header("host", "127.0.0.1");
+    if let Some((user, password)) = credentials {
+        let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        request = request.header("proxy-authorization", format!("Basic {basic}"));
+    }
+    let request = request.body(Full::new(Bytes::new())).expect("request");
     let response = sender
         .send_request(request)
         .await
@@ -197,20 +83,24 @@ async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
     (status, String::from_utf8_lossy(&body).into_owned())
 }
 
+/// Releases the lease of an acquire answer with outcome `ok`.
+async fn release(host: &Host, lease: &serde_json::Value) -> (StatusCode, serde_json::Value) {
+    let id = lease["leaseId"].as_str().expect("leaseId");
+    let token = &lease["fencingToken"];
+    api(
+        host,
+        "POST",
+        &format!("/v1/leases/{id}/release"),
+        &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_end_to_end_with_real_squid() {
     let origin = Origin::start().await;
-    let host = Host {
-        dir: tempfile::tempdir().expect("temp dir"),
-        api_port: free_port(),
-    };
+    let host = Host::new();
     let root = host.dir.path();
-    std::fs::create_dir_all(root.join("manifests")).expect("mkdir");
-    std::fs::write(
-        root.join("providers.yaml"),
-        "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: local\n",
-    )
-    .expect("providers");
     let health_url = origin.http_url("/health");
     let (port_a, port_b) = (free_port(), free_port());
     std::fs::write(root.join("manifests/a.yaml"), manifest("a", port_a, &health_url)).expect("a");
@@ -232,21 +122,13 @@ async fn standalone_end_to_end_with_real_squid() {
     assert_eq!(code, StatusCode::CREATED, "{lease}");
     let proxy_url = lease["proxyUrl"].as_str().expect("proxyUrl");
     let proxy = proxy_url.trim_start_matches("http://");
-    let (code, body) = fetch_through(proxy, &origin.http_url("/ip")).await;
+    let (code, body) = fetch_through(proxy, &origin.http_url("/ip"), None).await;
     assert_eq!(code, StatusCode::OK);
     assert!(
         body.contains("127.0.0.1"),
         "the origin saw the proxy's loopback address: {body}"
     );
-    let lease_id = lease["leaseId"].as_str().expect("leaseId");
-    let token = lease["fencingToken"].clone();
-    let (code, released) = api(
-        &host,
-        "POST",
-        &format!("/v1/leases/{lease_id}/release"),
-        &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
-    )
-    .await;
+    let (code, released) = release(&host, &lease).await;
     assert!(code.is_success(), "{code} {released}");
 
     // Removing a manifest takes its Squid away.
@@ -266,8 +148,8 @@ async fn standalone_end_to_end_with_real_squid() {
     })
     .await;
     for line in [
-        r#"epo_transitions_total{from="provisioning",to="healthy"} 2"#,
-        r#"epo_transitions_total{from="deleting",to="deleted"} 1"#,
+        r#"epo_transitions_total{from="provisioning",to="healthy",reason="Healthy"} 2"#,
+        r#"epo_transitions_total{from="deleting",to="deleted",reason="Deleted"} 1"#,
         r#"epo_provider_available{provider="local"} 1"#,
         r#"epo_discovery_leases_released_total{code="ok"} 1"#,
         "epo_discovery_leases_active 0",
@@ -318,5 +200,232 @@ async fn standalone_end_to_end_with_real_squid() {
     std::fs::remove_file(root.join("manifests/a.yaml")).expect("rm");
     wait_status(&host, "everything deleted", |t| t.lines().count() == 1);
     assert!(squids(root).is_empty());
+    stop(operator);
+}
+
+/// After a restart, a proxy is leasable only once this process has seen it pass a probe: a
+/// Squid that died while the operator was down is never handed out (before, the checkpointed
+/// "open" state leased it for the seconds until the first supervisor pass and probe). Prints the
+/// time from start to "all verified".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_no_lease_is_handed_out_on_an_unverified_proxy() {
+    let origin = Origin::start().await;
+    let host = Host::new();
+    let root = host.dir.path();
+    let health_url = origin.http_url("/health");
+    let ports = [free_port(), free_port()];
+    for (name, port) in ["a", "b"].iter().zip(ports) {
+        let yaml = standalone::manifest(
+            name,
+            port,
+            &health_url,
+            &[("pool", "verify"), ("name", name)],
+            &[("maxConcurrent", 4)],
+        );
+        std::fs::write(root.join(format!("manifests/{name}.yaml")), yaml).expect("manifest");
+    }
+    let operator = start_operator(&host, "operator-1.log");
+    wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
+    stop(operator);
+
+    // b's Squid dies while the operator is down.
+    let pids_before = squids(root);
+    let b_pid = pids_before
+        .iter()
+        .copied()
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("epo-default-b-"))
+        })
+        .expect("b's Squid");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(i32::try_from(b_pid).expect("pid")).expect("pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("kill b's Squid");
+
+    let started = Instant::now();
+    let operator = start_operator(&host, "operator-2.log");
+    // Hammer acquire for b from the first moment the API answers: every lease granted must
+    // point at a proxy that accepts connections.
+    let mut granted = 0;
+    let mut verified_after = None;
+    while started.elapsed() < Duration::from_secs(12) {
+        if std::net::TcpStream::connect(("127.0.0.1", host.api_port)).is_err() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
+        let (code, lease) = match tokio::time::timeout(
+            Duration::from_secs(1),
+            api(
+                &host,
+                "POST",
+                "/v1/leases",
+                r#"{"selector":{"name":"b"},"holder":"verify","ttlSeconds":30}"#,
+            ),
+        )
+        .await
+        {
+            Ok(answer) => answer,
+            Err(_) => continue,
+        };
+        if code == StatusCode::CREATED {
+            granted += 1;
+            verified_after.get_or_insert(started.elapsed());
+            let endpoint = lease["proxy"]["endpoint"].as_str().expect("endpoint").to_owned();
+            assert!(
+                std::net::TcpStream::connect(&endpoint).is_ok(),
+                "a lease on {endpoint} was handed out while nothing listens there: {lease}"
+            );
+            let (id, token) = (
+                lease["leaseId"].as_str().expect("id"),
+                lease["fencingToken"].clone(),
+            );
+            api(
+                &host,
+                "POST",
+                &format!("/v1/leases/{id}/release"),
+                &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
+            )
+            .await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    match verified_after {
+        Some(after) => eprintln!(
+            "standalone restart: b verified and leasable {:.1} s after start ({granted} leases)",
+            after.as_secs_f64()
+        ),
+        None => eprintln!("standalone restart: b not leasable within 12 s (its Squid was dead)"),
+    }
+    stop(operator);
+}
+
+/// Rotating a proxy's credentials Secret reaches the running Squid in place: the new password
+/// works, the old one gets 407, a lease held across the rotation is not revoked, and the API
+/// hands out the new password only once Squid accepts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotated_credentials_reach_the_running_squid_without_a_replacement() {
+    let origin = Origin::start().await;
+    let host = Host::new();
+    let root = host.dir.path();
+    let port = free_port();
+    let proxy = format!("127.0.0.1:{port}");
+    let yaml = standalone::manifest(
+        "c",
+        port,
+        &origin.http_url("/health"),
+        &[("pool", "rotate")],
+        &[("maxConcurrent", 4)],
+    );
+    std::fs::write(
+        root.join("manifests/c.yaml"),
+        standalone::with_auth(&yaml, "c-auth"),
+    )
+    .expect("manifest");
+    let secret = root.join("manifests/c-auth.yaml");
+    std::fs::write(
+        &secret,
+        standalone::credentials_secret("c-auth", "crawler", "old-password-1"),
+    )
+    .expect("secret");
+    let operator = start_operator(&host, "operator.log");
+    wait_status(&host, "c healthy", |t| healthy_rows(t) == 1);
+    let squid_pids = squids(root);
+
+    let (code, held) = api(
+        &host,
+        "POST",
+        "/v1/leases",
+        r#"{"selector":{"pool":"rotate"},"holder":"before","ttlSeconds":120}"#,
+    )
+    .await;
+    assert_eq!(code, StatusCode::CREATED, "{held}");
+    assert!(held["proxyUrl"].as_str().expect("url").contains("old-password-1"));
+    let url = origin.http_url("/ip");
+    assert_eq!(
+        fetch_through(&proxy, &url, Some(("crawler", "old-password-1")))
+            .await
+            .0,
+        StatusCode::OK
+    );
+
+    let rotated = Instant::now();
+    std::fs::write(
+        &secret,
+        standalone::credentials_secret("c-auth", "crawler", "new-password-2"),
+    )
+    .expect("rotate");
+    let deadline = rotated + Duration::from_secs(20);
+    loop {
+        // Until Squid accepts the new password, the API keeps handing out the old one.
+        let (code, lease) = api(
+            &host,
+            "POST",
+            "/v1/leases",
+            r#"{"selector":{"pool":"rotate"},"holder":"during","ttlSeconds":30}"#,
+        )
+        .await;
+        assert_eq!(code, StatusCode::CREATED, "{lease}");
+        let handed = lease["proxyUrl"].as_str().expect("url").to_owned();
+        let (id, token) = (
+            lease["leaseId"].as_str().expect("id").to_owned(),
+            lease["fencingToken"].clone(),
+        );
+        api(
+            &host,
+            "POST",
+            &format!("/v1/leases/{id}/release"),
+            &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
+        )
+        .await;
+        let password = if handed.contains("new-password-2") {
+            "new-password-2"
+        } else {
+            "old-password-1"
+        };
+        assert_eq!(
+            fetch_through(&proxy, &url, Some(("crawler", password))).await.0,
+            StatusCode::OK,
+            "the API handed out credentials Squid does not accept ({password})"
+        );
+        if password == "new-password-2" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new credentials never reached the API"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "credentials rotation: Secret change to new credentials accepted and handed out in {:.2} s",
+        rotated.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        fetch_through(&proxy, &url, Some(("crawler", "old-password-1")))
+            .await
+            .0,
+        StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+        "the old password is refused"
+    );
+    assert_eq!(
+        squids(root),
+        squid_pids,
+        "the same Squid serves on: nothing was replaced"
+    );
+    // The lease held across the rotation is still valid.
+    let (code, renewed) = api(
+        &host,
+        "POST",
+        &format!("/v1/leases/{}/renew", held["leaseId"].as_str().expect("id")),
+        &format!(r#"{{"fencingToken":{}}}"#, held["fencingToken"]),
+    )
+    .await;
+    assert_eq!(
+        code,
+        StatusCode::OK,
+        "the lease held across the rotation was not revoked: {renewed}"
+    );
     stop(operator);
 }

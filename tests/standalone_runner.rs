@@ -41,6 +41,10 @@ impl Host {
     }
 
     fn open(&self, manifests: &Path, state: &Path) -> Standalone {
+        self.open_with(manifests, state, ReconcilerConfig::default())
+    }
+
+    fn open_with(&self, manifests: &Path, state: &Path, reconciler: ReconcilerConfig) -> Standalone {
         let mut providers = ProviderRegistry::new();
         providers.insert(self.provider.clone());
         Standalone::open(
@@ -51,7 +55,7 @@ impl Host {
                 leases: self.leases.clone(),
                 health: self.health.clone(),
                 availability: self.availability.clone(),
-                reconciler: ReconcilerConfig::default(),
+                reconciler,
             },
         )
         .expect("opens")
@@ -297,4 +301,47 @@ async fn proxies_held_by_an_unavailable_provider_provision_as_soon_as_it_returns
     })
     .await;
     assert_eq!(host.provider.created_count(), 1);
+}
+
+/// Standalone mode backs off like cluster mode: a provider that fails every create is asked with
+/// the defaults scaled down 100x (10 s doubling to 5 min becomes 100 ms doubling to 3 s), so a
+/// 6 s window stands for the first 10 minutes; the runner steps whenever it says something is due.
+#[tokio::test]
+async fn a_provider_that_fails_every_create_is_asked_with_backoff() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    let host = Host::new();
+    host.provider.fail_next_creates(1_000_000);
+    let config = ReconcilerConfig {
+        backoff: egress_proxies_operator::machine::Backoff {
+            initial: std::time::Duration::from_millis(100),
+            cap: std::time::Duration::from_secs(3),
+            jitter: 0.1,
+        },
+        ..ReconcilerConfig::default()
+    };
+    let mut runner = host.open_with(&manifests, &state, config);
+    let window = tokio::time::Instant::now() + std::time::Duration::from_secs(6);
+    while tokio::time::Instant::now() < window {
+        let next = runner.step().await;
+        let wake = next.map_or(window, |at| at.min(window));
+        tokio::time::sleep_until(wake.max(tokio::time::Instant::now() + std::time::Duration::from_millis(5)))
+            .await;
+    }
+    let calls = host.provider.create_calls();
+    assert!(
+        (4..=8).contains(&calls),
+        "{calls} create calls in the scaled first 10 minutes"
+    );
+    let status = Store::read_only(&state)
+        .unwrap()
+        .get(&key("default", "a"))
+        .unwrap()
+        .unwrap()
+        .status
+        .unwrap();
+    assert!(status.retry_attempts.unwrap_or(0) >= 4, "{status:?}");
+    assert!(status.next_attempt_time.is_some(), "{status:?}");
 }

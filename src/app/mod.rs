@@ -29,9 +29,10 @@ use crate::{
     },
     monitor::{LogSink, Monitor},
     provider::{Installation, ProviderRegistry, RegistryError},
-    standalone::{Standalone, StandaloneDeps, StandaloneError},
+    standalone::{Standalone, StandaloneDeps, StandaloneError, ui::StoreSource},
     store::Store,
     telemetry::Metrics,
+    ui::StatusPage,
 };
 
 /// Why the operator could not start.
@@ -71,6 +72,8 @@ pub struct StandaloneOptions {
     pub gc_grace: Duration,
     /// The lifecycle's timers, retry backoff and pool budgets.
     pub reconciler: ReconcilerConfig,
+    /// How often the provider-health monitor probes each provider instance.
+    pub provider_probe_interval: Duration,
     /// Print the live progress line to stderr (off with JSON logs: it is not JSON).
     pub terminal_progress: bool,
     /// Time between two orphan GC passes.
@@ -293,12 +296,22 @@ pub async fn run_standalone(
     let state = DiscoveryState::new(
         store.clone(),
         signer,
-        auth,
+        auth.clone(),
         readiness,
         registry,
         discovery_metrics,
         DiscoveryConfig::default(),
     );
+    let status_page = Arc::new(StatusPage::new(
+        Arc::new(StoreSource::new(&options.state)),
+        store.clone(),
+        health_handle.clone(),
+        availability.clone(),
+        providers.iter().map(|(name, _)| name.to_owned()).collect(),
+        auth,
+    ));
+    let health_log = status_page.health_log();
+    state.set_status_page(status_page);
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
         .map_err(|e| AppError::Startup(format!("binding the discovery API on {}: {e}", options.listen)))?;
@@ -341,6 +354,7 @@ pub async fn run_standalone(
     let (trigger_tx, trigger_rx) = mpsc::channel(1024);
     let forward = tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
+            health_log.record(&event);
             if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
                 break;
             }
@@ -365,7 +379,7 @@ pub async fn run_standalone(
         // The runner may have stopped already; then nothing needs the news.
         let _ = flips_tx.send(provider.to_owned());
     }));
-    let monitor = tokio::spawn(monitor.run(Duration::from_secs(30), stopped()));
+    let monitor = tokio::spawn(monitor.run(options.provider_probe_interval, stopped()));
     let owners = StateOwners(options.state.clone());
     let gc_config = GcConfig {
         grace: options.gc_grace,

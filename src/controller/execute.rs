@@ -15,7 +15,9 @@ use crate::{
     api::Proxy,
     effects::{LeaseTarget, ProxyBackend, ProxyKey},
     machine::{AuditEntry, Event},
-    provider::{Endpoint, InstanceRequest, Owner, ProviderError, SharedProvider},
+    provider::{
+        Credentials, CredentialsUpdate, Endpoint, InstanceRequest, Owner, ProviderError, SharedProvider,
+    },
 };
 
 /// An event raised by an executor (or derived), with what caused it.
@@ -36,6 +38,17 @@ impl Occurrence {
     }
 }
 
+/// What the reconcile's own writes changed on the Proxy object.
+#[derive(Debug)]
+pub(crate) struct ObjectWrites {
+    /// The operator's finalizer is on the object.
+    pub finalizer: bool,
+    /// The object's resourceVersion after our last write, if it moved.
+    pub resource_version: Option<String>,
+    /// Writes made to the object (finalizer patches), for the write budget.
+    pub writes: usize,
+}
+
 /// The per-reconcile inputs of the executors.
 pub(crate) struct EffectContext<'a> {
     pub proxy: &'a Proxy,
@@ -54,22 +67,22 @@ impl<B: ProxyBackend> Reconciler<B> {
         effect: &Planned,
         cx: &EffectContext<'_>,
         record: &mut Record,
-        finalizer: &mut bool,
+        object: &mut ObjectWrites,
         entry: &AuditEntry,
     ) -> Result<Vec<Occurrence>, ReconcileError> {
         Ok(match effect {
             Planned::AddFinalizer => {
-                self.add_finalizer(cx, finalizer).await?;
+                self.add_finalizer(cx, object).await?;
                 Vec::new()
             }
             Planned::RemoveFinalizer => {
-                self.remove_finalizer(cx, finalizer).await?;
+                self.remove_finalizer(cx, object).await?;
                 Vec::new()
             }
             Planned::CreateInstance => self.create_instance(cx, record).await,
             Planned::DeleteInstance => self.delete_instance(cx, record).await,
             Planned::EnableLeases => {
-                if let Some(target) = lease_target(cx, record) {
+                if let Some(target) = lease_target(cx, record, self.running_credentials(cx)) {
                     self.leases.upsert(target);
                 }
                 self.leases.set_admission(cx.key, true);
@@ -127,17 +140,21 @@ impl<B: ProxyBackend> Reconciler<B> {
                 record.next_attempt = None;
                 Vec::new()
             }
+            Planned::UpdateCredentials => self.update_credentials(cx).await,
         })
     }
 
     async fn add_finalizer(
         &self,
         cx: &EffectContext<'_>,
-        finalizer: &mut bool,
+        object: &mut ObjectWrites,
     ) -> Result<(), ReconcileError> {
-        if !*finalizer {
-            self.backend.add_finalizer(cx.proxy).await?;
-            *finalizer = true;
+        if !object.finalizer {
+            if let Some(version) = self.backend.add_finalizer(cx.proxy).await? {
+                object.resource_version = Some(version);
+            }
+            object.finalizer = true;
+            object.writes += 1;
         }
         Ok(())
     }
@@ -145,13 +162,15 @@ impl<B: ProxyBackend> Reconciler<B> {
     async fn remove_finalizer(
         &self,
         cx: &EffectContext<'_>,
-        finalizer: &mut bool,
+        object: &mut ObjectWrites,
     ) -> Result<(), ReconcileError> {
         self.leases.remove(cx.key);
         self.health.remove(cx.key);
-        if *finalizer {
+        self.forget_credentials(cx.key);
+        if object.finalizer {
             self.backend.remove_finalizer(cx.proxy).await?;
-            *finalizer = false;
+            object.finalizer = false;
+            object.writes += 1;
         }
         Ok(())
     }
@@ -210,6 +229,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                 )]
             }
             Ok(instance) => {
+                self.set_running_credentials(cx.key, resolved.credentials.clone());
                 record.provider_id = Some(instance.id.to_string());
                 record.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
                 // What it was built from (an older encoding of the same spec stays as stamped).
@@ -230,6 +250,38 @@ impl<B: ProxyBackend> Reconciler<B> {
             Err(err @ (ProviderError::Backend(_) | ProviderError::NotFound(_))) => {
                 vec![Occurrence::new(Event::CreateFailed, err.to_string())]
             }
+        }
+    }
+
+    /// Gives the running instance the Secret's credentials; see [`Provider::update_credentials`].
+    async fn update_credentials(&self, cx: &EffectContext<'_>) -> Vec<Occurrence> {
+        let (Some(provider), Ok(resolved)) = (cx.provider, cx.resolved) else {
+            // Raised only with a valid spec (`spec_valid` is one of its facts).
+            return Vec::new();
+        };
+        let desired = resolved.credentials.clone();
+        let known = self.credentials_known(cx.key);
+        match provider.update_credentials(cx.instance, desired.as_ref()).await {
+            Ok(CredentialsUpdate::Applied) => {
+                self.set_running_credentials(cx.key, desired);
+                vec![Occurrence::new(
+                    Event::CredentialsUpdated,
+                    "the instance accepts the new credentials",
+                )]
+            }
+            // After a restart this process does not know what the instance runs: it keeps what
+            // it has (the old behaviour) rather than replace every such instance on every start.
+            Ok(CredentialsUpdate::Unsupported) if !known => {
+                self.set_running_credentials(cx.key, desired);
+                Vec::new()
+            }
+            // Only a new instance can carry them: `spec_changed` now holds, and the
+            // replacement goes through the pool's budget like a spec change.
+            Ok(CredentialsUpdate::Unsupported) => {
+                self.replace_for_credentials(cx.key, desired);
+                Vec::new()
+            }
+            Err(err) => vec![Occurrence::new(Event::CredentialsUpdateFailed, err.to_string())],
         }
     }
 
@@ -254,6 +306,7 @@ impl<B: ProxyBackend> Reconciler<B> {
         match provider.get(cx.instance).await {
             Err(ProviderError::NotFound(_)) => {
                 record.forget_instance();
+                self.forget_credentials(cx.key);
                 vec![Occurrence::new(
                     Event::InstanceMissing,
                     "deleted: the provider reports NotFound",
@@ -281,13 +334,17 @@ pub(crate) fn short(hash: &str) -> &str {
 }
 
 /// What the lease store needs for this proxy, once it has an endpoint.
-pub(crate) fn lease_target(cx: &EffectContext<'_>, record: &Record) -> Option<LeaseTarget> {
+pub(crate) fn lease_target(
+    cx: &EffectContext<'_>,
+    record: &Record,
+    credentials: Option<Credentials>,
+) -> Option<LeaseTarget> {
     Some(LeaseTarget {
         key: cx.key.clone(),
         endpoint: parse_endpoint(record.endpoint.as_deref()?)?,
         attributes: cx.proxy.spec.attributes.clone(),
         policy: cx.proxy.spec.lease.clone(),
-        credentials: cx.resolved.ok().and_then(|r| r.credentials.clone()),
+        credentials,
     })
 }
 

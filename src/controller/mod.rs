@@ -18,6 +18,7 @@
 //! [`cluster`].
 
 pub mod cluster;
+pub mod credentials;
 pub mod execute;
 pub mod observe;
 pub mod plan;

@@ -58,6 +58,9 @@ pub struct Observation {
     /// status's), compared under the encoding version it was written with, differs from the
     /// spec's ([`super::spec_hash::compare`]). An older encoding is never a change by itself.
     pub spec_changed: bool,
+    /// The Secret's proxy credentials differ from the ones this process gave the instance (or it
+    /// does not know them yet, after a restart).
+    pub credentials_changed: bool,
     /// Why the provider is unavailable, if it is.
     pub provider_down: Option<String>,
     /// The instance.
@@ -91,6 +94,7 @@ pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers:
         (Fact::SpecValid, o.desired_hash.is_ok()),
         (Fact::SpecInvalidReported, spec_invalid_reported),
         (Fact::SpecChanged, o.spec_changed),
+        (Fact::CredentialsChanged, o.credentials_changed),
         (Fact::ProviderDown, o.provider_down.is_some()),
         (
             Fact::ProviderDownReported,

@@ -63,6 +63,8 @@ pub enum Planned {
     },
     /// `clear_retry`.
     ClearRetry,
+    /// `update_credentials`.
+    UpdateCredentials,
     /// `remove_finalizer`.
     RemoveFinalizer,
 }
@@ -113,6 +115,7 @@ impl Planned {
             Planned::RecordEvent { .. } => EffectKind::RecordEvent,
             Planned::ScheduleRetry { .. } => EffectKind::ScheduleRetry,
             Planned::ClearRetry => EffectKind::ClearRetry,
+            Planned::UpdateCredentials => EffectKind::UpdateCredentials,
             Planned::RemoveFinalizer => EffectKind::RemoveFinalizer,
         }
     }
@@ -205,6 +208,7 @@ pub fn plan(decision: &Decision, cause: Option<&str>, input: PlanInput<'_>) -> P
                 }
             }
             EffectKind::ClearRetry => Planned::ClearRetry,
+            EffectKind::UpdateCredentials => Planned::UpdateCredentials,
             EffectKind::RemoveFinalizer => Planned::RemoveFinalizer,
         })
         .collect();

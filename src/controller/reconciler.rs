@@ -9,7 +9,8 @@ use tracing::{Instrument, debug, warn};
 
 use super::{
     ProviderAvailability,
-    execute::{EffectContext, Occurrence, lease_target, parse_endpoint, short},
+    credentials::CredentialsBook,
+    execute::{EffectContext, ObjectWrites, Occurrence, lease_target, parse_endpoint, short},
     observe::{InstanceObservation, Observation, SpecProblem, applied_hash, facts, needs_instance},
     plan::{Plan, PlanInput, next_wake, plan},
     pool::{Budgets, PoolFacts, Pools},
@@ -18,7 +19,10 @@ use super::{
 };
 use crate::{
     api::Proxy,
-    effects::{BackendError, HealthControl, HealthTarget, LeaseControl, ProxyBackend, ProxyKey, SecretError},
+    effects::{
+        BackendError, HealthControl, HealthTarget, HealthVerdict, LeaseControl, ProxyBackend, ProxyKey,
+        SecretError,
+    },
     machine::{AuditEntry, Backoff, Event, Fact, Outcome, Phase, Timers, decide, derive},
     provider::{
         Credentials, Owner, ProviderError, ProviderRegistry, SharedProvider, UserData, instance_name,
@@ -98,6 +102,7 @@ pub struct Reconciler<B> {
     pub(crate) health: Arc<dyn HealthControl>,
     availability: ProviderAvailability,
     pools: Arc<Pools>,
+    credentials: CredentialsBook,
     config: ReconcilerConfig,
     clock: Arc<dyn Fn() -> Timestamp + Send + Sync>,
 }
@@ -126,6 +131,7 @@ impl<B: ProxyBackend> Reconciler<B> {
             health,
             availability,
             pools: Arc::default(),
+            credentials: CredentialsBook::default(),
             config,
             clock: Arc::new(Timestamp::now),
         }
@@ -204,8 +210,11 @@ impl<B: ProxyBackend> Reconciler<B> {
         let previous = proxy.status.clone().unwrap_or_default();
         let mut record =
             Record::from_status(proxy.status.as_ref(), now).map_err(ReconcileError::UnreadableStatus)?;
-        let mut finalizer = proxy.finalizers().iter().any(|f| f == FINALIZER);
-        let started_with_finalizer = finalizer;
+        let mut object = ObjectWrites {
+            finalizer: proxy.finalizers().iter().any(|f| f == FINALIZER),
+            resource_version: None,
+            writes: 0,
+        };
 
         // --- observe, once per reconcile: what the spec resolves to ------------------------------
         let provider_name = proxy.spec.provider.as_str();
@@ -249,7 +258,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                     &context,
                     &resolved,
                     spec_edited,
-                    finalizer,
+                    object.finalizer,
                     now,
                 )
                 .await;
@@ -296,7 +305,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                 }
                 for effect in &planned.effects {
                     let raised = self
-                        .execute(effect, &context, &mut record, &mut finalizer, &entry)
+                        .execute(effect, &context, &mut record, &mut object, &entry)
                         .await?;
                     queue.extend(raised);
                 }
@@ -316,13 +325,20 @@ impl<B: ProxyBackend> Reconciler<B> {
         self.sync_targets(&record, &context);
 
         // --- status: only if it changed ------------------------------------------------------
-        let mut proxy_writes = usize::from(finalizer != started_with_finalizer);
-        if phase == Phase::Deleted {
-            proxy_writes = usize::from(started_with_finalizer);
-        } else {
+        let mut proxy_writes = object.writes;
+        if phase != Phase::Deleted {
             let status = record.to_status(&previous, proxy.metadata.generation, now);
             if Some(&status) != proxy.status.as_ref() {
-                self.backend.write_status(proxy, &status).await?;
+                match object.resource_version {
+                    // Our own finalizer write moved the version: write on top of it, not into
+                    // a conflict with ourselves.
+                    Some(version) => {
+                        let mut current = proxy.clone();
+                        current.metadata.resource_version = Some(version);
+                        self.backend.write_status(&current, &status).await?;
+                    }
+                    None => self.backend.write_status(proxy, &status).await?,
+                }
                 proxy_writes += 1;
             }
         }
@@ -364,6 +380,15 @@ impl<B: ProxyBackend> Reconciler<B> {
             }
             _ => InstanceObservation::NotChecked,
         };
+        // Compared only against a spec that resolves: an unreadable Secret says nothing about
+        // which credentials are wanted.
+        let in_place = cx.provider.is_some_and(|p| p.updates_credentials_in_place());
+        let (credentials_changed, credentials_need_replacement) = match resolved {
+            Ok(resolved) => self
+                .credentials
+                .compare(key, resolved.credentials.as_ref(), in_place),
+            Err(_) => (false, false),
+        };
         let spec_changed = match (resolved, applied_hash(&instance, record)) {
             (Ok(resolved), Some(applied)) => {
                 let user_data = resolved.user_data.as_ref().map(|d| d.0.as_str());
@@ -385,7 +410,9 @@ impl<B: ProxyBackend> Reconciler<B> {
             finalizer_present: finalizer,
             spec_edited,
             desired_hash: resolved.as_ref().map(|r| r.hash.clone()).map_err(Clone::clone),
-            spec_changed,
+            // An instance that cannot take new credentials in place is replaced like a changed spec.
+            spec_changed: spec_changed || (credentials_need_replacement && resolved.is_ok()),
+            credentials_changed,
             provider_down,
             instance,
             health: self.health.verdict(key),
@@ -452,7 +479,13 @@ impl<B: ProxyBackend> Reconciler<B> {
                     _ => None,
                 }
                 .or_else(|| record.spec_hash.clone())?;
-                Some(format!("spec hash {} -> {}", short(&applied), short(desired)))
+                Some(if short(&applied) == short(desired) {
+                    "the proxy credentials changed and the provider cannot change a running \
+                     instance's: replacing it"
+                        .to_owned()
+                } else {
+                    format!("spec hash {} -> {}", short(&applied), short(desired))
+                })
             }
             _ => None,
         }
@@ -498,6 +531,28 @@ impl<B: ProxyBackend> Reconciler<B> {
         }))
     }
 
+    /// What leases and probes of the Proxy use: the credentials its instance accepts.
+    pub(crate) fn running_credentials(&self, cx: &EffectContext<'_>) -> Option<Credentials> {
+        let desired = cx.resolved.ok().and_then(|r| r.credentials.as_ref());
+        self.credentials.running_or(cx.key, desired)
+    }
+
+    pub(crate) fn set_running_credentials(&self, key: &ProxyKey, credentials: Option<Credentials>) {
+        self.credentials.set_running(key, credentials);
+    }
+
+    pub(crate) fn replace_for_credentials(&self, key: &ProxyKey, credentials: Option<Credentials>) {
+        self.credentials.replace_for(key, credentials);
+    }
+
+    pub(crate) fn forget_credentials(&self, key: &ProxyKey) {
+        self.credentials.forget(key);
+    }
+
+    pub(crate) fn credentials_known(&self, key: &ProxyKey) -> bool {
+        self.credentials.known(key)
+    }
+
     /// Health probing and lease registration are in-memory: after a restart (or a spec edit of
     /// attributes, limits or health settings) they are brought in line with the persisted state
     /// here. This is upkeep of the executors' own state, not a transition: it never changes the
@@ -508,16 +563,22 @@ impl<B: ProxyBackend> Reconciler<B> {
         let endpoint = record.endpoint.as_deref().and_then(parse_endpoint);
         match (live, endpoint) {
             (true, Some(endpoint)) => {
+                // Probes and leases use what the instance accepts, not what the Secret says.
+                let credentials = self.running_credentials(cx);
                 self.health.upsert(HealthTarget {
                     key: cx.key.clone(),
                     endpoint,
                     check: cx.proxy.spec.health.clone(),
-                    credentials: cx.resolved.ok().and_then(|r| r.credentials.clone()),
+                    credentials: credentials.clone(),
                 });
-                if let Some(target) = lease_target(cx, record) {
+                if let Some(target) = lease_target(cx, record, credentials) {
                     self.leases.upsert(target);
                 }
-                self.leases.set_admission(cx.key, phase == Phase::Healthy);
+                // Leasable only once *this process* has seen the proxy pass a probe: after a
+                // restart the persisted `healthy` may describe an instance that died meanwhile.
+                let verified = matches!(self.health.verdict(cx.key), HealthVerdict::Passing { .. });
+                self.leases
+                    .set_admission(cx.key, phase == Phase::Healthy && verified);
             }
             _ if phase == Phase::Pending => {
                 self.health.remove(cx.key);

@@ -50,8 +50,8 @@ use crate::{
     },
     machine::{AuditEntry, Phase, audit},
     provider::{
-        Credentials, Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider,
-        ProviderError, ProviderId, ProviderRegistry, UserData,
+        Credentials, CredentialsUpdate, Endpoint, Installation, Instance, InstanceRequest, InstanceState,
+        ProbeReport, Provider, ProviderError, ProviderId, ProviderRegistry, UserData,
     },
 };
 
@@ -159,6 +159,10 @@ pub struct SimConfig {
     /// step says `instance: vanished`.
     #[serde(default)]
     pub slow_delete: bool,
+    /// The provider updates a running instance's credentials in place (like `local`); without
+    /// it only a new instance carries new ones (like the VM providers).
+    #[serde(default)]
+    pub credentials_in_place: bool,
 }
 
 /// The start of a scenario.
@@ -206,6 +210,8 @@ pub struct WorldChange {
     /// The Proxy is deleted.
     #[serde(default)]
     pub deleted: bool,
+    /// The proxy credentials Secret is rotated (the label stands for the new password).
+    pub credentials: Option<String>,
     /// `running`, `starting` or `vanished` (deleted behind the operator's back).
     pub instance: Option<String>,
     /// Someone removed the finalizer.
@@ -297,9 +303,12 @@ impl Scenario {
             }
             previous = step.at;
             for (effect, failure) in &step.fail {
-                if !matches!(effect.as_str(), "create_instance" | "delete_instance") {
+                if !matches!(
+                    effect.as_str(),
+                    "create_instance" | "delete_instance" | "update_credentials"
+                ) {
                     return Err(invalid(format!(
-                        "step {n}: `fail` names `{effect}`; only create_instance and delete_instance can fail"
+                        "step {n}: `fail` names `{effect}`; only create_instance, delete_instance and update_credentials can fail"
                     )));
                 }
                 if !matches!(
@@ -384,6 +393,7 @@ impl Scenario {
         .with_clock(move || clock.now());
         world.lock().slow_boot = self.config.slow_boot;
         world.lock().slow_delete = self.config.slow_delete;
+        world.lock().credentials_in_place = self.config.credentials_in_place;
         let mut proxy = sim_proxy();
         if let Some(phase) = self.start.phase.as_deref().and_then(Phase::from_name) {
             let mut record = Record::new(EPOCH);
@@ -436,18 +446,20 @@ impl Scenario {
                     at: step.at,
                     message: err.to_string(),
                 })?;
+            let written = world.lock().written.take();
             if !step.crash
-                && let Some(status) = world.lock().written.take()
+                && let Some(status) = &written
             {
-                proxy.status = Some(status);
+                proxy.status = Some(status.clone());
             }
-            world.lock().written = None;
             sync_proxy(&world, &mut proxy);
             steps.push(ReplayedStep {
                 at: step.at,
                 changes,
                 crashed: step.crash,
                 audit: outcome.audit,
+                plans: outcome.plans,
+                written,
                 phase: outcome.phase.unwrap_or(Phase::INITIAL),
                 wake: outcome.requeue_after,
             });
@@ -481,6 +493,10 @@ pub struct ReplayedStep {
     pub crashed: bool,
     /// The transitions.
     pub audit: Vec<AuditEntry>,
+    /// The plan of each transition (its effects with their parameters).
+    pub plans: Vec<super::plan::Plan>,
+    /// The status the reconcile wrote (even if a crash lost it), if it wrote one.
+    pub written: Option<ProxyStatus>,
     /// The phase after the reconcile.
     pub phase: Phase,
     /// When the reconciler asked to look again.
@@ -543,6 +559,27 @@ impl Replay {
                 })
                 .collect();
             out.push_str(&audit::render_lines(&lines));
+            for retry in step
+                .plans
+                .iter()
+                .flat_map(|p| &p.effects)
+                .filter_map(|e| match e {
+                    super::plan::Planned::ScheduleRetry {
+                        attempts,
+                        next_attempt,
+                    } => Some((attempts, next_attempt)),
+                    _ => None,
+                })
+            {
+                out.push_str(&format!(
+                    "      retry: attempt {}, next at {}\n",
+                    retry.0,
+                    offset(*retry.1)
+                ));
+            }
+            if let Some(status) = &step.written {
+                out.push_str(&format!("      status written: {}\n", summary(status)));
+            }
             let wake = match step.wake {
                 Some(d) => format!(
                     "looks again in {}",
@@ -561,6 +598,38 @@ impl Replay {
         out.push_str(&format!("\nend: {}\n", self.end()));
         out
     }
+}
+
+/// A time as an offset from the scenario start.
+fn offset(at: Timestamp) -> String {
+    audit::format_offset(at.duration_since(EPOCH).as_secs())
+}
+
+/// The status fields a trail shows: phase, Ready, SpecValid, Provisioned, the retry state.
+fn summary(status: &ProxyStatus) -> String {
+    let condition = |type_: &str| status.conditions.iter().find(|c| c.type_ == type_);
+    let mut parts = vec![format!("phase={}", status.phase.as_deref().unwrap_or("-"))];
+    if let Some(ready) = condition(super::status::READY) {
+        parts.push(format!("Ready={}/{}", ready.status, ready.reason));
+    }
+    for type_ in [
+        super::status::PROVISIONED,
+        super::status::SPEC_VALID,
+        super::status::REMEDIATION_PAUSED,
+    ] {
+        if let Some(c) = condition(type_)
+            && (c.status != "True" || type_ == super::status::REMEDIATION_PAUSED)
+        {
+            parts.push(format!("{type_}={}", c.status));
+        }
+    }
+    if let Some(attempts) = status.retry_attempts {
+        parts.push(format!("retryAttempts={attempts}"));
+    }
+    if let Some(next) = &status.next_attempt_time {
+        parts.push(format!("nextAttemptTime={}", offset(next.0)));
+    }
+    parts.join(" ")
 }
 
 // ---- the scripted world ---------------------------------------------------------------------
@@ -583,6 +652,8 @@ struct WorldState {
     instance: Option<SimInstance>,
     slow_boot: bool,
     slow_delete: bool,
+    credentials_in_place: bool,
+    credentials: String,
     health: HealthVerdict,
     leases: u32,
     provider_down: bool,
@@ -602,6 +673,8 @@ impl Default for WorldState {
             instance: None,
             slow_boot: false,
             slow_delete: false,
+            credentials_in_place: false,
+            credentials: "v1".to_owned(),
             health: HealthVerdict::Unknown,
             leases: 0,
             provider_down: false,
@@ -675,6 +748,10 @@ impl World {
             w.deleted = true;
             changes.push("Proxy deleted".to_owned());
         }
+        if let Some(credentials) = &change.credentials {
+            w.credentials = credentials.clone();
+            changes.push(format!("credentials rotated to {credentials}"));
+        }
         match change.instance.as_deref() {
             Some("vanished") => {
                 w.instance = None;
@@ -718,10 +795,10 @@ impl World {
             ));
         }
         for (effect, failure) in &step.fail {
-            let effect: &'static str = if effect == "create_instance" {
-                "create_instance"
-            } else {
-                "delete_instance"
+            let effect: &'static str = match effect.as_str() {
+                "create_instance" => "create_instance",
+                "update_credentials" => "update_credentials",
+                _ => "delete_instance",
             };
             changes.push(format!("next {} {effect} fail ({})", failure.times, failure.kind));
             w.failures.insert(effect, failure.clone());
@@ -760,6 +837,7 @@ fn sim_proxy() -> Proxy {
     let spec: ProxySpec = serde_json::from_value(serde_json::json!({
         "provider": PROVIDER,
         "cloudInit": {"secretRef": {"name": "sim-cloud-init"}},
+        "auth": {"secretRef": {"name": "sim-auth"}},
     }))
     .unwrap_or_else(|err| unreachable!("a literal minimal spec parses: {err}"));
     Proxy {
@@ -786,11 +864,14 @@ impl ProxyBackend for SimBackend {
         }
     }
     async fn credentials(&self, _: &str, _: &str) -> Result<Credentials, SecretError> {
-        Err(SecretError::NotUsable("scenarios use no Secrets".to_owned()))
+        Ok(Credentials {
+            username: "crawler".to_owned(),
+            password: self.0.lock().credentials.clone(),
+        })
     }
-    async fn add_finalizer(&self, _: &Proxy) -> Result<(), BackendError> {
+    async fn add_finalizer(&self, _: &Proxy) -> Result<Option<String>, BackendError> {
         self.0.lock().finalizer = true;
-        Ok(())
+        Ok(None)
     }
     async fn remove_finalizer(&self, _: &Proxy) -> Result<(), BackendError> {
         self.0.lock().finalizer = false;
@@ -841,6 +922,23 @@ impl Provider for SimProvider {
     }
     async fn adopt(&self, name: &str) -> Result<Instance, ProviderError> {
         self.get(name).await
+    }
+    fn updates_credentials_in_place(&self) -> bool {
+        self.0.lock().credentials_in_place
+    }
+    async fn update_credentials(
+        &self,
+        _: &str,
+        _: Option<&Credentials>,
+    ) -> Result<CredentialsUpdate, ProviderError> {
+        if let Some(err) = self.0.fail("update_credentials") {
+            return Err(err);
+        }
+        Ok(if self.0.lock().credentials_in_place {
+            CredentialsUpdate::Applied
+        } else {
+            CredentialsUpdate::Unsupported
+        })
     }
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         self.0.lock().creates += 1;

@@ -64,8 +64,10 @@ pub trait ProxyBackend: Send + Sync {
     async fn cloud_init(&self, namespace: &str, secret: &SecretKeyRef) -> Result<UserData, SecretError>;
     /// The proxy credentials (keys `username`, `password`) of the named Secret.
     async fn credentials(&self, namespace: &str, secret_name: &str) -> Result<Credentials, SecretError>;
-    /// Adds the operator's finalizer (before any instance is created).
-    async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError>;
+    /// Adds the operator's finalizer (before any instance is created). Returns the object's new
+    /// resourceVersion where the backend versions objects, so a status write later in the same
+    /// reconcile does not conflict with this very write.
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<Option<String>, BackendError>;
     /// Removes the finalizer (after the instance is gone).
     async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError>;
     /// Replaces the status (called only when it changed).

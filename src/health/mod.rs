@@ -4,10 +4,12 @@
 //! It owns the probe schedule, the probes and the snapshots; it writes no status (the
 //! reconciler does, from [`HealthEvent`]s and snapshots).
 //!
-//! - **Schedule.** Each proxy is probed on its own interval, ±10 % jitter; a new proxy's first
-//!   probe comes at a random point of its first interval (so 10k proxies added at once do not
-//!   probe in one burst) unless [`HealthHandle::probe_now`] asks for it at once. One probe per
-//!   proxy is in flight at a time; at most [`HealthConfig::max_concurrent_probes`] in all. State
+//! - **Schedule.** Each proxy is probed on its own interval, ±10 % jitter. A new proxy is probed
+//!   at once: a running instance must not wait a random part of its first interval to become
+//!   Healthy (time to Healthy should not depend on luck); 10k proxies added at once are bounded
+//!   by [`HealthConfig::max_concurrent_probes`], and the jitter spreads their later probes. One
+//!   probe per proxy is in flight at a time; at most [`HealthConfig::max_concurrent_probes`] in
+//!   all. State
 //!   is one map entry and one heap entry per proxy: memory grows with proxies, not with time.
 //! - **Probe.** `http://` URLs are fetched with an absolute-form `GET` to the proxy; `https://`
 //!   ones through a `CONNECT` tunnel, then TLS (rustls, platform roots or
@@ -305,7 +307,6 @@ impl HealthHandle {
         let first = match table.entries.get_mut(&key) {
             None => {
                 let identity = table.next_generation();
-                let interval = target.interval;
                 table.entries.insert(
                     key.clone(),
                     Entry {
@@ -316,7 +317,8 @@ impl HealthHandle {
                         snapshot: HealthSnapshot::default(),
                     },
                 );
-                Some(interval.mul_f64(fastrand::f64()))
+                // Probed at once (see the module docs); the interval applies from then on.
+                Some(Duration::ZERO)
             }
             Some(entry) if entry.target.endpoint != target.endpoint || entry.target.url != target.url => {
                 entry.target = Arc::new(target);

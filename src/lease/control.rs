@@ -52,6 +52,7 @@ impl effects::LeaseControl for LeaseStore {
     }
 
     fn active(&self, key: &effects::ProxyKey) -> u32 {
-        count(self.active_leases(&key.into()))
+        // What the lifecycle's `leases_active` means: leases a drain must wait for.
+        count(self.leases_to_wait_for(&key.into()))
     }
 }

@@ -139,6 +139,9 @@ pub struct LeaseStoreConfig {
     pub session_idle_ttl: Duration,
     /// How long state restored from a checkpoint waits for its proxy to be configured again.
     pub restore_grace: Duration,
+    /// How long a drain or a deletion waits for a restored lease its holder has not confirmed
+    /// (renewed) since the restore: it may have been released just before a crash.
+    pub unconfirmed_grace: Duration,
     /// Time source.
     pub clock: Clock,
 }
@@ -150,6 +153,7 @@ impl Default for LeaseStoreConfig {
             ban_cooldown: Duration::from_secs(30 * 60),
             session_idle_ttl: Duration::from_secs(30 * 60),
             restore_grace: Duration::from_secs(10 * 60),
+            unconfirmed_grace: Duration::from_secs(30),
             clock: Clock::System,
         }
     }

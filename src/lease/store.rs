@@ -604,6 +604,8 @@ struct RestoreInfo {
     hwm: HashMap<u16, u64>,
     /// Sequence numbers at or below this were issued before this process started.
     seq_floor: u64,
+    /// Restored leases nobody confirmed stop holding up drains at this time (ms).
+    unconfirmed_until: u64,
 }
 
 struct Inner {
@@ -669,6 +671,7 @@ impl LeaseStore {
                 restore: RwLock::new(RestoreInfo {
                     hwm: HashMap::new(),
                     seq_floor: now * SEQ_PER_MS,
+                    unconfirmed_until: 0,
                 }),
                 config,
                 hasher: std::hash::RandomState::new(),
@@ -830,16 +833,35 @@ impl LeaseStore {
         }
     }
 
+    /// Leases a drain or a deletion of `key` waits for: every live lease, except a restored one
+    /// its holder has not confirmed once [`LeaseStoreConfig::unconfirmed_grace`] has passed since
+    /// the restore (it may have been released just before a crash; its holder would never end
+    /// it, and waiting its whole TTL would hold the lifecycle up).
+    pub fn leases_to_wait_for(&self, key: &ProxyKey) -> usize {
+        let unconfirmed_until = self
+            .inner
+            .restore
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .unconfirmed_until;
+        let now = self.now();
+        self.count_leases(key, now, |l| !l.restored || now < unconfirmed_until)
+    }
+
     /// Active (unexpired) leases on a proxy; 0 if unknown.
     pub fn active_leases(&self, key: &ProxyKey) -> usize {
-        let now = self.now();
+        self.count_leases(key, self.now(), |_| true)
+    }
+
+    /// Unexpired leases on `key` at `now` that `keep` accepts; 0 if unknown.
+    fn count_leases(&self, key: &ProxyKey, now: u64, keep: impl Fn(&LeaseRecord) -> bool) -> usize {
         let shard = self.shard_for(key);
         shard.by_key.get(key).map_or(0, |slot| {
             shard
                 .proxy(*slot)
                 .leases
                 .iter()
-                .filter(|l| l.expires_at > now)
+                .filter(|l| l.expires_at > now && keep(l))
                 .count()
         })
     }
@@ -1290,6 +1312,7 @@ impl LeaseStore {
             let mut restore = self.inner.restore.write().unwrap_or_else(|e| e.into_inner());
             restore.hwm = cp.token_hwm.iter().map(|(k, v)| (*k, *v)).collect();
             restore.seq_floor = restore.seq_floor.max(floor);
+            restore.unconfirmed_until = now + self.inner.config.unconfirmed_grace.as_millis() as u64;
         }
         for shard in self.inner.shards.iter() {
             let mut shard = lock(&shard.0);
@@ -1308,7 +1331,9 @@ impl LeaseStore {
             let generation = shard.slots[slot as usize].generation;
             let p = shard.proxy_mut(slot);
             p.admission = match pc.admission {
-                CheckpointAdmission::Open => AdmissionState::Open,
+                // Open before the restart is not open now: the proxy may have died meanwhile.
+                // The controller opens it again once this process has seen it pass a probe.
+                CheckpointAdmission::Open => AdmissionState::Closed,
                 CheckpointAdmission::Closed => AdmissionState::Closed,
                 CheckpointAdmission::Draining => AdmissionState::Draining,
             };

@@ -23,6 +23,7 @@ fn store(shards: usize) -> (LeaseStore, Clock) {
         ban_cooldown: Duration::from_secs(600),
         session_idle_ttl: Duration::from_secs(60),
         restore_grace: Duration::from_secs(60),
+        unconfirmed_grace: Duration::from_secs(30),
         clock: clock.clone(),
     });
     (store, clock)
@@ -496,11 +497,19 @@ async fn leases_survive_a_restart_through_the_file_checkpoint() {
             current: r.fencing_token
         })
     );
-    // ...and once it does, limits count the restored leases and admission is kept.
+    // ...but nothing new is leased until the controller has seen each proxy pass a probe in
+    // this process (it may have died while the checkpoint aged)...
     after.upsert_proxy(target("a", &[("name", "a")], 2, 30));
     after.upsert_proxy(target("b", &[("name", "b")], 1, 0));
     assert_eq!(after.active_total(), 2);
     let all = sel(&after, "");
+    assert!(
+        acquire(&after, &all).is_err(),
+        "restored proxies stay closed until verified"
+    );
+    // ...and once it opens them, limits count the restored leases.
+    after.set_admission(&key("a"), Admission::Open).unwrap();
+    after.set_admission(&key("b"), Admission::Open).unwrap();
     let l4 = acquire(&after, &all).unwrap();
     assert_eq!(name(&l4), "b", "a is full with its two restored leases");
     assert!(acquire(&after, &all).is_err());
@@ -544,8 +553,9 @@ fn signed_claims_bring_back_leases_the_checkpoint_missed() {
     clock.advance(Duration::from_secs(5));
     let leader2 = store_with_clock(&clock);
     leader2.restore(&cp);
-    leader2.upsert_proxy(target("a", &[], 1, 0));
-    leader2.upsert_proxy(target("b", &[], 2, 0));
+    // The controller of the new leader verifies and opens the proxies again.
+    add_open(&leader2, target("a", &[], 1, 0));
+    add_open(&leader2, target("b", &[], 2, 0));
     let claim = LeaseSigner::new(&secret).unwrap().verify(&missed_id).unwrap();
     assert_eq!(
         leader2.release(&claim.id, renewed.fencing_token, Outcome::Ok, None),
@@ -985,4 +995,47 @@ fn acquire_agrees_with_a_plain_lru_model_under_random_operations() {
             }
         }
     }
+}
+
+/// A lease restored from a checkpoint may have been released just before a crash (the holder was
+/// told, and will never end it again): the lifecycle waits for it only a bounded grace, while a
+/// lease its holder confirms (renews) after the restore is waited for like any other.
+#[test]
+fn unconfirmed_restored_leases_hold_up_a_drain_only_for_the_grace() {
+    let (before, clock) = store(2);
+    add_open(&before, target("a", &[], 3, 0));
+    let all = sel(&before, "");
+    let forgotten = acquire(&before, &all).unwrap();
+    let renewed_later = acquire(&before, &all).unwrap();
+    let cp = before.checkpoint();
+    drop(before);
+
+    let after = store_with_clock(&clock);
+    after.restore(&cp);
+    add_open(&after, target("a", &[], 3, 0));
+    assert_eq!(
+        after.active_leases(&key("a")),
+        2,
+        "both still count against the limit"
+    );
+    assert_eq!(
+        after.leases_to_wait_for(&key("a")),
+        2,
+        "both are waited for at first"
+    );
+    after
+        .renew(&renewed_later.id, renewed_later.fencing_token, None)
+        .unwrap();
+    clock.advance(LeaseStoreConfig::default().unconfirmed_grace);
+    assert_eq!(
+        after.leases_to_wait_for(&key("a")),
+        1,
+        "after the grace only the confirmed lease holds a drain up, not {:?}",
+        forgotten.id
+    );
+    assert_eq!(
+        after.active_leases(&key("a")),
+        2,
+        "the unconfirmed one still counts until it expires"
+    );
 }

@@ -36,13 +36,15 @@ pub enum EffectKind {
     ScheduleRetry,
     /// Forget the failed provider calls.
     ClearRetry,
+    /// Give the running instance the Secret's credentials in place.
+    UpdateCredentials,
     /// Remove the operator's finalizer so Kubernetes can delete the Proxy.
     RemoveFinalizer,
 }
 
 impl EffectKind {
     /// Every kind, in declaration order.
-    pub const ALL: [EffectKind; 12] = [
+    pub const ALL: [EffectKind; 13] = [
         EffectKind::AddFinalizer,
         EffectKind::CreateInstance,
         EffectKind::DeleteInstance,
@@ -54,6 +56,7 @@ impl EffectKind {
         EffectKind::RecordEvent,
         EffectKind::ScheduleRetry,
         EffectKind::ClearRetry,
+        EffectKind::UpdateCredentials,
         EffectKind::RemoveFinalizer,
     ];
 
@@ -71,6 +74,7 @@ impl EffectKind {
             EffectKind::RecordEvent => "record_event",
             EffectKind::ScheduleRetry => "schedule_retry",
             EffectKind::ClearRetry => "clear_retry",
+            EffectKind::UpdateCredentials => "update_credentials",
             EffectKind::RemoveFinalizer => "remove_finalizer",
         }
     }

@@ -25,6 +25,7 @@ pub struct MemoryProvider {
     instances: Mutex<BTreeMap<String, Instance>>,
     unavailable: AtomicBool,
     failing_creates: AtomicUsize,
+    create_calls: AtomicUsize,
     creates: AtomicUsize,
     deletes: AtomicUsize,
     initial_state: Mutex<InstanceState>,
@@ -40,6 +41,7 @@ impl MemoryProvider {
             instances: Mutex::default(),
             unavailable: AtomicBool::new(false),
             failing_creates: AtomicUsize::new(0),
+            create_calls: AtomicUsize::new(0),
             creates: AtomicUsize::new(0),
             deletes: AtomicUsize::new(0),
             initial_state: Mutex::new(InstanceState::Running),
@@ -104,6 +106,11 @@ impl MemoryProvider {
         self.lock().keys().cloned().collect()
     }
 
+    /// How many times `create` was called, failures included.
+    pub fn create_calls(&self) -> usize {
+        self.create_calls.load(Ordering::SeqCst)
+    }
+
     /// How many creates actually made a new instance.
     pub fn created_count(&self) -> usize {
         self.creates.load(Ordering::SeqCst)
@@ -141,6 +148,7 @@ impl Provider for MemoryProvider {
     }
 
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
+        self.create_calls.fetch_add(1, Ordering::SeqCst);
         self.check_available()?;
         if let Some(existing) = self.lock().get(&request.name) {
             self.installation

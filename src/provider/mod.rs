@@ -387,10 +387,37 @@ pub trait Provider: Send + Sync {
     /// Checks that the backend answers (connect and list), for `ProviderHealth`.
     async fn probe(&self) -> Result<ProbeReport, ProviderError>;
 
+    /// Gives the running instance `name` new proxy credentials in place, if the backend can:
+    /// afterwards the instance accepts `credentials` and no longer the old ones; open connections
+    /// and leases are untouched. [`CredentialsUpdate::Unsupported`] (the default) means only a
+    /// new instance can carry them: the engine replaces it within the pool's budget.
+    /// Whether [`Provider::update_credentials`] can change a running instance's credentials.
+    fn updates_credentials_in_place(&self) -> bool {
+        false
+    }
+
+    async fn update_credentials(
+        &self,
+        _name: &str,
+        _credentials: Option<&Credentials>,
+    ) -> Result<CredentialsUpdate, ProviderError> {
+        Ok(CredentialsUpdate::Unsupported)
+    }
+
     /// The ID the instance named `name` has (or would have) on this provider.
     fn id_for(&self, name: &str) -> ProviderId {
         ProviderId::new(self.provider_type(), self.instance(), name)
     }
+}
+
+/// What [`Provider::update_credentials`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CredentialsUpdate {
+    /// The running instance accepts the new credentials now.
+    Applied,
+    /// The backend cannot change a running instance's credentials (or whether it requires any):
+    /// only a new instance can carry them.
+    Unsupported,
 }
 
 /// A shared provider handle.

@@ -97,8 +97,9 @@ impl ProxyBackend for StandaloneBackend {
         credentials_of(&secret, namespace, secret_name)
     }
 
-    async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<Option<String>, BackendError> {
         self.update(proxy, |record| record.finalizer = true)
+            .map(|()| None)
     }
 
     async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {

@@ -12,6 +12,7 @@ mod backend;
 pub mod manifests;
 pub mod progress;
 pub mod status;
+pub mod ui;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -214,7 +215,7 @@ impl Standalone {
         if let Some(metrics) = &self.metrics {
             metrics.observe_reconcile(started.elapsed(), result.as_ref().err().map(|e| e.category()));
             for entry in result.iter().flat_map(|outcome| &outcome.audit) {
-                metrics.observe_transition(entry.from.as_str(), entry.to.as_str());
+                metrics.observe_transition(entry.from.as_str(), entry.to.as_str(), &entry.reason);
             }
         }
         match result {

@@ -34,6 +34,9 @@ pub struct TransitionLabels {
     pub from: String,
     /// Phase after.
     pub to: String,
+    /// The row's reason (a closed set: `machine::reason::ALL`), so failures such as
+    /// `DeleteFailed`, `DeleteStuck` or `RemediationPaused` can be alerted on.
+    pub reason: String,
 }
 
 /// Labels naming a phase.
@@ -161,7 +164,7 @@ impl Metrics {
         );
         registry.register(
             "epo_transitions",
-            "Lifecycle transitions by phase",
+            "Lifecycle transitions by phase and reason",
             metrics.transitions.clone(),
         );
         registry.register(
@@ -261,11 +264,12 @@ impl Metrics {
     }
 
     /// Records a transition.
-    pub fn observe_transition(&self, from: &str, to: &str) {
+    pub fn observe_transition(&self, from: &str, to: &str, reason: &str) {
         self.transitions
             .get_or_create(&TransitionLabels {
                 from: from.to_owned(),
                 to: to.to_owned(),
+                reason: reason.to_owned(),
             })
             .inc();
     }

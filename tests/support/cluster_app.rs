@@ -59,6 +59,7 @@ pub fn local_cluster(
         gc_grace: Duration::from_secs(300),
         gc_interval: Duration::from_secs(60),
         reconciler: egress_proxies_operator::controller::ReconcilerConfig::default(),
+        provider_probe_interval: Duration::from_secs(30),
         system_namespace: "egress-proxies-system".into(),
         identity: "test-replica".into(),
         installation_name: INSTALLATION_NAME.into(),

@@ -10,6 +10,7 @@
 pub mod cluster_app;
 pub mod fake_apiserver;
 pub mod process;
+pub mod standalone;
 
 use std::os::unix::process::CommandExt;
 use std::{

@@ -23,24 +23,12 @@ use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
     controller::status::FINALIZER,
     effects::{BackendError, ProxyBackend, SecretError},
-    machine::AuditEntry,
+    machine::{AuditEntry, reason},
     provider::{Credentials, UserData},
 };
 
 /// Default Secret key of cloud-init user-data.
 pub const DEFAULT_CLOUD_INIT_KEY: &str = "user-data";
-
-/// Reasons recorded as `Warning` Events; everything else is `Normal`.
-const WARNING_REASONS: [&str; 8] = [
-    "HealthCheckFailed",
-    "CreateFailed",
-    "CreateAttemptsExhausted",
-    "ProviderUnavailable",
-    "InvalidSpec",
-    "InstanceVanished",
-    "ProvisioningTimedOut",
-    "DegradedTooLong",
-];
 
 /// The cluster-mode backend.
 #[derive(Clone)]
@@ -48,14 +36,9 @@ pub struct KubeBackend {
     client: Client,
     events: Arc<EventPublisher>,
     cloud_init_secrets: Store<Secret>,
-    /// Per Proxy UID, the resourceVersion our own finalizer patch started from and the one it
-    /// produced. A reconcile that adds the finalizer writes the status next, from the object it
-    /// read: without this, that write would carry the pre-patch version and always conflict
-    /// (a wasted write, a requeue and every transition redone).
-    own_versions: Arc<Mutex<HashMap<String, (String, String)>>>,
-    /// Per Proxy (hash of its UID), hashes of the resourceVersions our last status write of it
-    /// replaced (the one read, the one sent): see [`Self::is_superseded`]. Hashes keep this at
-    /// a few dozen bytes per Proxy.
+    /// Per Proxy (hash of its UID), hashes of the resourceVersions our own last writes of it
+    /// replaced (the one read before adding the finalizer, the one the status write replaced):
+    /// see [`Self::is_superseded`]. Hashes keep this at a few dozen bytes per Proxy.
     superseded: Arc<Mutex<HashMap<u64, [u64; 2]>>>,
 }
 
@@ -75,40 +58,17 @@ impl KubeBackend {
             client,
             events: Arc::new(events),
             cloud_init_secrets,
-            own_versions: Arc::default(),
             superseded: Arc::default(),
         }
-    }
-
-    fn proxies(&self, proxy: &Proxy) -> Api<Proxy> {
-        Api::namespaced(self.client.clone(), &proxy.namespace().unwrap_or_default())
-    }
-
-    async fn set_finalizers(&self, proxy: &Proxy, finalizers: Vec<String>) -> Result<(), BackendError> {
-        // The resourceVersion makes the merge patch conditional: a concurrent change to the
-        // finalizer list gives a conflict instead of being overwritten.
-        let patch =
-            json!({"metadata": {"finalizers": finalizers, "resourceVersion": proxy.resource_version()}});
-        let patched = self
-            .proxies(proxy)
-            .patch(&proxy.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map_err(classify)?;
-        if let (Some(uid), Some(before), Some(after)) =
-            (proxy.uid(), proxy.resource_version(), patched.resource_version())
-        {
-            self.versions().insert(uid, (before, after));
-        }
-        Ok(())
     }
 
     fn superseded(&self) -> MutexGuard<'_, HashMap<u64, [u64; 2]>> {
         self.superseded.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether `proxy` is a version our own last status write of it already replaced: the cache
-    /// has not received that write yet, and a reconcile of it would redo transitions and end
-    /// in a conflicting status write. Forgets the Proxy's entry once the cache has moved on.
+    /// Whether `proxy` is a version our own writes of it already replaced: the cache has not
+    /// received them yet, and a reconcile of it would redo transitions and end in a conflicting
+    /// write. Forgets the Proxy's entry once the cache has moved on.
     pub fn is_superseded(&self, proxy: &Proxy) -> bool {
         let Some(uid) = proxy.uid() else {
             return false;
@@ -126,20 +86,36 @@ impl KubeBackend {
         }
     }
 
-    fn versions(&self) -> MutexGuard<'_, HashMap<String, (String, String)>> {
-        self.own_versions.lock().unwrap_or_else(PoisonError::into_inner)
+    /// Remembers that our write replaced `proxy`'s version `replaced`.
+    fn replaced(&self, proxy: &Proxy, replaced: Option<&str>) {
+        if let Some(uid) = proxy.uid() {
+            let version = short_hash(replaced);
+            let mut superseded = self.superseded();
+            let entry = superseded
+                .entry(short_hash(Some(&uid)))
+                .or_insert([version, version]);
+            entry[1] = version;
+        }
     }
 
-    /// The resourceVersion a status write of `proxy` must carry: the one our own finalizer patch
-    /// produced if `proxy` is what that patch started from, else `proxy`'s.
-    fn version_for_status(&self, proxy: &Proxy) -> Option<String> {
-        let own = proxy.uid().and_then(|uid| self.versions().remove(&uid));
-        match own {
-            Some((before, after)) if proxy.resource_version().as_deref() == Some(before.as_str()) => {
-                Some(after)
-            }
-            _ => proxy.resource_version(),
-        }
+    fn proxies(&self, proxy: &Proxy) -> Api<Proxy> {
+        Api::namespaced(self.client.clone(), &proxy.namespace().unwrap_or_default())
+    }
+
+    async fn set_finalizers(
+        &self,
+        proxy: &Proxy,
+        finalizers: Vec<String>,
+    ) -> Result<Option<String>, BackendError> {
+        // The resourceVersion makes the merge patch conditional: a concurrent change to the
+        // finalizer list gives a conflict instead of being overwritten.
+        let patch =
+            json!({"metadata": {"finalizers": finalizers, "resourceVersion": proxy.resource_version()}});
+        self.proxies(proxy)
+            .patch(&proxy.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(|patched| patched.resource_version())
+            .map_err(classify)
     }
 }
 
@@ -219,13 +195,15 @@ impl ProxyBackend for KubeBackend {
         credentials_of(&secret, namespace, secret_name)
     }
 
-    async fn add_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<Option<String>, BackendError> {
         let mut finalizers = proxy.finalizers().to_vec();
         if finalizers.iter().any(|f| f == FINALIZER) {
-            return Ok(());
+            return Ok(None);
         }
         finalizers.push(FINALIZER.to_owned());
-        self.set_finalizers(proxy, finalizers).await
+        let version = self.set_finalizers(proxy, finalizers).await?;
+        self.replaced(proxy, proxy.metadata.resource_version.as_deref());
+        Ok(version)
     }
 
     async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
@@ -238,12 +216,11 @@ impl ProxyBackend for KubeBackend {
         let result = match self.set_finalizers(proxy, finalizers).await {
             // Already gone: the finalizer is as removed as it gets.
             Err(BackendError::Gone(_)) => Ok(()),
-            other => other,
+            other => other.map(|_| ()),
         };
         // No status write follows a removal: forget the versions rather than keep them.
         if let Some(uid) = proxy.uid() {
             self.superseded().remove(&short_hash(Some(&uid)));
-            self.versions().remove(&uid);
         }
         result
     }
@@ -252,22 +229,17 @@ impl ProxyBackend for KubeBackend {
         // A full replace (with the resourceVersion we read) clears fields that became unset and
         // turns a concurrent writer into a conflict rather than a lost update.
         let mut updated = proxy.clone();
-        let sent = self.version_for_status(proxy);
-        updated.metadata.resource_version = sent.clone();
         updated.status = Some(status.clone());
         self.proxies(proxy)
             .replace_status(&proxy.name_any(), &PostParams::default(), &updated)
             .await
             .map_err(classify)?;
-        if let Some(uid) = proxy.uid() {
-            let superseded = [proxy.resource_version(), sent].map(|rv| short_hash(rv.as_deref()));
-            self.superseded().insert(short_hash(Some(&uid)), superseded);
-        }
+        self.replaced(proxy, proxy.metadata.resource_version.as_deref());
         Ok(())
     }
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
-        let type_ = if WARNING_REASONS.contains(&entry.reason.as_str()) {
+        let type_ = if reason::WARNINGS.contains(&entry.reason.as_str()) {
             EventType::Warning
         } else {
             EventType::Normal

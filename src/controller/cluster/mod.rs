@@ -25,6 +25,7 @@ use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api, Client, ResourceExt,
+    core::PartialObjectMeta,
     runtime::{
         Controller, PredicateConfig, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
@@ -73,6 +74,8 @@ pub struct ClusterDeps {
     pub identity: String,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// The status page's view of the Proxies and their audit, if it is served.
+    pub status_feed: Option<crate::ui::cluster::ClusterFeed>,
 }
 
 struct Context {
@@ -81,6 +84,7 @@ struct Context {
     pools_seeded: std::sync::atomic::AtomicBool,
     failures: Mutex<HashMap<ObjectRef<Proxy>, u32>>,
     metrics: Arc<Metrics>,
+    status_feed: Option<crate::ui::cluster::ClusterFeed>,
 }
 
 /// Runs the controller until `shutdown` resolves; `ready` turns true once the caches are synced.
@@ -117,6 +121,9 @@ pub async fn run_controller(
     );
     let backend = KubeBackend::new(deps.client.clone(), events, secret_store.clone());
     let (proxy_store, proxy_writer) = reflector::store();
+    if let Some(feed) = &deps.status_feed {
+        feed.set_proxies(proxy_store.clone());
+    }
     let context = Arc::new(Context {
         reconciler: Reconciler::new(
             backend,
@@ -130,6 +137,7 @@ pub async fn run_controller(
         pools_seeded: std::sync::atomic::AtomicBool::new(false),
         failures: Mutex::default(),
         metrics: deps.metrics,
+        status_feed: deps.status_feed,
     });
 
     let proxy_events = watcher(proxies, watcher::Config::default())
@@ -143,23 +151,27 @@ pub async fn run_controller(
             .concurrency(deps.concurrency)
             .debounce(deps.debounce),
     );
+    // Credentials Secrets carry no label: their *metadata* is watched (no content is cached), so
+    // a rotation reaches the running proxies at once instead of at the next resync.
+    let secret_metadata: Api<PartialObjectMeta<Secret>> = match &deps.namespace {
+        Some(ns) => Api::namespaced(deps.client.clone(), ns),
+        None => Api::all(deps.client.clone()),
+    };
+    let credential_events = watcher(secret_metadata, watcher::Config::default())
+        .default_backoff()
+        .touched_objects();
+    let referencing_credentials = proxy_store.clone();
     let referencing = proxy_store.clone();
     let controller = controller
+        .watches_stream(credential_events, move |secret: PartialObjectMeta<Secret>| {
+            referencing_secret(&referencing_credentials, &secret, |spec| {
+                spec.auth.as_ref().map(|a| a.secret_ref.name.as_str())
+            })
+        })
         .watches_stream(secret_stream, move |secret: Secret| {
-            let namespace = secret.namespace();
-            let name = secret.name_any();
-            referencing
-                .state()
-                .into_iter()
-                .filter(|p| {
-                    p.namespace() == namespace
-                        && p.spec
-                            .cloud_init
-                            .as_ref()
-                            .is_some_and(|c| c.secret_ref.name == name)
-                })
-                .map(|p| ObjectRef::from_obj(&*p))
-                .collect::<Vec<_>>()
+            referencing_secret(&referencing, &secret, |spec| {
+                spec.cloud_init.as_ref().map(|c| c.secret_ref.name.as_str())
+            })
         })
         .reconcile_on(triggers.map(|key| ObjectRef::new(&key.name).within(&key.namespace)))
         .graceful_shutdown_on(shutdown);
@@ -248,6 +260,22 @@ fn slim(proxy: &mut Proxy) {
 /// The annotation `kubectl apply` keeps the last applied manifest in.
 const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 
+/// The Proxies in `secret`'s namespace whose `reference` names it.
+fn referencing_secret(
+    proxies: &reflector::Store<Proxy>,
+    secret: &impl kube::Resource,
+    reference: impl Fn(&crate::api::ProxySpec) -> Option<&str>,
+) -> Vec<ObjectRef<Proxy>> {
+    let namespace = secret.meta().namespace.clone();
+    let name = secret.meta().name.as_deref().unwrap_or_default();
+    proxies
+        .state()
+        .into_iter()
+        .filter(|p| p.namespace() == namespace && reference(&p.spec) == Some(name))
+        .map(|p| ObjectRef::from_obj(&*p))
+        .collect()
+}
+
 /// What makes a Proxy watch event worth a reconcile: a new generation (a spec edit), a change of
 /// finalizers, or the deletion mark. Status-only writes (our own) hash the same and are dropped.
 pub fn proxy_changed(proxy: &Proxy) -> Option<u64> {
@@ -308,7 +336,10 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
     for entry in &outcome.audit {
         context
             .metrics
-            .observe_transition(entry.from.as_str(), entry.to.as_str());
+            .observe_transition(entry.from.as_str(), entry.to.as_str(), &entry.reason);
+    }
+    if let Some(feed) = &context.status_feed {
+        feed.record(&proxy, &outcome.audit);
     }
     context
         .failures

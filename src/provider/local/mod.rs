@@ -45,8 +45,8 @@ use self::{
     state::{InstanceDir, OWNER_RECORD_VERSION, OwnerRecord, ProcessRecord, TEMP_PREFIX, TRASH_PREFIX},
 };
 use super::{
-    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
-    ProviderId,
+    Credentials, CredentialsUpdate, Endpoint, Installation, Instance, InstanceRequest, InstanceState,
+    ProbeReport, Provider, ProviderError, ProviderId,
 };
 use crate::config::{LocalSettings, is_dns_label};
 
@@ -461,6 +461,57 @@ impl Provider for LocalProvider {
         inner.read_instance(name).await
     }
 
+    /// Rewrites the password file in place: Squid's `basic_ncsa_auth` re-reads it when it
+    /// changes, so the new credentials work from the next request on, the old ones get 407, and
+    /// nothing is restarted. Adding or removing authentication changes `squid.conf`: only a new
+    /// instance can do that (`Unsupported`).
+    fn updates_credentials_in_place(&self) -> bool {
+        true
+    }
+
+    async fn update_credentials(
+        &self,
+        name: &str,
+        credentials: Option<&Credentials>,
+    ) -> Result<CredentialsUpdate, ProviderError> {
+        let inner = &self.inner;
+        if !is_dns_label(name) {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        }
+        let _guard = inner.locks.lock(name).await;
+        let dir = inner.dir(name);
+        if !dir.is_ours() || inner.is_foreign(&dir) {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        }
+        let record: OwnerRecord = state::read_json(&dir.owner_file()).map_err(|err| match err.kind() {
+            io::ErrorKind::NotFound => ProviderError::NotFound(name.to_owned()),
+            _ => ProviderError::Backend(format!("cannot read the owner record of {name}: {err}")),
+        })?;
+        let Some(credentials) = credentials else {
+            return Ok(if record.authenticated {
+                CredentialsUpdate::Unsupported
+            } else {
+                CredentialsUpdate::Applied
+            });
+        };
+        if !record.authenticated {
+            return Ok(CredentialsUpdate::Unsupported);
+        }
+        let line = squid_config::password_line(credentials)
+            .map_err(|err| ProviderError::Rejected(err.to_string()))?;
+        let passwords = dir.passwords_file();
+        state::write_atomic(&passwords, line.as_bytes(), 0o640).map_err(|err| {
+            ProviderError::Backend(format!("cannot write the password file of {name}: {err}"))
+        })?;
+        if let Some(user) = &inner.squid_user {
+            std::os::unix::fs::chown(&passwords, None, Some(user.gid)).map_err(|err| {
+                ProviderError::Backend(format!("cannot hand the password file of {name} to Squid: {err}"))
+            })?;
+        }
+        tracing::info!(instance = %inner.instance, name, "proxy credentials updated in place");
+        Ok(CredentialsUpdate::Applied)
+    }
+
     async fn probe(&self) -> Result<ProbeReport, ProviderError> {
         self.ensure_supervisor();
         let inner = &self.inner;
@@ -641,13 +692,11 @@ impl Inner {
     /// Validates a request into what the config needs.
     fn plan(&self, request: &InstanceRequest) -> Result<Plan, ProviderError> {
         if request.port == 0 {
-            return Err(ProviderError::Misconfigured(
-                "port 0 cannot be listened on".to_owned(),
-            ));
+            return Err(ProviderError::Rejected("port 0 cannot be listened on".to_owned()));
         }
         let address = match &request.placement.address {
             Some(address) => address.parse::<IpAddr>().map_err(|_| {
-                ProviderError::Misconfigured(format!("placement.address {address:?} is not an IP address"))
+                ProviderError::Rejected(format!("placement.address {address:?} is not an IP address"))
             })?,
             None => self.bind_address,
         };
@@ -657,7 +706,7 @@ impl Inner {
             .as_deref()
             .map(|outgoing| {
                 outgoing.parse::<IpAddr>().map_err(|_| {
-                    ProviderError::Misconfigured(format!(
+                    ProviderError::Rejected(format!(
                         "placement.outgoingAddress {outgoing:?} is not an IP address"
                     ))
                 })
@@ -668,7 +717,7 @@ impl Inner {
             .as_ref()
             .map(squid_config::password_line)
             .transpose()
-            .map_err(|err| ProviderError::Misconfigured(err.to_string()))?;
+            .map_err(|err| ProviderError::Rejected(err.to_string()))?;
         Ok(Plan {
             listen: SocketAddr::new(address, request.port),
             outgoing,

@@ -369,10 +369,11 @@ pub(super) fn check_listen(addr: SocketAddr) -> Result<(), ProviderError> {
     match std::net::TcpListener::bind(addr) {
         Ok(_) => Ok(()),
         Err(err) => Err(match err.kind() {
-            io::ErrorKind::AddrInUse => ProviderError::Misconfigured(format!(
+            // The Proxy asked for this port or address: its problem, not the provider's.
+            io::ErrorKind::AddrInUse => ProviderError::Rejected(format!(
                 "{addr} is already in use by another process: choose another port or address"
             )),
-            io::ErrorKind::AddrNotAvailable => ProviderError::Misconfigured(format!(
+            io::ErrorKind::AddrNotAvailable => ProviderError::Rejected(format!(
                 "cannot listen on {addr}: {} is not an address of this host",
                 addr.ip()
             )),
@@ -388,9 +389,9 @@ pub(super) fn check_listen(addr: SocketAddr) -> Result<(), ProviderError> {
 pub(super) fn check_outgoing(ip: IpAddr) -> Result<(), ProviderError> {
     match std::net::UdpSocket::bind(SocketAddr::new(ip, 0)) {
         Ok(_) => Ok(()),
-        Err(err) if err.kind() == io::ErrorKind::AddrNotAvailable => Err(ProviderError::Misconfigured(
-            format!("placement.outgoingAddress {ip} is not an address of this host"),
-        )),
+        Err(err) if err.kind() == io::ErrorKind::AddrNotAvailable => Err(ProviderError::Rejected(format!(
+            "placement.outgoingAddress {ip} is not an address of this host"
+        ))),
         Err(err) => Err(ProviderError::Backend(format!(
             "cannot check outgoing address {ip}: {err}"
         ))),

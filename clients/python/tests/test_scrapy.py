@@ -1,0 +1,217 @@
+"""Real Scrapy crawls of a local site through proxies leased by the middleware, checked in
+Squid's access logs and against the discovery API."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Set
+
+import pytest
+
+from egress_proxies import DiscoveryClient, Lease, NoProxyAvailable
+from conftest import BANNING_HOST, AccessLogs, Site, assert_no_active_lease
+
+CRAWL = Path(__file__).with_name("crawl.py")
+
+
+Crawl = Callable[..., Dict[str, Any]]
+
+
+@pytest.fixture
+def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], site: Site) -> Crawl:
+    """Runs crawl.py on ``site`` with the middleware set up for the test's proxies; returns
+    the crawl's pages and stats. Keyword arguments: ``settings`` (more Scrapy settings) and
+    crawl.py's config (``start_urls``, default the site's root; ``allowed_domains``, ``session``,
+    ``sessions``); ``errors_expected`` allows errors in Scrapy's log."""
+
+    def run(settings: Optional[Dict[str, Any]] = None, errors_expected: bool = False, **config: Any) -> Dict[str, Any]:
+        config["settings"] = {
+            "EGRESS_PROXIES_URL": api_url,
+            "EGRESS_PROXIES_TOKEN": token,
+            "EGRESS_PROXIES_SELECTOR": selector,
+            **(settings or {}),
+        }
+        config.setdefault("start_urls", [site.url("/")])
+        config_path, result_path = tmp_path / "crawl.json", tmp_path / "result.json"
+        config_path.write_text(json.dumps(config))
+        done = subprocess.run(
+            [sys.executable, str(CRAWL), str(config_path), str(result_path)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        print(done.stderr[-20000:])
+        assert done.returncode == 0, done.stderr[-5000:]
+        assert errors_expected or "ERROR" not in done.stderr, "the crawl logged errors"
+        assert os.environ["EPO_PROXY_PASSWORD"] not in done.stderr, "the proxy password is in the crawl's log"
+        result: Dict[str, Any] = json.loads(result_path.read_text())
+        return result
+
+    return run
+
+
+def assert_every_page_went_through_its_proxy(pages: List[Dict[str, Any]], site: Site, access_logs: AccessLogs) -> None:
+    """Each response came through the Squid of its lease (that Squid logged the URL with the
+    status, and the user of the proxy credentials Scrapy presented), and the site answered
+    nothing that no Squid logged."""
+    user = os.environ["EPO_PROXY_USER"]
+    lines = access_logs.wait_for(len(site.served), f":{site.port}/")
+    for page in pages:
+        assert page["proxy"] in lines, f"{page['url']} was not fetched through a leased proxy: {page}"
+        logged = [l for l in lines[page["proxy"]] if l[2] == page["url"]]
+        assert len(logged) == 1, f"{page['url']} not in {page['proxy']}'s access log: {lines}"
+        assert logged[0][0].endswith(f"/{page['status']}"), logged
+        assert logged[0][3] == user, f"Squid saw no credentials: {logged}"
+    assert sum(map(len, lines.values())) == len(site.served) == len(pages), (lines, site.served, pages)
+
+
+def drain(client: DiscoveryClient, selector: Dict[str, str], domain: str) -> Set[str]:
+    """Every proxy a crawler of ``domain`` can lease now (waiting out 1 s cooldowns), released."""
+    held: List[Lease] = []
+    try:
+        while True:
+            held.append(client.acquire(selector, target_domain=domain, max_wait=3))
+    except NoProxyAvailable:
+        pass
+    finally:
+        for lease in held:
+            client.release(lease, "ok")
+    return {lease.proxy.endpoint for lease in held}
+
+
+def test_domain_mode_bans_the_proxy_for_the_banning_domain_only(
+    crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site, access_logs: AccessLogs
+) -> None:
+    # TTL 2 s and a page that takes 2.5 s: the domain's lease lives on renewals alone.
+    result = crawl(settings={"EGRESS_PROXIES_TTL": 2})
+    pages, stats = result["pages"], result["stats"]
+
+    by_host: Dict[str, List[Dict[str, Any]]] = {}
+    for page in pages:
+        by_host.setdefault(page["url"].split("/")[2].split(":")[0], []).append(page)
+    assert sorted(p["url"] for p in by_host["127.0.0.1"]) == sorted(site.url(p) for p in Site.PAGES)
+    assert [p["status"] for p in by_host[BANNING_HOST]] == [403]
+    assert_every_page_went_through_its_proxy(pages, site, access_logs)
+
+    # One lease for the site's domain, held across the slow page; another for the banning one.
+    assert len({p["lease"] for p in by_host["127.0.0.1"]}) == 1, by_host
+    site_proxy = by_host["127.0.0.1"][0]["proxy"]
+    banned_proxy = by_host[BANNING_HOST][0]["proxy"]
+    assert banned_proxy != site_proxy, "the site's lease held its proxy's only slot"
+    assert stats.get("egress_proxies/acquired") == 2, stats
+    assert stats.get("egress_proxies/released/banned") == 1, stats
+    assert stats.get("egress_proxies/released/ok") == 1, stats
+    assert "egress_proxies/lost" not in stats, stats
+    assert stats.get("egress_proxies/renewals", 0) >= 2, stats
+
+    # No lease left behind.
+    assert_no_active_lease(client, selector)
+
+    # The ban holds for the banning domain only.
+    all_proxies = {p.proxy.endpoint for p in client.list_proxies(selector)}
+    assert drain(client, selector, BANNING_HOST) == all_proxies - {banned_proxy}
+    assert drain(client, selector, "127.0.0.1") == all_proxies
+
+
+@pytest.mark.parametrize("session", [None, "login-1"], ids=["per-request", "sticky-session"])
+def test_request_mode_leases_each_request_and_releases_it(
+    crawl: Crawl,
+    selector: Dict[str, str],
+    client: DiscoveryClient,
+    site: Site,
+    access_logs: AccessLogs,
+    session: Optional[str],
+) -> None:
+    result = crawl(
+        # One request at a time in a session: a second one would find its proxy's only slot
+        # taken and be bound to another proxy.
+        settings={"EGRESS_PROXIES_MODE": "request", "CONCURRENT_REQUESTS": 1 if session else 2},
+        allowed_domains=["127.0.0.1"],
+        session=session,
+    )
+    pages, stats = result["pages"], result["stats"]
+    assert sorted(p["url"] for p in pages) == sorted(site.url(p) for p in Site.PAGES)
+    assert all(p["status"] == 200 for p in pages)
+    assert_every_page_went_through_its_proxy(pages, site, access_logs)
+
+    assert len({p["lease"] for p in pages}) == len(pages), "one lease per request"
+    assert stats.get("egress_proxies/acquired") == len(pages), stats
+    assert stats.get("egress_proxies/released/ok") == len(pages), stats
+    if session:
+        # A sticky session gets its proxy back, its own post-release cooldown aside.
+        assert len({p["proxy"] for p in pages}) == 1, Counter(p["proxy"] for p in pages)
+    assert_no_active_lease(client, selector)
+
+
+def test_domain_mode_releases_idle_session_leases_and_errors(
+    crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site
+) -> None:
+    # A session has a lease of its own, released once idle for half a second while /slow keeps
+    # the crawl (and the domain's other lease) busy for 2.5 s.
+    result = crawl(
+        settings={"EGRESS_PROXIES_IDLE_RELEASE": 0.5},
+        start_urls=[site.url("/c"), site.url("/slow")],
+        sessions={site.url("/c"): "basket-1"},
+    )
+    pages, stats = result["pages"], result["stats"]
+    # /slow's link to /c is a duplicate Scrapy filters out.
+    assert sorted(p["url"] for p in pages) == [site.url("/c"), site.url("/slow")], pages
+    assert pages[0]["lease"] != pages[1]["lease"], "the session has its own lease"
+    assert stats.get("egress_proxies/acquired") == 2, stats
+    assert stats.get("egress_proxies/idle_released") == 1, stats
+    assert stats.get("egress_proxies/released/ok") == 2, stats
+    assert_no_active_lease(client, selector)
+
+    # A download error (here a timeout) releases the domain's lease as "error".
+    result = crawl(
+        settings={"DOWNLOAD_TIMEOUT": 1, "RETRY_ENABLED": False},
+        start_urls=[site.url("/slow")],
+        errors_expected=True,
+    )
+    assert result["pages"] == []
+    assert result["stats"].get("egress_proxies/released/error") == 1, result["stats"]
+    assert_no_active_lease(client, selector)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"EGRESS_PROXIES_URL": "http://127.0.0.1:9"},
+        {"EGRESS_PROXIES_URL": "http://127.0.0.1:9", "EGRESS_PROXIES_TOKEN": "t", "EGRESS_PROXIES_MODE": "page"},
+    ],
+    ids=["no-token", "unknown-mode"],
+)
+def test_misconfiguration_stops_the_crawl_instead_of_crawling_directly(settings: Dict[str, Any]) -> None:
+    from scrapy.utils.test import get_crawler
+
+    from egress_proxies.scrapy_middleware import EgressProxiesMiddleware
+
+    with pytest.raises(ValueError):
+        EgressProxiesMiddleware.from_crawler(get_crawler(settings_dict=settings))
+
+
+def test_ban_codes_are_configurable(
+    crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site, access_logs: AccessLogs
+) -> None:
+    # Last in this suite: it bans a proxy for 127.0.0.1 for the store's ban cooldown (30 min).
+    result = crawl(
+        settings={"EGRESS_PROXIES_MODE": "request", "EGRESS_PROXIES_BAN_CODES": [404], "CONCURRENT_REQUESTS": 1},
+        start_urls=[site.url("/missing"), site.url("/c", host=BANNING_HOST)],
+    )
+    pages, stats = result["pages"], result["stats"]
+    statuses = {p["url"]: p["status"] for p in pages}
+    assert statuses == {site.url("/missing"): 404, site.url("/c", host=BANNING_HOST): 403}
+    assert_every_page_went_through_its_proxy(pages, site, access_logs)
+    # 404 is a ban now; 403 is not.
+    assert stats.get("egress_proxies/released/banned") == 1, stats
+    assert stats.get("egress_proxies/released/ok") == 1, stats
+    assert_no_active_lease(client, selector)
+
+    banned_proxy = next(p["proxy"] for p in pages if p["status"] == 404)
+    all_proxies = {p.proxy.endpoint for p in client.list_proxies(selector)}
+    assert drain(client, selector, "127.0.0.1") == all_proxies - {banned_proxy}

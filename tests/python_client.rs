@@ -1,0 +1,214 @@
+//! The Python client and Scrapy middleware (`clients/python/`) against standalone mode as a
+//! crawler team runs it: the real operator binary, three real Squids from the `local`
+//! provider, the discovery API over a socket. The package is installed (not imported from the
+//! checkout) into a virtualenv that sees Debian's Scrapy and pytest, then its pytest suite runs
+//! with the API's URL and token and each Squid's access log in the environment. Apart from that,
+//! mypy checks the package's types.
+//!
+//! Needs `python3-scrapy`, `python3-pytest`, `python3-venv` and `python3-mypy` (scripts/test.sh
+//! installs them).
+//! `EPO_PYTHON` names another interpreter (default `/usr/bin/python3`, Debian's, where those
+//! packages live).
+
+mod support;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use support::{
+    Origin, crate_path, free_port,
+    process::GroupChild,
+    standalone::{self, Host, healthy_rows, metrics_when, start_operator, stop, wait_status},
+};
+
+/// The user name in the proxies' credentials (Squid logs it with each request).
+const PROXY_USER: &str = "crawler";
+/// Their password, which no crawl log may show.
+const PROXY_PASSWORD: &str = "py-secret-7";
+
+/// Runs `command`, panicking with its output unless it succeeds.
+fn run(what: &str, command: &mut Command) -> Output {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run {:?}: {e}", command.get_program()));
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Copies the package's sources (not its tests) to `to`, so that building it writes nothing
+/// into the checkout.
+fn copy_package(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("read package dir").flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name == "tests"
+            || name.starts_with('.')
+            || name == "build"
+            || name.ends_with(".egg-info")
+            || name == "__pycache__"
+        {
+            continue;
+        }
+        if entry.file_type().expect("file type").is_dir() {
+            copy_package(&entry.path(), &to.join(&*name));
+        } else {
+            std::fs::copy(entry.path(), to.join(&*name)).expect("copy");
+        }
+    }
+}
+
+/// The interpreter whose site packages hold Debian's Scrapy, pytest and mypy.
+fn system_python() -> String {
+    std::env::var("EPO_PYTHON").unwrap_or_else(|_| "/usr/bin/python3".to_owned())
+}
+
+/// A virtualenv in `dir` over the system's site packages (Scrapy, pytest) with the package
+/// installed from a copy of `clients/python`, offline; returns its interpreter.
+fn install_package(dir: &Path) -> PathBuf {
+    let python = system_python();
+    run(
+        "Scrapy and pytest importable (apt-get install python3-scrapy python3-pytest, or bash scripts/test.sh)",
+        Command::new(&python).args(["-c", "import scrapy, pytest"]),
+    );
+    let venv = dir.join("venv");
+    run(
+        "creating a virtualenv (apt-get install python3-venv)",
+        Command::new(&python)
+            .args(["-m", "venv", "--system-site-packages"])
+            .arg(&venv),
+    );
+    let source = dir.join("package");
+    copy_package(&crate_path("clients/python"), &source);
+    let venv_python = venv.join("bin/python");
+    run(
+        "pip install clients/python",
+        Command::new(&venv_python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-index",
+                "--no-deps",
+                "--no-build-isolation",
+            ])
+            .arg(&source)
+            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+    );
+    venv_python
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_client_and_scrapy_middleware_against_standalone_mode() {
+    let origin = Origin::start().await;
+    let host = Host::new();
+    let health_url = origin.http_url("/health");
+    // Proxies with credentials, as in production: the client and Scrapy must present them.
+    host.add_manifest(
+        "credentials",
+        &standalone::credentials_secret("proxy-credentials", PROXY_USER, PROXY_PASSWORD),
+    );
+    for name in ["py-1", "py-2", "py-3"] {
+        let manifest = standalone::manifest(
+            name,
+            free_port(),
+            &health_url,
+            &[("pool", "pytest")],
+            &[("maxConcurrent", 1), ("cooldownSeconds", 1)],
+        );
+        host.add_manifest(name, &standalone::with_auth(&manifest, "proxy-credentials"));
+    }
+    let python = install_package(host.path());
+
+    let operator = start_operator(&host, "operator.log");
+    wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
+    let logs = host.access_logs();
+    assert_eq!(logs.len(), 3, "one access log per Squid: {logs:?}");
+    let access_logs: serde_json::Map<String, serde_json::Value> = logs
+        .iter()
+        .map(|(endpoint, path)| (endpoint.clone(), path.display().to_string().into()))
+        .collect();
+
+    // pytest's output goes to a file, so that a hang still shows how far it got.
+    let pytest_log = host.path().join("pytest.log");
+    let mut pytest = GroupChild::spawn(
+        Command::new(&python)
+            .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "tests"])
+            .current_dir(crate_path("clients/python"))
+            .env("EPO_URL", host.api_url())
+            .env("EPO_TOKEN_FILE", host.token_file())
+            .env("EPO_SELECTOR", "pool=pytest")
+            .env("EPO_PROXY_USER", PROXY_USER)
+            .env("EPO_PROXY_PASSWORD", PROXY_PASSWORD)
+            .env(
+                "EPO_ACCESS_LOGS",
+                serde_json::Value::Object(access_logs).to_string(),
+            )
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env_remove("http_proxy")
+            .env_remove("HTTP_PROXY"),
+        &pytest_log,
+    );
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(status) = pytest.exited() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pytest still running after 5 minutes:\n{}\noperator log:\n{}",
+            pytest.log(),
+            operator.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let output = pytest.log();
+    println!("{output}");
+    assert!(
+        status.success(),
+        "pytest failed ({status}):\n{output}\noperator log:\n{}",
+        operator.log()
+    );
+    assert!(output.contains(" passed"), "{output}");
+    assert!(!output.contains(" skipped"), "every Python test ran: {output}");
+    // The operator's own counts agree: no lease left behind, and the outcomes the client and
+    // the middleware reported (two bans: the 403 site, the 404 with configured ban codes; two
+    // errors: the client's context manager left by an exception, a download timeout in Scrapy).
+    let expected = [
+        "epo_discovery_leases_active 0",
+        r#"epo_discovery_leases_released_total{code="banned"} 2"#,
+        r#"epo_discovery_leases_released_total{code="error"} 2"#,
+    ];
+    metrics_when(&host, "the Python tests' leases", |t| {
+        expected.iter().all(|line| t.lines().any(|l| l == *line))
+    })
+    .await;
+    stop(operator);
+}
+
+/// The package is typed: mypy in strict mode (its settings in pyproject.toml) finds nothing.
+#[test]
+fn python_package_type_checks() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let source = dir.path().join("package");
+    copy_package(&crate_path("clients/python"), &source);
+    let output = run(
+        "mypy (apt-get install python3-mypy, or bash scripts/test.sh)",
+        Command::new(system_python())
+            .args(["-m", "mypy", "--cache-dir"])
+            .arg(dir.path().join("mypy-cache"))
+            .current_dir(&source),
+    );
+    let report = String::from_utf8_lossy(&output.stdout);
+    assert!(report.contains("Success: no issues found"), "{report}");
+}
