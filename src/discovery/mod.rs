@@ -392,19 +392,20 @@ where
     }
     let identity = authenticate(s, parts).await?;
     check_ready(s)?;
+    // One instant per request: every store decision and every time in the answer is about it.
     match route {
-        Route::List => list(s, parts),
+        Route::List => list(s, parts, s.store.now_ms()),
         Route::Acquire => {
             let req: AcquireBody = read_json(s, parts, body).await?;
-            acquire(s, &identity, req)
+            acquire(s, &identity, req, s.store.now_ms())
         }
         Route::Renew(id) => {
             let req: RenewBody = read_json(s, parts, body).await?;
-            renew(s, id, req)
+            renew(s, id, req, s.store.now_ms())
         }
         Route::Release(id) => {
             let req: ReleaseBody = read_json(s, parts, body).await?;
-            release(s, id, req)
+            release(s, id, req, s.store.now_ms())
         }
         Route::Healthz | Route::Readyz | Route::Metrics => unreachable!("answered above"),
     }
@@ -502,7 +503,11 @@ where
     Ok(value)
 }
 
-fn list(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<Response<Full<Bytes>>, ApiError> {
+fn list(
+    s: &StateInner,
+    parts: &hyper::http::request::Parts,
+    now: u64,
+) -> Result<Response<Full<Bytes>>, ApiError> {
     let mut selector = Selector::default();
     for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
         match &*k {
@@ -515,11 +520,21 @@ fn list(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<Response<
         }
     }
     let compiled = s.store.compile(&selector);
-    let proxies = s.store.list(&compiled).iter().map(ProxyJson::from_view).collect();
+    let proxies = s
+        .store
+        .list_at(&compiled, now)
+        .iter()
+        .map(ProxyJson::from_view)
+        .collect();
     Ok(json(StatusCode::OK, &ListResponse { proxies }))
 }
 
-fn acquire(s: &StateInner, identity: &Identity, req: AcquireBody) -> Result<Response<Full<Bytes>>, ApiError> {
+fn acquire(
+    s: &StateInner,
+    identity: &Identity,
+    req: AcquireBody,
+    now: u64,
+) -> Result<Response<Full<Bytes>>, ApiError> {
     req.validate().map_err(ApiError::bad_request)?;
     let selector = Selector::from_map(&req.selector);
     let compiled = s.store.compile(&selector);
@@ -531,7 +546,7 @@ fn acquire(s: &StateInner, identity: &Identity, req: AcquireBody) -> Result<Resp
         target_domain: req.target_domain.as_deref(),
         session_key: req.session_key.as_deref(),
     };
-    let lease = match s.store.acquire(&request) {
+    let lease = match s.store.acquire_at(&request, now) {
         Ok(lease) => lease,
         Err(e) => {
             s.metrics
@@ -572,12 +587,13 @@ fn with_claim<T>(
     s: &StateInner,
     id: &str,
     token: u64,
+    now: u64,
     op: impl Fn(&crate::lease::LeaseId) -> Result<T, LeaseError>,
 ) -> Result<T, ApiError> {
     let claim = verify(s, id)?;
     match op(&claim.id) {
         Err(LeaseError::NotFound) => {
-            s.store.reinstate(&claim, token)?;
+            s.store.reinstate_at(&claim, token, now)?;
             tracing::info!(proxy = %claim.id.key, "lease reinstated from its signed ID");
             Ok(op(&claim.id)?)
         }
@@ -585,7 +601,7 @@ fn with_claim<T>(
     }
 }
 
-fn renew(s: &StateInner, id: &str, req: RenewBody) -> Result<Response<Full<Bytes>>, ApiError> {
+fn renew(s: &StateInner, id: &str, req: RenewBody, now: u64) -> Result<Response<Full<Bytes>>, ApiError> {
     if req
         .ttl_seconds
         .is_some_and(|t| t == 0 || t > wire::MAX_TTL_SECONDS)
@@ -596,8 +612,8 @@ fn renew(s: &StateInner, id: &str, req: RenewBody) -> Result<Response<Full<Bytes
         )));
     }
     let ttl = req.ttl_seconds.map(Duration::from_secs);
-    let renewed = with_claim(s, id, req.fencing_token, |lease| {
-        s.store.renew(lease, req.fencing_token, ttl)
+    let renewed = with_claim(s, id, req.fencing_token, now, |lease| {
+        s.store.renew_at(lease, req.fencing_token, ttl, now)
     })?;
     Ok(json(
         StatusCode::OK,
@@ -609,14 +625,15 @@ fn renew(s: &StateInner, id: &str, req: RenewBody) -> Result<Response<Full<Bytes
     ))
 }
 
-fn release(s: &StateInner, id: &str, req: ReleaseBody) -> Result<Response<Full<Bytes>>, ApiError> {
+fn release(s: &StateInner, id: &str, req: ReleaseBody, now: u64) -> Result<Response<Full<Bytes>>, ApiError> {
     req.validate().map_err(ApiError::bad_request)?;
-    with_claim(s, id, req.fencing_token, |lease| {
-        s.store.release(
+    with_claim(s, id, req.fencing_token, now, |lease| {
+        s.store.release_at(
             lease,
             req.fencing_token,
             req.outcome,
             req.target_domain.as_deref(),
+            now,
         )
     })?;
     s.metrics

@@ -14,6 +14,10 @@ pub const MAX_HOLDER_LEN: usize = 128;
 pub const MAX_SESSION_KEY_LEN: usize = 256;
 /// Longest target domain.
 pub const MAX_DOMAIN_LEN: usize = 253;
+/// Longest selector key (an attribute key: optional DNS prefix, '/', name).
+pub const MAX_SELECTOR_KEY_LEN: usize = 317;
+/// Longest selector value.
+pub const MAX_SELECTOR_VALUE_LEN: usize = 256;
 /// Most selector terms in a request body.
 pub const MAX_SELECTOR_TERMS: usize = crate::lease::MAX_SELECTOR_TERMS;
 
@@ -41,6 +45,13 @@ fn printable(s: &str) -> bool {
     !s.chars().any(char::is_control)
 }
 
+/// Whether `s` has 1 to `max` characters (Unicode scalar values, as the docs count them: a
+/// byte count would turn 100 × "é" into 200).
+fn chars_within(s: &str, max: usize) -> bool {
+    // Each character takes 1 to 4 bytes: most strings are decided without counting.
+    !s.is_empty() && (s.len() <= max || (s.len() <= 4 * max && s.chars().count() <= max))
+}
+
 fn valid_domain(d: &str) -> bool {
     !d.is_empty()
         && d.len() <= MAX_DOMAIN_LEN
@@ -51,7 +62,7 @@ fn valid_domain(d: &str) -> bool {
 impl AcquireBody {
     /// Checks ranges and formats; the message says what to fix.
     pub fn validate(&self) -> Result<(), String> {
-        if self.holder.is_empty() || self.holder.len() > MAX_HOLDER_LEN || !printable(&self.holder) {
+        if !chars_within(&self.holder, MAX_HOLDER_LEN) || !printable(&self.holder) {
             return Err(format!("holder must be 1-{MAX_HOLDER_LEN} printable characters"));
         }
         if self.ttl_seconds.is_some_and(|t| t == 0 || t > MAX_TTL_SECONDS) {
@@ -63,20 +74,20 @@ impl AcquireBody {
             return Err("targetDomain must be a host name".to_owned());
         }
         if let Some(k) = &self.session_key
-            && (k.is_empty() || k.len() > MAX_SESSION_KEY_LEN || !printable(k))
+            && (!chars_within(k, MAX_SESSION_KEY_LEN) || !printable(k))
         {
             return Err(format!(
                 "sessionKey must be 1-{MAX_SESSION_KEY_LEN} printable characters"
             ));
         }
         if self.selector.len() > MAX_SELECTOR_TERMS
-            || self
-                .selector
-                .iter()
-                .any(|(k, v)| k.is_empty() || k.len() > 317 || v.len() > 256)
+            || self.selector.iter().any(|(k, v)| {
+                !chars_within(k, MAX_SELECTOR_KEY_LEN)
+                    || !v.is_empty() && !chars_within(v, MAX_SELECTOR_VALUE_LEN)
+            })
         {
             return Err(format!(
-                "selector must have at most {MAX_SELECTOR_TERMS} attributes with non-empty keys"
+                "selector must have at most {MAX_SELECTOR_TERMS} attributes, keys of 1-{MAX_SELECTOR_KEY_LEN} and values of at most {MAX_SELECTOR_VALUE_LEN} characters"
             ));
         }
         Ok(())
