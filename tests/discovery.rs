@@ -473,3 +473,317 @@ async fn token_review_lets_allowed_service_accounts_in() {
     server.shutdown().await;
     api_task.abort();
 }
+
+/// Sends raw bytes on a fresh connection (then half-closes it if asked) and reads one response:
+/// status, head, body.
+async fn raw_exchange(url: &str, request: &[u8], half_close: bool) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(url.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    // The server may answer (and close) before it has read everything: a failed write is fine.
+    let _ = stream.write_all(request).await;
+    if half_close {
+        let _ = stream.shutdown().await;
+    }
+    let mut buf = Vec::new();
+    let read = async {
+        loop {
+            let mut chunk = [0u8; 4096];
+            let n = stream.read(&mut chunk).await.unwrap_or(0);
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                if buf.len() >= end + 4 + len || n == 0 {
+                    return end;
+                }
+            } else if n == 0 {
+                return buf.len();
+            }
+        }
+    };
+    let end = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("the server answers");
+    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+    let body = String::from_utf8_lossy(buf.get(end + 4..).unwrap_or_default()).into_owned();
+    let status = head.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, head, body)
+}
+
+#[tokio::test]
+async fn errors_from_the_http_layer_have_the_json_error_body() {
+    let server = Server::start(demo_store(), tokens()).await;
+    let auth = format!("authorization: Bearer {TOKEN}\r\n");
+    let many_headers: String = (0..150).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let huge_header = format!("x-big: {}\r\n", "a".repeat(500 * 1024));
+    let long_uri = format!("/v1/proxies?selector={}", "a".repeat(70 * 1024));
+    let cases: Vec<(&str, String, bool, u16, &str)> = vec![
+        (
+            "too many headers",
+            format!("GET /v1/proxies HTTP/1.1\r\nhost: x\r\n{many_headers}\r\n"),
+            false,
+            431,
+            "headers_too_large",
+        ),
+        (
+            "headers over the buffer",
+            format!("GET /v1/proxies HTTP/1.1\r\nhost: x\r\n{huge_header}\r\n"),
+            false,
+            431,
+            "headers_too_large",
+        ),
+        (
+            "URI too long",
+            format!("GET {long_uri} HTTP/1.1\r\nhost: x\r\n\r\n"),
+            false,
+            414,
+            "uri_too_long",
+        ),
+        (
+            "garbage request line",
+            "HELLO THERE\r\n\r\n".to_owned(),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "Content-Length not a number",
+            format!("POST /v1/leases HTTP/1.1\r\nhost: x\r\n{auth}content-length: ten\r\n\r\n{{}}"),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "two different Content-Lengths",
+            format!(
+                "POST /v1/leases HTTP/1.1\r\nhost: x\r\n{auth}content-length: 2\r\ncontent-length: 3\r\n\r\n{{}}"
+            ),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "HTTP/1.0 with chunked Transfer-Encoding",
+            format!(
+                "POST /v1/leases HTTP/1.0\r\nhost: x\r\n{auth}transfer-encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n"
+            ),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "bad chunk size",
+            format!(
+                "POST /v1/leases HTTP/1.1\r\nhost: x\r\n{auth}transfer-encoding: chunked\r\n\r\nzz\r\n{{}}\r\n0\r\n\r\n"
+            ),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "body shorter than its Content-Length",
+            format!("POST /v1/leases HTTP/1.1\r\nhost: x\r\n{auth}content-length: 100\r\n\r\n{{\"holder\":"),
+            true,
+            400,
+            "malformed_request",
+        ),
+        (
+            "HTTP/1.0 request on a wrong method",
+            "DELETE /v1/proxies HTTP/1.0\r\n\r\n".to_owned(),
+            false,
+            405,
+            "method_not_allowed",
+        ),
+    ];
+    for (what, request, half_close, status, code) in cases {
+        let (got, head, body) = raw_exchange(&server.url, request.as_bytes(), half_close).await;
+        assert_eq!(got, status, "{what}: {head}\n{body}");
+        assert!(
+            head.to_lowercase().contains("content-type: application/json"),
+            "{what}: {head}"
+        );
+        let json: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{what}: {e}: {body:?}"));
+        assert_eq!(json["error"]["code"], code, "{what}: {body}");
+        assert!(json["error"]["message"].is_string(), "{what}: {body}");
+    }
+    // A well-formed request on a fresh connection is still served.
+    let (got, _, _) = raw_exchange(&server.url, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n", false).await;
+    assert_eq!(got, 200);
+    server.shutdown().await;
+}
+
+/// What one probe of the race below saw, and when (wall-clock ms around the exchange).
+#[derive(Debug)]
+struct Probe {
+    what: &'static str,
+    sent_ms: u64,
+    received_ms: u64,
+    /// Whether the probe found the first lease still in force.
+    exists: bool,
+}
+
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+#[tokio::test]
+async fn listing_acquire_renew_and_release_agree_around_expires_at() {
+    // One proxy, one slot, no cooldown: the moment the lease expires, its slot is free.
+    let store = LeaseStore::new(LeaseStoreConfig::default());
+    let key = ProxyKey::new("crawl", "solo");
+    store.upsert_proxy(LeaseTarget {
+        key: key.clone(),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 3128,
+        },
+        attributes: BTreeMap::from([("region".to_owned(), "solo".to_owned())]),
+        policy: LeasePolicy {
+            max_concurrent: 1,
+            cooldown_seconds: 0,
+            max_ttl_seconds: 3600,
+        },
+        credentials: None,
+    });
+    store.set_admission(&key, Admission::Open).unwrap();
+    let server = Server::start(store, tokens()).await;
+    let mut c = connect(&server.url).await;
+    let (status, lease) = send(
+        &mut c,
+        "POST",
+        "/v1/leases",
+        TOKEN,
+        json!({"holder": "first", "selector": {"region": "solo"}, "ttlSeconds": 1}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{lease}");
+    let expires_ms = lease["expiresAt"]
+        .as_str()
+        .unwrap()
+        .parse::<jiff::Timestamp>()
+        .unwrap()
+        .as_millisecond() as u64;
+    let id = lease["leaseId"].as_str().unwrap().to_owned();
+    let stale = lease["fencingToken"].as_u64().unwrap() - 1;
+    let until = expires_ms + 300;
+    // Four kinds of probe race each other from 4 connections until 300 ms past expiresAt.
+    // Stale-token renew and release change nothing (409 while the lease exists, 404 after);
+    // acquire stops at its first success, which takes the slot over.
+    let acquired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for what in ["list", "renew", "release", "acquire"] {
+        let (url, id, acquired) = (server.url.clone(), id.clone(), acquired.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut c = connect(&url).await;
+            let mut seen = Vec::new();
+            while wall_ms() < until && !(what == "acquire" && acquired.load(Ordering::SeqCst)) {
+                let sent_ms = wall_ms();
+                let exists = match what {
+                    "list" => {
+                        let (s, body) = send(&mut c, "GET", "/v1/proxies", TOKEN, Value::Null).await;
+                        assert_eq!(s, StatusCode::OK);
+                        let p = &body["proxies"][0];
+                        match (
+                            p["availability"].as_str().unwrap(),
+                            p["activeLeases"].as_u64().unwrap(),
+                        ) {
+                            ("busy", 1) => true,
+                            ("available", 0) => false,
+                            other => panic!("listing: {other:?}"),
+                        }
+                    }
+                    "renew" | "release" => {
+                        let body = if what == "renew" {
+                            json!({"fencingToken": stale})
+                        } else {
+                            json!({"fencingToken": stale, "outcome": "ok"})
+                        };
+                        let path = format!("/v1/leases/{id}/{what}");
+                        let (s, body) = send(&mut c, "POST", &path, TOKEN, body).await;
+                        match s {
+                            StatusCode::CONFLICT => true,
+                            StatusCode::NOT_FOUND => false,
+                            other => panic!("{what}: {other} {body}"),
+                        }
+                    }
+                    _ => {
+                        let (s, body) = send(
+                            &mut c,
+                            "POST",
+                            "/v1/leases",
+                            TOKEN,
+                            json!({"holder": "second", "selector": {"region": "solo"}, "ttlSeconds": 60}),
+                        )
+                        .await;
+                        match s {
+                            StatusCode::SERVICE_UNAVAILABLE => false,
+                            StatusCode::CREATED => {
+                                acquired.store(true, Ordering::SeqCst);
+                                true
+                            }
+                            other => panic!("acquire: {other} {body}"),
+                        }
+                        // For acquire, `exists` is inverted below: 503 means the first lease holds.
+                    }
+                };
+                let exists = if what == "acquire" { !exists } else { exists };
+                seen.push(Probe {
+                    what,
+                    sent_ms,
+                    received_ms: wall_ms(),
+                    exists,
+                });
+            }
+            seen
+        }));
+    }
+    let mut probes = Vec::new();
+    for t in tasks {
+        probes.extend(t.await.unwrap());
+    }
+    let acquired_at = probes
+        .iter()
+        .find(|p| p.what == "acquire" && !p.exists)
+        .map(|p| p.sent_ms)
+        .expect("the slot was acquired after the expiry");
+    // The second lease makes the listing busy again: listings sent after its acquire was sent
+    // say nothing about the first lease.
+    probes.retain(|p| !(p.what == "list" && p.received_ms >= acquired_at));
+    // (1) Answered before expiresAt: the lease exists for everyone. (The store's clock may lag
+    //     the wall clock by a tick, never lead it.)
+    for p in probes.iter().filter(|p| p.received_ms < expires_ms) {
+        assert!(
+            p.exists,
+            "{p:?} answered before expiresAt {expires_ms} but saw no lease"
+        );
+    }
+    // (2) Sent well after expiresAt: gone for everyone.
+    for p in probes.iter().filter(|p| p.sent_ms > expires_ms + 50) {
+        assert!(
+            !p.exists,
+            "{p:?} sent after expiresAt {expires_ms} but saw the lease"
+        );
+    }
+    // (3) No endpoint contradicts another: once any probe saw it gone, every probe sent after
+    //     that answer arrived sees it gone too.
+    for gone in probes.iter().filter(|p| !p.exists) {
+        for later in probes.iter().filter(|q| q.sent_ms > gone.received_ms) {
+            assert!(!later.exists, "{later:?} saw the lease after {gone:?} did not");
+        }
+    }
+    for what in ["list", "renew", "release", "acquire"] {
+        assert!(
+            probes.iter().any(|p| p.what == what && p.exists),
+            "no {what} probe before the expiry"
+        );
+    }
+    server.shutdown().await;
+}

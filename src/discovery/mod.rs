@@ -11,6 +11,7 @@
 //! 503 and lease endpoints answer 503 `not_ready` / `not_leader` (with `Retry-After`).
 
 pub mod auth;
+mod http_errors;
 mod metrics;
 mod wire;
 
@@ -157,12 +158,17 @@ pub async fn serve(
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                let requests = state.inner.metrics.requests.clone();
                 let state = state.clone();
                 let service = hyper::service::service_fn(move |req| {
                     let state = state.clone();
                     async move { Ok::<_, Infallible>(handle(&state, req).await) }
                 });
-                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+                let io = http_errors::JsonErrors::new(TokioIo::new(stream), move |status| {
+                    let code = http_errors::code_for(status).0;
+                    requests.get_or_create(&ResultLabels { route: "other", code }).inc();
+                });
+                let conn = graceful.watch(builder.serve_connection(io, service));
                 tokio::spawn(async move {
                     if let Err(error) = conn.await {
                         tracing::debug!(%error, "discovery connection ended with an error");
