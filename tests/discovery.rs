@@ -70,7 +70,7 @@ fn demo_store() -> LeaseStore {
 /// A live server on 127.0.0.1:0; stops (gracefully) on Drop.
 struct Server {
     url: String,
-    _ready: watch::Sender<Readiness>,
+    ready: watch::Sender<Readiness>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
@@ -100,7 +100,7 @@ impl Server {
         }));
         Server {
             url,
-            _ready: ready,
+            ready,
             stop: Some(stop),
             task: Some(task),
         }
@@ -785,5 +785,541 @@ async fn listing_acquire_renew_and_release_agree_around_expires_at() {
             "no {what} probe before the expiry"
         );
     }
+    server.shutdown().await;
+}
+
+/// Tokens with fixed verdicts: [`TOKEN`] passes, `forbidden-token` is 403, `down-token` 503.
+struct Verdicts;
+
+#[async_trait::async_trait]
+impl Authenticator for Verdicts {
+    async fn authenticate(&self, token: &str) -> Result<discovery::Identity, AuthError> {
+        match token {
+            TOKEN => Ok(discovery::Identity {
+                name: "crawler".into(),
+            }),
+            "forbidden-token" => Err(AuthError::Forbidden("the outsider".into())),
+            "down-token" => Err(AuthError::Unavailable("API server unreachable".into())),
+            _ => Err(AuthError::Unauthenticated),
+        }
+    }
+}
+
+#[test]
+fn checked_in_openapi_contract_matches_the_types() {
+    let on_disk = std::fs::read_to_string(support::crate_path("docs/openapi.json")).unwrap();
+    assert!(
+        on_disk == discovery::openapi::json(),
+        "docs/openapi.json drifted from src/discovery; run `cargo run -- openapi > docs/openapi.json` and commit"
+    );
+    let doc: Value = serde_json::from_str(&on_disk).unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+}
+
+/// Checks one real answer against the contract: the operation documents its status (or, for
+/// answers no operation owns, the component response does), the content type is the documented
+/// one, the body validates against the documented schema, an error's description names its
+/// code, and documented headers are present and valid.
+struct Contract {
+    doc: Value,
+    seen: std::collections::BTreeSet<(String, String, u16)>,
+    codes: std::collections::BTreeSet<String>,
+}
+
+impl Contract {
+    /// Why `instance` does not conform to `schema` (empty if it does).
+    fn violations(&self, schema: &Value, instance: &Value) -> Vec<String> {
+        // The whole document is the root, so `#/components/...` references resolve.
+        let mut root = self.doc.clone();
+        root["$schema"] = json!("https://json-schema.org/draft/2020-12/schema");
+        root["allOf"] = json!([schema]);
+        let validator = jsonschema::validator_for(&root).unwrap();
+        validator.iter_errors(instance).map(|e| e.to_string()).collect()
+    }
+
+    fn validate(&self, schema: &Value, instance: &Value, what: &str) {
+        let errors = self.violations(schema, instance);
+        assert!(
+            errors.is_empty(),
+            "{what}: {instance} does not conform: {errors:?}"
+        );
+    }
+
+    /// `template` is the documented path, or `None` for the component responses.
+    fn check(&mut self, method: &str, template: Option<&str>, status: u16, head: &str, body: &str) {
+        let what = format!("{method} {template:?} -> {status}");
+        let response = match template {
+            Some(t) => self.doc["paths"][t][method.to_lowercase()]["responses"][status.to_string()].clone(),
+            None => {
+                let name = match status {
+                    400 => "HttpLayerBadRequest",
+                    404 => "NotFound",
+                    405 => "MethodNotAllowed",
+                    414 => "HttpLayerUriTooLong",
+                    431 => "HttpLayerHeadersTooLarge",
+                    other => panic!("{what}: no component response for {other}"),
+                };
+                self.doc["components"]["responses"][name].clone()
+            }
+        };
+        assert!(response.is_object(), "{what}: not documented");
+        let header = |name: &str| {
+            head.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+            })
+        };
+        let content_type = header("content-type").unwrap_or_default();
+        let content = response["content"]
+            .as_object()
+            .expect("every response has content");
+        let (documented_type, media) = content.iter().next().unwrap();
+        assert!(
+            content_type.starts_with(documented_type.split(';').next().unwrap()),
+            "{what}: content type {content_type}, documented {documented_type}"
+        );
+        if documented_type == "application/json" {
+            let instance: Value =
+                serde_json::from_str(body).unwrap_or_else(|e| panic!("{what}: {e}: {body}"));
+            self.validate(&media["schema"], &instance, &what);
+            if let Some(code) = instance["error"]["code"].as_str() {
+                let description = response["description"].as_str().unwrap_or_default();
+                assert!(
+                    description.contains(&format!("`{code}`")),
+                    "{what}: code {code} is not in the documented description {description:?}"
+                );
+                self.codes.insert(code.to_owned());
+            }
+        }
+        if let Some(headers) = response["headers"].as_object() {
+            for (name, spec) in headers {
+                let value = header(name).unwrap_or_else(|| panic!("{what}: no {name} header"));
+                let number: Value = value.parse::<u64>().map_or(json!(value), |n| json!(n));
+                self.validate(&spec["schema"], &number, &format!("{what} header {name}"));
+            }
+        }
+        if status == 405 {
+            assert!(header("allow").is_some(), "{what}: 405 without Allow");
+        }
+        if let Some(t) = template {
+            self.seen.insert((t.to_owned(), method.to_lowercase(), status));
+        }
+    }
+}
+
+#[tokio::test]
+async fn every_documented_response_conforms_to_the_openapi_contract() {
+    let store = demo_store();
+    let server = Server::start(store.clone(), Arc::new(Verdicts)).await;
+    let served = raw_exchange(
+        &server.url,
+        b"GET /v1/openapi.json HTTP/1.1\r\nhost: x\r\n\r\n",
+        false,
+    )
+    .await;
+    assert_eq!(
+        served.2,
+        discovery::openapi::json(),
+        "the served contract is the generated one"
+    );
+    let mut contract = Contract {
+        doc: serde_json::from_str(&served.2).unwrap(),
+        seen: Default::default(),
+        codes: Default::default(),
+    };
+    // The check can fail: what the contract does not allow is caught.
+    let error = json!({"$ref": "#/components/schemas/Error"});
+    for bad in [
+        json!({"error": {"code": "made_up", "message": "m"}}),
+        json!({"error": {"code": "not_found"}}),
+        json!({"error": {"code": "not_found", "message": "m", "extra": 1}}),
+        json!({"code": "not_found", "message": "m"}),
+    ] {
+        assert!(!contract.violations(&error, &bad).is_empty(), "{bad} passed");
+    }
+    let proxy = json!({"$ref": "#/components/schemas/Proxy"});
+    let listed = json!({"key": "a/b", "namespace": "a", "name": "b", "endpoint": "h:1", "attributes": {}, "availability": "sleeping"});
+    assert!(!contract.violations(&proxy, &listed).is_empty());
+
+    // One request on a fresh connection: method, path, token, body.
+    async fn call(
+        url: &str,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: &str,
+    ) -> (u16, String, String) {
+        let auth = token
+            .map(|t| format!("authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nhost: x\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        raw_exchange(url, request.as_bytes(), false).await
+    }
+    let url = server.url.clone();
+    let big = format!("{{\"holder\":\"{}\"}}", "a".repeat(20_000));
+    let acquire = r#"{"holder":"c","selector":{"region":"us"},"targetDomain":"shop.example"}"#;
+
+    // A lease to renew and release, on us-1 (two slots).
+    let (status, head, body) = call(&url, "POST", "/v1/leases", Some(TOKEN), acquire).await;
+    contract.check("POST", Some("/v1/leases"), status, &head, &body);
+    assert_eq!(status, 201, "{body}");
+    let lease: Value = serde_json::from_str(&body).unwrap();
+    let id = lease["leaseId"].as_str().unwrap().to_owned();
+    let first = lease["fencingToken"].as_u64().unwrap();
+    let renew_path = format!("/v1/leases/{id}/renew");
+    let release_path = format!("/v1/leases/{id}/release");
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        &renew_path,
+        Some(TOKEN),
+        &format!(r#"{{"fencingToken":{first}}}"#),
+    )
+    .await;
+    contract.check("POST", Some("/v1/leases/{leaseId}/renew"), status, &head, &body);
+    assert_eq!(status, 200, "{body}");
+    let current = serde_json::from_str::<Value>(&body).unwrap()["fencingToken"]
+        .as_u64()
+        .unwrap();
+
+    let renew = "/v1/leases/{leaseId}/renew";
+    let release = "/v1/leases/{leaseId}/release";
+    let stale_release = format!(r#"{{"fencingToken":{first},"outcome":"ok"}}"#);
+    // method, path, token, body, documented path (None: a component response), status
+    type Case<'a> = (&'a str, String, Option<&'a str>, String, Option<&'a str>, u16);
+    let cases: Vec<Case> = vec![
+        (
+            "GET",
+            "/healthz".into(),
+            None,
+            String::new(),
+            Some("/healthz"),
+            200,
+        ),
+        ("GET", "/readyz".into(), None, String::new(), Some("/readyz"), 200),
+        (
+            "GET",
+            "/metrics".into(),
+            None,
+            String::new(),
+            Some("/metrics"),
+            200,
+        ),
+        (
+            "GET",
+            "/v1/openapi.json".into(),
+            None,
+            String::new(),
+            Some("/v1/openapi.json"),
+            200,
+        ),
+        (
+            "GET",
+            "/v1/proxies?selector=region%3Deu".into(),
+            Some(TOKEN),
+            String::new(),
+            Some("/v1/proxies"),
+            200,
+        ),
+        (
+            "GET",
+            "/v1/proxies?selector=region".into(),
+            Some(TOKEN),
+            String::new(),
+            Some("/v1/proxies"),
+            400,
+        ),
+        (
+            "GET",
+            "/v1/proxies".into(),
+            None,
+            String::new(),
+            Some("/v1/proxies"),
+            401,
+        ),
+        (
+            "GET",
+            "/v1/proxies".into(),
+            Some("forbidden-token"),
+            String::new(),
+            Some("/v1/proxies"),
+            403,
+        ),
+        (
+            "GET",
+            "/v1/proxies".into(),
+            Some("down-token"),
+            String::new(),
+            Some("/v1/proxies"),
+            503,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some(TOKEN),
+            r#"{"holder":"c","colour":"red"}"#.into(),
+            Some("/v1/leases"),
+            400,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some("nobody"),
+            acquire.into(),
+            Some("/v1/leases"),
+            401,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some("forbidden-token"),
+            acquire.into(),
+            Some("/v1/leases"),
+            403,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some(TOKEN),
+            big.clone(),
+            Some("/v1/leases"),
+            413,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some(TOKEN),
+            r#"{"holder":"c","selector":{"region":"mars"}}"#.into(),
+            Some("/v1/leases"),
+            503,
+        ),
+        (
+            "POST",
+            renew_path.clone(),
+            Some(TOKEN),
+            "[]".into(),
+            Some(renew),
+            400,
+        ),
+        ("POST", renew_path.clone(), None, "{}".into(), Some(renew), 401),
+        (
+            "POST",
+            renew_path.clone(),
+            Some("forbidden-token"),
+            "{}".into(),
+            Some(renew),
+            403,
+        ),
+        (
+            "POST",
+            "/v1/leases/not-a-lease/renew".into(),
+            Some(TOKEN),
+            r#"{"fencingToken":1}"#.into(),
+            Some(renew),
+            404,
+        ),
+        (
+            "POST",
+            renew_path.clone(),
+            Some(TOKEN),
+            format!(r#"{{"fencingToken":{first}}}"#),
+            Some(renew),
+            409,
+        ),
+        (
+            "POST",
+            renew_path.clone(),
+            Some(TOKEN),
+            big.clone(),
+            Some(renew),
+            413,
+        ),
+        (
+            "POST",
+            renew_path.clone(),
+            Some("down-token"),
+            "{}".into(),
+            Some(renew),
+            503,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some(TOKEN),
+            r#"{"outcome":"ok"}"#.into(),
+            Some(release),
+            400,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            None,
+            "{}".into(),
+            Some(release),
+            401,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some("forbidden-token"),
+            "{}".into(),
+            Some(release),
+            403,
+        ),
+        (
+            "POST",
+            "/v1/leases/not-a-lease/release".into(),
+            Some(TOKEN),
+            stale_release.clone(),
+            Some(release),
+            404,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some(TOKEN),
+            stale_release.clone(),
+            Some(release),
+            409,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some(TOKEN),
+            big.clone(),
+            Some(release),
+            413,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some("down-token"),
+            "{}".into(),
+            Some(release),
+            503,
+        ),
+        ("GET", "/nowhere".into(), Some(TOKEN), String::new(), None, 404),
+        (
+            "DELETE",
+            "/v1/proxies".into(),
+            Some(TOKEN),
+            String::new(),
+            None,
+            405,
+        ),
+    ];
+    for (method, path, token, body, template, want) in &cases {
+        let (status, head, answer) = call(&url, method, path, *token, body).await;
+        assert_eq!(status, *want, "{method} {path}: {answer}");
+        contract.check(method, *template, status, &head, &answer);
+    }
+    // A ban without a domain anywhere: a lease without targetDomain, released as banned.
+    let (_, _, body) = call(
+        &url,
+        "POST",
+        "/v1/leases",
+        Some(TOKEN),
+        r#"{"holder":"c","selector":{"region":"eu"}}"#,
+    )
+    .await;
+    let plain: Value = serde_json::from_str(&body).unwrap();
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        &format!("/v1/leases/{}/release", plain["leaseId"].as_str().unwrap()),
+        Some(TOKEN),
+        &format!(
+            r#"{{"fencingToken":{},"outcome":"banned"}}"#,
+            plain["fencingToken"]
+        ),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    contract.check("POST", Some(release), status, &head, &body);
+    // Draining: renewals refused, release still fine.
+    store.drain(&ProxyKey::new("crawl", "us-1"));
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        &renew_path,
+        Some(TOKEN),
+        &format!(r#"{{"fencingToken":{current}}}"#),
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    contract.check("POST", Some(renew), status, &head, &body);
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        &release_path,
+        Some(TOKEN),
+        &format!(r#"{{"fencingToken":{current},"outcome":"banned"}}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    contract.check("POST", Some(release), status, &head, &body);
+    // Not ready, then not the leader: every lease operation and /readyz say so.
+    for readiness in [
+        Readiness {
+            synced: false,
+            leader: true,
+        },
+        Readiness {
+            synced: true,
+            leader: false,
+        },
+    ] {
+        server.ready.send(readiness).unwrap();
+        for (method, path, template) in [
+            ("GET", "/readyz", "/readyz"),
+            ("GET", "/v1/proxies", "/v1/proxies"),
+            ("POST", "/v1/leases", "/v1/leases"),
+            ("POST", renew_path.as_str(), renew),
+            ("POST", release_path.as_str(), release),
+        ] {
+            let (status, head, body) = call(&url, method, path, Some(TOKEN), "{}").await;
+            assert_eq!(status, 503, "{method} {path}: {body}");
+            contract.check(method, Some(template), status, &head, &body);
+        }
+    }
+    // What the HTTP layer answers by itself.
+    for (request, want) in [
+        (b"HELLO THERE\r\n\r\n".to_vec(), 400),
+        (
+            format!("GET /{} HTTP/1.1\r\nhost: x\r\n\r\n", "a".repeat(70 * 1024)).into_bytes(),
+            414,
+        ),
+        (
+            format!("GET /healthz HTTP/1.1\r\n{}\r\n", "x-h: v\r\n".repeat(150)).into_bytes(),
+            431,
+        ),
+    ] {
+        let (status, head, body) = raw_exchange(&url, &request, false).await;
+        assert_eq!(status, want, "{body}");
+        contract.check("GET", None, status, &head, &body);
+    }
+
+    // Every documented (operation, status) was met, except the 500 a bug would cause.
+    let mut documented = std::collections::BTreeSet::new();
+    for (path, item) in contract.doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            for status in op["responses"].as_object().unwrap().keys() {
+                documented.insert((path.clone(), method.clone(), status.parse::<u16>().unwrap()));
+            }
+        }
+    }
+    documented.remove(&("/metrics".to_owned(), "get".to_owned(), 500));
+    let missing: Vec<_> = documented.difference(&contract.seen).collect();
+    assert!(missing.is_empty(), "documented but never checked: {missing:?}");
+    // And every documented error code, except `internal`.
+    let codes: std::collections::BTreeSet<String> = discovery::ERROR_CODES
+        .iter()
+        .filter(|c| **c != "internal")
+        .map(|c| c.to_string())
+        .collect();
+    assert_eq!(contract.codes, codes, "error codes met vs documented");
     server.shutdown().await;
 }

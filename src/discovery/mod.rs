@@ -13,6 +13,7 @@
 pub mod auth;
 mod http_errors;
 mod metrics;
+pub mod openapi;
 mod wire;
 
 #[cfg(test)]
@@ -39,8 +40,8 @@ use tokio::{net::TcpListener, sync::watch};
 pub use auth::{AuthError, Authenticator, Identity, StaticTokens, TokenReviewAuthenticator};
 pub use metrics::DiscoveryMetrics;
 pub use wire::{
-    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
-    ReleaseResponse, RenewBody, RenewResponse,
+    AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
+    ReleaseResponse, RenewBody, RenewResponse, StatusBody,
 };
 
 use crate::lease::{
@@ -193,6 +194,7 @@ enum Route<'a> {
     Healthz,
     Readyz,
     Metrics,
+    OpenApi,
     List,
     Acquire,
     Renew(&'a str),
@@ -205,6 +207,7 @@ impl Route<'_> {
             Route::Healthz => "healthz",
             Route::Readyz => "readyz",
             Route::Metrics => "metrics",
+            Route::OpenApi => "openapi",
             Route::List => "list",
             Route::Acquire => "acquire",
             Route::Renew(_) => "renew",
@@ -312,6 +315,7 @@ fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, ApiError> {
         "/healthz" => only("GET", &Method::GET, Route::Healthz),
         "/readyz" => only("GET", &Method::GET, Route::Readyz),
         "/metrics" => only("GET", &Method::GET, Route::Metrics),
+        "/v1/openapi.json" => only("GET", &Method::GET, Route::OpenApi),
         "/v1/proxies" => only("GET", &Method::GET, Route::List),
         "/v1/leases" => only("POST", &Method::POST, Route::Acquire),
         _ => {
@@ -377,23 +381,10 @@ where
 {
     let s = &state.inner;
     match route {
-        Route::Healthz => return Ok(json(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
-        Route::Readyz => {
-            check_ready(s)?;
-            return Ok(json(StatusCode::OK, &serde_json::json!({"status": "ready"})));
-        }
-        Route::Metrics => {
-            let mut text = String::new();
-            prometheus_client::encoding::text::encode(&mut text, &s.registry).map_err(|_| {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics")
-            })?;
-            let mut response = Response::new(Full::new(Bytes::from(text)));
-            response.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
-            );
-            return Ok(response);
-        }
+        Route::Healthz => return Ok(healthz()),
+        Route::Readyz => return readyz(s),
+        Route::Metrics => return metrics(s),
+        Route::OpenApi => return Ok(openapi_json()),
         _ => {}
     }
     let identity = authenticate(s, parts).await?;
@@ -413,8 +404,73 @@ where
             let req: ReleaseBody = read_json(s, parts, body).await?;
             release(s, id, req, s.store.now_ms())
         }
-        Route::Healthz | Route::Readyz | Route::Metrics => unreachable!("answered above"),
+        Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi => unreachable!("answered above"),
     }
+}
+
+/// Liveness.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    responses((status = 200, description = "The process serves HTTP", body = StatusBody)),
+)]
+fn healthz() -> Response<Full<Bytes>> {
+    json(StatusCode::OK, &StatusBody { status: "ok" })
+}
+
+/// Readiness: caches synced and this replica leads.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "Ready to serve leases", body = StatusBody),
+        (status = 503, description = "`not_ready` or `not_leader`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait: 1"))),
+    ),
+)]
+fn readyz(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> {
+    check_ready(s)?;
+    Ok(json(StatusCode::OK, &StatusBody { status: "ready" }))
+}
+
+/// Prometheus/OpenMetrics text of the discovery and controller metrics.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses(
+        (status = 200, description = "OpenMetrics text", body = String,
+            content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        (status = 500, description = "`internal`: the metrics could not be encoded (a bug)", body = ErrorBody),
+    ),
+)]
+fn metrics(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &s.registry)
+        .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics"))?;
+    let mut response = Response::new(Full::new(Bytes::from(text)));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    Ok(response)
+}
+
+/// This contract (OpenAPI 3.1). Needs no token.
+#[utoipa::path(
+    get,
+    path = "/v1/openapi.json",
+    tag = "operations",
+    responses((status = 200, description = "The OpenAPI document", body = Object)),
+)]
+fn openapi_json() -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(openapi::served()));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
 }
 
 fn check_ready(s: &StateInner) -> Result<(), ApiError> {
@@ -509,6 +565,23 @@ where
     Ok(value)
 }
 
+/// Lists the proxies whose attributes match every term of the selector, sorted by key.
+#[utoipa::path(
+    get,
+    path = "/v1/proxies",
+    tag = "leases",
+    params(("selector" = Option<String>, Query,
+        description = "`key=value[,key=value...]`, at most 32 terms and 2048 bytes; absent: every proxy")),
+    responses(
+        (status = 200, description = "The matching proxies and how each stands", body = ListResponse),
+        (status = 400, description = "`malformed_request`: bad selector or unknown query parameter", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 403, description = "`forbidden`", body = ErrorBody),
+        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ),
+    security(("bearer" = [])),
+)]
 fn list(
     s: &StateInner,
     parts: &hyper::http::request::Parts,
@@ -535,6 +608,24 @@ fn list(
     Ok(json(StatusCode::OK, &ListResponse { proxies }))
 }
 
+/// Acquires a lease on the least recently used eligible proxy (or the session's).
+#[utoipa::path(
+    post,
+    path = "/v1/leases",
+    tag = "leases",
+    request_body(content = AcquireBody, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The lease", body = AcquireResponse),
+        (status = 400, description = "`malformed_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 403, description = "`forbidden`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`: body over 16 KiB", body = ErrorBody),
+        (status = 503, description = "`no_proxy_available` (nothing eligible now), `not_ready`, `not_leader` or \
+            `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until trying again may succeed: 1 to 60"))),
+    ),
+    security(("bearer" = [])),
+)]
 fn acquire(
     s: &StateInner,
     identity: &Identity,
@@ -607,6 +698,26 @@ fn with_claim<T>(
     }
 }
 
+/// Extends a lease from now and issues a new fencing token.
+#[utoipa::path(
+    post,
+    path = "/v1/leases/{leaseId}/renew",
+    tag = "leases",
+    params(("leaseId" = String, Path, description = "The signed lease ID from the acquire")),
+    request_body(content = RenewBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The new token and expiry", body = RenewResponse),
+        (status = 400, description = "`malformed_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 403, description = "`forbidden`", body = ErrorBody),
+        (status = 404, description = "`lease_not_found`: unknown, released, revoked or expired", body = ErrorBody),
+        (status = 409, description = "`stale_token` or `proxy_draining`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ),
+    security(("bearer" = [])),
+)]
 fn renew(s: &StateInner, id: &str, req: RenewBody, now: u64) -> Result<Response<Full<Bytes>>, ApiError> {
     if req
         .ttl_seconds
@@ -631,6 +742,26 @@ fn renew(s: &StateInner, id: &str, req: RenewBody, now: u64) -> Result<Response<
     ))
 }
 
+/// Ends a lease, reporting how it went; the proxy rests for its cooldown.
+#[utoipa::path(
+    post,
+    path = "/v1/leases/{leaseId}/release",
+    tag = "leases",
+    params(("leaseId" = String, Path, description = "The signed lease ID from the acquire")),
+    request_body(content = ReleaseBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Released", body = ReleaseResponse),
+        (status = 400, description = "`malformed_request` or `target_domain_required`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 403, description = "`forbidden`", body = ErrorBody),
+        (status = 404, description = "`lease_not_found`: unknown, released, revoked or expired", body = ErrorBody),
+        (status = 409, description = "`stale_token`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ),
+    security(("bearer" = [])),
+)]
 fn release(s: &StateInner, id: &str, req: ReleaseBody, now: u64) -> Result<Response<Full<Bytes>>, ApiError> {
     req.validate().map_err(ApiError::bad_request)?;
     with_claim(s, id, req.fencing_token, now, |lease| {

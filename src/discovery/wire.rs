@@ -1,8 +1,14 @@
 //! JSON bodies of the discovery API. Requests reject unknown fields; field names are camelCase.
+//! Their `ToSchema` derives are the OpenAPI contract's schemas (`super::openapi`): the doc
+//! comments are its descriptions, the `schema` attributes its limits.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use utoipa::{
+    ToSchema,
+    openapi::{ObjectBuilder, Type, schema::Object},
+};
 
 use crate::lease::{Availability, Outcome, ProxyInfo, ProxyView, rfc3339};
 
@@ -22,22 +28,27 @@ pub const MAX_SELECTOR_VALUE_LEN: usize = 256;
 pub const MAX_SELECTOR_TERMS: usize = crate::lease::MAX_SELECTOR_TERMS;
 
 /// `POST /v1/leases`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AcquireBody {
-    /// Required attributes (all must match); empty or absent: any proxy.
+    /// Required attributes (all must match); empty or absent: any proxy. At most 32; keys of
+    /// 1-317 characters, values of at most 256.
     #[serde(default)]
     pub selector: BTreeMap<String, String>,
-    /// Who holds the lease.
+    /// Who holds the lease: 1-128 printable characters.
+    #[schema(min_length = 1, max_length = 128)]
     pub holder: String,
-    /// Lease length; default 60.
+    /// Lease length in seconds; default 60, capped by the proxy's `lease.maxTtlSeconds`.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 86400)]
     pub ttl_seconds: Option<u64>,
-    /// The domain to be crawled through the proxy.
+    /// The domain to be crawled through the proxy: proxies banned for it are skipped.
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$")]
     pub target_domain: Option<String>,
-    /// Sticky-session key.
+    /// Sticky-session key: 1-256 printable characters.
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 256)]
     pub session_key: Option<String>,
 }
 
@@ -95,18 +106,19 @@ impl AcquireBody {
 }
 
 /// `POST /v1/leases/{id}/renew`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RenewBody {
     /// The lease's latest fencing token.
     pub fencing_token: u64,
-    /// New length from now; default: the lease's own TTL.
+    /// New length in seconds from now; default: the lease's own TTL.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 86400)]
     pub ttl_seconds: Option<u64>,
 }
 
 /// `POST /v1/leases/{id}/release`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReleaseBody {
     /// The lease's latest fencing token.
@@ -115,6 +127,7 @@ pub struct ReleaseBody {
     pub outcome: Outcome,
     /// For `banned`: the domain that banned the proxy (default: the lease's target domain).
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$")]
     pub target_domain: Option<String>,
 }
 
@@ -129,8 +142,9 @@ impl ReleaseBody {
 }
 
 /// A proxy in responses (never with credentials).
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schema(as = Proxy)]
 pub struct ProxyJson {
     /// `namespace/name`.
     pub key: String,
@@ -151,8 +165,9 @@ pub struct ProxyJson {
     /// In listings: its limit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrent: Option<u32>,
-    /// In listings: end of its cooldown.
+    /// In listings: end of its cooldown (RFC 3339), while it rests.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime)]
     pub cooldown_until: Option<String>,
 }
 
@@ -185,15 +200,25 @@ impl ProxyJson {
 }
 
 /// `GET /v1/proxies`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ListResponse {
     /// Matching proxies, by key.
     pub proxies: Vec<ProxyJson>,
 }
 
+/// `GET /healthz` and `GET /readyz` when the answer is yes.
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StatusBody {
+    /// `ok` (`/healthz`) or `ready` (`/readyz`).
+    #[schema(pattern = "^(ok|ready)$")]
+    pub status: &'static str,
+}
+
 /// A granted lease.
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AcquireResponse {
     /// Signed lease ID, for renew and release.
     pub lease_id: String,
@@ -203,29 +228,32 @@ pub struct AcquireResponse {
     pub proxy_url: String,
     /// The proxy.
     pub proxy: ProxyJson,
-    /// RFC 3339.
+    /// When it was granted (RFC 3339).
+    #[schema(format = DateTime)]
     pub acquired_at: String,
-    /// RFC 3339.
+    /// When it ends unless renewed (RFC 3339): from this instant on it does not exist.
+    #[schema(format = DateTime)]
     pub expires_at: String,
-    /// Granted length (after the proxy's cap).
+    /// Granted length in seconds (after the proxy's cap).
     pub ttl_seconds: u64,
 }
 
 /// A renewed lease.
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RenewResponse {
     /// Unchanged lease ID.
     pub lease_id: String,
     /// New token; the previous one is stale.
     pub fencing_token: u64,
-    /// RFC 3339.
+    /// The new expiry (RFC 3339).
+    #[schema(format = DateTime)]
     pub expires_at: String,
 }
 
 /// A released lease.
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReleaseResponse {
     /// The lease ID.
     pub lease_id: String,
@@ -236,17 +264,50 @@ pub struct ReleaseResponse {
 }
 
 /// Every error: `{"error": {"code": ..., "message": ...}}`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(as = Error)]
 pub struct ErrorBody {
     /// The error.
     pub error: ErrorDetail,
 }
 
 /// A stable code and a human message.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ErrorDetail {
-    /// Stable, documented code.
+    /// Stable, documented code (see docs/api.md, "Errors").
+    #[schema(schema_with = error_code_schema)]
     pub code: &'static str,
     /// What happened and what to do.
     pub message: String,
+}
+
+/// Every error code the API answers with, as docs/api.md documents them.
+pub const ERROR_CODES: &[&str] = &[
+    "malformed_request",
+    "target_domain_required",
+    "unauthorized",
+    "forbidden",
+    "lease_not_found",
+    "not_found",
+    "method_not_allowed",
+    "stale_token",
+    "proxy_draining",
+    "payload_too_large",
+    "uri_too_long",
+    "headers_too_large",
+    "internal",
+    "no_proxy_available",
+    "not_leader",
+    "not_ready",
+    "auth_unavailable",
+];
+
+fn error_code_schema() -> Object {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .enum_values(Some(ERROR_CODES.iter().copied()))
+        .description(Some("Stable, documented code (see docs/api.md, \"Errors\")."))
+        .build()
 }

@@ -110,7 +110,7 @@ pub enum DrainStatus {
 }
 
 /// How a lease ended, as its holder reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Outcome {
     /// The proxy worked.
@@ -321,7 +321,7 @@ pub struct LeaseClaim {
 }
 
 /// How a proxy stands for new leases, as listings show it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum Availability {
     /// Can be leased now.
