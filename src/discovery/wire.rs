@@ -141,21 +141,22 @@ impl ReleaseBody {
     }
 }
 
-/// A proxy in responses (never with credentials).
+/// A proxy in responses (never with credentials). Borrows from the store's proxy info: an
+/// answer serializes it without copying.
 #[derive(Clone, Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schema(as = Proxy)]
-pub struct ProxyJson {
+pub struct ProxyJson<'a> {
     /// `namespace/name`.
-    pub key: String,
+    pub key: &'a str,
     /// Namespace.
-    pub namespace: String,
+    pub namespace: &'a str,
     /// Name.
-    pub name: String,
+    pub name: &'a str,
     /// `host:port`.
-    pub endpoint: String,
+    pub endpoint: &'a str,
     /// Attributes.
-    pub attributes: BTreeMap<String, String>,
+    pub attributes: &'a BTreeMap<String, String>,
     /// In listings: how it stands.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub availability: Option<Availability>,
@@ -171,15 +172,15 @@ pub struct ProxyJson {
     pub cooldown_until: Option<String>,
 }
 
-impl ProxyJson {
+impl<'a> ProxyJson<'a> {
     /// The proxy as an acquire response shows it.
-    pub fn from_info(info: &ProxyInfo) -> Self {
+    pub fn from_info(info: &'a ProxyInfo) -> Self {
         Self {
-            key: info.key.to_string(),
-            namespace: info.key.namespace().to_owned(),
-            name: info.key.name().to_owned(),
-            endpoint: info.endpoint_text.clone(),
-            attributes: info.attributes.clone(),
+            key: info.key.as_str(),
+            namespace: info.key.namespace(),
+            name: info.key.name(),
+            endpoint: &info.endpoint_text,
+            attributes: &info.attributes,
             availability: None,
             active_leases: None,
             max_concurrent: None,
@@ -188,7 +189,7 @@ impl ProxyJson {
     }
 
     /// The proxy as a listing shows it.
-    pub fn from_view(view: &ProxyView) -> Self {
+    pub fn from_view(view: &'a ProxyView) -> Self {
         Self {
             availability: Some(view.availability),
             active_leases: Some(view.active_leases),
@@ -202,9 +203,9 @@ impl ProxyJson {
 /// `GET /v1/proxies`.
 #[derive(Clone, Debug, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct ListResponse {
+pub struct ListResponse<'a> {
     /// Matching proxies, by key.
-    pub proxies: Vec<ProxyJson>,
+    pub proxies: Vec<ProxyJson<'a>>,
 }
 
 /// `GET /healthz` and `GET /readyz` when the answer is yes.
@@ -219,15 +220,15 @@ pub struct StatusBody {
 /// A granted lease.
 #[derive(Clone, Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct AcquireResponse {
+pub struct AcquireResponse<'a> {
     /// Signed lease ID, for renew and release.
     pub lease_id: String,
     /// Token for the next renew or release.
     pub fencing_token: u64,
     /// `http://[user:password@]host:port`, to configure the crawler's HTTP client.
-    pub proxy_url: String,
+    pub proxy_url: &'a str,
     /// The proxy.
-    pub proxy: ProxyJson,
+    pub proxy: ProxyJson<'a>,
     /// When it was granted (RFC 3339).
     #[schema(format = DateTime)]
     pub acquired_at: String,
