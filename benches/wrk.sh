@@ -108,5 +108,20 @@ done
 echo
 echo "discovery API as a share of bare hyper's req/s (targets: >= 60 %, p99 < 2 ms in every run):"
 echo "$summary" | awk 'NF { printf "  round %s, %3s connections: %5s %% of bare hyper, p99 %s ms\n", $1, $2, $4, $3 }'
+echo "$summary" | awk 'NF {
+    n[$2]++; r[$2, n[$2]] = $4
+    if (!($2 in worst) || $3 > worst[$2]) worst[$2] = $3
+    if (!($2 in low) || $4 < low[$2]) low[$2] = $4
+  }
+  END {
+    for (c in n) {
+      # median of the rounds (insertion sort: a handful of values)
+      m = n[c]
+      for (i = 1; i <= m; i++) v[i] = r[c, i]
+      for (i = 2; i <= m; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
+      med = (m % 2) ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
+      printf "  %3s connections over %d round(s): median %.1f %%, lowest %.1f %%, worst p99 %.2f ms\n", c, m, med, low[c], worst[c]
+    }
+  }'
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 [ "$failures" -eq 0 ]

@@ -1342,7 +1342,9 @@ impl LeaseStore {
             cp.token_hwm.extend(restore.hwm.iter().map(|(k, v)| (*k, *v)));
         }
         for shard in self.inner.shards.iter() {
-            let shard = lock(&shard.0);
+            let mut shard = lock(&shard.0);
+            // Expiries that are due start their rests before they are recorded.
+            shard.settle(now);
             // The sequence itself, not just the last token issued: it starts at the clock, so a
             // checkpoint taken before any lease still bounds what came before it.
             let hwm = cp.token_hwm.entry(shard.id).or_insert(0);

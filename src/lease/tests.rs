@@ -1164,3 +1164,16 @@ fn retry_after_counts_only_the_proxies_the_selector_matches() {
     assert_eq!(retry("region=mars"), Duration::from_secs(5));
     assert_eq!(retry(""), Duration::from_secs(10), "the soonest of all");
 }
+
+#[test]
+fn a_checkpoint_records_the_rest_a_due_expiry_brings() {
+    let (store, clock) = store(1);
+    add_open(&store, target("a", &[], 1, 30));
+    let all = sel(&store, "");
+    let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
+    clock.advance(Duration::from_secs(12));
+    let cp = store.checkpoint();
+    let proxy = cp.proxies.iter().find(|p| p.key == key("a")).unwrap();
+    assert!(proxy.leases.is_empty());
+    assert_eq!(proxy.cooldown_until_ms, Some(lease.expires_at_ms + 30_000));
+}
