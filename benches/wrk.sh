@@ -9,7 +9,9 @@
 #   bash benches/wrk.sh                 # 3 rounds x {16, 64} connections x 10 s per server
 #   EPO_WRK_ROUNDS=5 EPO_WRK_SECS=20 EPO_WRK_CONNECTIONS="16 64 256" bash benches/wrk.sh
 #   EPO_WRK_CLIENT_CPU=0 EPO_WRK_SERVER_CPU=1 (the defaults) choose the cores;
-#   EPO_WRK_NICE=-5 runs client and server ahead of (niced) builds sharing the machine.
+#   EPO_WRK_NICE=-5 runs client and server ahead of (niced) builds sharing the machine;
+#   EPO_WRK_COMPARE_BIN=path/to/another/discovery_bench_server adds that build's discovery API
+#   (e.g. from another branch) as a third server in every round.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,10 +40,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
+modes="bare discovery${EPO_WRK_COMPARE_BIN:+ compare}"
+
 # Starts a server, waits for its address; sets server_pid and addr.
 start_server() {
+  local bin=$server_bin mode=$1
+  if [ "$mode" = compare ]; then bin=$EPO_WRK_COMPARE_BIN mode=discovery; fi
   : >"$work/server.out"
-  nice -n "$niceness" taskset -c "$server_cpu" "$server_bin" "$1" >"$work/server.out" 2>"$work/server.err" &
+  nice -n "$niceness" taskset -c "$server_cpu" "$bin" "$mode" >"$work/server.out" 2>"$work/server.err" &
   server_pid=$!
   for _ in $(seq 1 600); do
     addr=$(sed -n 's/^listening on //p' "$work/server.out")
@@ -87,7 +93,7 @@ summary=""
 for round in $(seq 1 "$rounds"); do
   for conns in $connections; do
     declare -A rps
-    for mode in bare discovery; do
+    for mode in $modes; do
       start_server "$mode"
       read -r r p50 p99 cpu bad < <(measure "$conns")
       stop_server
@@ -97,9 +103,9 @@ for round in $(seq 1 "$rounds"); do
         echo "  $bad responses were not 2xx (or socket errors)" >&2
         failures=$((failures + 1))
       fi
-      if [ "$mode" = discovery ]; then
-        summary+=$(printf '%s %s %s %s\n' "$round" "$conns" "$p99" \
-          "$(awk -v a="${rps[discovery]}" -v b="${rps[bare]}" 'BEGIN { printf "%.1f", 100 * a / b }')")
+      if [ "$mode" != bare ]; then
+        summary+=$(printf '%s %s %s %s %s\n' "$round" "$conns" "$p99" \
+          "$(awk -v a="${rps[$mode]}" -v b="${rps[bare]}" 'BEGIN { printf "%.1f", 100 * a / b }')" "$mode")
         summary+=$'\n'
       fi
     done
@@ -107,11 +113,12 @@ for round in $(seq 1 "$rounds"); do
 done
 echo
 echo "discovery API as a share of bare hyper's req/s (targets: >= 60 %, p99 < 2 ms in every run):"
-echo "$summary" | awk 'NF { printf "  round %s, %3s connections: %5s %% of bare hyper, p99 %s ms\n", $1, $2, $4, $3 }'
+echo "$summary" | awk 'NF { printf "  %-9s round %s, %3s connections: %5s %% of bare hyper, p99 %s ms\n", $5, $1, $2, $4, $3 }'
 echo "$summary" | awk 'NF {
-    n[$2]++; r[$2, n[$2]] = $4
-    if (!($2 in worst) || $3 > worst[$2]) worst[$2] = $3
-    if (!($2 in low) || $4 < low[$2]) low[$2] = $4
+    k = $5 " " $2
+    n[k]++; r[k, n[k]] = $4
+    if (!(k in worst) || $3 > worst[k]) worst[k] = $3
+    if (!(k in low) || $4 < low[k]) low[k] = $4
   }
   END {
     for (c in n) {
@@ -120,7 +127,8 @@ echo "$summary" | awk 'NF {
       for (i = 1; i <= m; i++) v[i] = r[c, i]
       for (i = 2; i <= m; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
       med = (m % 2) ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
-      printf "  %3s connections over %d round(s): median %.1f %%, lowest %.1f %%, worst p99 %.2f ms\n", c, m, med, low[c], worst[c]
+      split(c, kc, " ")
+      printf "  %-9s %3s connections over %d round(s): median %.1f %%, lowest %.1f %%, worst p99 %.2f ms\n", kc[1], kc[2], m, med, low[c], worst[c]
     }
   }'
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
