@@ -1,13 +1,15 @@
 //! Build script: generates the typed lifecycle machines from `machines/*.yaml`.
 //!
 //! Each table becomes `$OUT_DIR/<machine>_machine.rs` (included by `src/machine/table.rs`): the
-//! `Phase`, `Event` and `State` enums, a `#[statig::state_machine]` impl whose state handlers are a
-//! `match event` built from the rows, and static metadata (rows, docs, ignore / invalid lists) used
-//! by the docs renderer and the tests. The table is validated first and the build fails with a
+//! `Fact`, `Phase`, `Event`, `TimerKind` and `State` types, a `#[statig::state_machine]` impl whose
+//! state handlers are a `match event` built from the rows, the `reason` constants, and the static
+//! metadata (rows, events with the facts that raise them, states with their timers) that `derive`,
+//! the docs renderer and the tests read. The table is validated first and the build fails with a
 //! message naming the offending row on an unknown name, an uncovered or doubly covered
-//! (state, event) pair, or guarded rows without an unguarded fallback. Effect and guard names are
-//! emitted as `EffectKind::CreateInstance` / `guards::attempts_left`, so a name the Rust code lacks
-//! also fails compilation.
+//! (state, event) pair, guarded rows without an unguarded fallback, an event raised by facts that a
+//! state declares invalid, or an effect-raised event a state handles although none of its incoming
+//! rows runs the effect. Effect names are emitted as `EffectKind::CreateInstance`, so a name the
+//! Rust code lacks also fails compilation.
 //!
 //! Nothing checked in is written: the output goes to OUT_DIR only.
 
@@ -23,10 +25,11 @@ use serde::Deserialize;
 pub(crate) struct Table {
     machine: String,
     initial: String,
+    facts: Vec<Named>,
     states: Vec<StateDef>,
-    events: Vec<Named>,
+    events: Vec<EventDef>,
     effects: Vec<Named>,
-    guards: Vec<Named>,
+    timers: Vec<TimerDef>,
     transitions: Vec<Row>,
 }
 
@@ -36,7 +39,7 @@ struct StateDef {
     name: String,
     doc: String,
     #[serde(default)]
-    data: Vec<String>,
+    timer: Option<String>,
     #[serde(default, rename = "final")]
     is_final: bool,
     #[serde(default)]
@@ -54,30 +57,40 @@ struct Named {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct EventDef {
+    name: String,
+    doc: String,
+    /// Fact literals (`fact` or `not fact`) that must all hold for derive to raise the event.
+    #[serde(default)]
+    when: Vec<String>,
+    /// Effects whose executors raise the event.
+    #[serde(default)]
+    raised_by: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TimerDef {
+    name: String,
+    doc: String,
+    default_seconds: u64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Row {
     from: String,
     on: String,
+    /// Fact literals that must all hold for the row to match.
     #[serde(default)]
-    guard: Option<String>,
+    guard: Vec<String>,
     to: String,
+    #[serde(default)]
+    reenter: bool,
     effects: Vec<String>,
     reason: String,
     note: String,
 }
-
-/// State-local data fields the generator knows how to maintain (see the data rules in the table).
-const DATA_FIELDS: &[(&str, &str, &str)] = &[
-    (
-        "since",
-        "jiff::Timestamp",
-        "When this state was entered (kept on self-transitions).",
-    ),
-    (
-        "attempts",
-        "u32",
-        "`create_instance` effects issued since this state was entered.",
-    ),
-];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
@@ -125,12 +138,16 @@ fn write_if_changed(path: &Path, contents: &str) {
 }
 
 fn row_label(index: usize, row: &Row) -> String {
-    match &row.guard {
-        Some(g) => format!(
-            "transition #{index} ({} --{} [{g}]--> {})",
-            row.from, row.on, row.to
-        ),
-        None => format!("transition #{index} ({} --{}--> {})", row.from, row.on, row.to),
+    if row.guard.is_empty() {
+        format!("transition #{index} ({} --{}--> {})", row.from, row.on, row.to)
+    } else {
+        format!(
+            "transition #{index} ({} --{} [{}]--> {})",
+            row.from,
+            row.on,
+            row.guard.join(", "),
+            row.to
+        )
     }
 }
 
@@ -144,6 +161,14 @@ fn is_snake(name: &str) -> bool {
 
 fn is_camel(name: &str) -> bool {
     name.starts_with(|c: char| c.is_ascii_uppercase()) && name.chars().all(|c| c.is_ascii_alphanumeric())
+}
+
+/// `fact` or `not fact` into (fact, holds).
+fn literal(text: &str) -> (&str, bool) {
+    match text.strip_prefix("not ") {
+        Some(fact) => (fact.trim(), false),
+        None => (text.trim(), true),
+    }
 }
 
 /// Parse and validate a table; the errors name the offending rows. `pub(crate)` so that
@@ -179,6 +204,13 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
         }
         seen
     };
+    let facts = check_names(
+        "fact",
+        t.facts
+            .iter()
+            .map(|s| (s.name.as_str(), s.doc.as_str()))
+            .collect(),
+    );
     let states = check_names(
         "state",
         t.states
@@ -200,14 +232,20 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
             .map(|s| (s.name.as_str(), s.doc.as_str()))
             .collect(),
     );
-    let guards = check_names(
-        "guard",
-        t.guards
+    let timers = check_names(
+        "timer",
+        t.timers
             .iter()
             .map(|s| (s.name.as_str(), s.doc.as_str()))
             .collect(),
     );
     let list = |set: &BTreeSet<String>| set.iter().cloned().collect::<Vec<_>>().join(", ");
+    if t.facts.len() > 32 {
+        errors.push(format!(
+            "at most 32 facts (a `u32` bit set); the table has {}",
+            t.facts.len()
+        ));
+    }
 
     match t.states.iter().find(|s| s.name == t.initial) {
         None => errors.push(format!(
@@ -222,21 +260,54 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
         errors.push("declare one state with `final: true` (the end of the deletion path)".to_owned());
     }
 
+    let check_literals = |errors: &mut Vec<String>, context: &str, literals: &[String]| {
+        let mut seen = BTreeSet::new();
+        for text in literals {
+            let (fact, _) = literal(text);
+            if !facts.contains(fact) {
+                errors.push(format!(
+                    "{context}: unknown fact `{fact}`; facts: {}",
+                    list(&facts)
+                ));
+            }
+            if !seen.insert(fact.to_owned()) {
+                errors.push(format!("{context}: fact `{fact}` listed twice"));
+            }
+        }
+    };
+
+    let mut used_facts = BTreeSet::new();
+    let mut used_effects = BTreeSet::new();
+    for e in &t.events {
+        let context = format!("event `{}`", e.name);
+        check_literals(&mut errors, &context, &e.when);
+        used_facts.extend(e.when.iter().map(|l| literal(l).0.to_owned()));
+        if e.when.is_empty() && e.raised_by.is_empty() {
+            errors.push(format!(
+                "{context}: say what raises it: facts under `when`, effects under `raised_by`, or both"
+            ));
+        }
+        for effect in &e.raised_by {
+            if !effects.contains(effect) {
+                errors.push(format!(
+                    "{context}: `raised_by` lists unknown effect `{effect}`; effects: {}",
+                    list(&effects)
+                ));
+            }
+        }
+    }
+
     // (state, event) -> where it is covered.
     let mut coverage: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
     for s in &t.states {
-        let mut seen_fields = BTreeSet::new();
-        for field in &s.data {
-            if !DATA_FIELDS.iter().any(|(name, _, _)| name == field) {
-                errors.push(format!(
-                    "state `{}`: unknown data field `{field}`; known: {}",
-                    s.name,
-                    DATA_FIELDS.iter().map(|f| f.0).collect::<Vec<_>>().join(", ")
-                ));
-            }
-            if !seen_fields.insert(field) {
-                errors.push(format!("state `{}`: data field `{field}` listed twice", s.name));
-            }
+        if let Some(timer) = &s.timer
+            && !timers.contains(timer)
+        {
+            errors.push(format!(
+                "state `{}`: unknown timer `{timer}`; timers: {}",
+                s.name,
+                list(&timers)
+            ));
         }
         for (kind, names) in [("ignore", &s.ignore), ("invalid", &s.invalid)] {
             for e in names {
@@ -253,11 +324,18 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
                     .push(format!("`{kind}`"));
             }
         }
+        for e in &s.invalid {
+            if t.events.iter().any(|ev| &ev.name == e && !ev.when.is_empty()) {
+                errors.push(format!(
+                    "state `{}`: event `{e}` is raised by facts, which can hold in any state: \
+                     give it rows or list it under `ignore`, not `invalid`",
+                    s.name
+                ));
+            }
+        }
     }
 
     let mut used_events = BTreeSet::new();
-    let mut used_effects = BTreeSet::new();
-    let mut used_guards = BTreeSet::new();
     // (from, on) -> row indexes, in table order.
     let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
     for (i, row) in t.transitions.iter().enumerate() {
@@ -289,11 +367,15 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
                 row.from
             ));
         }
-        if let Some(g) = &row.guard {
-            if !guards.contains(g) {
-                errors.push(format!("{label}: unknown guard `{g}`; guards: {}", list(&guards)));
+        check_literals(&mut errors, &label, &row.guard);
+        used_facts.extend(row.guard.iter().map(|l| literal(l).0.to_owned()));
+        if row.reenter {
+            let has_timer = t.states.iter().any(|s| s.name == row.from && s.timer.is_some());
+            if row.from != row.to || !has_timer {
+                errors.push(format!(
+                    "{label}: `reenter` restarts a timer: only on a self-transition of a state with a timer"
+                ));
             }
-            used_guards.insert(g.clone());
         }
         let mut seen = BTreeSet::new();
         for e in &row.effects {
@@ -327,7 +409,7 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
             .or_default()
             .push("transition rows".to_owned());
         let (last, guarded) = rows.split_last().expect("a group has at least one row");
-        if t.transitions[*last].guard.is_some() {
+        if !t.transitions[*last].guard.is_empty() {
             errors.push(format!(
                 "{}: guarded rows for ({from}, {on}) must end with an unguarded fallback row",
                 row_label(*last, &t.transitions[*last])
@@ -336,16 +418,33 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
         let mut seen_guards = BTreeSet::new();
         for i in guarded {
             let row = &t.transitions[*i];
-            match &row.guard {
-                None => errors.push(format!(
+            if row.guard.is_empty() {
+                errors.push(format!(
                     "{}: only the last row for ({from}, {on}) may be unguarded; rows after it are unreachable",
                     row_label(*i, row)
-                )),
-                Some(g) if !seen_guards.insert(g) => errors.push(format!(
-                    "{}: guard `{g}` repeated for ({from}, {on}); the later row is unreachable",
+                ));
+            } else if !seen_guards.insert(row.guard.clone()) {
+                errors.push(format!(
+                    "{}: guard repeated for ({from}, {on}); the later row is unreachable",
                     row_label(*i, row)
-                )),
-                Some(_) => {}
+                ));
+            }
+        }
+        // An event only effects raise can happen in a state only right after a row into it ran
+        // one of those effects.
+        if let Some(event) = t.events.iter().find(|e| &e.name == on)
+            && event.when.is_empty()
+        {
+            let reachable = t
+                .transitions
+                .iter()
+                .any(|r| &r.to == from && r.effects.iter().any(|e| event.raised_by.contains(e)));
+            if !reachable {
+                errors.push(format!(
+                    "state `{from}` has rows for `{on}`, which only {} raise(s), but no row into `{from}` runs it: \
+                     the rows are unreachable (declare the event `invalid` there)",
+                    event.raised_by.join(" / ")
+                ));
             }
         }
     }
@@ -368,15 +467,15 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
         }
     }
 
+    let used_timers: BTreeSet<String> = t.states.iter().filter_map(|s| s.timer.clone()).collect();
     for (kind, declared, used) in [
         ("event", &events, &used_events),
         ("effect", &effects, &used_effects),
-        ("guard", &guards, &used_guards),
+        ("fact", &facts, &used_facts),
+        ("timer", &timers, &used_timers),
     ] {
         for name in declared.difference(used) {
-            errors.push(format!(
-                "{kind} `{name}` is declared but no transition row uses it"
-            ));
+            errors.push(format!("{kind} `{name}` is declared but nothing uses it"));
         }
     }
 
@@ -396,272 +495,282 @@ fn camel(snake: &str) -> String {
         .collect()
 }
 
+/// `SpecChanged` -> `SPEC_CHANGED`.
+fn shouty(camel_name: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in camel_name.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_uppercase());
+    }
+    out
+}
+
 /// A Rust string literal for `s` (Debug escaping yields valid Rust).
 fn lit(s: &str) -> String {
     format!("{s:?}")
 }
 
-fn data_type(field: &str) -> &'static str {
-    DATA_FIELDS
+/// `[Literal { fact: Fact::X, holds: true }, ...]` for fact literals.
+fn literals(texts: &[String]) -> String {
+    let items: Vec<String> = texts
         .iter()
-        .find(|f| f.0 == field)
-        .map(|f| f.1)
-        .expect("validated data field")
+        .map(|text| {
+            let (fact, holds) = literal(text);
+            format!("Literal {{ fact: Fact::{}, holds: {holds} }}", camel(fact))
+        })
+        .collect();
+    format!("&[{}]", items.join(", "))
 }
 
-fn data_doc(field: &str) -> &'static str {
-    DATA_FIELDS
-        .iter()
-        .find(|f| f.0 == field)
-        .map(|f| f.2)
-        .expect("validated data field")
+/// A `name => value` match over `items` as one `const fn`.
+fn const_match(w: &mut String, doc: &str, name: &str, ty: &str, ret: &str, arms: &[(String, String)]) {
+    let _ = writeln!(w, "    /// {doc}");
+    let _ = writeln!(w, "    pub const fn {name}(self) -> {ret} {{");
+    let _ = writeln!(w, "        match self {{");
+    for (variant, value) in arms {
+        let _ = writeln!(w, "            {ty}::{variant} => {value},");
+    }
+    let _ = writeln!(w, "        }}\n    }}");
+}
+
+/// A plain enum with `ALL`, `as_str`, `doc` and `from_name`, from (name, doc) pairs.
+fn named_enum(w: &mut String, ty: &str, doc: &str, derives: &str, items: &[(&str, &str)]) {
+    let _ = writeln!(w, "/// {doc}");
+    let _ = writeln!(w, "#[derive({derives})]");
+    let _ = writeln!(w, "#[serde(rename_all = \"snake_case\")]");
+    let _ = writeln!(w, "pub enum {ty} {{");
+    for (name, doc) in items {
+        let _ = writeln!(w, "    #[doc = {}]", lit(doc));
+        let _ = writeln!(w, "    {},", camel(name));
+    }
+    let _ = writeln!(w, "}}\n");
+    let _ = writeln!(w, "impl {ty} {{");
+    let _ = writeln!(w, "    /// Every variant, in table order.");
+    let _ = writeln!(w, "    pub const ALL: [{ty}; {}] = [", items.len());
+    for (name, _) in items {
+        let _ = writeln!(w, "        {ty}::{},", camel(name));
+    }
+    let _ = writeln!(w, "    ];");
+    let arms = |f: &dyn Fn(&str, &str) -> String| -> Vec<(String, String)> {
+        items.iter().map(|(n, d)| (camel(n), f(n, d))).collect()
+    };
+    const_match(
+        w,
+        "The snake_case name used in the table.",
+        "as_str",
+        ty,
+        "&'static str",
+        &arms(&|n, _| lit(n)),
+    );
+    const_match(
+        w,
+        "The one-line doc from the table.",
+        "doc",
+        ty,
+        "&'static str",
+        &arms(&|_, d| lit(d)),
+    );
+    let _ = writeln!(w, "    /// Parse a snake_case name.");
+    let _ = writeln!(w, "    pub fn from_name(name: &str) -> Option<{ty}> {{");
+    let _ = writeln!(w, "        Self::ALL.into_iter().find(|v| v.as_str() == name)");
+    let _ = writeln!(w, "    }}");
+    let _ = writeln!(w, "}}\n");
 }
 
 fn generate(t: &Table, source: &str) -> String {
     let mut o = String::new();
     let machine_ty = format!("{}Machine", camel(&t.machine));
-    let state_of = |name: &str| t.states.iter().find(|s| s.name == name).expect("validated state");
+    const DERIVES: &str = "Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize, schemars::JsonSchema";
 
     let w = &mut o;
     let _ = writeln!(
         w,
-        "// @generated by build.rs from {source}. Do not edit: change the table instead."
+        "// @generated by build.rs from {source}. Do not edit: change the table instead.\n"
     );
-    let _ = writeln!(w);
     let _ = writeln!(w, "/// Name of the machine, as in `machine:` of the table.");
     let _ = writeln!(w, "pub const MACHINE: &str = {};", lit(&t.machine));
     let _ = writeln!(w, "/// Path of the table this code was generated from.");
-    let _ = writeln!(w, "pub const SOURCE: &str = {};", lit(source));
-    let _ = writeln!(w);
+    let _ = writeln!(w, "pub const SOURCE: &str = {};\n", lit(source));
 
-    // ---- Phase --------------------------------------------------------------------------------
-    let _ = writeln!(w, "/// A lifecycle phase: the state without its data.");
-    let _ = writeln!(
+    let facts: Vec<(&str, &str)> = t
+        .facts
+        .iter()
+        .map(|n| (n.name.as_str(), n.doc.as_str()))
+        .collect();
+    named_enum(
         w,
-        "#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]"
+        "Fact",
+        "A boolean observation `derive` and the guards read.",
+        DERIVES,
+        &facts,
     );
-    let _ = writeln!(w, "#[serde(rename_all = \"snake_case\")]");
-    let _ = writeln!(w, "pub enum Phase {{");
-    for s in &t.states {
-        let _ = writeln!(w, "    #[doc = {}]", lit(&s.doc));
-        let _ = writeln!(w, "    {},", camel(&s.name));
-    }
-    let _ = writeln!(w, "}}\n");
-    let _ = writeln!(w, "impl Phase {{");
-    let _ = writeln!(w, "    /// Every phase, in table order.");
-    let _ = writeln!(w, "    pub const ALL: [Phase; {}] = [", t.states.len());
-    for s in &t.states {
-        let _ = writeln!(w, "        Phase::{},", camel(&s.name));
-    }
-    let _ = writeln!(w, "    ];");
-    let _ = writeln!(w, "    /// The phase a new object starts in.");
-    let _ = writeln!(w, "    pub const INITIAL: Phase = Phase::{};", camel(&t.initial));
-    let _ = writeln!(
-        w,
-        "    /// The snake_case name used in the table, status and audit."
-    );
-    let _ = writeln!(w, "    pub const fn as_str(self) -> &'static str {{");
-    let _ = writeln!(w, "        match self {{");
-    for s in &t.states {
-        let _ = writeln!(w, "            Phase::{} => {},", camel(&s.name), lit(&s.name));
-    }
-    let _ = writeln!(w, "        }}\n    }}");
-    let _ = writeln!(w, "    /// The one-line doc from the table.");
-    let _ = writeln!(w, "    pub const fn doc(self) -> &'static str {{");
-    let _ = writeln!(w, "        match self {{");
-    for s in &t.states {
-        let _ = writeln!(w, "            Phase::{} => {},", camel(&s.name), lit(&s.doc));
-    }
-    let _ = writeln!(w, "        }}\n    }}");
-    let _ = writeln!(
-        w,
-        "    /// Whether this is a final state (every event is ignored there)."
-    );
-    let _ = writeln!(w, "    pub const fn is_final(self) -> bool {{");
-    let finals: Vec<String> = t
+    let states: Vec<(&str, &str)> = t
         .states
         .iter()
-        .filter(|s| s.is_final)
-        .map(|s| format!("Phase::{}", camel(&s.name)))
+        .map(|s| (s.name.as_str(), s.doc.as_str()))
         .collect();
-    let _ = writeln!(w, "        matches!(self, {})", finals.join(" | "));
-    let _ = writeln!(w, "    }}");
-    let _ = writeln!(w, "    /// The state-local data fields of this phase.");
-    let _ = writeln!(
+    named_enum(
         w,
-        "    pub const fn data_fields(self) -> &'static [&'static str] {{"
+        "Phase",
+        "A lifecycle phase: the state without its data.",
+        DERIVES,
+        &states,
     );
-    let _ = writeln!(w, "        match self {{");
-    for s in &t.states {
-        let fields: Vec<String> = s.data.iter().map(|f| lit(f)).collect();
-        let _ = writeln!(
-            w,
-            "            Phase::{} => &[{}],",
-            camel(&s.name),
-            fields.join(", ")
-        );
-    }
-    let _ = writeln!(w, "        }}\n    }}");
-    let _ = writeln!(w, "    /// Parse a snake_case phase name.");
-    let _ = writeln!(w, "    pub fn from_name(name: &str) -> Option<Phase> {{");
-    let _ = writeln!(w, "        match name {{");
-    for s in &t.states {
-        let _ = writeln!(
-            w,
-            "            {} => Some(Phase::{}),",
-            lit(&s.name),
-            camel(&s.name)
-        );
-    }
-    let _ = writeln!(w, "            _ => None,");
-    let _ = writeln!(w, "        }}\n    }}");
+    let events: Vec<(&str, &str)> = t
+        .events
+        .iter()
+        .map(|e| (e.name.as_str(), e.doc.as_str()))
+        .collect();
+    named_enum(
+        w,
+        "Event",
+        "What happened, derived from facts or raised by an executor; `ALL` is in priority order.",
+        DERIVES,
+        &events,
+    );
+    let timers: Vec<(&str, &str)> = t
+        .timers
+        .iter()
+        .map(|e| (e.name.as_str(), e.doc.as_str()))
+        .collect();
+    named_enum(
+        w,
+        "TimerKind",
+        "A configurable duration a state waits for.",
+        DERIVES,
+        &timers,
+    );
+
+    // ---- Phase extras ---------------------------------------------------------------------------
+    let _ = writeln!(w, "impl Phase {{");
+    let _ = writeln!(w, "    /// The phase a new object starts in.");
+    let _ = writeln!(w, "    pub const INITIAL: Phase = Phase::{};", camel(&t.initial));
+    let phase_arms = |f: &dyn Fn(&StateDef) -> String| -> Vec<(String, String)> {
+        t.states.iter().map(|s| (camel(&s.name), f(s))).collect()
+    };
+    const_match(
+        w,
+        "Whether this is a final state (every event is ignored there).",
+        "is_final",
+        "Phase",
+        "bool",
+        &phase_arms(&|s| s.is_final.to_string()),
+    );
+    const_match(
+        w,
+        "The state's timer, if it waits for one.",
+        "timer",
+        "Phase",
+        "Option<TimerKind>",
+        &phase_arms(&|s| match &s.timer {
+            Some(timer) => format!("Some(TimerKind::{})", camel(timer)),
+            None => "None".to_owned(),
+        }),
+    );
     let _ = writeln!(w, "}}\n");
 
-    // ---- Event --------------------------------------------------------------------------------
-    let _ = writeln!(
+    let _ = writeln!(w, "impl TimerKind {{");
+    let arms: Vec<(String, String)> = t
+        .timers
+        .iter()
+        .map(|d| {
+            (
+                camel(&d.name),
+                format!("std::time::Duration::from_secs({})", d.default_seconds),
+            )
+        })
+        .collect();
+    const_match(
         w,
-        "/// An observation the controller derives from its snapshot of the world."
+        "The documented default.",
+        "default_duration",
+        "TimerKind",
+        "std::time::Duration",
+        &arms,
     );
-    let _ = writeln!(
-        w,
-        "#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]"
-    );
-    let _ = writeln!(w, "#[serde(rename_all = \"snake_case\")]");
-    let _ = writeln!(w, "pub enum Event {{");
-    for e in &t.events {
-        let _ = writeln!(w, "    #[doc = {}]", lit(&e.doc));
-        let _ = writeln!(w, "    {},", camel(&e.name));
-    }
-    let _ = writeln!(w, "}}\n");
-    let _ = writeln!(w, "impl Event {{");
-    let _ = writeln!(w, "    /// Every event, in table order.");
-    let _ = writeln!(w, "    pub const ALL: [Event; {}] = [", t.events.len());
-    for e in &t.events {
-        let _ = writeln!(w, "        Event::{},", camel(&e.name));
-    }
-    let _ = writeln!(w, "    ];");
-    let _ = writeln!(
-        w,
-        "    /// The snake_case name used in the table, scenarios and audit."
-    );
-    let _ = writeln!(w, "    pub const fn as_str(self) -> &'static str {{");
-    let _ = writeln!(w, "        match self {{");
-    for e in &t.events {
-        let _ = writeln!(w, "            Event::{} => {},", camel(&e.name), lit(&e.name));
-    }
-    let _ = writeln!(w, "        }}\n    }}");
-    let _ = writeln!(w, "    /// The one-line doc from the table.");
-    let _ = writeln!(w, "    pub const fn doc(self) -> &'static str {{");
-    let _ = writeln!(w, "        match self {{");
-    for e in &t.events {
-        let _ = writeln!(w, "            Event::{} => {},", camel(&e.name), lit(&e.doc));
-    }
-    let _ = writeln!(w, "        }}\n    }}");
-    let _ = writeln!(w, "    /// Parse a snake_case event name.");
-    let _ = writeln!(w, "    pub fn from_name(name: &str) -> Option<Event> {{");
-    let _ = writeln!(w, "        match name {{");
-    for e in &t.events {
-        let _ = writeln!(
-            w,
-            "            {} => Some(Event::{}),",
-            lit(&e.name),
-            camel(&e.name)
-        );
-    }
-    let _ = writeln!(w, "            _ => None,");
-    let _ = writeln!(w, "        }}\n    }}");
     let _ = writeln!(w, "}}\n");
 
-    // ---- State --------------------------------------------------------------------------------
+    // ---- reasons ---------------------------------------------------------------------------------
+    let reasons: BTreeSet<&str> = t.transitions.iter().map(|r| r.reason.as_str()).collect();
     let _ = writeln!(
         w,
-        "/// A lifecycle state with its state-local data; persisted in the Proxy status."
+        "/// Every reason a row gives, as constants: Rust code names these, never string literals."
+    );
+    let _ = writeln!(w, "pub mod reason {{");
+    for r in &reasons {
+        let _ = writeln!(w, "    /// `{r}`");
+        let _ = writeln!(w, "    pub const {}: &str = {};", shouty(r), lit(r));
+    }
+    let _ = writeln!(w, "    /// Every reason, sorted.");
+    let all: Vec<String> = reasons.iter().map(|r| shouty(r)).collect();
+    let _ = writeln!(
+        w,
+        "    pub const ALL: [&str; {}] = [{}];",
+        reasons.len(),
+        all.join(", ")
+    );
+    let _ = writeln!(w, "}}\n");
+
+    // ---- State -----------------------------------------------------------------------------------
+    let _ = writeln!(
+        w,
+        "/// A lifecycle state with when it was entered; persisted in the Proxy status."
     );
     let _ = writeln!(w, "///");
     let _ = writeln!(
         w,
-        "/// Serialized flat through [`StateRecord`] (`{{\"phase\": ..., \"since\": ..., \"attempts\": ...}}`),"
+        "/// Serialized flat through [`StateRecord`] (`{{\"phase\": ..., \"since\": ...}}`)."
     );
-    let _ = writeln!(w, "/// which keeps the Kubernetes schema structural.");
     let _ = writeln!(
         w,
         "#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]"
     );
-    let _ = writeln!(w, "#[serde(try_from = \"StateRecord\", into = \"StateRecord\")]");
+    let _ = writeln!(w, "#[serde(from = \"StateRecord\", into = \"StateRecord\")]");
     let _ = writeln!(w, "pub enum State {{");
     for s in &t.states {
         let _ = writeln!(w, "    #[doc = {}]", lit(&s.doc));
-        if s.data.is_empty() {
-            let _ = writeln!(w, "    {},", camel(&s.name));
-        } else {
-            let _ = writeln!(w, "    {} {{", camel(&s.name));
-            for f in &s.data {
-                let _ = writeln!(w, "        #[doc = {}]", lit(data_doc(f)));
-                let _ = writeln!(w, "        {f}: {},", data_type(f));
-            }
-            let _ = writeln!(w, "    }},");
-        }
+        let _ = writeln!(
+            w,
+            "    {} {{\n        /// When this state was entered.\n        since: jiff::Timestamp,\n    }},",
+            camel(&s.name)
+        );
     }
     let _ = writeln!(w, "}}\n");
     let _ = writeln!(w, "impl State {{");
     let _ = writeln!(w, "    /// The phase of this state.");
-    let _ = writeln!(w, "    pub const fn phase(&self) -> Phase {{");
-    let _ = writeln!(w, "        match self {{");
+    let _ = writeln!(
+        w,
+        "    pub const fn phase(&self) -> Phase {{\n        match self {{"
+    );
     for s in &t.states {
-        let pat = if s.data.is_empty() {
-            String::new()
-        } else {
-            " { .. }".to_owned()
-        };
         let _ = writeln!(
             w,
-            "            State::{}{pat} => Phase::{},",
+            "            State::{} {{ .. }} => Phase::{},",
             camel(&s.name),
             camel(&s.name)
         );
     }
     let _ = writeln!(w, "        }}\n    }}");
+    let _ = writeln!(w, "    /// When this state was entered.");
     let _ = writeln!(
         w,
-        "    /// The state-local data as a uniform view (absent fields: `None` / 0)."
+        "    pub const fn since(&self) -> jiff::Timestamp {{\n        match self {{"
     );
-    let _ = writeln!(w, "    pub fn data(&self) -> StateData {{");
-    let _ = writeln!(w, "        match self {{");
     for s in &t.states {
-        let has_since = s.data.iter().any(|f| f == "since");
-        let has_attempts = s.data.iter().any(|f| f == "attempts");
-        let pat = if s.data.is_empty() {
-            String::new()
-        } else {
-            format!(" {{ {} }}", s.data.join(", "))
-        };
-        let since = if has_since { "Some(*since)" } else { "None" };
-        let attempts = if has_attempts { "*attempts" } else { "0" };
-        let _ = writeln!(
-            w,
-            "            State::{}{pat} => StateData {{ since: {since}, attempts: {attempts} }},",
-            camel(&s.name)
-        );
+        let _ = writeln!(w, "            State::{} {{ since }} => *since,", camel(&s.name));
     }
     let _ = writeln!(w, "        }}\n    }}");
+    let _ = writeln!(w, "    /// The state of `phase`, entered at `since`.");
     let _ = writeln!(
         w,
-        "    /// Build the state of `phase` from data; fields the phase lacks are dropped."
+        "    pub const fn new(phase: Phase, since: jiff::Timestamp) -> State {{\n        match phase {{"
     );
-    let _ = writeln!(
-        w,
-        "    pub fn from_parts(phase: Phase, since: jiff::Timestamp, attempts: u32) -> State {{"
-    );
-    let _ = writeln!(w, "        match phase {{");
     for s in &t.states {
-        let ctor = if s.data.is_empty() {
-            String::new()
-        } else {
-            format!(" {{ {} }}", s.data.join(", "))
-        };
         let _ = writeln!(
             w,
-            "            Phase::{} => State::{}{ctor},",
+            "            Phase::{} => State::{} {{ since }},",
             camel(&s.name),
             camel(&s.name)
         );
@@ -669,55 +778,7 @@ fn generate(t: &Table, source: &str) -> String {
     let _ = writeln!(w, "        }}\n    }}");
     let _ = writeln!(w, "}}\n");
 
-    let _ = writeln!(w, "impl From<State> for StateRecord {{");
-    let _ = writeln!(w, "    fn from(state: State) -> StateRecord {{");
-    let _ = writeln!(w, "        let data = state.data();");
-    let _ = writeln!(w, "        let phase = state.phase();");
-    let _ = writeln!(w, "        StateRecord {{");
-    let _ = writeln!(w, "            phase,");
-    let _ = writeln!(w, "            since: data.since,");
-    let _ = writeln!(
-        w,
-        "            attempts: phase.data_fields().contains(&\"attempts\").then_some(data.attempts),"
-    );
-    let _ = writeln!(w, "        }}\n    }}\n}}\n");
-
-    let _ = writeln!(w, "impl TryFrom<StateRecord> for State {{");
-    let _ = writeln!(w, "    type Error = StateRecordError;");
-    let _ = writeln!(
-        w,
-        "    fn try_from(record: StateRecord) -> Result<State, StateRecordError> {{"
-    );
-    let _ = writeln!(w, "        let phase = record.phase;");
-    let _ = writeln!(w, "        Ok(match phase {{");
-    for s in &t.states {
-        if s.data.is_empty() {
-            let _ = writeln!(
-                w,
-                "            Phase::{} => State::{},",
-                camel(&s.name),
-                camel(&s.name)
-            );
-            continue;
-        }
-        let _ = writeln!(
-            w,
-            "            Phase::{} => State::{} {{",
-            camel(&s.name),
-            camel(&s.name)
-        );
-        for f in &s.data {
-            let _ = writeln!(
-                w,
-                "                {f}: record.{f}.ok_or(StateRecordError::MissingField {{ phase, field: {} }})?,",
-                lit(f)
-            );
-        }
-        let _ = writeln!(w, "            }},");
-    }
-    let _ = writeln!(w, "        }})\n    }}\n}}\n");
-
-    // ---- statig machine -----------------------------------------------------------------------
+    // ---- statig machine --------------------------------------------------------------------------
     let _ = writeln!(
         w,
         "/// The statig machine generated from the table. It has no shared storage and no"
@@ -734,91 +795,48 @@ fn generate(t: &Table, source: &str) -> String {
     let _ = writeln!(w, "pub(crate) struct {machine_ty};\n");
     let _ = writeln!(
         w,
-        "#[statig::state_machine(\n    initial = \"State::{}\",\n    state(custom, name = \"State\"),\n    superstate(name = \"Superstate\"),\n    visibility = \"pub(crate)\"\n)]",
+        "#[statig::state_machine(\n    initial = \"State::{} {{ since: jiff::Timestamp::UNIX_EPOCH }}\",\n    state(custom, name = \"State\"),\n    superstate(name = \"Superstate\"),\n    visibility = \"pub(crate)\"\n)]",
         camel(&t.initial)
     );
     let _ = writeln!(w, "impl {machine_ty} {{");
     for s in &t.states {
-        let rows: Vec<(usize, &Row)> = t
-            .transitions
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.from == s.name)
-            .collect();
-        let has_guards = rows.iter().any(|(_, r)| r.guard.is_some());
-        let mut params: Vec<String> = s.data.iter().map(|f| format!("{f}: &{}", data_type(f))).collect();
-        params.push("event: &Event".to_owned());
-        params.push("context: &mut DecideCtx".to_owned());
         let _ = writeln!(w, "    #[doc = {}]", lit(&s.doc));
         let _ = writeln!(w, "    #[state]");
         let _ = writeln!(
             w,
-            "    #[allow(unused_variables)] // a handler reads only what its rows need"
+            "    #[allow(unused_variables)] // the final state reads nothing"
         );
         let _ = writeln!(
             w,
-            "    fn {}({}) -> statig::Outcome<State> {{",
-            s.name,
-            params.join(", ")
+            "    fn {}(since: &jiff::Timestamp, event: &Event, context: &mut DecideCtx) -> statig::Outcome<State> {{",
+            s.name
         );
-        if has_guards {
-            let since = if s.data.iter().any(|f| f == "since") {
-                "Some(*since)"
-            } else {
-                "None"
-            };
-            let attempts = if s.data.iter().any(|f| f == "attempts") {
-                "*attempts"
-            } else {
-                "0"
-            };
-            let _ = writeln!(
-                w,
-                "        let data = StateData {{ since: {since}, attempts: {attempts} }};"
-            );
-        }
         let _ = writeln!(w, "        match event {{");
-        for (i, row) in &rows {
-            let to = state_of(&row.to);
-            let creates = row.effects.iter().any(|e| e == "create_instance");
-            let self_transition = row.to == row.from;
-            let fields: Vec<String> = to
-                .data
-                .iter()
-                .map(|f| {
-                    let value = match (f.as_str(), self_transition, creates) {
-                        ("since", true, _) => "*since".to_owned(),
-                        ("since", false, _) => "context.now()".to_owned(),
-                        ("attempts", true, true) => "attempts.saturating_add(1)".to_owned(),
-                        ("attempts", true, false) => "*attempts".to_owned(),
-                        ("attempts", false, true) => "1".to_owned(),
-                        ("attempts", false, false) => "0".to_owned(),
-                        _ => unreachable!("validated data field"),
-                    };
-                    format!("{f}: {value}")
-                })
-                .collect();
-            let target = if fields.is_empty() {
-                format!("State::{}", camel(&to.name))
+        for (i, row) in t.transitions.iter().enumerate().filter(|(_, r)| r.from == s.name) {
+            // A self-transition keeps `since` (its timer keeps running) unless it re-enters.
+            let since = if row.to == row.from && !row.reenter {
+                "*since"
             } else {
-                format!("State::{} {{ {} }}", camel(&to.name), fields.join(", "))
+                "context.now()"
             };
-            let guard = match &row.guard {
-                Some(g) => format!(" if guards::{g}(context.input(), &data)"),
-                None => String::new(),
+            let guard = if row.guard.is_empty() {
+                String::new()
+            } else {
+                format!(" if context.holds({})", literals(&row.guard))
             };
-            let _ = writeln!(w, "            // {}: {}", row_label(*i, row), row.note);
+            let _ = writeln!(w, "            // {}: {}", row_label(i, row), row.note);
             let _ = writeln!(w, "            Event::{}{guard} => {{", camel(&row.on));
             let _ = writeln!(w, "                context.matched(&ROWS[{i}]);");
-            let _ = writeln!(w, "                statig::Outcome::Transition({target})");
+            let _ = writeln!(
+                w,
+                "                statig::Outcome::Transition(State::{} {{ since: {since} }})",
+                camel(&row.to)
+            );
             let _ = writeln!(w, "            }}");
         }
         if !s.ignore.is_empty() {
             let pats: Vec<String> = s.ignore.iter().map(|e| format!("Event::{}", camel(e))).collect();
-            let _ = writeln!(
-                w,
-                "            // ignore: stale or repeated observations; no effect, no audit entry."
-            );
+            let _ = writeln!(w, "            // ignore: no effect, no audit entry.");
             let _ = writeln!(
                 w,
                 "            {} => statig::Outcome::Handled,",
@@ -829,7 +847,7 @@ fn generate(t: &Table, source: &str) -> String {
             let pats: Vec<String> = s.invalid.iter().map(|e| format!("Event::{}", camel(e))).collect();
             let _ = writeln!(
                 w,
-                "            // invalid: never derived in this state; `Super` (no superstate) means invalid."
+                "            // invalid: cannot happen here; `Super` (no superstate) means invalid."
             );
             let _ = writeln!(
                 w,
@@ -841,7 +859,7 @@ fn generate(t: &Table, source: &str) -> String {
     }
     let _ = writeln!(w, "}}\n");
 
-    // ---- metadata -----------------------------------------------------------------------------
+    // ---- metadata --------------------------------------------------------------------------------
     let _ = writeln!(
         w,
         "/// Every transition row, in table order (`ROWS[i].index == i`)."
@@ -853,20 +871,39 @@ fn generate(t: &Table, source: &str) -> String {
             .iter()
             .map(|e| format!("EffectKind::{}", camel(e)))
             .collect();
-        let guard = match &row.guard {
-            Some(g) => format!("Some({})", lit(g)),
-            None => "None".to_owned(),
-        };
-        let _ = writeln!(w, "    Row {{");
-        let _ = writeln!(w, "        index: {i},");
-        let _ = writeln!(w, "        from: Phase::{},", camel(&row.from));
-        let _ = writeln!(w, "        on: Event::{},", camel(&row.on));
-        let _ = writeln!(w, "        guard: {guard},");
-        let _ = writeln!(w, "        to: Phase::{},", camel(&row.to));
-        let _ = writeln!(w, "        effects: &[{}],", effects.join(", "));
-        let _ = writeln!(w, "        reason: {},", lit(&row.reason));
-        let _ = writeln!(w, "        note: {},", lit(&row.note));
-        let _ = writeln!(w, "    }},");
+        let _ = writeln!(
+            w,
+            "    Row {{ index: {i}, from: Phase::{}, on: Event::{}, guard: {}, to: Phase::{}, reenter: {}, effects: &[{}], reason: reason::{}, note: {} }},",
+            camel(&row.from),
+            camel(&row.on),
+            literals(&row.guard),
+            camel(&row.to),
+            row.reenter,
+            effects.join(", "),
+            shouty(&row.reason),
+            lit(&row.note)
+        );
+    }
+    let _ = writeln!(w, "];\n");
+
+    let _ = writeln!(
+        w,
+        "/// Per event, in priority order: the facts that raise it and the effects that raise it."
+    );
+    let _ = writeln!(w, "pub static EVENTS: [EventInfo; {}] = [", t.events.len());
+    for e in &t.events {
+        let raised: Vec<String> = e
+            .raised_by
+            .iter()
+            .map(|x| format!("EffectKind::{}", camel(x)))
+            .collect();
+        let _ = writeln!(
+            w,
+            "    EventInfo {{ event: Event::{}, when: {}, raised_by: &[{}] }},",
+            camel(&e.name),
+            literals(&e.when),
+            raised.join(", ")
+        );
     }
     let _ = writeln!(w, "];\n");
 
@@ -883,11 +920,13 @@ fn generate(t: &Table, source: &str) -> String {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        let _ = writeln!(w, "    StateInfo {{");
-        let _ = writeln!(w, "        phase: Phase::{},", camel(&s.name));
-        let _ = writeln!(w, "        ignore: &[{}],", ev(&s.ignore));
-        let _ = writeln!(w, "        invalid: &[{}],", ev(&s.invalid));
-        let _ = writeln!(w, "    }},");
+        let _ = writeln!(
+            w,
+            "    StateInfo {{ phase: Phase::{}, ignore: &[{}], invalid: &[{}] }},",
+            camel(&s.name),
+            ev(&s.ignore),
+            ev(&s.invalid)
+        );
     }
     let _ = writeln!(w, "];\n");
 
@@ -903,22 +942,6 @@ fn generate(t: &Table, source: &str) -> String {
             camel(&e.name),
             lit(&e.name),
             lit(&e.doc)
-        );
-    }
-    let _ = writeln!(w, "];\n");
-
-    let _ = writeln!(
-        w,
-        "/// The guards section of the table; `check` makes an unknown name fail to compile."
-    );
-    let _ = writeln!(w, "pub static GUARDS: [GuardInfo; {}] = [", t.guards.len());
-    for g in &t.guards {
-        let _ = writeln!(
-            w,
-            "    GuardInfo {{ name: {}, doc: {}, check: guards::{} }},",
-            lit(&g.name),
-            lit(&g.doc),
-            g.name
         );
     }
     let _ = writeln!(w, "];");

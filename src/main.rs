@@ -4,7 +4,7 @@
 use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use egress_proxies_operator::{
     api, app,
     check::{Checker, Report},
@@ -22,6 +22,71 @@ struct Cli {
     command: Command,
 }
 
+/// The lifecycle's timers, retry backoff and pool budgets (docs/machines.md, docs/operations.md).
+#[derive(Args, Clone, Copy, Debug)]
+struct LifecycleArgs {
+    /// Seconds a new instance may take to pass its first health check; after that it is
+    /// deleted and created afresh (reason ProvisioningTimedOut). VMs under software emulation
+    /// need minutes.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    provisioning_timeout: u64,
+    /// Seconds a proxy may fail its health checks before it is replaced (within the budgets).
+    #[arg(long, value_name = "SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..))]
+    degraded_timeout: u64,
+    /// Seconds a drain waits for leases before revoking them, and between retries of a delete
+    /// that did not finish.
+    #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    drain_timeout: u64,
+    /// Seconds before the first retry of a failed provider call (doubling per failure).
+    #[arg(long, value_name = "SECONDS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    retry_initial: u64,
+    /// The longest retry delay, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    retry_cap: u64,
+    /// At most this percentage of a provider instance's proxies may be unavailable (being
+    /// provisioned or replaced) at once; at least one.
+    #[arg(long, value_name = "PERCENT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(0..=100))]
+    max_unavailable: u32,
+    /// Health-driven replacement pauses while more than this percentage of a provider instance's
+    /// proxies is degraded.
+    #[arg(long, value_name = "PERCENT", default_value_t = 40, value_parser = clap::value_parser!(u32).range(0..=100))]
+    max_unhealthy: u32,
+}
+
+impl LifecycleArgs {
+    fn config(self) -> anyhow::Result<egress_proxies_operator::controller::ReconcilerConfig> {
+        use egress_proxies_operator::{
+            controller::{ReconcilerConfig, pool::Budgets},
+            machine::{Backoff, Timers},
+        };
+        use std::time::Duration;
+        if self.retry_initial > self.retry_cap {
+            anyhow::bail!(
+                "--retry-initial ({} s) must not exceed --retry-cap ({} s)",
+                self.retry_initial,
+                self.retry_cap
+            );
+        }
+        Ok(ReconcilerConfig {
+            timers: Timers {
+                provisioning_timeout: Duration::from_secs(self.provisioning_timeout),
+                degraded_timeout: Duration::from_secs(self.degraded_timeout),
+                drain_timeout: Duration::from_secs(self.drain_timeout),
+                ..Timers::default()
+            },
+            backoff: Backoff {
+                initial: Duration::from_secs(self.retry_initial),
+                cap: Duration::from_secs(self.retry_cap),
+                ..Backoff::default()
+            },
+            budgets: Budgets {
+                max_unavailable_percent: self.max_unavailable,
+                max_unhealthy_percent: self.max_unhealthy,
+            },
+        })
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Print the CustomResourceDefinitions (Proxy, ProviderHealth) as YAML.
@@ -32,7 +97,7 @@ enum Command {
     },
     /// Print the discovery API's OpenAPI 3.1 contract (what docs/openapi.json holds).
     Openapi,
-    /// Validate Proxy manifests and providers configs offline, as the API server would.
+    /// Validate Proxy manifests (CRD schema, unknown fields, CEL rules) and providers configs offline.
     Check {
         /// Files to validate; each may hold several YAML documents.
         #[arg(required = true, value_name = "FILE")]
@@ -67,31 +132,29 @@ enum Command {
         /// Time between two orphan GC passes.
         #[arg(long, value_name = "SECONDS", default_value_t = 60)]
         gc_interval_seconds: u64,
-        /// Seconds a new instance may take to pass its first health check; after that it is
-        /// deleted and created afresh (reason ProvisioningTimedOut). VMs under software
-        /// emulation need minutes.
-        #[arg(long, value_name = "SECONDS", default_value_t = 600,
-              value_parser = clap::value_parser!(u64).range(1..))]
-        provisioning_timeout: u64,
+        #[command(flatten)]
+        lifecycle: LifecycleArgs,
         /// Namespace of the leader Lease and the lease checkpoint.
         #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
         system_namespace: String,
         /// This replica's identity.
         #[arg(long, env = "POD_NAME", default_value = "egress-proxies-operator")]
         identity: String,
+        /// This installation's name in the cluster: with the cluster's identity (the
+        /// kube-system namespace's UID) it is stamped on every instance, and orphan GC and
+        /// adoption act only on instances carrying both. Give each installation sharing a
+        /// backend its own.
+        #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-operator")]
+        installation_name: String,
         /// Admin server address (/healthz, /readyz, /metrics).
         #[arg(long, default_value = "0.0.0.0:8081")]
         admin_listen: std::net::SocketAddr,
         /// Discovery API address.
         #[arg(long, default_value = "0.0.0.0:8080")]
         discovery_listen: std::net::SocketAddr,
-        /// Bearer tokens of the discovery API.
-        #[arg(
-            long,
-            value_name = "FILE",
-            default_value = "/etc/egress-proxies-operator/tokens/tokens"
-        )]
-        tokens: PathBuf,
+        /// How the discovery API authenticates callers (at least one method, or --discovery-no-auth).
+        #[command(flatten)]
+        auth: ClusterAuthArgs,
         /// Key signing lease tokens, shared by all replicas.
         #[arg(
             long,
@@ -120,15 +183,19 @@ enum Command {
         /// Address of the discovery API.
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
-        /// Bearer tokens of the discovery API (default: a token created in the state folder).
-        #[arg(long, value_name = "FILE")]
-        tokens: Option<PathBuf>,
-        /// Seconds a new instance may take to pass its first health check; after that it is
-        /// deleted and created afresh (reason ProvisioningTimedOut). VMs under software
-        /// emulation need minutes.
-        #[arg(long, value_name = "SECONDS", default_value_t = 600,
-              value_parser = clap::value_parser!(u64).range(1..))]
-        provisioning_timeout: u64,
+        /// Static bearer tokens of the discovery API, one per line, re-read every 2 s (default: a
+        /// token created in the state folder).
+        #[arg(long = "discovery-tokens", alias = "tokens", value_name = "FILE")]
+        discovery_tokens: Option<PathBuf>,
+        /// Serve the discovery API without any authentication (logged as a warning).
+        #[arg(long, conflicts_with = "discovery_tokens")]
+        discovery_no_auth: bool,
+        #[command(flatten)]
+        lifecycle: LifecycleArgs,
+        /// This installation's name: with the state folder's generated ID it is stamped on
+        /// every instance, and orphan GC and adoption act only on instances carrying both.
+        #[arg(long, default_value = "standalone")]
+        installation_name: String,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         json_logs: bool,
@@ -148,6 +215,51 @@ enum Command {
         #[arg(value_name = "SCENARIO")]
         scenario: PathBuf,
     },
+}
+
+/// Discovery API authentication flags of `run`: static tokens (file and/or Secret), TokenReview,
+/// or the explicit opt-out.
+#[derive(clap::Args)]
+struct ClusterAuthArgs {
+    /// Static bearer tokens, one per line (e.g. a mounted Secret's key), re-read every 2 s.
+    #[arg(long = "discovery-tokens", alias = "tokens", value_name = "FILE")]
+    discovery_tokens: Option<PathBuf>,
+    /// Static bearer tokens from this Secret in the operator's namespace (each data key a token),
+    /// re-read every 2 s through the API.
+    #[arg(long, value_name = "NAME")]
+    discovery_tokens_secret: Option<String>,
+    /// Accept Kubernetes service-account tokens, verified with a TokenReview (needs
+    /// --discovery-token-audience).
+    #[arg(long, requires = "discovery_token_audience")]
+    discovery_token_review: bool,
+    /// Audience a TokenReview'd token must hold (repeatable), e.g. the one crawlers request for
+    /// their projected service-account token.
+    #[arg(long, value_name = "AUDIENCE", requires = "discovery_token_review")]
+    discovery_token_audience: Vec<String>,
+    /// TokenReview'd users allowed in (repeatable), exact or ending in `*`, e.g.
+    /// `system:serviceaccount:crawlers:*` (default: every authenticated user).
+    #[arg(long, value_name = "USER", requires = "discovery_token_review")]
+    discovery_allowed_subject: Vec<String>,
+    /// Serve the discovery API without any authentication (logged as a warning).
+    #[arg(long, conflicts_with_all = ["discovery_tokens", "discovery_tokens_secret", "discovery_token_review"])]
+    discovery_no_auth: bool,
+}
+
+impl ClusterAuthArgs {
+    fn options(self) -> app::DiscoveryAuthOptions {
+        app::DiscoveryAuthOptions {
+            tokens_file: self.discovery_tokens,
+            tokens_secret: self.discovery_tokens_secret,
+            token_review_audiences: if self.discovery_token_review {
+                self.discovery_token_audience
+            } else {
+                Vec::new()
+            },
+            allowed_subjects: self.discovery_allowed_subject,
+            no_auth: self.discovery_no_auth,
+            reload_interval: app::TOKEN_RELOAD_INTERVAL,
+        }
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT (Ctrl-C). The handlers are installed when this is called
@@ -248,20 +360,28 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             providers_config,
             state,
             listen,
-            tokens,
-            provisioning_timeout,
+            discovery_tokens,
+            discovery_no_auth,
+            lifecycle,
+            installation_name,
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
             let options = app::StandaloneOptions {
+                installation_name,
                 manifests,
                 providers_config,
                 state,
                 listen,
-                tokens,
+                auth: app::DiscoveryAuthOptions {
+                    tokens_file: discovery_tokens,
+                    no_auth: discovery_no_auth,
+                    reload_interval: app::TOKEN_RELOAD_INTERVAL,
+                    ..app::DiscoveryAuthOptions::default()
+                },
                 poll: std::time::Duration::from_secs(1),
                 gc_grace: std::time::Duration::from_secs(300),
-                provisioning_timeout: std::time::Duration::from_secs(provisioning_timeout),
+                reconciler: lifecycle.config()?,
                 terminal_progress: !json_logs,
                 gc_interval: std::time::Duration::from_secs(60),
             };
@@ -277,16 +397,20 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             gc_dry_run,
             gc_grace_seconds,
             gc_interval_seconds,
-            provisioning_timeout,
+            lifecycle,
             system_namespace,
             identity,
+            installation_name,
             admin_listen,
             discovery_listen,
-            tokens,
+            auth,
             lease_signing_key,
             concurrency,
             json_logs,
         } => {
+            let auth = auth.options();
+            // Before connecting: a missing choice is a usage error, not a cluster problem.
+            auth.validate(true)?;
             let telemetry = tracing_setup::init(json_logs)?;
             let options = app::cluster::ClusterOptions {
                 providers_config,
@@ -295,12 +419,13 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 gc_dry_run,
                 gc_grace: std::time::Duration::from_secs(gc_grace_seconds),
                 gc_interval: std::time::Duration::from_secs(gc_interval_seconds.max(1)),
-                provisioning_timeout: std::time::Duration::from_secs(provisioning_timeout),
+                reconciler: lifecycle.config()?,
                 system_namespace,
                 identity,
+                installation_name,
                 admin_listen,
                 discovery_listen,
-                tokens,
+                auth,
                 signing_key: lease_signing_key,
                 concurrency,
             };
@@ -346,7 +471,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Audit { scenario } => {
-            print!("{}", machine::scenario::replay_file(&scenario)?);
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .context("starting the async runtime")?;
+            let trail = runtime.block_on(egress_proxies_operator::controller::simulate::replay_file(
+                &scenario,
+            ))?;
+            print!("{trail}");
             Ok(ExitCode::SUCCESS)
         }
     }

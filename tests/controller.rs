@@ -399,7 +399,9 @@ async fn a_restart_mid_provision_creates_no_duplicate() {
                 namespace: NS.into(),
                 name: "web-4".into(),
             },
-            spec_hash: "from-before-the-crash".into(),
+            // The same spec the operator will ask for: an instance of another spec is never
+            // adopted (machines/scenarios/stale-instance-after-crash.yaml).
+            spec_hash: egress_proxies_operator::controller::spec_hash::for_spec(&created.spec, None),
             placement: Default::default(),
             port: 3128,
             user_data: None,

@@ -1,5 +1,6 @@
-//! The deployment manifests keep the promises docs make about them: least-privilege RBAC and a
-//! locked-down operator container with probes.
+//! The deployment manifests keep the promises docs make about them: least-privilege RBAC that
+//! matches the flags they pass (and those flags exist), and a locked-down operator container
+//! with probes.
 
 use std::path::{Path, PathBuf};
 
@@ -21,10 +22,11 @@ fn rbac_has_no_wildcards_and_writes_only_where_needed() {
         "config/rbac/role.yaml",
         "config/rbac/leader_election_role.yaml",
         "config/rbac/kubernetes_provider_role.yaml",
+        "config/components/discovery-token-review/role.yaml",
     ] {
         for doc in docs(file) {
             let provider_role = file.ends_with("kubernetes_provider_role.yaml");
-            for rule in doc["rules"].as_array().expect("rules") {
+            for rule in doc["rules"].as_array().into_iter().flatten() {
                 rules.push((provider_role, rule.clone()));
             }
         }
@@ -112,6 +114,7 @@ fn kustomizations_reference_existing_files() {
         "config/crd/kustomization.yaml",
         "config/rbac/kustomization.yaml",
         "config/manager/kustomization.yaml",
+        "config/components/discovery-token-review/kustomization.yaml",
     ] {
         let dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(kustomization)
@@ -129,4 +132,234 @@ fn kustomizations_reference_existing_files() {
             }
         }
     }
+}
+
+/// `egress-proxies-operator run --help`.
+fn run_help() -> String {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"))
+        .args(["run", "--help"])
+        .output()
+        .expect("running the binary");
+    assert!(output.status.success());
+    String::from_utf8(output.stdout).expect("UTF-8 help")
+}
+
+fn is_run_flag(help: &str, flag: &str) -> bool {
+    help.lines().any(|line| {
+        line.split_whitespace()
+            .any(|word| word.trim_end_matches(',') == flag)
+    })
+}
+
+/// The operator container's args in manager.yaml.
+fn manager_args() -> Vec<String> {
+    let deployment = docs("config/manager/manager.yaml")
+        .into_iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("a Deployment");
+    deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().expect("string arg").to_owned())
+        .collect()
+}
+
+const TOKEN_REVIEW_COMPONENT: &str = "config/components/discovery-token-review";
+
+/// The args the token-review component appends (its JSON patches on the Deployment).
+fn component_args() -> Vec<String> {
+    let kustomization = docs(&format!("{TOKEN_REVIEW_COMPONENT}/kustomization.yaml"));
+    let mut args = Vec::new();
+    for patch in kustomization[0]["patches"].as_array().expect("patches") {
+        assert_eq!(patch["target"]["kind"], "Deployment");
+        let ops: Vec<Value> =
+            serde_norway::from_str(patch["patch"].as_str().expect("inline patch")).expect("patch YAML");
+        for op in ops {
+            assert_eq!(op["path"], "/spec/template/spec/containers/0/args/-", "{op}");
+            args.push(op["value"].as_str().expect("string arg").to_owned());
+        }
+    }
+    args
+}
+
+/// Whether these RBAC files let the operator create TokenReviews.
+fn grants_token_reviews(files: &[String]) -> bool {
+    files.iter().flat_map(|f| docs(f)).any(|doc| {
+        doc["rules"].as_array().into_iter().flatten().any(|rule| {
+            rule["resources"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|r| r == "tokenreviews")
+                && rule["verbs"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|v| v == "create")
+        })
+    })
+}
+
+fn rbac_files(dir: &str) -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files: Vec<String> = std::fs::read_dir(root.join(dir))
+        .expect("RBAC folder")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml") && !p.ends_with("kustomization.yaml"))
+        .map(|p| {
+            p.strip_prefix(root)
+                .expect("under the crate")
+                .display()
+                .to_string()
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn manifests_pass_real_flags_and_rbac_matches_exactly_what_they_need() {
+    let help = run_help();
+    let base = manager_args();
+    let with_review: Vec<String> = base.iter().cloned().chain(component_args()).collect();
+    for arg in with_review.iter().filter(|a| a.starts_with("--")) {
+        let flag = arg.split('=').next().unwrap_or_default();
+        assert!(
+            is_run_flag(&help, flag),
+            "manifests pass {flag}, which `run` does not have"
+        );
+    }
+    // The deployment chooses its discovery authentication explicitly (`run` refuses to start
+    // otherwise) and does not opt out.
+    let flag = |args: &[String], name: &str| {
+        args.iter()
+            .any(|a| a == name || a.starts_with(&format!("{name}=")))
+    };
+    assert!(
+        [
+            "--discovery-tokens",
+            "--discovery-tokens-secret",
+            "--discovery-token-review"
+        ]
+        .iter()
+        .any(|f| flag(&base, f)),
+        "no discovery authentication in {base:?}"
+    );
+    assert!(!flag(&with_review, "--discovery-no-auth"));
+    // The tokens file lies in the mounted tokens Secret.
+    let tokens = base
+        .iter()
+        .find_map(|a| a.strip_prefix("--discovery-tokens="))
+        .expect("--discovery-tokens=FILE");
+    let deployment = docs("config/manager/manager.yaml")
+        .into_iter()
+        .find(|d| d["kind"] == "Deployment")
+        .unwrap();
+    let pod = &deployment["spec"]["template"]["spec"];
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| tokens.starts_with(m["mountPath"].as_str().unwrap()))
+        .expect("the tokens file is under a volume mount");
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(
+        volume["secret"]["secretName"],
+        "egress-proxies-operator-discovery-tokens"
+    );
+
+    // TokenReviews are granted exactly where --discovery-token-review is passed.
+    let base_rbac = rbac_files("config/rbac");
+    assert!(!flag(&base, "--discovery-token-review"));
+    assert!(
+        !grants_token_reviews(&base_rbac),
+        "TokenReview granted without the flag"
+    );
+    assert!(flag(&with_review, "--discovery-token-review"));
+    assert!(flag(&with_review, "--discovery-token-audience"));
+    let component_rbac = rbac_files(TOKEN_REVIEW_COMPONENT);
+    assert!(grants_token_reviews(&component_rbac));
+    let component_rules: Vec<Value> = component_rbac
+        .iter()
+        .flat_map(|f| docs(f))
+        .filter_map(|d| d["rules"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(
+        component_rules,
+        vec![serde_json::json!({
+            "apiGroups": ["authentication.k8s.io"],
+            "resources": ["tokenreviews"],
+            "verbs": ["create"],
+        })],
+        "the component grants TokenReview creation and nothing else"
+    );
+}
+
+/// Every `--discovery-*` flag named anywhere under config/ (comments included) exists.
+#[test]
+fn config_mentions_only_existing_discovery_flags() {
+    let help = run_help();
+    let mut stack = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("config")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            for (at, _) in text.match_indices("--discovery-") {
+                let flag: String = text[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                    .collect();
+                assert!(
+                    is_run_flag(&help, &flag),
+                    "{} mentions {flag}, which `run` does not have",
+                    path.display()
+                );
+            }
+        }
+    }
+}
+
+/// `run` without a discovery authentication choice stops before connecting anywhere, naming the
+/// flags; the opt-out does not combine with a method.
+#[test]
+fn run_needs_an_explicit_discovery_authentication_choice() {
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"))
+            .arg("run")
+            .args(["--providers-config", "/nonexistent/providers.yaml"])
+            .args(args)
+            // No cluster to reach: a start that got past the check would fail differently.
+            .env("KUBECONFIG", "/nonexistent/kubeconfig")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .expect("running the binary")
+    };
+    let output = run(&[]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("discovery API authentication") && stderr.contains("--discovery-no-auth"),
+        "{stderr}"
+    );
+    let output = run(&["--discovery-no-auth", "--discovery-tokens", "/tmp/tokens"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+    let output = run(&["--discovery-token-review"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("--discovery-token-audience"), "{stderr}");
 }

@@ -1,22 +1,20 @@
 //! The discovery API over real sockets: the curl examples of docs/api.md run against a live
-//! server, keep-alive and graceful shutdown, TokenReview against a loopback API server, and
-//! leases that survive a leader change.
+//! server, keep-alive and graceful shutdown, authentication as `run` / `standalone` wire it
+//! (TokenReview against the fake API server, static tokens from a file or Secret rotated without
+//! a restart, the explicit opt-out), and leases that survive a leader change.
 
 mod support;
 
 use std::{
     collections::{BTreeMap, HashMap},
-    convert::Infallible,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::{Arc, atomic::Ordering},
     time::Duration,
 };
 
 use bytes::Bytes;
 use egress_proxies_operator::{
     api::LeasePolicy,
+    app::{DiscoveryAuthOptions, TOKEN_RELOAD_INTERVAL, discovery_authenticator},
     discovery::{
         self, Authenticator, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, StaticTokens,
         TokenReviewAuthenticator, auth::AuthError,
@@ -29,10 +27,11 @@ use egress_proxies_operator::{
     provider::{Credentials, Endpoint},
 };
 use http_body_util::{BodyExt, Full};
-use hyper::{Request, Response, StatusCode};
+use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
+use support::fake_apiserver::{FakeApiServer, RequestMatcher, Verb};
 use tokio::{net::TcpListener, sync::watch};
 
 const TOKEN: &str = "demo-token";
@@ -375,103 +374,348 @@ async fn leases_survive_a_leader_change() {
     server_b.shutdown().await;
 }
 
-/// A loopback stand-in for the API server's TokenReview endpoint.
-async fn fake_token_review_server(calls: Arc<AtomicUsize>) -> (String, tokio::task::JoinHandle<()>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let calls = calls.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                    let calls = calls.clone();
-                    async move {
-                        let ok = req.method() == "POST"
-                            && req.uri().path() == "/apis/authentication.k8s.io/v1/tokenreviews";
-                        let body = req.into_body().collect().await.unwrap().to_bytes();
-                        let review: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                        calls.fetch_add(1, Ordering::SeqCst);
-                        let status = match review["spec"]["token"].as_str() {
-                            Some("sa-bot") => {
-                                json!({"authenticated": true, "user": {"username": "system:serviceaccount:crawlers:bot"}})
-                            }
-                            Some("sa-other") => {
-                                json!({"authenticated": true, "user": {"username": "system:serviceaccount:other:x"}})
-                            }
-                            _ => json!({"authenticated": false}),
-                        };
-                        let answer = json!({
-                            "apiVersion": "authentication.k8s.io/v1",
-                            "kind": "TokenReview",
-                            "metadata": {},
-                            "spec": review["spec"],
-                            "status": status,
-                        });
-                        let mut response = Response::new(Full::new(Bytes::from(answer.to_string())));
-                        *response.status_mut() = if ok {
-                            StatusCode::CREATED
-                        } else {
-                            StatusCode::NOT_FOUND
-                        };
-                        response
-                            .headers_mut()
-                            .insert("content-type", "application/json".parse().unwrap());
-                        Ok::<_, Infallible>(response)
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    (url, task)
+/// Sends `GET path` with the `authorization` header only when `token` is given.
+async fn get_with(
+    sender: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+    path: &str,
+    token: Option<&str>,
+) -> (StatusCode, Value) {
+    let mut req = Request::builder().method("GET").uri(path).header("host", "epo");
+    if let Some(token) = token {
+        req = req.header("authorization", format!("Bearer {token}"));
+    }
+    let response = sender
+        .send_request(req.body(Full::new(Bytes::new())).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+}
+
+/// Number of TokenReviews the fake API server answered.
+fn token_reviews(api: &FakeApiServer) -> usize {
+    api.requests()
+        .iter()
+        .filter(|r| r.resource == "tokenreviews" && r.verb == Verb::Create)
+        .count()
+}
+
+const AUDIENCE: &str = "egress-proxies-discovery";
+
+#[tokio::test]
+async fn token_review_against_the_fake_api_server() {
+    let api = FakeApiServer::start().await;
+    // Projected service-account tokens: two for the discovery API's audience, one for the API
+    // server's own audience only (what every pod gets by default).
+    api.add_token("sa-bot", "system:serviceaccount:crawlers:bot", &[AUDIENCE]);
+    api.add_token("sa-other", "system:serviceaccount:other:x", &[AUDIENCE]);
+    api.add_token("sa-default-audience", "system:serviceaccount:crawlers:lazy", &[]);
+    let auth = Arc::new(TokenReviewAuthenticator::new(
+        api.client(),
+        vec![AUDIENCE.to_owned()],
+        vec!["system:serviceaccount:crawlers:*".to_owned()],
+    ));
+
+    // Valid, allowed subject.
+    assert_eq!(
+        auth.authenticate("sa-bot").await.unwrap().name,
+        "system:serviceaccount:crawlers:bot"
+    );
+    // Valid token, subject not allowed.
+    assert_eq!(
+        auth.authenticate("sa-other").await,
+        Err(AuthError::Forbidden("system:serviceaccount:other:x".into()))
+    );
+    // Invalid token.
+    assert_eq!(
+        auth.authenticate("garbage").await,
+        Err(AuthError::Unauthenticated)
+    );
+    // Valid token of an allowed subject, but not for this audience.
+    assert_eq!(
+        auth.authenticate("sa-default-audience").await,
+        Err(AuthError::Unauthenticated)
+    );
+    assert_eq!(token_reviews(&api), 4);
+    auth.authenticate("sa-bot").await.unwrap();
+    assert_eq!(token_reviews(&api), 4, "answers are cached");
+
+    let server = Server::start(demo_store(), auth.clone()).await;
+    let mut c = connect(&server.url).await;
+    let (status, _) = get_with(&mut c, "/v1/proxies", Some("sa-bot")).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = get_with(&mut c, "/v1/proxies", Some("sa-other")).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::FORBIDDEN, Some("forbidden"))
+    );
+    for token in ["garbage", "sa-default-audience"] {
+        let (status, body) = get_with(&mut c, "/v1/proxies", Some(token)).await;
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (StatusCode::UNAUTHORIZED, Some("unauthorized")),
+            "{token}"
+        );
+    }
+
+    // API server down (answers 500, then not at all): a token not cached gets 503
+    // auth_unavailable, never 401; a cached answer still serves.
+    api.add_token("sa-new", "system:serviceaccount:crawlers:new", &[AUDIENCE]);
+    api.fail_next(RequestMatcher::any().resource("tokenreviews"), 100, 500);
+    let (status, body) = get_with(&mut c, "/v1/proxies", Some("sa-new")).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("auth_unavailable"))
+    );
+    let (status, _) = get_with(&mut c, "/v1/proxies", Some("sa-bot")).await;
+    assert_eq!(status, StatusCode::OK, "cached while the API server is down");
+    // Back: the failure was not cached.
+    api.fail_next(RequestMatcher::any().resource("tokenreviews"), 0, 500);
+    let (status, _) = get_with(&mut c, "/v1/proxies", Some("sa-new")).await;
+    assert_eq!(status, StatusCode::OK);
+    // Gone: connections refused.
+    drop(api);
+    let (status, body) = get_with(&mut c, "/v1/proxies", Some("sa-unknown")).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, Some("auth_unavailable"))
+    );
+    server.shutdown().await;
 }
 
 #[tokio::test]
-async fn token_review_lets_allowed_service_accounts_in() {
-    let calls = Arc::new(AtomicUsize::new(0));
-    let (api_url, api_task) = fake_token_review_server(calls.clone()).await;
-    let config = kube::Config::new(api_url.parse().unwrap());
-    let client = kube::Client::try_from(config).unwrap();
-    let auth = Arc::new(TokenReviewAuthenticator::new(
-        client,
-        vec![],
-        vec!["system:serviceaccount:crawlers:*".to_owned()],
-    ));
+async fn a_token_review_that_hangs_answers_503_within_the_timeout() {
+    let api = FakeApiServer::start().await;
+    api.add_token("sa-bot", "system:serviceaccount:crawlers:bot", &[AUDIENCE]);
+    api.set_latency(Duration::from_secs(30));
+    let auth = TokenReviewAuthenticator::new(api.client(), vec![AUDIENCE.to_owned()], vec![])
+        .with_timeout(Duration::from_millis(300));
+    let asked = std::time::Instant::now();
+    let answer = tokio::time::timeout(Duration::from_secs(10), auth.authenticate("sa-bot"))
+        .await
+        .expect("the review gives up by itself");
+    assert!(matches!(answer, Err(AuthError::Unavailable(_))), "{answer:?}");
+    assert!(asked.elapsed() < Duration::from_secs(5), "{:?}", asked.elapsed());
+    // Not cached: once the API server answers again, the token works.
+    api.set_latency(Duration::ZERO);
+    assert_eq!(
+        auth.authenticate("sa-bot").await.unwrap().name,
+        "system:serviceaccount:crawlers:bot"
+    );
+}
+
+#[tokio::test]
+async fn static_tokens_and_token_review_together() {
+    let api = FakeApiServer::start().await;
+    api.add_token("sa-bot", "system:serviceaccount:crawlers:bot", &[AUDIENCE]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokens"), format!("{TOKEN}\n")).unwrap();
+    let options = DiscoveryAuthOptions {
+        tokens_file: Some(dir.path().join("tokens")),
+        token_review_audiences: vec![AUDIENCE.to_owned()],
+        ..DiscoveryAuthOptions::default()
+    };
+    let client = api.client();
+    let auth = discovery_authenticator(&options, Some((&client, "egress-proxies-system")))
+        .await
+        .unwrap();
+    assert_eq!(auth.authenticate(TOKEN).await.unwrap().name, "token-1");
+    assert_eq!(token_reviews(&api), 0, "a static token needs no TokenReview");
     assert_eq!(
         auth.authenticate("sa-bot").await.unwrap().name,
         "system:serviceaccount:crawlers:bot"
     );
     assert_eq!(
-        auth.authenticate("sa-other").await,
-        Err(AuthError::Forbidden("system:serviceaccount:other:x".into()))
-    );
-    assert_eq!(
         auth.authenticate("garbage").await,
         Err(AuthError::Unauthenticated)
     );
-    let before = calls.load(Ordering::SeqCst);
-    assert_eq!(before, 3);
-    auth.authenticate("sa-bot").await.unwrap();
-    assert_eq!(calls.load(Ordering::SeqCst), before, "answers are cached");
+    // The API server down: static tokens still work, others are "unavailable", not "invalid".
+    drop(api);
+    assert_eq!(auth.authenticate(TOKEN).await.unwrap().name, "token-1");
+    assert!(matches!(
+        auth.authenticate("unknown").await,
+        Err(AuthError::Unavailable(_))
+    ));
+}
 
+/// Writes `content` to `path` the way the kubelet updates a mounted Secret: a new file renamed
+/// over the old one, so no reader sees half a file.
+fn replace_file(path: &std::path::Path, content: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, content).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[tokio::test]
+async fn rotating_the_token_file_takes_effect_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokens");
+    std::fs::write(&path, "old-token\n").unwrap();
+    // The options `run --discovery-tokens FILE` and `standalone --discovery-tokens FILE` build.
+    let options = DiscoveryAuthOptions::tokens_file(path.clone());
+    assert_eq!(options.reload_interval, TOKEN_RELOAD_INTERVAL);
+    let auth = discovery_authenticator(&options, None).await.unwrap();
     let server = Server::start(demo_store(), auth).await;
     let mut c = connect(&server.url).await;
-    let (status, _) = send(&mut c, "GET", "/v1/proxies", "sa-bot", Value::Null).await;
-    assert_eq!(status, StatusCode::OK);
-    let (status, body) = send(&mut c, "GET", "/v1/proxies", "sa-other", Value::Null).await;
     assert_eq!(
-        (status, body["error"]["code"].as_str()),
-        (StatusCode::FORBIDDEN, Some("forbidden"))
+        get_with(&mut c, "/v1/proxies", Some("old-token")).await.0,
+        StatusCode::OK
     );
-    let (status, _) = send(&mut c, "GET", "/v1/proxies", "garbage", Value::Null).await;
-    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        get_with(&mut c, "/v1/proxies", Some("new-token")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+
+    let rotated = std::time::Instant::now();
+    replace_file(&path, "# rotated\nnew-token\n");
+    let deadline = rotated + TOKEN_RELOAD_INTERVAL * 3;
+    loop {
+        let new = get_with(&mut c, "/v1/proxies", Some("new-token")).await.0;
+        let old = get_with(&mut c, "/v1/proxies", Some("old-token")).await.0;
+        if new == StatusCode::OK && old == StatusCode::UNAUTHORIZED {
+            break;
+        }
+        // Never both, never neither: the set is swapped whole.
+        assert!(
+            (new == StatusCode::OK) != (old == StatusCode::OK),
+            "new {new}, old {old}"
+        );
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rotation not in force after {:?}",
+            rotated.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("token file rotation in force after {:?}", rotated.elapsed());
+
+    // An unreadable file keeps the tokens last read (a transient error locks nobody out)...
+    std::fs::remove_file(&path).unwrap();
+    let gone = std::time::Instant::now();
+    while gone.elapsed() < TOKEN_RELOAD_INTERVAL * 2 {
+        assert_eq!(
+            get_with(&mut c, "/v1/proxies", Some("new-token")).await.0,
+            StatusCode::OK
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // ...and a file that is back is read again.
+    replace_file(&path, "third-token\n");
+    let deadline = std::time::Instant::now() + TOKEN_RELOAD_INTERVAL * 3;
+    while get_with(&mut c, "/v1/proxies", Some("third-token")).await.0 != StatusCode::OK {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the restored file was not read"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        get_with(&mut c, "/v1/proxies", Some("new-token")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
     server.shutdown().await;
-    api_task.abort();
+}
+
+#[tokio::test]
+async fn rotating_the_token_secret_takes_effect_without_a_restart() {
+    let api = FakeApiServer::start().await;
+    let secret = |tokens: &[(&str, &str)]| {
+        let data: serde_json::Map<String, Value> = tokens
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), json!(base64(v))))
+            .collect();
+        json!({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "discovery-tokens", "namespace": "egress-proxies-system"},
+            "data": data,
+        })
+    };
+    api.put_json(
+        "secrets",
+        secret(&[("crawler-a", "token-a"), ("crawler-b", "token-b\n")]),
+    );
+    let client = api.client();
+    let options = DiscoveryAuthOptions {
+        tokens_secret: Some("discovery-tokens".into()),
+        reload_interval: Duration::from_millis(100),
+        ..DiscoveryAuthOptions::default()
+    };
+    let auth = discovery_authenticator(&options, Some((&client, "egress-proxies-system")))
+        .await
+        .unwrap();
+    assert_eq!(auth.authenticate("token-a").await.unwrap().name, "crawler-a");
+    assert_eq!(auth.authenticate("token-b").await.unwrap().name, "crawler-b");
+
+    api.put_json(
+        "secrets",
+        secret(&[("crawler-a", "token-a2"), ("crawler-b", "token-b")]),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while auth.authenticate("token-a").await.is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rotated Secret was not read"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(auth.authenticate("token-a2").await.unwrap().name, "crawler-a");
+    assert_eq!(auth.authenticate("token-b").await.unwrap().name, "crawler-b");
+
+    // A missing Secret is a start-up error, not an open door.
+    let missing = DiscoveryAuthOptions {
+        tokens_secret: Some("absent".into()),
+        ..options.clone()
+    };
+    assert!(
+        discovery_authenticator(&missing, Some((&client, "egress-proxies-system")))
+            .await
+            .is_err()
+    );
+}
+
+fn base64(text: &str) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(text)
+}
+
+#[tokio::test]
+async fn no_authentication_only_as_an_explicit_opt_out() {
+    // Nothing chosen: refused, naming the opt-out.
+    let err = discovery_authenticator(&DiscoveryAuthOptions::default(), None)
+        .await
+        .err()
+        .expect("no method and no opt-out is an error");
+    assert!(err.to_string().contains("--discovery-no-auth"), "{err}");
+    // The opt-out does not combine with a method.
+    let both = DiscoveryAuthOptions {
+        no_auth: true,
+        ..DiscoveryAuthOptions::tokens_file("tokens".into())
+    };
+    assert!(both.validate(true).is_err());
+    // Kubernetes-only methods need cluster mode.
+    let review = DiscoveryAuthOptions {
+        token_review_audiences: vec![AUDIENCE.to_owned()],
+        ..DiscoveryAuthOptions::default()
+    };
+    assert!(review.validate(true).is_ok() && review.validate(false).is_err());
+    let subjects_alone = DiscoveryAuthOptions {
+        allowed_subjects: vec!["system:serviceaccount:crawlers:*".to_owned()],
+        ..DiscoveryAuthOptions::tokens_file("tokens".into())
+    };
+    assert!(subjects_alone.validate(true).is_err());
+
+    let open = DiscoveryAuthOptions {
+        no_auth: true,
+        ..DiscoveryAuthOptions::default()
+    };
+    let server = Server::start(demo_store(), discovery_authenticator(&open, None).await.unwrap()).await;
+    let mut c = connect(&server.url).await;
+    let (status, body) = get_with(&mut c, "/v1/proxies", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.to_string().contains("crawl/eu-1"), "{body}");
+    server.shutdown().await;
 }
 
 /// Sends raw bytes on a fresh connection (then half-closes it if asked) and reads one response:

@@ -22,6 +22,7 @@ use egress_proxies_operator::api::{Proxy, ProxyStatus};
 use futures::{StreamExt, TryStreamExt};
 use http_body_util::{BodyExt, Full};
 use k8s_openapi::api::{
+    authentication::v1::{TokenReview, TokenReviewSpec},
     coordination::v1::{Lease, LeaseSpec},
     core::v1::{ConfigMap, Secret},
     events::v1::Event as K8sEvent,
@@ -1380,4 +1381,79 @@ async fn version_and_discovery_describe_the_served_resources() {
         .expect("ProviderHealth is discoverable");
     assert_eq!(resource.plural, "providerhealths");
     assert_eq!(caps.scope, kube::discovery::Scope::Cluster);
+}
+
+/// TokenReview (authentication.k8s.io/v1): create-only; `status.authenticated` and the user for
+/// a known token, `status.audiences` the intersection of the requested audiences and the
+/// token's (the API server's own audience when none is requested), unauthenticated without a
+/// common audience; nothing is stored, and reading the resource is not supported.
+#[tokio::test]
+async fn token_review_checks_token_and_audiences_and_stores_nothing() {
+    let server = FakeApiServer::start().await;
+    server.add_token(
+        "sa",
+        "system:serviceaccount:crawlers:bot",
+        &["discovery", "other"],
+    );
+    server.add_token("pod-default", "system:serviceaccount:crawlers:pod", &[]);
+    let api: Api<TokenReview> = Api::all(server.client());
+    let review = |token: &str, audiences: Option<&[&str]>| TokenReview {
+        spec: TokenReviewSpec {
+            token: Some(token.to_owned()),
+            audiences: audiences.map(|a| a.iter().map(|s| (*s).to_owned()).collect()),
+        },
+        ..TokenReview::default()
+    };
+    let status = |answer: TokenReview| answer.status.expect("a TokenReview answer has a status");
+
+    let answer = status(
+        api.create(
+            &PostParams::default(),
+            &review("sa", Some(&["discovery", "elsewhere"])),
+        )
+        .await
+        .unwrap(),
+    );
+    assert_eq!(answer.authenticated, Some(true));
+    assert_eq!(
+        answer.user.and_then(|u| u.username).as_deref(),
+        Some("system:serviceaccount:crawlers:bot")
+    );
+    assert_eq!(answer.audiences, Some(vec!["discovery".to_owned()]));
+
+    // Wrong audience, and a token for the API server's audience asked without audiences.
+    let answer = status(
+        api.create(&PostParams::default(), &review("sa", Some(&["elsewhere"])))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(answer.authenticated, Some(false));
+    assert!(answer.error.is_some());
+    let answer = status(
+        api.create(&PostParams::default(), &review("pod-default", None))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(answer.authenticated, Some(true));
+    assert_eq!(
+        answer.audiences,
+        Some(vec![support::fake_apiserver::API_SERVER_AUDIENCE.to_owned()])
+    );
+    let answer = status(
+        api.create(&PostParams::default(), &review("nobody", None))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(answer.authenticated, Some(false));
+
+    let listed = status_of(api.list(&ListParams::default()).await);
+    assert_eq!((listed.code, listed.reason.as_str()), (405, "MethodNotAllowed"));
+    assert_eq!(
+        server
+            .requests()
+            .iter()
+            .filter(|r| r.resource == "tokenreviews" && r.verb == Verb::Create && r.succeeded())
+            .count(),
+        4
+    );
 }

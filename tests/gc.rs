@@ -4,6 +4,11 @@
 //!   orphan's domain and volumes go; an instance whose create is in flight, an instance whose
 //!   owner lives, one of unknown ownership and a `kvm` domain on the same daemon stay.
 //! - `local` (real Squid): a true orphan's Squid stops and its folder goes; the others stay.
+//! - two installations (two clusters, each with its own API server) sharing one backend —
+//!   `kvm2` on libvirt's test driver, `local` on one stateDir with real Squid — run GC side by
+//!   side: each collects its own orphans, neither deletes, adopts, returns or supervises the
+//!   other's instances, and a legacy-stamped instance is adopted only by the installation
+//!   where its owner lives.
 //! - the `run` binary in namespace-restricted mode: GC is off and says so; with
 //!   `--gc-allow-namespaced` it judges only the watched namespace; `--gc-dry-run` only logs.
 
@@ -29,10 +34,15 @@ use std::{
 
 use egress_proxies_operator::{
     api::Proxy,
+    app::cluster::cluster_identity,
     gc::{GcConfig, GcReport, KubeLiveOwners, collect, gc_enabled},
     provider::{
-        Instance, InstanceRequest, Owner, Provider, ProviderRegistry, instance_name, kvm::KvmProvider,
-        kvm2::Kvm2Provider, libvirt::KVM2_NAMESPACE, local::LocalProvider,
+        Installation, Instance, InstanceRequest, Owner, Provider, ProviderError, ProviderRegistry,
+        instance_name,
+        kvm::KvmProvider,
+        kvm2::Kvm2Provider,
+        libvirt::{KVM_NAMESPACE, KVM2_NAMESPACE},
+        local::LocalProvider,
     },
 };
 use jiff::{SignedDuration, Timestamp};
@@ -40,13 +50,13 @@ use kube::{
     Api,
     api::{DeleteParams, PostParams},
 };
-use libvirt_requests::{request, settings, user_network};
+use libvirt_requests::{request, settings, test_driver, user_network};
 use libvirtd::PrivateLibvirtd;
 use serde_json::json;
 use support::{
     contract::plain_request,
     fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
-    local::{StateDir, eventually, free_port, squids_under},
+    local::{StateDir, eventually, free_port, kill, squids_under},
     process::GroupChild,
 };
 
@@ -292,6 +302,476 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
     other.delete(&foreign.id.native_id).await.expect("clean up");
 }
 
+// --- two installations sharing one backend -------------------------------------------------------
+
+/// Two clusters' installations: distinct cluster IDs (as two kube-system UIDs would be).
+fn installations() -> (Installation, Installation) {
+    let cluster = || format!("{:016x}", fastrand::u64(..));
+    (
+        Installation::new(cluster(), "egress-proxies-system"),
+        Installation::new(cluster(), "egress-proxies-system"),
+    )
+}
+
+/// A pass time at which every one of `instances` is older than `GRACE`.
+fn after_grace(instances: &[&Instance]) -> Timestamp {
+    let newest = instances
+        .iter()
+        .map(|i| i.created_at)
+        .max()
+        .expect("some instances");
+    newest + SignedDuration::try_from(GRACE).expect("small")
+}
+
+/// Two installations' orphan GC over one backend: each with a registry of its own provider
+/// object and the live owners of its own cluster.
+struct SideBySide {
+    prod: (ProviderRegistry, KubeLiveOwners),
+    staging: (ProviderRegistry, KubeLiveOwners),
+}
+
+impl SideBySide {
+    fn new(prod: (Arc<dyn Provider>, &FakeApiServer), staging: (Arc<dyn Provider>, &FakeApiServer)) -> Self {
+        let half = |(provider, cluster): (Arc<dyn Provider>, &FakeApiServer)| {
+            let mut registry = ProviderRegistry::new();
+            registry.insert(provider);
+            (registry, KubeLiveOwners::new(cluster.client()))
+        };
+        Self {
+            prod: half(prod),
+            staging: half(staging),
+        }
+    }
+
+    /// One pass of each at `now`, run concurrently; asserts that each collected exactly its
+    /// own orphan of `orphans` (prod's, staging's) or, with `None`, nothing.
+    async fn pass(&self, now: Timestamp, orphans: Option<(&Instance, &Instance)>) -> (GcReport, GcReport) {
+        let gc = config(false);
+        let (prod, staging) = tokio::join!(
+            collect(&self.prod.0, &self.prod.1, &gc, now),
+            collect(&self.staging.0, &self.staging.1, &gc, now),
+        );
+        let expected =
+            |orphan: Option<&Instance>| orphan.map(|o| o.id.to_string()).into_iter().collect::<Vec<_>>();
+        assert_eq!(prod.collected, expected(orphans.map(|o| o.0)), "prod: {prod:?}");
+        assert_eq!(
+            staging.collected,
+            expected(orphans.map(|o| o.1)),
+            "staging: {staging:?}"
+        );
+        (prod, staging)
+    }
+}
+
+fn sorted(mut ids: Vec<String>) -> Vec<String> {
+    ids.sort();
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_their_own() {
+    const URI: &str = "test:///default";
+    const POOL: &str = "default-pool";
+    let connection = test_driver(URI, POOL);
+    let (prod_id, staging_id) = installations();
+    // The same providers config in both clusters: the same provider instance name.
+    let prod = Arc::new(
+        Kvm2Provider::new("kvm2", settings(URI, POOL, Default::default())).with_installation(prod_id.clone()),
+    );
+    let staging = Arc::new(
+        Kvm2Provider::new("kvm2", settings(URI, POOL, Default::default()))
+            .with_installation(staging_id.clone()),
+    );
+    let prod_cluster = FakeApiServer::start().await;
+    let staging_cluster = FakeApiServer::start().await;
+
+    let live = async |server: &FakeApiServer, name: &str| Owner {
+        uid: live_proxy(server, "crawl", name, "kvm2").await,
+        namespace: "crawl".into(),
+        name: name.into(),
+    };
+    let prod_alive = prod
+        .create(&owned_by(
+            request("p-alive"),
+            live(&prod_cluster, "p-alive").await,
+        ))
+        .await
+        .expect("create");
+    let prod_orphan = prod.create(&request("p-orphan")).await.expect("create");
+    let staging_alive = staging
+        .create(&owned_by(
+            request("s-alive"),
+            live(&staging_cluster, "s-alive").await,
+        ))
+        .await
+        .expect("create");
+    let staging_orphan = staging.create(&request("s-orphan")).await.expect("create");
+    for (instance, installation) in [
+        (&prod_alive, &prod_id),
+        (&prod_orphan, &prod_id),
+        (&staging_alive, &staging_id),
+        (&staging_orphan, &staging_id),
+    ] {
+        assert_eq!(
+            instance.installation.as_ref(),
+            Some(installation),
+            "stamped on create"
+        );
+    }
+
+    // Domains stamped in today's format (no installation): one whose owner lives in prod, one
+    // whose owner lives nowhere.
+    let legacy_owner = live(&prod_cluster, "legacy").await;
+    let legacy = instance_name(&legacy_owner.namespace, &legacy_owner.name, &legacy_owner.uid);
+    let legacy_orphan = format!("epo-crawl-legacy-orphan-{:08x}", fastrand::u32(..));
+    let stamp_created = prod_orphan.created_at - SignedDuration::from_hours(1);
+    for (name, uid, proxy) in [
+        (&legacy, legacy_owner.uid.as_str(), "legacy"),
+        (&legacy_orphan, "never-lived", "legacy-orphan"),
+    ] {
+        connection
+            .define_domain_xml(&format!(
+                "<domain type='test'><name>{name}</name><memory unit='MiB'>64</memory>\
+                 <os><type arch='x86_64'>hvm</type></os><metadata>\
+                 <epo:owner xmlns:epo='{KVM2_NAMESPACE}' provider='kvm2' uid='{uid}' \
+                 namespace='crawl' name='{proxy}' specHash='h' createdAt='{stamp_created}' port='3128'/>\
+                 </metadata></domain>"
+            ))
+            .expect("define a legacy-stamped domain");
+    }
+    let id = |name: &str| format!("kvm2/kvm2/{name}");
+
+    let now = after_grace(&[&prod_alive, &prod_orphan, &staging_alive, &staging_orphan]);
+    let gc = SideBySide::new((prod.clone(), &prod_cluster), (staging.clone(), &staging_cluster));
+    let (prod_report, staging_report) = gc.pass(now, Some((&prod_orphan, &staging_orphan))).await;
+    assert!(staging_report.foreign.contains(&prod_alive.id.to_string()));
+    assert!(prod_report.foreign.contains(&staging_alive.id.to_string()));
+    assert_eq!(
+        prod_report.adopted,
+        [id(&legacy)],
+        "prod, where its owner lives, adopts it"
+    );
+    assert_eq!(prod_report.legacy, [id(&legacy_orphan)]);
+    assert!(staging_report.adopted.is_empty());
+    assert!(staging_report.legacy.contains(&id(&legacy_orphan)));
+    // The passes ran side by side: staging listed the legacy domain either before prod's
+    // adoption (legacy, owner not live in staging) or after it (prod's): never collected.
+    assert!(
+        staging_report.legacy.contains(&id(&legacy)) || staging_report.foreign.contains(&id(&legacy)),
+        "{staging_report:?}"
+    );
+
+    let domains: HashSet<String> = connection
+        .list_all_domains(0)
+        .expect("domains")
+        .iter()
+        .map(|d| d.name().expect("name"))
+        .collect();
+    assert!(!domains.contains(&prod_orphan.id.native_id));
+    assert!(!domains.contains(&staging_orphan.id.native_id));
+    for kept in [
+        &prod_alive.id.native_id,
+        &staging_alive.id.native_id,
+        &legacy,
+        &legacy_orphan,
+    ] {
+        assert!(domains.contains(kept), "{kept} must stay: {domains:?}");
+    }
+    let adopted = prod.get(&legacy).await.expect("prod's now");
+    assert_eq!(adopted.installation, Some(prod_id.clone()), "restamped");
+
+    // A second pass: the adopted domain is prod's like any other; staging now counts it as
+    // foreign; still nobody touches anything live-owned.
+    let (prod_report, staging_report) = gc.pass(now, None).await;
+    assert!(prod_report.adopted.is_empty(), "adopted once");
+    assert_eq!(
+        sorted(staging_report.foreign),
+        sorted(vec![prod_alive.id.to_string(), id(&legacy)])
+    );
+    assert_eq!(prod_report.foreign, [staging_alive.id.to_string()]);
+
+    // Neither installation returns, adopts, re-creates or deletes the other's instances.
+    assert!(matches!(
+        staging.get(&prod_alive.id.native_id).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    let prod_request = owned_by(request("p-alive"), prod_alive.owner.clone().expect("owner"));
+    match staging.create(&prod_request).await {
+        Err(ProviderError::Misconfigured(message)) => {
+            assert!(message.contains("belongs to installation"), "{message}")
+        }
+        other => panic!("staging must not take over prod's domain: {other:?}"),
+    }
+    assert!(staging.adopt(&legacy).await.is_err(), "already prod's");
+    staging
+        .delete(&prod_alive.id.native_id)
+        .await
+        .expect("nothing of staging's to delete");
+    assert_eq!(
+        prod.get(&prod_alive.id.native_id)
+            .await
+            .expect("still there")
+            .installation,
+        Some(prod_id)
+    );
+
+    for name in [&prod_alive.id.native_id, &legacy, &legacy_orphan] {
+        prod.delete(name).await.expect("clean up");
+    }
+    staging
+        .delete(&staging_alive.id.native_id)
+        .await
+        .expect("clean up");
+    // The legacy orphan carried no installation, so prod could delete it explicitly.
+    assert!(connection.lookup_domain_by_name(&legacy_orphan).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_installations_on_a_real_libvirtd_through_virsh_keep_apart_and_adopt_a_running_legacy_domain() {
+    let daemon = PrivateLibvirtd::start();
+    daemon.dir_pool_with_base("epo", "base.qcow2");
+    let (prod_id, staging_id) = installations();
+    let kvm = |installation: &Installation| {
+        Arc::new(
+            KvmProvider::new("kvm", settings(daemon.uri(), "epo", user_network(24600)))
+                .with_installation(installation.clone()),
+        )
+    };
+    let (prod, staging) = (kvm(&prod_id), kvm(&staging_id));
+    let prod_cluster = FakeApiServer::start().await;
+    let staging_cluster = FakeApiServer::start().await;
+
+    let prod_orphan = prod.create(&request("p-orphan")).await.expect("create");
+    let staging_orphan = staging.create(&request("s-orphan")).await.expect("create");
+    // A running domain in today's stamp format, whose owner lives in prod.
+    let owner = Owner {
+        uid: live_proxy(&prod_cluster, "crawl", "legacy", "kvm").await,
+        namespace: "crawl".into(),
+        name: "legacy".into(),
+    };
+    let legacy = instance_name(&owner.namespace, &owner.name, &owner.uid);
+    let xml_file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(
+        xml_file.path(),
+        format!(
+            "<domain type='qemu'><name>{legacy}</name><memory unit='MiB'>32</memory>\
+             <os><type arch='x86_64'>hvm</type></os><metadata>\
+             <epo:owner xmlns:epo='{KVM_NAMESPACE}' provider='kvm' uid='{}' namespace='crawl' \
+             name='legacy' specHash='h' createdAt='{}' port='3128'/></metadata></domain>",
+            owner.uid,
+            prod_orphan.created_at - SignedDuration::from_hours(1)
+        ),
+    )
+    .expect("domain XML");
+    daemon.virsh_ok(&["define", xml_file.path().to_str().expect("UTF-8")]);
+    daemon.virsh_ok(&["start", &legacy]);
+
+    let now = after_grace(&[&prod_orphan, &staging_orphan]);
+    let gc = SideBySide::new((prod.clone(), &prod_cluster), (staging.clone(), &staging_cluster));
+    let (prod_report, staging_report) = gc.pass(now, Some((&prod_orphan, &staging_orphan))).await;
+    assert_eq!(
+        prod_report.adopted,
+        [format!("kvm/kvm/{legacy}")],
+        "{prod_report:?}"
+    );
+    assert!(staging_report.adopted.is_empty());
+    let domains = daemon.domains();
+    assert!(!domains.contains(&prod_orphan.id.native_id) && !domains.contains(&staging_orphan.id.native_id));
+    assert!(domains.contains(&legacy), "{domains:?}");
+
+    // Restamped in the running definition and the persistent one.
+    let cluster = format!("cluster=\"{}\"", prod_id.cluster_id);
+    let live = daemon.virsh_ok(&["metadata", "--domain", &legacy, "--uri", KVM_NAMESPACE, "--live"]);
+    let config = daemon.virsh_ok(&[
+        "metadata",
+        "--domain",
+        &legacy,
+        "--uri",
+        KVM_NAMESPACE,
+        "--config",
+    ]);
+    assert!(
+        live.contains(&cluster) && config.contains(&cluster),
+        "{live}\n{config}"
+    );
+    assert_eq!(
+        prod.get(&legacy).await.expect("prod's").installation,
+        Some(prod_id)
+    );
+    assert!(matches!(
+        staging.get(&legacy).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    staging.delete(&legacy).await.expect("not staging's to delete");
+    assert!(daemon.domains().contains(&legacy));
+    prod.delete(&legacy).await.expect("clean up");
+    assert!(!daemon.domains().contains(&legacy));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squids() {
+    let state = StateDir::new();
+    let (prod_id, staging_id) = installations();
+    let prod = Arc::new(
+        LocalProvider::for_installation(prod_id.clone(), "local", state.settings()).expect("settings"),
+    );
+    let staging = Arc::new(
+        LocalProvider::for_installation(staging_id.clone(), "local", state.settings()).expect("settings"),
+    );
+    let prod_cluster = FakeApiServer::start().await;
+    let staging_cluster = FakeApiServer::start().await;
+    let live = async |server: &FakeApiServer, name: &str| Owner {
+        uid: live_proxy(server, "crawl", name, "local").await,
+        namespace: "crawl".into(),
+        name: name.into(),
+    };
+
+    let prod_alive = create_local(
+        &prod,
+        plain_request(live(&prod_cluster, "p-alive").await, free_port()),
+    )
+    .await;
+    let prod_orphan = create_local(
+        &prod,
+        plain_request(local_owner("crawl", "p-orphan"), free_port()),
+    )
+    .await;
+    let staging_alive = create_local(
+        &staging,
+        plain_request(live(&staging_cluster, "s-alive").await, free_port()),
+    )
+    .await;
+    let staging_orphan = create_local(
+        &staging,
+        plain_request(local_owner("crawl", "s-orphan"), free_port()),
+    )
+    .await;
+    // Made before installations were recorded: its owner record names none. Its owner lives
+    // in staging.
+    let legacy = create_local(
+        &staging,
+        plain_request(live(&staging_cluster, "legacy").await, free_port()),
+    )
+    .await;
+    let owner_file = staging.instance_dir(&legacy.id.native_id).join("owner.json");
+    let mut record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&owner_file).expect("owner record")).expect("JSON");
+    record.as_object_mut().expect("object").remove("installation");
+    std::fs::write(&owner_file, serde_json::to_vec(&record).expect("JSON")).expect("legacy record");
+    assert_eq!(
+        staging
+            .get(&legacy.id.native_id)
+            .await
+            .expect("legacy")
+            .installation,
+        None
+    );
+
+    let now = after_grace(&[
+        &prod_alive,
+        &prod_orphan,
+        &staging_alive,
+        &staging_orphan,
+        &legacy,
+    ]);
+    let gc = SideBySide::new((prod.clone(), &prod_cluster), (staging.clone(), &staging_cluster));
+    let (prod_report, staging_report) = gc.pass(now, Some((&prod_orphan, &staging_orphan))).await;
+    assert_eq!(staging_report.adopted, [legacy.id.to_string()]);
+    assert!(prod_report.adopted.is_empty(), "its owner does not live in prod");
+    assert!(prod_report.foreign.contains(&staging_alive.id.to_string()));
+    assert!(staging_report.foreign.contains(&prod_alive.id.to_string()));
+    assert_eq!(
+        staging
+            .get(&legacy.id.native_id)
+            .await
+            .expect("adopted")
+            .installation,
+        Some(staging_id)
+    );
+
+    for gone in [&prod_orphan, &staging_orphan] {
+        let dir = state.path().join(&gone.id.native_id);
+        assert!(!dir.exists(), "{} removed", gone.id);
+        assert!(
+            eventually(DEADLINE, async || squids_under(&dir).is_empty()).await,
+            "{}'s Squid is stopped",
+            gone.id
+        );
+    }
+    for kept in [&prod_alive, &staging_alive, &legacy] {
+        assert_eq!(
+            squids_under(&state.path().join(&kept.id.native_id)).len(),
+            1,
+            "{} keeps running",
+            kept.id
+        );
+    }
+
+    // Neither returns, re-creates or deletes the other's; nor restarts the other's dead Squid.
+    assert!(matches!(
+        prod.get(&staging_alive.id.native_id).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    let staging_request = plain_request(staging_alive.owner.clone().expect("owner"), free_port());
+    assert!(matches!(
+        prod.create(&staging_request).await,
+        Err(ProviderError::Misconfigured(_))
+    ));
+    prod.delete(&staging_alive.id.native_id)
+        .await
+        .expect("nothing of prod's");
+    assert_eq!(
+        squids_under(&state.path().join(&staging_alive.id.native_id)).len(),
+        1
+    );
+    let listed: Vec<String> = prod
+        .list()
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|i| i.id.native_id)
+        .collect();
+    assert!(
+        listed.contains(&staging_alive.id.native_id),
+        "list reports every instance: {listed:?}"
+    );
+
+    prod.delete(&prod_alive.id.native_id).await.expect("clean up");
+    for instance in [&staging_alive, &legacy] {
+        staging.delete(&instance.id.native_id).await.expect("clean up");
+    }
+
+    // A dead Squid is restarted by its own installation's supervision only. (With no prod
+    // provider object left, only the supervision passes below can restart anything.)
+    drop(gc);
+    drop(prod);
+    let prod_provider =
+        || LocalProvider::for_installation(prod_id.clone(), "local", state.settings()).expect("settings");
+    let dead = create_local(
+        &prod_provider(),
+        plain_request(local_owner("crawl", "dead"), free_port()),
+    )
+    .await;
+    let dead_dir = state.path().join(&dead.id.native_id);
+    for pid in squids_under(&dead_dir) {
+        kill(pid);
+    }
+    assert!(eventually(DEADLINE, async || squids_under(&dead_dir).is_empty()).await);
+    staging.supervise_now().await;
+    assert!(
+        squids_under(&dead_dir).is_empty(),
+        "staging never restarts prod's Squid"
+    );
+    assert!(staging.supervision(&dead.id.native_id).is_none());
+    let prod = prod_provider();
+    prod.supervise_now().await;
+    assert!(
+        eventually(DEADLINE, async || squids_under(&dead_dir).len() == 1).await,
+        "prod restarts its own"
+    );
+    prod.delete(&dead.id.native_id).await.expect("clean up");
+}
+
 // --- the binary in namespace-restricted mode ---------------------------------------------------
 
 const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
@@ -313,7 +793,8 @@ impl Operator {
                     "--discovery-listen",
                     "127.0.0.1:0",
                 ])
-                .args(["--identity", "gc-test", "--gc-grace-seconds", "0"])
+                .args(["--identity", "gc-test", "--installation-name", "gc-test"])
+                .args(["--gc-grace-seconds", "0"])
                 .args(["--gc-interval-seconds", "1"])
                 .args(args)
                 .env_remove("KUBERNETES_SERVICE_HOST")
@@ -384,10 +865,33 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     std::fs::write(dir.path().join("tokens"), "gc-test-token-0123456789\n").expect("tokens");
     std::fs::write(dir.path().join("key"), "0123456789abcdef0123456789abcdef").expect("key");
 
-    // Orphans in the watched namespace and in another one, made before the operator runs; the
-    // provider object is dropped so only the operator's supervises them.
+    // Orphans in the watched namespace and in another one, made by this installation (the
+    // operator's: the API server's kube-system UID and `--installation-name`) before the
+    // operator runs; the provider object is dropped so only the operator's supervises them.
+    let this_installation = Installation::new(
+        cluster_identity(&server.client())
+            .await
+            .expect("the cluster identity"),
+        "gc-test",
+    );
+    let ours_provider = || {
+        LocalProvider::for_installation(this_installation.clone(), "local", state.settings())
+            .expect("settings")
+    };
+    // And an orphan of another installation of this cluster sharing the stateDir.
+    let foreign = {
+        let other = Installation::new(this_installation.cluster_id.clone(), "another");
+        let local = LocalProvider::for_installation(other, "local", state.settings()).expect("settings");
+        create_local(
+            &local,
+            plain_request(local_owner("crawl", "foreign"), free_port()),
+        )
+        .await
+        .id
+        .native_id
+    };
     let (ours, theirs) = {
-        let local = LocalProvider::new("local", state.settings()).expect("settings");
+        let local = ours_provider();
         let ours = create_local(&local, plain_request(local_owner("crawl", "ours"), free_port())).await;
         let theirs = create_local(&local, plain_request(local_owner("other", "theirs"), free_port())).await;
         (ours.id.native_id, theirs.id.native_id)
@@ -455,8 +959,39 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     // The pass that deleted ours listed theirs too and left it.
     assert!(running(&theirs), "{}", operator.log());
     assert!(!operator.log().contains(&theirs));
+    // Another installation's orphan is left alone, and said so once, not at every pass: a
+    // second orphan of ours planted now is collected by a later pass.
+    let left_alone =
+        |l: &str| l.contains("leaves alone an instance of another installation") && l.contains(&foreign);
+    operator
+        .wait_log("the foreign instance left alone", left_alone)
+        .await;
+    let ours_again = create_local(
+        &ours_provider(),
+        plain_request(local_owner("crawl", "ours-again"), free_port()),
+    )
+    .await
+    .id
+    .native_id;
+    operator
+        .wait_log("the second orphan's deletion", |l| {
+            l.contains("deleted orphaned instance") && l.contains(&ours_again)
+        })
+        .await;
+    assert_eq!(
+        operator.log().lines().filter(|l| left_alone(l)).count(),
+        1,
+        "{}",
+        operator.log()
+    );
+    assert!(running(&foreign), "another installation's instance keeps running");
     operator.stop().await;
 
-    let local = LocalProvider::new("local", state.settings()).expect("settings");
-    local.delete(&theirs).await.expect("clean up");
+    ours_provider().delete(&theirs).await.expect("clean up");
+    let other = Installation::new(this_installation.cluster_id.clone(), "another");
+    LocalProvider::for_installation(other, "local", state.settings())
+        .expect("settings")
+        .delete(&foreign)
+        .await
+        .expect("clean up");
 }

@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use egress_proxies_operator::controller::simulate::{Scenario, ScenarioError, replay_file};
 use egress_proxies_operator::machine::docs::render_markdown;
-use egress_proxies_operator::machine::scenario::{Scenario, ScenarioError, replay_file};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"))
@@ -53,13 +53,13 @@ fn machines_check_fails_on_a_stale_doc() {
     );
 }
 
-#[test]
-fn audit_prints_the_trail_of_a_shipped_scenario() {
+#[tokio::test]
+async fn audit_prints_the_trail_of_a_shipped_scenario() {
     let file = repo().join("machines/scenarios/create-to-healthy.yaml");
     let out = bin().arg("audit").arg(&file).output().expect("runs");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8(out.stdout).expect("utf-8");
-    assert_eq!(stdout, replay_file(&file).expect("replays"));
+    assert_eq!(stdout, replay_file(&file).await.expect("replays"));
     assert!(
         stdout.contains("provisioning --health_passed--> healthy"),
         "{stdout}"
@@ -67,65 +67,57 @@ fn audit_prints_the_trail_of_a_shipped_scenario() {
 }
 
 #[test]
-fn audit_names_the_step_with_an_unknown_event() {
+fn audit_names_the_step_with_a_bad_value() {
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("typo.yaml");
     std::fs::write(
         &file,
-        "name: typo\nsteps:\n  - {at: 0, event: spec_observed}\n  - {at: 5, event: helth_passed}\n",
+        "name: typo\nsteps:\n  - {at: 0}\n  - {at: 5, world: {health: pasing}}\n",
     )
     .expect("write");
     let out = bin().arg("audit").arg(&file).output().expect("runs");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("step 2") && stderr.contains("helth_passed"),
-        "{stderr}"
-    );
+    assert!(stderr.contains("step 2") && stderr.contains("pasing"), "{stderr}");
 }
 
 fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
     Scenario::from_yaml(yaml, Path::new("test.yaml"))
 }
 
-#[test]
-fn scenario_errors_are_specific() {
+#[tokio::test]
+async fn scenario_errors_are_specific() {
     let err = parse("name: x\nstart: {phase: runnin}\nsteps: []\n").expect_err("unknown phase");
     assert!(
-        matches!(err, ScenarioError::UnknownPhase { ref name, .. } if name == "runnin"),
+        matches!(err, ScenarioError::Invalid { ref message, .. } if message.contains("runnin")),
         "{err}"
     );
 
-    let err =
-        parse("name: x\nsteps:\n  - {at: 10, event: spec_observed}\n  - {at: 5, event: spec_observed}\n")
-            .expect_err("time order");
+    let err = parse("name: x\nsteps:\n  - {at: 10}\n  - {at: 5}\n").expect_err("time order");
     assert!(
-        matches!(
-            err,
-            ScenarioError::TimeGoesBackwards {
-                step: 2,
-                at: 5,
-                previous: 10
-            }
-        ),
+        err.to_string()
+            .contains("step 2: at 5s is before the previous step's 10s"),
         "{err}"
     );
 
-    let err =
-        parse("name: x\nsteps:\n  - {at: 0, event: spec_observed, colour: red}\n").expect_err("unknown key");
+    let err = parse("name: x\nsteps:\n  - {at: 0, colour: red}\n").expect_err("unknown key");
     assert!(matches!(err, ScenarioError::Parse { .. }), "{err}");
 
-    let err = replay_file(Path::new("/nonexistent/scenario.yaml")).expect_err("missing file");
+    let err = replay_file(Path::new("/nonexistent/scenario.yaml"))
+        .await
+        .expect_err("missing file");
     assert!(matches!(err, ScenarioError::Io { .. }), "{err}");
 }
 
-#[test]
-fn scenario_input_and_start_are_honoured() {
+#[tokio::test]
+async fn scenario_start_and_config_are_honoured() {
     let scenario = parse(
-        "name: x\nstart: {phase: provisioning, attempts: 2}\ninput: {max_create_attempts: 2}\n\
-         steps:\n  - {at: 0, event: create_failed}\n",
+        "name: x\nconfig: {provisioning_timeout: 30}\nstart: {phase: provisioning}\n\
+         steps:\n  - {at: 29}\n  - {at: 30}\n",
     )
     .expect("parses");
-    let replay = scenario.replay();
-    assert_eq!(replay.end.as_str(), "pending", "2 of 2 attempts used: give up");
+    let replay = scenario.replay().await.expect("replays");
+    let reasons: Vec<&str> = replay.audit().map(|e| e.reason.as_str()).collect();
+    assert!(reasons.contains(&"ProvisioningTimedOut"), "{}", replay.render());
+    assert_eq!(replay.steps[0].audit.len(), 0, "not yet at 29 s");
 }

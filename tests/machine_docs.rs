@@ -1,8 +1,8 @@
 //! docs/machines.md is exactly what the table renders, and explains every name in one line.
 
 use egress_proxies_operator::machine::docs::render_markdown;
-use egress_proxies_operator::machine::table::{EFFECTS, GUARDS};
-use egress_proxies_operator::machine::{Event, Phase};
+use egress_proxies_operator::machine::table::EFFECTS;
+use egress_proxies_operator::machine::{Event, Fact, Phase, TimerKind};
 
 #[test]
 fn docs_machines_md_matches_the_table() {
@@ -22,7 +22,7 @@ fn every_name_is_explained_in_one_line() {
     }
     for event in Event::ALL {
         assert!(
-            doc.contains(&format!("| `{event}` | {} |", event.doc())),
+            doc.contains(&format!("`{event}` |")) && doc.contains(event.doc()),
             "event {event}"
         );
     }
@@ -33,12 +33,14 @@ fn every_name_is_explained_in_one_line() {
             effect.name
         );
     }
-    for guard in &GUARDS {
+    for fact in Fact::ALL {
         assert!(
-            doc.contains(&format!("| `{}` | {} |", guard.name, guard.doc)),
-            "guard {}",
-            guard.name
+            doc.contains(&format!("| `{fact}` | {} |", fact.doc())),
+            "fact {fact}"
         );
+    }
+    for timer in TimerKind::ALL {
+        assert!(doc.contains(timer.doc()), "timer {}", timer.as_str());
     }
     assert!(doc.contains("```mermaid\nstateDiagram-v2\n"));
 }

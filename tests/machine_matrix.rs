@@ -1,29 +1,31 @@
 //! The whole state × event matrix as the running engine decides it (an insta snapshot), and the
 //! agreement between the generated handlers, the row metadata and the persisted form.
 
-use egress_proxies_operator::machine::scenario::EPOCH;
-use egress_proxies_operator::machine::table::{EFFECTS, GUARDS, ROWS, STATES};
+use egress_proxies_operator::machine::table::{EFFECTS, ROWS, STATES};
 use egress_proxies_operator::machine::{
-    Coverage, EffectKind, Event, GuardInput, Outcome, Phase, State, StateRecord, coverage, decide,
+    Coverage, EffectKind, Event, Fact, Facts, Outcome, Phase, State, StateRecord, coverage, decide, reason,
 };
 
-const MAX: u32 = GuardInput::DEFAULT_MAX_CREATE_ATTEMPTS;
+const EPOCH: jiff::Timestamp = jiff::Timestamp::constant(1_735_689_600, 0);
 
-/// Every combination that flips a guard: attempts left or not, leases active or not.
-fn variants(phase: Phase) -> Vec<(State, GuardInput)> {
-    let mut out = Vec::new();
-    for attempts in [1, MAX] {
-        for active_leases in [0, 2] {
-            out.push((
-                State::from_parts(phase, EPOCH, attempts),
-                GuardInput {
-                    max_create_attempts: MAX,
-                    active_leases,
-                },
-            ));
-        }
-    }
-    out
+/// The facts any guard reads.
+fn guard_facts() -> Vec<Fact> {
+    let mut facts: Vec<Fact> = ROWS.iter().flat_map(|r| r.guard.iter().map(|l| l.fact)).collect();
+    facts.sort();
+    facts.dedup();
+    facts
+}
+
+/// Every combination of the guard facts.
+fn variants() -> Vec<Facts> {
+    let facts = guard_facts();
+    (0..1u32 << facts.len())
+        .map(|bits| {
+            facts.iter().enumerate().fold(Facts::NONE, |acc, (i, fact)| {
+                acc.with(*fact, bits & (1 << i) != 0)
+            })
+        })
+        .collect()
 }
 
 fn now() -> jiff::Timestamp {
@@ -40,25 +42,28 @@ fn whole_matrix() {
     let mut out = String::new();
     for phase in Phase::ALL {
         out.push_str(&format!("{phase}\n"));
+        let state = State::new(phase, EPOCH);
         for event in Event::ALL {
             // Distinct outcomes over the guard variants, in row order.
             let mut cells: Vec<(usize, String)> = Vec::new();
-            for (state, input) in variants(phase) {
-                let cell = match decide(&state, event, &input, now()) {
+            for facts in variants() {
+                let cell = match decide(&state, event, facts, now()) {
                     Ok(d) if d.outcome == Outcome::Ignored => (usize::MAX, "ignored".to_owned()),
                     Ok(d) => {
                         let row = d.row.expect("a transition has a row");
-                        let when = match row.guard {
-                            Some(g) => format!("if {g}: "),
-                            None if matches!(coverage(phase, event), Coverage::Rows(ref r) if r.len() > 1) => {
-                                "else: ".to_owned()
-                            }
-                            None => String::new(),
+                        let when = if !row.guard.is_empty() {
+                            let guard: Vec<String> = row.guard.iter().map(ToString::to_string).collect();
+                            format!("if {}: ", guard.join(", "))
+                        } else if matches!(coverage(phase, event), Coverage::Rows(ref r) if r.len() > 1) {
+                            "else: ".to_owned()
+                        } else {
+                            String::new()
                         };
+                        let reenter = if row.reenter { " (re-enters)" } else { "" };
                         (
                             row.index,
                             format!(
-                                "{when}-> {}  [{}]  ({})",
+                                "{when}-> {}{reenter}  [{}]  ({})",
                                 d.to.phase(),
                                 effects(&d.effects),
                                 row.reason
@@ -88,9 +93,10 @@ fn whole_matrix() {
 #[test]
 fn decide_follows_declared_coverage() {
     for phase in Phase::ALL {
+        let state = State::new(phase, EPOCH);
         for event in Event::ALL {
-            for (state, input) in variants(phase) {
-                let decision = decide(&state, event, &input, now());
+            for facts in variants() {
+                let decision = decide(&state, event, facts, now());
                 match (coverage(phase, event), decision) {
                     (Coverage::Ignored, Ok(d)) => {
                         assert_eq!(d.outcome, Outcome::Ignored);
@@ -102,26 +108,15 @@ fn decide_follows_declared_coverage() {
                     }
                     (Coverage::Rows(rows), Ok(d)) => {
                         let row = d.row.expect("row");
-                        assert!(
-                            rows.contains(&row),
-                            "{phase}/{event}: row #{} is not one of the pair's",
-                            row.index
-                        );
                         assert_eq!(d.outcome, Outcome::Transitioned);
                         assert_eq!(d.to.phase(), row.to);
                         assert_eq!(d.effects, row.effects);
                         // The first row whose guard holds wins; the unguarded last row otherwise.
                         let expected = rows
                             .iter()
-                            .find(|r| match r.guard {
-                                Some(g) => {
-                                    let guard = GUARDS.iter().find(|x| x.name == g).expect("known guard");
-                                    (guard.check)(&input, &state.data())
-                                }
-                                None => true,
-                            })
+                            .find(|r| facts.all(r.guard))
                             .expect("a fallback row exists");
-                        assert_eq!(row.index, expected.index, "{phase}/{event}");
+                        assert_eq!(row.index, expected.index, "{phase}/{event} with {facts:?}");
                     }
                     (cov, d) => panic!("{phase}/{event}: coverage {cov:?} but decide gave {d:?}"),
                 }
@@ -135,8 +130,9 @@ fn decide_follows_declared_coverage() {
 fn every_row_is_reachable_through_decide() {
     for (i, row) in ROWS.iter().enumerate() {
         assert_eq!(row.index, i);
-        let taken = variants(row.from).into_iter().any(|(state, input)| {
-            decide(&state, row.on, &input, now()).is_ok_and(|d| d.row.is_some_and(|r| r.index == i))
+        let state = State::new(row.from, EPOCH);
+        let taken = variants().into_iter().any(|facts| {
+            decide(&state, row.on, facts, now()).is_ok_and(|d| d.row.is_some_and(|r| r.index == i))
         });
         assert!(
             taken,
@@ -146,33 +142,35 @@ fn every_row_is_reachable_through_decide() {
     }
 }
 
-/// Data rules: a new state starts `since` now with attempts from its create; a self-transition
-/// keeps `since` and counts its create.
+/// `since`: a new state starts now; a self-transition keeps it unless the row re-enters.
 #[test]
-fn state_data_follows_the_rules() {
-    for phase in Phase::ALL {
-        for event in Event::ALL {
-            for (state, input) in variants(phase) {
-                let Ok(d) = decide(&state, event, &input, now()) else {
-                    continue;
-                };
-                if d.outcome == Outcome::Ignored {
-                    continue;
-                }
-                let creates = u32::from(d.effects.contains(&EffectKind::CreateInstance));
-                let (before, after) = (state.data(), d.to.data());
-                if d.to.phase() == phase {
-                    assert_eq!(after.since, before.since, "{phase}/{event}: self keeps since");
-                    assert_eq!(after.attempts, before.attempts + creates, "{phase}/{event}");
-                } else {
-                    if d.to.phase().data_fields().contains(&"since") {
-                        assert_eq!(after.since, Some(now()), "{phase}/{event}: new state starts now");
-                    }
-                    if d.to.phase().data_fields().contains(&"attempts") {
-                        assert_eq!(after.attempts, creates, "{phase}/{event}");
-                    }
-                }
-            }
+fn since_follows_the_rules() {
+    for row in &ROWS {
+        let state = State::new(row.from, EPOCH);
+        let facts = variants()
+            .into_iter()
+            .find(|f| f.all(row.guard))
+            .expect("satisfiable guard");
+        let Ok(d) = decide(&state, row.on, facts, now()) else {
+            continue;
+        };
+        if d.row.map(|r| r.index) != Some(row.index) {
+            continue;
+        }
+        if row.to == row.from && !row.reenter {
+            assert_eq!(
+                d.to.since(),
+                EPOCH,
+                "row #{}: a self-transition keeps since",
+                row.index
+            );
+        } else {
+            assert_eq!(
+                d.to.since(),
+                now(),
+                "row #{}: a new (or re-entered) state starts now",
+                row.index
+            );
         }
     }
 }
@@ -196,7 +194,7 @@ fn effect_names_match_the_rust_enum() {
 }
 
 #[test]
-fn names_round_trip() {
+fn names_round_trip_and_reasons_are_constants() {
     for phase in Phase::ALL {
         assert_eq!(Phase::from_name(phase.as_str()), Some(phase));
     }
@@ -207,42 +205,43 @@ fn names_round_trip() {
             format!("\"{event}\"")
         );
     }
+    for fact in Fact::ALL {
+        assert_eq!(Fact::from_name(fact.as_str()), Some(fact));
+    }
     assert_eq!(Event::from_name("nope"), None);
+    for row in &ROWS {
+        assert!(
+            reason::ALL.contains(&row.reason),
+            "row #{} reason {} is a constant",
+            row.index,
+            row.reason
+        );
+    }
+    assert_eq!(reason::SPEC_CHANGED, "SpecChanged");
 }
 
-/// The status form: flat, lossless, strict about missing data.
+/// The status form: flat and lossless.
 #[test]
 fn state_persists_flat() {
-    let state = State::Provisioning {
-        since: EPOCH,
-        attempts: 2,
-    };
+    let state = State::Provisioning { since: EPOCH };
     let json = serde_json::to_value(&state).expect("serializes");
     assert_eq!(
         json,
-        serde_json::json!({"phase": "provisioning", "since": "2025-01-01T00:00:00Z", "attempts": 2})
-    );
-    assert_eq!(
-        serde_json::to_value(State::Pending).expect("json"),
-        serde_json::json!({"phase": "pending"})
-    );
-    assert_eq!(
-        serde_json::to_value(State::Healthy { since: EPOCH }).expect("json"),
-        serde_json::json!({"phase": "healthy", "since": "2025-01-01T00:00:00Z"})
+        serde_json::json!({"phase": "provisioning", "since": "2025-01-01T00:00:00Z"})
     );
     for phase in Phase::ALL {
-        let state = State::from_parts(phase, EPOCH, 3);
+        let state = State::new(phase, EPOCH);
         let back: State = serde_json::from_value(serde_json::to_value(&state).expect("json")).expect("back");
         assert_eq!(back, state);
-        let record = StateRecord::from(state.clone());
-        assert_eq!(State::try_from(record).expect("record converts"), state);
+        assert_eq!(State::from(StateRecord::from(state.clone())), state);
     }
-    let err = serde_json::from_value::<State>(
-        serde_json::json!({"phase": "provisioning", "since": "2025-01-01T00:00:00Z"}),
-    )
-    .expect_err("attempts missing");
-    assert!(err.to_string().contains("attempts"), "{err}");
-    assert!(serde_json::from_value::<State>(serde_json::json!({"phase": "exploded"})).is_err());
+    assert!(serde_json::from_value::<State>(serde_json::json!({"phase": "provisioning"})).is_err());
+    assert!(
+        serde_json::from_value::<State>(
+            serde_json::json!({"phase": "exploded", "since": "2025-01-01T00:00:00Z"})
+        )
+        .is_err()
+    );
 }
 
 /// The schema a CRD status embeds is a flat object (structural for Kubernetes).
@@ -252,7 +251,7 @@ fn state_schema_is_flat() {
     let props = schema["properties"].as_object().expect("properties");
     assert_eq!(
         props.keys().cloned().collect::<Vec<_>>(),
-        vec!["attempts".to_owned(), "phase".to_owned(), "since".to_owned()]
+        vec!["phase".to_owned(), "since".to_owned()]
     );
     assert!(schema.get("oneOf").is_none() && schema.get("anyOf").is_none());
 }

@@ -1,140 +1,121 @@
-//! Properties of the table, checked exhaustively: the state space is finite, so every state with
-//! every guard-relevant input is tried instead of sampling randomly.
+//! Properties of the table and of `derive`, checked exhaustively: there are few enough facts that
+//! every combination is tried instead of sampling.
 //!
-//! - from every state, deletion is reachable and ends in `deleted` with the instance gone and the
-//!   finalizer removed;
+//! - derive, over every fact combination in every state, yields only events the state has rows
+//!   for (never an ignored or invalid one);
+//! - every transition row is reachable: by a fact combination (derive picks its event, its guard
+//!   holds and no earlier row's does) or, for an event only executors raise, after a row into its
+//!   state that runs a raising effect; the test lists every row that is not;
+//! - from every state, deletion ends in `deleted` with the finalizer removed once (replayed through
+//!   the real reconciler against the scenario world);
 //! - no state other than the final one is a dead end, and every state is reachable;
-//! - replaying an event right after the transition it caused is harmless: it is ignored or a
-//!   self-transition, and never asks for a second create without evidence that the instance is gone.
+//! - decide is deterministic and pure.
 
 use std::collections::BTreeSet;
 
-use egress_proxies_operator::machine::scenario::EPOCH;
-use egress_proxies_operator::machine::table::ROWS;
+use egress_proxies_operator::controller::simulate::Scenario;
+use egress_proxies_operator::machine::table::{EVENTS, ROWS, event_info};
 use egress_proxies_operator::machine::{
-    Decision, EffectKind, Event, GuardInput, Outcome, Phase, State, decide,
+    Coverage, EffectKind, Event, Fact, Facts, Outcome, Phase, State, coverage, decide, derive,
 };
 
-const MAX: u32 = GuardInput::DEFAULT_MAX_CREATE_ATTEMPTS;
+const EPOCH: jiff::Timestamp = jiff::Timestamp::constant(1_735_689_600, 0);
 
-/// Every state (each attempts count up to the limit) with every lease situation.
-fn all_situations() -> Vec<(State, GuardInput)> {
-    let mut out = Vec::new();
-    for phase in Phase::ALL {
-        let attempt_counts: Vec<u32> = if phase.data_fields().contains(&"attempts") {
-            (0..=MAX).collect()
-        } else {
-            vec![0]
-        };
-        for attempts in attempt_counts {
-            for active_leases in [0, 1, 5] {
-                out.push((
-                    State::from_parts(phase, EPOCH, attempts),
-                    GuardInput {
-                        max_create_attempts: MAX,
-                        active_leases,
-                    },
-                ));
-            }
-        }
-    }
-    out
-}
-
-fn at(secs: i64) -> jiff::Timestamp {
-    EPOCH + jiff::SignedDuration::from_secs(secs)
-}
-
-fn step(state: &State, event: Event, input: &GuardInput, secs: i64) -> Decision {
-    decide(state, event, input, at(secs)).unwrap_or_else(|e| panic!("deletion path hit {e}"))
+fn all_facts() -> impl Iterator<Item = Facts> {
+    (0..1u32 << Fact::ALL.len()).map(Facts::from_bits)
 }
 
 #[test]
-fn deletion_is_reachable_from_every_state_and_ends_with_the_instance_gone() {
-    for (start, mut input) in all_situations() {
-        let label = format!("{start:?} with {input:?}");
-        let mut effects: Vec<EffectKind> = Vec::new();
-        let mut state = start.clone();
-
-        let d = step(&state, Event::DeletionRequested, &input, 1);
-        effects.extend(&d.effects);
-        state = d.to;
-
-        // Drive the world the way the executors would: a drain completes once asked for, a
-        // delete makes the instance gone. Bounded: a loop here is a bug in the table.
-        for t in 2..10 {
-            if state.phase().is_final() {
-                break;
+fn derive_yields_only_events_the_state_has_rows_for() {
+    for phase in Phase::ALL {
+        for facts in all_facts() {
+            if let Some(event) = derive(phase, facts) {
+                assert!(
+                    matches!(coverage(phase, event), Coverage::Rows(_)),
+                    "derive raised {event} in {phase} with {facts:?}, which the table marks {:?}",
+                    coverage(phase, event)
+                );
+                assert!(facts.all(event_info(event).when), "{event}: its facts hold");
             }
-            let event = if effects.last_drain_pending() {
-                input.active_leases = 0;
-                Event::DrainComplete
-            } else {
-                Event::InstanceGone
-            };
-            let d = step(&state, event, &input, t);
-            assert_eq!(
-                d.outcome,
-                Outcome::Transitioned,
-                "{label}: {event} stalls in {}",
-                state.phase()
-            );
-            effects.extend(&d.effects);
-            state = d.to;
         }
-
-        assert_eq!(
-            state.phase(),
-            Phase::Deleted,
-            "{label}: deletion must end in deleted"
-        );
-        if start.phase() == Phase::Deleted {
-            assert!(effects.is_empty(), "{label}: nothing left to do");
-            continue;
-        }
-        let remove_count = effects
-            .iter()
-            .filter(|e| **e == EffectKind::RemoveFinalizer)
-            .count();
-        assert_eq!(
-            remove_count, 1,
-            "{label}: the finalizer is removed once: {effects:?}"
-        );
-        if start.phase() == Phase::Deleting {
-            // The delete (or the drain before it) was asked for on entering `deleting`; the path
-            // ends on the provider's NotFound, i.e. with the instance gone.
-            continue;
-        }
-        let delete = effects.iter().position(|e| *e == EffectKind::DeleteInstance);
-        let remove = effects.iter().position(|e| *e == EffectKind::RemoveFinalizer);
-        assert!(delete.is_some(), "{label}: the instance is deleted: {effects:?}");
-        assert!(delete < remove, "{label}: the finalizer goes last: {effects:?}");
-        let revoke = effects.iter().rposition(|e| *e == EffectKind::RevokeLeases);
-        assert!(
-            revoke.is_some(),
-            "{label}: no lease survives deletion: {effects:?}"
-        );
-        assert!(
-            !effects.contains(&EffectKind::CreateInstance),
-            "{label}: deletion never creates"
-        );
-        assert!(
-            !effects.contains(&EffectKind::EnableLeases),
-            "{label}: deletion never enables leases"
-        );
     }
 }
 
-/// A drain was requested and no delete followed it yet.
-trait DrainPending {
-    fn last_drain_pending(&self) -> bool;
+/// Every event derive can raise in a state comes before (in priority) every other raised event
+/// the state handles: it is the first handled one.
+#[test]
+fn derive_picks_the_first_handled_event_in_priority_order() {
+    for phase in [Phase::Healthy, Phase::Provisioning, Phase::Replacing] {
+        for facts in all_facts().step_by(97) {
+            let handled: Vec<Event> = EVENTS
+                .iter()
+                .filter(|e| !e.when.is_empty() && facts.all(e.when))
+                .map(|e| e.event)
+                .filter(|e| matches!(coverage(phase, *e), Coverage::Rows(_)))
+                .collect();
+            assert_eq!(
+                derive(phase, facts),
+                handled.first().copied(),
+                "{phase} {facts:?}"
+            );
+        }
+    }
 }
 
-impl DrainPending for Vec<EffectKind> {
-    fn last_drain_pending(&self) -> bool {
-        let drain = self.iter().rposition(|e| *e == EffectKind::DrainLeases);
-        let delete = self.iter().rposition(|e| *e == EffectKind::DeleteInstance);
-        drain.is_some() && delete < drain
+#[test]
+fn every_transition_row_is_reachable() {
+    let mut unreachable = Vec::new();
+    for row in &ROWS {
+        let earlier: Vec<_> = ROWS
+            .iter()
+            .filter(|r| r.from == row.from && r.on == row.on && r.index < row.index)
+            .collect();
+        let guard_ok = |facts: Facts| facts.all(row.guard) && earlier.iter().all(|r| !facts.all(r.guard));
+        let info = event_info(row.on);
+        let by_facts = !info.when.is_empty()
+            && all_facts().any(|facts| derive(row.from, facts) == Some(row.on) && guard_ok(facts));
+        let by_effect = ROWS
+            .iter()
+            .any(|into| into.to == row.from && into.effects.iter().any(|e| info.raised_by.contains(e)))
+            && all_facts().step_by(7).any(guard_ok);
+        if !by_facts && !by_effect {
+            unreachable.push(format!("#{} {} --{}--> {}", row.index, row.from, row.on, row.to));
+        }
+    }
+    assert!(
+        unreachable.is_empty(),
+        "rows no fact combination or effect reaches:\n{}",
+        unreachable.join("\n")
+    );
+}
+
+#[tokio::test]
+async fn deletion_ends_in_deleted_from_every_state() {
+    for phase in Phase::ALL.into_iter().filter(|p| !p.is_final()) {
+        for leases in [0, 2] {
+            let yaml = format!(
+                "name: delete-from-{phase}\nstart: {{phase: {phase}, leases: {leases}}}\nsteps:\n  \
+                 - {{at: 10, world: {{deleted: true}}}}\n  - {{at: 20, world: {{leases: 0}}}}\n  - {{at: 30}}\n"
+            );
+            let scenario = Scenario::from_yaml(&yaml, std::path::Path::new("generated")).expect("valid");
+            let replay = scenario.replay().await.expect("replays");
+            let label = format!("from {phase} with {leases} lease(s):\n{}", replay.render());
+            assert_eq!(replay.end(), Phase::Deleted, "{label}");
+            let effects: Vec<EffectKind> = replay.audit().flat_map(|e| e.effects.clone()).collect();
+            let removes = effects
+                .iter()
+                .filter(|e| **e == EffectKind::RemoveFinalizer)
+                .count();
+            assert_eq!(removes, 1, "{label}");
+            assert!(
+                !effects.contains(&EffectKind::CreateInstance),
+                "{label}: deletion never creates"
+            );
+            assert!(
+                !effects.contains(&EffectKind::EnableLeases),
+                "{label}: deletion never enables leases"
+            );
+        }
     }
 }
 
@@ -145,14 +126,9 @@ fn no_dead_end_except_the_final_state() {
         if phase.is_final() {
             assert!(exits.is_empty(), "{phase} is final");
             for event in Event::ALL {
-                let d = decide(
-                    &State::from_parts(phase, EPOCH, 0),
-                    event,
-                    &GuardInput::default(),
-                    at(1),
-                )
-                .expect("the final state accepts every event");
-                assert_eq!(d.outcome, Outcome::Ignored, "{phase} ignores {event}");
+                if let Ok(d) = decide(&State::new(phase, EPOCH), event, Facts::NONE, EPOCH) {
+                    assert_eq!(d.outcome, Outcome::Ignored, "{phase} ignores {event}");
+                }
             }
         } else {
             assert!(!exits.is_empty(), "{phase} is a dead end");
@@ -175,59 +151,18 @@ fn every_state_is_reachable_from_the_initial_one() {
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), Phase::ALL.to_vec());
 }
 
-/// Idempotent on replay: the controller is level-triggered, so it may derive the same event again
-/// right after acting on it (a retry after a failed status write, a duplicate watch event). The
-/// second decision must be ignored or a self-transition whose effects are idempotent; a second
-/// `CreateInstance` is only allowed when the event itself says the instance is not there.
-#[test]
-fn replaying_an_event_after_its_transition_is_harmless() {
-    let evidence_of_no_instance = [Event::InstanceMissing, Event::InstanceGone];
-    for (state, input) in all_situations() {
-        for event in Event::ALL {
-            let Ok(first) = decide(&state, event, &input, at(1)) else {
-                continue;
-            };
-            if first.outcome == Outcome::Ignored {
-                continue;
-            }
-            let label = format!("{:?} --{event}--> {:?}", state, first.to);
-            let second = decide(&first.to, event, &input, at(2))
-                .unwrap_or_else(|e| panic!("{label}: replay is invalid: {e}"));
-            if evidence_of_no_instance.contains(&event) {
-                // Each repetition is new evidence that the instance is not there: it may ask for
-                // another create and count an attempt (attempts_left bounds it).
-                continue;
-            }
-            match second.outcome {
-                Outcome::Ignored => {}
-                Outcome::Transitioned => {
-                    assert_eq!(
-                        second.to.phase(),
-                        first.to.phase(),
-                        "{label}: replay moved the state again"
-                    );
-                    for effect in &second.effects {
-                        assert!(effect.is_idempotent(), "{label}: replay asks for {effect} again");
-                    }
-                }
-            }
-            // Replaying more often changes nothing further.
-            let third = decide(&second.to, event, &input, at(3)).expect("still valid");
-            assert_eq!(third.to.phase(), second.to.phase(), "{label}: third replay");
-        }
-    }
-}
-
 /// Deciding is pure: the same inputs give the same decision, and the input state is untouched.
 #[test]
 fn decide_is_deterministic() {
-    for (state, input) in all_situations() {
+    for phase in Phase::ALL {
+        let state = State::new(phase, EPOCH);
         for event in Event::ALL {
-            let before = state.clone();
-            let a = decide(&state, event, &input, at(7));
-            let b = decide(&state, event, &input, at(7));
-            assert_eq!(a, b);
-            assert_eq!(state, before);
+            for facts in all_facts().step_by(4099) {
+                let a = decide(&state, event, facts, EPOCH);
+                let b = decide(&state, event, facts, EPOCH);
+                assert_eq!(a, b);
+                assert_eq!(state, State::new(phase, EPOCH));
+            }
         }
     }
 }

@@ -33,26 +33,54 @@ fn the_shipped_table_is_valid() {
 
 #[test]
 fn unknown_effect_names_the_row() {
-    let errors = errors_after(
-        "effects: [set_conditions, requeue_after]",
-        "effects: [set_conditions, requeue_later]",
-    );
+    let errors = errors_after("effects: [set_conditions],", "effects: [set_condition],");
     assert_mentions(
         &errors,
-        "(provisioning --instance_running--> provisioning): unknown effect `requeue_later`",
+        "(provisioning --instance_running--> provisioning): unknown effect `set_condition`",
     );
 }
 
 #[test]
-fn unknown_guard_names_the_row() {
+fn unknown_guard_fact_names_the_row() {
     let errors = errors_after(
-        "{from: provisioning, on: create_failed, guard: attempts_left",
-        "{from: provisioning, on: create_failed, guard: attempt_left",
+        "{from: healthy, on: deletion_requested, guard: [leases_active]",
+        "{from: healthy, on: deletion_requested, guard: [lease_active]",
     );
     assert_mentions(
         &errors,
-        "(provisioning --create_failed [attempt_left]--> provisioning): unknown guard",
+        "(healthy --deletion_requested [lease_active]--> deleting): unknown fact `lease_active`",
     );
+}
+
+#[test]
+fn an_event_needs_facts_or_effects_that_raise_it() {
+    let errors = errors_after(
+        "    doc: The provider accepted the delete but still reports the instance (it is terminating).\n    raised_by: [delete_instance]",
+        "    doc: The provider accepted the delete but still reports the instance (it is terminating).",
+    );
+    assert_mentions(&errors, "event `delete_pending`: say what raises it");
+}
+
+#[test]
+fn a_fact_raised_event_cannot_be_invalid_anywhere() {
+    let errors = errors_after(
+        "invalid: [delete_failed, delete_pending]",
+        "invalid: [delete_failed, delete_pending, health_failed]",
+    );
+    assert_mentions(
+        &errors,
+        "state `provisioning`: event `health_failed` is raised by facts",
+    );
+}
+
+#[test]
+fn rows_for_an_effect_raised_event_need_a_row_that_runs_the_effect() {
+    // No row into `pending` creates, so pending cannot handle create_failed.
+    let errors = errors_after(
+        "    invalid: [instance_created, instance_stale, create_failed, create_rejected, delete_failed, delete_pending]\n\n  - name: provisioning",
+        "    invalid: [instance_created, instance_stale, create_rejected, delete_failed, delete_pending]\n\n  - name: provisioning",
+    );
+    assert_mentions(&errors, "state `pending` does not cover event `create_failed`");
 }
 
 #[test]
@@ -78,18 +106,18 @@ fn unknown_state_and_event_name_the_row() {
 #[test]
 fn every_pair_is_covered_exactly_once() {
     let errors = errors_after(
-        "health_passed, health_failed, health_recovered, instance_gone]",
-        "health_passed, health_failed, health_recovered]",
+        "             health_passed, drain_complete, timer_expired]\n    invalid: [instance_created, instance_stale, create_failed, create_rejected, delete_failed, delete_pending]\n\n  - name: provisioning",
+        "             health_passed, drain_complete]\n    invalid: [instance_created, instance_stale, create_failed, create_rejected, delete_failed, delete_pending]\n\n  - name: provisioning",
     );
-    assert_mentions(&errors, "state `pending` does not cover event `instance_gone`");
+    assert_mentions(&errors, "state `pending` does not cover event `timer_expired`");
 
     let errors = errors_after(
-        "invalid: [instance_gone, provisioning_timeout, degraded_too_long, drain_complete]",
-        "invalid: [instance_gone, provisioning_timeout, degraded_too_long, drain_complete, health_failed]",
+        "    ignore: [spec_observed, provider_available, health_failed, drain_complete]",
+        "    ignore: [spec_observed, provider_available, health_failed, drain_complete, health_passed]",
     );
     assert_mentions(
         &errors,
-        "state `healthy`, event `health_failed` is covered more than once",
+        "state `provisioning`, event `health_passed` is covered more than once",
     );
 }
 
@@ -97,12 +125,21 @@ fn every_pair_is_covered_exactly_once() {
 fn guarded_rows_need_an_unguarded_fallback() {
     let errors = errors_after(
         "{from: provisioning, on: create_failed, to: pending,",
-        "{from: provisioning, on: create_failed, guard: leases_active, to: pending,",
+        "{from: provisioning, on: create_failed, guard: [leases_active], to: pending,",
     );
     assert_mentions(
         &errors,
         "guarded rows for (provisioning, create_failed) must end with an unguarded fallback row",
     );
+}
+
+#[test]
+fn reenter_only_restarts_a_timer_on_a_self_transition() {
+    let errors = errors_after(
+        "{from: degraded, on: timer_expired, to: degraded, reenter: true,",
+        "{from: degraded, on: timer_expired, to: replacing, reenter: true,",
+    );
+    assert_mentions(&errors, "`reenter` restarts a timer");
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Metrics after a scripted lifecycle in cluster mode (`run_cluster` against the fake API
 //! server, the `local` provider running real Squid): a Proxy is created and becomes Healthy,
 //! a lease is acquired and released, one acquisition is refused, the Proxy is deleted, and
-//! orphan GC removes a planted orphan. Then the admin server's `/metrics`, scraped over HTTP,
+//! orphan GC removes a planted orphan (and leaves another installation's alone). Then the admin server's `/metrics`, scraped over HTTP,
 //! must show exactly the metric names docs/operations.md lists, with values that tell the
 //! story.
 
@@ -24,7 +24,7 @@ use std::{
 use bytes::Bytes;
 use egress_proxies_operator::{
     api::Proxy,
-    provider::{Owner, Provider, local::LocalProvider},
+    provider::{Installation, Owner, Provider, local::LocalProvider},
 };
 use http_body_util::Full;
 use hyper::{Request, StatusCode};
@@ -34,7 +34,7 @@ use kube::{
 };
 use serde_json::json;
 use support::{
-    cluster_app::{ClusterApp, local_cluster},
+    cluster_app::{ClusterApp, installation, local_cluster},
     contract::plain_request,
     fake_apiserver::FakeApiServer,
     http::{get, request},
@@ -112,9 +112,10 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     let state = StateDir::new();
     let dir = tempfile::tempdir().expect("temp dir");
 
-    // An orphan from before: its Proxy is long gone.
+    // An orphan from before, of this installation: its Proxy is long gone.
     let orphan = {
-        let local = LocalProvider::new("local", state.settings()).expect("settings");
+        let local = LocalProvider::for_installation(installation(&client).await, "local", state.settings())
+            .expect("settings");
         let owner = Owner {
             uid: format!("{:016x}-gone", fastrand::u64(..)),
             namespace: "crawl".into(),
@@ -126,6 +127,24 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
             .expect("orphan created")
             .id
             .native_id
+    };
+
+    // And one of another installation sharing the stateDir: GC leaves it alone and counts it.
+    let (foreign, foreign_name) = {
+        let other = Installation::new("another-cluster", "another");
+        let local = LocalProvider::for_installation(other, "local", state.settings()).expect("settings");
+        let owner = Owner {
+            uid: format!("{:016x}-theirs", fastrand::u64(..)),
+            namespace: "crawl".into(),
+            name: "theirs".into(),
+        };
+        let name = local
+            .create(&plain_request(owner, free_port()))
+            .await
+            .expect("foreign instance created")
+            .id
+            .native_id;
+        (local, name)
     };
 
     let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
@@ -264,6 +283,21 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         );
     }
     assert_eq!(value(r#"epo_gc_deletions_total{provider="local"}"#), 1.0);
+    assert_eq!(
+        value(r#"epo_gc_foreign_instances{provider="local",kind="foreign"}"#),
+        1.0
+    );
+    assert_eq!(
+        value(r#"epo_gc_foreign_instances{provider="local",kind="legacy"}"#),
+        0.0
+    );
+    assert_eq!(value(r#"epo_gc_adoptions_total{provider="local"}"#), 0.0);
+    assert_eq!(
+        squids_under(&state.path().join(&foreign_name)).len(),
+        1,
+        "left running"
+    );
+    foreign.delete(&foreign_name).await.expect("clean up");
     assert_eq!(value(r#"epo_provider_available{provider="local"}"#), 1.0);
     assert!(value(r#"epo_probe_duration_seconds_count{result="ok"}"#) >= 1.0);
     assert!(value(r#"epo_probe_duration_seconds_bucket{le="+Inf",result="ok"}"#) >= 1.0);

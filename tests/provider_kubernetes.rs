@@ -1,7 +1,7 @@
 //! The `kubernetes` provider against the in-process fake API server (a real `kube::Client`
 //! over HTTP on 127.0.0.1): the provider contract suite, the objects it makes (labels, owner
 //! annotations, the Squid config), the endpoint per Service type, error categories, and
-//! isolation between provider instances sharing a namespace.
+//! isolation between provider instances, and between installations, sharing a namespace.
 //!
 //! The fake runs no kubelet: Pods stay `Pending` unless a test writes a phase with
 //! `put_json`, and LoadBalancer Services get an ingress only when a test writes one.
@@ -23,7 +23,7 @@ use async_trait::async_trait;
 use egress_proxies_operator::{
     config::{KubernetesSettings, ServiceType},
     provider::{
-        Credentials, Endpoint, InstanceRequest, InstanceState, Owner, Provider, ProviderError,
+        Credentials, Endpoint, Installation, InstanceRequest, InstanceState, Owner, Provider, ProviderError,
         kubernetes::KubernetesProvider,
     },
 };
@@ -458,6 +458,104 @@ async fn another_provider_instances_objects_are_invisible_and_untouched() {
 
     ours.delete(&our_request.name).await.expect("delete ours");
     theirs.delete(&their_request.name).await.expect("delete theirs");
+    assert!(backend.server.list_json("pods", Some(NAMESPACE)).is_empty());
+}
+
+#[tokio::test]
+async fn another_installations_pods_are_listed_as_theirs_but_never_returned_taken_or_deleted() {
+    let backend = KubernetesBackend::start().await;
+    let prod_id = Installation::new("cluster-uid", "prod");
+    let staging_id = Installation::new("cluster-uid", "staging");
+    // Two operators in one cluster with the same providers config (the same instance name).
+    let prod = backend.provider("cluster").with_installation(prod_id.clone());
+    let staging = backend.provider("cluster").with_installation(staging_id.clone());
+    let prod_request = request("prod", 3128);
+    let made = prod.create(&prod_request).await.expect("create");
+    assert_eq!(made.installation.as_ref(), Some(&prod_id));
+    for resource in ["pods", "configmaps", "services"] {
+        let annotations =
+            &backend.object(resource, &prod_request.name).expect("object")["metadata"]["annotations"];
+        assert_eq!(
+            annotations["crawl.example.com/installation-cluster"], "cluster-uid",
+            "{resource}"
+        );
+        assert_eq!(
+            annotations["crawl.example.com/installation-name"], "prod",
+            "{resource}"
+        );
+    }
+
+    let listed = staging.list().await.expect("list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        listed[0].installation.as_ref(),
+        Some(&prod_id),
+        "listed with its installation"
+    );
+    assert!(matches!(
+        staging.get(&prod_request.name).await,
+        Err(ProviderError::NotFound(_))
+    ));
+    match staging.create(&prod_request).await {
+        Err(ProviderError::Misconfigured(message)) => {
+            assert!(
+                message.contains("belongs to installation prod@cluster-uid"),
+                "{message}"
+            )
+        }
+        other => panic!("staging must not take prod's Pod: {other:?}"),
+    }
+    assert!(staging.adopt(&prod_request.name).await.is_err());
+    staging
+        .delete(&prod_request.name)
+        .await
+        .expect("nothing of staging's");
+    for resource in ["pods", "configmaps", "services"] {
+        assert!(
+            backend.object(resource, &prod_request.name).is_some(),
+            "{resource} kept"
+        );
+    }
+
+    // A Pod from before installations were recorded: treated as ours by both, adopted once.
+    let legacy_request = request("legacy", 3128);
+    prod.create(&legacy_request).await.expect("create");
+    for resource in ["pods", "configmaps", "services"] {
+        let mut object = backend.object(resource, &legacy_request.name).expect("object");
+        let annotations = object["metadata"]["annotations"]
+            .as_object_mut()
+            .expect("annotations");
+        annotations.remove("crawl.example.com/installation-cluster");
+        annotations.remove("crawl.example.com/installation-name");
+        backend.server.put_json(resource, object);
+    }
+    assert_eq!(
+        staging
+            .get(&legacy_request.name)
+            .await
+            .expect("legacy")
+            .installation,
+        None
+    );
+    let adopted = staging.adopt(&legacy_request.name).await.expect("adopt");
+    assert_eq!(adopted.installation.as_ref(), Some(&staging_id));
+    assert_eq!(
+        backend
+            .object("configmaps", &legacy_request.name)
+            .expect("config map")["metadata"]["annotations"]["crawl.example.com/installation-name"],
+        "staging"
+    );
+    assert!(
+        prod.adopt(&legacy_request.name).await.is_err(),
+        "adopted once, by staging"
+    );
+    assert!(matches!(
+        prod.get(&legacy_request.name).await,
+        Err(ProviderError::NotFound(_))
+    ));
+
+    staging.delete(&legacy_request.name).await.expect("delete");
+    prod.delete(&prod_request.name).await.expect("delete");
     assert!(backend.server.list_json("pods", Some(NAMESPACE)).is_empty());
 }
 

@@ -23,30 +23,14 @@ use egress_proxies_operator::{
     },
 };
 use libvirt_requests::{request, request_for, settings, user_network};
-use virt::{connect::Connect, storage_vol::StorageVol};
+use virt::connect::Connect;
 
 const URI: &str = "test:///default";
 const POOL: &str = "default-pool";
 
-/// A connection to the test driver with the base image in its pool. Hold it for the whole
-/// test: the driver's state lives only while some connection is open, and the provider's
-/// own connections come and go with each call.
+/// A connection to the test driver with the base image in its pool, held for the whole test.
 fn test_driver() -> Connect {
-    virt::error::clear_error_callback();
-    let connection = Connect::open(Some(URI)).expect("test driver");
-    let pool = connection
-        .lookup_storage_pool_by_name(POOL)
-        .expect("default-pool");
-    if pool.lookup_storage_vol_by_name("base.qcow2").is_err() {
-        // Another test may add it at the same moment; either copy does.
-        let _ = StorageVol::create_xml(
-            &pool,
-            "<volume><name>base.qcow2</name><capacity unit='bytes'>16777216</capacity>\
-             <target><format type='qcow2'/></target></volume>",
-            0,
-        );
-    }
-    connection
+    libvirt_requests::test_driver(URI, POOL)
 }
 
 fn provider() -> Kvm2Provider {

@@ -172,7 +172,7 @@ fn kvm2_guest_that_cannot_boot_is_reported_and_cleaned_up() {
         |rig| {
             rig.audit()
                 .lines()
-                .find(|line| line.contains("--provisioning_timeout--> replacing"))
+                .find(|line| line.contains("provisioning --timer_expired--> replacing"))
                 .map(str::to_owned)
         },
     );
@@ -184,7 +184,7 @@ fn kvm2_guest_that_cannot_boot_is_reported_and_cleaned_up() {
     assert!(
         timed_out.contains("(ProvisioningTimedOut)")
             && timed_out.contains(&format!(
-                "no passing health check within the provisioning timeout ({BROKEN_PROVISIONING_TIMEOUT_SECS} s)"
+                "provisioning_timeout ({BROKEN_PROVISIONING_TIMEOUT_SECS} s) ran out in provisioning"
             )),
         "the audit names the reason and the timeout: {timed_out}"
     );
@@ -200,7 +200,9 @@ fn kvm2_guest_that_cannot_boot_is_reported_and_cleaned_up() {
         "the operator to create a fresh instance",
         CREATE_DEADLINE,
         |rig| {
-            let recreated = rig.audit().contains("replacing --instance_gone--> provisioning");
+            let recreated = rig
+                .audit()
+                .contains("replacing --instance_missing [spec_valid]--> provisioning");
             (recreated && rig.running_domain().is_some()).then_some(())
         },
     );
@@ -366,7 +368,7 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
     let audit = rig.audit();
     for step in [
         "healthy --spec_hash_changed--> replacing",
-        "replacing --instance_gone--> provisioning",
+        "replacing --instance_missing [spec_valid]--> provisioning",
     ] {
         assert!(audit.contains(step), "audit shows {step:?}:\n{audit}");
     }
@@ -374,10 +376,7 @@ fn lifecycle(test: &'static str, provider_type: &'static str) {
     // instance.
     let became_healthy = audit
         .lines()
-        .filter(|line| {
-            line.contains("provisioning --health_passed--> healthy")
-                || line.contains("provisioning --health_recovered--> healthy")
-        })
+        .filter(|line| line.contains("provisioning --health_passed--> healthy"))
         .count();
     assert_eq!(became_healthy, 2, "healthy twice, once per instance:\n{audit}");
 

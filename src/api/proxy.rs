@@ -269,10 +269,15 @@ pub struct ProxyStatus {
     /// When the phase was entered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase_since: Option<Time>,
-    /// Create attempts in the current provisioning episode.
+    /// Consecutive failed provider calls (creates, deletes, instances that vanished while
+    /// booting); reset once the proxy is healthy or its old instance is gone. Drives the backoff.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub create_attempts: Option<i32>,
-    /// `Ready`, `Provisioned` and `Healthy`, with bounded reasons.
+    pub retry_attempts: Option<i32>,
+    /// When the next attempt after a failure may start (exponential backoff with jitter). Kept
+    /// in the status so that neither a restart nor the operator's own writes shorten the wait.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_attempt_time: Option<Time>,
+    /// `Ready`, `Provisioned`, `Healthy` and `SpecValid`, with bounded reasons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The `metadata.generation` this status describes.

@@ -6,7 +6,10 @@
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
-use k8s_openapi::api::{coordination::v1::Lease, core::v1::ConfigMap};
+use k8s_openapi::api::{
+    coordination::v1::Lease,
+    core::v1::{ConfigMap, Namespace},
+};
 use kube::{
     Api, Client, ResourceExt,
     api::{ListParams, ObjectMeta, PostParams},
@@ -15,7 +18,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
-use super::{AppError, proxy_key};
+use super::{AppError, DiscoveryAuthOptions, discovery_authenticator, proxy_key};
 use crate::{
     api::Proxy,
     config::ProvidersConfig,
@@ -27,7 +30,7 @@ use crate::{
             run_controller,
         },
     },
-    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, auth::StaticTokens},
+    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness},
     gc::{self, GcConfig, KubeLiveOwners, gc_enabled},
     health::{HealthConfig, HealthEngine},
     lease::{
@@ -38,9 +41,8 @@ use crate::{
         },
         token::LeaseSigner,
     },
-    machine::Timers,
     monitor::{Monitor, kube_sink::KubeHealthSink},
-    provider::ProviderRegistry,
+    provider::{Installation, ProviderRegistry},
     telemetry::{
         Metrics,
         admin::{self, serve_admin},
@@ -67,18 +69,21 @@ pub struct ClusterOptions {
     pub gc_grace: Duration,
     /// Time between two GC passes.
     pub gc_interval: Duration,
-    /// How long a new instance may take to pass its first health check before it is replaced.
-    pub provisioning_timeout: Duration,
+    /// The lifecycle's timers, retry backoff and pool budgets.
+    pub reconciler: ReconcilerConfig,
     /// Namespace of the leader Lease and the lease checkpoint (the operator's own).
     pub system_namespace: String,
     /// This replica's identity (the pod name).
     pub identity: String,
+    /// This installation's name in the cluster (the operator's namespace by default): with
+    /// the cluster's identity, what every instance is stamped with and GC acts on.
+    pub installation_name: String,
     /// Admin server (`/healthz`, `/readyz`, `/metrics`).
     pub admin_listen: SocketAddr,
     /// Discovery API.
     pub discovery_listen: SocketAddr,
-    /// Bearer tokens of the discovery API.
-    pub tokens: PathBuf,
+    /// Authentication of the discovery API.
+    pub auth: DiscoveryAuthOptions,
     /// HMAC key signing lease tokens, shared by all replicas (a mounted Secret).
     pub signing_key: PathBuf,
     /// Parallel reconciles.
@@ -156,9 +161,12 @@ pub async fn run_cluster(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let config = ProvidersConfig::load(&options.providers_config)?;
+    let installation = Installation::new(cluster_identity(&client).await?, &options.installation_name);
+    info!(installation = %installation, "installation identity");
     // kubernetes provider instances create their Pods through the operator's own client.
-    let providers = ProviderRegistry::from_config_with_client(&config, Some(client.clone()))?;
-    let tokens = StaticTokens::from_file(&options.tokens).map_err(|e| AppError::Startup(e.to_string()))?;
+    let providers = ProviderRegistry::for_installation(&config, Some(client.clone()), &installation)?;
+    // Checked (and token files read) before leading: a misconfigured replica fails at start.
+    let auth = discovery_authenticator(&options.auth, Some((&client, &options.system_namespace))).await?;
     let signing_key = std::fs::read(&options.signing_key)
         .map_err(|e| AppError::Startup(format!("reading {}: {e}", options.signing_key.display())))?;
     let signer =
@@ -238,7 +246,7 @@ pub async fn run_cluster(
     let discovery_state = DiscoveryState::new(
         store.clone(),
         signer,
-        Arc::new(tokens),
+        auth,
         discovery_ready,
         registry.clone(),
         discovery_metrics,
@@ -338,13 +346,7 @@ pub async fn run_cluster(
         leases: Arc::new(store),
         health: Arc::new(health_handle),
         availability,
-        reconciler: ReconcilerConfig {
-            timers: Timers {
-                provisioning_timeout: options.provisioning_timeout,
-                ..Timers::default()
-            },
-            ..ReconcilerConfig::default()
-        },
+        reconciler: options.reconciler.clone(),
         namespace: options.namespace.clone(),
         concurrency: options.concurrency,
         debounce: Duration::from_millis(200),
@@ -383,6 +385,25 @@ pub async fn run_cluster(
         ));
     }
     Ok(())
+}
+
+/// The cluster's identity: the UID of its `kube-system` namespace, which lives as long as the
+/// cluster and differs between clusters (needs `get` on namespaces).
+pub async fn cluster_identity(client: &Client) -> Result<String, AppError> {
+    let namespace = Api::<Namespace>::all(client.clone())
+        .get("kube-system")
+        .await
+        .map_err(|err| {
+            AppError::Startup(format!(
+                "reading the cluster identity (the kube-system namespace's UID) failed: {err} \
+                 (the operator needs get on namespaces, see config/rbac/role.yaml)"
+            ))
+        })?;
+    namespace
+        .metadata
+        .uid
+        .filter(|uid| !uid.is_empty())
+        .ok_or_else(|| AppError::Startup("the kube-system namespace has no UID".to_owned()))
 }
 
 /// Sends the key of every Proxy (in `namespace`, if restricted) on a provider whose availability

@@ -13,7 +13,13 @@ use tracing::{info, warn};
 use crate::{
     config::{ConfigError, ProvidersConfig},
     controller::{ProviderAvailability, ReconcilerConfig},
-    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, auth::StaticTokens},
+    discovery::{
+        self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness,
+        auth::{
+            AnyOf, Authenticator, NoAuthentication, ReloadingTokens, TokenFile, TokenReviewAuthenticator,
+            TokenSecret,
+        },
+    },
     gc::{self, GcConfig, LiveOwners},
     health::{HealthConfig, HealthEngine},
     lease::{
@@ -21,9 +27,8 @@ use crate::{
         checkpoint::{CheckpointStore, FileCheckpoint, MaintenanceConfig, maintenance},
         token::LeaseSigner,
     },
-    machine::Timers,
     monitor::{LogSink, Monitor},
-    provider::{ProviderRegistry, RegistryError},
+    provider::{Installation, ProviderRegistry, RegistryError},
     standalone::{Standalone, StandaloneDeps, StandaloneError},
     store::Store,
     telemetry::Metrics,
@@ -57,20 +62,182 @@ pub struct StandaloneOptions {
     pub state: PathBuf,
     /// Discovery API address.
     pub listen: SocketAddr,
-    /// Bearer tokens file (one token per line, or `name: token`); created with one random token
-    /// under the state folder when not given.
-    pub tokens: Option<PathBuf>,
+    /// Authentication of the discovery API. Without a tokens file (and without `no_auth`), a
+    /// file with one random token is created under the state folder and used.
+    pub auth: DiscoveryAuthOptions,
     /// How often the manifests folder is re-read.
     pub poll: Duration,
     /// Grace period of orphan GC.
     pub gc_grace: Duration,
-    /// How long a new instance may take to pass its first health check before it is deleted
-    /// and created afresh (`ProvisioningTimedOut`).
-    pub provisioning_timeout: Duration,
+    /// The lifecycle's timers, retry backoff and pool budgets.
+    pub reconciler: ReconcilerConfig,
     /// Print the live progress line to stderr (off with JSON logs: it is not JSON).
     pub terminal_progress: bool,
     /// Time between two orphan GC passes.
     pub gc_interval: Duration,
+    /// This installation's name; its cluster identity is the ID generated once into the
+    /// state folder ([`installation_id`]).
+    pub installation_name: String,
+}
+
+/// The file in the state folder holding standalone mode's generated cluster identity.
+pub const INSTALLATION_ID_FILE: &str = "installation-id";
+
+/// Standalone mode's cluster identity: generated at the first start into `state`'s
+/// [`INSTALLATION_ID_FILE`] and read back ever after, so it lives as long as the state folder.
+pub fn installation_id(state: &std::path::Path) -> Result<String, AppError> {
+    let path = state.join(INSTALLATION_ID_FILE);
+    let startup = |e: std::io::Error| AppError::Startup(format!("installation ID {}: {e}", path.display()));
+    if !path.exists() {
+        // Written beside it and linked into place: the file appears whole or not at all, and
+        // of two concurrent starts the first link wins.
+        let id: String = (0..16).map(|_| format!("{:02x}", fastrand::u8(..))).collect();
+        let temp = state.join(format!(".{INSTALLATION_ID_FILE}.{:08x}", fastrand::u32(..)));
+        std::fs::write(&temp, format!("{id}\n"))
+            .and_then(|()| std::fs::File::open(&temp)?.sync_all())
+            .map_err(startup)?;
+        let linked = std::fs::hard_link(&temp, &path);
+        let _ = std::fs::remove_file(&temp);
+        match linked {
+            Ok(()) => info!(path = %path.display(), "generated this state folder's installation ID"),
+            Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(err) => return Err(startup(err)),
+        }
+    }
+    let id = std::fs::read_to_string(&path).map_err(startup)?.trim().to_owned();
+    if id.is_empty() {
+        return Err(AppError::Startup(format!(
+            "installation ID {} is empty: restore it from a backup (instances stamped with the \
+             lost ID are no longer this installation's)",
+            path.display()
+        )));
+    }
+    Ok(id)
+}
+
+/// How the discovery API authenticates callers: static tokens (a file, a Secret), Kubernetes
+/// TokenReview, or both; no authentication only when `no_auth` says so.
+#[derive(Clone, Debug, Default)]
+pub struct DiscoveryAuthOptions {
+    /// Static tokens file (one per line), re-read every `reload_interval`.
+    pub tokens_file: Option<PathBuf>,
+    /// Secret in the operator's namespace whose data keys are tokens, re-read every
+    /// `reload_interval` (cluster mode only).
+    pub tokens_secret: Option<String>,
+    /// TokenReview: the audiences a token must hold (cluster mode only; empty: off).
+    pub token_review_audiences: Vec<String>,
+    /// TokenReview: user names allowed in, exact or a `prefix*` (empty: every authenticated user).
+    pub allowed_subjects: Vec<String>,
+    /// No authentication at all (the explicit opt-out); excludes every other option.
+    pub no_auth: bool,
+    /// How often token files and Secrets are re-read.
+    pub reload_interval: Duration,
+}
+
+/// Default of [`DiscoveryAuthOptions::reload_interval`]: a rotated token works (and the old one
+/// stops working) within this long, plus the kubelet's delay for a mounted Secret.
+pub const TOKEN_RELOAD_INTERVAL: Duration = Duration::from_secs(2);
+
+impl DiscoveryAuthOptions {
+    /// Static tokens from `path`, reloaded every [`TOKEN_RELOAD_INTERVAL`].
+    pub fn tokens_file(path: PathBuf) -> Self {
+        Self {
+            tokens_file: Some(path),
+            reload_interval: TOKEN_RELOAD_INTERVAL,
+            ..Self::default()
+        }
+    }
+
+    /// Checks that exactly one choice was made (some methods, or the opt-out) and that each
+    /// method fits the mode (`cluster`: Secrets and TokenReview need Kubernetes). Pure, so the
+    /// binary checks its flags before connecting anywhere.
+    pub fn validate(&self, cluster: bool) -> Result<(), AppError> {
+        let misconfigured =
+            |why: &str| Err(AppError::Startup(format!("discovery API authentication: {why}")));
+        let any_method = self.tokens_file.is_some()
+            || self.tokens_secret.is_some()
+            || !self.token_review_audiences.is_empty();
+        if self.no_auth {
+            if any_method || !self.allowed_subjects.is_empty() {
+                return misconfigured(
+                    "--discovery-no-auth excludes every other --discovery-* authentication flag",
+                );
+            }
+            return Ok(());
+        }
+        if !any_method {
+            return misconfigured(
+                "choose --discovery-tokens, --discovery-tokens-secret and/or --discovery-token-review \
+                 with --discovery-token-audience (or opt out explicitly with --discovery-no-auth)",
+            );
+        }
+        if self.token_review_audiences.is_empty() && !self.allowed_subjects.is_empty() {
+            return misconfigured(
+                "--discovery-allowed-subject applies to TokenReview only (add --discovery-token-review)",
+            );
+        }
+        if !cluster && self.tokens_secret.is_some() {
+            return misconfigured("--discovery-tokens-secret needs cluster mode");
+        }
+        if !cluster && !self.token_review_audiences.is_empty() {
+            return misconfigured("--discovery-token-review needs cluster mode");
+        }
+        Ok(())
+    }
+}
+
+/// The discovery API's authenticator for `options` (see [`DiscoveryAuthOptions::validate`]).
+/// `kube`: the client and the operator's namespace, in cluster mode (Secrets and TokenReview
+/// need them). Token files and Secrets are read once here (an unreadable one fails the start),
+/// then re-read in the background. Logs what is in force, and loudly when nothing is.
+pub async fn discovery_authenticator(
+    options: &DiscoveryAuthOptions,
+    kube: Option<(&kube::Client, &str)>,
+) -> Result<Arc<dyn Authenticator>, AppError> {
+    options.validate(kube.is_some())?;
+    if options.no_auth {
+        warn!(
+            "discovery API authentication is OFF (--discovery-no-auth): anyone who can reach it can lease proxies"
+        );
+        return Ok(Arc::new(NoAuthentication));
+    }
+    let reload = if options.reload_interval.is_zero() {
+        TOKEN_RELOAD_INTERVAL
+    } else {
+        options.reload_interval
+    };
+    let needs_cluster = |flag: &str| AppError::Startup(format!("{flag} needs cluster mode"));
+    let mut chain: Vec<Arc<dyn Authenticator>> = Vec::new();
+    if let Some(path) = &options.tokens_file {
+        let tokens = ReloadingTokens::start(TokenFile(path.clone()), reload)
+            .await
+            .map_err(|e| AppError::Startup(e.to_string()))?;
+        chain.push(Arc::new(tokens));
+    }
+    if let Some(name) = &options.tokens_secret {
+        let (client, namespace) = kube.ok_or_else(|| needs_cluster("--discovery-tokens-secret"))?;
+        let tokens = ReloadingTokens::start(TokenSecret::new(client.clone(), namespace, name), reload)
+            .await
+            .map_err(|e| AppError::Startup(e.to_string()))?;
+        chain.push(Arc::new(tokens));
+    }
+    if !options.token_review_audiences.is_empty() {
+        let (client, _) = kube.ok_or_else(|| needs_cluster("--discovery-token-review"))?;
+        info!(
+            audiences = ?options.token_review_audiences,
+            allowed_subjects = ?options.allowed_subjects,
+            "discovery API accepts Kubernetes tokens (TokenReview)"
+        );
+        chain.push(Arc::new(TokenReviewAuthenticator::new(
+            client.clone(),
+            options.token_review_audiences.clone(),
+            options.allowed_subjects.clone(),
+        )));
+    }
+    Ok(match chain.len() {
+        1 => chain.remove(0),
+        _ => Arc::new(AnyOf(chain)),
+    })
 }
 
 /// The tokens file standalone mode creates when none is given.
@@ -84,9 +251,11 @@ pub async fn run_standalone(
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), AppError> {
     let config = ProvidersConfig::load(&options.providers_config)?;
-    let providers = ProviderRegistry::from_config(&config)?;
     std::fs::create_dir_all(&options.state)
         .map_err(|e| AppError::Startup(format!("creating {}: {e}", options.state.display())))?;
+    let installation = Installation::new(installation_id(&options.state)?, &options.installation_name);
+    info!(installation = %installation, "installation identity");
+    let providers = ProviderRegistry::for_installation(&config, None, &installation)?;
 
     // Leases: restored from the last checkpoint, signed with a key kept in the state folder.
     let store = LeaseStore::new(LeaseStoreConfig::default());
@@ -101,11 +270,11 @@ pub async fn run_standalone(
     }
     let signer = LeaseSigner::load_or_create(&options.state.join("lease-signing.key"))
         .map_err(|e| AppError::Startup(format!("lease signing key: {e}")))?;
-    let tokens_path = match &options.tokens {
-        Some(path) => path.clone(),
-        None => ensure_tokens_file(&default_tokens_file(&options.state))?,
-    };
-    let tokens = StaticTokens::from_file(&tokens_path).map_err(|e| AppError::Startup(e.to_string()))?;
+    let mut auth_options = options.auth.clone();
+    if !auth_options.no_auth && auth_options.tokens_file.is_none() {
+        auth_options.tokens_file = Some(ensure_tokens_file(&default_tokens_file(&options.state))?);
+    }
+    let auth = discovery_authenticator(&auth_options, None).await?;
 
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::register(&mut registry));
@@ -124,7 +293,7 @@ pub async fn run_standalone(
     let state = DiscoveryState::new(
         store.clone(),
         signer,
-        Arc::new(tokens),
+        auth,
         readiness,
         registry,
         discovery_metrics,
@@ -145,13 +314,7 @@ pub async fn run_standalone(
             leases: Arc::new(store.clone()),
             health: Arc::new(health_handle),
             availability: availability.clone(),
-            reconciler: ReconcilerConfig {
-                timers: Timers {
-                    provisioning_timeout: options.provisioning_timeout,
-                    ..Timers::default()
-                },
-                ..ReconcilerConfig::default()
-            },
+            reconciler: options.reconciler.clone(),
         },
     )?
     .with_metrics(metrics.clone());
@@ -160,7 +323,10 @@ pub async fn run_standalone(
     }
     info!(
         discovery = %format!("http://{listen}"),
-        tokens = %tokens_path.display(),
+        tokens = %auth_options
+            .tokens_file
+            .as_ref()
+            .map_or_else(|| "(none: --discovery-no-auth)".to_owned(), |p| p.display().to_string()),
         manifests = %options.manifests.display(),
         "standalone mode running"
     );
@@ -270,5 +436,34 @@ impl LiveOwners for StateOwners {
             .into_iter()
             .map(|(_, r)| r.uid)
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_installation_id_is_generated_once_and_kept_with_the_state_folder() {
+        let state = tempfile::tempdir().expect("temp dir");
+        let first = installation_id(state.path()).expect("generated");
+        assert_eq!(first.len(), 32, "{first}");
+        assert_eq!(installation_id(state.path()).expect("read back"), first);
+        let other = tempfile::tempdir().expect("temp dir");
+        assert_ne!(
+            installation_id(other.path()).expect("generated"),
+            first,
+            "one per state folder"
+        );
+        // Nothing but the ID file is left behind.
+        let files: Vec<_> = std::fs::read_dir(state.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(files, [INSTALLATION_ID_FILE]);
+
+        std::fs::write(state.path().join(INSTALLATION_ID_FILE), "\n").expect("emptied");
+        let err = installation_id(state.path()).expect_err("an empty ID is refused");
+        assert!(err.to_string().contains("is empty"), "{err}");
     }
 }

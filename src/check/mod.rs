@@ -1,6 +1,7 @@
 //! Offline validation (`egress-proxies-operator check FILE...`): Proxy manifests against the
-//! generated CRD schema (types, lengths, unknown fields) and its CEL rules, exactly as an API
-//! server with strict field validation would judge them, and providers configs.
+//! generated CRD schema (types, lengths, unknown fields), a metadata check and the CRD's CEL
+//! rules — the rules an API server with strict field validation applies to a create, without
+//! what only a cluster knows (namespaces, admission, label syntax) — and providers configs.
 //!
 //! Every problem is reported, one line each, with the file, the object and the field path.
 

@@ -1,21 +1,29 @@
-//! The reconcile pipeline for one Proxy, shared by cluster and standalone mode:
+//! The reconcile pipeline for one Proxy, shared by cluster and standalone mode. One reconcile
+//! runs rounds of:
 //!
-//! 1. **observe** (client required): read the referenced Secrets, the provider instance, the
-//!    health verdict, the leases, the provider's availability; compute the spec hash
-//!    ([`spec_hash`]); derive the machine's events ([`observe::derive_events`], pure).
-//! 2. **decide** (no client): [`crate::machine::decide`] per event.
-//! 3. **execute** (client required): carry out each effect through its executor
-//!    ([`crate::effects`]); an effect's result may be a further event (a create that succeeded
-//!    yields `instance_created`), decided in the same reconcile.
-//! 4. **record** (client required): every transition becomes an audit entry and an Event; the
-//!    status is written only if it changed ([`status::desired_status`], pure).
+//! 1. **observe** ([`observe`], client required): the referenced Secrets and the spec hash (once
+//!    per reconcile), then each round the provider's `get`, the health verdict, the leases, the
+//!    provider's availability and the pool's budgets ([`pool`]); turned into the table's facts
+//!    (no client required).
+//! 2. **derive** ([`crate::machine::derive`], no client): the first event the facts raise that
+//!    the state handles, read from the table.
+//! 3. **decide** ([`crate::machine::decide`], no client): the generated machine picks the row.
+//! 4. **plan** ([`plan`], no client): the row's effects with their parameters, as a value.
+//! 5. **execute** ([`execute`], client required): one executor per effect; the events they raise
+//!    (a failed create, a confirmed delete) are decided next, in the same round.
 //!
+//! Rounds repeat until no event is derived. Then the **status** ([`status`], pure) is written
+//! once, only if it changed, and the reconciler says when to look again ([`plan::next_wake`]).
 //! Mode-specific I/O sits behind [`crate::effects::ProxyBackend`]; the Kubernetes wiring is in
 //! [`cluster`].
 
 pub mod cluster;
+pub mod execute;
 pub mod observe;
+pub mod plan;
+pub mod pool;
 mod reconciler;
+pub mod simulate;
 pub mod spec_hash;
 pub mod status;
 

@@ -1,204 +1,132 @@
-//! The **observe** step's pure half: what a snapshot of the world says happened, as events for
-//! the machine. Level-triggered: events come from comparing the snapshot with the persisted
-//! status and the current state, never from what woke the reconciler.
+//! **observe**: what the world says about one Proxy, and the table's facts that follow.
+//!
+//! [`Observation`] is what the reconciler gathered (client required: Secrets, the provider's
+//! `get`, the health verdict, the leases, the pool); [`facts`] turns it, the record written so far
+//! and the clock into the table's [`Facts`] (no client required). Level-triggered: facts come from
+//! comparing the world with the record, never from what woke the reconciler.
 
 use jiff::Timestamp;
 
+use super::{pool::PoolFacts, status::Record};
 use crate::{
-    machine::{Event, State, Timers, due_timer},
-    provider::InstanceState,
+    effects::HealthVerdict,
+    machine::{Fact, Facts, Phase, Timers, reason},
+    provider::{Instance, InstanceState},
 };
 
 /// A user error that keeps the Proxy from being realised (the user must change something).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SpecProblem {
-    /// Bounded CamelCase reason (`UnknownProvider`, `CloudInitSecretNotFound`, ...).
+    /// Bounded CamelCase category (`UnknownProvider`, `CloudInitSecretUnusable`, ...).
     pub reason: &'static str,
     /// What to fix. Never contains secret content.
     pub message: String,
 }
 
-/// Whether the Proxy's provider instance can be used.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ProviderObservation {
-    /// Reachable (or not known to be down).
-    Available,
-    /// Down, with the reason.
-    Unavailable(String),
+impl SpecProblem {
+    /// The text `SpecValid=False` carries.
+    pub fn text(&self) -> String {
+        format!("{}: {}", self.reason, self.message)
+    }
 }
 
 /// What the provider says about the Proxy's instance.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum InstanceObservation {
-    /// Not looked up (the state doesn't need it, or the spec is invalid).
+    /// Not looked up (no instance is expected in this phase, or the provider is unknown).
     NotChecked,
     /// NotFound: it certainly does not exist.
     Missing,
     /// It exists.
-    Present(InstanceState),
+    Present(Box<Instance>),
     /// The lookup failed; nothing can be concluded.
     Unknown,
 }
 
-/// The health engine's verdict on the proxy, as far as the lifecycle cares.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HealthObservation {
-    /// No threshold crossed yet.
-    Unknown,
-    /// The success threshold is met; `after_failing` if the proxy had failed before.
-    Passing {
-        /// Whether this follows a failing verdict.
-        after_failing: bool,
-    },
-    /// The failure threshold is crossed.
-    Failing,
-}
-
-/// Everything the events of one reconcile are derived from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Snapshot {
+/// One look at the world for one Proxy.
+#[derive(Clone, Debug)]
+pub struct Observation {
     /// The Proxy has a deletionTimestamp.
     pub deletion_requested: bool,
-    /// The spec hash of the current spec, or why it can't be realised.
-    pub spec_hash: Result<String, SpecProblem>,
-    /// The spec hash the running instance was built from (`status.specHash`).
-    pub applied_hash: Option<String>,
-    /// The provider's availability.
-    pub provider: ProviderObservation,
+    /// The operator's finalizer is on the Proxy.
+    pub finalizer_present: bool,
+    /// `metadata.generation` differs from `status.observedGeneration`: the user edited the spec.
+    pub spec_edited: bool,
+    /// The desired spec hash, or why the spec cannot be realised.
+    pub desired_hash: Result<String, SpecProblem>,
+    /// The instance was built from another spec: its hash (the instance's own stamp, else the
+    /// status's), compared under the encoding version it was written with, differs from the
+    /// spec's ([`super::spec_hash::compare`]). An older encoding is never a change by itself.
+    pub spec_changed: bool,
+    /// Why the provider is unavailable, if it is.
+    pub provider_down: Option<String>,
     /// The instance.
     pub instance: InstanceObservation,
-    /// The health verdict.
-    pub health: HealthObservation,
-    /// Leases currently held on the proxy.
+    /// The health engine's verdict.
+    pub health: HealthVerdict,
+    /// Leases held on the proxy.
     pub active_leases: u32,
-    /// `Ready` condition reason and message as persisted, to report a problem once, not on every
-    /// reconcile.
-    pub reported: Option<(String, String)>,
-    /// When the `Ready` condition last changed (the start of a pending back-off).
-    pub reported_since: Option<Timestamp>,
-    /// The `Provisioned` condition is already `True`.
-    pub provisioned_reported: bool,
-    /// `metadata.generation` differs from `status.observedGeneration`.
-    pub generation_changed: bool,
+    /// The pool's budget facts.
+    pub pool: PoolFacts,
 }
 
-impl Snapshot {
-    fn reported_reason(&self) -> Option<&str> {
-        self.reported.as_ref().map(|(reason, _)| reason.as_str())
-    }
-}
-
-/// The events `snapshot` implies in `state`, most important first. The reconciler applies them in
-/// order and stops deriving after the first phase change (the resulting status write wakes it
-/// again with a fresh snapshot).
-pub fn derive_events(state: &State, snapshot: &Snapshot, now: Timestamp, timers: &Timers) -> Vec<Event> {
-    // Deletion wins over everything: nothing else matters for an object that is going away.
-    if snapshot.deletion_requested {
-        return match state {
-            State::Deleted { .. } => Vec::new(),
-            State::Deleting { .. } => draining_events(snapshot, Event::InstanceGone),
-            _ => vec![Event::DeletionRequested],
-        };
-    }
-    if let Err(problem) = &snapshot.spec_hash {
-        let already_reported = snapshot
-            .reported
-            .as_ref()
-            .is_some_and(|(reason, message)| reason == "InvalidSpec" && message == &problem.message);
-        return if already_reported || matches!(state, State::Deleting { .. } | State::Deleted { .. }) {
-            Vec::new()
-        } else {
-            vec![Event::SpecInvalid]
-        };
-    }
-    let hash_changed = match (&snapshot.spec_hash, &snapshot.applied_hash) {
-        (Ok(current), Some(applied)) => current != applied,
-        _ => false,
+/// The facts of `observation` for `record` at `now`.
+pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers: &Timers) -> Facts {
+    let o = observation;
+    let (instance_present, instance_missing, instance_running) = match &o.instance {
+        InstanceObservation::Present(instance) => (true, false, instance.state == InstanceState::Running),
+        InstanceObservation::Missing => (false, true, false),
+        InstanceObservation::NotChecked | InstanceObservation::Unknown => (false, false, false),
     };
-    let provider_down = matches!(snapshot.provider, ProviderObservation::Unavailable(_));
-    let mut events = Vec::new();
-    match state {
-        State::Pending => {
-            if provider_down {
-                if snapshot.reported_reason() != Some("ProviderUnavailable") {
-                    events.push(Event::ProviderUnavailable);
-                }
-            } else if snapshot.reported_reason() == Some("ProviderUnavailable") {
-                events.push(Event::ProviderAvailable);
-            } else if !backing_off(snapshot, now, timers) {
-                events.push(Event::SpecObserved);
-            }
-        }
-        State::Provisioning { .. } => {
-            if provider_down {
-                events.push(Event::ProviderUnavailable);
-            }
-            if hash_changed {
-                events.push(Event::SpecHashChanged);
-            }
-            match snapshot.instance {
-                InstanceObservation::Missing => events.push(Event::InstanceMissing),
-                InstanceObservation::Present(InstanceState::Running) if !snapshot.provisioned_reported => {
-                    events.push(Event::InstanceRunning)
-                }
-                _ => {}
-            }
-            match snapshot.health {
-                HealthObservation::Passing { after_failing: false } => events.push(Event::HealthPassed),
-                HealthObservation::Passing { after_failing: true } => events.push(Event::HealthRecovered),
-                _ => {}
-            }
-        }
-        State::Healthy { .. } => {
-            if hash_changed {
-                events.push(Event::SpecHashChanged);
-            }
-            if snapshot.instance == InstanceObservation::Missing {
-                events.push(Event::InstanceMissing);
-            }
-            if snapshot.health == HealthObservation::Failing {
-                events.push(Event::HealthFailed);
-            }
-        }
-        State::Degraded { .. } => {
-            if hash_changed {
-                events.push(Event::SpecHashChanged);
-            }
-            if snapshot.instance == InstanceObservation::Missing {
-                events.push(Event::InstanceMissing);
-            }
-            if let HealthObservation::Passing { .. } = snapshot.health {
-                events.push(Event::HealthRecovered);
-            }
-        }
-        // A Proxy in deleting always has a deletion mark (it cannot be removed), handled above.
-        State::Replacing { .. } | State::Deleting { .. } => {
-            events.extend(draining_events(snapshot, Event::InstanceGone));
-        }
-        State::Deleted { .. } => {}
-    }
-    events.extend(due_timer(state, now, timers));
-    events
-}
-
-/// While draining towards a delete: the instance is gone, or no lease is left to wait for.
-fn draining_events(snapshot: &Snapshot, gone: Event) -> Vec<Event> {
-    match snapshot.instance {
-        InstanceObservation::Missing => vec![gone],
-        InstanceObservation::Present(_) if snapshot.active_leases == 0 => vec![Event::DrainComplete],
-        _ => Vec::new(),
-    }
-}
-
-/// Pending after exhausted create attempts waits `pending_retry` before a new episode, unless
-/// the user changed the spec.
-fn backing_off(snapshot: &Snapshot, now: Timestamp, timers: &Timers) -> bool {
-    if snapshot.generation_changed || snapshot.reported_reason() != Some("CreateAttemptsExhausted") {
-        return false;
-    }
-    let Some(since) = snapshot.reported_since else {
-        return false;
+    let spec_invalid_reported = match (&o.desired_hash, &record.spec_problem) {
+        (Err(problem), Some(reported)) => *reported == problem.text(),
+        (Ok(_), Some(_)) => true,
+        (_, None) => false,
     };
-    let elapsed = now.duration_since(since);
-    elapsed.is_negative() || elapsed.unsigned_abs() < timers.pending_retry
+    let retry_due = o.spec_edited || record.next_attempt.is_none_or(|at| now >= at);
+    let mut facts = Facts::NONE;
+    for (fact, holds) in [
+        (Fact::DeletionRequested, o.deletion_requested),
+        (Fact::FinalizerPresent, o.finalizer_present),
+        (Fact::SpecValid, o.desired_hash.is_ok()),
+        (Fact::SpecInvalidReported, spec_invalid_reported),
+        (Fact::SpecChanged, o.spec_changed),
+        (Fact::ProviderDown, o.provider_down.is_some()),
+        (
+            Fact::ProviderDownReported,
+            record.ready_reason == reason::PROVIDER_UNAVAILABLE,
+        ),
+        (Fact::InstancePresent, instance_present),
+        (Fact::InstanceMissing, instance_missing),
+        (Fact::InstanceRunning, instance_running),
+        (Fact::RunningReported, record.instance_running),
+        (
+            Fact::HealthPassing,
+            matches!(o.health, HealthVerdict::Passing { .. }),
+        ),
+        (Fact::HealthFailing, o.health == HealthVerdict::Failing),
+        (Fact::LeasesActive, o.active_leases > 0),
+        (Fact::RetryDue, retry_due),
+        (Fact::TimerExpired, timers.expired(&record.state, now)),
+        (Fact::ReplacementBudgetLeft, o.pool.replacement_budget_left),
+        (Fact::RemediationAllowed, o.pool.remediation_allowed),
+    ] {
+        facts.set(fact, holds);
+    }
+    facts
+}
+
+/// The hash what runs was built from: the instance's own stamp when the provider reports one,
+/// else what the status recorded when it was created.
+pub fn applied_hash<'a>(instance: &'a InstanceObservation, record: &'a Record) -> Option<&'a str> {
+    match instance {
+        InstanceObservation::Present(instance) => instance.spec_hash.as_deref(),
+        _ => None,
+    }
+    .or(record.spec_hash.as_deref())
+}
+
+/// Phases in which the instance's existence decides events (elsewhere no instance is expected).
+pub fn needs_instance(phase: Phase) -> bool {
+    !matches!(phase, Phase::Pending | Phase::Deleted)
 }

@@ -1,5 +1,5 @@
-//! One reconcile of one Proxy: observe → decide → execute → record. See the module docs of
-//! [`crate::controller`].
+//! One reconcile of one Proxy, in rounds of observe → derive → decide → plan → execute, then the
+//! status. See the module docs of [`crate::controller`].
 
 use std::{collections::VecDeque, sync::Arc, time::Duration};
 
@@ -9,41 +9,35 @@ use tracing::{Instrument, debug, warn};
 
 use super::{
     ProviderAvailability,
-    observe::{
-        HealthObservation, InstanceObservation, ProviderObservation, Snapshot, SpecProblem, derive_events,
-    },
-    spec_hash,
-    status::{FINALIZER, StatusInput, desired_status, ready_condition, state_from_status},
+    execute::{EffectContext, Occurrence, lease_target, parse_endpoint, short},
+    observe::{InstanceObservation, Observation, SpecProblem, applied_hash, facts, needs_instance},
+    plan::{Plan, PlanInput, next_wake, plan},
+    pool::{Budgets, PoolFacts, Pools},
+    spec_hash::{self, Comparison},
+    status::{FINALIZER, Record},
 };
 use crate::{
     api::Proxy,
-    effects::{
-        BackendError, DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget,
-        ProxyBackend, ProxyKey, SecretError,
-    },
-    machine::{AuditEntry, EffectKind, Event, GuardInput, Phase, State, Timers, decide, requeue_after},
+    effects::{BackendError, HealthControl, HealthTarget, LeaseControl, ProxyBackend, ProxyKey, SecretError},
+    machine::{AuditEntry, Backoff, Event, Fact, Outcome, Phase, Timers, decide, derive},
     provider::{
-        Credentials, Endpoint, InstanceRequest, InstanceState, Owner, ProviderError, ProviderRegistry,
-        SharedProvider, UserData, instance_name,
+        Credentials, Owner, ProviderError, ProviderRegistry, SharedProvider, UserData, instance_name,
     },
 };
 
-/// Knobs of the reconciler.
-#[derive(Clone, Debug)]
-pub struct ReconcilerConfig {
-    /// Lifecycle timers.
-    pub timers: Timers,
-    /// Create attempts per provisioning episode.
-    pub max_create_attempts: u32,
-}
+/// Rounds one reconcile may run before it yields (and requeues at once): each round changes the
+/// state or the record, so a handful always suffices; the bound only stops a bug from spinning.
+const MAX_ROUNDS: usize = 8;
 
-impl Default for ReconcilerConfig {
-    fn default() -> Self {
-        Self {
-            timers: Timers::default(),
-            max_create_attempts: GuardInput::DEFAULT_MAX_CREATE_ATTEMPTS,
-        }
-    }
+/// Knobs of the reconciler.
+#[derive(Clone, Debug, Default)]
+pub struct ReconcilerConfig {
+    /// The table's timers and the poll intervals.
+    pub timers: Timers,
+    /// Retry backoff of failed provider calls.
+    pub backoff: Backoff,
+    /// Pool budgets against mass replacement.
+    pub budgets: Budgets,
 }
 
 /// Why a reconcile failed; the category decides how the controller retries.
@@ -84,10 +78,12 @@ impl ReconcileError {
 /// What a reconcile did.
 #[derive(Debug, Default)]
 pub struct ReconcileOutcome {
-    /// Reconcile again after this long (the state's timer).
+    /// Reconcile again after this long (`None`: only a change wakes it).
     pub requeue_after: Option<Duration>,
     /// Transitions taken, in order.
     pub audit: Vec<AuditEntry>,
+    /// The plan of each transition, in order (what the executors were asked to do).
+    pub plans: Vec<Plan>,
     /// Writes made to the Proxy (finalizer and status), for the write budget.
     pub proxy_writes: usize,
     /// The state after the reconcile.
@@ -96,33 +92,21 @@ pub struct ReconcileOutcome {
 
 /// The reconciler: the pipeline plus the executors it drives.
 pub struct Reconciler<B> {
-    backend: B,
+    pub(crate) backend: B,
     providers: ProviderRegistry,
-    leases: Arc<dyn LeaseControl>,
-    health: Arc<dyn HealthControl>,
+    pub(crate) leases: Arc<dyn LeaseControl>,
+    pub(crate) health: Arc<dyn HealthControl>,
     availability: ProviderAvailability,
+    pools: Arc<Pools>,
     config: ReconcilerConfig,
-    clock: fn() -> Timestamp,
+    clock: Arc<dyn Fn() -> Timestamp + Send + Sync>,
 }
 
-/// What observe resolved about the spec, beyond the hash.
-struct Resolved {
-    hash: String,
-    user_data: Option<UserData>,
-    credentials: Option<Credentials>,
-}
-
-/// The status fields that effects update during one reconcile.
-struct Working {
-    reason: String,
-    message: String,
-    provider_id: Option<String>,
-    endpoint: Option<String>,
-    spec_hash: Option<String>,
-    instance_running: bool,
-    last_health_check_time: Option<Timestamp>,
-    proxy_writes: usize,
-    has_finalizer: bool,
+/// What observe resolved about the spec: its hash and the Secrets' content.
+pub(crate) struct Resolved {
+    pub hash: String,
+    pub user_data: Option<UserData>,
+    pub credentials: Option<Credentials>,
 }
 
 impl<B: ProxyBackend> Reconciler<B> {
@@ -141,20 +125,26 @@ impl<B: ProxyBackend> Reconciler<B> {
             leases,
             health,
             availability,
+            pools: Arc::default(),
             config,
-            clock: Timestamp::now,
+            clock: Arc::new(Timestamp::now),
         }
     }
 
     /// Use `clock` instead of the system clock (tests pin time).
-    pub fn with_clock(mut self, clock: fn() -> Timestamp) -> Self {
-        self.clock = clock;
+    pub fn with_clock(mut self, clock: impl Fn() -> Timestamp + Send + Sync + 'static) -> Self {
+        self.clock = Arc::new(clock);
         self
     }
 
     /// The backend (tests inspect it).
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// The pools whose budgets the reconciler enforces; a mode seeds them from its store.
+    pub fn pools(&self) -> &Arc<Pools> {
+        &self.pools
     }
 
     /// Reconciles one Proxy, inside one `reconcile` span naming it (`proxy.namespace`,
@@ -212,162 +202,260 @@ impl<B: ProxyBackend> Reconciler<B> {
             name: key.name.clone(),
         };
         let previous = proxy.status.clone().unwrap_or_default();
-        let mut state = state_from_status(proxy.status.as_ref()).map_err(ReconcileError::UnreadableStatus)?;
+        let mut record =
+            Record::from_status(proxy.status.as_ref(), now).map_err(ReconcileError::UnreadableStatus)?;
+        let mut finalizer = proxy.finalizers().iter().any(|f| f == FINALIZER);
+        let started_with_finalizer = finalizer;
 
-        // --- observe ---------------------------------------------------------------------------
-        let provider = self.providers.get(&proxy.spec.provider);
+        // --- observe, once per reconcile: what the spec resolves to ------------------------------
+        let provider_name = proxy.spec.provider.as_str();
+        let provider = self.providers.get(provider_name).ok().cloned();
         let resolved = match &provider {
-            Ok(_) => self.resolve(proxy, &key).await?,
-            Err(unknown) => Err(SpecProblem {
+            Some(_) => self.resolve(proxy, &key).await?,
+            None => Err(SpecProblem {
                 reason: "UnknownProvider",
-                message: unknown.to_string(),
+                message: match self.providers.get(provider_name) {
+                    Err(unknown) => unknown.to_string(),
+                    Ok(_) => String::new(),
+                },
             }),
         };
-        let provider = provider.ok().cloned();
-        let mut provider_down = provider
-            .as_ref()
-            .and_then(|_| self.availability.down_reason(&proxy.spec.provider));
-        let instance_observation = match &provider {
-            Some(provider) if needs_instance(&state) => match provider.get(&instance).await {
-                Ok(found) => InstanceObservation::Present(found.state),
-                Err(ProviderError::NotFound(_)) => InstanceObservation::Missing,
-                Err(ProviderError::Unavailable(reason)) => {
-                    provider_down.get_or_insert(reason);
-                    InstanceObservation::Unknown
-                }
-                Err(other) => {
-                    debug!(proxy = %key, error = %other, "instance lookup failed");
-                    InstanceObservation::Unknown
-                }
-            },
-            _ => InstanceObservation::NotChecked,
-        };
-        let ready = ready_condition(proxy.status.as_ref());
-        let snapshot = Snapshot {
-            deletion_requested: proxy.metadata.deletion_timestamp.is_some(),
-            spec_hash: resolved.as_ref().map(|r| r.hash.clone()).map_err(Clone::clone),
-            applied_hash: previous.spec_hash.clone(),
-            provider: match &provider_down {
-                Some(reason) => ProviderObservation::Unavailable(reason.clone()),
-                None => ProviderObservation::Available,
-            },
-            instance: instance_observation,
-            health: match self.health.verdict(&key) {
-                HealthVerdict::Unknown => HealthObservation::Unknown,
-                HealthVerdict::Passing { after_failing } => HealthObservation::Passing { after_failing },
-                HealthVerdict::Failing => HealthObservation::Failing,
-            },
-            active_leases: self.leases.active(&key),
-            reported: ready.map(|c| (c.reason.clone(), c.message.clone())),
-            reported_since: ready.map(|c| c.last_transition_time.0),
-            provisioned_reported: previous
-                .conditions
-                .iter()
-                .any(|c| c.type_ == super::status::PROVISIONED && c.status == "True"),
-            generation_changed: proxy.metadata.generation != previous.observed_generation,
-        };
-        let derived = derive_events(&state, &snapshot, now, &self.config.timers);
-
-        // --- decide and execute ----------------------------------------------------------------
-        let mut working = Working {
-            reason: ready
-                .map(|c| c.reason.clone())
-                .unwrap_or_else(|| "Accepted".to_owned()),
-            message: ready.map(|c| c.message.clone()).unwrap_or_default(),
-            provider_id: previous.provider_id.clone(),
-            endpoint: previous.endpoint.clone(),
-            spec_hash: previous.spec_hash.clone(),
-            instance_running: snapshot.provisioned_reported
-                || snapshot.instance == InstanceObservation::Present(InstanceState::Running),
-            last_health_check_time: None,
-            proxy_writes: 0,
-            has_finalizer: proxy.finalizers().iter().any(|f| f == FINALIZER),
-        };
+        let problem_text = resolved.as_ref().err().map(SpecProblem::text);
         let context = EffectContext {
             proxy,
             key: &key,
             instance: &instance,
             owner: &owner,
+            provider_name,
             provider: provider.as_ref(),
-            resolved: resolved.as_ref().ok(),
-            problem: resolved.as_ref().err(),
-            provider_down: provider_down.as_deref(),
+            resolved: resolved
+                .as_ref()
+                .map_err(|_| problem_text.as_deref().unwrap_or_default()),
         };
+        let mut spec_edited =
+            proxy.metadata.generation != previous.observed_generation && proxy.status.is_some();
+
         let mut audit = Vec::new();
-        let mut derived: VecDeque<Event> = derived.into();
-        let mut feedback: VecDeque<Event> = VecDeque::new();
-        while let Some(event) = feedback.pop_front().or_else(|| derived.pop_front()) {
-            let input = GuardInput {
-                max_create_attempts: self.config.max_create_attempts,
-                active_leases: self.leases.active(&key),
+        let mut plans = Vec::new();
+        let mut yielded = true;
+        let mut held_by_budget = false;
+        for _round in 0..MAX_ROUNDS {
+            // --- observe: the world, every round (effects change it) -----------------------------
+            let observation = self
+                .observe(
+                    proxy,
+                    &key,
+                    &record,
+                    &context,
+                    &resolved,
+                    spec_edited,
+                    finalizer,
+                    now,
+                )
+                .await;
+            let facts = facts(&observation, &record, now, &self.config.timers);
+            // --- derive ----------------------------------------------------------------------
+            let Some(event) = derive(record.state.phase(), facts) else {
+                // A replacement the pool's budget holds back is looked at again on every poll.
+                held_by_budget = facts.get(Fact::SpecChanged) && !facts.get(Fact::ReplacementBudgetLeft);
+                yielded = false;
+                break;
             };
-            let decision = match decide(&state, event, &input, now) {
-                Ok(decision) => decision,
-                Err(invalid) => {
-                    warn!(proxy = %key, %invalid, "engine refused an event; this is a bug in event derivation");
+            let cause = self.cause_of(event, &observation, &record);
+            // --- decide, plan, execute; then what the executors raised, in order --------------
+            let mut queue = VecDeque::from([Occurrence { event, cause }]);
+            while let Some(occurrence) = queue.pop_front() {
+                let decision = match decide(&record.state, occurrence.event, facts, now) {
+                    Ok(decision) => decision,
+                    Err(invalid) => {
+                        warn!(proxy = %key, %invalid, "an executor raised an event the table declares invalid here");
+                        break;
+                    }
+                };
+                if decision.outcome == Outcome::Ignored {
                     continue;
                 }
-            };
-            let Some(entry) = AuditEntry::from_decision(&decision, now) else {
-                continue;
-            };
-            working.reason = entry.reason.clone();
-            working.message = transition_message(&context, event, &self.config.timers);
-            if matches!(
-                event,
-                Event::HealthPassed | Event::HealthFailed | Event::HealthRecovered
-            ) {
-                working.last_health_check_time = Some(now);
+                let planned = plan(
+                    &decision,
+                    occurrence.cause.as_deref(),
+                    PlanInput {
+                        now,
+                        record: &record,
+                        backoff: &self.config.backoff,
+                        jitter: fastrand::f64(),
+                    },
+                );
+                let Some(entry) = AuditEntry::from_decision(&decision, now, occurrence.cause.as_deref())
+                else {
+                    continue;
+                };
+                debug!(proxy = %key, transition = %entry.arrow(), reason = %entry.reason, "transition");
+                record.state = decision.to.clone();
+                if matches!(occurrence.event, Event::HealthPassed | Event::HealthFailed) {
+                    record.last_health_check_time = Some(now);
+                }
+                for effect in &planned.effects {
+                    let raised = self
+                        .execute(effect, &context, &mut record, &mut finalizer, &entry)
+                        .await?;
+                    queue.extend(raised);
+                }
+                audit.push(entry);
+                plans.push(planned);
             }
-            for effect in &decision.effects {
-                self.execute(*effect, &context, &mut working, &entry, &mut feedback)
-                    .await?;
-            }
-            debug!(proxy = %key, transition = %entry.arrow(), reason = %entry.reason, "transition");
-            if decision.changed_phase() {
-                // Later derived events were observed for the old phase; the status write that
-                // follows wakes the reconciler again with a fresh snapshot.
-                derived.clear();
-            }
-            state = decision.to;
-            audit.push(entry);
+            // The user's edit counts once: a retry it allowed and that failed again backs off.
+            spec_edited = false;
         }
-
-        // --- level-triggered upkeep: re-register what in-memory executors lost on a restart ----
-        self.sync_targets(&state, &context, &working);
-
-        // --- record: the status, only if it changed --------------------------------------------
-        let status = desired_status(StatusInput {
-            state: &state,
-            previous: &previous,
-            generation: proxy.metadata.generation,
-            reason: &working.reason,
-            message: &working.message,
-            provider_id: working.provider_id.clone(),
-            endpoint: working.endpoint.clone(),
-            spec_hash: working.spec_hash.clone(),
-            instance_running: working.instance_running && needs_instance(&state),
-            last_health_check_time: working.last_health_check_time,
-            now,
-        });
-        if state.phase() != Phase::Deleted && Some(&status) != proxy.status.as_ref() {
-            self.backend.write_status(proxy, &status).await?;
-            working.proxy_writes += 1;
+        if yielded {
+            warn!(proxy = %key, rounds = MAX_ROUNDS, "reconcile did not settle; continuing at once");
         }
-        let requeue_after = match state.phase() {
-            Phase::Deleted => None,
-            // The user must change the object (or its Secret); that change wakes us.
-            Phase::Pending if working.reason == "InvalidSpec" => None,
-            // Every other state has a timer (healthy: the slow resync behind the watches), so
-            // a `requeue_after` effect and "no transition this time" wait alike.
-            _ => Some(requeue_after(&state, now, &self.config.timers)),
+        let phase = record.state.phase();
+        self.pools.set(&key, provider_name, phase);
+
+        // --- the in-memory executors' upkeep (after a restart, or an in-place spec edit) ---------
+        self.sync_targets(&record, &context);
+
+        // --- status: only if it changed ------------------------------------------------------
+        let mut proxy_writes = usize::from(finalizer != started_with_finalizer);
+        if phase == Phase::Deleted {
+            proxy_writes = usize::from(started_with_finalizer);
+        } else {
+            let status = record.to_status(&previous, proxy.metadata.generation, now);
+            if Some(&status) != proxy.status.as_ref() {
+                self.backend.write_status(proxy, &status).await?;
+                proxy_writes += 1;
+            }
+        }
+        let requeue_after = if yielded {
+            Some(Duration::ZERO)
+        } else if held_by_budget {
+            Some(self.config.timers.poll)
+        } else {
+            next_wake(&record, now, &self.config.timers, resolved.is_ok())
         };
         Ok(ReconcileOutcome {
             requeue_after,
             audit,
-            proxy_writes: working.proxy_writes,
-            phase: Some(state.phase()),
+            plans,
+            proxy_writes,
+            phase: Some(phase),
         })
+    }
+
+    /// Gathers one look at the world for `proxy`.
+    #[allow(clippy::too_many_arguments)] // one call site; the arguments are the reconcile's locals
+    async fn observe(
+        &self,
+        proxy: &Proxy,
+        key: &ProxyKey,
+        record: &Record,
+        cx: &EffectContext<'_>,
+        resolved: &Result<Resolved, SpecProblem>,
+        spec_edited: bool,
+        finalizer: bool,
+        now: Timestamp,
+    ) -> Observation {
+        let mut provider_down = cx
+            .provider
+            .and_then(|_| self.availability.down_reason(cx.provider_name));
+        let instance = match cx.provider {
+            Some(provider) if needs_instance(record.state.phase()) => {
+                self.look_up(provider, cx.instance, key, &mut provider_down).await
+            }
+            _ => InstanceObservation::NotChecked,
+        };
+        let spec_changed = match (resolved, applied_hash(&instance, record)) {
+            (Ok(resolved), Some(applied)) => {
+                let user_data = resolved.user_data.as_ref().map(|d| d.0.as_str());
+                match spec_hash::compare(applied, &proxy.spec, user_data) {
+                    Comparison::Same => false,
+                    Comparison::Changed => true,
+                    // Written by a newer operator (a downgrade), or not a hash: replacing every
+                    // instance on that guess would be worse than keeping them.
+                    Comparison::Unknown => {
+                        debug!(proxy = %key, applied, "spec hash of an unknown encoding: not treated as a change");
+                        false
+                    }
+                }
+            }
+            _ => false,
+        };
+        let mut observation = Observation {
+            deletion_requested: proxy.metadata.deletion_timestamp.is_some(),
+            finalizer_present: finalizer,
+            spec_edited,
+            desired_hash: resolved.as_ref().map(|r| r.hash.clone()).map_err(Clone::clone),
+            spec_changed,
+            provider_down,
+            instance,
+            health: self.health.verdict(key),
+            active_leases: self.leases.active(key),
+            pool: PoolFacts {
+                replacement_budget_left: true,
+                remediation_allowed: true,
+            },
+        };
+        // The budgets matter (and a replacement slot is reserved) only where a replacement is
+        // about to be decided: a changed spec, or a degraded proxy whose timer ran out.
+        let unbudgeted = facts(&observation, record, now, &self.config.timers);
+        let phase = record.state.phase();
+        let replacing_soon = unbudgeted.get(Fact::SpecChanged)
+            || (phase == Phase::Degraded && unbudgeted.get(Fact::TimerExpired));
+        observation.pool =
+            self.pools
+                .facts(key, cx.provider_name, phase, &self.config.budgets, replacing_soon);
+        observation
+    }
+
+    async fn look_up(
+        &self,
+        provider: &SharedProvider,
+        instance: &str,
+        key: &ProxyKey,
+        provider_down: &mut Option<String>,
+    ) -> InstanceObservation {
+        match provider.get(instance).await {
+            Ok(found) => InstanceObservation::Present(Box::new(found)),
+            Err(ProviderError::NotFound(_)) => InstanceObservation::Missing,
+            Err(ProviderError::Unavailable(reason)) => {
+                provider_down.get_or_insert(reason);
+                InstanceObservation::Unknown
+            }
+            Err(other) => {
+                debug!(proxy = %key, error = %other, "instance lookup failed");
+                InstanceObservation::Unknown
+            }
+        }
+    }
+
+    /// What caused a derived event, when more than its name says.
+    fn cause_of(&self, event: Event, observation: &Observation, record: &Record) -> Option<String> {
+        match event {
+            Event::SpecInvalid => observation.desired_hash.as_ref().err().map(SpecProblem::text),
+            Event::ProviderUnavailable => observation
+                .provider_down
+                .as_ref()
+                .map(|reason| format!("provider unavailable: {reason}")),
+            Event::TimerExpired => {
+                let timer = record.state.phase().timer()?;
+                Some(format!(
+                    "{} ({} s) ran out in {}",
+                    timer.as_str(),
+                    self.config.timers.duration(timer).as_secs(),
+                    record.state.phase()
+                ))
+            }
+            Event::SpecHashChanged => {
+                let desired = observation.desired_hash.as_ref().ok()?;
+                let applied = match &observation.instance {
+                    InstanceObservation::Present(instance) => instance.spec_hash.clone(),
+                    _ => None,
+                }
+                .or_else(|| record.spec_hash.clone())?;
+                Some(format!("spec hash {} -> {}", short(&applied), short(desired)))
+            }
+            _ => None,
+        }
     }
 
     /// Reads the Secrets the spec references and computes the spec hash.
@@ -410,222 +498,34 @@ impl<B: ProxyBackend> Reconciler<B> {
         }))
     }
 
-    async fn execute(
-        &self,
-        effect: EffectKind,
-        cx: &EffectContext<'_>,
-        working: &mut Working,
-        entry: &AuditEntry,
-        feedback: &mut VecDeque<Event>,
-    ) -> Result<(), ReconcileError> {
-        match effect {
-            EffectKind::AddFinalizer => {
-                if !working.has_finalizer {
-                    self.backend.add_finalizer(cx.proxy).await?;
-                    working.has_finalizer = true;
-                    working.proxy_writes += 1;
-                }
-            }
-            EffectKind::RemoveFinalizer => {
-                self.leases.remove(cx.key);
-                self.health.remove(cx.key);
-                if working.has_finalizer {
-                    self.backend.remove_finalizer(cx.proxy).await?;
-                    working.has_finalizer = false;
-                    working.proxy_writes += 1;
-                }
-            }
-            EffectKind::CreateInstance => self.create_instance(cx, working, feedback).await?,
-            EffectKind::DeleteInstance => {
-                let Some(provider) = cx.provider else {
-                    // An unknown provider never created anything for this Proxy.
-                    feedback.push_back(Event::InstanceGone);
-                    return Ok(());
-                };
-                self.health.remove(cx.key);
-                provider.delete(cx.instance).await?;
-                // Only a truthful NotFound says it is gone (a pod may still be terminating).
-                match provider.get(cx.instance).await {
-                    Err(ProviderError::NotFound(_)) => {
-                        working.provider_id = None;
-                        working.endpoint = None;
-                        working.spec_hash = None;
-                        working.instance_running = false;
-                        feedback.push_back(Event::InstanceGone);
-                    }
-                    // Still there (terminating): the state's timer brings us back to see it gone.
-                    Ok(_) => {}
-                    Err(other) => return Err(other.into()),
-                }
-            }
-            EffectKind::EnableLeases => {
-                if let Some(target) = self.lease_target(cx, working) {
-                    self.leases.upsert(target);
-                }
-                self.leases.set_admission(cx.key, true);
-            }
-            EffectKind::DisableLeases => self.leases.set_admission(cx.key, false),
-            EffectKind::DrainLeases => {
-                // Not drained yet: the draining timer brings us back.
-                if self.leases.drain(cx.key) == DrainStatus::Drained {
-                    feedback.push_back(Event::DrainComplete);
-                }
-            }
-            EffectKind::RevokeLeases => {
-                let revoked = self.leases.revoke_all(cx.key);
-                if revoked > 0 {
-                    debug!(proxy = %cx.key, revoked, "revoked leases");
-                }
-            }
-            // The status is computed once at the end from the final state and `working`.
-            EffectKind::SetConditions => {}
-            EffectKind::RecordEvent => {
-                if let Err(err) = self.backend.record(cx.proxy, entry, &working.message).await {
-                    // The audit trail in the cluster is best effort: the status is authoritative.
-                    warn!(proxy = %cx.key, error = %err, "recording an event failed");
-                }
-            }
-            // The delay is the final state's timer, computed once at the end of the reconcile.
-            EffectKind::RequeueAfter => {}
-        }
-        Ok(())
-    }
-
-    async fn create_instance(
-        &self,
-        cx: &EffectContext<'_>,
-        working: &mut Working,
-        feedback: &mut VecDeque<Event>,
-    ) -> Result<(), ReconcileError> {
-        let (Some(provider), Some(resolved)) = (cx.provider, cx.resolved) else {
-            // The spec is invalid: spec_invalid is derived before any create, so this is only
-            // reachable through a stale feedback event. Nothing to create.
-            return Ok(());
-        };
-        let port = u16::try_from(cx.proxy.spec.port).map_err(|_| {
-            ReconcileError::Provider(ProviderError::Misconfigured(format!(
-                "port {} is out of range",
-                cx.proxy.spec.port
-            )))
-        })?;
-        let request = InstanceRequest {
-            name: cx.instance.to_owned(),
-            owner: cx.owner.clone(),
-            spec_hash: resolved.hash.clone(),
-            placement: cx.proxy.spec.placement.clone(),
-            port,
-            user_data: resolved.user_data.clone(),
-            credentials: resolved.credentials.clone(),
-        };
-        match provider.create(&request).await {
-            Ok(instance) => {
-                working.provider_id = Some(instance.id.to_string());
-                working.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
-                working.spec_hash = Some(resolved.hash.clone());
-                feedback.push_back(Event::InstanceCreated);
-                if instance.state == InstanceState::Running {
-                    working.instance_running = true;
-                    feedback.push_back(Event::InstanceRunning);
-                }
-            }
-            Err(ProviderError::Unavailable(reason)) => {
-                working.message = format!("provider unavailable: {reason}");
-                feedback.push_back(Event::ProviderUnavailable);
-            }
-            Err(err) => {
-                working.message = format!("create failed: {err}");
-                feedback.push_back(Event::CreateFailed);
-            }
-        }
-        Ok(())
-    }
-
-    fn lease_target(&self, cx: &EffectContext<'_>, working: &Working) -> Option<LeaseTarget> {
-        Some(LeaseTarget {
-            key: cx.key.clone(),
-            endpoint: parse_endpoint(working.endpoint.as_deref()?)?,
-            attributes: cx.proxy.spec.attributes.clone(),
-            policy: cx.proxy.spec.lease.clone(),
-            credentials: cx.resolved.and_then(|r| r.credentials.clone()),
-        })
-    }
-
     /// Health probing and lease registration are in-memory: after a restart (or a spec edit of
-    /// attributes, limits or health settings) they are brought in line with the state here.
-    fn sync_targets(&self, state: &State, cx: &EffectContext<'_>, working: &Working) {
-        let live = matches!(
-            state.phase(),
-            Phase::Provisioning | Phase::Healthy | Phase::Degraded
-        );
-        let endpoint = working.endpoint.as_deref().and_then(parse_endpoint);
+    /// attributes, limits or health settings) they are brought in line with the persisted state
+    /// here. This is upkeep of the executors' own state, not a transition: it never changes the
+    /// phase or the status.
+    fn sync_targets(&self, record: &Record, cx: &EffectContext<'_>) {
+        let phase = record.state.phase();
+        let live = matches!(phase, Phase::Provisioning | Phase::Healthy | Phase::Degraded);
+        let endpoint = record.endpoint.as_deref().and_then(parse_endpoint);
         match (live, endpoint) {
             (true, Some(endpoint)) => {
                 self.health.upsert(HealthTarget {
                     key: cx.key.clone(),
                     endpoint,
                     check: cx.proxy.spec.health.clone(),
-                    credentials: cx.resolved.and_then(|r| r.credentials.clone()),
+                    credentials: cx.resolved.ok().and_then(|r| r.credentials.clone()),
                 });
-                if let Some(target) = self.lease_target(cx, working) {
+                if let Some(target) = lease_target(cx, record) {
                     self.leases.upsert(target);
                 }
-                self.leases.set_admission(cx.key, state.phase() == Phase::Healthy);
+                self.leases.set_admission(cx.key, phase == Phase::Healthy);
             }
-            _ if state.phase() == Phase::Pending => {
+            _ if phase == Phase::Pending => {
                 self.health.remove(cx.key);
                 self.leases.set_admission(cx.key, false);
             }
             _ => {}
         }
     }
-}
-
-/// The per-reconcile inputs of the executors.
-struct EffectContext<'a> {
-    proxy: &'a Proxy,
-    key: &'a ProxyKey,
-    instance: &'a str,
-    owner: &'a Owner,
-    provider: Option<&'a SharedProvider>,
-    resolved: Option<&'a Resolved>,
-    problem: Option<&'a SpecProblem>,
-    provider_down: Option<&'a str>,
-}
-
-/// The `Ready` message for a transition caused by `event` (never secret content).
-fn transition_message(cx: &EffectContext<'_>, event: Event, timers: &Timers) -> String {
-    match event {
-        // Says what did not happen, and by when, so the user knows which timeout to look at.
-        Event::ProvisioningTimeout => format!(
-            "no passing health check within the provisioning timeout ({} s): deleting the \
-             instance to start over",
-            timers.provisioning_timeout.as_secs()
-        ),
-        Event::SpecInvalid => cx
-            .problem
-            .map(|p| format!("{}: {}", p.reason, p.message))
-            .unwrap_or_default(),
-        Event::ProviderUnavailable => cx
-            .provider_down
-            .map(|r| format!("provider unavailable: {r}"))
-            .unwrap_or_default(),
-        _ => event.doc().to_owned(),
-    }
-}
-
-/// States in which the instance's existence decides events.
-fn needs_instance(state: &State) -> bool {
-    !matches!(state.phase(), Phase::Pending | Phase::Deleted)
-}
-
-/// `host:port` or `[v6]:port` back into an [`Endpoint`].
-fn parse_endpoint(endpoint: &str) -> Option<Endpoint> {
-    let (host, port) = endpoint.rsplit_once(':')?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    Some(Endpoint {
-        host: host.to_owned(),
-        port: port.parse().ok()?,
-    })
 }
 
 /// A referenced Secret's value. A Secret the user must fix becomes a [`SpecProblem`] with

@@ -1,13 +1,13 @@
-//! The status executor's pure half: the status a Proxy should have, from its machine state and
-//! what the reconcile learnt. The status is written only when this differs from what is stored,
-//! so a steady-state resync writes nothing.
+//! The status: what one reconcile reads back as its starting [`Record`], and the status it
+//! writes from the record at the end. Pure. The status is written only when it differs from what
+//! is stored, so a steady-state resync writes nothing.
 
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 
 use crate::{
     api::ProxyStatus,
-    machine::{Phase, State, StateRecord},
+    machine::{Phase, State, reason},
 };
 
 /// The operator's finalizer on Proxies.
@@ -19,96 +19,155 @@ pub const READY: &str = "Ready";
 pub const PROVISIONED: &str = "Provisioned";
 /// The health checks pass.
 pub const HEALTHY: &str = "Healthy";
+/// The spec can be realised (provider configured, Secrets usable).
+pub const SPEC_VALID: &str = "SpecValid";
+/// Present (True) while health-driven replacement of this proxy is paused by the pool's brake.
+pub const REMEDIATION_PAUSED: &str = "RemediationPaused";
 
-/// What the status is computed from.
-#[derive(Clone, Debug)]
-pub struct StatusInput<'a> {
-    /// The machine state after this reconcile.
-    pub state: &'a State,
-    /// The stored status (conditions keep their transition times when unchanged).
-    pub previous: &'a ProxyStatus,
-    /// `metadata.generation`.
-    pub generation: Option<i64>,
-    /// Bounded reason of the last transition (or of the stored `Ready` condition).
-    pub reason: &'a str,
-    /// Human-readable detail for the `Ready` condition; never secret content.
-    pub message: &'a str,
-    /// Provider ID of the running instance.
+/// What one reconcile knows and changes about a Proxy's status: the machine state plus what the
+/// effects record. Built from the stored status, updated by the executors, written at the end.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    /// The machine state.
+    pub state: State,
+    /// Reason of the `Ready` condition (the last row that set conditions).
+    pub ready_reason: String,
+    /// Message of the `Ready` condition; never secret content.
+    pub ready_message: String,
+    /// What is wrong with the spec, as reported in `SpecValid=False`; `None`: reported valid.
+    pub spec_problem: Option<String>,
+    /// Provider ID of the current instance.
     pub provider_id: Option<String>,
-    /// `host:port`.
+    /// `host:port` of the current instance.
     pub endpoint: Option<String>,
-    /// Spec hash of the running instance.
+    /// Spec hash the current instance was built from.
     pub spec_hash: Option<String>,
-    /// The instance reported running.
+    /// `Provisioned=True` was reported (the instance was seen running).
     pub instance_running: bool,
-    /// Set when a health verdict changed the status in this reconcile.
+    /// Consecutive failed provider calls.
+    pub retry_attempts: u32,
+    /// When the next attempt may start.
+    pub next_attempt: Option<Timestamp>,
+    /// When a health verdict last changed the status.
     pub last_health_check_time: Option<Timestamp>,
-    /// Now, for new condition transition times.
-    pub now: Timestamp,
 }
 
-/// The desired status.
-pub fn desired_status(input: StatusInput<'_>) -> ProxyStatus {
-    let record = StateRecord::from(input.state.clone());
-    let phase = record.phase;
-    let (provisioned, provisioned_reason) = match phase {
-        Phase::Healthy | Phase::Degraded => ("True", "InstanceRunning"),
-        Phase::Provisioning if input.instance_running => ("True", "InstanceRunning"),
-        Phase::Provisioning => ("False", "InstanceStarting"),
-        Phase::Replacing => ("False", "Replacing"),
-        Phase::Deleting | Phase::Deleted => ("False", "Deleting"),
-        Phase::Pending => ("False", "NotProvisioned"),
-    };
-    let (healthy, healthy_reason) = match phase {
-        Phase::Healthy => ("True", "HealthCheckPassing"),
-        Phase::Degraded => ("False", "HealthCheckFailing"),
-        _ => ("Unknown", "NotChecked"),
-    };
-    let ready = if phase == Phase::Healthy { "True" } else { "False" };
-    let previous = &input.previous.conditions;
-    let conditions = vec![
-        condition(
-            previous,
-            READY,
-            ready,
-            input.reason,
-            input.message,
-            input.generation,
-            input.now,
-        ),
-        condition(
-            previous,
-            PROVISIONED,
-            provisioned,
-            provisioned_reason,
-            "",
-            input.generation,
-            input.now,
-        ),
-        condition(
-            previous,
-            HEALTHY,
-            healthy,
-            healthy_reason,
-            "",
-            input.generation,
-            input.now,
-        ),
-    ];
-    ProxyStatus {
-        phase: Some(phase.as_str().to_owned()),
-        phase_since: record.since.map(Time),
-        create_attempts: record.attempts.map(|a| i32::try_from(a).unwrap_or(i32::MAX)),
-        conditions,
-        observed_generation: input.generation,
-        spec_hash: input.spec_hash,
-        provider_id: input.provider_id,
-        endpoint: input.endpoint,
-        last_health_check_time: input
-            .last_health_check_time
-            .map(Time)
-            .or_else(|| input.previous.last_health_check_time.clone()),
+impl Record {
+    /// The record a stored status describes; a new Proxy starts `pending` at `now`.
+    pub fn from_status(status: Option<&ProxyStatus>, now: Timestamp) -> Result<Record, String> {
+        let Some(status) = status else {
+            return Ok(Record::new(now));
+        };
+        let state = match status.phase.as_deref() {
+            None => State::new(Phase::INITIAL, now),
+            Some(name) => {
+                let phase =
+                    Phase::from_name(name).ok_or_else(|| format!("unknown phase {name:?} in status"))?;
+                State::new(phase, status.phase_since.as_ref().map_or(now, |t| t.0))
+            }
+        };
+        let ready = find(&status.conditions, READY);
+        let spec_valid = find(&status.conditions, SPEC_VALID);
+        Ok(Record {
+            state,
+            ready_reason: ready.map_or_else(|| "Accepted".to_owned(), |c| c.reason.clone()),
+            ready_message: ready.map(|c| c.message.clone()).unwrap_or_default(),
+            spec_problem: spec_valid
+                .filter(|c| c.status == "False")
+                .map(|c| c.message.clone()),
+            provider_id: status.provider_id.clone(),
+            endpoint: status.endpoint.clone(),
+            spec_hash: status.spec_hash.clone(),
+            instance_running: find(&status.conditions, PROVISIONED).is_some_and(|c| c.status == "True"),
+            retry_attempts: status.retry_attempts.map_or(0, |n| u32::try_from(n).unwrap_or(0)),
+            next_attempt: status.next_attempt_time.as_ref().map(|t| t.0),
+            last_health_check_time: status.last_health_check_time.as_ref().map(|t| t.0),
+        })
     }
+
+    /// The record of a Proxy never reconciled.
+    pub fn new(now: Timestamp) -> Record {
+        Record {
+            state: State::new(Phase::INITIAL, now),
+            ready_reason: "Accepted".to_owned(),
+            ready_message: String::new(),
+            spec_problem: None,
+            provider_id: None,
+            endpoint: None,
+            spec_hash: None,
+            instance_running: false,
+            retry_attempts: 0,
+            next_attempt: None,
+            last_health_check_time: None,
+        }
+    }
+
+    /// Forget the current instance (it is gone).
+    pub fn forget_instance(&mut self) {
+        self.provider_id = None;
+        self.endpoint = None;
+        self.spec_hash = None;
+        self.instance_running = false;
+    }
+
+    /// The status this record stands for; conditions keep their transition times from
+    /// `previous` when their status did not change.
+    pub fn to_status(&self, previous: &ProxyStatus, generation: Option<i64>, now: Timestamp) -> ProxyStatus {
+        let phase = self.state.phase();
+        let (provisioned, provisioned_reason) = match phase {
+            Phase::Healthy | Phase::Degraded => ("True", "InstanceRunning"),
+            Phase::Provisioning if self.instance_running => ("True", "InstanceRunning"),
+            Phase::Provisioning => ("False", "InstanceStarting"),
+            Phase::Replacing => ("False", "Replacing"),
+            Phase::Deleting | Phase::Deleted => ("False", "Deleting"),
+            Phase::Pending => ("False", "NotProvisioned"),
+        };
+        let (healthy, healthy_reason) = match phase {
+            Phase::Healthy => ("True", "HealthCheckPassing"),
+            Phase::Degraded => ("False", "HealthCheckFailing"),
+            _ => ("Unknown", "NotChecked"),
+        };
+        let ready = if phase == Phase::Healthy { "True" } else { "False" };
+        let (spec_valid, spec_reason, spec_message) = match &self.spec_problem {
+            None => ("True", "Valid", ""),
+            Some(problem) => ("False", reason::INVALID_SPEC, problem.as_str()),
+        };
+        let old = &previous.conditions;
+        let make = |type_: &str, status: &str, reason: &str, message: &str| {
+            condition(old, type_, status, reason, message, generation, now)
+        };
+        let mut conditions = vec![
+            make(READY, ready, &self.ready_reason, &self.ready_message),
+            make(PROVISIONED, provisioned, provisioned_reason, ""),
+            make(HEALTHY, healthy, healthy_reason, ""),
+            make(SPEC_VALID, spec_valid, spec_reason, spec_message),
+        ];
+        if phase == Phase::Degraded && self.ready_reason == reason::REMEDIATION_PAUSED {
+            conditions.push(make(
+                REMEDIATION_PAUSED,
+                "True",
+                reason::REMEDIATION_PAUSED,
+                &self.ready_message,
+            ));
+        }
+        ProxyStatus {
+            phase: Some(phase.as_str().to_owned()),
+            phase_since: Some(Time(self.state.since())),
+            retry_attempts: (self.retry_attempts > 0)
+                .then(|| i32::try_from(self.retry_attempts).unwrap_or(i32::MAX)),
+            next_attempt_time: self.next_attempt.map(Time),
+            conditions,
+            observed_generation: generation,
+            spec_hash: self.spec_hash.clone(),
+            provider_id: self.provider_id.clone(),
+            endpoint: self.endpoint.clone(),
+            last_health_check_time: self.last_health_check_time.map(Time),
+        }
+    }
+}
+
+fn find<'a>(conditions: &'a [Condition], type_: &str) -> Option<&'a Condition> {
+    conditions.iter().find(|c| c.type_ == type_)
 }
 
 /// A condition; its transition time moves only when its status does.
@@ -136,25 +195,50 @@ fn condition(
     }
 }
 
-/// The machine state a stored status describes (`Pending` for a new Proxy or an unreadable
-/// status, which restarts the lifecycle idempotently).
-pub fn state_from_status(status: Option<&ProxyStatus>) -> Result<State, String> {
-    let Some(status) = status else {
-        return Ok(State::default());
-    };
-    let Some(phase) = status.phase.as_deref() else {
-        return Ok(State::default());
-    };
-    let phase = Phase::from_name(phase).ok_or_else(|| format!("unknown phase {phase:?} in status"))?;
-    let record = StateRecord {
-        phase,
-        since: status.phase_since.as_ref().map(|t| t.0),
-        attempts: status.create_attempts.map(|a| u32::try_from(a).unwrap_or(0)),
-    };
-    State::try_from(record).map_err(|e| e.to_string())
-}
-
 /// The stored `Ready` condition, if any.
 pub fn ready_condition(status: Option<&ProxyStatus>) -> Option<&Condition> {
-    status?.conditions.iter().find(|c| c.type_ == READY)
+    find(&status?.conditions, READY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_750_000_000 + secs).expect("valid test timestamp")
+    }
+
+    #[test]
+    fn a_record_survives_the_round_trip_through_the_status() {
+        let mut record = Record::new(t(0));
+        record.state = State::new(Phase::Provisioning, t(5));
+        record.ready_reason = reason::CREATE_FAILED.to_owned();
+        record.ready_message = "provider error: boom".to_owned();
+        record.spec_problem = Some("CloudInitSecretUnusable: gone".to_owned());
+        record.retry_attempts = 2;
+        record.next_attempt = Some(t(30));
+        record.instance_running = true;
+        let status = record.to_status(&ProxyStatus::default(), Some(3), t(6));
+        assert_eq!(
+            Record::from_status(Some(&status), t(99)).expect("readable"),
+            record
+        );
+    }
+
+    #[test]
+    fn unchanged_conditions_keep_their_transition_time() {
+        let record = Record::new(t(0));
+        let first = record.to_status(&ProxyStatus::default(), Some(1), t(1));
+        let second = record.to_status(&first, Some(1), t(50));
+        assert_eq!(first, second);
+    }
+
+    #[test]
+    fn an_unknown_phase_is_an_error_not_a_restart() {
+        let status = ProxyStatus {
+            phase: Some("booting".to_owned()),
+            ..ProxyStatus::default()
+        };
+        assert!(Record::from_status(Some(&status), t(0)).is_err());
+    }
 }

@@ -3,20 +3,31 @@
 //! - [`StaticTokens`]: a fixed set of tokens, from a file (one per line) or a map name → token
 //!   (a Secret's data). Presented tokens are compared by their SHA-256 digest, so lookup time
 //!   says nothing about the tokens themselves.
+//! - [`ReloadingTokens`]: static tokens re-read from a [`TokenSource`] (a [`TokenFile`] or a
+//!   [`TokenSecret`]) every few seconds, so rotating them needs no restart.
 //! - [`TokenReviewAuthenticator`]: Kubernetes service-account (or any API server) tokens,
-//!   verified with a `TokenReview`; answers are cached briefly by token digest. An authenticated
-//!   user outside the allowed subjects is refused with 403.
+//!   verified with a `TokenReview` for the configured audiences; answers are cached briefly by
+//!   token digest. An authenticated user outside the allowed subjects is refused with 403.
+//! - [`AnyOf`]: several of these, the first that knows the token decides.
+//! - [`NoAuthentication`]: the explicit opt-out; every request is let in without a token.
 
 use std::{
     collections::{BTreeMap, HashMap},
-    path::Path,
-    sync::Mutex,
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex, RwLock, Weak,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use async_trait::async_trait;
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::{
+    authentication::v1::{TokenReview, TokenReviewSpec},
+    core::v1::Secret,
+};
 use sha2::{Digest, Sha256};
+use tracing::{info, warn};
 
 /// Who a caller is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,6 +55,12 @@ pub enum AuthError {
 pub trait Authenticator: Send + Sync {
     /// The identity behind `token` (the text after `Bearer `).
     async fn authenticate(&self, token: &str) -> Result<Identity, AuthError>;
+
+    /// The identity of every request when no token is required at all (only
+    /// [`NoAuthentication`]); `None`: a bearer token is required.
+    fn anonymous(&self) -> Option<Identity> {
+        None
+    }
 }
 
 fn digest(token: &str) -> [u8; 32] {
@@ -51,7 +68,7 @@ fn digest(token: &str) -> [u8; 32] {
 }
 
 /// A fixed set of bearer tokens.
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct StaticTokens {
     by_digest: HashMap<[u8; 32], String>,
 }
@@ -71,15 +88,29 @@ pub struct TokenFileError {
 }
 
 impl StaticTokens {
-    /// Tokens from a map name → token (e.g. a Secret's data); empty tokens are skipped.
+    /// Tokens from a map name → value (e.g. a Secret's data). Each value holds one token, or
+    /// several in the format of [`StaticTokens::parse`]; identities are the key, or `key-N`
+    /// (N = line number) for a value of several lines. Empty values are skipped.
     pub fn from_map(map: &BTreeMap<String, String>) -> Self {
-        Self {
-            by_digest: map
-                .iter()
-                .filter(|(_, token)| !token.trim().is_empty())
-                .map(|(name, token)| (digest(token.trim()), name.clone()))
-                .collect(),
+        let mut by_digest = HashMap::new();
+        for (name, value) in map {
+            let lines: Vec<(usize, &str)> = value
+                .lines()
+                .enumerate()
+                .map(|(i, line)| (i, line.trim()))
+                .filter(|(_, line)| !line.is_empty() && !line.starts_with('#'))
+                .collect();
+            let single = lines.len() == 1;
+            for (i, token) in lines {
+                let identity = if single {
+                    name.clone()
+                } else {
+                    format!("{name}-{}", i + 1)
+                };
+                by_digest.insert(digest(token), identity);
+            }
         }
+        Self { by_digest }
     }
 
     /// Tokens from text: one per line; blank lines and lines starting with `#` are skipped.
@@ -120,6 +151,12 @@ impl StaticTokens {
 #[async_trait]
 impl Authenticator for StaticTokens {
     async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
+        self.lookup(token)
+    }
+}
+
+impl StaticTokens {
+    fn lookup(&self, token: &str) -> Result<Identity, AuthError> {
         self.by_digest
             .get(&digest(token))
             .map(|name| Identity { name: name.clone() })
@@ -127,8 +164,228 @@ impl Authenticator for StaticTokens {
     }
 }
 
+/// Where [`ReloadingTokens`] reads its tokens from.
+#[async_trait]
+pub trait TokenSource: Send + Sync + 'static {
+    /// What it is, for logs (a path or `secret NS/NAME`; never token content).
+    fn describe(&self) -> String;
+    /// The tokens as they are now.
+    async fn load(&self) -> Result<StaticTokens, TokenSourceError>;
+}
+
+/// Tokens could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenSourceError {
+    /// The token file.
+    #[error(transparent)]
+    File(#[from] TokenFileError),
+    /// The Secret could not be read.
+    #[error("reading Secret {namespace}/{name}: {message}")]
+    Secret {
+        /// Its namespace.
+        namespace: String,
+        /// Its name.
+        name: String,
+        /// What the API server said (never Secret content).
+        message: String,
+    },
+}
+
+/// A token file in the format of [`StaticTokens::parse`] (a mounted Secret's key works: the
+/// kubelet swaps its content atomically).
+#[derive(Clone, Debug)]
+pub struct TokenFile(pub PathBuf);
+
+#[async_trait]
+impl TokenSource for TokenFile {
+    fn describe(&self) -> String {
+        self.0.display().to_string()
+    }
+
+    async fn load(&self) -> Result<StaticTokens, TokenSourceError> {
+        let path = self.0.clone();
+        let read = tokio::task::spawn_blocking(move || StaticTokens::from_file(&path)).await;
+        match read {
+            Ok(tokens) => Ok(tokens?),
+            // Only a panic in the read itself gets here.
+            Err(join) => Err(TokenFileError {
+                path: self.describe(),
+                source: std::io::Error::other(join.to_string()),
+            }
+            .into()),
+        }
+    }
+}
+
+/// A Secret read through the API; each data key is a token (or several, one per line), in the
+/// format of [`StaticTokens::from_map`]. Needs `get` on that Secret.
+#[derive(Clone)]
+pub struct TokenSecret {
+    api: kube::Api<Secret>,
+    namespace: String,
+    name: String,
+}
+
+impl TokenSecret {
+    /// The Secret `namespace/name`.
+    pub fn new(client: kube::Client, namespace: &str, name: &str) -> Self {
+        Self {
+            api: kube::Api::namespaced(client, namespace),
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        }
+    }
+}
+
+#[async_trait]
+impl TokenSource for TokenSecret {
+    fn describe(&self) -> String {
+        format!("secret {}/{}", self.namespace, self.name)
+    }
+
+    async fn load(&self) -> Result<StaticTokens, TokenSourceError> {
+        let secret = self
+            .api
+            .get(&self.name)
+            .await
+            .map_err(|e| TokenSourceError::Secret {
+                namespace: self.namespace.clone(),
+                name: self.name.clone(),
+                message: e.to_string(),
+            })?;
+        let map: BTreeMap<String, String> = secret
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|(key, value)| String::from_utf8(value.0).ok().map(|v| (key, v)))
+            .collect();
+        Ok(StaticTokens::from_map(&map))
+    }
+}
+
+/// Static tokens re-read from a [`TokenSource`] every `interval`; a new set replaces the old one
+/// at once (new tokens work, removed ones fail). A source that cannot be read keeps the last set
+/// read, with one warning per failure streak: a transient read error must not lock every crawler
+/// out. The reload task ends when the last clone of this value is dropped.
+#[derive(Clone)]
+pub struct ReloadingTokens {
+    current: Arc<RwLock<Arc<StaticTokens>>>,
+}
+
+impl std::fmt::Debug for ReloadingTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ReloadingTokens({:?})", self.snapshot())
+    }
+}
+
+impl ReloadingTokens {
+    /// Reads `source` once (an error here is a start-up error) and starts re-reading it every
+    /// `interval` in a task of the current runtime.
+    pub async fn start(source: impl TokenSource, interval: Duration) -> Result<Self, TokenSourceError> {
+        let first = source.load().await?;
+        info!(source = %source.describe(), tokens = first.len(), "discovery API tokens loaded");
+        if first.is_empty() {
+            warn!(source = %source.describe(), "no discovery API token: every token is refused");
+        }
+        let current = Arc::new(RwLock::new(Arc::new(first)));
+        tokio::spawn(reload(source, Arc::downgrade(&current), interval));
+        Ok(Self { current })
+    }
+
+    /// The tokens in force now.
+    pub fn snapshot(&self) -> Arc<StaticTokens> {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+async fn reload(source: impl TokenSource, current: Weak<RwLock<Arc<StaticTokens>>>, interval: Duration) {
+    let mut failing = false;
+    loop {
+        tokio::time::sleep(interval).await;
+        // Every authenticator using these tokens is gone: nothing to keep fresh.
+        let Some(current) = current.upgrade() else {
+            return;
+        };
+        match source.load().await {
+            Ok(tokens) => {
+                if failing {
+                    info!(source = %source.describe(), "discovery API tokens readable again");
+                    failing = false;
+                }
+                let mut slot = current.write().unwrap_or_else(|e| e.into_inner());
+                if **slot != tokens {
+                    info!(source = %source.describe(), tokens = tokens.len(), "discovery API tokens reloaded");
+                    *slot = Arc::new(tokens);
+                }
+            }
+            Err(err) if !failing => {
+                warn!(error = %err, "discovery API tokens unreadable; keeping the last ones read");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+#[async_trait]
+impl Authenticator for ReloadingTokens {
+    async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
+        // Looked up under the read lock: no clone of the set per request.
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .lookup(token)
+    }
+}
+
+/// Several authenticators, asked in order: the first that knows the token (lets it in or
+/// forbids its subject) decides. If none knows it, the caller is unauthenticated, unless one of
+/// them could not be asked: then the answer is "unavailable" (503), so an outage of the API
+/// server is not reported to a crawler as a bad token.
+pub struct AnyOf(pub Vec<Arc<dyn Authenticator>>);
+
+#[async_trait]
+impl Authenticator for AnyOf {
+    async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
+        let mut unavailable = None;
+        for authenticator in &self.0 {
+            match authenticator.authenticate(token).await {
+                Err(AuthError::Unauthenticated) => {}
+                Err(AuthError::Unavailable(why)) => unavailable = Some(why),
+                decided => return decided,
+            }
+        }
+        Err(unavailable.map_or(AuthError::Unauthenticated, AuthError::Unavailable))
+    }
+}
+
+/// No authentication: the explicit opt-out (`--discovery-no-auth`). Every request is let in, with
+/// or without a token, as `anonymous`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoAuthentication;
+
+#[async_trait]
+impl Authenticator for NoAuthentication {
+    async fn authenticate(&self, _token: &str) -> Result<Identity, AuthError> {
+        Ok(anonymous())
+    }
+
+    fn anonymous(&self) -> Option<Identity> {
+        Some(anonymous())
+    }
+}
+
+fn anonymous() -> Identity {
+    Identity {
+        name: "anonymous".to_owned(),
+    }
+}
+
 /// How long a TokenReview answer is reused.
 pub const TOKEN_REVIEW_CACHE_TTL: Duration = Duration::from_secs(30);
+/// How long a request waits for a TokenReview before it is answered 503 `auth_unavailable`:
+/// an API server that accepts connections but does not answer must not hang crawlers.
+pub const TOKEN_REVIEW_TIMEOUT: Duration = Duration::from_secs(5);
 const TOKEN_REVIEW_CACHE_MAX: usize = 10_000;
 
 /// A TokenReview answer and when it was given.
@@ -140,11 +397,15 @@ pub struct TokenReviewAuthenticator {
     audiences: Vec<String>,
     allowed: Vec<String>,
     cache: Mutex<HashMap<[u8; 32], CachedAnswer>>,
+    /// Whether the last review failed, so an outage is logged once, not per request.
+    down: AtomicBool,
+    timeout: Duration,
 }
 
 impl TokenReviewAuthenticator {
-    /// A verifier asking the API server behind `client`. `audiences`: required token audiences
-    /// (empty: the API server's default). `allowed_subjects`: user names allowed in, each exact
+    /// A verifier asking the API server behind `client`. `audiences`: the token must hold one of
+    /// them, and the API server must confirm which (empty: the API server's own audience, which
+    /// every service-account token of the cluster holds, so give one in production). `allowed_subjects`: user names allowed in, each exact
     /// or ending in `*` as a prefix (e.g. `system:serviceaccount:crawlers:*`); empty allows every
     /// authenticated user.
     pub fn new(client: kube::Client, audiences: Vec<String>, allowed_subjects: Vec<String>) -> Self {
@@ -153,7 +414,15 @@ impl TokenReviewAuthenticator {
             audiences,
             allowed: allowed_subjects,
             cache: Mutex::new(HashMap::new()),
+            down: AtomicBool::new(false),
+            timeout: TOKEN_REVIEW_TIMEOUT,
         }
+    }
+
+    /// Waits at most `timeout` for each TokenReview (default [`TOKEN_REVIEW_TIMEOUT`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     fn allowed(&self, user: &str) -> bool {
@@ -176,13 +445,46 @@ impl TokenReviewAuthenticator {
             },
             ..TokenReview::default()
         };
-        let answer = api
-            .create(&kube::api::PostParams::default(), &review)
-            .await
-            // The error text comes from the API server and never contains the token.
-            .map_err(|e| AuthError::Unavailable(e.to_string()))?;
+        let asked = tokio::time::timeout(
+            self.timeout,
+            api.create(&kube::api::PostParams::default(), &review),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(kube::Error::Service(
+                format!("no answer within {:?}", self.timeout).into(),
+            ))
+        });
+        let answer = match asked {
+            Ok(answer) => {
+                if self.down.swap(false, Ordering::Relaxed) {
+                    info!("TokenReview answers again");
+                }
+                answer
+            }
+            Err(err) => {
+                // The error text comes from the API server and never contains the token.
+                if !self.down.swap(true, Ordering::Relaxed) {
+                    warn!(error = %err, "TokenReview failed: discovery API requests with a token not cached answer 503 auth_unavailable");
+                }
+                return Err(AuthError::Unavailable(
+                    "the Kubernetes API server could not verify the token".to_owned(),
+                ));
+            }
+        };
         let status = answer.status.unwrap_or_default();
         if status.authenticated != Some(true) {
+            return Err(AuthError::Unauthenticated);
+        }
+        // An API server that ignores spec.audiences (too old to know them) answers without
+        // status.audiences: it did not check them, so the token is not accepted.
+        if !self.audiences.is_empty()
+            && !status
+                .audiences
+                .iter()
+                .flatten()
+                .any(|a| self.audiences.contains(a))
+        {
             return Err(AuthError::Unauthenticated);
         }
         let user = status.user.and_then(|u| u.username).unwrap_or_default();
@@ -216,5 +518,72 @@ impl Authenticator for TokenReviewAuthenticator {
             cache.insert(key, (now, answer.clone()));
         }
         answer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(tokens: &StaticTokens, token: &str) -> Option<String> {
+        tokens.by_digest.get(&digest(token)).cloned()
+    }
+
+    #[test]
+    fn a_secret_value_holds_one_token_or_one_per_line() {
+        let map = BTreeMap::from([
+            ("crawler-a".to_owned(), " token-a\n".to_owned()),
+            ("fleet".to_owned(), "# two crawlers\nt1\n\nt2\n".to_owned()),
+            ("empty".to_owned(), "  \n".to_owned()),
+        ]);
+        let tokens = StaticTokens::from_map(&map);
+        assert_eq!(tokens.len(), 3);
+        assert_eq!(name(&tokens, "token-a").as_deref(), Some("crawler-a"));
+        assert_eq!(name(&tokens, "t1").as_deref(), Some("fleet-2"));
+        assert_eq!(name(&tokens, "t2").as_deref(), Some("fleet-4"));
+        assert_eq!(name(&tokens, ""), None);
+    }
+
+    /// Answers a fixed result for every token.
+    struct Fixed(Result<Identity, AuthError>);
+
+    #[async_trait]
+    impl Authenticator for Fixed {
+        async fn authenticate(&self, _token: &str) -> Result<Identity, AuthError> {
+            self.0.clone()
+        }
+    }
+
+    fn fixed(answer: Result<Identity, AuthError>) -> Arc<dyn Authenticator> {
+        Arc::new(Fixed(answer))
+    }
+
+    #[tokio::test]
+    async fn any_of_lets_the_first_that_knows_the_token_decide() {
+        let ok = || Ok(Identity { name: "a".into() });
+        let forbidden = || Err(AuthError::Forbidden("u".into()));
+        let unknown = || Err(AuthError::Unauthenticated);
+        let down = || Err(AuthError::Unavailable("down".into()));
+        let cases = [
+            (vec![unknown(), ok()], ok()),
+            (vec![ok(), down()], ok()),
+            (vec![unknown(), forbidden(), ok()], forbidden()),
+            (vec![unknown(), unknown()], unknown()),
+            // Nobody knows it and one could not be asked: not "invalid token".
+            (vec![down(), unknown()], down()),
+            (vec![unknown(), down()], down()),
+            (vec![down(), ok()], ok()),
+        ];
+        for (answers, expected) in cases {
+            let chain = AnyOf(answers.clone().into_iter().map(fixed).collect());
+            assert_eq!(chain.authenticate("t").await, expected, "{answers:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn only_the_opt_out_needs_no_token() {
+        assert!(NoAuthentication.anonymous().is_some());
+        assert!(StaticTokens::parse("t").anonymous().is_none());
+        assert!(AnyOf(vec![]).anonymous().is_none());
     }
 }

@@ -37,7 +37,10 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::registry::Registry;
 use tokio::{net::TcpListener, sync::watch};
 
-pub use auth::{AuthError, Authenticator, Identity, StaticTokens, TokenReviewAuthenticator};
+pub use auth::{
+    AnyOf, AuthError, Authenticator, Identity, NoAuthentication, ReloadingTokens, StaticTokens, TokenFile,
+    TokenReviewAuthenticator, TokenSecret,
+};
 pub use metrics::DiscoveryMetrics;
 pub use wire::{
     AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
@@ -498,6 +501,9 @@ fn check_ready(s: &StateInner) -> Result<(), ApiError> {
 }
 
 async fn authenticate(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<Identity, ApiError> {
+    if let Some(anonymous) = s.auth.anonymous() {
+        return Ok(anonymous);
+    }
     let unauthenticated = |msg: &str| {
         let mut e = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", msg);
         e.allow = None;

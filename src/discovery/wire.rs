@@ -141,8 +141,8 @@ impl ReleaseBody {
     }
 }
 
-/// A proxy in responses (never with credentials). Borrows from the store's proxy info: an
-/// answer serializes it without copying.
+// Borrows from the store's proxy info: an answer serializes it without copying.
+/// A proxy in responses (never with credentials).
 #[derive(Clone, Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schema(as = Proxy)]

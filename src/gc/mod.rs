@@ -1,8 +1,17 @@
-//! Orphan garbage collection: deletes provider instances whose owning Proxy is gone.
+//! Orphan garbage collection: deletes provider instances whose owning Proxy is gone, and
+//! adopts legacy-stamped instances whose owner lives here.
 //!
 //! An instance is collected only if all of these hold:
 //! - its provider reports it as its own (each provider lists only what it made, so another
 //!   provider type's instances are never seen);
+//! - it carries this installation's identity ([`crate::provider::Installation`]): another
+//!   installation's instances (another cluster, or another operator in this one, sharing the
+//!   backend) are left alone and counted (`epo_gc_foreign_instances`, one log line per
+//!   instance);
+//! - a *legacy* instance (stamped before installations were recorded) is never collected:
+//!   if its owner is live here, this installation adopts it (restamps it with its identity,
+//!   once), after which it is judged like any other; if not, it may be another installation's
+//!   and is left alone and counted as `legacy`;
 //! - its persisted owner is known (an instance without a readable owner is never touched);
 //! - no live Proxy has the owner's UID, as the source of truth says *now* (the API server in
 //!   cluster mode, not a cache that may lag a create);
@@ -23,7 +32,7 @@ use jiff::Timestamp;
 use tracing::{info, warn};
 
 use crate::{
-    provider::{Instance, ProviderRegistry},
+    provider::{Claim, Installation, Instance, ProviderRegistry},
     telemetry::Metrics,
 };
 
@@ -54,6 +63,19 @@ pub struct GcReport {
     pub spared_young: Vec<String>,
     /// Instances without a readable owner (never touched).
     pub unknown_owner: Vec<String>,
+    /// Instances stamped by another installation (never touched).
+    pub foreign: Vec<String>,
+    /// Legacy-stamped instances whose owner is not live here (never touched: they may be
+    /// another installation's).
+    pub legacy: Vec<String>,
+    /// Legacy-stamped instances whose owner is live here, restamped with this installation
+    /// (or, in dry-run, that would have been).
+    pub adopted: Vec<String>,
+    /// Foreign and legacy instances left alone, per provider instance name and kind
+    /// (`foreign`, `legacy`); every listed provider has both kinds, zero included.
+    pub left_alone: BTreeMap<(String, &'static str), u64>,
+    /// Instances actually adopted, per provider instance name (none in dry-run).
+    pub adoptions: BTreeMap<String, u64>,
     /// Providers that could not be listed.
     pub failed_providers: Vec<String>,
     /// Instances actually deleted, per provider instance name (none in dry-run).
@@ -91,11 +113,40 @@ pub async fn collect(
                 continue;
             }
         };
+        for kind in [FOREIGN, LEGACY] {
+            report.left_alone.insert((name.to_owned(), kind), 0);
+        }
         for instance in instances {
             let id = instance.id.to_string();
-            match verdict(&instance, &live, config, now) {
+            match verdict(provider.installation(), &instance, &live, config, now) {
                 Verdict::Keep => {}
                 Verdict::UnknownOwner => report.unknown_owner.push(id),
+                Verdict::Foreign => {
+                    *report.left_alone.entry((name.to_owned(), FOREIGN)).or_insert(0) += 1;
+                    report.foreign.push(id);
+                }
+                Verdict::Legacy => {
+                    *report.left_alone.entry((name.to_owned(), LEGACY)).or_insert(0) += 1;
+                    report.legacy.push(id);
+                }
+                Verdict::Adopt if config.dry_run => {
+                    info!(instance = %id, "dry run: would adopt legacy-stamped instance");
+                    report.adopted.push(id);
+                }
+                Verdict::Adopt => match provider.adopt(&instance.id.native_id).await {
+                    Ok(_) => {
+                        info!(
+                            instance = %id,
+                            installation = %provider.installation(),
+                            "adopted legacy-stamped instance (its owner is live here)"
+                        );
+                        report.adopted.push(id);
+                        *report.adoptions.entry(name.to_owned()).or_insert(0) += 1;
+                    }
+                    Err(err) => {
+                        warn!(instance = %id, error = %err, "adopting legacy-stamped instance failed")
+                    }
+                },
                 Verdict::Young => report.spared_young.push(id),
                 Verdict::Collect if config.dry_run => {
                     info!(instance = %id, "dry run: would delete orphaned instance");
@@ -126,15 +177,25 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
+    let mut left_alone = LeftAloneLog::default();
     loop {
         tokio::select! {
             _ = &mut shutdown => return,
             _ = tokio::time::sleep(interval) => {}
         }
         let report = collect(&providers, &owners, &config, Timestamp::now()).await;
+        left_alone.log_new(&report);
         if let Some(metrics) = &metrics {
             for (provider, deleted) in &report.deleted {
                 metrics.observe_gc_deletions(provider, *deleted);
+            }
+            for ((provider, kind), count) in &report.left_alone {
+                metrics.set_gc_left_alone(provider, kind, *count);
+                if *kind == FOREIGN {
+                    // Every listed provider's counter shows, zero included.
+                    let adopted = report.adoptions.get(provider).copied().unwrap_or(0);
+                    metrics.observe_gc_adoptions(provider, adopted);
+                }
             }
         }
         if !report.collected.is_empty() {
@@ -149,24 +210,92 @@ pub async fn run(
     }
 }
 
+/// `kind` label of instances stamped by another installation.
+const FOREIGN: &str = "foreign";
+/// `kind` label of legacy-stamped instances whose owner is not live here.
+const LEGACY: &str = "legacy";
+
+/// Remembers which left-alone instances were logged, so each gets one log line (when first
+/// seen, and again only if it went away and came back), not one per pass.
+#[derive(Debug, Default)]
+pub struct LeftAloneLog {
+    seen: HashSet<String>,
+}
+
+impl LeftAloneLog {
+    /// The foreign and legacy instances of `report` not logged before, logged now; forgets
+    /// the ones `report` no longer lists. A pass that listed nothing (live owners unreadable)
+    /// forgets nothing.
+    pub fn log_new(&mut self, report: &GcReport) -> Vec<String> {
+        if report == &GcReport::default() {
+            return Vec::new();
+        }
+        let mut new = Vec::new();
+        for (ids, kind) in [(&report.foreign, FOREIGN), (&report.legacy, LEGACY)] {
+            for id in ids {
+                if self.seen.insert(id.clone()) {
+                    match kind {
+                        FOREIGN => {
+                            info!(instance = %id, "orphan GC leaves alone an instance of another installation")
+                        }
+                        _ => info!(
+                            instance = %id,
+                            "orphan GC leaves alone a legacy-stamped instance whose owner is not live here \
+                             (it may be another installation's)"
+                        ),
+                    }
+                    new.push(id.clone());
+                }
+            }
+        }
+        // Forget what is gone, except for providers that could not be listed this pass.
+        self.seen.retain(|id| {
+            report.foreign.contains(id)
+                || report.legacy.contains(id)
+                || report
+                    .failed_providers
+                    .iter()
+                    .any(|provider| id.split('/').nth(1) == Some(provider.as_str()))
+        });
+        new
+    }
+}
+
 enum Verdict {
     Keep,
     UnknownOwner,
+    Foreign,
+    Legacy,
+    Adopt,
     Young,
     Collect,
 }
 
-fn verdict(instance: &Instance, live: &HashSet<String>, config: &GcConfig, now: Timestamp) -> Verdict {
+fn verdict(
+    installation: &Installation,
+    instance: &Instance,
+    live: &HashSet<String>,
+    config: &GcConfig,
+    now: Timestamp,
+) -> Verdict {
     let Some(owner) = &instance.owner else {
         return Verdict::UnknownOwner;
     };
+    let claim = installation.claim(instance.installation.as_ref());
+    if claim == Claim::Foreign {
+        return Verdict::Foreign;
+    }
     if let Some(namespace) = &config.namespace
         && &owner.namespace != namespace
     {
         return Verdict::Keep;
     }
-    if live.contains(&owner.uid) {
-        return Verdict::Keep;
+    let live = live.contains(&owner.uid);
+    match (claim, live) {
+        (Claim::Legacy, true) => return Verdict::Adopt,
+        (Claim::Legacy, false) => return Verdict::Legacy,
+        (_, true) => return Verdict::Keep,
+        (_, false) => {}
     }
     let age = now.duration_since(instance.created_at);
     if age.is_negative() || age.unsigned_abs() < config.grace {

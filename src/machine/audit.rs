@@ -3,7 +3,9 @@
 //! The recorder step of the pipeline turns each [`Decision`] that transitioned into an
 //! [`AuditEntry`] (ignored events leave no entry: they change nothing). [`Audit`] collects entries
 //! and renders them one line each, with times relative to a start, e.g.
-//! `+45s  provisioning --health_passed--> healthy  [enable_leases, set_conditions, record_event]  (Healthy)`.
+//! `+45s  provisioning --health_passed--> healthy  [enable_leases, set_conditions, record_event]  (Healthy)`,
+//! followed by `       cause: ...` when the event came with one (the error a failed effect
+//! returned, the provider's reason for being down, what is wrong with the spec).
 
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
@@ -23,20 +25,24 @@ pub struct AuditEntry {
     pub event: Event,
     /// Phase after.
     pub to: Phase,
-    /// The guard that selected the row, if any.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guard: Option<String>,
+    /// The guard literals that selected the row (empty: unguarded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub guard: Vec<String>,
     /// Effects requested, in order.
     pub effects: Vec<EffectKind>,
     /// The row's bounded CamelCase reason.
     pub reason: String,
     /// The row's note (why).
     pub note: String,
+    /// What caused the event, when more than its name says: a failed effect's error, the
+    /// provider's reason for being down, what is wrong with the spec. Never secret content.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
 }
 
 impl AuditEntry {
-    /// The entry for `decision`, or `None` if the event was ignored.
-    pub fn from_decision(decision: &Decision, at: Timestamp) -> Option<AuditEntry> {
+    /// The entry for `decision`, caused by `cause`, or `None` if the event was ignored.
+    pub fn from_decision(decision: &Decision, at: Timestamp, cause: Option<&str>) -> Option<AuditEntry> {
         let row = match (decision.outcome, decision.row) {
             (Outcome::Transitioned, Some(row)) => row,
             _ => return None,
@@ -46,16 +52,17 @@ impl AuditEntry {
             from: decision.from.phase(),
             event: decision.event,
             to: decision.to.phase(),
-            guard: row.guard.map(str::to_owned),
+            guard: row.guard.iter().map(ToString::to_string).collect(),
             effects: decision.effects.clone(),
             reason: row.reason.to_owned(),
             note: row.note.to_owned(),
+            cause: cause.map(str::to_owned),
         })
     }
 
     /// The transition part of a line: `from --event [guard]--> to`.
     pub fn arrow(&self) -> String {
-        arrow(self.from, self.event, self.guard.as_deref(), self.to.as_str())
+        arrow(self.from, self.event, &self.guard.join(", "), self.to.as_str())
     }
 }
 
@@ -73,8 +80,8 @@ impl Audit {
     }
 
     /// Record `decision` at `at`; returns the new entry, or `None` if the event was ignored.
-    pub fn record(&mut self, decision: &Decision, at: Timestamp) -> Option<&AuditEntry> {
-        let entry = AuditEntry::from_decision(decision, at)?;
+    pub fn record(&mut self, decision: &Decision, at: Timestamp, cause: Option<&str>) -> Option<&AuditEntry> {
+        let entry = AuditEntry::from_decision(decision, at, cause)?;
         self.entries.push(entry);
         self.entries.last()
     }
@@ -89,17 +96,19 @@ impl Audit {
                 arrow: e.arrow(),
                 effects: format_effects(&e.effects),
                 reason: format!("({})", e.reason),
+                cause: e.cause.clone(),
             })
             .collect();
         render_lines(&lines)
     }
 }
 
-/// `from --event [guard]--> to`.
-pub(crate) fn arrow(from: Phase, event: Event, guard: Option<&str>, to: &str) -> String {
-    match guard {
-        Some(guard) => format!("{from} --{event} [{guard}]--> {to}"),
-        None => format!("{from} --{event}--> {to}"),
+/// `from --event [guard]--> to` (an empty guard prints none).
+pub(crate) fn arrow(from: Phase, event: Event, guard: &str, to: &str) -> String {
+    if guard.is_empty() {
+        format!("{from} --{event}--> {to}")
+    } else {
+        format!("{from} --{event} [{guard}]--> {to}")
     }
 }
 
@@ -132,6 +141,8 @@ pub(crate) struct Line {
     pub arrow: String,
     pub effects: String,
     pub reason: String,
+    /// Printed on its own indented line under the entry.
+    pub cause: Option<String>,
 }
 
 /// Align the columns so a trail reads as a table.
@@ -147,6 +158,9 @@ pub(crate) fn render_lines(lines: &[Line]) -> String {
         );
         out.push_str(line.trim_end());
         out.push('\n');
+        if let Some(cause) = &l.cause {
+            out.push_str(&format!("{:offset_w$}  cause: {cause}\n", ""));
+        }
     }
     out
 }

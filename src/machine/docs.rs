@@ -1,12 +1,12 @@
 //! Renders docs/machines.md from the compiled table (what `egress-proxies-operator machines` prints).
 //!
 //! The document is derived, never edited: a Mermaid state diagram of every row, one-line tables of
-//! states, events, effects and guards, the rows with their notes, and the full state × event
-//! matrix. A test compares docs/machines.md with [`render_markdown`] so the two cannot drift.
+//! facts, states (with their timers), events (with what raises them, in priority order), effects
+//! and timers (with their defaults), the rows with their notes, and the full state × event matrix. A test compares docs/machines.md with [`render_markdown`] so the two cannot drift.
 
 use std::fmt::Write as _;
 
-use super::table::{self, Coverage, EFFECTS, Event, GUARDS, Phase, ROWS};
+use super::table::{self, Coverage, EFFECTS, EVENTS, Fact, Phase, ROWS, TimerKind, format_literals};
 
 /// The whole of docs/machines.md.
 pub fn render_markdown() -> String {
@@ -29,15 +29,32 @@ pub fn render_markdown() -> String {
     let _ = writeln!(
         w,
         "The Proxy lifecycle, from `{}`. The operator's engine is generated from that table at build \
-         time, so this page, the running code and the tests agree by construction. An event a state \
-         does not list as a transition is either *ignored* (no change, no effect, no audit entry) or \
-         *invalid* (the engine returns `InvalidTransition` and the state is unchanged).",
+         time, so this page, the running code and the tests agree by construction.",
         table::SOURCE
     );
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "State data: `since` is set on entering a state and kept on self-transitions; `attempts` counts the `create_instance` effects issued since entering `provisioning`."
+        "One reconcile runs rounds of **observe** (the facts below, from the world and the status) → \
+         **derive** (the first event in priority order whose facts all hold and that the state does \
+         not ignore) → **decide** (the first row whose guard facts hold) → **plan** (the row's effects \
+         with their parameters) → **execute** (one executor per effect; failures come back as the \
+         events listed as raised by that effect, decided next). Rounds repeat until no event is \
+         derived; the status is then written once, only if it changed. An event a state does not \
+         list as a transition is either *ignored* (no change, no effect, no audit entry; derive \
+         moves on to the next event) or *invalid* (it cannot happen there: only effect-raised events \
+         can be invalid, and the engine returns `InvalidTransition`)."
+    );
+    let _ = writeln!(w);
+    let _ = writeln!(
+        w,
+        "Every state records `since`, when it was entered (kept on a self-transition unless the row \
+         re-enters, which restarts the state's timer). Failed provider calls are counted in \
+         `status.retryAttempts`; `schedule_retry` sets `status.nextAttemptTime` with an exponential \
+         backoff (default 10 s doubling to 5 min, up to 10 % jitter; a rejected create waits the cap \
+         at once), and `retry_due` holds once that time has come or the user edited the spec. Pool \
+         budgets (defaults: `maxUnavailable` 25 %, `maxUnhealthy` 40 %) are computed per provider \
+         instance; see docs/operations.md for the flags."
     );
     let _ = writeln!(w);
 
@@ -46,9 +63,10 @@ pub fn render_markdown() -> String {
     let _ = writeln!(w, "stateDiagram-v2");
     let _ = writeln!(w, "    [*] --> {}", Phase::INITIAL);
     for row in &ROWS {
-        let label = match row.guard {
-            Some(guard) => format!("{} [{guard}]", row.on),
-            None => row.on.to_string(),
+        let label = if row.guard.is_empty() {
+            row.on.to_string()
+        } else {
+            format!("{} [{}]", row.on, format_literals(row.guard))
         };
         let _ = writeln!(w, "    {} --> {}: {label}", row.from, row.to);
     }
@@ -61,10 +79,13 @@ pub fn render_markdown() -> String {
     // States.
     let _ = writeln!(w, "### States");
     let _ = writeln!(w);
-    let _ = writeln!(w, "| State | Data | Meaning |");
+    let _ = writeln!(w, "| State | Timer | Meaning |");
     let _ = writeln!(w, "|---|---|---|");
     for phase in Phase::ALL {
-        let data = phase.data_fields().join(", ");
+        let data = phase
+            .timer()
+            .map(|t| format!("`{t}`", t = t.as_str()))
+            .unwrap_or_default();
         let marker = if phase.is_final() {
             " (final)"
         } else if phase == Phase::INITIAL {
@@ -76,13 +97,53 @@ pub fn render_markdown() -> String {
     }
     let _ = writeln!(w);
 
-    // Events.
-    let _ = writeln!(w, "### Events");
+    // Facts.
+    let _ = writeln!(w, "### Facts");
     let _ = writeln!(w);
-    let _ = writeln!(w, "| Event | Meaning |");
+    let _ = writeln!(w, "| Fact | Holds when |");
     let _ = writeln!(w, "|---|---|");
-    for event in Event::ALL {
-        let _ = writeln!(w, "| `{event}` | {} |", event.doc());
+    for fact in Fact::ALL {
+        let _ = writeln!(w, "| `{fact}` | {} |", fact.doc());
+    }
+    let _ = writeln!(w);
+
+    // Events.
+    let _ = writeln!(w, "### Events (in priority order)");
+    let _ = writeln!(w);
+    let _ = writeln!(w, "| # | Event | Derived when | Raised by | Meaning |");
+    let _ = writeln!(w, "|---|---|---|---|---|");
+    for (i, info) in EVENTS.iter().enumerate() {
+        let raised: Vec<String> = info.raised_by.iter().map(|e| format!("`{e}`")).collect();
+        let when = if info.when.is_empty() {
+            String::new()
+        } else {
+            format!("`{}`", format_literals(info.when))
+        };
+        let _ = writeln!(
+            w,
+            "| {} | `{}` | {when} | {} | {} |",
+            i + 1,
+            info.event,
+            raised.join(", "),
+            info.event.doc()
+        );
+    }
+    let _ = writeln!(w);
+
+    // Timers.
+    let _ = writeln!(w, "### Timers");
+    let _ = writeln!(w);
+    let _ = writeln!(w, "| Timer | Default | Flag | Meaning |");
+    let _ = writeln!(w, "|---|---|---|---|");
+    for timer in TimerKind::ALL {
+        let _ = writeln!(
+            w,
+            "| `{}` | {} s | `--{}` | {} |",
+            timer.as_str(),
+            timer.default_duration().as_secs(),
+            timer.as_str().replace('_', "-"),
+            timer.doc()
+        );
     }
     let _ = writeln!(w);
 
@@ -96,28 +157,26 @@ pub fn render_markdown() -> String {
     }
     let _ = writeln!(w);
 
-    // Guards.
-    let _ = writeln!(w, "### Guards");
-    let _ = writeln!(w);
-    let _ = writeln!(w, "| Guard | Holds when |");
-    let _ = writeln!(w, "|---|---|");
-    for guard in &GUARDS {
-        let _ = writeln!(w, "| `{}` | {} |", guard.name, guard.doc);
-    }
-    let _ = writeln!(w);
-
     // Rows.
     let _ = writeln!(w, "### Transitions");
     let _ = writeln!(w);
     let _ = writeln!(
         w,
-        "Rows for the same state and event are tried in order; the last one has no guard."
+        "Rows for the same state and event are tried in order; a guard is a list of facts that must \
+         all hold; the last row has no guard. *Re-enters* restarts the state's timer."
     );
     let _ = writeln!(w);
     let _ = writeln!(w, "| From | Event | Guard | To | Effects | Reason | Why |");
     let _ = writeln!(w, "|---|---|---|---|---|---|---|");
     for row in &ROWS {
-        let guard = row.guard.map(|g| format!("`{g}`")).unwrap_or_default();
+        let mut guard = if row.guard.is_empty() {
+            String::new()
+        } else {
+            format!("`{}`", format_literals(row.guard))
+        };
+        if row.reenter {
+            guard.push_str(" (re-enters)");
+        }
         let effects: Vec<String> = row.effects.iter().map(|e| format!("`{e}`")).collect();
         let _ = writeln!(
             w,
@@ -143,16 +202,20 @@ pub fn render_markdown() -> String {
     let header: Vec<String> = Phase::ALL.iter().map(|p| format!("`{p}`")).collect();
     let _ = writeln!(w, "| Event | {} |", header.join(" | "));
     let _ = writeln!(w, "|---|{}", "---|".repeat(Phase::ALL.len()));
-    for event in Event::ALL {
+    for event in table::Event::ALL {
         let cells: Vec<String> = Phase::ALL
             .iter()
             .map(|&phase| match table::coverage(phase, event) {
                 Coverage::Rows(rows) => rows
                     .iter()
-                    .map(|r| match r.guard {
-                        Some(g) => format!("{} if {g}", r.to),
-                        None if rows.len() > 1 => format!("else {}", r.to),
-                        None => r.to.to_string(),
+                    .map(|r| {
+                        if !r.guard.is_empty() {
+                            format!("{} if {}", r.to, format_literals(r.guard))
+                        } else if rows.len() > 1 {
+                            format!("else {}", r.to)
+                        } else {
+                            r.to.to_string()
+                        }
                     })
                     .collect::<Vec<_>>()
                     .join("; "),

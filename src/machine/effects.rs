@@ -32,15 +32,17 @@ pub enum EffectKind {
     SetConditions,
     /// Record a Kubernetes Event (or a store entry) with the row's reason.
     RecordEvent,
-    /// Reconcile again after the state's timer.
-    RequeueAfter,
+    /// Count a failed provider call and schedule the next attempt.
+    ScheduleRetry,
+    /// Forget the failed provider calls.
+    ClearRetry,
     /// Remove the operator's finalizer so Kubernetes can delete the Proxy.
     RemoveFinalizer,
 }
 
 impl EffectKind {
     /// Every kind, in declaration order.
-    pub const ALL: [EffectKind; 11] = [
+    pub const ALL: [EffectKind; 12] = [
         EffectKind::AddFinalizer,
         EffectKind::CreateInstance,
         EffectKind::DeleteInstance,
@@ -50,7 +52,8 @@ impl EffectKind {
         EffectKind::RevokeLeases,
         EffectKind::SetConditions,
         EffectKind::RecordEvent,
-        EffectKind::RequeueAfter,
+        EffectKind::ScheduleRetry,
+        EffectKind::ClearRetry,
         EffectKind::RemoveFinalizer,
     ];
 
@@ -66,19 +69,21 @@ impl EffectKind {
             EffectKind::RevokeLeases => "revoke_leases",
             EffectKind::SetConditions => "set_conditions",
             EffectKind::RecordEvent => "record_event",
-            EffectKind::RequeueAfter => "requeue_after",
+            EffectKind::ScheduleRetry => "schedule_retry",
+            EffectKind::ClearRetry => "clear_retry",
             EffectKind::RemoveFinalizer => "remove_finalizer",
         }
     }
 
     /// Whether carrying this effect out twice is the same as carrying it out once.
     ///
-    /// Everything is, except `CreateInstance`: providers promise idempotent creates, but the engine
-    /// does not lean on it. It asks for a second create only on evidence that there is no instance
-    /// (`instance_missing` / `instance_gone`), which the replay property test checks.
+    /// Everything is, except `CreateInstance` and `ScheduleRetry` (which counts a failure):
+    /// providers promise idempotent creates, but the engine does not lean on it. It asks for a
+    /// second create only on evidence that there is no instance (`instance_missing`) or after a
+    /// failure (`retry_due`), which the replay property test checks.
     /// (`RecordEvent` twice is two identical Events, which Kubernetes aggregates.)
     pub const fn is_idempotent(self) -> bool {
-        !matches!(self, EffectKind::CreateInstance)
+        !matches!(self, EffectKind::CreateInstance | EffectKind::ScheduleRetry)
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! **decide** step of the pipeline (no client required, no clock, no I/O): given the current
 //! [`State`] (rehydrated from the Proxy status), one [`Event`] derived from the controller's
-//! snapshot, the guard observations and the time, [`decide`] returns a [`Decision`]: the next state,
+//! observation, the [`Facts`] and the time, [`decide`] returns a [`Decision`]: the next state,
 //! the effects for the executors, and the table row's reason. Everything comes from
 //! `machines/proxy.yaml`: build.rs generates the statig machine from it, so the running code can take
 //! no transition the table lacks (see [`table`]).
@@ -20,26 +20,28 @@
 //! disable, and a flat table keeps every (state, event) outcome on one line of the YAML and of the
 //! matrix snapshot, where reviewers read it.
 //!
-//! Submodules: [`table`] (generated types and metadata), [`effects`] (the effect kinds),
-//! [`guards`] (guard functions), [`policy`] (timers: requeue delays and timeout events),
-//! [`audit`] (audit trail), [`scenario`] (scenario files and replay), [`docs`] (docs/machines.md).
+//! Submodules: [`table`] (generated types and metadata), [`derive`] (facts → event),
+//! [`effects`] (the effect kinds), [`policy`] (timers and retry backoff), [`audit`] (audit trail),
+//! [`docs`] (docs/machines.md). Scenario replays run the whole reconciler: see
+//! [`crate::controller::simulate`].
 
 pub mod audit;
+pub mod derive;
 pub mod docs;
 pub mod effects;
-pub mod guards;
 pub mod policy;
-pub mod scenario;
 pub mod table;
 
 use jiff::Timestamp;
 use serde::Serialize;
 
 pub use audit::{Audit, AuditEntry};
+pub use derive::derive;
 pub use effects::EffectKind;
-pub use guards::{GuardInput, StateData};
-pub use policy::{Timers, due_timer, requeue_after};
-pub use table::{Coverage, Event, Phase, Row, State, StateRecord, StateRecordError, coverage};
+pub use policy::{Backoff, Timers};
+pub use table::{
+    Coverage, Event, Fact, Facts, Literal, Phase, Row, State, StateRecord, TimerKind, coverage, reason,
+};
 
 /// Whether a handled event changed anything.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -74,9 +76,9 @@ impl Decision {
         self.row.map_or("Ignored", |r| r.reason)
     }
 
-    /// The guard that selected the row, if any.
-    pub fn guard(&self) -> Option<&'static str> {
-        self.row.and_then(|r| r.guard)
+    /// The guard literals that selected the row (empty for an unguarded row or when ignored).
+    pub fn guard(&self) -> &'static [Literal] {
+        self.row.map_or(&[], |r| r.guard)
     }
 
     /// Whether the phase changed.
@@ -97,18 +99,18 @@ pub struct InvalidTransition {
 
 /// Decide what `event` does in `state`: the engine's only entry point. Pure.
 ///
-/// `now` becomes the `since` of a new state; `input` feeds the guards. An ignored event returns a
+/// `now` becomes the `since` of a new state; `facts` feed the guards. An ignored event returns a
 /// [`Decision`] with [`Outcome::Ignored`], no effects and `to == from`; an invalid one returns
 /// [`InvalidTransition`] and the caller keeps its state.
 pub fn decide(
     state: &State,
     event: Event,
-    input: &GuardInput,
+    facts: Facts,
     now: Timestamp,
 ) -> Result<Decision, InvalidTransition> {
     use statig::blocking::State as _;
 
-    let mut ctx = table::DecideCtx::new(now, *input);
+    let mut ctx = table::DecideCtx::new(now, facts);
     // The handler only reads the state-local data; a scratch copy keeps `decide` pure.
     let mut scratch = state.clone();
     let outcome = scratch.call_handler(&mut table::ProxyMachine, &event, &mut ctx);
@@ -154,9 +156,9 @@ mod tests {
     #[test]
     fn no_entry_or_exit_actions() {
         for phase in Phase::ALL {
-            let mut state = State::from_parts(phase, scenario::EPOCH, 1);
+            let mut state = State::new(phase, jiff::Timestamp::UNIX_EPOCH);
             let before = state.clone();
-            let mut ctx = table::DecideCtx::new(scenario::EPOCH, GuardInput::default());
+            let mut ctx = table::DecideCtx::new(jiff::Timestamp::UNIX_EPOCH, Facts::NONE);
             state.call_entry_action(&mut table::ProxyMachine, &mut ctx);
             state.call_exit_action(&mut table::ProxyMachine, &mut ctx);
             assert_eq!(state, before);

@@ -1,87 +1,109 @@
-//! Timer policy: pure functions of the state, the time and [`Timers`].
+//! Time policy: the durations behind the table's timers, the retry backoff, and the wake-up time.
 //!
-//! The table says *that* a row requeues (`requeue_after`) and names the timeout events; this module
-//! says *when*. The controller calls [`due_timer`] on each reconcile to derive
-//! `provisioning_timeout` / `degraded_too_long` from the state's `since`, and [`requeue_after`] to
-//! turn the `RequeueAfter` effect into a delay. Keeping both here (not in the controller) keeps the
-//! clock out of decisions: the caller passes `now`.
+//! The table says *which* state waits for *which* timer (`timer:` of a state) and which rows
+//! schedule a retry (`schedule_retry`); this module says *how long*, from the operator's
+//! configuration. Pure functions of the state, the time and the configuration: the caller passes
+//! `now`, so the clock never hides inside a decision.
 
 use std::time::Duration;
 
 use jiff::{SignedDuration, Timestamp};
 
-use super::table::{Event, State};
+use super::table::{State, TimerKind};
 
-/// Durations the lifecycle depends on.
+/// The durations of the table's timers, plus how often a waiting state is looked at again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timers {
-    /// Requeue delay while pending (provider down, attempts exhausted).
-    pub pending_retry: Duration,
-    /// Requeue delay while provisioning (waiting for the instance to run and pass).
-    pub provisioning_poll: Duration,
-    /// Requeue delay while degraded (to notice `degraded_too_long`).
-    pub degraded_poll: Duration,
-    /// Requeue delay while replacing or deleting (waiting for a drain or a delete).
-    pub draining_poll: Duration,
-    /// Steady-state resync for healthy (health results wake the controller anyway).
-    pub resync: Duration,
-    /// Provisioning longer than this yields `provisioning_timeout`.
+    /// `provisioning_timeout`: a new instance must pass its first health check within this.
     pub provisioning_timeout: Duration,
-    /// Degraded longer than this yields `degraded_too_long`.
-    pub degraded_max: Duration,
+    /// `degraded_timeout`: a proxy failing its health checks this long is replaced (budgets allowing).
+    pub degraded_timeout: Duration,
+    /// `drain_timeout`: how long a drain waits for leases, and how often an unfinished delete is retried.
+    pub drain_timeout: Duration,
+    /// How often a state that waits for the world (a boot, a drain, a delete) is looked at again
+    /// when nothing wakes the reconciler earlier.
+    pub poll: Duration,
+    /// Steady-state resync of states that wait for nothing (watches and health verdicts wake them).
+    pub resync: Duration,
 }
 
 impl Default for Timers {
     fn default() -> Self {
         Timers {
-            pending_retry: Duration::from_secs(60),
-            provisioning_poll: Duration::from_secs(10),
-            degraded_poll: Duration::from_secs(30),
-            draining_poll: Duration::from_secs(10),
+            provisioning_timeout: TimerKind::ProvisioningTimeout.default_duration(),
+            degraded_timeout: TimerKind::DegradedTimeout.default_duration(),
+            drain_timeout: TimerKind::DrainTimeout.default_duration(),
+            poll: Duration::from_secs(10),
             resync: Duration::from_secs(300),
-            provisioning_timeout: Duration::from_secs(600),
-            degraded_max: Duration::from_secs(900),
         }
     }
 }
 
-/// How long to wait before reconciling again in `state` (the `RequeueAfter` effect's parameter).
-///
-/// While a timeout is pending the delay is capped so that the timeout event is not noticed late.
-pub fn requeue_after(state: &State, now: Timestamp, timers: &Timers) -> Duration {
-    let (poll, deadline) = match state {
-        State::Pending => (timers.pending_retry, None),
-        State::Provisioning { since, .. } => (
-            timers.provisioning_poll,
-            Some((*since, timers.provisioning_timeout)),
-        ),
-        State::Healthy { .. } | State::Deleted { .. } => (timers.resync, None),
-        State::Degraded { since } => (timers.degraded_poll, Some((*since, timers.degraded_max))),
-        State::Replacing { .. } | State::Deleting { .. } => (timers.draining_poll, None),
-    };
-    match deadline {
-        Some((since, limit)) => poll.min(remaining(since, limit, now)),
-        None => poll,
+impl Timers {
+    /// The configured duration of `timer`.
+    pub fn duration(&self, timer: TimerKind) -> Duration {
+        match timer {
+            TimerKind::ProvisioningTimeout => self.provisioning_timeout,
+            TimerKind::DegradedTimeout => self.degraded_timeout,
+            TimerKind::DrainTimeout => self.drain_timeout,
+        }
+    }
+
+    /// Whether the timer of `state` has run out at `now` (never for a state without a timer).
+    pub fn expired(&self, state: &State, now: Timestamp) -> bool {
+        state
+            .phase()
+            .timer()
+            .is_some_and(|timer| remaining(state.since(), self.duration(timer), now).is_zero())
+    }
+
+    /// Time left until the timer of `state` runs out, if it has one.
+    pub fn remaining(&self, state: &State, now: Timestamp) -> Option<Duration> {
+        let timer = state.phase().timer()?;
+        Some(remaining(state.since(), self.duration(timer), now))
     }
 }
 
-/// The timeout event that is due in `state` at `now`, if any.
-pub fn due_timer(state: &State, now: Timestamp, timers: &Timers) -> Option<Event> {
-    match state {
-        State::Provisioning { since, .. }
-            if remaining(*since, timers.provisioning_timeout, now).is_zero() =>
-        {
-            Some(Event::ProvisioningTimeout)
+/// Exponential retry backoff with jitter and a cap: `initial`, doubling per consecutive failure,
+/// at most `cap`; each delay is drawn uniformly from [delay × (1 − jitter), delay].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Backoff {
+    /// Delay after the first failure.
+    pub initial: Duration,
+    /// The longest delay.
+    pub cap: Duration,
+    /// Fraction of each delay that is randomised away (0 = none), so that a pool that failed
+    /// together does not retry in lock-step.
+    pub jitter: f64,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            initial: Duration::from_secs(10),
+            cap: Duration::from_secs(300),
+            jitter: 0.1,
         }
-        State::Degraded { since } if remaining(*since, timers.degraded_max, now).is_zero() => {
-            Some(Event::DegradedTooLong)
-        }
-        _ => None,
+    }
+}
+
+impl Backoff {
+    /// The undrawn delay after `failures` consecutive failures (1 = the first).
+    pub fn nominal(&self, failures: u32) -> Duration {
+        let exponent = failures.saturating_sub(1).min(20);
+        self.initial.saturating_mul(1u32 << exponent).min(self.cap)
+    }
+
+    /// The delay after `failures` consecutive failures, with `unit` (in [0, 1)) drawing the jitter.
+    pub fn delay(&self, failures: u32, unit: f64) -> Duration {
+        let nominal = self.nominal(failures);
+        let jitter = self.jitter.clamp(0.0, 1.0) * unit.clamp(0.0, 1.0);
+        nominal.mul_f64(1.0 - jitter)
     }
 }
 
 /// Time left until `since + limit`, zero when past (a clock going backwards counts as no time elapsed).
-fn remaining(since: Timestamp, limit: Duration, now: Timestamp) -> Duration {
+pub fn remaining(since: Timestamp, limit: Duration, now: Timestamp) -> Duration {
     let elapsed = now.duration_since(since);
     let elapsed = if elapsed.is_negative() {
         SignedDuration::ZERO
@@ -92,9 +114,15 @@ fn remaining(since: Timestamp, limit: Duration, now: Timestamp) -> Duration {
     limit.saturating_sub(elapsed)
 }
 
+/// Time until `at`, zero when past.
+pub fn until(at: Timestamp, now: Timestamp) -> Duration {
+    Duration::try_from(at.duration_since(now)).unwrap_or(Duration::ZERO)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::machine::Phase;
 
     fn t(secs: i64) -> Timestamp {
         Timestamp::from_second(1_750_000_000 + secs).expect("valid test timestamp")
@@ -103,24 +131,29 @@ mod tests {
     #[test]
     fn provisioning_times_out_at_the_limit() {
         let timers = Timers::default();
-        let state = State::Provisioning {
-            since: t(0),
-            attempts: 1,
-        };
-        assert_eq!(due_timer(&state, t(599), &timers), None);
-        assert_eq!(
-            due_timer(&state, t(600), &timers),
-            Some(Event::ProvisioningTimeout)
-        );
-        assert_eq!(requeue_after(&state, t(595), &timers), Duration::from_secs(5));
+        let state = State::new(Phase::Provisioning, t(0));
+        assert!(!timers.expired(&state, t(599)));
+        assert!(timers.expired(&state, t(600)));
+        assert_eq!(timers.remaining(&state, t(595)), Some(Duration::from_secs(5)));
+        assert_eq!(timers.remaining(&State::new(Phase::Healthy, t(0)), t(595)), None);
     }
 
     #[test]
-    fn degraded_too_long_and_clock_skew() {
+    fn clock_skew_counts_as_no_time_elapsed() {
         let timers = Timers::default();
-        let state = State::Degraded { since: t(100) };
-        assert_eq!(due_timer(&state, t(0), &timers), None);
-        assert_eq!(due_timer(&state, t(1000), &timers), Some(Event::DegradedTooLong));
-        assert_eq!(due_timer(&State::Pending, t(1_000_000), &timers), None);
+        let state = State::new(Phase::Degraded, t(100));
+        assert!(!timers.expired(&state, t(0)));
+        assert!(timers.expired(&state, t(1000)));
+        assert!(!timers.expired(&State::new(Phase::Pending, t(0)), t(1_000_000)));
+    }
+
+    #[test]
+    fn backoff_doubles_to_the_cap_and_jitter_only_shortens() {
+        let backoff = Backoff::default();
+        let nominal: Vec<u64> = (1..=7).map(|n| backoff.nominal(n).as_secs()).collect();
+        assert_eq!(nominal, [10, 20, 40, 80, 160, 300, 300]);
+        assert_eq!(backoff.delay(3, 0.0), Duration::from_secs(40));
+        assert_eq!(backoff.delay(3, 1.0), Duration::from_secs(36));
+        assert_eq!(backoff.nominal(u32::MAX), Duration::from_secs(300));
     }
 }

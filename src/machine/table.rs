@@ -1,10 +1,12 @@
 //! The Proxy transition table, compiled: generated types plus the hand-written types they use.
 //!
 //! build.rs turns `machines/proxy.yaml` into `$OUT_DIR/proxy_machine.rs`, included here. It holds
-//! [`Phase`], [`Event`], [`State`], the statig machine (one `#[state]` handler per table state,
-//! each a `match event` over the rows) and the static metadata [`ROWS`], [`STATES`], [`EFFECTS`],
-//! [`GUARDS`]. This module owns the types that generated code refers to: [`Row`], [`StateInfo`],
-//! [`EffectInfo`], [`GuardInfo`], [`DecideCtx`] and the persisted form [`StateRecord`].
+//! [`Fact`], [`Phase`], [`Event`] (in priority order), [`TimerKind`], [`State`], the [`reason`]
+//! constants, the statig machine (one `#[state]` handler per table state, each a `match event`
+//! over the rows) and the static metadata [`ROWS`], [`EVENTS`], [`STATES`], [`EFFECTS`]. This
+//! module owns the types that generated code refers to: [`Facts`], [`Literal`], [`Row`],
+//! [`EventInfo`], [`StateInfo`], [`EffectInfo`], [`DecideCtx`] and the persisted form
+//! [`StateRecord`].
 
 use std::borrow::Cow;
 
@@ -12,9 +14,91 @@ use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 
 use super::effects::EffectKind;
-use super::guards::{self, GuardInput, StateData};
 
 include!(concat!(env!("OUT_DIR"), "/proxy_machine.rs"));
+
+/// The facts of one observation: one bit per [`Fact`].
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Facts(u32);
+
+impl Facts {
+    /// No fact holds.
+    pub const NONE: Facts = Facts(0);
+
+    /// Facts from a bit set (bit `i` is `Fact::ALL[i]`); property tests enumerate these.
+    pub const fn from_bits(bits: u32) -> Facts {
+        Facts(bits)
+    }
+
+    /// The bit set.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Whether `fact` holds.
+    pub const fn get(self, fact: Fact) -> bool {
+        self.0 & (1 << fact as u32) != 0
+    }
+
+    /// Sets `fact` to `holds`.
+    pub fn set(&mut self, fact: Fact, holds: bool) {
+        if holds {
+            self.0 |= 1 << fact as u32;
+        } else {
+            self.0 &= !(1 << fact as u32);
+        }
+    }
+
+    /// These facts with `fact` set to `holds`.
+    pub fn with(mut self, fact: Fact, holds: bool) -> Facts {
+        self.set(fact, holds);
+        self
+    }
+
+    /// Whether every literal holds.
+    pub fn all(self, literals: &[Literal]) -> bool {
+        literals.iter().all(|l| self.get(l.fact) == l.holds)
+    }
+
+    /// The facts that hold, in table order.
+    pub fn holding(self) -> impl Iterator<Item = Fact> {
+        Fact::ALL.into_iter().filter(move |f| self.get(*f))
+    }
+}
+
+impl std::fmt::Debug for Facts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.holding().map(Fact::as_str)).finish()
+    }
+}
+
+/// `fact` (holds) or `not fact` (does not hold).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Literal {
+    /// The fact.
+    pub fact: Fact,
+    /// Whether it must hold.
+    pub holds: bool,
+}
+
+impl std::fmt::Display for Literal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.holds {
+            f.write_str(self.fact.as_str())
+        } else {
+            write!(f, "not {}", self.fact.as_str())
+        }
+    }
+}
+
+/// Literals as the table writes them: `a, not b`.
+pub fn format_literals(literals: &[Literal]) -> String {
+    literals
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// One transition row of the table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,16 +109,29 @@ pub struct Row {
     pub from: Phase,
     /// The event that triggers the row.
     pub on: Event,
-    /// The guard that must hold; `None` for the unguarded (fallback) row.
-    pub guard: Option<&'static str>,
+    /// Facts that must all hold; empty for the unguarded (fallback) row.
+    pub guard: &'static [Literal],
     /// Target phase.
     pub to: Phase,
+    /// A self-transition that restarts the state's timer.
+    pub reenter: bool,
     /// Effects to carry out, in order.
     pub effects: &'static [EffectKind],
     /// Bounded CamelCase reason for conditions and Kubernetes Events.
     pub reason: &'static str,
     /// Why the row exists.
     pub note: &'static str,
+}
+
+/// What raises an event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EventInfo {
+    /// The event.
+    pub event: Event,
+    /// Derive raises it when all of these hold (empty: derive never does).
+    pub when: &'static [Literal],
+    /// Executors of these effects raise it.
+    pub raised_by: &'static [EffectKind],
 }
 
 /// The declared outcomes of a state for events without a row.
@@ -44,7 +141,7 @@ pub struct StateInfo {
     pub phase: Phase,
     /// Events that are expected but meaningless here.
     pub ignore: &'static [Event],
-    /// Events the controller must never derive here.
+    /// Events that cannot happen here.
     pub invalid: &'static [Event],
 }
 
@@ -57,17 +154,6 @@ pub struct EffectInfo {
     pub name: &'static str,
     /// One-line doc.
     pub doc: &'static str,
-}
-
-/// A guard as documented in the table, with its implementation.
-#[derive(Clone, Copy, Debug)]
-pub struct GuardInfo {
-    /// The name in the table.
-    pub name: &'static str,
-    /// One-line doc.
-    pub doc: &'static str,
-    /// The function in [`guards`].
-    pub check: fn(&GuardInput, &StateData) -> bool,
 }
 
 /// How the table covers a (phase, event) pair.
@@ -87,8 +173,7 @@ pub fn coverage(phase: Phase, event: Event) -> Coverage {
     if !rows.is_empty() {
         return Coverage::Rows(rows);
     }
-    let info = state_info(phase);
-    if info.ignore.contains(&event) {
+    if state_info(phase).ignore.contains(&event) {
         Coverage::Ignored
     } else {
         Coverage::Invalid
@@ -103,22 +188,30 @@ pub fn state_info(phase: Phase) -> &'static StateInfo {
         .expect("invariant: build.rs emits one StateInfo per phase")
 }
 
+/// What raises `event`.
+pub fn event_info(event: Event) -> &'static EventInfo {
+    EVENTS
+        .iter()
+        .find(|e| e.event == event)
+        .expect("invariant: build.rs emits one EventInfo per event")
+}
+
 /// The context the generated handlers read and write while deciding one event.
 ///
-/// Handlers get the clock and the observations from here (they are pure) and report which row
-/// matched, so [`decide`](super::decide) can return that row's effects and reason.
+/// Handlers get the clock and the facts from here (they are pure) and report which row matched,
+/// so [`decide`](super::decide) can return that row's effects and reason.
 #[derive(Debug)]
 pub struct DecideCtx {
     now: Timestamp,
-    input: GuardInput,
+    facts: Facts,
     matched: Option<&'static Row>,
 }
 
 impl DecideCtx {
-    pub(crate) fn new(now: Timestamp, input: GuardInput) -> Self {
+    pub(crate) fn new(now: Timestamp, facts: Facts) -> Self {
         DecideCtx {
             now,
-            input,
+            facts,
             matched: None,
         }
     }
@@ -128,9 +221,9 @@ impl DecideCtx {
         self.now
     }
 
-    /// The observations guards read.
-    pub fn input(&self) -> &GuardInput {
-        &self.input
+    /// Whether every guard literal holds.
+    pub fn holds(&self, literals: &[Literal]) -> bool {
+        self.facts.all(literals)
     }
 
     pub(crate) fn matched(&mut self, row: &'static Row) {
@@ -145,32 +238,29 @@ impl DecideCtx {
 /// The persisted, flat form of [`State`]: what the Proxy status stores.
 ///
 /// Flat rather than an internally tagged enum so that the CRD schema stays structural (Kubernetes
-/// rejects `oneOf` branches that declare their own properties). `since` and `attempts` are present
-/// exactly when the phase has them.
+/// rejects `oneOf` branches that declare their own properties).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct StateRecord {
     /// The lifecycle phase.
     pub phase: Phase,
     /// When the phase was entered (RFC 3339).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(with = "Option<String>")]
-    pub since: Option<Timestamp>,
-    /// Create attempts in the current provisioning episode.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attempts: Option<u32>,
+    #[schemars(with = "String")]
+    pub since: Timestamp,
 }
 
-/// A persisted state that cannot be rehydrated.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum StateRecordError {
-    /// The phase needs a data field the record lacks.
-    #[error("state `{}` needs the field `{field}`", phase.as_str())]
-    MissingField {
-        /// The phase of the record.
-        phase: Phase,
-        /// The missing field.
-        field: &'static str,
-    },
+impl From<State> for StateRecord {
+    fn from(state: State) -> StateRecord {
+        StateRecord {
+            phase: state.phase(),
+            since: state.since(),
+        }
+    }
+}
+
+impl From<StateRecord> for State {
+    fn from(record: StateRecord) -> State {
+        State::new(record.phase, record.since)
+    }
 }
 
 impl schemars::JsonSchema for State {
@@ -197,6 +287,12 @@ impl std::fmt::Display for Phase {
 }
 
 impl std::fmt::Display for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Display for Fact {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }

@@ -19,13 +19,13 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Client,
-    api::{DeleteParams, ListParams, PostParams, Preconditions},
+    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions},
 };
 use serde::de::DeserializeOwned;
 
 use super::{
-    Endpoint, Instance, InstanceRequest, InstanceState, Owner, ProbeReport, Provider, ProviderError,
-    ProviderId,
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProbeReport, Provider,
+    ProviderError, ProviderId,
     libvirt::{
         crypt,
         seed::{SQUID_CONF_PATH, SQUID_PASSWD_PATH, squid_conf},
@@ -55,6 +55,19 @@ pub const OWNER_NAME_ANNOTATION: &str = "crawl.example.com/owner-name";
 pub const SPEC_HASH_ANNOTATION: &str = "crawl.example.com/spec-hash";
 /// When the instance was created (RFC 3339).
 pub const CREATED_AT_ANNOTATION: &str = "crawl.example.com/created-at";
+/// The cluster identity of the installation that made (or adopted) the instance.
+pub const INSTALLATION_CLUSTER_ANNOTATION: &str = "crawl.example.com/installation-cluster";
+/// The name of the installation that made (or adopted) the instance.
+pub const INSTALLATION_NAME_ANNOTATION: &str = "crawl.example.com/installation-name";
+
+/// The installation an object's annotations name; `None` if they name none (legacy).
+fn stamped_installation(meta: &ObjectMeta) -> Option<Installation> {
+    let annotations = meta.annotations.as_ref()?;
+    Some(Installation::new(
+        annotations.get(INSTALLATION_CLUSTER_ANNOTATION)?.as_str(),
+        annotations.get(INSTALLATION_NAME_ANNOTATION)?.as_str(),
+    ))
+}
 
 /// Key of `squid.conf` in the ConfigMap.
 const CONF_KEY: &str = "squid.conf";
@@ -66,6 +79,7 @@ const CONTAINER: &str = "squid";
 /// Squid pods in one namespace, as one provider instance.
 pub struct KubernetesProvider {
     instance: String,
+    installation: Installation,
     settings: KubernetesSettings,
     pods: Api<Pod>,
     config_maps: Api<ConfigMap>,
@@ -100,12 +114,19 @@ impl KubernetesProvider {
         let namespace = settings.namespace.as_str();
         Self {
             instance: instance.to_owned(),
+            installation: Installation::default(),
             pods: Api::namespaced(client.clone(), namespace),
             config_maps: Api::namespaced(client.clone(), namespace),
             secrets: Api::namespaced(client.clone(), namespace),
             services: Api::namespaced(client, namespace),
             settings,
         }
+    }
+
+    /// Stamp `installation` instead of the default one.
+    pub fn with_installation(mut self, installation: Installation) -> Self {
+        self.installation = installation;
+        self
     }
 
     /// `managed-by` and `provider-instance`: what `list` selects on.
@@ -138,6 +159,14 @@ impl KubernetesProvider {
             (OWNER_NAME_ANNOTATION.to_owned(), request.owner.name.clone()),
             (SPEC_HASH_ANNOTATION.to_owned(), request.spec_hash.clone()),
             (CREATED_AT_ANNOTATION.to_owned(), created_at.to_string()),
+            (
+                INSTALLATION_CLUSTER_ANNOTATION.to_owned(),
+                self.installation.cluster_id.clone(),
+            ),
+            (
+                INSTALLATION_NAME_ANNOTATION.to_owned(),
+                self.installation.name.clone(),
+            ),
         ]);
         ObjectMeta {
             name: Some(request.name.clone()),
@@ -200,6 +229,15 @@ impl KubernetesProvider {
                 resource = kind.resource(),
                 name,
                 "not deleting an object this provider instance did not make"
+            );
+            return Ok(());
+        }
+        if self.installation.is_foreign(stamped_installation(meta).as_ref()) {
+            tracing::info!(
+                provider = %self.instance,
+                resource = kind.resource(),
+                name,
+                "not deleting an object of another installation"
             );
             return Ok(());
         }
@@ -380,6 +418,7 @@ impl KubernetesProvider {
         Instance {
             id: ProviderId::new(PROVIDER_TYPE, &self.instance, &name),
             owner,
+            installation: stamped_installation(meta),
             spec_hash: annotation(SPEC_HASH_ANNOTATION),
             created_at,
             state,
@@ -438,6 +477,39 @@ impl KubernetesProvider {
         }
     }
 
+    /// The Pod of `name`, if it exists and this provider instance made it (by label), of
+    /// whichever installation.
+    async fn pod_of(&self, name: &str) -> Result<Option<Pod>, ProviderError> {
+        match self.call(Kind::Pod, "get", self.pods.get(name)).await {
+            Ok(pod) if self.is_ours(&pod.metadata) => Ok(Some(pod)),
+            // Another provider instance's (or someone else's) Pod is not an instance of ours.
+            Ok(_) | Err(KubeFailure::NotFound) => Ok(None),
+            Err(other) => Err(other.into_provider_error()),
+        }
+    }
+
+    /// Adds this installation's annotations to `name` of `kind` (absent: nothing to do).
+    async fn stamp_object<K>(&self, api: &Api<K>, kind: Kind, name: &str) -> Result<(), ProviderError>
+    where
+        K: kube::Resource + Clone + DeserializeOwned + std::fmt::Debug,
+    {
+        let patch = serde_json::json!({"metadata": {"annotations": {
+            INSTALLATION_CLUSTER_ANNOTATION: self.installation.cluster_id,
+            INSTALLATION_NAME_ANNOTATION: self.installation.name,
+        }}});
+        match self
+            .call(
+                kind,
+                "patch",
+                api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)),
+            )
+            .await
+        {
+            Ok(_) | Err(KubeFailure::NotFound) => Ok(()),
+            Err(other) => Err(other.into_provider_error()),
+        }
+    }
+
     async fn list_pods(&self) -> Result<Vec<Pod>, ProviderError> {
         let params = ListParams::default().labels(&self.selector());
         self.call(Kind::Pod, "list", self.pods.list(&params))
@@ -457,6 +529,10 @@ impl Provider for KubernetesProvider {
         &self.instance
     }
 
+    fn installation(&self) -> &Installation {
+        &self.installation
+    }
+
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         if self.settings.service_type == ServiceType::NodePort && self.settings.node_address.is_none() {
             return Err(ProviderError::Misconfigured(format!(
@@ -466,10 +542,11 @@ impl Provider for KubernetesProvider {
             )));
         }
         // The fast path of a repeated create: the Pod exists, nothing else to make.
-        match self.get(&request.name).await {
-            Ok(instance) => return Ok(instance),
-            Err(ProviderError::NotFound(_)) => {}
-            Err(other) => return Err(other),
+        if let Some(pod) = self.pod_of(&request.name).await? {
+            self.installation
+                .refuse_foreign(&request.name, stamped_installation(&pod.metadata).as_ref())?;
+            let service = self.service_of(&request.name).await?;
+            return Ok(self.instance_of(&pod, service.as_ref()));
         }
         let meta = self.metadata(request, jiff::Timestamp::now());
         // Config first, Pod last: a crash in between leaves objects that a repeated create
@@ -498,17 +575,47 @@ impl Provider for KubernetesProvider {
     }
 
     async fn get(&self, name: &str) -> Result<Instance, ProviderError> {
-        let pod = match self.call(Kind::Pod, "get", self.pods.get(name)).await {
-            Ok(pod) if self.is_ours(&pod.metadata) => pod,
-            // Another provider instance's (or someone else's) Pod is not an instance of ours.
-            Ok(_) | Err(KubeFailure::NotFound) => return Err(ProviderError::NotFound(name.to_owned())),
-            Err(other) => return Err(other.into_provider_error()),
+        let pod = match self.pod_of(name).await? {
+            // Another installation's Pod is not an instance of this one.
+            Some(pod)
+                if !self
+                    .installation
+                    .is_foreign(stamped_installation(&pod.metadata).as_ref()) =>
+            {
+                pod
+            }
+            _ => return Err(ProviderError::NotFound(name.to_owned())),
         };
         let service = self.service_of(name).await?;
         Ok(self.instance_of(&pod, service.as_ref()))
     }
 
+    async fn adopt(&self, name: &str) -> Result<Instance, ProviderError> {
+        let Some(pod) = self.pod_of(name).await? else {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        };
+        let stamped = stamped_installation(&pod.metadata);
+        self.installation.refuse_foreign(name, stamped.as_ref())?;
+        if stamped.is_none() {
+            // Pod first: it is what `get`, `list` and `delete` judge by. (The password Secret
+            // keeps its legacy stamp: the provider may not patch Secrets.)
+            self.stamp_object(&self.pods, Kind::Pod, name).await?;
+            self.stamp_object(&self.services, Kind::Service, name).await?;
+            self.stamp_object(&self.config_maps, Kind::ConfigMap, name)
+                .await?;
+        }
+        self.get(name).await
+    }
+
     async fn delete(&self, name: &str) -> Result<(), ProviderError> {
+        if let Some(pod) = self.pod_of(name).await?
+            && self
+                .installation
+                .is_foreign(stamped_installation(&pod.metadata).as_ref())
+        {
+            tracing::info!(provider = %self.instance, name, "delete: another installation's instance; left alone");
+            return Ok(());
+        }
         // Pod first: the proxy stops before its config and Service go.
         self.delete_object(&self.pods, Kind::Pod, name).await?;
         self.delete_object(&self.services, Kind::Service, name).await?;

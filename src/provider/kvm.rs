@@ -20,7 +20,8 @@ use async_trait::async_trait;
 use futures::{StreamExt, TryStreamExt};
 
 use super::{
-    Endpoint, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError, ProviderId,
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
+    ProviderId,
     libvirt::{
         self, BaseVolume, DomainPlan, KVM_NAMESPACE, NameLocks, Stamp, StampError, VolumeNames,
         seed::{Seed, SeedError},
@@ -109,6 +110,7 @@ fn classify(context: impl std::fmt::Display, err: VirshError) -> ProviderError {
 /// The `kvm` provider instance.
 pub struct KvmProvider {
     instance: String,
+    installation: Installation,
     settings: Arc<KvmSettings>,
     locks: NameLocks,
     virsh: PathBuf,
@@ -120,8 +122,8 @@ enum Lookup {
     Missing,
     /// A domain without kvm's stamp: not ours, never touched.
     Foreign,
-    /// A domain kvm made, with its stamp.
-    Ours(Result<Stamp, StampError>),
+    /// A domain kvm made, with its stamp (boxed: it dwarfs the other variants).
+    Ours(Box<Result<Stamp, StampError>>),
 }
 
 impl KvmProvider {
@@ -130,10 +132,24 @@ impl KvmProvider {
     pub fn new(instance_name: &str, settings: KvmSettings) -> Self {
         Self {
             instance: instance_name.to_owned(),
+            installation: Installation::default(),
             settings: Arc::new(settings),
             locks: NameLocks::default(),
             virsh: PathBuf::from("virsh"),
         }
+    }
+
+    /// Stamp `installation` instead of the default one.
+    pub fn with_installation(mut self, installation: Installation) -> Self {
+        self.installation = installation;
+        self
+    }
+
+    /// Whether `stamp` names another installation (a damaged stamp names none).
+    fn is_foreign(&self, stamp: &Result<Stamp, StampError>) -> bool {
+        stamp
+            .as_ref()
+            .is_ok_and(|stamp| self.installation.is_foreign(stamp.installation.as_ref()))
     }
 
     /// Runs this `virsh` binary instead of the one on `PATH`.
@@ -211,7 +227,7 @@ impl KvmProvider {
             .virsh(&["metadata", "--domain", name, "--uri", KVM_NAMESPACE])
             .await
         {
-            Ok(xml) => Ok(Lookup::Ours(Stamp::parse(xml.trim()))),
+            Ok(xml) => Ok(Lookup::Ours(Box::new(Stamp::parse(xml.trim())))),
             Err(err) if err.message().contains("metadata not found") => Ok(Lookup::Foreign),
             Err(err) if err.is_missing("domain") => {
                 // virsh says "failed to get domain" for more than absence; a listing that
@@ -391,7 +407,13 @@ impl KvmProvider {
             )?),
             _ => None,
         };
-        let stamp = Stamp::for_request(&self.instance, request, created_at, host_forward);
+        let stamp = Stamp::for_request(
+            &self.installation,
+            &self.instance,
+            request,
+            created_at,
+            host_forward,
+        );
         let volumes = VolumeNames::new(name, PROVIDER_TYPE);
         // No domain of this name exists, so volumes of its names are left from an interrupted
         // attempt and unused: start afresh.
@@ -579,6 +601,10 @@ impl Provider for KvmProvider {
         &self.instance
     }
 
+    fn installation(&self) -> &Installation {
+        &self.installation
+    }
+
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         let name = &request.name;
         if !is_dns_label(name) {
@@ -591,13 +617,17 @@ impl Provider for KvmProvider {
         let _guard = self.locks.lock(name).await;
         match self.lookup(name).await? {
             Lookup::Ours(stamp) => {
+                if let Ok(stamp) = &*stamp {
+                    self.installation
+                        .refuse_foreign(name, stamp.installation.as_ref())?;
+                }
                 // Made by an earlier attempt (perhaps one that crashed before starting it).
                 if self.state(name).await? == InstanceState::Stopped {
                     self.virsh(&["start", "--domain", name])
                         .await
                         .map_err(|err| classify(format!("starting existing domain {name}"), err))?;
                 }
-                self.describe(name, stamp, true).await
+                self.describe(name, *stamp, true).await
             }
             Lookup::Foreign => Err(libvirt::foreign_domain(name, KVM_NAMESPACE)),
             Lookup::Missing => self.create_new(request, &iso, jiff::Timestamp::now()).await,
@@ -609,7 +639,8 @@ impl Provider for KvmProvider {
             return Err(ProviderError::NotFound(name.to_owned()));
         }
         match self.lookup(name).await? {
-            Lookup::Ours(stamp) => match self.describe(name, stamp, true).await {
+            Lookup::Ours(stamp) if self.is_foreign(&stamp) => Err(ProviderError::NotFound(name.to_owned())),
+            Lookup::Ours(stamp) => match self.describe(name, *stamp, true).await {
                 // Deleted between the two calls.
                 Err(_) if matches!(self.lookup(name).await?, Lookup::Missing) => {
                     Err(ProviderError::NotFound(name.to_owned()))
@@ -633,8 +664,50 @@ impl Provider for KvmProvider {
                 );
                 Ok(())
             }
+            Lookup::Ours(stamp) if self.is_foreign(&stamp) => {
+                tracing::info!(
+                    instance = name,
+                    "delete: the domain of that name belongs to another installation; left alone"
+                );
+                Ok(())
+            }
             Lookup::Missing | Lookup::Ours(_) => self.remove(name).await,
         }
+    }
+
+    async fn adopt(&self, name: &str) -> Result<Instance, ProviderError> {
+        if !is_dns_label(name) {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        }
+        let _guard = self.locks.lock(name).await;
+        let stamp = match self.lookup(name).await? {
+            Lookup::Ours(stamp) => *stamp,
+            Lookup::Missing | Lookup::Foreign => return Err(ProviderError::NotFound(name.to_owned())),
+        };
+        let (stamp, changed) = libvirt::adoption_stamp(name, stamp, &self.installation)?;
+        if changed {
+            let xml = stamp.to_element();
+            let mut args = vec![
+                "metadata",
+                "--domain",
+                name,
+                "--uri",
+                KVM_NAMESPACE,
+                "--key",
+                libvirt::STAMP_PREFIX,
+                "--set",
+                &xml,
+                "--config",
+            ];
+            // The running definition too, or the restamp would show only after a restart.
+            if self.state(name).await? != InstanceState::Stopped {
+                args.push("--live");
+            }
+            self.virsh(&args)
+                .await
+                .map_err(|err| classify(format!("restamping domain {name}"), err))?;
+        }
+        self.describe(name, Ok(stamp), false).await
     }
 
     async fn list(&self) -> Result<Vec<Instance>, ProviderError> {

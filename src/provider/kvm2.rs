@@ -26,7 +26,8 @@ use virt::{
 };
 
 use super::{
-    Endpoint, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError, ProviderId,
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
+    ProviderId,
     libvirt::{
         self, BaseVolume, DomainPlan, KVM2_NAMESPACE, NameLocks, Stamp, StampError, VolumeNames,
         seed::{Seed, SeedError},
@@ -40,6 +41,7 @@ pub const PROVIDER_TYPE: &str = "kvm2";
 /// The `kvm2` provider instance.
 pub struct Kvm2Provider {
     instance: String,
+    installation: Arc<Installation>,
     settings: Arc<KvmSettings>,
     locks: NameLocks,
 }
@@ -53,9 +55,16 @@ impl Kvm2Provider {
         QUIET.call_once(virt::error::clear_error_callback);
         Self {
             instance: instance_name.to_owned(),
+            installation: Arc::new(Installation::default()),
             settings: Arc::new(settings),
             locks: NameLocks::default(),
         }
+    }
+
+    /// Stamp `installation` instead of the default one.
+    pub fn with_installation(mut self, installation: Installation) -> Self {
+        self.installation = Arc::new(installation);
+        self
     }
 
     fn timeout(&self) -> Duration {
@@ -65,6 +74,7 @@ impl Kvm2Provider {
     fn session(&self) -> Session {
         Session {
             instance: self.instance.clone(),
+            installation: Arc::clone(&self.installation),
             settings: Arc::clone(&self.settings),
         }
     }
@@ -104,6 +114,10 @@ impl Provider for Kvm2Provider {
         &self.instance
     }
 
+    fn installation(&self) -> &Installation {
+        &self.installation
+    }
+
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         if !is_dns_label(&request.name) {
             return Err(ProviderError::Misconfigured(format!(
@@ -131,6 +145,7 @@ impl Provider for Kvm2Provider {
         let name = name.to_owned();
         self.blocking("get", move |session, connection| {
             match session.lookup(connection, &name)? {
+                Lookup::Ours(_, stamp) if session.is_foreign(&stamp) => Err(ProviderError::NotFound(name)),
                 Lookup::Ours(domain, stamp) => match session.describe(&domain, &name, *stamp, true) {
                     // Deleted between the lookup and the description.
                     Err(_) if session.vanished(connection, &name) => Err(ProviderError::NotFound(name)),
@@ -171,6 +186,19 @@ impl Provider for Kvm2Provider {
         .await
     }
 
+    async fn adopt(&self, name: &str) -> Result<Instance, ProviderError> {
+        if !is_dns_label(name) {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        }
+        let guard = self.locks.lock(name).await;
+        let name = name.to_owned();
+        self.blocking("adopt", move |session, connection| {
+            let _guard = guard;
+            session.adopt(connection, &name)
+        })
+        .await
+    }
+
     async fn probe(&self) -> Result<ProbeReport, ProviderError> {
         self.blocking("probe", |session, connection| {
             let count = session.stamped_domains(connection)?.len();
@@ -205,6 +233,7 @@ impl Provider for Kvm2Provider {
 /// What one blocking operation knows: which provider instance it works for and its settings.
 struct Session {
     instance: String,
+    installation: Arc<Installation>,
     settings: Arc<KvmSettings>,
 }
 
@@ -234,6 +263,42 @@ impl Session {
 
     fn id(&self, name: &str) -> ProviderId {
         ProviderId::new(PROVIDER_TYPE, &self.instance, name)
+    }
+
+    /// Whether `stamp` names another installation (a damaged stamp names none).
+    fn is_foreign(&self, stamp: &Result<Stamp, StampError>) -> bool {
+        stamp
+            .as_ref()
+            .is_ok_and(|stamp| self.installation.is_foreign(stamp.installation.as_ref()))
+    }
+
+    /// Restamps legacy domain `name` with this installation (live and persistent definition).
+    fn adopt(&self, connection: &Connect, name: &str) -> Result<Instance, ProviderError> {
+        let (domain, stamp) = match self.lookup(connection, name)? {
+            Lookup::Ours(domain, stamp) => (domain, *stamp),
+            Lookup::Missing | Lookup::Foreign => return Err(ProviderError::NotFound(name.to_owned())),
+        };
+        let (stamp, changed) = libvirt::adoption_stamp(name, stamp, &self.installation)?;
+        if !changed {
+            return self.describe(&domain, name, Ok(stamp), false);
+        }
+        let active = domain
+            .is_active()
+            .map_err(|err| classify(format!("reading the state of domain {name}"), &err))?;
+        let mut flags = sys::VIR_DOMAIN_AFFECT_CONFIG;
+        if active {
+            flags |= sys::VIR_DOMAIN_AFFECT_LIVE;
+        }
+        domain
+            .set_metadata(
+                sys::VIR_DOMAIN_METADATA_ELEMENT as i32,
+                Some(&stamp.to_element()),
+                Some(libvirt::STAMP_PREFIX),
+                Some(KVM2_NAMESPACE),
+                flags,
+            )
+            .map_err(|err| classify(format!("restamping domain {name}"), &err))?;
+        self.describe(&domain, name, Ok(stamp), false)
     }
 
     fn lookup(&self, connection: &Connect, name: &str) -> Result<Lookup, ProviderError> {
@@ -393,6 +458,10 @@ impl Session {
         let name = &request.name;
         match self.lookup(connection, name)? {
             Lookup::Ours(domain, stamp) => {
+                if let Ok(stamp) = &*stamp {
+                    self.installation
+                        .refuse_foreign(name, stamp.installation.as_ref())?;
+                }
                 // Made by an earlier attempt (perhaps one that crashed before starting it).
                 let active = domain
                     .is_active()
@@ -424,7 +493,13 @@ impl Session {
             )?),
             _ => None,
         };
-        let stamp = Stamp::for_request(&self.instance, request, created_at, host_forward);
+        let stamp = Stamp::for_request(
+            &self.installation,
+            &self.instance,
+            request,
+            created_at,
+            host_forward,
+        );
         let volumes = VolumeNames::new(name, PROVIDER_TYPE);
         // No domain of this name exists, so volumes of its names are left from an interrupted
         // attempt and unused: start afresh.
@@ -541,6 +616,13 @@ impl Session {
                 tracing::debug!(
                     instance = name,
                     "delete: the domain of that name is not kvm2's; left alone"
+                );
+                Ok(())
+            }
+            Lookup::Ours(_, stamp) if self.is_foreign(&stamp) => {
+                tracing::info!(
+                    instance = name,
+                    "delete: the domain of that name belongs to another installation; left alone"
                 );
                 Ok(())
             }

@@ -13,12 +13,15 @@ use std::{
 
 use async_trait::async_trait;
 
-use super::{Endpoint, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError};
+use super::{
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
+};
 
 /// The in-memory provider. Instances start `Running` unless [`MemoryProvider::start_instances_as`]
 /// says otherwise.
 pub struct MemoryProvider {
     instance: String,
+    installation: Installation,
     instances: Mutex<BTreeMap<String, Instance>>,
     unavailable: AtomicBool,
     failing_creates: AtomicUsize,
@@ -33,6 +36,7 @@ impl MemoryProvider {
     pub fn new(instance: &str) -> Self {
         Self {
             instance: instance.to_owned(),
+            installation: Installation::default(),
             instances: Mutex::default(),
             unavailable: AtomicBool::new(false),
             failing_creates: AtomicUsize::new(0),
@@ -41,6 +45,12 @@ impl MemoryProvider {
             initial_state: Mutex::new(InstanceState::Running),
             clock: jiff::Timestamp::now,
         }
+    }
+
+    /// Stamp `installation` instead of the default one.
+    pub fn with_installation(mut self, installation: Installation) -> Self {
+        self.installation = installation;
+        self
     }
 
     /// Use `clock` for creation times (tests pin time).
@@ -126,9 +136,15 @@ impl Provider for MemoryProvider {
         &self.instance
     }
 
+    fn installation(&self) -> &Installation {
+        &self.installation
+    }
+
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         self.check_available()?;
         if let Some(existing) = self.lock().get(&request.name) {
+            self.installation
+                .refuse_foreign(&request.name, existing.installation.as_ref())?;
             return Ok(existing.clone());
         }
         if self
@@ -146,6 +162,7 @@ impl Provider for MemoryProvider {
         let instance = Instance {
             id: self.id_for(&request.name),
             owner: Some(request.owner.clone()),
+            installation: Some(self.installation.clone()),
             spec_hash: Some(request.spec_hash.clone()),
             created_at: (self.clock)(),
             state,
@@ -171,16 +188,33 @@ impl Provider for MemoryProvider {
         self.check_available()?;
         self.lock()
             .get(name)
+            .filter(|i| !self.installation.is_foreign(i.installation.as_ref()))
             .cloned()
             .ok_or_else(|| ProviderError::NotFound(name.to_owned()))
     }
 
     async fn delete(&self, name: &str) -> Result<(), ProviderError> {
         self.check_available()?;
-        if self.lock().remove(name).is_some() {
+        let mut instances = self.lock();
+        let foreign = instances
+            .get(name)
+            .is_some_and(|i| self.installation.is_foreign(i.installation.as_ref()));
+        if !foreign && instances.remove(name).is_some() {
             self.deletes.fetch_add(1, Ordering::SeqCst);
         }
         Ok(())
+    }
+
+    async fn adopt(&self, name: &str) -> Result<Instance, ProviderError> {
+        self.check_available()?;
+        let mut instances = self.lock();
+        let instance = instances
+            .get_mut(name)
+            .ok_or_else(|| ProviderError::NotFound(name.to_owned()))?;
+        self.installation
+            .refuse_foreign(name, instance.installation.as_ref())?;
+        instance.installation = Some(self.installation.clone());
+        Ok(instance.clone())
     }
 
     async fn list(&self) -> Result<Vec<Instance>, ProviderError> {

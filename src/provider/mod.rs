@@ -14,6 +14,12 @@
 //! - **Ownership persisted with the instance.** Owner UID, namespace/name, spec hash and creation
 //!   time are stored where the backend keeps them (domain metadata, labels, state files), since
 //!   orphan GC decides from them alone.
+//! - **Installation identity persisted with the instance.** Each provider is built for one
+//!   [`Installation`] (cluster identity + installation name), stamps it on every instance it
+//!   creates and reports the stamped one on `get` and `list`. An instance stamped by another
+//!   installation is never returned by `get`, adopted by `create` or removed by `delete`;
+//!   one stamped before installations existed (a *legacy* stamp) is treated as ours until
+//!   orphan GC adopts it ([`Provider::adopt`]).
 
 pub mod kubernetes;
 pub mod kvm;
@@ -120,6 +126,83 @@ pub struct Owner {
     pub name: String,
 }
 
+/// Which operator installation made an instance: the cluster it serves and its name there.
+///
+/// Two installations that share a backend (two clusters on one libvirt host, two operators in
+/// one cluster) tell their instances apart by it, so neither collects nor adopts the other's.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Installation {
+    /// The cluster's identity: the `kube-system` namespace UID in cluster mode, the ID
+    /// generated once into the state folder in standalone mode.
+    pub cluster_id: String,
+    /// The installation's name in that cluster (`--installation-name`).
+    pub name: String,
+}
+
+impl Installation {
+    /// The installation `name` of cluster `cluster_id`.
+    pub fn new(cluster_id: impl Into<String>, name: impl Into<String>) -> Self {
+        Self {
+            cluster_id: cluster_id.into(),
+            name: name.into(),
+        }
+    }
+
+    /// How an instance whose stamp carries `stamped` relates to this installation.
+    pub fn claim(&self, stamped: Option<&Installation>) -> Claim {
+        match stamped {
+            None => Claim::Legacy,
+            Some(stamped) if stamped == self => Claim::Ours,
+            Some(_) => Claim::Foreign,
+        }
+    }
+
+    /// Whether an instance stamped with `stamped` is another installation's.
+    pub fn is_foreign(&self, stamped: Option<&Installation>) -> bool {
+        self.claim(stamped) == Claim::Foreign
+    }
+
+    /// For `create` and `adopt` of instance `name` stamped with `stamped`: the error if
+    /// another installation made it.
+    pub fn refuse_foreign(&self, name: &str, stamped: Option<&Installation>) -> Result<(), ProviderError> {
+        match stamped {
+            Some(other) if other != self => Err(ProviderError::Misconfigured(format!(
+                "instance {name} belongs to installation {other}, not to this one ({self}); it is \
+                 neither adopted nor deleted"
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Default for Installation {
+    /// The identity of providers built without one (tests, tools): every such provider
+    /// counts as the same installation, as before installations existed. Both modes build
+    /// their providers with a real identity.
+    fn default() -> Self {
+        Self::new("unidentified", "egress-proxies-operator")
+    }
+}
+
+impl fmt::Display for Installation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}@{}", self.name, self.cluster_id)
+    }
+}
+
+/// How an instance relates to the installation that looks at it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// Stamped with this installation.
+    Ours,
+    /// Stamped before installations were recorded: treated as ours by `get`, `create` and
+    /// `delete`; adopted (restamped) by orphan GC once its owner is live here.
+    Legacy,
+    /// Stamped by another installation: never returned, adopted, collected or deleted.
+    Foreign,
+}
+
 /// Proxy credentials (HTTP basic auth). `Debug` is redacted: they must never reach a log.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Credentials {
@@ -202,6 +285,9 @@ pub struct Instance {
     /// Owner persisted with the instance; `None` if the backend copy is missing or unreadable
     /// (GC never touches such an instance).
     pub owner: Option<Owner>,
+    /// Installation persisted with the instance; `None` for a legacy stamp (made before
+    /// installations were recorded) or an unreadable one.
+    pub installation: Option<Installation>,
     /// Spec hash persisted with the instance.
     pub spec_hash: Option<String>,
     /// When the instance was created, as persisted with it.
@@ -234,6 +320,10 @@ pub enum ProviderError {
     /// base image or pool, a Squid config that does not parse); retrying won't help.
     #[error("provider misconfigured: {0}")]
     Misconfigured(String),
+    /// This Proxy's request cannot be met as it stands (its port is taken, its placement names
+    /// an address the host does not have): the Proxy's problem, not the provider's.
+    #[error("request rejected: {0}")]
+    Rejected(String),
     /// Any other backend failure; retry with backoff.
     #[error("provider error: {0}")]
     Backend(String),
@@ -246,6 +336,7 @@ impl ProviderError {
             Self::NotFound(_) => "NotFound",
             Self::Unavailable(_) => "ProviderUnavailable",
             Self::Misconfigured(_) => "ProviderMisconfigured",
+            Self::Rejected(_) => "RequestRejected",
             Self::Backend(_) => "ProviderError",
         }
     }
@@ -265,19 +356,33 @@ pub trait Provider: Send + Sync {
     /// Instance name from the providers config.
     fn instance(&self) -> &str;
 
+    /// The installation this provider stamps on what it creates.
+    fn installation(&self) -> &Installation;
+
     /// Creates the instance for `request`, or returns the existing one of that name
-    /// (idempotent). Returning does not mean running: poll [`Provider::get`].
+    /// (idempotent). Returning does not mean running: poll [`Provider::get`]. An existing
+    /// instance of that name stamped by another installation is an error
+    /// ([`Installation::foreign_instance`]), never returned.
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError>;
 
-    /// The instance named `name` ([`instance_name`]); `NotFound` only if it truly is gone.
+    /// The instance named `name` ([`instance_name`]); `NotFound` only if it truly is gone or
+    /// belongs to another installation (for this one it does not exist).
     async fn get(&self, name: &str) -> Result<Instance, ProviderError>;
 
     /// Deletes the instance named `name` and everything made for it (volumes, seeds, configs).
-    /// Deleting a missing instance succeeds.
+    /// Deleting a missing instance succeeds; one of another installation is left alone (and
+    /// the call succeeds: for this installation there is nothing to delete).
     async fn delete(&self, name: &str) -> Result<(), ProviderError>;
 
-    /// Every instance this provider instance made (by its own marks), with their owners.
+    /// Every instance of this provider type and instance's marks, with their owners and
+    /// stamped installations, another installation's included (GC counts those and leaves
+    /// them alone).
     async fn list(&self) -> Result<Vec<Instance>, ProviderError>;
+
+    /// Adopts the legacy-stamped instance `name`: restamps it with this installation, once.
+    /// An instance already ours is returned unchanged; one of another installation is an
+    /// error ([`Installation::refuse_foreign`]).
+    async fn adopt(&self, name: &str) -> Result<Instance, ProviderError>;
 
     /// Checks that the backend answers (connect and list), for `ProviderHealth`.
     async fn probe(&self) -> Result<ProbeReport, ProviderError>;

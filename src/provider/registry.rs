@@ -3,7 +3,7 @@
 use std::{collections::BTreeMap, sync::Arc};
 
 use super::{
-    Provider, SharedProvider,
+    Installation, Provider, SharedProvider,
     kubernetes::KubernetesProvider,
     kvm::KvmProvider,
     kvm2::Kvm2Provider,
@@ -67,17 +67,20 @@ impl ProviderRegistry {
         Self::default()
     }
 
-    /// One provider per instance of the providers config, without a Kubernetes client: a
-    /// `kubernetes` instance is an error ([`RegistryError::NoKubeClient`]).
+    /// One provider per instance of the providers config, without a Kubernetes client (a
+    /// `kubernetes` instance is an error, [`RegistryError::NoKubeClient`]), for the default
+    /// [`Installation`] (tools and tests; both modes use [`Self::for_installation`]).
     pub fn from_config(config: &ProvidersConfig) -> Result<Self, RegistryError> {
-        Self::from_config_with_client(config, None)
+        Self::for_installation(config, None, &Installation::default())
     }
 
-    /// One provider per instance of the providers config; `kubernetes` instances talk to the
-    /// cluster through `client` (the operator's own client, or one for another cluster).
-    pub fn from_config_with_client(
+    /// One provider per instance of the providers config, each stamping, adopting and
+    /// collecting as `installation`; `kubernetes` instances talk to the cluster through
+    /// `client` (the operator's own client, or one for another cluster).
+    pub fn for_installation(
         config: &ProvidersConfig,
         client: Option<kube::Client>,
+        installation: &Installation,
     ) -> Result<Self, RegistryError> {
         let mut registry = Self::new();
         let mut state_dirs: BTreeMap<std::path::PathBuf, &str> = BTreeMap::new();
@@ -95,23 +98,29 @@ impl ProviderRegistry {
                             state_dir: settings.state_dir.display().to_string(),
                         });
                     }
-                    let local = LocalProvider::new(name, settings.clone()).map_err(|source| {
-                        RegistryError::Local {
+                    let local = LocalProvider::for_installation(installation.clone(), name, settings.clone())
+                        .map_err(|source| RegistryError::Local {
                             instance: name.to_owned(),
                             source,
-                        }
-                    })?;
+                        })?;
                     Arc::new(local)
                 }
-                ProviderSettings::Kvm(settings) => Arc::new(KvmProvider::new(name, settings.clone())),
-                ProviderSettings::Kvm2(settings) => Arc::new(Kvm2Provider::new(name, settings.clone())),
+                ProviderSettings::Kvm(settings) => {
+                    Arc::new(KvmProvider::new(name, settings.clone()).with_installation(installation.clone()))
+                }
+                ProviderSettings::Kvm2(settings) => Arc::new(
+                    Kvm2Provider::new(name, settings.clone()).with_installation(installation.clone()),
+                ),
                 ProviderSettings::Kubernetes(settings) => {
                     let Some(client) = &client else {
                         return Err(RegistryError::NoKubeClient {
                             instance: name.to_owned(),
                         });
                     };
-                    Arc::new(KubernetesProvider::new(name, settings.clone(), client.clone()))
+                    Arc::new(
+                        KubernetesProvider::new(name, settings.clone(), client.clone())
+                            .with_installation(installation.clone()),
+                    )
                 }
             };
             registry.insert(provider);

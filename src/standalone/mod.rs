@@ -104,6 +104,29 @@ impl Standalone {
             deps.availability,
             deps.reconciler,
         );
+        // The pool budgets count every Proxy from the start, not only the ones reconciled so far.
+        reconciler
+            .pools()
+            .seed(
+                records
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .map(|(key, record)| {
+                        let provider = record
+                            .spec
+                            .get("provider")
+                            .and_then(|p| p.as_str())
+                            .unwrap_or_default();
+                        let phase = record
+                            .status
+                            .as_ref()
+                            .and_then(|s| s.phase.as_deref())
+                            .and_then(crate::machine::Phase::from_name)
+                            .unwrap_or(crate::machine::Phase::INITIAL);
+                        (key.clone(), provider.to_owned(), phase)
+                    }),
+            );
         Ok(Self {
             manifests: manifests.to_owned(),
             store,

@@ -345,10 +345,11 @@ mod tests {
             from: crate::machine::Phase::Pending,
             event: crate::machine::Event::SpecObserved,
             to: crate::machine::Phase::Provisioning,
-            guard: None,
+            guard: Vec::new(),
             effects: vec![],
             reason: "ProvisioningStarted".into(),
             note: String::new(),
+            cause: None,
         };
         store
             .append_audit(

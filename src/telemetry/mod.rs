@@ -50,6 +50,15 @@ pub struct ProviderLabels {
     pub provider: String,
 }
 
+/// Labels of instances GC left alone.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LeftAloneLabels {
+    /// Provider instance name (from the providers config: a bounded set).
+    pub provider: String,
+    /// `foreign` or `legacy`.
+    pub kind: String,
+}
+
 /// Labels of a health probe's outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ProbeLabels {
@@ -120,6 +129,8 @@ pub struct Metrics {
     transitions: Family<TransitionLabels, Counter>,
     proxies: Family<PhaseLabels, Gauge>,
     gc_deletions: Family<ProviderLabels, Counter>,
+    gc_adoptions: Family<ProviderLabels, Counter>,
+    gc_left_alone: Family<LeftAloneLabels, Gauge>,
     provider_available: Family<ProviderLabels, Gauge>,
     probes: ProbeMetrics,
 }
@@ -133,6 +144,8 @@ impl Metrics {
             transitions: Family::default(),
             proxies: Family::default(),
             gc_deletions: Family::default(),
+            gc_adoptions: Family::default(),
+            gc_left_alone: Family::default(),
             provider_available: Family::default(),
             probes: ProbeMetrics::default(),
         };
@@ -160,6 +173,17 @@ impl Metrics {
             "epo_gc_deletions",
             "Orphaned provider instances deleted by GC",
             metrics.gc_deletions.clone(),
+        );
+        registry.register(
+            "epo_gc_adoptions",
+            "Legacy-stamped provider instances adopted by GC (restamped with this installation)",
+            metrics.gc_adoptions.clone(),
+        );
+        registry.register(
+            "epo_gc_foreign_instances",
+            "Provider instances GC left alone in its last pass: another installation's (foreign) \
+             or legacy-stamped with no live owner here (legacy)",
+            metrics.gc_left_alone.clone(),
         );
         registry.register(
             "epo_provider_available",
@@ -205,6 +229,26 @@ impl Metrics {
                 provider: provider.to_owned(),
             })
             .inc_by(deleted);
+    }
+
+    /// Counts GC adoptions of legacy-stamped instances on `provider`.
+    pub fn observe_gc_adoptions(&self, provider: &str, adopted: u64) {
+        self.gc_adoptions
+            .get_or_create(&ProviderLabels {
+                provider: provider.to_owned(),
+            })
+            .inc_by(adopted);
+    }
+
+    /// Sets how many instances of `kind` (`foreign`, `legacy`) GC's last pass over `provider`
+    /// left alone.
+    pub fn set_gc_left_alone(&self, provider: &str, kind: &str, count: u64) {
+        self.gc_left_alone
+            .get_or_create(&LeftAloneLabels {
+                provider: provider.to_owned(),
+                kind: kind.to_owned(),
+            })
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
     }
 
     /// Records whether `provider` answered its last probe.

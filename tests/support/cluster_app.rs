@@ -8,12 +8,27 @@
 
 use std::{net::SocketAddr, path::Path, time::Duration};
 
-use egress_proxies_operator::app::{
-    AppError,
-    cluster::{ClusterOptions, run_cluster},
+use egress_proxies_operator::{
+    app::{
+        AppError, DiscoveryAuthOptions,
+        cluster::{ClusterOptions, cluster_identity, run_cluster},
+    },
+    provider::Installation,
 };
 use kube::Client;
 use tokio::{sync::oneshot, task::JoinHandle};
+
+/// The installation name [`local_cluster`]'s options give.
+pub const INSTALLATION_NAME: &str = "egress-proxies-system";
+
+/// The installation cluster mode with [`local_cluster`]'s options runs as against `client`'s
+/// API server: what instances it should collect must be stamped with.
+pub async fn installation(client: &Client) -> Installation {
+    let cluster = cluster_identity(client)
+        .await
+        .expect("the API server has a kube-system namespace");
+    Installation::new(cluster, INSTALLATION_NAME)
+}
 
 /// Writes into `dir` what cluster mode reads: `providers.yaml` with one `local` provider named
 /// `local` keeping its Squids under `local_state`, `tokens` holding `token`, and the lease
@@ -43,12 +58,13 @@ pub fn local_cluster(
         gc_dry_run: false,
         gc_grace: Duration::from_secs(300),
         gc_interval: Duration::from_secs(60),
-        provisioning_timeout: Duration::from_secs(600),
+        reconciler: egress_proxies_operator::controller::ReconcilerConfig::default(),
         system_namespace: "egress-proxies-system".into(),
         identity: "test-replica".into(),
+        installation_name: INSTALLATION_NAME.into(),
         admin_listen: admin,
         discovery_listen: discovery,
-        tokens: dir.join("tokens"),
+        auth: DiscoveryAuthOptions::tokens_file(dir.join("tokens")),
         signing_key: dir.join("key"),
         concurrency: 4,
     }

@@ -11,6 +11,25 @@ use egress_proxies_operator::{
     provider::{Credentials, Instance, InstanceRequest, Owner, Provider, UserData, instance_name},
 };
 
+/// A connection to libvirt's test driver (`test:///default`) with a `base.qcow2` base image in
+/// its `pool`. Hold it for the whole test: the driver's state is process-global and lives only
+/// while some connection is open, and the providers' own connections come and go with each call.
+pub fn test_driver(uri: &str, pool: &str) -> virt::connect::Connect {
+    virt::error::clear_error_callback();
+    let connection = virt::connect::Connect::open(Some(uri)).expect("test driver");
+    let pool = connection.lookup_storage_pool_by_name(pool).expect("the pool");
+    if pool.lookup_storage_vol_by_name("base.qcow2").is_err() {
+        // Another test may add it at the same moment; either copy does.
+        let _ = virt::storage_vol::StorageVol::create_xml(
+            &pool,
+            "<volume><name>base.qcow2</name><capacity unit='bytes'>16777216</capacity>\
+             <target><format type='qcow2'/></target></volume>",
+            0,
+        );
+    }
+    connection
+}
+
 /// Settings for `uri` and `pool` with a `base.qcow2` base image, type `qemu`, small guests.
 pub fn settings(uri: &str, pool: &str, network: NetworkSettings) -> KvmSettings {
     KvmSettings {

@@ -2,6 +2,11 @@
 //! a label-selected reflector of cloud-init Secrets whose changes re-reconcile the Proxies that
 //! reference them, extra triggers (health verdicts), bounded concurrency, debounce, error
 //! back-off by category, and graceful shutdown.
+//!
+//! The controller does not wake itself: Proxy watch events reach it only when the generation,
+//! the finalizers or the deletion mark changed ([`proxy_changed`]), so its own status writes do
+//! not re-trigger a reconcile and the reconciler's `requeue_after` (timers, backoff) is what
+//! brings a waiting Proxy back.
 
 pub mod backend;
 pub mod leader;
@@ -18,7 +23,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api, Client, ResourceExt,
     runtime::{
-        Controller, WatchStreamExt,
+        Controller, PredicateConfig, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
         events::{Recorder, Reporter},
         reflector::{self, ObjectRef},
@@ -69,6 +74,8 @@ pub struct ClusterDeps {
 
 struct Context {
     reconciler: Reconciler<KubeBackend>,
+    proxies: reflector::Store<Proxy>,
+    pools_seeded: std::sync::atomic::AtomicBool,
     failures: Mutex<HashMap<ObjectRef<Proxy>, u32>>,
     metrics: Arc<Metrics>,
 }
@@ -106,6 +113,7 @@ pub async fn run_controller(
         },
     );
     let backend = KubeBackend::new(deps.client.clone(), recorder, secret_store.clone());
+    let (proxy_store, proxy_writer) = reflector::store();
     let context = Arc::new(Context {
         reconciler: Reconciler::new(
             backend,
@@ -115,16 +123,22 @@ pub async fn run_controller(
             deps.availability,
             deps.reconciler,
         ),
+        proxies: proxy_store.clone(),
+        pools_seeded: std::sync::atomic::AtomicBool::new(false),
         failures: Mutex::default(),
         metrics: deps.metrics,
     });
 
-    let controller = Controller::new(proxies, watcher::Config::default()).with_config(
+    let proxy_events = watcher(proxies, watcher::Config::default())
+        .default_backoff()
+        .reflect(proxy_writer)
+        .applied_objects()
+        .predicate_filter(proxy_changed, PredicateConfig::default());
+    let controller = Controller::for_stream(proxy_events, proxy_store.clone()).with_config(
         ControllerConfig::default()
             .concurrency(deps.concurrency)
             .debounce(deps.debounce),
     );
-    let proxy_store = controller.store();
     let referencing = proxy_store.clone();
     let controller = controller
         .watches_stream(secret_stream, move |secret: Secret| {
@@ -212,7 +226,48 @@ where
     }
 }
 
+/// What makes a Proxy watch event worth a reconcile: a new generation (a spec edit), a change of
+/// finalizers, or the deletion mark. Status-only writes (our own) hash the same and are dropped.
+pub fn proxy_changed(proxy: &Proxy) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    proxy.metadata.generation.hash(&mut hasher);
+    proxy.metadata.finalizers.hash(&mut hasher);
+    proxy
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .map(|t| t.0.as_nanosecond())
+        .hash(&mut hasher);
+    Some(hasher.finish())
+}
+
 async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {
+    if !context
+        .pools_seeded
+        .swap(true, std::sync::atomic::Ordering::SeqCst)
+    {
+        // The pool budgets count every Proxy, not only the ones reconciled so far.
+        context
+            .reconciler
+            .pools()
+            .seed(context.proxies.state().iter().map(|p| {
+                let phase = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.phase.as_deref())
+                    .and_then(crate::machine::Phase::from_name)
+                    .unwrap_or(crate::machine::Phase::INITIAL);
+                (
+                    ProxyKey {
+                        namespace: p.namespace().unwrap_or_default(),
+                        name: p.name_any(),
+                    },
+                    p.spec.provider.clone(),
+                    phase,
+                )
+            }));
+    }
     let started = std::time::Instant::now();
     // The reconciler opens the `reconcile` span itself (standalone mode gets it too).
     let result = context.reconciler.reconcile(&proxy).await;

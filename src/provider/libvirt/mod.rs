@@ -21,7 +21,9 @@ use std::{
 
 use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
 
-use super::{Endpoint, Instance, InstanceRequest, InstanceState, Owner, ProviderError, ProviderId};
+use super::{
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProviderError, ProviderId,
+};
 
 /// Metadata namespace of the `kvm2` provider's owner stamp.
 pub const KVM2_NAMESPACE: &str = "https://crawl.example.com/kvm2/v1";
@@ -33,7 +35,7 @@ pub const KVM_NAMESPACE: &str = "https://crawl.example.com/kvm/v1";
 const STAMP_ELEMENT: &str = "owner";
 
 /// Namespace prefix the stamp is written with (libvirt keys metadata by URI, not prefix).
-const STAMP_PREFIX: &str = "epo";
+pub const STAMP_PREFIX: &str = "epo";
 
 /// libvirt's namespace for `<qemu:commandline>` passthrough.
 const QEMU_NAMESPACE: &str = "http://libvirt.org/schemas/domain/qemu/1.0";
@@ -72,6 +74,8 @@ impl VolumeNames {
 pub struct Stamp {
     /// The provider instance (from the providers config) that made the domain; informational.
     pub provider_instance: String,
+    /// The installation that made (or adopted) the domain; `None` in a legacy stamp.
+    pub installation: Option<Installation>,
     /// The owning Proxy.
     pub owner: Owner,
     /// Spec hash of what the domain runs.
@@ -98,8 +102,9 @@ pub enum StampError {
 }
 
 impl Stamp {
-    /// The stamp for a new instance made for `request` by `provider_instance`.
+    /// The stamp for a new instance made for `request` by `provider_instance` of `installation`.
     pub fn for_request(
+        installation: &Installation,
         provider_instance: &str,
         request: &InstanceRequest,
         created_at: jiff::Timestamp,
@@ -107,6 +112,7 @@ impl Stamp {
     ) -> Self {
         Self {
             provider_instance: provider_instance.to_owned(),
+            installation: Some(installation.clone()),
             owner: request.owner.clone(),
             spec_hash: request.spec_hash.clone(),
             created_at,
@@ -118,10 +124,23 @@ impl Stamp {
 
     /// The stamp as an element in `namespace`, for a domain's `<metadata>`.
     pub fn to_xml(&self, namespace: &str) -> String {
-        let mut xml = format!(
-            "<{STAMP_PREFIX}:{STAMP_ELEMENT} xmlns:{STAMP_PREFIX}=\"{}\" provider=\"{}\" uid=\"{}\" \
-             namespace=\"{}\" name=\"{}\" specHash=\"{}\" createdAt=\"{}\" port=\"{}\"",
+        format!(
+            "<{STAMP_PREFIX}:{STAMP_ELEMENT} xmlns:{STAMP_PREFIX}=\"{}\"{}/>",
             escape(namespace),
+            self.attributes()
+        )
+    }
+
+    /// The stamp as a bare element, for `virDomainSetMetadata` (`virsh metadata --set`),
+    /// which puts it into the namespace itself and refuses an element that declares one.
+    pub fn to_element(&self) -> String {
+        format!("<{STAMP_ELEMENT}{}/>", self.attributes())
+    }
+
+    fn attributes(&self) -> String {
+        let mut xml = format!(
+            " provider=\"{}\" uid=\"{}\" namespace=\"{}\" name=\"{}\" specHash=\"{}\" createdAt=\"{}\" \
+             port=\"{}\"",
             escape(&self.provider_instance),
             escape(&self.owner.uid),
             escape(&self.owner.namespace),
@@ -130,13 +149,20 @@ impl Stamp {
             self.created_at,
             self.port,
         );
+        if let Some(installation) = &self.installation {
+            let _ = write!(
+                xml,
+                " cluster=\"{}\" installation=\"{}\"",
+                escape(&installation.cluster_id),
+                escape(&installation.name)
+            );
+        }
         if let Some(address) = &self.address {
             let _ = write!(xml, " address=\"{}\"", escape(address));
         }
         if let Some(forward) = &self.host_forward {
             let _ = write!(xml, " hostForward=\"{}\"", escape(&forward.to_string()));
         }
-        xml.push_str("/>");
         xml
     }
 
@@ -160,8 +186,18 @@ impl Stamp {
                 })
             }
         };
+        // Both or neither: neither is a legacy stamp, one alone a damaged one.
+        let installation = match (element.attribute("cluster"), element.attribute("installation")) {
+            (None, None) => None,
+            (Some(cluster), Some(name)) if !cluster.is_empty() && !name.is_empty() => {
+                Some(Installation::new(cluster, name))
+            }
+            (Some(_), _) => return Err(StampError::Attribute("installation")),
+            (None, Some(_)) => return Err(StampError::Attribute("cluster")),
+        };
         Ok(Self {
             provider_instance: element.attribute("provider").unwrap_or_default().to_owned(),
+            installation,
             owner: Owner {
                 uid: required("uid")?.to_owned(),
                 namespace: required("namespace")?.to_owned(),
@@ -204,6 +240,7 @@ pub fn instance_from_stamp(
             endpoint: stamp.endpoint().or(discovered),
             id,
             owner: Some(stamp.owner),
+            installation: stamp.installation,
             spec_hash: Some(stamp.spec_hash),
             created_at: stamp.created_at,
             state,
@@ -213,6 +250,7 @@ pub fn instance_from_stamp(
             Instance {
                 id,
                 owner: None,
+                installation: None,
                 spec_hash: None,
                 created_at: jiff::Timestamp::UNIX_EPOCH,
                 state,
@@ -543,6 +581,22 @@ pub fn escape(text: &str) -> String {
         }
     }
     escaped
+}
+
+/// The stamp domain `name` has after `adopt`: `stamp` with `installation` in place of none,
+/// and whether that differs from `stamp` (needs writing). An error if the stamp is damaged or
+/// carries another installation.
+pub fn adoption_stamp(
+    name: &str,
+    stamp: Result<Stamp, StampError>,
+    installation: &Installation,
+) -> Result<(Stamp, bool), ProviderError> {
+    let mut stamp = stamp
+        .map_err(|err| ProviderError::Misconfigured(format!("domain {name} cannot be adopted: {err}")))?;
+    installation.refuse_foreign(name, stamp.installation.as_ref())?;
+    let changed = stamp.installation.is_none();
+    stamp.installation = Some(installation.clone());
+    Ok((stamp, changed))
 }
 
 /// The error for a domain of our name that another provider (or a person) made.

@@ -46,6 +46,63 @@ fn created_at() -> jiff::Timestamp {
     "2025-03-01T12:00:00.5Z".parse().expect("timestamp")
 }
 
+fn installation() -> Installation {
+    Installation::new("8d2c-uid", "prod/\"ops\"&<x>")
+}
+
+#[test]
+fn stamp_carries_its_installation_and_a_legacy_stamp_has_none() {
+    let stamp = Stamp::for_request(&installation(), "k", &request(), created_at(), None);
+    let xml = stamp.to_xml(KVM2_NAMESPACE);
+    assert!(xml.contains("cluster=\"8d2c-uid\""), "{xml}");
+    let parsed = Stamp::parse(&xml).expect("parses");
+    assert_eq!(parsed.installation, Some(installation()));
+    let instance = instance_from_stamp(
+        ProviderId::new("kvm2", "k", "epo-x"),
+        Ok(parsed),
+        InstanceState::Running,
+        None,
+    );
+    assert_eq!(instance.installation, Some(installation()));
+
+    // Today's format (before installations): readable, with no installation.
+    let legacy =
+        r#"<owner uid="u" namespace="n" name="x" specHash="h" createdAt="2025-01-01T00:00:00Z" port="1"/>"#;
+    let legacy = Stamp::parse(legacy).expect("a legacy stamp is readable");
+    assert_eq!(legacy.installation, None);
+    // Adoption adds this installation's; another installation's is refused; ours is kept.
+    let (adopted, changed) = adoption_stamp("epo-x", Ok(legacy.clone()), &installation()).expect("adoptable");
+    assert!(changed);
+    assert_eq!(adopted.installation, Some(installation()));
+    assert_eq!(
+        adoption_stamp("epo-x", Ok(adopted.clone()), &installation()).expect("ours"),
+        (adopted.clone(), false)
+    );
+    let other = Installation::new("8d2c-uid", "staging");
+    let refused = adoption_stamp("epo-x", Ok(adopted), &other).expect_err("foreign");
+    assert!(
+        matches!(&refused, ProviderError::Misconfigured(m) if m.contains("belongs to installation")),
+        "{refused}"
+    );
+
+    // Half an identity is a damaged stamp, not a legacy one.
+    for (xml, attribute) in [
+        (
+            r#"<owner uid="u" namespace="n" name="x" specHash="h" createdAt="2025-01-01T00:00:00Z" port="1" cluster="c"/>"#,
+            "installation",
+        ),
+        (
+            r#"<owner uid="u" namespace="n" name="x" specHash="h" createdAt="2025-01-01T00:00:00Z" port="1" installation="i"/>"#,
+            "cluster",
+        ),
+    ] {
+        match Stamp::parse(xml) {
+            Err(StampError::Attribute(name)) => assert_eq!(name, attribute, "{xml}"),
+            other => panic!("{xml}: {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn stamp_round_trips_through_its_xml_with_awkward_characters() {
     let forward = Endpoint {
@@ -54,7 +111,13 @@ fn stamp_round_trips_through_its_xml_with_awkward_characters() {
     };
     let mut req = request();
     req.placement.address = Some("192.0.2.7".into());
-    let stamp = Stamp::for_request("kvm2-local", &req, created_at(), Some(forward.clone()));
+    let stamp = Stamp::for_request(
+        &installation(),
+        "kvm2-local",
+        &req,
+        created_at(),
+        Some(forward.clone()),
+    );
     let xml = stamp.to_xml(KVM2_NAMESPACE);
     assert!(
         xml.starts_with("<epo:owner xmlns:epo=\"https://crawl.example.com/kvm2/v1\""),
@@ -71,9 +134,12 @@ fn stamp_round_trips_through_its_xml_with_awkward_characters() {
 #[test]
 fn stamp_endpoint_is_placement_address_with_the_proxy_port_without_a_forward() {
     let mut req = request();
-    assert_eq!(Stamp::for_request("k", &req, created_at(), None).endpoint(), None);
+    assert_eq!(
+        Stamp::for_request(&installation(), "k", &req, created_at(), None).endpoint(),
+        None
+    );
     req.placement.address = Some("2001:db8::7".into());
-    let stamp = Stamp::for_request("k", &req, created_at(), None);
+    let stamp = Stamp::for_request(&installation(), "k", &req, created_at(), None);
     assert_eq!(
         stamp.endpoint(),
         Some(Endpoint {
@@ -166,7 +232,13 @@ fn overlay_volume_xml_backs_onto_the_base_in_its_format() {
 }
 
 fn domain(settings: &KvmSettings, host_forward: Option<Endpoint>) -> String {
-    let stamp = Stamp::for_request("kvm2-local", &request(), created_at(), host_forward);
+    let stamp = Stamp::for_request(
+        &installation(),
+        "kvm2-local",
+        &request(),
+        created_at(),
+        host_forward,
+    );
     let volumes = VolumeNames::new(&request().name, "kvm2");
     domain_xml(&DomainPlan {
         name: &request().name,

@@ -45,7 +45,8 @@ use self::{
     state::{InstanceDir, OWNER_RECORD_VERSION, OwnerRecord, ProcessRecord, TEMP_PREFIX, TRASH_PREFIX},
 };
 use super::{
-    Endpoint, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError, ProviderId,
+    Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
+    ProviderId,
 };
 use crate::config::{LocalSettings, is_dns_label};
 
@@ -162,6 +163,7 @@ pub struct LocalProvider {
 
 struct Inner {
     instance: String,
+    installation: Installation,
     settings: LocalSettings,
     bind_address: IpAddr,
     squid_user: Option<SquidUser>,
@@ -183,7 +185,17 @@ impl LocalProvider {
     /// `stateDir` is resolved against the working directory now (Squid configs need absolute
     /// paths). Inside a tokio runtime the supervisor starts at once, otherwise with the first
     /// call.
-    pub fn new(instance: &str, mut settings: LocalSettings) -> Result<Self, LocalSetupError> {
+    pub fn new(instance: &str, settings: LocalSettings) -> Result<Self, LocalSetupError> {
+        Self::for_installation(Installation::default(), instance, settings)
+    }
+
+    /// [`Self::new`] for `installation`: it stamps, supervises, returns and deletes only its
+    /// own (and legacy) instances in the stateDir, which another installation may share.
+    pub fn for_installation(
+        installation: Installation,
+        instance: &str,
+        mut settings: LocalSettings,
+    ) -> Result<Self, LocalSetupError> {
         settings.state_dir = std::path::absolute(&settings.state_dir).map_err(|err| {
             LocalSetupError::StateDirUnresolvable {
                 path: settings.state_dir.clone(),
@@ -233,6 +245,7 @@ impl LocalProvider {
         let provider = Self {
             inner: Arc::new(Inner {
                 instance: instance.to_owned(),
+                installation,
                 settings,
                 bind_address,
                 squid_user,
@@ -317,6 +330,10 @@ impl Provider for LocalProvider {
         &self.inner.instance
     }
 
+    fn installation(&self) -> &Installation {
+        &self.inner.installation
+    }
+
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         self.ensure_supervisor();
         let inner = &self.inner;
@@ -335,6 +352,7 @@ impl Provider for LocalProvider {
                     dir.root().display()
                 )));
             }
+            inner.refuse_foreign(name, &dir)?;
             if dir.is_deleting() {
                 // A delete was interrupted (crash): finish it, then create afresh.
                 inner.remove_instance(&dir).await?;
@@ -358,7 +376,13 @@ impl Provider for LocalProvider {
             // No folder can have that name: it certainly does not exist.
             return Err(ProviderError::NotFound(name.to_owned()));
         }
-        self.inner.read_instance(name).await
+        match self.inner.read_instance(name).await? {
+            // Another installation's: for this one it does not exist.
+            instance if self.inner.installation.is_foreign(instance.installation.as_ref()) => {
+                Err(ProviderError::NotFound(name.to_owned()))
+            }
+            instance => Ok(instance),
+        }
     }
 
     async fn delete(&self, name: &str) -> Result<(), ProviderError> {
@@ -379,6 +403,10 @@ impl Provider for LocalProvider {
             }
             // Not ours (see `instance_names`): for this provider it does not exist.
             Ok(_) if !dir.is_ours() => return Ok(()),
+            Ok(_) if inner.is_foreign(&dir) => {
+                tracing::info!(instance = %inner.instance, name, "delete: another installation's instance; left alone");
+                return Ok(());
+            }
             Ok(_) => {}
         }
         fs::File::create(dir.deleting_marker()).map_err(|err| {
@@ -403,6 +431,34 @@ impl Provider for LocalProvider {
             }
         }
         Ok(instances)
+    }
+
+    async fn adopt(&self, name: &str) -> Result<Instance, ProviderError> {
+        self.ensure_supervisor();
+        if !is_dns_label(name) {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        }
+        let inner = &self.inner;
+        let _guard = inner.locks.lock(name).await;
+        let dir = inner.dir(name);
+        if !dir.root().exists() || !dir.is_ours() {
+            return Err(ProviderError::NotFound(name.to_owned()));
+        }
+        let mut record: OwnerRecord = state::read_json(&dir.owner_file()).map_err(|err| {
+            ProviderError::Misconfigured(format!(
+                "{name} cannot be adopted: its owner record is unreadable: {err}"
+            ))
+        })?;
+        inner
+            .installation
+            .refuse_foreign(name, record.installation.as_ref())?;
+        if record.installation.is_none() {
+            record.installation = Some(inner.installation.clone());
+            state::write_json(&dir.owner_file(), &record).map_err(|err| {
+                ProviderError::Backend(format!("cannot restamp {name}'s owner record: {err}"))
+            })?;
+        }
+        inner.read_instance(name).await
     }
 
     async fn probe(&self) -> Result<ProbeReport, ProviderError> {
@@ -457,6 +513,25 @@ impl Inner {
 
     fn id(&self, name: &str) -> ProviderId {
         ProviderId::new(PROVIDER_TYPE, &self.instance, name)
+    }
+
+    /// The installation `dir`'s owner record names (`None`: legacy or unreadable).
+    fn stamped_installation(&self, dir: &InstanceDir) -> Option<Installation> {
+        state::read_json::<OwnerRecord>(&dir.owner_file())
+            .ok()
+            .and_then(|record| record.installation)
+    }
+
+    /// Whether `dir` is another installation's instance.
+    fn is_foreign(&self, dir: &InstanceDir) -> bool {
+        self.installation
+            .is_foreign(self.stamped_installation(dir).as_ref())
+    }
+
+    /// For `create` of `name`: the error if another installation made `dir`.
+    fn refuse_foreign(&self, name: &str, dir: &InstanceDir) -> Result<(), ProviderError> {
+        self.installation
+            .refuse_foreign(name, self.stamped_installation(dir).as_ref())
     }
 
     /// Folder names that are instances made by this provider (they hold an owner record or a
@@ -543,6 +618,7 @@ impl Inner {
         Ok(Instance {
             id: self.id(name),
             owner: record.as_ref().map(|r| r.owner.clone()),
+            installation: record.as_ref().and_then(|r| r.installation.clone()),
             spec_hash: record.as_ref().map(|r| r.spec_hash.clone()),
             created_at,
             state,
@@ -681,6 +757,7 @@ impl Inner {
         let record = OwnerRecord {
             version: OWNER_RECORD_VERSION,
             provider_instance: self.instance.clone(),
+            installation: Some(self.installation.clone()),
             owner: request.owner.clone(),
             spec_hash: request.spec_hash.clone(),
             created_at: jiff::Timestamp::now(),
@@ -921,6 +998,10 @@ impl Inner {
             return;
         };
         if !dir.root().exists() || dir.is_deleting() || self.live_pid(&dir).is_some() {
+            return;
+        }
+        // Another installation sharing the stateDir supervises its own.
+        if self.is_foreign(&dir) {
             return;
         }
         let result = self.start(name, &dir).await;

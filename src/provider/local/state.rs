@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! <stateDir>/<instance-name>/
-//!   owner.json      owner UID, namespace/name, spec hash, created_at, address, port (for GC)
+//!   owner.json      owner UID, namespace/name, installation, spec hash, created_at, address,
+//!                   port (for GC)
 //!   squid.conf      the generated Squid config
 //!   passwords       htpasswd-style SHA-512-crypt hashes, only for Proxies with credentials
 //!   process.json    the pid of the Squid this provider started last
@@ -22,7 +23,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::provider::Owner;
+use crate::provider::{Installation, Owner};
 
 /// Version of the owner record's layout, written into it.
 pub(super) const OWNER_RECORD_VERSION: u32 = 1;
@@ -99,6 +100,9 @@ pub(super) struct OwnerRecord {
     pub version: u32,
     /// The provider instance (from the providers config) that made it.
     pub provider_instance: String,
+    /// The installation that made (or adopted) it; absent in a legacy record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub installation: Option<Installation>,
     /// The owning Proxy.
     pub owner: Owner,
     /// Spec hash of what it runs.

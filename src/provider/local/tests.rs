@@ -13,7 +13,7 @@ use super::{
     state::{InstanceDir, OwnerRecord},
     *,
 };
-use crate::provider::{Credentials, Owner};
+use crate::provider::{Credentials, Installation, Owner};
 
 fn dir() -> InstanceDir {
     InstanceDir::at(PathBuf::from("/var/lib/epo/local/epo-crawl-web-1-0a1b2c3d"))
@@ -232,6 +232,7 @@ fn owner_records_round_trip_in_camel_case() {
     let record = OwnerRecord {
         version: 1,
         provider_instance: "local".into(),
+        installation: Some(Installation::new("cluster-1", "prod")),
         owner: Owner {
             uid: "uid-1".into(),
             namespace: "crawl".into(),
@@ -246,7 +247,19 @@ fn owner_records_round_trip_in_camel_case() {
     };
     let json = serde_json::to_string(&record).expect("serialise");
     assert!(json.contains(r#""specHash":"abc""#) && json.contains(r#""createdAt":"2026-01-02T03:04:05Z""#));
+    assert!(
+        json.contains(r#""installation":{"clusterId":"cluster-1","name":"prod"}"#),
+        "{json}"
+    );
     assert_eq!(serde_json::from_str::<OwnerRecord>(&json).expect("parse"), record);
+    // A record written before installations were recorded reads as legacy (none).
+    let legacy = OwnerRecord {
+        installation: None,
+        ..record
+    };
+    let json = serde_json::to_string(&legacy).expect("serialise");
+    assert!(!json.contains("installation"), "{json}");
+    assert_eq!(serde_json::from_str::<OwnerRecord>(&json).expect("parse"), legacy);
 }
 
 #[test]

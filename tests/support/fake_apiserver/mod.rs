@@ -34,7 +34,7 @@ use std::{
     time::Duration,
 };
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 pub use registry::ResourceDef;
@@ -196,11 +196,24 @@ struct Failure {
     code: u16,
 }
 
+/// The audience of tokens the fake API server issues itself (a TokenReview without audiences
+/// checks this one), as kube-apiserver's default `--api-audiences`.
+pub const API_SERVER_AUDIENCE: &str = "https://kubernetes.default.svc";
+
+/// Who a token added with [`FakeApiServer::add_token`] authenticates as, and for which audiences.
+#[derive(Clone, Debug)]
+struct TokenIdentity {
+    username: String,
+    audiences: Vec<String>,
+}
+
 #[derive(Default)]
 struct Hooks {
     requests: Vec<RequestRecord>,
     failures: Vec<Failure>,
     latency: Duration,
+    /// Tokens TokenReview accepts.
+    tokens: std::collections::HashMap<String, TokenIdentity>,
 }
 
 /// State shared by the server task, its connections and the test's handle.
@@ -254,8 +267,23 @@ impl FakeApiServer {
         let addr = listener
             .local_addr()
             .expect("a bound listener has a local address");
+        let mut store = Store::new(registry::default_resources(), options.history_limit);
+        // A real API server always has these; the operator reads kube-system's UID as the
+        // cluster's identity.
+        let namespaces = resolve(&store, "namespaces");
+        for name in ["default", "kube-system"] {
+            store
+                .create(
+                    namespaces,
+                    None,
+                    json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+                    false,
+                    true,
+                )
+                .expect("a fresh store takes the built-in namespaces");
+        }
         let inner = Arc::new(Inner {
-            store: Mutex::new(Store::new(registry::default_resources(), options.history_limit)),
+            store: Mutex::new(store),
             hooks: Mutex::new(Hooks::default()),
             expire: watch::channel(0).0,
             open_watches: AtomicUsize::new(0),
@@ -348,6 +376,23 @@ impl FakeApiServer {
     /// Forgets the requests recorded so far.
     pub fn clear_requests(&self) {
         lock(&self.inner.hooks).requests.clear();
+    }
+
+    /// Makes TokenReview accept `token` as `username` for `audiences` (empty: the API
+    /// server's own, [`API_SERVER_AUDIENCE`]), like a projected service-account token.
+    pub fn add_token(&self, token: &str, username: &str, audiences: &[&str]) {
+        let audiences = if audiences.is_empty() {
+            vec![API_SERVER_AUDIENCE.to_owned()]
+        } else {
+            audiences.iter().map(|a| (*a).to_owned()).collect()
+        };
+        lock(&self.inner.hooks).tokens.insert(
+            token.to_owned(),
+            TokenIdentity {
+                username: username.to_owned(),
+                audiences,
+            },
+        );
     }
 
     /// Delays every request by `latency` before it is handled.

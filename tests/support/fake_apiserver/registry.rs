@@ -129,7 +129,8 @@ impl ResourceDef {
 }
 
 /// What the fake serves before a test registers anything: the core types the operator and
-/// its providers touch, Events (both APIs), Leases, Deployments and the operator's CRDs.
+/// its providers touch, Events (both APIs), Leases, Deployments, TokenReviews (create only,
+/// answered from [`super::FakeApiServer::add_token`], never stored) and the operator's CRDs.
 pub fn default_resources() -> Vec<ResourceDef> {
     let core = |kind: &str, plural: &str| ResourceDef::builtin("", "v1", kind, plural);
     let event_fields = [
@@ -173,6 +174,7 @@ pub fn default_resources() -> Vec<ResourceDef> {
             "type",
         ]),
         ResourceDef::builtin("coordination.k8s.io", "v1", "Lease", "leases"),
+        ResourceDef::builtin("authentication.k8s.io", "v1", "TokenReview", "tokenreviews").cluster_scoped(),
         ResourceDef::builtin("apps", "v1", "Deployment", "deployments")
             .with_status()
             .with_generation(),

@@ -270,6 +270,11 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
             ));
         }
     };
+    // TokenReview is a create-only virtual resource: nothing to read, update or delete.
+    if def.is_named("tokenreviews.authentication.k8s.io") && verb != Verb::Create {
+        let verb = format!("{verb:?}").to_lowercase();
+        return error_response(&ApiError::method_not_supported(&def, &verb));
+    }
     let mut record = RequestRecord {
         verb,
         group: def.group.clone(),
@@ -299,6 +304,7 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
             Verb::Get => get(&inner, &call),
             Verb::List => list(&inner, &call),
             Verb::Watch => start_watch(&inner, &call),
+            Verb::Create if def.is_named("tokenreviews.authentication.k8s.io") => token_review(&inner, &call),
             Verb::Create => create(&inner, &call),
             Verb::Update => update(&inner, &call),
             Verb::Patch => patch(&inner, &call),
@@ -403,6 +409,47 @@ fn create(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
     let body = call.json_body()?;
     let created = lock(&inner.store).create(call.rid, call.namespace, body, call.dry_run(), false)?;
     Ok(object_response(201, &created, call.metadata_only))
+}
+
+/// A TokenReview as the API server answers it: the token must be one a test added, and when
+/// the review names audiences the token must hold one of them (the default audience is the
+/// API server's own). `status.audiences` is the intersection, as kube-apiserver reports it.
+/// Nothing is stored.
+fn token_review(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
+    let mut review = call.json_body()?;
+    let token = review
+        .pointer("/spec/token")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let requested: Vec<String> = match review.pointer("/spec/audiences").and_then(Value::as_array) {
+        Some(list) if !list.is_empty() => list.iter().filter_map(Value::as_str).map(str::to_owned).collect(),
+        _ => vec![super::API_SERVER_AUDIENCE.to_owned()],
+    };
+    let known = lock(&inner.hooks).tokens.get(token).cloned();
+    let status = match known {
+        None => json!({"authenticated": false, "error": "invalid bearer token"}),
+        Some(identity) => {
+            let shared: Vec<&String> = requested
+                .iter()
+                .filter(|a| identity.audiences.contains(a))
+                .collect();
+            if shared.is_empty() {
+                json!({
+                    "authenticated": false,
+                    "error": "[invalid bearer token, token audiences is invalid for the target audiences]",
+                })
+            } else {
+                json!({
+                    "authenticated": true,
+                    "user": {"username": identity.username, "uid": "uid-of-".to_owned() + &identity.username},
+                    "audiences": shared,
+                })
+            }
+        }
+    };
+    review["status"] = status;
+    review["metadata"] = json!({"creationTimestamp": null});
+    Ok(value_response(201, &review))
 }
 
 fn update(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {

@@ -1,0 +1,302 @@
+//! **execute** (client required): one executor per effect kind. Each carries out its effect
+//! idempotently, updates the [`Record`] the status is written from, and returns the events it
+//! observed (a create that failed raises `create_failed`): failures are table events, decided
+//! next, never dropped transitions. Which executor raises which event is declared in the table's
+//! `raised_by`; `tests/machine_properties.rs` checks the executors raise nothing else.
+
+use tracing::debug;
+
+use super::{
+    plan::{Planned, SpecReport},
+    reconciler::{ReconcileError, Reconciler, Resolved},
+    status::Record,
+};
+use crate::{
+    api::Proxy,
+    effects::{LeaseTarget, ProxyBackend, ProxyKey},
+    machine::{AuditEntry, Event},
+    provider::{Endpoint, InstanceRequest, Owner, ProviderError, SharedProvider},
+};
+
+/// An event raised by an executor (or derived), with what caused it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Occurrence {
+    /// The event.
+    pub event: Event,
+    /// The cause, if more than the event's name says (an error text; never secret content).
+    pub cause: Option<String>,
+}
+
+impl Occurrence {
+    fn new(event: Event, cause: impl Into<String>) -> Self {
+        Occurrence {
+            event,
+            cause: Some(cause.into()),
+        }
+    }
+}
+
+/// The per-reconcile inputs of the executors.
+pub(crate) struct EffectContext<'a> {
+    pub proxy: &'a Proxy,
+    pub key: &'a ProxyKey,
+    pub instance: &'a str,
+    pub owner: &'a Owner,
+    pub provider_name: &'a str,
+    pub provider: Option<&'a SharedProvider>,
+    pub resolved: Result<&'a Resolved, &'a str>,
+}
+
+impl<B: ProxyBackend> Reconciler<B> {
+    /// Carries out one planned effect; returns the events it raised.
+    pub(crate) async fn execute(
+        &self,
+        effect: &Planned,
+        cx: &EffectContext<'_>,
+        record: &mut Record,
+        finalizer: &mut bool,
+        entry: &AuditEntry,
+    ) -> Result<Vec<Occurrence>, ReconcileError> {
+        Ok(match effect {
+            Planned::AddFinalizer => {
+                self.add_finalizer(cx, finalizer).await?;
+                Vec::new()
+            }
+            Planned::RemoveFinalizer => {
+                self.remove_finalizer(cx, finalizer).await?;
+                Vec::new()
+            }
+            Planned::CreateInstance => self.create_instance(cx, record).await,
+            Planned::DeleteInstance => self.delete_instance(cx, record).await,
+            Planned::EnableLeases => {
+                if let Some(target) = lease_target(cx, record) {
+                    self.leases.upsert(target);
+                }
+                self.leases.set_admission(cx.key, true);
+                Vec::new()
+            }
+            Planned::DisableLeases => {
+                self.leases.set_admission(cx.key, false);
+                Vec::new()
+            }
+            Planned::DrainLeases => {
+                // Whether the drain is complete is a fact (`leases_active`) the next round reads.
+                self.leases.drain(cx.key);
+                Vec::new()
+            }
+            Planned::RevokeLeases => {
+                let revoked = self.leases.revoke_all(cx.key);
+                if revoked > 0 {
+                    debug!(proxy = %cx.key, revoked, "revoked leases");
+                }
+                Vec::new()
+            }
+            Planned::SetConditions {
+                reason,
+                message,
+                spec,
+                provisioned,
+            } => {
+                record.ready_reason = (*reason).to_owned();
+                record.ready_message = message.clone();
+                record.instance_running |= *provisioned;
+                match spec {
+                    SpecReport::Keep => {}
+                    SpecReport::Invalid(text) => record.spec_problem = Some(text.clone()),
+                    SpecReport::Valid => record.spec_problem = None,
+                }
+                Vec::new()
+            }
+            Planned::RecordEvent { message, .. } => {
+                if let Err(err) = self.backend.record(cx.proxy, entry, message).await {
+                    // The audit trail in the cluster is best effort: the status is authoritative.
+                    tracing::warn!(proxy = %cx.key, error = %err, "recording an event failed");
+                }
+                Vec::new()
+            }
+            Planned::ScheduleRetry {
+                attempts,
+                next_attempt,
+            } => {
+                record.retry_attempts = *attempts;
+                record.next_attempt = Some(*next_attempt);
+                Vec::new()
+            }
+            Planned::ClearRetry => {
+                record.retry_attempts = 0;
+                record.next_attempt = None;
+                Vec::new()
+            }
+        })
+    }
+
+    async fn add_finalizer(
+        &self,
+        cx: &EffectContext<'_>,
+        finalizer: &mut bool,
+    ) -> Result<(), ReconcileError> {
+        if !*finalizer {
+            self.backend.add_finalizer(cx.proxy).await?;
+            *finalizer = true;
+        }
+        Ok(())
+    }
+
+    async fn remove_finalizer(
+        &self,
+        cx: &EffectContext<'_>,
+        finalizer: &mut bool,
+    ) -> Result<(), ReconcileError> {
+        self.leases.remove(cx.key);
+        self.health.remove(cx.key);
+        if *finalizer {
+            self.backend.remove_finalizer(cx.proxy).await?;
+            *finalizer = false;
+        }
+        Ok(())
+    }
+
+    async fn create_instance(&self, cx: &EffectContext<'_>, record: &mut Record) -> Vec<Occurrence> {
+        let (provider, resolved) = match (cx.provider, cx.resolved) {
+            (Some(provider), Ok(resolved)) => (provider, resolved),
+            (_, Err(problem)) => {
+                return vec![Occurrence::new(
+                    Event::CreateRejected,
+                    format!("the spec cannot be realised: {problem}"),
+                )];
+            }
+            (None, Ok(_)) => {
+                return vec![Occurrence::new(
+                    Event::CreateRejected,
+                    format!("provider {:?} is not configured", cx.provider_name),
+                )];
+            }
+        };
+        let Ok(port) = u16::try_from(cx.proxy.spec.port) else {
+            return vec![Occurrence::new(
+                Event::CreateRejected,
+                format!("port {} is out of range", cx.proxy.spec.port),
+            )];
+        };
+        let request = InstanceRequest {
+            name: cx.instance.to_owned(),
+            owner: cx.owner.clone(),
+            spec_hash: resolved.hash.clone(),
+            placement: cx.proxy.spec.placement.clone(),
+            port,
+            user_data: resolved.user_data.clone(),
+            credentials: resolved.credentials.clone(),
+        };
+        match provider.create(&request).await {
+            // An instance that already existed (an interrupted earlier create) is ours only if it
+            // was built from this spec; an old one is never adopted as current.
+            Ok(instance)
+                if instance
+                    .spec_hash
+                    .as_ref()
+                    .is_some_and(|stamped| *stamped != resolved.hash) =>
+            {
+                record.provider_id = Some(instance.id.to_string());
+                record.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
+                record.spec_hash = instance.spec_hash.clone();
+                vec![Occurrence::new(
+                    Event::InstanceStale,
+                    format!(
+                        "instance {} was built from spec hash {}, the spec needs {}",
+                        instance.id,
+                        short(instance.spec_hash.as_deref().unwrap_or_default()),
+                        short(&resolved.hash)
+                    ),
+                )]
+            }
+            Ok(instance) => {
+                record.provider_id = Some(instance.id.to_string());
+                record.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
+                // What it was built from (an older encoding of the same spec stays as stamped).
+                record.spec_hash = instance.spec_hash.clone().or_else(|| Some(resolved.hash.clone()));
+                // Provisioned=True is reported once this instance is seen running.
+                record.instance_running = false;
+                vec![Occurrence::new(
+                    Event::InstanceCreated,
+                    format!("instance {}", instance.id),
+                )]
+            }
+            Err(err @ ProviderError::Unavailable(_)) => {
+                vec![Occurrence::new(Event::ProviderUnavailable, err.to_string())]
+            }
+            Err(err @ (ProviderError::Misconfigured(_) | ProviderError::Rejected(_))) => {
+                vec![Occurrence::new(Event::CreateRejected, err.to_string())]
+            }
+            Err(err @ (ProviderError::Backend(_) | ProviderError::NotFound(_))) => {
+                vec![Occurrence::new(Event::CreateFailed, err.to_string())]
+            }
+        }
+    }
+
+    async fn delete_instance(&self, cx: &EffectContext<'_>, record: &mut Record) -> Vec<Occurrence> {
+        let Some(provider) = cx.provider else {
+            return vec![Occurrence::new(
+                Event::DeleteFailed,
+                format!(
+                    "provider {:?} is not configured, so its instance {} may still exist; configure the \
+                     provider again, or delete the instance by hand and remove the finalizer {}",
+                    cx.provider_name,
+                    cx.instance,
+                    super::status::FINALIZER
+                ),
+            )];
+        };
+        self.health.remove(cx.key);
+        if let Err(err) = provider.delete(cx.instance).await {
+            return vec![Occurrence::new(Event::DeleteFailed, err.to_string())];
+        }
+        // Only a truthful NotFound says it is gone; an instance still there is terminating.
+        match provider.get(cx.instance).await {
+            Err(ProviderError::NotFound(_)) => {
+                record.forget_instance();
+                vec![Occurrence::new(
+                    Event::InstanceMissing,
+                    "deleted: the provider reports NotFound",
+                )]
+            }
+            Ok(instance) => vec![Occurrence::new(
+                Event::DeletePending,
+                format!(
+                    "instance {} is still there after the delete (terminating)",
+                    instance.id
+                ),
+            )],
+            Err(err) => vec![Occurrence::new(
+                Event::DeletePending,
+                format!("the delete was accepted, but looking it up failed: {err}"),
+            )],
+        }
+    }
+}
+
+/// The first 12 hex digits of a hash (enough to tell two apart in a message).
+pub(crate) fn short(hash: &str) -> &str {
+    let hex = hash.rsplit(':').next().unwrap_or(hash);
+    &hex[..hex.len().min(12)]
+}
+
+/// What the lease store needs for this proxy, once it has an endpoint.
+pub(crate) fn lease_target(cx: &EffectContext<'_>, record: &Record) -> Option<LeaseTarget> {
+    Some(LeaseTarget {
+        key: cx.key.clone(),
+        endpoint: parse_endpoint(record.endpoint.as_deref()?)?,
+        attributes: cx.proxy.spec.attributes.clone(),
+        policy: cx.proxy.spec.lease.clone(),
+        credentials: cx.resolved.ok().and_then(|r| r.credentials.clone()),
+    })
+}
+
+/// `host:port` or `[v6]:port` back into an [`Endpoint`].
+pub(crate) fn parse_endpoint(endpoint: &str) -> Option<Endpoint> {
+    let (host, port) = endpoint.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    Some(Endpoint {
+        host: host.to_owned(),
+        port: port.parse().ok()?,
+    })
+}
