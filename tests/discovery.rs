@@ -1,7 +1,10 @@
 //! The discovery API over real sockets: the curl examples of docs/api.md run against a live
 //! server, keep-alive and graceful shutdown, authentication as `run` / `standalone` wire it
 //! (TokenReview against the fake API server, static tokens from a file or Secret rotated without
-//! a restart, the explicit opt-out), and leases that survive a leader change.
+//! a restart, the explicit opt-out), leases that survive a leader change, the JSON bodies of the
+//! errors hyper answers by itself, every endpoint agreeing on a lease around its `expiresAt`,
+//! and the OpenAPI contract (drift against docs/openapi.json, every documented response checked
+//! against it).
 
 mod support;
 
