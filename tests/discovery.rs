@@ -920,8 +920,8 @@ async fn listing_acquire_renew_and_release_agree_around_expires_at() {
         .as_millisecond() as u64;
     let id = lease["leaseId"].as_str().unwrap().to_owned();
     let stale = lease["fencingToken"].as_u64().unwrap() - 1;
-    let until = expires_ms + 300;
-    // Four kinds of probe race each other from 4 connections until 300 ms past expiresAt.
+    let until = expires_ms + 1000;
+    // Four kinds of probe race each other from 4 connections until a second past expiresAt.
     // Stale-token renew and release change nothing (409 while the lease exists, 404 after);
     // acquire stops at its first success, which takes the slot over.
     let acquired = Arc::new(std::sync::atomic::AtomicBool::new(false));
