@@ -4,7 +4,6 @@
 //! store/HTTP case (default 3), `EPO_BENCH_HEALTH_SECS` the health window (default 30).
 
 use std::{
-    collections::BTreeMap,
     convert::Infallible,
     hint::black_box,
     sync::{
@@ -16,23 +15,20 @@ use std::{
 
 use bytes::Bytes;
 use egress_proxies_operator::{
-    api::LeasePolicy,
-    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, StaticTokens},
+    discovery,
     health::{HealthConfig, HealthEngine, HealthTarget},
-    lease::{
-        AcquireRequest, Admission, CompiledSelector, LeaseStore, LeaseStoreConfig, LeaseTarget, Outcome,
-        ProxyKey, Selector, token::LeaseSigner,
-    },
+    lease::{AcquireRequest, CompiledSelector, LeaseStore, Outcome, ProxyKey, Selector},
     provider::Endpoint,
 };
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
-use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
-const PROXIES: usize = 10_000;
-const REGIONS: [&str; 4] = ["eu", "us", "ap", "sa"];
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{PROXIES, TOKEN, filled_store};
 
 fn secs(var: &str, default: u64) -> Duration {
     Duration::from_secs(
@@ -41,35 +37,6 @@ fn secs(var: &str, default: u64) -> Duration {
             .and_then(|v| v.parse().ok())
             .unwrap_or(default),
     )
-}
-
-fn filled_store(max_concurrent: i32) -> LeaseStore {
-    let store = LeaseStore::new(LeaseStoreConfig::default());
-    for i in 0..PROXIES {
-        let key = ProxyKey::new("bench", &format!("p{i}"));
-        store.upsert_proxy(LeaseTarget {
-            key: key.clone(),
-            endpoint: Endpoint {
-                host: "127.0.0.1".into(),
-                port: 3128,
-            },
-            attributes: BTreeMap::from([
-                ("region".to_owned(), REGIONS[i % 4].to_owned()),
-                (
-                    "tier".to_owned(),
-                    if i % 3 == 0 { "res" } else { "dc" }.to_owned(),
-                ),
-            ]),
-            policy: LeasePolicy {
-                max_concurrent,
-                cooldown_seconds: 0,
-                max_ttl_seconds: 3600,
-            },
-            credentials: None,
-        });
-        store.set_admission(&key, Admission::Open).expect("just added");
-    }
-    store
 }
 
 fn thread_cpu_now() -> f64 {
@@ -220,8 +187,6 @@ fn bench_store() {
 
 // ---------------------------------------------------------------------------------------------
 
-const TOKEN: &str = "bench-token";
-
 struct Load {
     requests: u64,
     seconds: f64,
@@ -316,34 +281,6 @@ async fn drive(addr: std::net::SocketAddr, connections: usize, for_: Duration) -
     }
 }
 
-/// A bare hyper server answering every request with a canned acquire-sized JSON body.
-async fn serve_bare(listener: TcpListener) {
-    let canned = Bytes::from(format!(
-        r#"{{"leaseId":"{}","fencingToken":3649891200000032,"proxyUrl":"http://127.0.0.1:3128","proxy":{{"key":"bench/p1","namespace":"bench","name":"p1","endpoint":"127.0.0.1:3128","attributes":{{"region":"eu","tier":"dc"}}}},"acquiredAt":"2026-05-28T10:00:00Z","expiresAt":"2026-05-28T10:01:00Z","ttlSeconds":60}}"#,
-        "A".repeat(120)
-    ));
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let canned = canned.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let canned = canned.clone();
-                async move {
-                    // Read the body like the real server does.
-                    let _ = req.into_body().collect().await;
-                    Ok::<_, Infallible>(Response::new(Full::new(canned)))
-                }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
-}
-
 fn bench_http() {
     let for_ = secs("EPO_BENCH_SECS", 3).max(Duration::from_secs(2));
     let connections = 64;
@@ -374,29 +311,14 @@ fn bench_http() {
     let bare_addr = server_rt.block_on(async {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        tokio::spawn(serve_bare(listener));
+        tokio::spawn(common::serve_bare(listener));
         addr
     });
     let bare = client_rt.block_on(drive(bare_addr, connections, for_));
 
     let store = filled_store(1);
     let api_addr = server_rt.block_on(async {
-        let mut registry = Registry::default();
-        let metrics = DiscoveryMetrics::register(&mut registry);
-        let (ready, readiness) = tokio::sync::watch::channel(Readiness {
-            synced: true,
-            leader: true,
-        });
-        std::mem::forget(ready);
-        let state = DiscoveryState::new(
-            store.clone(),
-            LeaseSigner::new(&LeaseSigner::generate_secret()).expect("32 bytes"),
-            Arc::new(StaticTokens::parse(TOKEN)),
-            readiness,
-            Arc::new(registry),
-            metrics,
-            DiscoveryConfig::default(),
-        );
+        let state = common::discovery_state(store.clone());
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         tokio::spawn(discovery::serve(listener, state, std::future::pending()));

@@ -99,6 +99,8 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         out_dir: Option<PathBuf>,
     },
+    /// Print the discovery API's OpenAPI 3.1 contract (what docs/openapi.json holds).
+    Openapi,
     /// Validate Proxy manifests (CRD schema, unknown fields, CEL rules) and providers configs offline.
     Check {
         /// Files to validate; each may hold several YAML documents.
@@ -303,6 +305,10 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Crd { out_dir: None } => {
             print!("{}", api::render_all()?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Openapi => {
+            print!("{}", egress_proxies_operator::discovery::openapi::json());
             Ok(ExitCode::SUCCESS)
         }
         Command::Crd { out_dir: Some(dir) } => {

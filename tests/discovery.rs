@@ -1,13 +1,16 @@
 //! The discovery API over real sockets: the curl examples of docs/api.md run against a live
 //! server, keep-alive and graceful shutdown, authentication as `run` / `standalone` wire it
 //! (TokenReview against the fake API server, static tokens from a file or Secret rotated without
-//! a restart, the explicit opt-out), and leases that survive a leader change.
+//! a restart, the explicit opt-out), leases that survive a leader change, the JSON bodies of the
+//! errors hyper answers by itself, every endpoint agreeing on a lease around its `expiresAt`,
+//! and the OpenAPI contract (drift against docs/openapi.json, every documented response checked
+//! against it).
 
 mod support;
 
 use std::{
     collections::{BTreeMap, HashMap},
-    sync::Arc,
+    sync::{Arc, atomic::Ordering},
     time::Duration,
 };
 
@@ -69,7 +72,7 @@ fn demo_store() -> LeaseStore {
 /// A live server on 127.0.0.1:0; stops (gracefully) on Drop.
 struct Server {
     url: String,
-    _ready: watch::Sender<Readiness>,
+    ready: watch::Sender<Readiness>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
 }
@@ -99,7 +102,7 @@ impl Server {
         }));
         Server {
             url,
-            _ready: ready,
+            ready,
             stop: Some(stop),
             task: Some(task),
         }
@@ -715,5 +718,855 @@ async fn no_authentication_only_as_an_explicit_opt_out() {
     let (status, body) = get_with(&mut c, "/v1/proxies", None).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert!(body.to_string().contains("crawl/eu-1"), "{body}");
+    server.shutdown().await;
+}
+
+/// Sends raw bytes on a fresh connection (then half-closes it if asked) and reads one response:
+/// status, head, body.
+async fn raw_exchange(url: &str, request: &[u8], half_close: bool) -> (u16, String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(url.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    // The server may answer (and close) before it has read everything: a failed write is fine.
+    let _ = stream.write_all(request).await;
+    if half_close {
+        let _ = stream.shutdown().await;
+    }
+    let mut buf = Vec::new();
+    let read = async {
+        loop {
+            let mut chunk = [0u8; 4096];
+            let n = stream.read(&mut chunk).await.unwrap_or(0);
+            buf.extend_from_slice(&chunk[..n]);
+            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                if buf.len() >= end + 4 + len || n == 0 {
+                    return end;
+                }
+            } else if n == 0 {
+                return buf.len();
+            }
+        }
+    };
+    let end = tokio::time::timeout(Duration::from_secs(10), read)
+        .await
+        .expect("the server answers");
+    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+    let body = String::from_utf8_lossy(buf.get(end + 4..).unwrap_or_default()).into_owned();
+    let status = head.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, head, body)
+}
+
+#[tokio::test]
+async fn errors_from_the_http_layer_have_the_json_error_body() {
+    let server = Server::start(demo_store(), tokens()).await;
+    let auth = format!("authorization: Bearer {TOKEN}\r\n");
+    let many_headers: String = (0..150).map(|i| format!("x-h{i}: v\r\n")).collect();
+    let huge_header = format!("x-big: {}\r\n", "a".repeat(500 * 1024));
+    let long_uri = format!("/v1/proxies?selector={}", "a".repeat(70 * 1024));
+    let cases: Vec<(&str, String, bool, u16, &str)> = vec![
+        (
+            "too many headers",
+            format!("GET /v1/proxies HTTP/1.1\r\nhost: x\r\n{many_headers}\r\n"),
+            false,
+            431,
+            "headers_too_large",
+        ),
+        (
+            "headers over the buffer",
+            format!("GET /v1/proxies HTTP/1.1\r\nhost: x\r\n{huge_header}\r\n"),
+            false,
+            431,
+            "headers_too_large",
+        ),
+        (
+            "URI too long",
+            format!("GET {long_uri} HTTP/1.1\r\nhost: x\r\n\r\n"),
+            false,
+            414,
+            "uri_too_long",
+        ),
+        (
+            "garbage request line",
+            "HELLO THERE\r\n\r\n".to_owned(),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "Content-Length not a number",
+            format!("POST /v1/leases HTTP/1.1\r\nhost: x\r\n{auth}content-length: ten\r\n\r\n{{}}"),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "two different Content-Lengths",
+            format!(
+                "POST /v1/leases HTTP/1.1\r\nhost: x\r\n{auth}content-length: 2\r\ncontent-length: 3\r\n\r\n{{}}"
+            ),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "HTTP/1.0 with chunked Transfer-Encoding",
+            format!(
+                "POST /v1/leases HTTP/1.0\r\nhost: x\r\n{auth}transfer-encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n"
+            ),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "bad chunk size",
+            format!(
+                "POST /v1/leases HTTP/1.1\r\nhost: x\r\n{auth}transfer-encoding: chunked\r\n\r\nzz\r\n{{}}\r\n0\r\n\r\n"
+            ),
+            false,
+            400,
+            "malformed_request",
+        ),
+        (
+            "body shorter than its Content-Length",
+            format!("POST /v1/leases HTTP/1.1\r\nhost: x\r\n{auth}content-length: 100\r\n\r\n{{\"holder\":"),
+            true,
+            400,
+            "malformed_request",
+        ),
+        (
+            "HTTP/1.0 request on a wrong method",
+            "DELETE /v1/proxies HTTP/1.0\r\n\r\n".to_owned(),
+            false,
+            405,
+            "method_not_allowed",
+        ),
+    ];
+    for (what, request, half_close, status, code) in cases {
+        let (got, head, body) = raw_exchange(&server.url, request.as_bytes(), half_close).await;
+        assert_eq!(got, status, "{what}: {head}\n{body}");
+        assert!(
+            head.to_lowercase().contains("content-type: application/json"),
+            "{what}: {head}"
+        );
+        let json: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{what}: {e}: {body:?}"));
+        assert_eq!(json["error"]["code"], code, "{what}: {body}");
+        assert!(json["error"]["message"].is_string(), "{what}: {body}");
+    }
+    // A well-formed request on a fresh connection is still served.
+    let (got, _, _) = raw_exchange(&server.url, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n", false).await;
+    assert_eq!(got, 200);
+    server.shutdown().await;
+}
+
+/// What one probe of the race below saw, and when (wall-clock ms around the exchange).
+#[derive(Debug)]
+struct Probe {
+    what: &'static str,
+    sent_ms: u64,
+    received_ms: u64,
+    /// Whether the probe found the first lease still in force.
+    exists: bool,
+}
+
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+#[tokio::test]
+async fn listing_acquire_renew_and_release_agree_around_expires_at() {
+    // One proxy, one slot, no cooldown: the moment the lease expires, its slot is free.
+    let store = LeaseStore::new(LeaseStoreConfig::default());
+    let key = ProxyKey::new("crawl", "solo");
+    store.upsert_proxy(LeaseTarget {
+        key: key.clone(),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port: 3128,
+        },
+        attributes: BTreeMap::from([("region".to_owned(), "solo".to_owned())]),
+        policy: LeasePolicy {
+            max_concurrent: 1,
+            cooldown_seconds: 0,
+            max_ttl_seconds: 3600,
+        },
+        credentials: None,
+    });
+    store.set_admission(&key, Admission::Open).unwrap();
+    let server = Server::start(store, tokens()).await;
+    let mut c = connect(&server.url).await;
+    let (status, lease) = send(
+        &mut c,
+        "POST",
+        "/v1/leases",
+        TOKEN,
+        json!({"holder": "first", "selector": {"region": "solo"}, "ttlSeconds": 1}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{lease}");
+    let expires_ms = lease["expiresAt"]
+        .as_str()
+        .unwrap()
+        .parse::<jiff::Timestamp>()
+        .unwrap()
+        .as_millisecond() as u64;
+    let id = lease["leaseId"].as_str().unwrap().to_owned();
+    let stale = lease["fencingToken"].as_u64().unwrap() - 1;
+    let until = expires_ms + 1000;
+    // Four kinds of probe race each other from 4 connections until a second past expiresAt.
+    // Stale-token renew and release change nothing (409 while the lease exists, 404 after);
+    // acquire stops at its first success, which takes the slot over.
+    let acquired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for what in ["list", "renew", "release", "acquire"] {
+        let (url, id, acquired) = (server.url.clone(), id.clone(), acquired.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut c = connect(&url).await;
+            let mut seen = Vec::new();
+            while wall_ms() < until && !(what == "acquire" && acquired.load(Ordering::SeqCst)) {
+                let sent_ms = wall_ms();
+                let exists = match what {
+                    "list" => {
+                        let (s, body) = send(&mut c, "GET", "/v1/proxies", TOKEN, Value::Null).await;
+                        assert_eq!(s, StatusCode::OK);
+                        let p = &body["proxies"][0];
+                        match (
+                            p["availability"].as_str().unwrap(),
+                            p["activeLeases"].as_u64().unwrap(),
+                        ) {
+                            ("busy", 1) => true,
+                            ("available", 0) => false,
+                            other => panic!("listing: {other:?}"),
+                        }
+                    }
+                    "renew" | "release" => {
+                        let body = if what == "renew" {
+                            json!({"fencingToken": stale})
+                        } else {
+                            json!({"fencingToken": stale, "outcome": "ok"})
+                        };
+                        let path = format!("/v1/leases/{id}/{what}");
+                        let (s, body) = send(&mut c, "POST", &path, TOKEN, body).await;
+                        match s {
+                            StatusCode::CONFLICT => true,
+                            StatusCode::NOT_FOUND => false,
+                            other => panic!("{what}: {other} {body}"),
+                        }
+                    }
+                    _ => {
+                        let (s, body) = send(
+                            &mut c,
+                            "POST",
+                            "/v1/leases",
+                            TOKEN,
+                            json!({"holder": "second", "selector": {"region": "solo"}, "ttlSeconds": 60}),
+                        )
+                        .await;
+                        match s {
+                            StatusCode::SERVICE_UNAVAILABLE => false,
+                            StatusCode::CREATED => {
+                                acquired.store(true, Ordering::SeqCst);
+                                true
+                            }
+                            other => panic!("acquire: {other} {body}"),
+                        }
+                        // For acquire, `exists` is inverted below: 503 means the first lease holds.
+                    }
+                };
+                let exists = if what == "acquire" { !exists } else { exists };
+                seen.push(Probe {
+                    what,
+                    sent_ms,
+                    received_ms: wall_ms(),
+                    exists,
+                });
+            }
+            seen
+        }));
+    }
+    let mut probes = Vec::new();
+    for t in tasks {
+        probes.extend(t.await.unwrap());
+    }
+    let acquired_at = probes
+        .iter()
+        .find(|p| p.what == "acquire" && !p.exists)
+        .map(|p| p.sent_ms)
+        .expect("the slot was acquired after the expiry");
+    // The second lease makes the listing busy again: listings sent after its acquire was sent
+    // say nothing about the first lease.
+    probes.retain(|p| !(p.what == "list" && p.received_ms >= acquired_at));
+    // (1) Answered before expiresAt: the lease exists for everyone. (The store's clock may lag
+    //     the wall clock by a tick, never lead it.)
+    for p in probes.iter().filter(|p| p.received_ms < expires_ms) {
+        assert!(
+            p.exists,
+            "{p:?} answered before expiresAt {expires_ms} but saw no lease"
+        );
+    }
+    // (2) Sent well after expiresAt: gone for everyone.
+    for p in probes.iter().filter(|p| p.sent_ms > expires_ms + 50) {
+        assert!(
+            !p.exists,
+            "{p:?} sent after expiresAt {expires_ms} but saw the lease"
+        );
+    }
+    // (3) No endpoint contradicts another: once any probe saw it gone, every probe sent after
+    //     that answer arrived sees it gone too.
+    for gone in probes.iter().filter(|p| !p.exists) {
+        for later in probes.iter().filter(|q| q.sent_ms > gone.received_ms) {
+            assert!(!later.exists, "{later:?} saw the lease after {gone:?} did not");
+        }
+    }
+    for what in ["list", "renew", "release", "acquire"] {
+        assert!(
+            probes.iter().any(|p| p.what == what && p.exists),
+            "no {what} probe before the expiry"
+        );
+    }
+    server.shutdown().await;
+}
+
+/// Tokens with fixed verdicts: [`TOKEN`] passes, `forbidden-token` is 403, `down-token` 503.
+struct Verdicts;
+
+#[async_trait::async_trait]
+impl Authenticator for Verdicts {
+    async fn authenticate(&self, token: &str) -> Result<discovery::Identity, AuthError> {
+        match token {
+            TOKEN => Ok(discovery::Identity {
+                name: "crawler".into(),
+            }),
+            "forbidden-token" => Err(AuthError::Forbidden("the outsider".into())),
+            "down-token" => Err(AuthError::Unavailable("API server unreachable".into())),
+            _ => Err(AuthError::Unauthenticated),
+        }
+    }
+}
+
+#[test]
+fn checked_in_openapi_contract_matches_the_types() {
+    let on_disk = std::fs::read_to_string(support::crate_path("docs/openapi.json")).unwrap();
+    assert!(
+        on_disk == discovery::openapi::json(),
+        "docs/openapi.json drifted from src/discovery; run `cargo run -- openapi > docs/openapi.json` and commit"
+    );
+    let doc: Value = serde_json::from_str(&on_disk).unwrap();
+    assert_eq!(doc["openapi"], "3.1.0");
+}
+
+/// Checks one real answer against the contract: the operation documents its status (or, for
+/// answers no operation owns, the component response does), the content type is the documented
+/// one, the body validates against the documented schema, an error's description names its
+/// code, and documented headers are present and valid.
+struct Contract {
+    doc: Value,
+    seen: std::collections::BTreeSet<(String, String, u16)>,
+    codes: std::collections::BTreeSet<String>,
+}
+
+impl Contract {
+    /// Why `instance` does not conform to `schema` (empty if it does).
+    fn violations(&self, schema: &Value, instance: &Value) -> Vec<String> {
+        // The whole document is the root, so `#/components/...` references resolve.
+        let mut root = self.doc.clone();
+        root["$schema"] = json!("https://json-schema.org/draft/2020-12/schema");
+        root["allOf"] = json!([schema]);
+        let validator = jsonschema::validator_for(&root).unwrap();
+        validator.iter_errors(instance).map(|e| e.to_string()).collect()
+    }
+
+    fn validate(&self, schema: &Value, instance: &Value, what: &str) {
+        let errors = self.violations(schema, instance);
+        assert!(
+            errors.is_empty(),
+            "{what}: {instance} does not conform: {errors:?}"
+        );
+    }
+
+    /// `template` is the documented path, or `None` for the component responses.
+    fn check(&mut self, method: &str, template: Option<&str>, status: u16, head: &str, body: &str) {
+        let what = format!("{method} {template:?} -> {status}");
+        let response = match template {
+            Some(t) => self.doc["paths"][t][method.to_lowercase()]["responses"][status.to_string()].clone(),
+            None => {
+                let name = match status {
+                    400 => "HttpLayerBadRequest",
+                    404 => "NotFound",
+                    405 => "MethodNotAllowed",
+                    414 => "HttpLayerUriTooLong",
+                    431 => "HttpLayerHeadersTooLarge",
+                    other => panic!("{what}: no component response for {other}"),
+                };
+                self.doc["components"]["responses"][name].clone()
+            }
+        };
+        assert!(response.is_object(), "{what}: not documented");
+        let header = |name: &str| {
+            head.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+            })
+        };
+        let content_type = header("content-type").unwrap_or_default();
+        let content = response["content"]
+            .as_object()
+            .expect("every response has content");
+        let (documented_type, media) = content.iter().next().unwrap();
+        assert!(
+            content_type.starts_with(documented_type.split(';').next().unwrap()),
+            "{what}: content type {content_type}, documented {documented_type}"
+        );
+        if documented_type == "application/json" {
+            let instance: Value =
+                serde_json::from_str(body).unwrap_or_else(|e| panic!("{what}: {e}: {body}"));
+            self.validate(&media["schema"], &instance, &what);
+            if let Some(code) = instance["error"]["code"].as_str() {
+                let description = response["description"].as_str().unwrap_or_default();
+                assert!(
+                    description.contains(&format!("`{code}`")),
+                    "{what}: code {code} is not in the documented description {description:?}"
+                );
+                self.codes.insert(code.to_owned());
+            }
+        }
+        if let Some(headers) = response["headers"].as_object() {
+            for (name, spec) in headers {
+                let value = header(name).unwrap_or_else(|| panic!("{what}: no {name} header"));
+                let number: Value = value.parse::<u64>().map_or(json!(value), |n| json!(n));
+                self.validate(&spec["schema"], &number, &format!("{what} header {name}"));
+            }
+        }
+        if status == 405 {
+            assert!(header("allow").is_some(), "{what}: 405 without Allow");
+        }
+        if let Some(t) = template {
+            self.seen.insert((t.to_owned(), method.to_lowercase(), status));
+        }
+    }
+}
+
+#[tokio::test]
+async fn every_documented_response_conforms_to_the_openapi_contract() {
+    let store = demo_store();
+    let server = Server::start(store.clone(), Arc::new(Verdicts)).await;
+    let served = raw_exchange(
+        &server.url,
+        b"GET /v1/openapi.json HTTP/1.1\r\nhost: x\r\n\r\n",
+        false,
+    )
+    .await;
+    assert_eq!(
+        served.2,
+        discovery::openapi::json(),
+        "the served contract is the generated one"
+    );
+    let mut contract = Contract {
+        doc: serde_json::from_str(&served.2).unwrap(),
+        seen: Default::default(),
+        codes: Default::default(),
+    };
+    // The check can fail: what the contract does not allow is caught.
+    let error = json!({"$ref": "#/components/schemas/Error"});
+    for bad in [
+        json!({"error": {"code": "made_up", "message": "m"}}),
+        json!({"error": {"code": "not_found"}}),
+        json!({"error": {"code": "not_found", "message": "m", "extra": 1}}),
+        json!({"code": "not_found", "message": "m"}),
+    ] {
+        assert!(!contract.violations(&error, &bad).is_empty(), "{bad} passed");
+    }
+    let proxy = json!({"$ref": "#/components/schemas/Proxy"});
+    let listed = json!({"key": "a/b", "namespace": "a", "name": "b", "endpoint": "h:1", "attributes": {}, "availability": "sleeping"});
+    assert!(!contract.violations(&proxy, &listed).is_empty());
+
+    // One request on a fresh connection: method, path, token, body.
+    async fn call(
+        url: &str,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: &str,
+    ) -> (u16, String, String) {
+        let auth = token
+            .map(|t| format!("authorization: Bearer {t}\r\n"))
+            .unwrap_or_default();
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nhost: x\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        raw_exchange(url, request.as_bytes(), false).await
+    }
+    let url = server.url.clone();
+    let big = format!("{{\"holder\":\"{}\"}}", "a".repeat(20_000));
+    let acquire = r#"{"holder":"c","selector":{"region":"us"},"targetDomain":"shop.example"}"#;
+
+    // A lease to renew and release, on us-1 (two slots).
+    let (status, head, body) = call(&url, "POST", "/v1/leases", Some(TOKEN), acquire).await;
+    contract.check("POST", Some("/v1/leases"), status, &head, &body);
+    assert_eq!(status, 201, "{body}");
+    let lease: Value = serde_json::from_str(&body).unwrap();
+    let id = lease["leaseId"].as_str().unwrap().to_owned();
+    let first = lease["fencingToken"].as_u64().unwrap();
+    let renew_path = format!("/v1/leases/{id}/renew");
+    let release_path = format!("/v1/leases/{id}/release");
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        &renew_path,
+        Some(TOKEN),
+        &format!(r#"{{"fencingToken":{first}}}"#),
+    )
+    .await;
+    contract.check("POST", Some("/v1/leases/{leaseId}/renew"), status, &head, &body);
+    assert_eq!(status, 200, "{body}");
+    let current = serde_json::from_str::<Value>(&body).unwrap()["fencingToken"]
+        .as_u64()
+        .unwrap();
+
+    let renew = "/v1/leases/{leaseId}/renew";
+    let release = "/v1/leases/{leaseId}/release";
+    let stale_release = format!(r#"{{"fencingToken":{first},"outcome":"ok"}}"#);
+    // method, path, token, body, documented path (None: a component response), status
+    type Case<'a> = (&'a str, String, Option<&'a str>, String, Option<&'a str>, u16);
+    let cases: Vec<Case> = vec![
+        (
+            "GET",
+            "/healthz".into(),
+            None,
+            String::new(),
+            Some("/healthz"),
+            200,
+        ),
+        ("GET", "/readyz".into(), None, String::new(), Some("/readyz"), 200),
+        (
+            "GET",
+            "/metrics".into(),
+            None,
+            String::new(),
+            Some("/metrics"),
+            200,
+        ),
+        (
+            "GET",
+            "/v1/openapi.json".into(),
+            None,
+            String::new(),
+            Some("/v1/openapi.json"),
+            200,
+        ),
+        (
+            "GET",
+            "/v1/proxies?selector=region%3Deu".into(),
+            Some(TOKEN),
+            String::new(),
+            Some("/v1/proxies"),
+            200,
+        ),
+        (
+            "GET",
+            "/v1/proxies?selector=region".into(),
+            Some(TOKEN),
+            String::new(),
+            Some("/v1/proxies"),
+            400,
+        ),
+        (
+            "GET",
+            "/v1/proxies".into(),
+            None,
+            String::new(),
+            Some("/v1/proxies"),
+            401,
+        ),
+        (
+            "GET",
+            "/v1/proxies".into(),
+            Some("forbidden-token"),
+            String::new(),
+            Some("/v1/proxies"),
+            403,
+        ),
+        (
+            "GET",
+            "/v1/proxies".into(),
+            Some("down-token"),
+            String::new(),
+            Some("/v1/proxies"),
+            503,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some(TOKEN),
+            r#"{"holder":"c","colour":"red"}"#.into(),
+            Some("/v1/leases"),
+            400,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some("nobody"),
+            acquire.into(),
+            Some("/v1/leases"),
+            401,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some("forbidden-token"),
+            acquire.into(),
+            Some("/v1/leases"),
+            403,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some(TOKEN),
+            big.clone(),
+            Some("/v1/leases"),
+            413,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some(TOKEN),
+            r#"{"holder":"c","selector":{"region":"mars"}}"#.into(),
+            Some("/v1/leases"),
+            503,
+        ),
+        (
+            "POST",
+            renew_path.clone(),
+            Some(TOKEN),
+            "[]".into(),
+            Some(renew),
+            400,
+        ),
+        ("POST", renew_path.clone(), None, "{}".into(), Some(renew), 401),
+        (
+            "POST",
+            renew_path.clone(),
+            Some("forbidden-token"),
+            "{}".into(),
+            Some(renew),
+            403,
+        ),
+        (
+            "POST",
+            "/v1/leases/not-a-lease/renew".into(),
+            Some(TOKEN),
+            r#"{"fencingToken":1}"#.into(),
+            Some(renew),
+            404,
+        ),
+        (
+            "POST",
+            renew_path.clone(),
+            Some(TOKEN),
+            format!(r#"{{"fencingToken":{first}}}"#),
+            Some(renew),
+            409,
+        ),
+        (
+            "POST",
+            renew_path.clone(),
+            Some(TOKEN),
+            big.clone(),
+            Some(renew),
+            413,
+        ),
+        (
+            "POST",
+            renew_path.clone(),
+            Some("down-token"),
+            "{}".into(),
+            Some(renew),
+            503,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some(TOKEN),
+            r#"{"outcome":"ok"}"#.into(),
+            Some(release),
+            400,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            None,
+            "{}".into(),
+            Some(release),
+            401,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some("forbidden-token"),
+            "{}".into(),
+            Some(release),
+            403,
+        ),
+        (
+            "POST",
+            "/v1/leases/not-a-lease/release".into(),
+            Some(TOKEN),
+            stale_release.clone(),
+            Some(release),
+            404,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some(TOKEN),
+            stale_release.clone(),
+            Some(release),
+            409,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some(TOKEN),
+            big.clone(),
+            Some(release),
+            413,
+        ),
+        (
+            "POST",
+            release_path.clone(),
+            Some("down-token"),
+            "{}".into(),
+            Some(release),
+            503,
+        ),
+        ("GET", "/nowhere".into(), Some(TOKEN), String::new(), None, 404),
+        (
+            "DELETE",
+            "/v1/proxies".into(),
+            Some(TOKEN),
+            String::new(),
+            None,
+            405,
+        ),
+    ];
+    for (method, path, token, body, template, want) in &cases {
+        let (status, head, answer) = call(&url, method, path, *token, body).await;
+        assert_eq!(status, *want, "{method} {path}: {answer}");
+        contract.check(method, *template, status, &head, &answer);
+    }
+    // A ban without a domain anywhere: a lease without targetDomain, released as banned.
+    let (_, _, body) = call(
+        &url,
+        "POST",
+        "/v1/leases",
+        Some(TOKEN),
+        r#"{"holder":"c","selector":{"region":"eu"}}"#,
+    )
+    .await;
+    let plain: Value = serde_json::from_str(&body).unwrap();
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        &format!("/v1/leases/{}/release", plain["leaseId"].as_str().unwrap()),
+        Some(TOKEN),
+        &format!(
+            r#"{{"fencingToken":{},"outcome":"banned"}}"#,
+            plain["fencingToken"]
+        ),
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    contract.check("POST", Some(release), status, &head, &body);
+    // Draining: renewals refused, release still fine.
+    store.drain(&ProxyKey::new("crawl", "us-1"));
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        &renew_path,
+        Some(TOKEN),
+        &format!(r#"{{"fencingToken":{current}}}"#),
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    contract.check("POST", Some(renew), status, &head, &body);
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        &release_path,
+        Some(TOKEN),
+        &format!(r#"{{"fencingToken":{current},"outcome":"banned"}}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    contract.check("POST", Some(release), status, &head, &body);
+    // Not ready, then not the leader: every lease operation and /readyz say so.
+    for readiness in [
+        Readiness {
+            synced: false,
+            leader: true,
+        },
+        Readiness {
+            synced: true,
+            leader: false,
+        },
+    ] {
+        server.ready.send(readiness).unwrap();
+        for (method, path, template) in [
+            ("GET", "/readyz", "/readyz"),
+            ("GET", "/v1/proxies", "/v1/proxies"),
+            ("POST", "/v1/leases", "/v1/leases"),
+            ("POST", renew_path.as_str(), renew),
+            ("POST", release_path.as_str(), release),
+        ] {
+            let (status, head, body) = call(&url, method, path, Some(TOKEN), "{}").await;
+            assert_eq!(status, 503, "{method} {path}: {body}");
+            contract.check(method, Some(template), status, &head, &body);
+        }
+    }
+    // What the HTTP layer answers by itself.
+    for (request, want) in [
+        (b"HELLO THERE\r\n\r\n".to_vec(), 400),
+        (
+            format!("GET /{} HTTP/1.1\r\nhost: x\r\n\r\n", "a".repeat(70 * 1024)).into_bytes(),
+            414,
+        ),
+        (
+            format!("GET /healthz HTTP/1.1\r\n{}\r\n", "x-h: v\r\n".repeat(150)).into_bytes(),
+            431,
+        ),
+    ] {
+        let (status, head, body) = raw_exchange(&url, &request, false).await;
+        assert_eq!(status, want, "{body}");
+        contract.check("GET", None, status, &head, &body);
+    }
+
+    // Every documented (operation, status) was met, except the 500 a bug would cause.
+    let mut documented = std::collections::BTreeSet::new();
+    for (path, item) in contract.doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            for status in op["responses"].as_object().unwrap().keys() {
+                documented.insert((path.clone(), method.clone(), status.parse::<u16>().unwrap()));
+            }
+        }
+    }
+    documented.remove(&("/metrics".to_owned(), "get".to_owned(), 500));
+    let missing: Vec<_> = documented.difference(&contract.seen).collect();
+    assert!(missing.is_empty(), "documented but never checked: {missing:?}");
+    // And every documented error code, except `internal`.
+    let codes: std::collections::BTreeSet<String> = discovery::ERROR_CODES
+        .iter()
+        .filter(|c| **c != "internal")
+        .map(|c| c.to_string())
+        .collect();
+    assert_eq!(contract.codes, codes, "error codes met vs documented");
     server.shutdown().await;
 }

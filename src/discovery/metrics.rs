@@ -41,6 +41,19 @@ pub struct CodeLabels {
 
 type HistogramFamily = Family<RouteLabels, Histogram, fn() -> Histogram>;
 
+/// Every route label, in [`crate::discovery`]'s route index order.
+pub(crate) const ROUTES: [&str; 10] = [
+    "healthz", "readyz", "metrics", "openapi", "list", "acquire", "renew", "release", "other", "ui",
+];
+
+/// A route's `ok` counter and duration histogram, resolved from their families on first use:
+/// the hot path then skips the families' lock and label hashing.
+#[derive(Debug, Default)]
+pub(crate) struct HotRoute {
+    ok: OnceLock<Counter>,
+    duration: OnceLock<Histogram>,
+}
+
 /// Handles to the discovery metrics.
 #[derive(Clone, Debug)]
 pub struct DiscoveryMetrics {
@@ -50,6 +63,7 @@ pub struct DiscoveryMetrics {
     pub(crate) refused: Family<CodeLabels, Counter>,
     pub(crate) released: Family<CodeLabels, Counter>,
     pub(crate) active: ActiveLeases,
+    hot: Arc<[HotRoute; ROUTES.len()]>,
 }
 
 /// `leases_active`, read from the lease store at every scrape of whichever endpoint serves the
@@ -86,6 +100,33 @@ fn duration_histogram() -> Histogram {
 }
 
 impl DiscoveryMetrics {
+    /// Counts one answer of route number `route` ([`ROUTES`]) with `code` (`ok` or an error
+    /// code) that took `seconds`.
+    pub(crate) fn record(&self, route: usize, code: &'static str, seconds: f64) {
+        let label = ROUTES[route];
+        let hot = &self.hot[route];
+        if code == "ok" {
+            hot.ok
+                .get_or_init(|| {
+                    self.requests
+                        .get_or_create(&ResultLabels { route: label, code })
+                        .clone()
+                })
+                .inc();
+        } else {
+            self.requests
+                .get_or_create(&ResultLabels { route: label, code })
+                .inc();
+        }
+        hot.duration
+            .get_or_init(|| {
+                self.durations
+                    .get_or_create(&RouteLabels { route: label })
+                    .clone()
+            })
+            .observe(seconds);
+    }
+
     /// Creates the metrics and registers them (prefix `epo_discovery`) in `registry`.
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = Self {
@@ -95,6 +136,7 @@ impl DiscoveryMetrics {
             refused: Family::default(),
             released: Family::default(),
             active: ActiveLeases::default(),
+            hot: Arc::default(),
         };
         let r = registry.sub_registry_with_prefix("epo_discovery");
         r.register(

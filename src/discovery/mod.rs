@@ -11,7 +11,9 @@
 //! 503 and lease endpoints answer 503 `not_ready` / `not_leader` (with `Retry-After`).
 
 pub mod auth;
+mod http_errors;
 mod metrics;
+pub mod openapi;
 mod wire;
 
 #[cfg(test)]
@@ -41,15 +43,15 @@ pub use auth::{
 };
 pub use metrics::DiscoveryMetrics;
 pub use wire::{
-    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
-    ReleaseResponse, RenewBody, RenewResponse,
+    AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
+    ReleaseResponse, RenewBody, RenewResponse, StatusBody,
 };
 
 use crate::lease::{
     AcquireRequest, LeaseError, LeaseStore, Selector, rfc3339,
     token::{LeaseSigner, MAX_ID_LEN},
 };
-use metrics::{CodeLabels, ResultLabels, RouteLabels};
+use metrics::{CodeLabels, ResultLabels};
 
 /// Whether this replica may serve leases.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -167,12 +169,17 @@ pub async fn serve(
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                let requests = state.inner.metrics.requests.clone();
                 let state = state.clone();
                 let service = hyper::service::service_fn(move |req| {
                     let state = state.clone();
                     async move { Ok::<_, Infallible>(handle(&state, req).await) }
                 });
-                let conn = graceful.watch(builder.serve_connection(TokioIo::new(stream), service));
+                let io = http_errors::JsonErrors::new(TokioIo::new(stream), move |status| {
+                    let code = http_errors::code_for(status).0;
+                    requests.get_or_create(&ResultLabels { route: "other", code }).inc();
+                });
+                let conn = graceful.watch(builder.serve_connection(io, service));
                 tokio::spawn(async move {
                     if let Err(error) = conn.await {
                         tracing::debug!(%error, "discovery connection ended with an error");
@@ -197,6 +204,7 @@ enum Route<'a> {
     Healthz,
     Readyz,
     Metrics,
+    OpenApi,
     Ui,
     List,
     Acquire,
@@ -204,17 +212,22 @@ enum Route<'a> {
     Release(&'a str),
 }
 
+/// The route index of requests no route takes (`metrics::ROUTES`).
+const OTHER_ROUTE: usize = 8;
+
 impl Route<'_> {
-    fn label(self) -> &'static str {
+    /// Its index in `metrics::ROUTES` (its metric label).
+    fn index(self) -> usize {
         match self {
-            Route::Healthz => "healthz",
-            Route::Readyz => "readyz",
-            Route::Metrics => "metrics",
-            Route::Ui => "ui",
-            Route::List => "list",
-            Route::Acquire => "acquire",
-            Route::Renew(_) => "renew",
-            Route::Release(_) => "release",
+            Route::Healthz => 0,
+            Route::Readyz => 1,
+            Route::Metrics => 2,
+            Route::OpenApi => 3,
+            Route::List => 4,
+            Route::Acquire => 5,
+            Route::Renew(_) => 6,
+            Route::Release(_) => 7,
+            Route::Ui => 9,
         }
     }
 }
@@ -291,7 +304,9 @@ impl From<LeaseError> for ApiError {
 }
 
 fn json<T: serde::Serialize>(status: StatusCode, body: &T) -> Response<Full<Bytes>> {
-    let bytes = serde_json::to_vec(body).expect("API responses are plain data and always serialize");
+    // Most answers (an acquire's is the largest common one) fit without regrowing.
+    let mut bytes = Vec::with_capacity(512);
+    serde_json::to_writer(&mut bytes, body).expect("API responses are plain data and always serialize");
     let mut response = Response::new(Full::new(Bytes::from(bytes)));
     *response.status_mut() = status;
     response
@@ -318,6 +333,7 @@ fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, ApiError> {
         "/healthz" => only("GET", &Method::GET, Route::Healthz),
         "/readyz" => only("GET", &Method::GET, Route::Readyz),
         "/metrics" => only("GET", &Method::GET, Route::Metrics),
+        "/v1/openapi.json" => only("GET", &Method::GET, Route::OpenApi),
         "/ui" => only("GET", &Method::GET, Route::Ui),
         "/v1/proxies" => only("GET", &Method::GET, Route::List),
         "/v1/leases" => only("POST", &Method::POST, Route::Acquire),
@@ -354,21 +370,18 @@ where
 {
     let started = Instant::now();
     let (parts, body) = request.into_parts();
-    let (label, result) = match route(&parts.method, parts.uri.path()) {
-        Ok(r) => (r.label(), dispatch(state, r, &parts, body).await),
-        Err(e) => ("other", Err(e)),
+    let (index, result) = match route(&parts.method, parts.uri.path()) {
+        Ok(r) => (r.index(), dispatch(state, r, &parts, body).await),
+        Err(e) => (OTHER_ROUTE, Err(e)),
     };
-    let m = &state.inner.metrics;
     let (code, response) = match result {
         Ok(response) => ("ok", response),
         Err(e) => (e.code, e.into_response()),
     };
-    m.requests
-        .get_or_create(&ResultLabels { route: label, code })
-        .inc();
-    m.durations
-        .get_or_create(&RouteLabels { route: label })
-        .observe(started.elapsed().as_secs_f64());
+    state
+        .inner
+        .metrics
+        .record(index, code, started.elapsed().as_secs_f64());
     response
 }
 
@@ -384,23 +397,10 @@ where
 {
     let s = &state.inner;
     match route {
-        Route::Healthz => return Ok(json(StatusCode::OK, &serde_json::json!({"status": "ok"}))),
-        Route::Readyz => {
-            check_ready(s)?;
-            return Ok(json(StatusCode::OK, &serde_json::json!({"status": "ready"})));
-        }
-        Route::Metrics => {
-            let mut text = String::new();
-            prometheus_client::encoding::text::encode(&mut text, &s.registry).map_err(|_| {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics")
-            })?;
-            let mut response = Response::new(Full::new(Bytes::from(text)));
-            response.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
-            );
-            return Ok(response);
-        }
+        Route::Healthz => return Ok(healthz()),
+        Route::Readyz => return readyz(s),
+        Route::Metrics => return metrics(s),
+        Route::OpenApi => return Ok(openapi_json()),
         // The page authenticates itself (a browser sends Basic credentials).
         Route::Ui => {
             let page =
@@ -412,22 +412,90 @@ where
     }
     let identity = authenticate(s, parts).await?;
     check_ready(s)?;
+    // One instant per request: every store decision and every time in the answer is about it.
     match route {
-        Route::List => list(s, parts),
+        Route::List => list(s, parts, s.store.now_ms()),
         Route::Acquire => {
             let req: AcquireBody = read_json(s, parts, body).await?;
-            acquire(s, &identity, req)
+            acquire(s, &identity, req, s.store.now_ms())
         }
         Route::Renew(id) => {
             let req: RenewBody = read_json(s, parts, body).await?;
-            renew(s, id, req)
+            renew(s, id, req, s.store.now_ms())
         }
         Route::Release(id) => {
             let req: ReleaseBody = read_json(s, parts, body).await?;
-            release(s, id, req)
+            release(s, id, req, s.store.now_ms())
         }
-        Route::Healthz | Route::Readyz | Route::Metrics | Route::Ui => unreachable!("answered above"),
+        Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Ui => {
+            unreachable!("answered above")
+        }
     }
+}
+
+/// Liveness.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    responses((status = 200, description = "The process serves HTTP", body = StatusBody)),
+)]
+fn healthz() -> Response<Full<Bytes>> {
+    json(StatusCode::OK, &StatusBody { status: "ok" })
+}
+
+/// Readiness: caches synced and this replica leads.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "Ready to serve leases", body = StatusBody),
+        (status = 503, description = "`not_ready` or `not_leader`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait: 1"))),
+    ),
+)]
+fn readyz(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> {
+    check_ready(s)?;
+    Ok(json(StatusCode::OK, &StatusBody { status: "ready" }))
+}
+
+/// Prometheus/OpenMetrics text of the discovery and controller metrics.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses(
+        (status = 200, description = "OpenMetrics text", body = String,
+            content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        (status = 500, description = "`internal`: the metrics could not be encoded (a bug)", body = ErrorBody),
+    ),
+)]
+fn metrics(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &s.registry)
+        .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics"))?;
+    let mut response = Response::new(Full::new(Bytes::from(text)));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+    );
+    Ok(response)
+}
+
+/// This contract (OpenAPI 3.1). Needs no token.
+#[utoipa::path(
+    get,
+    path = "/v1/openapi.json",
+    tag = "operations",
+    responses((status = 200, description = "The OpenAPI document", body = Object)),
+)]
+fn openapi_json() -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(openapi::served()));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
 }
 
 fn check_ready(s: &StateInner) -> Result<(), ApiError> {
@@ -525,7 +593,28 @@ where
     Ok(value)
 }
 
-fn list(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<Response<Full<Bytes>>, ApiError> {
+/// Lists the proxies whose attributes match every term of the selector, sorted by key.
+#[utoipa::path(
+    get,
+    path = "/v1/proxies",
+    tag = "leases",
+    params(("selector" = Option<String>, Query,
+        description = "`key=value[,key=value...]`, at most 32 terms and 2048 bytes; absent: every proxy")),
+    responses(
+        (status = 200, description = "The matching proxies and how each stands", body = ListResponse),
+        (status = 400, description = "`malformed_request`: bad selector or unknown query parameter", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 403, description = "`forbidden`", body = ErrorBody),
+        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ),
+    security(("bearer" = [])),
+)]
+fn list(
+    s: &StateInner,
+    parts: &hyper::http::request::Parts,
+    now: u64,
+) -> Result<Response<Full<Bytes>>, ApiError> {
     let mut selector = Selector::default();
     for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
         match &*k {
@@ -538,11 +627,35 @@ fn list(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<Response<
         }
     }
     let compiled = s.store.compile(&selector);
-    let proxies = s.store.list(&compiled).iter().map(ProxyJson::from_view).collect();
+    let views = s.store.list_at(&compiled, now);
+    let proxies = views.iter().map(ProxyJson::from_view).collect();
     Ok(json(StatusCode::OK, &ListResponse { proxies }))
 }
 
-fn acquire(s: &StateInner, identity: &Identity, req: AcquireBody) -> Result<Response<Full<Bytes>>, ApiError> {
+/// Acquires a lease on the least recently used eligible proxy (or the session's).
+#[utoipa::path(
+    post,
+    path = "/v1/leases",
+    tag = "leases",
+    request_body(content = AcquireBody, content_type = "application/json"),
+    responses(
+        (status = 201, description = "The lease", body = AcquireResponse),
+        (status = 400, description = "`malformed_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 403, description = "`forbidden`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`: body over 16 KiB", body = ErrorBody),
+        (status = 503, description = "`no_proxy_available` (nothing eligible now), `not_ready`, `not_leader` or \
+            `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until trying again may succeed: 1 to 60"))),
+    ),
+    security(("bearer" = [])),
+)]
+fn acquire(
+    s: &StateInner,
+    identity: &Identity,
+    req: AcquireBody,
+    now: u64,
+) -> Result<Response<Full<Bytes>>, ApiError> {
     req.validate().map_err(ApiError::bad_request)?;
     let selector = Selector::from_map(&req.selector);
     let compiled = s.store.compile(&selector);
@@ -554,7 +667,7 @@ fn acquire(s: &StateInner, identity: &Identity, req: AcquireBody) -> Result<Resp
         target_domain: req.target_domain.as_deref(),
         session_key: req.session_key.as_deref(),
     };
-    let lease = match s.store.acquire(&request) {
+    let lease = match s.store.acquire_at(&request, now) {
         Ok(lease) => lease,
         Err(e) => {
             s.metrics
@@ -575,7 +688,7 @@ fn acquire(s: &StateInner, identity: &Identity, req: AcquireBody) -> Result<Resp
     let body = AcquireResponse {
         lease_id,
         fencing_token: lease.fencing_token,
-        proxy_url: lease.proxy.url_with_credentials().to_owned(),
+        proxy_url: lease.proxy.url_with_credentials(),
         proxy: ProxyJson::from_info(&lease.proxy),
         acquired_at: rfc3339(lease.acquired_at_ms),
         expires_at: rfc3339(lease.expires_at_ms),
@@ -595,12 +708,13 @@ fn with_claim<T>(
     s: &StateInner,
     id: &str,
     token: u64,
+    now: u64,
     op: impl Fn(&crate::lease::LeaseId) -> Result<T, LeaseError>,
 ) -> Result<T, ApiError> {
     let claim = verify(s, id)?;
     match op(&claim.id) {
         Err(LeaseError::NotFound) => {
-            s.store.reinstate(&claim, token)?;
+            s.store.reinstate_at(&claim, token, now)?;
             tracing::info!(proxy = %claim.id.key, "lease reinstated from its signed ID");
             Ok(op(&claim.id)?)
         }
@@ -608,7 +722,27 @@ fn with_claim<T>(
     }
 }
 
-fn renew(s: &StateInner, id: &str, req: RenewBody) -> Result<Response<Full<Bytes>>, ApiError> {
+/// Extends a lease from now and issues a new fencing token.
+#[utoipa::path(
+    post,
+    path = "/v1/leases/{leaseId}/renew",
+    tag = "leases",
+    params(("leaseId" = String, Path, description = "The signed lease ID from the acquire")),
+    request_body(content = RenewBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The new token and expiry", body = RenewResponse),
+        (status = 400, description = "`malformed_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 403, description = "`forbidden`", body = ErrorBody),
+        (status = 404, description = "`lease_not_found`: unknown, released, revoked or expired", body = ErrorBody),
+        (status = 409, description = "`stale_token` or `proxy_draining`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ),
+    security(("bearer" = [])),
+)]
+fn renew(s: &StateInner, id: &str, req: RenewBody, now: u64) -> Result<Response<Full<Bytes>>, ApiError> {
     if req
         .ttl_seconds
         .is_some_and(|t| t == 0 || t > wire::MAX_TTL_SECONDS)
@@ -619,8 +753,8 @@ fn renew(s: &StateInner, id: &str, req: RenewBody) -> Result<Response<Full<Bytes
         )));
     }
     let ttl = req.ttl_seconds.map(Duration::from_secs);
-    let renewed = with_claim(s, id, req.fencing_token, |lease| {
-        s.store.renew(lease, req.fencing_token, ttl)
+    let renewed = with_claim(s, id, req.fencing_token, now, |lease| {
+        s.store.renew_at(lease, req.fencing_token, ttl, now)
     })?;
     Ok(json(
         StatusCode::OK,
@@ -632,14 +766,35 @@ fn renew(s: &StateInner, id: &str, req: RenewBody) -> Result<Response<Full<Bytes
     ))
 }
 
-fn release(s: &StateInner, id: &str, req: ReleaseBody) -> Result<Response<Full<Bytes>>, ApiError> {
+/// Ends a lease, reporting how it went; the proxy rests for its cooldown.
+#[utoipa::path(
+    post,
+    path = "/v1/leases/{leaseId}/release",
+    tag = "leases",
+    params(("leaseId" = String, Path, description = "The signed lease ID from the acquire")),
+    request_body(content = ReleaseBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Released", body = ReleaseResponse),
+        (status = 400, description = "`malformed_request` or `target_domain_required`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 403, description = "`forbidden`", body = ErrorBody),
+        (status = 404, description = "`lease_not_found`: unknown, released, revoked or expired", body = ErrorBody),
+        (status = 409, description = "`stale_token`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ),
+    security(("bearer" = [])),
+)]
+fn release(s: &StateInner, id: &str, req: ReleaseBody, now: u64) -> Result<Response<Full<Bytes>>, ApiError> {
     req.validate().map_err(ApiError::bad_request)?;
-    with_claim(s, id, req.fencing_token, |lease| {
-        s.store.release(
+    with_claim(s, id, req.fencing_token, now, |lease| {
+        s.store.release_at(
             lease,
             req.fencing_token,
             req.outcome,
             req.target_domain.as_deref(),
+            now,
         )
     })?;
     s.metrics

@@ -541,3 +541,34 @@ fn error_codes_are_stable() {
         ]
     );
 }
+
+#[tokio::test]
+async fn length_limits_count_characters_where_the_docs_say_characters() {
+    let h = harness(4, 4);
+    // docs/api.md: holder 1-128 characters, sessionKey 1-256, selector values up to 256.
+    for (body, want) in [
+        (json!({"holder": "é".repeat(128)}), StatusCode::CREATED),
+        (json!({"holder": "💡".repeat(128)}), StatusCode::CREATED),
+        (json!({"holder": "é".repeat(129)}), StatusCode::BAD_REQUEST),
+        (json!({"holder": ""}), StatusCode::BAD_REQUEST),
+        (
+            json!({"holder": "h", "sessionKey": "ü".repeat(256)}),
+            StatusCode::CREATED,
+        ),
+        (
+            json!({"holder": "h", "sessionKey": "ü".repeat(257)}),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            json!({"holder": "h", "selector": {"tier": "ß".repeat(256)}}),
+            StatusCode::SERVICE_UNAVAILABLE,
+        ),
+        (
+            json!({"holder": "h", "selector": {"tier": "ß".repeat(257)}}),
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let a = h.call("POST", "/v1/leases", Some(body.clone())).await;
+        assert_eq!(a.status, want, "{body}: {}", a.text);
+    }
+}

@@ -1,8 +1,14 @@
 //! JSON bodies of the discovery API. Requests reject unknown fields; field names are camelCase.
+//! Their `ToSchema` derives are the OpenAPI contract's schemas (`super::openapi`): the doc
+//! comments are its descriptions, the `schema` attributes its limits.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
+use utoipa::{
+    ToSchema,
+    openapi::{ObjectBuilder, Type, schema::Object},
+};
 
 use crate::lease::{Availability, Outcome, ProxyInfo, ProxyView, rfc3339};
 
@@ -14,31 +20,47 @@ pub const MAX_HOLDER_LEN: usize = 128;
 pub const MAX_SESSION_KEY_LEN: usize = 256;
 /// Longest target domain.
 pub const MAX_DOMAIN_LEN: usize = 253;
+/// Longest selector key (an attribute key: optional DNS prefix, '/', name).
+pub const MAX_SELECTOR_KEY_LEN: usize = 317;
+/// Longest selector value.
+pub const MAX_SELECTOR_VALUE_LEN: usize = 256;
 /// Most selector terms in a request body.
 pub const MAX_SELECTOR_TERMS: usize = crate::lease::MAX_SELECTOR_TERMS;
 
 /// `POST /v1/leases`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AcquireBody {
-    /// Required attributes (all must match); empty or absent: any proxy.
+    /// Required attributes (all must match); empty or absent: any proxy. At most 32; keys of
+    /// 1-317 characters, values of at most 256.
     #[serde(default)]
     pub selector: BTreeMap<String, String>,
-    /// Who holds the lease.
+    /// Who holds the lease: 1-128 printable characters.
+    #[schema(min_length = 1, max_length = 128)]
     pub holder: String,
-    /// Lease length; default 60.
+    /// Lease length in seconds; default 60, capped by the proxy's `lease.maxTtlSeconds`.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 86400)]
     pub ttl_seconds: Option<u64>,
-    /// The domain to be crawled through the proxy.
+    /// The domain to be crawled through the proxy: proxies banned for it are skipped.
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$")]
     pub target_domain: Option<String>,
-    /// Sticky-session key.
+    /// Sticky-session key: 1-256 printable characters.
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 256)]
     pub session_key: Option<String>,
 }
 
 fn printable(s: &str) -> bool {
     !s.chars().any(char::is_control)
+}
+
+/// Whether `s` has 1 to `max` characters (Unicode scalar values, as the docs count them: a
+/// byte count would turn 100 × "é" into 200).
+fn chars_within(s: &str, max: usize) -> bool {
+    // Each character takes 1 to 4 bytes: most strings are decided without counting.
+    !s.is_empty() && (s.len() <= max || (s.len() <= 4 * max && s.chars().count() <= max))
 }
 
 fn valid_domain(d: &str) -> bool {
@@ -51,7 +73,7 @@ fn valid_domain(d: &str) -> bool {
 impl AcquireBody {
     /// Checks ranges and formats; the message says what to fix.
     pub fn validate(&self) -> Result<(), String> {
-        if self.holder.is_empty() || self.holder.len() > MAX_HOLDER_LEN || !printable(&self.holder) {
+        if !chars_within(&self.holder, MAX_HOLDER_LEN) || !printable(&self.holder) {
             return Err(format!("holder must be 1-{MAX_HOLDER_LEN} printable characters"));
         }
         if self.ttl_seconds.is_some_and(|t| t == 0 || t > MAX_TTL_SECONDS) {
@@ -63,20 +85,20 @@ impl AcquireBody {
             return Err("targetDomain must be a host name".to_owned());
         }
         if let Some(k) = &self.session_key
-            && (k.is_empty() || k.len() > MAX_SESSION_KEY_LEN || !printable(k))
+            && (!chars_within(k, MAX_SESSION_KEY_LEN) || !printable(k))
         {
             return Err(format!(
                 "sessionKey must be 1-{MAX_SESSION_KEY_LEN} printable characters"
             ));
         }
         if self.selector.len() > MAX_SELECTOR_TERMS
-            || self
-                .selector
-                .iter()
-                .any(|(k, v)| k.is_empty() || k.len() > 317 || v.len() > 256)
+            || self.selector.iter().any(|(k, v)| {
+                !chars_within(k, MAX_SELECTOR_KEY_LEN)
+                    || !v.is_empty() && !chars_within(v, MAX_SELECTOR_VALUE_LEN)
+            })
         {
             return Err(format!(
-                "selector must have at most {MAX_SELECTOR_TERMS} attributes with non-empty keys"
+                "selector must have at most {MAX_SELECTOR_TERMS} attributes, keys of 1-{MAX_SELECTOR_KEY_LEN} and values of at most {MAX_SELECTOR_VALUE_LEN} characters"
             ));
         }
         Ok(())
@@ -84,18 +106,19 @@ impl AcquireBody {
 }
 
 /// `POST /v1/leases/{id}/renew`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RenewBody {
     /// The lease's latest fencing token.
     pub fencing_token: u64,
-    /// New length from now; default: the lease's own TTL.
+    /// New length in seconds from now; default: the lease's own TTL.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 86400)]
     pub ttl_seconds: Option<u64>,
 }
 
 /// `POST /v1/leases/{id}/release`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReleaseBody {
     /// The lease's latest fencing token.
@@ -104,6 +127,7 @@ pub struct ReleaseBody {
     pub outcome: Outcome,
     /// For `banned`: the domain that banned the proxy (default: the lease's target domain).
     #[serde(default)]
+    #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$")]
     pub target_domain: Option<String>,
 }
 
@@ -117,20 +141,22 @@ impl ReleaseBody {
     }
 }
 
+// Borrows from the store's proxy info: an answer serializes it without copying.
 /// A proxy in responses (never with credentials).
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ProxyJson {
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schema(as = Proxy)]
+pub struct ProxyJson<'a> {
     /// `namespace/name`.
-    pub key: String,
+    pub key: &'a str,
     /// Namespace.
-    pub namespace: String,
+    pub namespace: &'a str,
     /// Name.
-    pub name: String,
+    pub name: &'a str,
     /// `host:port`.
-    pub endpoint: String,
+    pub endpoint: &'a str,
     /// Attributes.
-    pub attributes: BTreeMap<String, String>,
+    pub attributes: &'a BTreeMap<String, String>,
     /// In listings: how it stands.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub availability: Option<Availability>,
@@ -140,20 +166,21 @@ pub struct ProxyJson {
     /// In listings: its limit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrent: Option<u32>,
-    /// In listings: end of its cooldown.
+    /// In listings: end of its cooldown (RFC 3339), while it rests.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime)]
     pub cooldown_until: Option<String>,
 }
 
-impl ProxyJson {
+impl<'a> ProxyJson<'a> {
     /// The proxy as an acquire response shows it.
-    pub fn from_info(info: &ProxyInfo) -> Self {
+    pub fn from_info(info: &'a ProxyInfo) -> Self {
         Self {
-            key: info.key.to_string(),
-            namespace: info.key.namespace().to_owned(),
-            name: info.key.name().to_owned(),
-            endpoint: info.endpoint_text.clone(),
-            attributes: info.attributes.clone(),
+            key: info.key.as_str(),
+            namespace: info.key.namespace(),
+            name: info.key.name(),
+            endpoint: &info.endpoint_text,
+            attributes: &info.attributes,
             availability: None,
             active_leases: None,
             max_concurrent: None,
@@ -162,7 +189,7 @@ impl ProxyJson {
     }
 
     /// The proxy as a listing shows it.
-    pub fn from_view(view: &ProxyView) -> Self {
+    pub fn from_view(view: &'a ProxyView) -> Self {
         Self {
             availability: Some(view.availability),
             active_leases: Some(view.active_leases),
@@ -174,47 +201,60 @@ impl ProxyJson {
 }
 
 /// `GET /v1/proxies`.
-#[derive(Clone, Debug, Serialize)]
-pub struct ListResponse {
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListResponse<'a> {
     /// Matching proxies, by key.
-    pub proxies: Vec<ProxyJson>,
+    pub proxies: Vec<ProxyJson<'a>>,
+}
+
+/// `GET /healthz` and `GET /readyz` when the answer is yes.
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StatusBody {
+    /// `ok` (`/healthz`) or `ready` (`/readyz`).
+    #[schema(pattern = "^(ok|ready)$")]
+    pub status: &'static str,
 }
 
 /// A granted lease.
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct AcquireResponse {
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AcquireResponse<'a> {
     /// Signed lease ID, for renew and release.
     pub lease_id: String,
     /// Token for the next renew or release.
     pub fencing_token: u64,
     /// `http://[user:password@]host:port`, to configure the crawler's HTTP client.
-    pub proxy_url: String,
+    pub proxy_url: &'a str,
     /// The proxy.
-    pub proxy: ProxyJson,
-    /// RFC 3339.
+    pub proxy: ProxyJson<'a>,
+    /// When it was granted (RFC 3339).
+    #[schema(format = DateTime)]
     pub acquired_at: String,
-    /// RFC 3339.
+    /// When it ends unless renewed (RFC 3339): from this instant on it does not exist.
+    #[schema(format = DateTime)]
     pub expires_at: String,
-    /// Granted length (after the proxy's cap).
+    /// Granted length in seconds (after the proxy's cap).
     pub ttl_seconds: u64,
 }
 
 /// A renewed lease.
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RenewResponse {
     /// Unchanged lease ID.
     pub lease_id: String,
     /// New token; the previous one is stale.
     pub fencing_token: u64,
-    /// RFC 3339.
+    /// The new expiry (RFC 3339).
+    #[schema(format = DateTime)]
     pub expires_at: String,
 }
 
 /// A released lease.
-#[derive(Clone, Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReleaseResponse {
     /// The lease ID.
     pub lease_id: String,
@@ -225,17 +265,50 @@ pub struct ReleaseResponse {
 }
 
 /// Every error: `{"error": {"code": ..., "message": ...}}`.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(as = Error)]
 pub struct ErrorBody {
     /// The error.
     pub error: ErrorDetail,
 }
 
 /// A stable code and a human message.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ErrorDetail {
-    /// Stable, documented code.
+    /// Stable, documented code (see docs/api.md, "Errors").
+    #[schema(schema_with = error_code_schema)]
     pub code: &'static str,
     /// What happened and what to do.
     pub message: String,
+}
+
+/// Every error code the API answers with, as docs/api.md documents them.
+pub const ERROR_CODES: &[&str] = &[
+    "malformed_request",
+    "target_domain_required",
+    "unauthorized",
+    "forbidden",
+    "lease_not_found",
+    "not_found",
+    "method_not_allowed",
+    "stale_token",
+    "proxy_draining",
+    "payload_too_large",
+    "uri_too_long",
+    "headers_too_large",
+    "internal",
+    "no_proxy_available",
+    "not_leader",
+    "not_ready",
+    "auth_unavailable",
+];
+
+fn error_code_schema() -> Object {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .enum_values(Some(ERROR_CODES.iter().copied()))
+        .description(Some("Stable, documented code (see docs/api.md, \"Errors\")."))
+        .build()
 }

@@ -12,10 +12,14 @@
 //! - **Admission.** A proxy starts `Closed`; only `Open` proxies (the engine opens Healthy
 //!   ones) get new leases. `Closed` keeps existing leases running; draining also refuses their
 //!   renewal, so they end at their expiry or release; revoking drops them at once.
-//! - **Limits.** At most `maxConcurrent` active leases per proxy. A lease that expired counts
-//!   until the reaper ([`LeaseStore::reap`], run every second by [`maintenance`]) removes it.
-//! - **Cooldowns.** Every release (and every expiry) rests the proxy for its
-//!   `cooldownSeconds`; a `banned` outcome also rests it for the target domain alone, for
+//! - **Expiry.** A lease exists while `now < expiresAt`, for every operation alike: at
+//!   `expiresAt` its slot is free and it is unknown to renew and release. Each operation
+//!   settles the shards it touches first (a per-shard heap of expiry times), so nothing waits
+//!   for the reaper ([`LeaseStore::reap`], run every second by [`maintenance`], which only
+//!   tidies). The `*_at` operations take the request's one `now` ([`LeaseStore::now_ms`]).
+//! - **Limits.** At most `maxConcurrent` active leases per proxy.
+//! - **Cooldowns.** Every release rests the proxy for its `cooldownSeconds` from the release;
+//!   every expiry likewise from the lease's `expiresAt` (as if released then). A `banned` outcome also rests it for the target domain alone, for
 //!   [`LeaseStoreConfig::ban_cooldown`]. Requests without a target domain ignore domain bans.
 //! - **Choice.** Among eligible proxies, the least recently used one (acquired or released the
 //!   longest ago). The store is split into shards, each with its own lock and LRU lists; an
@@ -106,7 +110,7 @@ pub enum DrainStatus {
 }
 
 /// How a lease ended, as its holder reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Outcome {
     /// The proxy worked.
@@ -321,7 +325,7 @@ pub struct LeaseClaim {
 }
 
 /// How a proxy stands for new leases, as listings show it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum Availability {
     /// Can be leased now.

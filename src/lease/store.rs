@@ -155,6 +155,9 @@ struct ProxyState {
     revoked_below: u64,
     /// For restored, unconfigured entries: dropped by the reaper after this time.
     parked_until: u64,
+    /// When its entry in the shard's expiry heap is due (0: none); never after its earliest
+    /// lease expiry, so [`Shard::settle`] sees every expiry on time.
+    check_at: u64,
 }
 
 impl ProxyState {
@@ -173,6 +176,7 @@ impl ProxyState {
             linked: false,
             revoked_below: 0,
             parked_until: 0,
+            check_at: 0,
         }
     }
 
@@ -216,6 +220,9 @@ struct Shard {
     /// The indexed combinations' sorted pair ids, in list-id order.
     combinations: Vec<Box<[u32]>>,
     cooling: BinaryHeap<Reverse<(u64, u32, u32)>>,
+    /// When proxies' earliest leases expire: (time, slot, generation), one live entry per
+    /// proxy with leases (its `check_at`); stale ones are skipped when popped.
+    expiring: BinaryHeap<Reverse<(u64, u32, u32)>>,
     seq: u64,
     active: usize,
     dirty: bool,
@@ -243,6 +250,7 @@ impl Shard {
             combination_lists: Vec::new(),
             combinations: Vec::new(),
             cooling: BinaryHeap::new(),
+            expiring: BinaryHeap::new(),
             seq: 0,
             active: 0,
             dirty: false,
@@ -429,14 +437,54 @@ impl Shard {
         }
     }
 
-    fn start_cooldown(&mut self, slot: u32, now: u64) {
+    /// Rests the proxy for its cooldown counted from `from` (a release's or an expiry's time);
+    /// a rest that already ended by `now`, or ends before the current one, changes nothing.
+    fn start_cooldown(&mut self, slot: u32, from: u64, now: u64) {
         let generation = self.slots[slot as usize].generation;
         let p = self.proxy_mut(slot);
         if p.cooldown_ms > 0 {
-            let until = now + p.cooldown_ms;
-            p.cooling_until = until;
-            self.cooling.push(Reverse((until, slot, generation)));
+            let until = from + p.cooldown_ms;
+            if until > now && until > p.cooling_until {
+                p.cooling_until = until;
+                self.cooling.push(Reverse((until, slot, generation)));
+            }
         }
+    }
+
+    /// Makes sure the expiry heap has an entry due no later than `expires_at` for this proxy.
+    fn schedule_expiry(&mut self, slot: u32, expires_at: u64) {
+        let generation = self.slots[slot as usize].generation;
+        let p = self.proxy_mut(slot);
+        if p.check_at == 0 || expires_at < p.check_at {
+            p.check_at = expires_at;
+            self.expiring.push(Reverse((expires_at, slot, generation)));
+        }
+    }
+
+    /// Brings the shard to `now` under the one expiry rule: a lease exists while
+    /// `now < expires_at`; at `expires_at` its slot is free and the proxy rests for its cooldown
+    /// counted from `expires_at`, exactly as if it had been released then. Every operation that
+    /// reads or changes a shard settles it first, so listing, acquire, renew and release agree
+    /// at every instant whatever the reaper has done. Returns how many leases expired.
+    fn settle(&mut self, now: u64) -> usize {
+        let mut expired = 0;
+        while let Some(&Reverse((at, slot, generation))) = self.expiring.peek() {
+            if at > now {
+                break;
+            }
+            self.expiring.pop();
+            let s = &mut self.slots[slot as usize];
+            if s.generation != generation {
+                continue;
+            }
+            match s.proxy.as_mut() {
+                Some(p) if p.check_at == at => p.check_at = 0,
+                _ => continue,
+            }
+            expired += self.expire_leases(slot, now);
+        }
+        self.promote_cooled(now);
+        expired
     }
 
     /// Puts proxies whose cooldown ended back into the lists.
@@ -459,8 +507,35 @@ impl Shard {
         }
     }
 
-    fn next_cooldown_end(&self) -> Option<u64> {
-        self.cooling.peek().map(|Reverse((until, _, _))| *until)
+    /// The soonest time a proxy matching `selector` (open, configured) could take a lease for
+    /// `domain`: the latest of its cooldown's end, its earliest slot's freeing (with the rest
+    /// an expiry brings) and the domain ban's end. `None` if no matching proxy is open.
+    /// Walks the shard: only the refusal path calls it.
+    fn next_chance(&self, selector: &CompiledSelector, domain: Option<&str>, now: u64) -> Option<u64> {
+        let mut soonest: Option<u64> = None;
+        for slot in &self.slots {
+            let Some(p) = slot.proxy.as_ref() else { continue };
+            if p.info.is_none() || p.admission != AdmissionState::Open || !selector.matches(&p.pairs) {
+                continue;
+            }
+            let mut at = p.cooling_until.max(now);
+            if p.leases.len() as u32 >= p.max_concurrent {
+                // The slot that frees first; an expiry then rests the proxy.
+                let mut ends: Vec<u64> = p.leases.iter().map(|l| l.expires_at).collect();
+                ends.sort_unstable();
+                let excess = p.leases.len() - p.max_concurrent as usize;
+                at = at.max(ends[excess] + p.cooldown_ms);
+            }
+            if let Some(d) = domain {
+                for (b, until) in &p.bans {
+                    if &**b == d {
+                        at = at.max(*until);
+                    }
+                }
+            }
+            soonest = Some(soonest.map_or(at, |s| s.min(at)));
+        }
+        soonest
     }
 
     fn pick(&self, selector: &CompiledSelector, domain: Option<&str>, now: u64) -> Option<u32> {
@@ -537,6 +612,7 @@ impl Shard {
         let key = p.key.clone();
         self.active += 1;
         self.dirty = true;
+        self.schedule_expiry(slot, expires_at);
         self.relink(slot, now, true);
         Lease {
             id: LeaseId {
@@ -557,17 +633,29 @@ impl Shard {
         (s.generation == id.hint.generation && p.key == id.key).then_some(id.hint.slot)
     }
 
-    /// Removes expired leases of one proxy (each rests the proxy like a release).
+    /// Removes expired leases of one proxy; each rests the proxy from its `expires_at`, like a
+    /// release at that instant. Schedules the next expiry of those left.
     fn expire_leases(&mut self, slot: u32, now: u64) -> usize {
         let p = self.proxy_mut(slot);
         let before = p.leases.len();
-        p.leases.retain(|l| l.expires_at > now);
+        let mut last_end = 0;
+        p.leases.retain(|l| {
+            let live = l.expires_at > now;
+            if !live {
+                last_end = last_end.max(l.expires_at);
+            }
+            live
+        });
         let expired = before - p.leases.len();
+        let next = p.leases.iter().map(|l| l.expires_at).min();
         if expired > 0 {
             self.active -= expired;
             self.dirty = true;
-            self.start_cooldown(slot, now);
+            self.start_cooldown(slot, last_end, now);
             self.relink(slot, now, false);
+        }
+        if let Some(next) = next {
+            self.schedule_expiry(slot, next);
         }
         expired
     }
@@ -688,6 +776,12 @@ impl LeaseStore {
         self.inner.config.clock.now_ms()
     }
 
+    /// The store clock's time (ms since the epoch): read it once per request and pass it to
+    /// the `*_at` operations, so every answer to that request is about the same instant.
+    pub fn now_ms(&self) -> u64 {
+        self.now()
+    }
+
     fn shard_index(&self, key: &ProxyKey) -> usize {
         (fnv1a(key.as_str().as_bytes()) % self.inner.shards.len() as u64) as usize
     }
@@ -793,7 +887,7 @@ impl LeaseStore {
         let Some(slot) = shard.by_key.get(key).copied() else {
             return DrainStatus::Drained;
         };
-        shard.expire_leases(slot, now);
+        shard.settle(now);
         let p = shard.proxy_mut(slot);
         if p.admission != AdmissionState::Draining {
             p.admission = AdmissionState::Draining;
@@ -866,9 +960,18 @@ impl LeaseStore {
         })
     }
 
-    /// Active leases in the whole store (including expired ones not reaped yet).
+    /// Active (unexpired) leases in the whole store.
     pub fn active_total(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(&s.0).active).sum()
+        let now = self.now();
+        self.inner
+            .shards
+            .iter()
+            .map(|s| {
+                let mut shard = lock(&s.0);
+                shard.settle(now);
+                shard.active
+            })
+            .sum()
     }
 
     /// Number of proxies in the store.
@@ -878,10 +981,14 @@ impl LeaseStore {
 
     /// Grants a lease on the least recently used eligible proxy (or the session's proxy).
     pub fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Lease, LeaseError> {
+        self.acquire_at(req, self.now())
+    }
+
+    /// [`LeaseStore::acquire`] at `now` ([`LeaseStore::now_ms`]).
+    pub fn acquire_at(&self, req: &AcquireRequest<'_>, now: u64) -> Result<Lease, LeaseError> {
         if req.ttl.is_zero() {
             return Err(LeaseError::Invalid("ttl must be positive".into()));
         }
-        let now = self.now();
         let ttl_ms = req.ttl.as_millis().min(u64::MAX as u128) as u64;
         let domain = req.target_domain.map(normalize_domain);
         match req.session_key {
@@ -903,12 +1010,12 @@ impl LeaseStore {
             let start = if n == 1 { 0 } else { fastrand::usize(..n) };
             for i in 0..n {
                 let mut shard = lock(&self.inner.shards[(start + i) % n].0);
-                shard.promote_cooled(now);
+                shard.settle(now);
                 if let Some(slot) = shard.pick(req.selector, domain, now) {
                     return Ok(shard.grant(slot, req, domain, ttl_ms, now));
                 }
-                if let Some(end) = shard.next_cooldown_end() {
-                    soonest = Some(soonest.map_or(end, |s| s.min(end)));
+                if let Some(at) = shard.next_chance(req.selector, domain, now) {
+                    soonest = Some(soonest.map_or(at, |s| s.min(at)));
                 }
             }
         }
@@ -939,7 +1046,7 @@ impl LeaseStore {
         {
             let mut shard = self.shard_for(&binding.key);
             if let Some(slot) = shard.by_key.get(&binding.key).copied() {
-                shard.promote_cooled(now);
+                shard.settle(now);
                 let p = shard.proxy(slot);
                 // Sticky reuse skips the post-release cooldown, nothing else.
                 let eligible = p.info.is_some()
@@ -965,9 +1072,11 @@ impl LeaseStore {
         Ok(lease)
     }
 
+    /// Runs `f` on the lease's record in its settled shard: an expired lease is not found.
     fn with_lease<R>(
         &self,
         id: &LeaseId,
+        now: u64,
         f: impl FnOnce(&mut Shard, u32, usize) -> Result<R, LeaseError>,
     ) -> Result<R, LeaseError> {
         let find = |shard: &Shard, slot: u32| {
@@ -980,12 +1089,14 @@ impl LeaseStore {
         let hinted = id.hint.shard as usize;
         if hinted < self.inner.shards.len() {
             let mut shard = lock(&self.inner.shards[hinted].0);
+            shard.settle(now);
             if let Some(slot) = shard.slot_by_hint(id) {
                 let idx = find(&shard, slot).ok_or(LeaseError::NotFound)?;
                 return f(&mut shard, slot, idx);
             }
         }
         let mut shard = self.shard_for(&id.key);
+        shard.settle(now);
         let slot = shard.by_key.get(&id.key).copied().ok_or(LeaseError::NotFound)?;
         let idx = find(&shard, slot).ok_or(LeaseError::NotFound)?;
         f(&mut shard, slot, idx)
@@ -1012,15 +1123,21 @@ impl LeaseStore {
     /// Extends a lease by `ttl` from now (default: its first TTL), capped by `maxTtlSeconds`,
     /// and issues a new fencing token.
     pub fn renew(&self, id: &LeaseId, token: u64, ttl: Option<Duration>) -> Result<Renewed, LeaseError> {
+        self.renew_at(id, token, ttl, self.now())
+    }
+
+    /// [`LeaseStore::renew`] at `now` ([`LeaseStore::now_ms`]).
+    pub fn renew_at(
+        &self,
+        id: &LeaseId,
+        token: u64,
+        ttl: Option<Duration>,
+        now: u64,
+    ) -> Result<Renewed, LeaseError> {
         if ttl.is_some_and(|t| t.is_zero()) {
             return Err(LeaseError::Invalid("ttl must be positive".into()));
         }
-        let now = self.now();
-        self.with_lease(id, |shard, slot, idx| {
-            if shard.proxy(slot).leases[idx].expires_at <= now {
-                shard.expire_leases(slot, now);
-                return Err(LeaseError::NotFound);
-            }
+        self.with_lease(id, now, |shard, slot, idx| {
             Self::check_token(shard, slot, idx, token)?;
             if shard.proxy(slot).admission == AdmissionState::Draining {
                 return Err(LeaseError::Draining);
@@ -1035,6 +1152,7 @@ impl LeaseStore {
             rec.expires_at = now + ttl_ms.min(max_ttl);
             let expires_at_ms = rec.expires_at;
             shard.dirty = true;
+            shard.schedule_expiry(slot, expires_at_ms);
             Ok(Renewed {
                 fencing_token: new_token,
                 expires_at_ms,
@@ -1051,13 +1169,20 @@ impl LeaseStore {
         outcome: Outcome,
         target_domain: Option<&str>,
     ) -> Result<(), LeaseError> {
-        let now = self.now();
+        self.release_at(id, token, outcome, target_domain, self.now())
+    }
+
+    /// [`LeaseStore::release`] at `now` ([`LeaseStore::now_ms`]).
+    pub fn release_at(
+        &self,
+        id: &LeaseId,
+        token: u64,
+        outcome: Outcome,
+        target_domain: Option<&str>,
+        now: u64,
+    ) -> Result<(), LeaseError> {
         let ban_ms = self.inner.config.ban_cooldown.as_millis() as u64;
-        self.with_lease(id, |shard, slot, idx| {
-            if shard.proxy(slot).leases[idx].expires_at <= now {
-                shard.expire_leases(slot, now);
-                return Err(LeaseError::NotFound);
-            }
+        self.with_lease(id, now, |shard, slot, idx| {
             Self::check_token(shard, slot, idx, token)?;
             let p = shard.proxy_mut(slot);
             let ban = match outcome {
@@ -1076,7 +1201,7 @@ impl LeaseStore {
             }
             shard.active -= 1;
             shard.dirty = true;
-            shard.start_cooldown(slot, now);
+            shard.start_cooldown(slot, now, now);
             shard.relink(slot, now, true);
             Ok(())
         })
@@ -1088,7 +1213,11 @@ impl LeaseStore {
     /// against `maxConcurrent` again from now on, even beyond the limit. `token` is the
     /// holder's latest fencing token.
     pub fn reinstate(&self, claim: &LeaseClaim, token: u64) -> Result<(), LeaseError> {
-        let now = self.now();
+        self.reinstate_at(claim, token, self.now())
+    }
+
+    /// [`LeaseStore::reinstate`] at `now` ([`LeaseStore::now_ms`]).
+    pub fn reinstate_at(&self, claim: &LeaseClaim, token: u64, now: u64) -> Result<(), LeaseError> {
         let first = claim.id.first_token;
         if claim.expires_at_ms <= now {
             return Err(LeaseError::NotFound);
@@ -1112,6 +1241,7 @@ impl LeaseStore {
             return Err(LeaseError::NotFound);
         }
         let mut shard = self.shard_for(&claim.id.key);
+        shard.settle(now);
         let slot = shard
             .by_key
             .get(&claim.id.key)
@@ -1140,16 +1270,22 @@ impl LeaseStore {
         shard.observe_token(token);
         shard.active += 1;
         shard.dirty = true;
+        shard.schedule_expiry(slot, claim.expires_at_ms);
         shard.relink(slot, now, false);
         Ok(())
     }
 
     /// Proxies matching `selector`, sorted by key, as listings show them.
     pub fn list(&self, selector: &CompiledSelector) -> Vec<ProxyView> {
-        let now = self.now();
+        self.list_at(selector, self.now())
+    }
+
+    /// [`LeaseStore::list`] at `now` ([`LeaseStore::now_ms`]).
+    pub fn list_at(&self, selector: &CompiledSelector, now: u64) -> Vec<ProxyView> {
         let mut out = Vec::new();
         for shard in self.inner.shards.iter() {
-            let shard = lock(&shard.0);
+            let mut shard = lock(&shard.0);
+            shard.settle(now);
             for slot in shard.slots.iter() {
                 let Some(p) = slot.proxy.as_ref() else { continue };
                 let Some(info) = p.info.as_ref() else { continue };
@@ -1184,12 +1320,11 @@ impl LeaseStore {
         let mut expired = 0;
         for shard in self.inner.shards.iter() {
             let mut shard = lock(&shard.0);
-            shard.promote_cooled(now);
+            expired += shard.settle(now);
             for slot in 0..shard.slots.len() as u32 {
                 if shard.slots[slot as usize].proxy.is_none() {
                     continue;
                 }
-                expired += shard.expire_leases(slot, now);
                 let p = shard.proxy_mut(slot);
                 p.bans.retain(|(_, until)| *until > now);
                 if p.info.is_none() && p.leases.is_empty() && p.parked_until <= now {
@@ -1229,7 +1364,9 @@ impl LeaseStore {
             cp.token_hwm.extend(restore.hwm.iter().map(|(k, v)| (*k, *v)));
         }
         for shard in self.inner.shards.iter() {
-            let shard = lock(&shard.0);
+            let mut shard = lock(&shard.0);
+            // Expiries that are due start their rests before they are recorded.
+            shard.settle(now);
             // The sequence itself, not just the last token issued: it starts at the clock, so a
             // checkpoint taken before any lease still bounds what came before it.
             let hwm = cp.token_hwm.entry(shard.id).or_insert(0);
@@ -1366,6 +1503,9 @@ impl LeaseStore {
             }
             shard.active += added;
             shard.dirty = true;
+            if let Some(next) = shard.proxy(slot).leases.iter().map(|l| l.expires_at).min() {
+                shard.schedule_expiry(slot, next);
+            }
             shard.relink(slot, now, false);
         }
         for sc in cp.sessions.iter().filter(|s| s.expires_at_ms > now) {

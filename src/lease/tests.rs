@@ -1039,3 +1039,194 @@ fn unconfirmed_restored_leases_hold_up_a_drain_only_for_the_grace() {
         "the unconfirmed one still counts until it expires"
     );
 }
+
+fn acquire_for(
+    store: &LeaseStore,
+    selector: &CompiledSelector,
+    ttl: Duration,
+    now: u64,
+) -> Result<Lease, LeaseError> {
+    store.acquire_at(
+        &AcquireRequest {
+            selector,
+            holder: "crawler-1",
+            ttl,
+            target_domain: None,
+            session_key: None,
+        },
+        now,
+    )
+}
+
+/// Whether the lease exists, as renew (with a stale token: it changes nothing) sees it.
+fn renew_sees(store: &LeaseStore, lease: &Lease, now: u64) -> bool {
+    match store.renew_at(&lease.id, lease.fencing_token - 1, None, now) {
+        Err(LeaseError::StaleToken { .. }) => true,
+        Err(LeaseError::NotFound) => false,
+        other => panic!("stale renew: {other:?}"),
+    }
+}
+
+/// Whether the lease exists, as release (with a stale token) sees it.
+fn release_sees(store: &LeaseStore, lease: &Lease, now: u64) -> bool {
+    match store.release_at(&lease.id, lease.fencing_token - 1, Outcome::Ok, None, now) {
+        Err(LeaseError::StaleToken { .. }) => true,
+        Err(LeaseError::NotFound) => false,
+        other => panic!("stale release: {other:?}"),
+    }
+}
+
+#[test]
+fn every_operation_agrees_on_expiry_at_every_instant_without_the_reaper() {
+    for shards in [1, 4] {
+        let (store, _) = store(shards);
+        add_open(&store, target("a", &[], 1, 0));
+        let all = sel(&store, "");
+        let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
+        let end = lease.expires_at_ms;
+        assert_eq!(end, T0 + 10_000);
+        // Just before expiresAt: it exists for everyone.
+        for now in [T0, end - 1] {
+            let view = &store.list_at(&all, now)[0];
+            assert_eq!((view.availability, view.active_leases), (Availability::Busy, 1));
+            assert!(renew_sees(&store, &lease, now));
+            assert!(release_sees(&store, &lease, now));
+            assert!(matches!(
+                acquire_for(&store, &all, Duration::from_secs(10), now),
+                Err(LeaseError::NoProxyAvailable { .. })
+            ));
+        }
+        // At expiresAt: gone for everyone, and its slot is free at once (no reap in between).
+        let view = &store.list_at(&all, end)[0];
+        assert_eq!(
+            (view.availability, view.active_leases),
+            (Availability::Available, 0)
+        );
+        assert!(!renew_sees(&store, &lease, end));
+        assert!(!release_sees(&store, &lease, end));
+        assert_eq!(store.active_total(), 0);
+        let next = acquire_for(&store, &all, Duration::from_secs(10), end).unwrap();
+        assert_eq!(name(&next), "a");
+        assert_eq!(store.reap(), 0, "nothing was left for the reaper");
+    }
+}
+
+#[test]
+fn an_expiry_rests_the_proxy_from_expires_at_like_a_release_then() {
+    let (store, _) = store(1);
+    add_open(&store, target("a", &[], 2, 5));
+    let all = sel(&store, "");
+    let short = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
+    let long = acquire_for(&store, &all, Duration::from_secs(60), T0).unwrap();
+    let end = short.expires_at_ms;
+    // Two seconds after the short lease's expiry, nobody having looked in between.
+    let now = end + 2_000;
+    let view = &store.list_at(&all, now)[0];
+    assert_eq!(view.availability, Availability::CoolingDown);
+    assert_eq!(view.active_leases, 1);
+    assert_eq!(view.cooldown_until_ms, Some(end + 5_000));
+    match acquire_for(&store, &all, Duration::from_secs(10), now) {
+        Err(LeaseError::NoProxyAvailable { retry_after }) => assert_eq!(retry_after, Duration::from_secs(3)),
+        other => panic!("expected the expiry's rest, got {other:?}"),
+    }
+    assert!(renew_sees(&store, &long, now));
+    assert!(!renew_sees(&store, &short, now));
+    // The rest ends five seconds after expiresAt, not after whenever the store noticed.
+    assert!(acquire_for(&store, &all, Duration::from_secs(10), end + 5_000).is_ok());
+}
+
+#[test]
+fn an_expiry_long_past_leaves_no_rest() {
+    let (store, _) = store(1);
+    add_open(&store, target("a", &[], 1, 5));
+    let all = sel(&store, "");
+    let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
+    let now = lease.expires_at_ms + 5_000;
+    assert_eq!(store.list_at(&all, now)[0].availability, Availability::Available);
+    assert!(acquire_for(&store, &all, Duration::from_secs(10), now).is_ok());
+}
+
+#[test]
+fn renewals_move_the_expiry_for_every_operation() {
+    let (store, _) = store(1);
+    add_open(&store, target("a", &[], 1, 0));
+    let all = sel(&store, "");
+    let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
+    // Longer, then shorter than the first expiry: the heap entry must follow both ways.
+    let renewed = store
+        .renew_at(
+            &lease.id,
+            lease.fencing_token,
+            Some(Duration::from_secs(30)),
+            T0 + 5_000,
+        )
+        .unwrap();
+    assert_eq!(renewed.expires_at_ms, T0 + 35_000);
+    assert_eq!(store.list_at(&all, T0 + 20_000)[0].active_leases, 1);
+    let renewed = store
+        .renew_at(
+            &lease.id,
+            renewed.fencing_token,
+            Some(Duration::from_secs(1)),
+            T0 + 20_000,
+        )
+        .unwrap();
+    assert_eq!(renewed.expires_at_ms, T0 + 21_000);
+    assert!(acquire_for(&store, &all, Duration::from_secs(10), T0 + 20_999).is_err());
+    assert!(acquire_for(&store, &all, Duration::from_secs(10), T0 + 21_000).is_ok());
+}
+
+#[test]
+fn retry_after_counts_only_the_proxies_the_selector_matches() {
+    let (store, _) = store(4);
+    add_open(&store, target("eu", &[("region", "eu")], 1, 10));
+    add_open(&store, target("us", &[("region", "us")], 1, 50));
+    add_open(&store, target("ap", &[("region", "ap")], 1, 0));
+    add_open(&store, target("sa", &[("region", "sa")], 1, 0));
+    store.set_admission(&key("sa"), Admission::Closed).unwrap();
+    let ttl = Duration::from_secs(20);
+    for region in ["eu", "us"] {
+        let s = sel(&store, &format!("region={region}"));
+        let l = acquire_for(&store, &s, ttl, T0).unwrap();
+        store
+            .release_at(&l.id, l.fencing_token, Outcome::Ok, None, T0)
+            .unwrap();
+    }
+    // ap is busy until its lease expires in 20 s (no cooldown).
+    acquire_for(&store, &sel(&store, "region=ap"), ttl, T0).unwrap();
+    let retry = |selector: &str| match acquire_for(&store, &sel(&store, selector), ttl, T0) {
+        Err(LeaseError::NoProxyAvailable { retry_after }) => retry_after,
+        other => panic!("{selector}: {other:?}"),
+    };
+    assert_eq!(
+        retry("region=us"),
+        Duration::from_secs(50),
+        "eu's shorter rest is not us's"
+    );
+    assert_eq!(retry("region=eu"), Duration::from_secs(10));
+    assert_eq!(
+        retry("region=ap"),
+        Duration::from_secs(20),
+        "a busy proxy frees at its expiry"
+    );
+    assert_eq!(
+        retry("region=sa"),
+        Duration::from_secs(5),
+        "closed: nothing to wait for"
+    );
+    assert_eq!(retry("region=mars"), Duration::from_secs(5));
+    assert_eq!(retry(""), Duration::from_secs(10), "the soonest of all");
+}
+
+#[test]
+fn a_checkpoint_records_the_rest_a_due_expiry_brings() {
+    let (store, clock) = store(1);
+    add_open(&store, target("a", &[], 1, 30));
+    let all = sel(&store, "");
+    let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
+    clock.advance(Duration::from_secs(12));
+    let cp = store.checkpoint();
+    let proxy = cp.proxies.iter().find(|p| p.key == key("a")).unwrap();
+    assert!(proxy.leases.is_empty());
+    assert_eq!(proxy.cooldown_until_ms, Some(lease.expires_at_ms + 30_000));
+}

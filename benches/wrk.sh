@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# The discovery API under an external client: wrk (one thread, pinned to one core) drives
+# acquire->release pairs over keep-alive connections against the discovery API and against a
+# bare hyper server with canned answers (the baseline), each pinned to the other core, one
+# server at a time, alternating in every round so both see the same machine. Prints req/s,
+# p50/p99 per run and the discovery API's share of bare hyper's req/s; exits non-zero if any
+# response was not 2xx.
+#
+#   bash benches/wrk.sh                 # 3 rounds x {16, 64} connections x 10 s per server
+#   EPO_WRK_ROUNDS=5 EPO_WRK_SECS=20 EPO_WRK_CONNECTIONS="16 64 256" bash benches/wrk.sh
+#   EPO_WRK_CLIENT_CPU=0 EPO_WRK_SERVER_CPU=1 (the defaults) choose the cores;
+#   EPO_WRK_NICE=-5 runs client and server ahead of (niced) builds sharing the machine;
+#   EPO_WRK_COMPARE_BIN=path/to/another/discovery_bench_server adds that build's discovery API
+#   (e.g. from another branch) as a third server in every round.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+rounds=${EPO_WRK_ROUNDS:-3}
+secs=${EPO_WRK_SECS:-10}
+connections=${EPO_WRK_CONNECTIONS:-16 64}
+client_cpu=${EPO_WRK_CLIENT_CPU:-0}
+server_cpu=${EPO_WRK_SERVER_CPU:-1}
+niceness=${EPO_WRK_NICE:-0}
+
+if ! command -v wrk >/dev/null; then
+  echo "installing wrk (Debian package)" >&2
+  apt-get install -y wrk >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y wrk >/dev/null; }
+fi
+command -v taskset >/dev/null || { echo "taskset (util-linux) is needed" >&2; exit 1; }
+
+cargo build --release --example discovery_bench_server >&2
+target=${CARGO_TARGET_DIR:-target}
+server_bin="$target/release/examples/discovery_bench_server"
+script=benches/wrk/acquire_release.lua
+work=$(mktemp -d)
+server_pid=
+cleanup() {
+  if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+modes="bare discovery${EPO_WRK_COMPARE_BIN:+ compare}"
+
+# Starts a server, waits for its address; sets server_pid and addr.
+start_server() {
+  local bin=$server_bin mode=$1
+  if [ "$mode" = compare ]; then bin=$EPO_WRK_COMPARE_BIN mode=discovery; fi
+  : >"$work/server.out"
+  nice -n "$niceness" taskset -c "$server_cpu" "$bin" "$mode" >"$work/server.out" 2>"$work/server.err" &
+  server_pid=$!
+  for _ in $(seq 1 600); do
+    addr=$(sed -n 's/^listening on //p' "$work/server.out")
+    [ -n "$addr" ] && return 0
+    kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.err" >&2; exit 1; }
+    sleep 0.1
+  done
+  echo "server $1 did not start" >&2
+  exit 1
+}
+
+stop_server() {
+  kill "$server_pid" 2>/dev/null || true
+  wait "$server_pid" 2>/dev/null || true
+  server_pid=
+}
+
+# CPU time (user + system, in clock ticks) the server process has used.
+server_ticks() {
+  awk '{ print $14 + $15 }' "/proc/$server_pid/stat"
+}
+
+# Runs wrk against $addr; prints "rps p50_ms p99_ms cpu_us_per_request non2xx".
+measure() {
+  local conns=$1 out t0 t1
+  # Warm-up: connections, allocator, caches.
+  nice -n "$niceness" taskset -c "$client_cpu" wrk -t1 -c"$conns" -d2s -s "$script" "http://$addr" >/dev/null
+  t0=$(server_ticks)
+  out=$(nice -n "$niceness" taskset -c "$client_cpu" wrk -t1 -c"$conns" -d"${secs}s" -s "$script" "http://$addr")
+  t1=$(server_ticks)
+  echo "$out" | awk -v ticks=$((t1 - t0)) -v hz="$(getconf CLK_TCK)" '/^RESULT/ {
+      for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+      printf "%.0f %.2f %.2f %.2f %d\n", v["requests"] / v["seconds"], v["p50_us"] / 1000, v["p99_us"] / 1000,
+        1e6 * ticks / hz / v["requests"], v["non2xx"] + v["socket_errors"]
+    }'
+}
+
+echo "wrk: 1 thread on CPU $client_cpu; server on CPU $server_cpu; acquire->release pairs; ${secs}s per run; $rounds round(s); nice $niceness"
+echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+printf '%-6s %-6s %-10s %12s %9s %9s %14s\n' round conns server req/s p50_ms p99_ms server_cpu_us/req
+failures=0
+summary=""
+for round in $(seq 1 "$rounds"); do
+  for conns in $connections; do
+    declare -A rps
+    for mode in $modes; do
+      start_server "$mode"
+      read -r r p50 p99 cpu bad < <(measure "$conns")
+      stop_server
+      rps[$mode]=$r
+      printf '%-6s %-6s %-10s %12s %9s %9s %14s\n' "$round" "$conns" "$mode" "$r" "$p50" "$p99" "$cpu"
+      if [ "$bad" -ne 0 ]; then
+        echo "  $bad responses were not 2xx (or socket errors)" >&2
+        failures=$((failures + 1))
+      fi
+      if [ "$mode" != bare ]; then
+        summary+=$(printf '%s %s %s %s %s\n' "$round" "$conns" "$p99" \
+          "$(awk -v a="${rps[$mode]}" -v b="${rps[bare]}" 'BEGIN { printf "%.1f", 100 * a / b }')" "$mode")
+        summary+=$'\n'
+      fi
+    done
+  done
+done
+echo
+echo "discovery API as a share of bare hyper's req/s (targets: >= 60 %, p99 < 2 ms in every run):"
+echo "$summary" | awk 'NF { printf "  %-9s round %s, %3s connections: %5s %% of bare hyper, p99 %s ms\n", $5, $1, $2, $4, $3 }'
+echo "$summary" | awk 'NF {
+    k = $5 " " $2
+    n[k]++; r[k, n[k]] = $4
+    if (!(k in worst) || $3 > worst[k]) worst[k] = $3
+    if (!(k in low) || $4 < low[k]) low[k] = $4
+  }
+  END {
+    for (c in n) {
+      # median of the rounds (insertion sort: a handful of values)
+      m = n[c]
+      for (i = 1; i <= m; i++) v[i] = r[c, i]
+      for (i = 2; i <= m; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
+      med = (m % 2) ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
+      split(c, kc, " ")
+      printf "  %-9s %3s connections over %d round(s): median %.1f %%, lowest %.1f %%, worst p99 %.2f ms\n", kc[1], kc[2], m, med, low[c], worst[c]
+    }
+  }'
+echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+[ "$failures" -eq 0 ]

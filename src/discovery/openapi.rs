@@ -1,0 +1,131 @@
+//! The discovery API's OpenAPI 3.1 contract, generated from the request and response types
+//! (`wire.rs`) and the handlers' `#[utoipa::path]` attributes, served at
+//! `GET /v1/openapi.json` and checked into `docs/openapi.json` (a test keeps it in sync;
+//! `egress-proxies-operator openapi > docs/openapi.json` regenerates it).
+
+use std::sync::OnceLock;
+
+use bytes::Bytes;
+use utoipa::{
+    Modify, OpenApi,
+    openapi::{
+        ContentBuilder, RefOr, ResponseBuilder,
+        security::{Http, HttpAuthScheme, SecurityScheme},
+    },
+};
+
+use super::wire::{
+    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
+    ReleaseResponse, RenewBody, RenewResponse, StatusBody,
+};
+use crate::lease::{Availability, Outcome};
+
+/// The name of the bearer-token security scheme.
+pub(crate) const BEARER: &str = "bearer";
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "egress-proxies-operator discovery API",
+        description = "Crawlers list proxies and lease them: acquire, renew, release. Every error \
+            is `{\"error\":{\"code\",\"message\"}}` with a stable code, including those the HTTP layer \
+            answers before any operation is chosen (the `HttpLayer*` responses in components, \
+            which may answer any request; the connection is then closed), `not_found` for a path \
+            that names no operation and `method_not_allowed` (with `Allow`) for a wrong method. \
+            docs/api.md tells the rules (expiry, cooldowns, fencing, Retry-After).",
+        license(name = "Apache-2.0"),
+    ),
+    paths(
+        super::healthz,
+        super::readyz,
+        super::metrics,
+        super::openapi_json,
+        super::list,
+        super::acquire,
+        super::renew,
+        super::release,
+    ),
+    components(schemas(
+        AcquireBody,
+        RenewBody,
+        ReleaseBody,
+        AcquireResponse,
+        RenewResponse,
+        ReleaseResponse,
+        ListResponse,
+        ProxyJson,
+        StatusBody,
+        ErrorBody,
+        ErrorDetail,
+        Outcome,
+        Availability
+    )),
+    modifiers(&Components),
+    tags((name = "leases", description = "Listing and leasing proxies"), (name = "operations", description = "Probes, metrics, this contract")),
+)]
+struct ApiDoc;
+
+/// Adds the bearer scheme and the responses that no single operation owns.
+struct Components;
+
+impl Modify for Components {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(BEARER, SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)));
+        let error = |description: &str| {
+            ResponseBuilder::new()
+                .description(description)
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(RefOr::Ref(utoipa::openapi::Ref::from_schema_name("Error"))))
+                        .build(),
+                )
+                .build()
+        };
+        for (name, description) in [
+            (
+                "HttpLayerBadRequest",
+                "400 `malformed_request`: the request is not valid HTTP/1 (request line, header, \
+                 Content-Length, Transfer-Encoding, chunking)",
+            ),
+            (
+                "HttpLayerUriTooLong",
+                "414 `uri_too_long`: the request URI is over 64 KiB",
+            ),
+            (
+                "HttpLayerHeadersTooLarge",
+                "431 `headers_too_large`: more than 100 headers or a head over ~400 KiB",
+            ),
+            ("NotFound", "404 `not_found`: no operation at this path"),
+            (
+                "MethodNotAllowed",
+                "405 `method_not_allowed`: the path has no operation for this method; `Allow` names the one it has",
+            ),
+        ] {
+            components
+                .responses
+                .insert(name.to_owned(), RefOr::T(error(description)));
+        }
+    }
+}
+
+/// The contract as a value.
+pub fn document() -> utoipa::openapi::OpenApi {
+    ApiDoc::openapi()
+}
+
+/// The contract as pretty-printed JSON with a final newline (what `docs/openapi.json` holds).
+pub fn json() -> String {
+    let mut text = document()
+        .to_pretty_json()
+        .expect("the OpenAPI document is plain data and always serializes");
+    text.push('\n');
+    text
+}
+
+/// The served bytes, rendered once.
+pub(crate) fn served() -> Bytes {
+    static JSON: OnceLock<Bytes> = OnceLock::new();
+    JSON.get_or_init(|| Bytes::from(json())).clone()
+}
