@@ -532,50 +532,61 @@ impl CheckpointReport {
     }
 }
 
-/// What is still to save: shards (per-shard stores) or the whole document.
-#[derive(Default)]
-struct Pending {
+/// Saves what changed since its last successful save: one part per changed store shard for
+/// a per-shard store, else the whole document. A part that fails stays pending and goes out
+/// with the next save. [`maintenance`] calls it every checkpoint interval; benchmarks and tests
+/// drive it directly.
+#[derive(Debug, Default)]
+pub struct CheckpointSaver {
     shards: BTreeSet<usize>,
     whole: bool,
 }
 
-/// Saves what changed since the last successful save; a part that fails stays pending.
-async fn save_pending(
-    store: &LeaseStore,
-    sink: &dyn CheckpointStore,
-    pending: &mut Pending,
-    report: &CheckpointReport,
-) -> Result<(), CheckpointError> {
-    if sink.per_shard() {
-        pending.shards.extend(store.take_dirty_shards());
-        if pending.shards.is_empty() {
-            return Ok(());
-        }
-        let which: Vec<usize> = pending.shards.iter().copied().collect();
-        let mut result = Ok(());
-        for (shard, part) in which.iter().zip(store.checkpoint_shards(&which)) {
-            // Other shards still go out when one fails (e.g. it grew past a size limit).
-            match sink.save_shard(*shard, &part).await {
-                Ok(written) => {
-                    report.wrote(written);
-                    pending.shards.remove(shard);
-                }
-                Err(error) => result = Err(error),
+impl CheckpointSaver {
+    /// Makes the next save write (the whole document for a one-document store) even if
+    /// nothing changed.
+    pub fn force(&mut self) {
+        self.whole = true;
+    }
+
+    /// Saves what changed to `sink`, counting and reporting to `report`.
+    pub async fn save(
+        &mut self,
+        store: &LeaseStore,
+        sink: &dyn CheckpointStore,
+        report: &CheckpointReport,
+    ) -> Result<(), CheckpointError> {
+        if sink.per_shard() {
+            self.shards.extend(store.take_dirty_shards());
+            if self.shards.is_empty() {
+                return Ok(());
             }
+            let which: Vec<usize> = self.shards.iter().copied().collect();
+            let mut result = Ok(());
+            for (shard, part) in which.iter().zip(store.checkpoint_shards(&which)) {
+                // Other shards still go out when one fails (e.g. it grew past a size limit).
+                match sink.save_shard(*shard, &part).await {
+                    Ok(written) => {
+                        report.wrote(written);
+                        self.shards.remove(shard);
+                    }
+                    Err(error) => result = Err(error),
+                }
+            }
+            report.outcome(&result);
+            result
+        } else {
+            self.whole |= store.take_dirty();
+            if !self.whole {
+                return Ok(());
+            }
+            let result = sink.save(&store.checkpoint()).await.map(|written| {
+                report.wrote(written);
+                self.whole = false;
+            });
+            report.outcome(&result);
+            result
         }
-        report.outcome(&result);
-        result
-    } else {
-        pending.whole |= store.take_dirty();
-        if !pending.whole {
-            return Ok(());
-        }
-        let result = sink.save(&store.checkpoint()).await.map(|written| {
-            report.wrote(written);
-            pending.whole = false;
-        });
-        report.outcome(&result);
-        result
     }
 }
 
@@ -593,7 +604,7 @@ pub async fn maintenance(
     let mut save = tokio::time::interval(config.checkpoint_interval);
     reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     save.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut pending = Pending::default();
+    let mut saver = CheckpointSaver::default();
     let report = &config.report;
     tokio::pin!(shutdown);
     loop {
@@ -607,7 +618,7 @@ pub async fn maintenance(
             }
             _ = save.tick(), if sink.is_some() => {
                 if let Some(sink) = &sink
-                    && let Err(error) = save_pending(&store, sink.as_ref(), &mut pending, report).await
+                    && let Err(error) = saver.save(&store, sink.as_ref(), report).await
                 {
                     tracing::warn!(%error, "saving the lease checkpoint failed; retrying");
                 }
@@ -615,9 +626,9 @@ pub async fn maintenance(
         }
     }
     // The last save always writes (as before shards): a clean stop leaves a checkpoint.
-    pending.whole = true;
+    saver.force();
     match sink {
-        Some(sink) => save_pending(&store, sink.as_ref(), &mut pending, report).await,
+        Some(sink) => saver.save(&store, sink.as_ref(), report).await,
         None => Ok(()),
     }
 }
