@@ -445,16 +445,18 @@ pub async fn run_cluster(
         metrics,
     };
     let controller = tokio::spawn(run_controller(deps, triggers, caches_tx, controller_stop));
-    // Readiness follows the caches and the leadership.
+    // Readiness follows the caches, the leadership and the lease checkpoint's health.
     let readiness = tokio::spawn({
         let mut leadership = leadership.clone();
         let mut checkpoint_health = checkpoint_report.subscribe();
         async move {
+            // The controller may drop its caches sender once synced: the others still matter.
+            let mut caches_open = true;
             loop {
                 let state = admin::Readiness {
                     caches_synced: *caches_rx.borrow(),
                     leader: *leadership.borrow() == Leadership::Leader,
-                    checkpoint_failing: checkpoint_health.borrow().failing.is_some(),
+                    checkpoint_failing: checkpoint_health.borrow_and_update().failing.is_some(),
                 };
                 admin_tx.send_replace(state);
                 discovery_ready_tx.send_replace(Readiness {
@@ -462,7 +464,7 @@ pub async fn run_cluster(
                     leader: state.leader,
                 });
                 tokio::select! {
-                    changed = caches_rx.changed() => if changed.is_err() { break },
+                    changed = caches_rx.changed(), if caches_open => caches_open = changed.is_ok(),
                     changed = leadership.changed() => if changed.is_err() { break },
                     changed = checkpoint_health.changed() => if changed.is_err() { break },
                 }
