@@ -4,10 +4,13 @@
 //! A [`Checkpoint`] is a versioned JSON document. Standalone mode keeps it in one file
 //! ([`FileCheckpoint`]: write to a temporary file, fsync, rename over the old one, fsync the
 //! folder, so a crash leaves the old or the new checkpoint, never a torn one). Cluster mode keeps
-//! it in Kubernetes objects: [`encode_chunks`] splits it into JSON documents below a size
-//! limit (one per object, e.g. a ConfigMap key each, under etcd's object size limit) and
-//! [`decode_chunks`] joins them. Checkpoints hold no secrets: no credentials, no signing key,
-//! no lease IDs (an ID is only valid with the key's signature).
+//! it in Kubernetes objects, one part per lease-store shard ([`CheckpointStore::per_shard`],
+//! [`LeaseStore::checkpoint_shards`], joined by [`Checkpoint::merge`]), so a change rewrites
+//! only its shard; [`encode_chunks`] splits a part into JSON documents below a size limit (one
+//! per object, under the API server's object size limit) and [`decode_chunks`] joins them.
+//! [`CheckpointSaver`] writes what changed and [`CheckpointReport`] counts it and reports
+//! failures (metrics, a health channel for `/readyz` and Events). Checkpoints hold no secrets:
+//! no credentials, no signing key, no lease IDs (an ID is only valid with the key's signature).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
