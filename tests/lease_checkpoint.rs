@@ -216,3 +216,72 @@ async fn maintenance_reports_failures_until_saves_succeed() {
     stop.send(()).unwrap();
     task.await.unwrap().unwrap();
 }
+
+#[test]
+fn parts_written_at_different_times_merge_to_the_newest_state() {
+    use egress_proxies_operator::lease::{
+        ProxyKey,
+        checkpoint::{Checkpoint, CheckpointAdmission, ProxyCheckpoint, SessionCheckpoint},
+    };
+    let proxy = |name: &str, admission| ProxyCheckpoint {
+        key: ProxyKey::new("ns", name),
+        admission,
+        cooldown_until_ms: None,
+        revoked_below: 0,
+        bans: Vec::new(),
+        leases: Vec::new(),
+    };
+    let session = |proxy: &str, expires_at_ms| SessionCheckpoint {
+        session_key: "s1".to_owned(),
+        proxy: ProxyKey::new("ns", proxy),
+        expires_at_ms,
+    };
+    // `a` moved from an older part to a newer one; the session was bound again elsewhere.
+    let older = Checkpoint {
+        version: Checkpoint::VERSION,
+        saved_at_ms: 1_000,
+        token_hwm: BTreeMap::from([(0, 500), (1, 900)]),
+        proxies: vec![
+            proxy("a", CheckpointAdmission::Open),
+            proxy("b", CheckpointAdmission::Open),
+        ],
+        sessions: vec![session("a", 5_000)],
+    };
+    let newer = Checkpoint {
+        version: Checkpoint::VERSION,
+        saved_at_ms: 2_000,
+        token_hwm: BTreeMap::from([(0, 700)]),
+        proxies: vec![proxy("a", CheckpointAdmission::Draining)],
+        sessions: vec![session("c", 9_000)],
+    };
+    let merged = Checkpoint::merge([newer, older]).unwrap();
+    assert_eq!(merged.saved_at_ms, 2_000);
+    assert_eq!(merged.token_hwm, BTreeMap::from([(0, 700), (1, 900)]));
+    assert_eq!(
+        merged.proxies,
+        vec![
+            proxy("a", CheckpointAdmission::Draining),
+            proxy("b", CheckpointAdmission::Open)
+        ]
+    );
+    assert_eq!(merged.sessions, vec![session("c", 9_000)]);
+    assert_eq!(Checkpoint::merge(Vec::new()), None);
+}
+
+#[test]
+fn shard_parts_together_are_the_whole_checkpoint() {
+    let (store, _) = filled_store(1_000);
+    let all: Vec<usize> = (0..store.shard_count()).collect();
+    let parts = store.checkpoint_shards(&all);
+    assert_eq!(parts.len(), store.shard_count());
+    assert!(
+        parts.iter().all(|p| p.lease_count() < 1_000),
+        "the leases are spread"
+    );
+    let whole = store.checkpoint();
+    let merged = egress_proxies_operator::lease::checkpoint::Checkpoint::merge(parts).unwrap();
+    assert_eq!(merged.proxies, whole.proxies);
+    assert_eq!(merged.sessions, whole.sessions);
+    assert_eq!(merged.token_hwm, whole.token_hwm);
+    assert_eq!(merged.lease_count(), 1_000);
+}
