@@ -1,5 +1,5 @@
 //! Cluster mode: leader election, then the controller, health engine, lease store (checkpointed
-//! into a ConfigMap), discovery API, provider-health monitor and orphan GC — all only while this
+//! into ConfigMaps, a part per lease-store shard), discovery API, provider-health monitor and orphan GC — all only while this
 //! replica leads. Losing the lease stops acting: `run_cluster` returns an error and the process
 //! exits, so Kubernetes restarts it as a follower.
 
@@ -50,7 +50,8 @@ use crate::{
     },
 };
 
-/// Name of the Lease used for leader election and of the ConfigMap holding the lease checkpoint.
+/// Name of the Lease used for leader election (and the prefix of the lease checkpoint's
+/// ConfigMaps).
 pub const LEADER_LEASE: &str = "egress-proxies-operator";
 
 /// Options of cluster mode.
@@ -182,6 +183,8 @@ impl CheckpointStore for ConfigMapCheckpoint {
         Ok(Checkpoint::merge(parts))
     }
 
+    /// The whole checkpoint as shard 0's parts: being newer, it wins over every older part
+    /// when parts are merged. [`maintenance`] saves per shard instead.
     async fn save(&self, checkpoint: &Checkpoint) -> Result<Written, CheckpointError> {
         self.save_shard(0, checkpoint).await
     }
