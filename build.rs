@@ -30,6 +30,8 @@ pub(crate) struct Table {
     events: Vec<EventDef>,
     effects: Vec<Named>,
     timers: Vec<TimerDef>,
+    /// Reasons whose Kubernetes Events are of type Warning.
+    warnings: Vec<String>,
     transitions: Vec<Row>,
 }
 
@@ -467,6 +469,14 @@ fn validate(t: &Table) -> Result<(), Vec<String>> {
         }
     }
 
+    let reasons: BTreeSet<&str> = t.transitions.iter().map(|r| r.reason.as_str()).collect();
+    for warning in &t.warnings {
+        if !reasons.contains(warning.as_str()) {
+            errors.push(format!(
+                "`warnings` lists `{warning}`, which no transition row gives as its reason"
+            ));
+        }
+    }
     let used_timers: BTreeSet<String> = t.states.iter().filter_map(|s| s.timer.clone()).collect();
     for (kind, declared, used) in [
         ("event", &events, &used_events),
@@ -710,6 +720,17 @@ fn generate(t: &Table, source: &str) -> String {
         "    pub const ALL: [&str; {}] = [{}];",
         reasons.len(),
         all.join(", ")
+    );
+    let warnings: Vec<String> = t.warnings.iter().map(|r| shouty(r)).collect();
+    let _ = writeln!(
+        w,
+        "    /// Reasons whose Kubernetes Events are Warnings (the table's `warnings`)."
+    );
+    let _ = writeln!(
+        w,
+        "    pub const WARNINGS: [&str; {}] = [{}];",
+        warnings.len(),
+        warnings.join(", ")
     );
     let _ = writeln!(w, "}}\n");
 

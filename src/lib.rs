@@ -20,3 +20,4 @@ pub mod provider;
 pub mod standalone;
 pub mod store;
 pub mod telemetry;
+pub mod ui;

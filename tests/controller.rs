@@ -547,6 +547,59 @@ async fn an_unknown_provider_is_a_user_error_not_a_crash() {
     operator.stop().await;
 }
 
+#[tokio::test]
+async fn the_status_write_after_adding_the_finalizer_does_not_conflict() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    // Health stays Unknown: one reconcile adds the finalizer and writes `provisioning`.
+    world.create_proxy("first", json!({"provider": "mem"})).await;
+    world.wait_phase("first", "provisioning").await;
+    let status_writes: Vec<_> = world
+        .server
+        .writes()
+        .into_iter()
+        .filter(|r| r.name.as_deref() == Some("first") && r.subresource.as_deref() == Some("status"))
+        .collect();
+    assert!(
+        status_writes.iter().all(|r| r.succeeded()),
+        "the status write must carry the resourceVersion of the operator's own finalizer patch: {status_writes:#?}"
+    );
+    operator.stop().await;
+}
+
+#[tokio::test]
+async fn a_repeated_event_joins_the_first_ones_series() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world.create_proxy("flappy", json!({"provider": "mem"})).await;
+    make_healthy(&world, &operator, "flappy").await;
+    let k = key(NS, "flappy");
+    for _ in 0..2 {
+        world.health.set(&k, HealthVerdict::Failing);
+        operator.trigger(k.clone()).await;
+        world.wait_phase("flappy", "degraded").await;
+        world
+            .health
+            .set(&k, HealthVerdict::Passing { after_failing: true });
+        operator.trigger(k.clone()).await;
+        world.wait_phase("flappy", "healthy").await;
+    }
+    let failed: Vec<serde_json::Value> = world
+        .server
+        .list_json("events.events.k8s.io", Some(NS))
+        .into_iter()
+        .filter(|e| e["reason"] == "HealthCheckFailed")
+        .collect();
+    assert_eq!(
+        failed.len(),
+        1,
+        "a repeat within six minutes is a series, not a new Event: {failed:#?}"
+    );
+    assert_eq!(failed[0]["series"]["count"], 2, "{failed:#?}");
+    assert!(failed[0]["series"]["lastObservedTime"].is_string(), "{failed:#?}");
+    operator.stop().await;
+}
+
 /// The defaults scaled down 100x (10 s doubling to 5 min becomes 100 ms doubling to 3 s), so a
 /// 6 s window stands for the first 10 minutes.
 fn scaled_backoff() -> egress_proxies_operator::machine::Backoff {
@@ -726,5 +779,51 @@ async fn a_pool_wide_health_failure_replaces_none_while_the_brake_holds() {
             Some("degraded")
         );
     }
+    operator.stop().await;
+}
+
+/// The providers config no longer names a Proxy's provider while its instance may still run:
+/// deleting the Proxy keeps the finalizer (nothing can confirm the instance is gone) and says
+/// why and what to do, instead of releasing the object and leaking the instance.
+#[tokio::test]
+async fn deleting_a_proxy_whose_provider_is_gone_keeps_the_finalizer_and_says_why() {
+    let world = World::new().await;
+    let operator = world.start().await;
+    world.create_proxy("orphaned", json!({"provider": "mem"})).await;
+    make_healthy(&world, &operator, "orphaned").await;
+    operator.stop().await;
+
+    // The operator restarts with a providers config that lacks `mem`.
+    let operator = world
+        .start_with(|setup| setup.deps.providers = ProviderRegistry::new())
+        .await;
+    world
+        .proxies()
+        .delete("orphaned", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let stuck = world
+        .wait_for("orphaned", "DeleteFailed", |p| {
+            p.and_then(|p| p.status.as_ref())
+                .is_some_and(|s| condition(s, "Ready").reason == "DeleteFailed")
+        })
+        .await
+        .expect("still there");
+    let message = &condition(stuck.status.as_ref().expect("status"), "Ready").message;
+    assert!(
+        message.contains("provider \"mem\" is not configured"),
+        "{message}"
+    );
+    assert!(
+        message.contains("remove the finalizer"),
+        "the escape hatch is named: {message}"
+    );
+    assert!(
+        stuck
+            .finalizers()
+            .iter()
+            .any(|f| f == "crawl.example.com/proxy-cleanup")
+    );
+    assert_eq!(world.provider.names().len(), 1, "the instance was not touched");
     operator.stop().await;
 }

@@ -75,12 +75,30 @@ fn a_fact_raised_event_cannot_be_invalid_anywhere() {
 
 #[test]
 fn rows_for_an_effect_raised_event_need_a_row_that_runs_the_effect() {
-    // No row into `pending` creates, so pending cannot handle create_failed.
+    // No row into `pending` creates, so a pending row for create_failed could never be taken.
     let errors = errors_after(
-        "    invalid: [instance_created, instance_stale, create_failed, create_rejected, delete_failed, delete_pending]\n\n  - name: provisioning",
-        "    invalid: [instance_created, instance_stale, create_rejected, delete_failed, delete_pending]\n\n  - name: provisioning",
+        "    invalid: [instance_created, instance_stale, create_failed, create_rejected, delete_failed, delete_pending,\n              credentials_updated, credentials_update_failed]\n\n  - name: provisioning",
+        "    invalid: [instance_created, instance_stale, create_rejected, delete_failed, delete_pending,\n              credentials_updated, credentials_update_failed]\n\n  - name: provisioning",
     );
     assert_mentions(&errors, "state `pending` does not cover event `create_failed`");
+    let table = TABLE
+        .replacen(
+            "    invalid: [instance_created, instance_stale, create_failed, create_rejected, delete_failed, delete_pending,\n              credentials_updated, credentials_update_failed]\n\n  - name: provisioning",
+            "    invalid: [instance_created, instance_stale, create_rejected, delete_failed, delete_pending,\n              credentials_updated, credentials_update_failed]\n\n  - name: provisioning",
+            1,
+        )
+        .replacen(
+            "transitions:\n",
+            "transitions:\n  - {from: pending, on: create_failed, to: pending, effects: [record_event], reason: CreateFailed, note: \"never taken\"}\n",
+            1,
+        );
+    let errors = build_script::load_table(&table)
+        .expect_err("unreachable rows are refused")
+        .join("\n");
+    assert_mentions(
+        &errors,
+        "state `pending` has rows for `create_failed`, which only create_instance raise(s), but no row into `pending` runs it",
+    );
 }
 
 #[test]
@@ -106,8 +124,8 @@ fn unknown_state_and_event_name_the_row() {
 #[test]
 fn every_pair_is_covered_exactly_once() {
     let errors = errors_after(
-        "             health_passed, drain_complete, timer_expired]\n    invalid: [instance_created, instance_stale, create_failed, create_rejected, delete_failed, delete_pending]\n\n  - name: provisioning",
-        "             health_passed, drain_complete]\n    invalid: [instance_created, instance_stale, create_failed, create_rejected, delete_failed, delete_pending]\n\n  - name: provisioning",
+        "             health_passed, drain_complete, timer_expired, credentials_changed]\n    invalid: [instance_created,",
+        "             health_passed, drain_complete, credentials_changed]\n    invalid: [instance_created,",
     );
     assert_mentions(&errors, "state `pending` does not cover event `timer_expired`");
 

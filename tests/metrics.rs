@@ -12,6 +12,7 @@ mod support {
     pub mod fake_apiserver;
     pub mod http;
     pub mod local;
+    pub mod operations_doc;
     pub mod origin;
 }
 
@@ -40,6 +41,7 @@ use support::{
     fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
     http::{get, request},
     local::{StateDir, free_port, squids_under},
+    operations_doc::documented_metrics,
     origin::OriginServer,
 };
 
@@ -92,16 +94,6 @@ fn exposed_names(text: &str) -> BTreeSet<String> {
                 _ => name.to_owned(),
             })
         })
-        .collect()
-}
-
-/// Metric names listed in docs/operations.md's metrics table.
-fn documented_names() -> BTreeSet<String> {
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/operations.md"))
-        .expect("docs/operations.md");
-    doc.lines()
-        .filter_map(|line| line.strip_prefix("| `epo_"))
-        .filter_map(|rest| Some(format!("epo_{}", rest.split_once('`')?.0)))
         .collect()
 }
 
@@ -281,7 +273,7 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     .await;
     let value = |series: &str| sample(&text, series).unwrap_or_else(|| panic!("no {series} in:\n{text}"));
 
-    assert_eq!(exposed_names(&text), documented_names(), "{text}");
+    assert_eq!(exposed_names(&text), documented_metrics(), "{text}");
     // create, healthy, deleting, deleted: at least three reconciles end well (the first makes
     // two transitions); every reconcile, whatever its result, is timed.
     assert!(value(r#"epo_reconciles_total{result="ok"}"#) >= 3.0, "{text}");

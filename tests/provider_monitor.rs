@@ -189,6 +189,7 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
             debounce: Duration::from_millis(10),
             identity: "monitor-test".into(),
             metrics,
+            status_feed: None,
         },
         futures::stream::unfold(
             triggers_rx,

@@ -57,8 +57,10 @@ async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, 
     )
 }
 
-/// GET `url` through the HTTP proxy at `proxy` (absolute-form request).
-async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
+/// GET `url` through the HTTP proxy at `proxy` (absolute-form request), with basic proxy
+/// credentials `(user, password)` if given.
+async fn fetch_through(proxy: &str, url: &str, credentials: Option<(&str, &str)>) -> (StatusCode, String) {
+    use base64::Engine as _;
     let stream = tokio::net::TcpStream::connect(proxy)
         .await
         .expect("connect to proxy");
@@ -66,10 +68,12 @@ async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
         .await
         .expect("handshake");
     tokio::spawn(conn);
-    let request = Request::get(url)
-        .header("host", "127.0.0.1")
-        .body(Full::new(Bytes::new()))
-        .expect("request");
+    let mut request = Request::get(url).header("host", "127.0.0.1");
+    if let Some((user, password)) = credentials {
+        let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
+        request = request.header("proxy-authorization", format!("Basic {basic}"));
+    }
+    let request = request.body(Full::new(Bytes::new())).expect("request");
     let response = sender
         .send_request(request)
         .await
@@ -77,6 +81,19 @@ async fn fetch_through(proxy: &str, url: &str) -> (StatusCode, String) {
     let status = response.status();
     let body = response.into_body().collect().await.expect("body").to_bytes();
     (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Releases the lease of an acquire answer with outcome `ok`.
+async fn release(host: &Host, lease: &serde_json::Value) -> (StatusCode, serde_json::Value) {
+    let id = lease["leaseId"].as_str().expect("leaseId");
+    let token = &lease["fencingToken"];
+    api(
+        host,
+        "POST",
+        &format!("/v1/leases/{id}/release"),
+        &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -105,21 +122,13 @@ async fn standalone_end_to_end_with_real_squid() {
     assert_eq!(code, StatusCode::CREATED, "{lease}");
     let proxy_url = lease["proxyUrl"].as_str().expect("proxyUrl");
     let proxy = proxy_url.trim_start_matches("http://");
-    let (code, body) = fetch_through(proxy, &origin.http_url("/ip")).await;
+    let (code, body) = fetch_through(proxy, &origin.http_url("/ip"), None).await;
     assert_eq!(code, StatusCode::OK);
     assert!(
         body.contains("127.0.0.1"),
         "the origin saw the proxy's loopback address: {body}"
     );
-    let lease_id = lease["leaseId"].as_str().expect("leaseId");
-    let token = lease["fencingToken"].clone();
-    let (code, released) = api(
-        &host,
-        "POST",
-        &format!("/v1/leases/{lease_id}/release"),
-        &format!(r#"{{"fencingToken":{token},"outcome":"ok"}}"#),
-    )
-    .await;
+    let (code, released) = release(&host, &lease).await;
     assert!(code.is_success(), "{code} {released}");
 
     // Removing a manifest takes its Squid away.
@@ -292,25 +301,6 @@ async fn after_a_restart_no_lease_is_handed_out_on_an_unverified_proxy() {
     stop(operator);
 }
 
-/// GET `url` through `proxy` with basic proxy credentials.
-async fn fetch_with_credentials(proxy: &str, url: &str, user: &str, password: &str) -> StatusCode {
-    use base64::Engine as _;
-    let stream = tokio::net::TcpStream::connect(proxy)
-        .await
-        .expect("connect to proxy");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    tokio::spawn(conn);
-    let basic = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
-    let request = Request::get(url)
-        .header("host", "127.0.0.1")
-        .header("proxy-authorization", format!("Basic {basic}"))
-        .body(Full::new(Bytes::new()))
-        .expect("request");
-    sender.send_request(request).await.expect("response").status()
-}
-
 /// Rotating a proxy's credentials Secret reaches the running Squid in place: the new password
 /// works, the old one gets 407, a lease held across the rotation is not revoked, and the API
 /// hands out the new password only once Squid accepts it.
@@ -354,7 +344,9 @@ async fn rotated_credentials_reach_the_running_squid_without_a_replacement() {
     assert!(held["proxyUrl"].as_str().expect("url").contains("old-password-1"));
     let url = origin.http_url("/ip");
     assert_eq!(
-        fetch_with_credentials(&proxy, &url, "crawler", "old-password-1").await,
+        fetch_through(&proxy, &url, Some(("crawler", "old-password-1")))
+            .await
+            .0,
         StatusCode::OK
     );
 
@@ -393,7 +385,7 @@ async fn rotated_credentials_reach_the_running_squid_without_a_replacement() {
             "old-password-1"
         };
         assert_eq!(
-            fetch_with_credentials(&proxy, &url, "crawler", password).await,
+            fetch_through(&proxy, &url, Some(("crawler", password))).await.0,
             StatusCode::OK,
             "the API handed out credentials Squid does not accept ({password})"
         );
@@ -411,7 +403,9 @@ async fn rotated_credentials_reach_the_running_squid_without_a_replacement() {
         rotated.elapsed().as_secs_f64()
     );
     assert_eq!(
-        fetch_with_credentials(&proxy, &url, "crawler", "old-password-1").await,
+        fetch_through(&proxy, &url, Some(("crawler", "old-password-1")))
+            .await
+            .0,
         StatusCode::PROXY_AUTHENTICATION_REQUIRED,
         "the old password is refused"
     );

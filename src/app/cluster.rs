@@ -46,8 +46,9 @@ use crate::{
     provider::{Installation, ProviderRegistry},
     telemetry::{
         Metrics,
-        admin::{self, serve_admin},
+        admin::{self, StatusPageSlot, serve_admin_with_ui},
     },
+    ui::{StatusPage, cluster::ClusterFeed},
 };
 
 /// Name of the Lease used for leader election (and the prefix of the lease checkpoint's
@@ -287,7 +288,14 @@ pub async fn run_cluster(
                 options.admin_listen
             ))
         })?;
-    tokio::spawn(serve_admin(admin_listener, admin_rx, registry.clone(), stopped()));
+    let status_page = StatusPageSlot::default();
+    tokio::spawn(serve_admin_with_ui(
+        admin_listener,
+        admin_rx,
+        registry.clone(),
+        status_page.clone(),
+        stopped(),
+    ));
 
     // Leader election first: nothing acts before this replica leads.
     let (leader_tx, mut leadership) = watch::channel(Leadership::Unknown);
@@ -328,6 +336,17 @@ pub async fn run_cluster(
     let availability = ProviderAvailability::default();
     let (caches_tx, mut caches_rx) = watch::channel(false);
     let (discovery_ready_tx, discovery_ready) = watch::channel(Readiness::default());
+    let status_feed = ClusterFeed::default();
+    let page = Arc::new(StatusPage::new(
+        Arc::new(status_feed.clone()),
+        store.clone(),
+        health_handle.clone(),
+        availability.clone(),
+        providers.iter().map(|(name, _)| name.to_owned()).collect(),
+        auth.clone(),
+    ));
+    let health_log = page.health_log();
+    let _ = status_page.set(page);
     let discovery_state = DiscoveryState::new(
         store.clone(),
         signer,
@@ -413,6 +432,7 @@ pub async fn run_cluster(
 
     tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
+            health_log.record(&event);
             if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
                 break;
             }
@@ -446,6 +466,7 @@ pub async fn run_cluster(
         debounce: Duration::from_millis(200),
         identity: options.identity.clone(),
         metrics,
+        status_feed: Some(status_feed),
     };
     let controller = tokio::spawn(run_controller(deps, triggers, caches_tx, controller_stop));
     // Readiness follows the caches, the leadership and the lease checkpoint's health.

@@ -29,9 +29,10 @@ use crate::{
     },
     monitor::{LogSink, Monitor},
     provider::{Installation, ProviderRegistry, RegistryError},
-    standalone::{Standalone, StandaloneDeps, StandaloneError},
+    standalone::{Standalone, StandaloneDeps, StandaloneError, ui::StoreSource},
     store::Store,
     telemetry::Metrics,
+    ui::StatusPage,
 };
 
 /// Why the operator could not start.
@@ -297,12 +298,22 @@ pub async fn run_standalone(
     let state = DiscoveryState::new(
         store.clone(),
         signer,
-        auth,
+        auth.clone(),
         readiness,
         registry,
         discovery_metrics,
         DiscoveryConfig::default(),
     );
+    let status_page = Arc::new(StatusPage::new(
+        Arc::new(StoreSource::new(&options.state)),
+        store.clone(),
+        health_handle.clone(),
+        availability.clone(),
+        providers.iter().map(|(name, _)| name.to_owned()).collect(),
+        auth,
+    ));
+    let health_log = status_page.health_log();
+    state.set_status_page(status_page);
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
         .map_err(|e| AppError::Startup(format!("binding the discovery API on {}: {e}", options.listen)))?;
@@ -345,6 +356,7 @@ pub async fn run_standalone(
     let (trigger_tx, trigger_rx) = mpsc::channel(1024);
     let forward = tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
+            health_log.record(&event);
             if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
                 break;
             }

@@ -92,6 +92,7 @@ struct StateInner {
     registry: Arc<Registry>,
     metrics: DiscoveryMetrics,
     config: DiscoveryConfig,
+    ui: std::sync::OnceLock<Arc<crate::ui::StatusPage>>,
 }
 
 /// What the API serves from; cheap to clone.
@@ -123,8 +124,14 @@ impl DiscoveryState {
                 registry,
                 metrics,
                 config,
+                ui: std::sync::OnceLock::new(),
             }),
         }
+    }
+
+    /// Serves the status page at `GET /ui` (standalone mode; once).
+    pub fn set_status_page(&self, page: Arc<crate::ui::StatusPage>) {
+        let _ = self.inner.ui.set(page);
     }
 
     /// The lease store behind the API.
@@ -190,6 +197,7 @@ enum Route<'a> {
     Healthz,
     Readyz,
     Metrics,
+    Ui,
     List,
     Acquire,
     Renew(&'a str),
@@ -202,6 +210,7 @@ impl Route<'_> {
             Route::Healthz => "healthz",
             Route::Readyz => "readyz",
             Route::Metrics => "metrics",
+            Route::Ui => "ui",
             Route::List => "list",
             Route::Acquire => "acquire",
             Route::Renew(_) => "renew",
@@ -309,6 +318,7 @@ fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, ApiError> {
         "/healthz" => only("GET", &Method::GET, Route::Healthz),
         "/readyz" => only("GET", &Method::GET, Route::Readyz),
         "/metrics" => only("GET", &Method::GET, Route::Metrics),
+        "/ui" => only("GET", &Method::GET, Route::Ui),
         "/v1/proxies" => only("GET", &Method::GET, Route::List),
         "/v1/leases" => only("POST", &Method::POST, Route::Acquire),
         _ => {
@@ -391,6 +401,13 @@ where
             );
             return Ok(response);
         }
+        // The page authenticates itself (a browser sends Basic credentials).
+        Route::Ui => {
+            let page =
+                s.ui.get()
+                    .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint"))?;
+            return Ok(page.respond(&parts.headers).await);
+        }
         _ => {}
     }
     let identity = authenticate(s, parts).await?;
@@ -409,7 +426,7 @@ where
             let req: ReleaseBody = read_json(s, parts, body).await?;
             release(s, id, req)
         }
-        Route::Healthz | Route::Readyz | Route::Metrics => unreachable!("answered above"),
+        Route::Healthz | Route::Readyz | Route::Metrics | Route::Ui => unreachable!("answered above"),
     }
 }
 

@@ -838,34 +838,30 @@ impl LeaseStore {
     /// the restore (it may have been released just before a crash; its holder would never end
     /// it, and waiting its whole TTL would hold the lifecycle up).
     pub fn leases_to_wait_for(&self, key: &ProxyKey) -> usize {
-        let now = self.now();
         let unconfirmed_until = self
             .inner
             .restore
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .unconfirmed_until;
-        let shard = self.shard_for(key);
-        shard.by_key.get(key).map_or(0, |slot| {
-            shard
-                .proxy(*slot)
-                .leases
-                .iter()
-                .filter(|l| l.expires_at > now && (!l.restored || now < unconfirmed_until))
-                .count()
-        })
+        let now = self.now();
+        self.count_leases(key, now, |l| !l.restored || now < unconfirmed_until)
     }
 
     /// Active (unexpired) leases on a proxy; 0 if unknown.
     pub fn active_leases(&self, key: &ProxyKey) -> usize {
-        let now = self.now();
+        self.count_leases(key, self.now(), |_| true)
+    }
+
+    /// Unexpired leases on `key` at `now` that `keep` accepts; 0 if unknown.
+    fn count_leases(&self, key: &ProxyKey, now: u64, keep: impl Fn(&LeaseRecord) -> bool) -> usize {
         let shard = self.shard_for(key);
         shard.by_key.get(key).map_or(0, |slot| {
             shard
                 .proxy(*slot)
                 .leases
                 .iter()
-                .filter(|l| l.expires_at > now)
+                .filter(|l| l.expires_at > now && keep(l))
                 .count()
         })
     }

@@ -17,12 +17,3 @@ pub fn derive(phase: Phase, facts: Facts) -> Option<Event> {
         .map(|info| info.event)
         .find(|event| !ignored.contains(event))
 }
-
-/// Every event `facts` raise, in priority order, whether or not `phase` ignores it (for the
-/// audit's "why": what else held when the decided event was chosen).
-pub fn raised(facts: Facts) -> impl Iterator<Item = Event> {
-    EVENTS
-        .iter()
-        .filter(move |info| !info.when.is_empty() && facts.all(info.when))
-        .map(|info| info.event)
-}

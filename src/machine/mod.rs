@@ -80,14 +80,10 @@ impl Decision {
     pub fn guard(&self) -> &'static [Literal] {
         self.row.map_or(&[], |r| r.guard)
     }
-
-    /// Whether the phase changed.
-    pub fn changed_phase(&self) -> bool {
-        self.from.phase() != self.to.phase()
-    }
 }
 
-/// The event is invalid in the state: the table says the controller must never derive it there.
+/// The event is invalid in the state: the table says it cannot happen there (an executor raised an
+/// event no row into the state can raise).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("event `{event}` is invalid in state `{}`", state.phase())]
 pub struct InvalidTransition {

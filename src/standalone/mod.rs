@@ -12,6 +12,7 @@ mod backend;
 pub mod manifests;
 pub mod progress;
 pub mod status;
+pub mod ui;
 
 use std::{
     collections::{BTreeMap, HashMap},

@@ -1,7 +1,13 @@
 //! The admin server: `/healthz` (the process is alive), `/readyz` (caches synced and leadership
-//! known: only the leader is ready, so a Service sends discovery traffic to it) and `/metrics`.
+//! known: only the leader is ready, so a Service sends discovery traffic to it), `/metrics`,
+//! and the status page `/ui` ([`crate::ui`]) once this replica leads. Only `/ui` is
+//! authenticated (with the discovery API's tokens): the rest is for probes and Prometheus.
 
-use std::{convert::Infallible, future::Future, sync::Arc};
+use std::{
+    convert::Infallible,
+    future::Future,
+    sync::{Arc, OnceLock},
+};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -12,6 +18,8 @@ use hyper_util::rt::TokioIo;
 use prometheus_client::registry::Registry;
 use tokio::{net::TcpListener, sync::watch};
 use tracing::{debug, warn};
+
+use crate::ui::StatusPage;
 
 /// What `/readyz` reports.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,11 +40,26 @@ impl Readiness {
     }
 }
 
+/// Where the status page appears once the replica leads (a follower has no leases or health
+/// to show: `/ui` answers 503 until then).
+pub type StatusPageSlot = Arc<OnceLock<Arc<StatusPage>>>;
+
 /// Serves the admin endpoints on `listener` until `shutdown` resolves.
 pub async fn serve_admin(
     listener: TcpListener,
     readiness: watch::Receiver<Readiness>,
     registry: Arc<Registry>,
+    shutdown: impl Future<Output = ()>,
+) {
+    serve_admin_with_ui(listener, readiness, registry, StatusPageSlot::default(), shutdown).await;
+}
+
+/// [`serve_admin`], with the status page at `/ui` once `ui` is filled.
+pub async fn serve_admin_with_ui(
+    listener: TcpListener,
+    readiness: watch::Receiver<Readiness>,
+    registry: Arc<Registry>,
+    ui: StatusPageSlot,
     shutdown: impl Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
@@ -53,10 +76,20 @@ pub async fn serve_admin(
         };
         let readiness = readiness.clone();
         let registry = registry.clone();
+        let ui = ui.clone();
         tokio::spawn(async move {
-            let service = service_fn(move |request| {
+            let service = service_fn(move |request: Request<Incoming>| {
                 let response = respond(&request, &readiness, &registry);
-                async move { Ok::<_, Infallible>(response) }
+                let ui = ui.clone();
+                async move {
+                    if request.method() == Method::GET && request.uri().path() == "/ui" {
+                        return Ok::<_, Infallible>(match ui.get() {
+                            Some(page) => page.respond(request.headers()).await,
+                            None => text(StatusCode::SERVICE_UNAVAILABLE, "not the leader\n"),
+                        });
+                    }
+                    Ok(response)
+                }
             });
             if let Err(err) = http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)

@@ -57,6 +57,7 @@ impl ControllerSetup {
                 debounce: Duration::from_millis(10),
                 identity: "test-operator".into(),
                 metrics,
+                status_feed: None,
             },
             registry,
         }

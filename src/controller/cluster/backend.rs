@@ -1,57 +1,100 @@
 //! [`ProxyBackend`] over the Kubernetes API: finalizers and status on the Proxy, Events as the
 //! audit trail, Secrets from the label-selected cache (cloud-init) or a direct read (credentials).
 
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+};
+
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Secret;
 use kube::{
     Api, Client, Resource, ResourceExt,
     api::{Patch, PatchParams, PostParams},
     runtime::{
-        events::{Event as KubeEvent, EventType, Recorder},
+        events::{Event as KubeEvent, EventType},
         reflector::{ObjectRef, Store},
     },
 };
 use serde_json::json;
 
+use super::events::EventPublisher;
 use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
     controller::status::FINALIZER,
     effects::{BackendError, ProxyBackend, SecretError},
-    machine::AuditEntry,
+    machine::{AuditEntry, reason},
     provider::{Credentials, UserData},
 };
 
 /// Default Secret key of cloud-init user-data.
 pub const DEFAULT_CLOUD_INIT_KEY: &str = "user-data";
 
-/// Reasons recorded as `Warning` Events; everything else is `Normal`.
-const WARNING_REASONS: [&str; 8] = [
-    "HealthCheckFailed",
-    "CreateFailed",
-    "CreateAttemptsExhausted",
-    "ProviderUnavailable",
-    "InvalidSpec",
-    "InstanceVanished",
-    "ProvisioningTimedOut",
-    "DegradedTooLong",
-];
-
 /// The cluster-mode backend.
 #[derive(Clone)]
 pub struct KubeBackend {
     client: Client,
-    recorder: Recorder,
+    events: Arc<EventPublisher>,
     cloud_init_secrets: Store<Secret>,
+    /// Per Proxy (hash of its UID), hashes of the resourceVersions our own last writes of it
+    /// replaced (the one read before adding the finalizer, the one the status write replaced):
+    /// see [`Self::is_superseded`]. Hashes keep this at a few dozen bytes per Proxy.
+    superseded: Arc<Mutex<HashMap<u64, [u64; 2]>>>,
+}
+
+fn short_hash(text: Option<&str>) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut hasher = DefaultHasher::new();
+    text.hash(&mut hasher);
+    hasher.finish()
 }
 
 impl KubeBackend {
     /// A backend writing through `client`, reading cloud-init Secrets from `cloud_init_secrets`
-    /// (a reflector over Secrets labelled [`CLOUD_INIT_SECRET_LABEL`]).
-    pub fn new(client: Client, recorder: Recorder, cloud_init_secrets: Store<Secret>) -> Self {
+    /// (a reflector over Secrets labelled [`CLOUD_INIT_SECRET_LABEL`]), publishing the audit trail
+    /// through `events`.
+    pub fn new(client: Client, events: EventPublisher, cloud_init_secrets: Store<Secret>) -> Self {
         Self {
             client,
-            recorder,
+            events: Arc::new(events),
             cloud_init_secrets,
+            superseded: Arc::default(),
+        }
+    }
+
+    fn superseded(&self) -> MutexGuard<'_, HashMap<u64, [u64; 2]>> {
+        self.superseded.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether `proxy` is a version our own writes of it already replaced: the cache has not
+    /// received them yet, and a reconcile of it would redo transitions and end in a conflicting
+    /// write. Forgets the Proxy's entry once the cache has moved on.
+    pub fn is_superseded(&self, proxy: &Proxy) -> bool {
+        let Some(uid) = proxy.uid() else {
+            return false;
+        };
+        let uid = short_hash(Some(&uid));
+        let version = short_hash(proxy.resource_version().as_deref());
+        let mut superseded = self.superseded();
+        match superseded.get(&uid) {
+            Some(versions) if versions.contains(&version) => true,
+            Some(_) => {
+                superseded.remove(&uid);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Remembers that our write replaced `proxy`'s version `replaced`.
+    fn replaced(&self, proxy: &Proxy, replaced: Option<&str>) {
+        if let Some(uid) = proxy.uid() {
+            let version = short_hash(replaced);
+            let mut superseded = self.superseded();
+            let entry = superseded
+                .entry(short_hash(Some(&uid)))
+                .or_insert([version, version]);
+            entry[1] = version;
         }
     }
 
@@ -158,7 +201,9 @@ impl ProxyBackend for KubeBackend {
             return Ok(None);
         }
         finalizers.push(FINALIZER.to_owned());
-        self.set_finalizers(proxy, finalizers).await
+        let version = self.set_finalizers(proxy, finalizers).await?;
+        self.replaced(proxy, proxy.metadata.resource_version.as_deref());
+        Ok(version)
     }
 
     async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
@@ -168,11 +213,16 @@ impl ProxyBackend for KubeBackend {
             .filter(|f| *f != FINALIZER)
             .cloned()
             .collect();
-        match self.set_finalizers(proxy, finalizers).await {
+        let result = match self.set_finalizers(proxy, finalizers).await {
             // Already gone: the finalizer is as removed as it gets.
             Err(BackendError::Gone(_)) => Ok(()),
             other => other.map(|_| ()),
+        };
+        // No status write follows a removal: forget the versions rather than keep them.
+        if let Some(uid) = proxy.uid() {
+            self.superseded().remove(&short_hash(Some(&uid)));
         }
+        result
     }
 
     async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
@@ -183,12 +233,13 @@ impl ProxyBackend for KubeBackend {
         self.proxies(proxy)
             .replace_status(&proxy.name_any(), &PostParams::default(), &updated)
             .await
-            .map(|_| ())
-            .map_err(classify)
+            .map_err(classify)?;
+        self.replaced(proxy, proxy.metadata.resource_version.as_deref());
+        Ok(())
     }
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
-        let type_ = if WARNING_REASONS.contains(&entry.reason.as_str()) {
+        let type_ = if reason::WARNINGS.contains(&entry.reason.as_str()) {
             EventType::Warning
         } else {
             EventType::Normal
@@ -201,7 +252,7 @@ impl ProxyBackend for KubeBackend {
             action: entry.event.as_str().to_owned(),
             secondary: None,
         };
-        self.recorder
+        self.events
             .publish(&event, &proxy.object_ref(&()))
             .await
             .map_err(classify)

@@ -6,9 +6,12 @@
 //! The controller does not wake itself: Proxy watch events reach it only when the generation,
 //! the finalizers or the deletion mark changed ([`proxy_changed`]), so its own status writes do
 //! not re-trigger a reconcile and the reconciler's `requeue_after` (timers, backoff) is what
-//! brings a waiting Proxy back.
+//! brings a waiting Proxy back. A reconcile that another trigger (health) starts before the
+//! cache has received our own last status write is put off briefly instead of redoing the
+//! transitions on the old version ([`KubeBackend::is_superseded`]).
 
 pub mod backend;
+pub mod events;
 pub mod leader;
 
 use std::{
@@ -26,7 +29,7 @@ use kube::{
     runtime::{
         Controller, PredicateConfig, WatchStreamExt,
         controller::{Action, Config as ControllerConfig},
-        events::{Recorder, Reporter},
+        events::Reporter,
         reflector::{self, ObjectRef},
         watcher::{self, watcher},
     },
@@ -71,6 +74,8 @@ pub struct ClusterDeps {
     pub identity: String,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// The status page's view of the Proxies and their audit, if it is served.
+    pub status_feed: Option<crate::ui::cluster::ClusterFeed>,
 }
 
 struct Context {
@@ -79,6 +84,7 @@ struct Context {
     pools_seeded: std::sync::atomic::AtomicBool,
     failures: Mutex<HashMap<ObjectRef<Proxy>, u32>>,
     metrics: Arc<Metrics>,
+    status_feed: Option<crate::ui::cluster::ClusterFeed>,
 }
 
 /// Runs the controller until `shutdown` resolves; `ready` turns true once the caches are synced.
@@ -106,15 +112,18 @@ pub async fn run_controller(
     .reflect(secret_writer)
     .touched_objects();
 
-    let recorder = Recorder::new(
+    let events = events::EventPublisher::new(
         deps.client.clone(),
         Reporter {
             controller: CONTROLLER_NAME.to_owned(),
             instance: Some(deps.identity.clone()),
         },
     );
-    let backend = KubeBackend::new(deps.client.clone(), recorder, secret_store.clone());
+    let backend = KubeBackend::new(deps.client.clone(), events, secret_store.clone());
     let (proxy_store, proxy_writer) = reflector::store();
+    if let Some(feed) = &deps.status_feed {
+        feed.set_proxies(proxy_store.clone());
+    }
     let context = Arc::new(Context {
         reconciler: Reconciler::new(
             backend,
@@ -128,10 +137,12 @@ pub async fn run_controller(
         pools_seeded: std::sync::atomic::AtomicBool::new(false),
         failures: Mutex::default(),
         metrics: deps.metrics,
+        status_feed: deps.status_feed,
     });
 
     let proxy_events = watcher(proxies, watcher::Config::default())
         .default_backoff()
+        .modify(slim)
         .reflect(proxy_writer)
         .applied_objects()
         .predicate_filter(proxy_changed, PredicateConfig::default());
@@ -153,33 +164,14 @@ pub async fn run_controller(
     let referencing = proxy_store.clone();
     let controller = controller
         .watches_stream(credential_events, move |secret: PartialObjectMeta<Secret>| {
-            let namespace = secret.namespace();
-            let name = secret.name_any();
-            referencing_credentials
-                .state()
-                .into_iter()
-                .filter(|p| {
-                    p.namespace() == namespace
-                        && p.spec.auth.as_ref().is_some_and(|a| a.secret_ref.name == name)
-                })
-                .map(|p| ObjectRef::from_obj(&*p))
-                .collect::<Vec<_>>()
+            referencing_secret(&referencing_credentials, &secret, |spec| {
+                spec.auth.as_ref().map(|a| a.secret_ref.name.as_str())
+            })
         })
         .watches_stream(secret_stream, move |secret: Secret| {
-            let namespace = secret.namespace();
-            let name = secret.name_any();
-            referencing
-                .state()
-                .into_iter()
-                .filter(|p| {
-                    p.namespace() == namespace
-                        && p.spec
-                            .cloud_init
-                            .as_ref()
-                            .is_some_and(|c| c.secret_ref.name == name)
-                })
-                .map(|p| ObjectRef::from_obj(&*p))
-                .collect::<Vec<_>>()
+            referencing_secret(&referencing, &secret, |spec| {
+                spec.cloud_init.as_ref().map(|c| c.secret_ref.name.as_str())
+            })
         })
         .reconcile_on(triggers.map(|key| ObjectRef::new(&key.name).within(&key.namespace)))
         .graceful_shutdown_on(shutdown);
@@ -250,6 +242,40 @@ where
     }
 }
 
+/// Drops from a watched Proxy what the operator never reads and a real API server adds per object
+/// (`managedFields`, kubectl's copy of the whole applied manifest) before it is cached: the cache
+/// holds every Proxy, so this is most of its size per object at 10,000 Proxies. A status write
+/// sends the cached object back, but through the status subresource, which ignores metadata
+/// other than the resourceVersion.
+fn slim(proxy: &mut Proxy) {
+    proxy.managed_fields_mut().clear();
+    if let Some(annotations) = proxy.metadata.annotations.as_mut() {
+        annotations.remove(LAST_APPLIED);
+        if annotations.is_empty() {
+            proxy.metadata.annotations = None;
+        }
+    }
+}
+
+/// The annotation `kubectl apply` keeps the last applied manifest in.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// The Proxies in `secret`'s namespace whose `reference` names it.
+fn referencing_secret(
+    proxies: &reflector::Store<Proxy>,
+    secret: &impl kube::Resource,
+    reference: impl Fn(&crate::api::ProxySpec) -> Option<&str>,
+) -> Vec<ObjectRef<Proxy>> {
+    let namespace = secret.meta().namespace.clone();
+    let name = secret.meta().name.as_deref().unwrap_or_default();
+    proxies
+        .state()
+        .into_iter()
+        .filter(|p| p.namespace() == namespace && reference(&p.spec) == Some(name))
+        .map(|p| ObjectRef::from_obj(&*p))
+        .collect()
+}
+
 /// What makes a Proxy watch event worth a reconcile: a new generation (a spec edit), a change of
 /// finalizers, or the deletion mark. Status-only writes (our own) hash the same and are dropped.
 pub fn proxy_changed(proxy: &Proxy) -> Option<u64> {
@@ -266,7 +292,14 @@ pub fn proxy_changed(proxy: &Proxy) -> Option<u64> {
     Some(hasher.finish())
 }
 
+/// How soon a Proxy whose cached version our own status write already replaced is looked at
+/// again (the watch normally delivers that write within milliseconds).
+const SUPERSEDED_RETRY: Duration = Duration::from_millis(100);
+
 async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, ReconcileError> {
+    if context.reconciler.backend().is_superseded(&proxy) {
+        return Ok(Action::requeue(SUPERSEDED_RETRY));
+    }
     if !context
         .pools_seeded
         .swap(true, std::sync::atomic::Ordering::SeqCst)
@@ -304,6 +337,9 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
         context
             .metrics
             .observe_transition(entry.from.as_str(), entry.to.as_str(), &entry.reason);
+    }
+    if let Some(feed) = &context.status_feed {
+        feed.record(&proxy, &outcome.audit);
     }
     context
         .failures

@@ -1,0 +1,261 @@
+//! HTML of the status page, built as a string: every value goes through [`esc`].
+
+use std::fmt::Write as _;
+
+use jiff::Timestamp;
+
+use super::{ProxyRow, StatusView};
+use crate::{health::Verdict, lease::Availability, standalone::status::age};
+
+/// Escapes text for HTML element content and quoted attribute values (HTML5 knows XML's five
+/// entities).
+pub use crate::provider::libvirt::escape as esc;
+
+const STYLE: &str = "
+body{font:14px/1.4 'DejaVu Sans',system-ui,sans-serif;margin:1.5em;color:#1d2330;background:#f6f7f9}
+h1{font-size:1.4em;margin:0 0 .2em}h2{font-size:1.1em;margin:1.6em 0 .5em}
+.meta{color:#5b6475;margin-bottom:1em}
+table{border-collapse:collapse;background:#fff;width:100%;box-shadow:0 1px 2px #0002}
+th,td{text-align:left;padding:.35em .6em;border-bottom:1px solid #e3e6eb;vertical-align:top}
+th{background:#eceff3;font-weight:600}
+code{font:13px 'DejaVu Sans Mono',monospace}
+.badge{display:inline-block;padding:0 .5em;border-radius:.7em;font-size:.9em;font-weight:600;background:#e3e6eb}
+.healthy,.up,.passing,.available{background:#d3f2dc;color:#13612e}
+.degraded,.down,.failing,.closed{background:#fbd9d6;color:#8c1d13}
+.provisioning,.replacing,.pending,.busy,.cooling-down,.draining,.unknown{background:#fdf0c8;color:#6b5200}
+.deleting{background:#e0dcf5;color:#3d2c8d}
+.muted{color:#5b6475}.err{color:#8c1d13}.nowrap,.endpoint{white-space:nowrap}
+.summary span{margin-right:1.2em}
+details{margin:.3em 0}summary{cursor:pointer}
+.audit td{font-size:.92em}
+.history{margin-top:.2em;font-size:.85em;color:#5b6475}.history .badge{font-weight:400}
+";
+
+/// The whole page.
+pub fn page(view: &StatusView) -> String {
+    let mut html = String::with_capacity(8 * 1024);
+    let _ = write!(
+        html,
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <title>egress-proxies-operator status</title><style>{STYLE}</style></head><body>\
+         <h1>egress-proxies-operator</h1>\
+         <div class=\"meta\">{} mode · taken <span id=\"taken\">{}</span> · reload the page to refresh</div>",
+        esc(view.mode),
+        esc(&view.now.strftime("%Y-%m-%d %H:%M:%S UTC").to_string()),
+    );
+    summary(&mut html, view);
+    providers(&mut html, view);
+    proxies(&mut html, view);
+    audit(&mut html, view);
+    html.push_str("</body></html>\n");
+    html
+}
+
+fn summary(html: &mut String, view: &StatusView) {
+    let mut phases = std::collections::BTreeMap::<&str, usize>::new();
+    for row in &view.proxies {
+        *phases.entry(row.state.phase.as_str()).or_default() += 1;
+    }
+    let leases: usize = view
+        .proxies
+        .iter()
+        .filter_map(|row| row.leases.as_ref())
+        .map(|l| l.active_leases)
+        .sum();
+    html.push_str("<div class=\"summary\" id=\"summary\">");
+    let _ = write!(html, "<span><b>{}</b> proxies</span>", view.proxies.len());
+    for (phase, n) in phases {
+        let _ = write!(html, "<span><b>{n}</b> {}</span>", esc(phase));
+    }
+    let _ = write!(
+        html,
+        "<span><b id=\"active-leases\">{leases}</b> active leases</span></div>"
+    );
+}
+
+fn providers(html: &mut String, view: &StatusView) {
+    html.push_str(
+        "<h2>Providers</h2><table id=\"providers\"><thead><tr><th>provider</th><th>health</th>\
+         <th>proxies</th><th>last probe</th></tr></thead><tbody>",
+    );
+    for p in &view.providers {
+        let (class, word) = match p.down_reason {
+            Some(_) => ("down", "unavailable"),
+            None => ("up", "available"),
+        };
+        let _ = write!(
+            html,
+            "<tr data-provider=\"{name}\"><td><code>{name}</code></td><td><span class=\"badge {class}\">{word}</span></td>\
+             <td>{}</td><td class=\"{}\">{}</td></tr>",
+            p.proxies,
+            if p.down_reason.is_some() { "err" } else { "muted" },
+            esc(p.down_reason.as_deref().unwrap_or("answered (or not probed yet)")),
+            name = esc(&p.name),
+        );
+    }
+    if view.providers.is_empty() {
+        html.push_str("<tr><td colspan=\"4\" class=\"muted\">no provider configured</td></tr>");
+    }
+    html.push_str("</tbody></table>");
+}
+
+fn proxies(html: &mut String, view: &StatusView) {
+    html.push_str(
+        "<h2>Proxies</h2><table id=\"proxies\"><thead><tr><th>proxy</th><th>phase</th><th>provider</th>\
+         <th>endpoint</th><th>leases</th><th>health</th><th>ready</th><th>age</th></tr></thead><tbody>",
+    );
+    for row in &view.proxies {
+        let s = &row.state;
+        let phase_class = if s.deleting { "deleting" } else { s.phase.as_str() };
+        let phase_text = if s.deleting {
+            format!("{} (deleting)", s.phase)
+        } else {
+            s.phase.clone()
+        };
+        let _ = write!(
+            html,
+            "<tr class=\"proxy\" data-proxy=\"{ns}/{name}\" data-phase=\"{phase}\">\
+             <td class=\"nowrap\"><span class=\"muted\">{ns}/</span><b>{name}</b></td>\
+             <td><span class=\"badge {phase_class}\">{phase_text}</span></td>\
+             <td><code>{provider}</code></td><td><code class=\"endpoint\">{endpoint}</code></td>",
+            ns = esc(&s.namespace),
+            name = esc(&s.name),
+            phase = esc(&s.phase),
+            phase_class = esc(phase_class),
+            phase_text = esc(&phase_text),
+            provider = esc(&s.provider),
+            endpoint = esc(s.endpoint.as_deref().unwrap_or("-")),
+        );
+        leases(html, row);
+        health(html, row, view.now);
+        match &s.ready {
+            Some((reason, message)) => {
+                let _ = write!(
+                    html,
+                    "<td><b>{}</b><br><span class=\"muted\">{}</span></td>",
+                    esc(reason),
+                    esc(message)
+                );
+            }
+            None => html.push_str("<td class=\"muted\">-</td>"),
+        }
+        let _ = write!(
+            html,
+            "<td>{}</td></tr>",
+            esc(&s.created.map_or_else(|| "-".to_owned(), |c| age(view.now, c)))
+        );
+    }
+    if view.proxies.is_empty() {
+        html.push_str("<tr><td colspan=\"8\" class=\"muted\">no proxies</td></tr>");
+    }
+    html.push_str("</tbody></table>");
+}
+
+fn leases(html: &mut String, row: &ProxyRow) {
+    let Some(l) = &row.leases else {
+        html.push_str("<td class=\"muted\">not in rotation</td>");
+        return;
+    };
+    let (class, word) = match l.availability {
+        Availability::Available => ("available", "available"),
+        Availability::Busy => ("busy", "all slots taken"),
+        Availability::CoolingDown => ("cooling-down", "cooling down"),
+        Availability::Closed => ("closed", "closed"),
+        Availability::Draining => ("draining", "draining"),
+    };
+    let _ = write!(
+        html,
+        "<td><span class=\"leases\"><b>{}</b> / {}</span> slots <span class=\"badge {class}\">{word}</span></td>",
+        l.active_leases, l.max_concurrent
+    );
+}
+
+fn health(html: &mut String, row: &ProxyRow, now: Timestamp) {
+    let Some(h) = &row.health else {
+        html.push_str("<td class=\"muted\">not probed</td>");
+        return;
+    };
+    let (class, word) = verdict(h.verdict);
+    let _ = write!(html, "<td><span class=\"badge {class}\">{word}</span>");
+    if let Some(since) = h.verdict_since {
+        let _ = write!(html, " for {}", esc(&age(now, since)));
+    }
+    if h.recovered {
+        html.push_str(" (recovered)");
+    }
+    let _ = write!(
+        html,
+        "<br><span class=\"muted\">probes: {}; streak: {} passed, {} failed",
+        h.probes, h.consecutive_successes, h.consecutive_failures
+    );
+    if let Some(latency) = h.last_latency {
+        let _ = write!(html, "; last {} ms", latency.as_millis());
+    }
+    if let Some(at) = h.last_probe_at {
+        let _ = write!(html, "; {} ago", esc(&age(now, at)));
+    }
+    html.push_str("</span>");
+    if let Some(error) = &h.last_error {
+        let _ = write!(html, "<br><span class=\"err\">{}</span>", esc(error));
+    }
+    if !row.health_history.is_empty() {
+        html.push_str("<div class=\"history\">changes:");
+        for change in &row.health_history {
+            let (class, word) = verdict(change.verdict);
+            let title = change.error.as_deref().unwrap_or(word);
+            let _ = write!(
+                html,
+                " <span class=\"badge {class}\" title=\"{}\">{} {word}</span>",
+                esc(title),
+                esc(&change.at.strftime("%H:%M:%S").to_string()),
+            );
+        }
+        html.push_str("</div>");
+    }
+    html.push_str("</td>");
+}
+
+fn verdict(verdict: Verdict) -> (&'static str, &'static str) {
+    match verdict {
+        Verdict::Passing => ("passing", "passing"),
+        Verdict::Failing => ("failing", "failing"),
+        Verdict::Unknown => ("unknown", "unknown"),
+    }
+}
+
+fn audit(html: &mut String, view: &StatusView) {
+    let _ = write!(
+        html,
+        "<h2>Recent lifecycle (last {} transitions per proxy)</h2>",
+        super::AUDIT_ENTRIES_SHOWN
+    );
+    for row in &view.proxies {
+        let s = &row.state;
+        let _ = write!(
+            html,
+            "<details open class=\"audit\" data-proxy=\"{ns}/{name}\"><summary><b>{ns}/{name}</b> \
+             <span class=\"muted\">({} entries)</span></summary>",
+            row.audit.len(),
+            ns = esc(&s.namespace),
+            name = esc(&s.name),
+        );
+        if row.audit.is_empty() {
+            html.push_str("<p class=\"muted\">no transition yet</p></details>");
+            continue;
+        }
+        html.push_str(
+            "<table><thead><tr><th>at</th><th>transition</th><th>reason</th><th>cause</th></tr></thead><tbody>",
+        );
+        for entry in row.audit.iter().rev() {
+            let _ = write!(
+                html,
+                "<tr><td>{}</td><td><code>{}</code></td><td class=\"reason\">{}</td><td>{}</td></tr>",
+                esc(&entry.at.strftime("%H:%M:%S").to_string()),
+                esc(&entry.arrow),
+                esc(&entry.reason),
+                esc(&entry.message),
+            );
+        }
+        html.push_str("</tbody></table></details>");
+    }
+}

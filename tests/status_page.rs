@@ -1,0 +1,393 @@
+//! The status page (`GET /ui`) in a real browser: standalone mode as a user runs it (the real
+//! binary, real Squids from the `local` provider, one with proxy credentials from a Secret), a
+//! lease taken over the discovery API, then headless Chromium (Debian's `chromium`) loads the
+//! page with the discovery token as the Basic password, dumps its DOM and takes a screenshot.
+//! The DOM must show the proxies' names, phases, endpoints, lease counts, provider health and
+//! audit reasons, and neither the credentials' canary password nor the token; the screenshot
+//! must be a real PNG. Without credentials the page asks for them (401 with a Basic challenge).
+//!
+//! The same page in cluster mode (on the admin port, against the in-process fake API server)
+//! shows the same things from the controller's cache and its in-memory audit.
+//!
+//! `EPO_UI_SCREENSHOT=FILE` keeps a copy of the screenshot (to look at it).
+//! Needs `chromium` and `squid` (scripts/test.sh installs them).
+
+#[path = "support/blocking_http.rs"]
+mod blocking_http;
+mod support;
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use blocking_http::{base64, request};
+use egress_proxies_operator::api::Proxy;
+use k8s_openapi::api::core::v1::Secret;
+use kube::{Api, api::PostParams};
+use support::{
+    Origin,
+    cluster_app::{ClusterApp, local_cluster},
+    fake_apiserver::FakeApiServer,
+    free_port,
+    standalone::{self, Host, healthy_rows, start_operator, stop, wait_status},
+};
+
+/// The proxy credentials' password: it must never reach the page.
+const CANARY_PASSWORD: &str = "ui-canary-pw-5f2c91";
+
+/// Runs Chromium headless on `url` with `args`; returns its stdout. Killed after 90 s.
+fn chromium(profile: &Path, args: &[&str], url: &str) -> String {
+    let output = Command::new("timeout")
+        .args(["90", "chromium", "--headless", "--no-sandbox", "--disable-gpu"])
+        .args(["--no-first-run", "--disable-dev-shm-usage", "--hide-scrollbars"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .arg(url)
+        .output()
+        .expect("running chromium (Debian package `chromium`; scripts/test.sh installs it)");
+    assert!(
+        output.status.success(),
+        "chromium {args:?} failed ({}):\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("utf-8 DOM")
+}
+
+/// The DOM's text between tags, whitespace collapsed and entities decoded (what a reader
+/// sees, in order).
+fn visible_text(dom: &str) -> String {
+    let mut text = String::new();
+    let mut in_tag = false;
+    for c in dom.chars() {
+        match c {
+            '<' => {
+                in_tag = true;
+                text.push(' ');
+            }
+            '>' => in_tag = false,
+            c if !in_tag => text.push(c),
+            _ => {}
+        }
+    }
+    text.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&apos;", "'")
+        .replace("&amp;", "&")
+}
+
+/// The HTML of the element that starts with `start` up to the next `</tr>` (one table row).
+fn row<'a>(dom: &'a str, start: &str) -> &'a str {
+    let at = dom
+        .find(start)
+        .unwrap_or_else(|| panic!("no {start} in the DOM:\n{dom}"));
+    let rest = &dom[at..];
+    &rest[..rest.find("</tr>").unwrap_or(rest.len())]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
+    let origin = Origin::start().await;
+    let host = Host::new();
+    let health_url = origin.http_url("/health");
+    host.add_manifest(
+        "credentials",
+        &standalone::credentials_secret("web-credentials", "crawler", CANARY_PASSWORD),
+    );
+    let (port_1, port_2) = (free_port(), free_port());
+    let web_1 = standalone::manifest(
+        "web-1",
+        port_1,
+        &health_url,
+        &[("pool", "ui"), ("slot", "one")],
+        &[("maxConcurrent", 3)],
+    );
+    host.add_manifest("web-1", &standalone::with_auth(&web_1, "web-credentials"));
+    host.add_manifest(
+        "web-2",
+        &standalone::manifest(
+            "web-2",
+            port_2,
+            &health_url,
+            &[("pool", "ui"), ("slot", "two")],
+            &[("maxConcurrent", 1)],
+        ),
+    );
+    // web-3's health URL answers 500: it stays provisioning with a failing verdict.
+    let port_3 = free_port();
+    host.add_manifest(
+        "web-3",
+        &standalone::manifest(
+            "web-3",
+            port_3,
+            &origin.http_url("/status/500"),
+            &[("pool", "ui"), ("slot", "three")],
+            &[("maxConcurrent", 1)],
+        ),
+    );
+    let operator = start_operator(&host, "operator.log");
+    wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
+    let token = host.token();
+    let api: SocketAddr = ([127, 0, 0, 1], host.api_port).into();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let page = ui_page(api, &token);
+        if page.status == 200
+            && page.body.contains("data-proxy=\"default/web-3\"")
+            && visible_text(row(&page.body, "data-proxy=\"default/web-3\"")).contains("failing")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "web-3 never shown failing:\n{}",
+            page.body
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // Two leases on web-1 (whose URL carries the password: the page must not).
+    for holder in ["crawler-a", "crawler-b"] {
+        let lease = acquire(api, &token, r#"{"slot":"one"}"#, holder);
+        assert!(
+            lease.contains(CANARY_PASSWORD),
+            "the lease itself carries the credentials"
+        );
+    }
+
+    // No credentials, or wrong ones: a Basic challenge, and nothing of the page.
+    for headers in [
+        vec![],
+        vec![("Authorization", format!("Basic {}", base64(b"ui:wrong-token")))],
+    ] {
+        let denied = request(api, "GET", "/ui", &headers, "").expect("GET /ui");
+        assert_eq!(denied.status, 401, "{}", denied.body);
+        assert!(
+            denied
+                .header("www-authenticate")
+                .is_some_and(|v| v.starts_with("Basic ")),
+            "{:?}",
+            denied.headers
+        );
+        assert!(!denied.body.contains("web-1"), "{}", denied.body);
+    }
+    let page = ui_page(api, &token);
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(
+        page.header("content-type")
+            .is_some_and(|v| v.starts_with("text/html"))
+    );
+    assert!(!page.body.contains("<script"), "no JavaScript");
+
+    // The browser: credentials in the URL answer the page's Basic challenge.
+    let url = format!("http://ui:{token}@127.0.0.1:{}/ui", host.api_port);
+    let profile = tempfile::tempdir().expect("chromium profile");
+    let dom = chromium(profile.path(), &["--dump-dom"], &url);
+    let text = visible_text(&dom);
+
+    assert!(text.contains("standalone mode"), "{text}");
+    for (name, port, leases) in [("web-1", port_1, "2 / 3"), ("web-2", port_2, "0 / 1")] {
+        let proxy = row(&dom, &format!("data-proxy=\"default/{name}\""));
+        assert!(proxy.contains("data-phase=\"healthy\""), "{proxy}");
+        let cells = visible_text(proxy);
+        assert!(cells.contains(&format!("default/ {name}")), "{cells}");
+        assert!(cells.contains(&format!("127.0.0.1:{port}")), "{cells}");
+        assert!(cells.contains(&format!("{leases} slots")), "{cells}");
+        assert!(cells.contains("passing"), "health: {cells}");
+        assert!(
+            cells.contains("changes:") && cells.contains(" passing"),
+            "history: {cells}"
+        );
+        assert!(cells.contains("local"), "provider: {cells}");
+    }
+    let web_3 = row(&dom, "data-proxy=\"default/web-3\"");
+    assert!(web_3.contains("data-phase=\"provisioning\""), "{web_3}");
+    let cells = visible_text(web_3);
+    assert!(cells.contains(&format!("127.0.0.1:{port_3}")), "{cells}");
+    assert!(cells.contains("failing"), "health: {cells}");
+    assert!(cells.contains("500"), "the probe's error: {cells}");
+    assert!(
+        visible_text(row(&dom, "data-provider=\"local\"")).contains("available 3"),
+        "{text}"
+    );
+    assert!(text.contains("2 active leases"), "{text}");
+    // The audit trail: how each became healthy, newest first.
+    for name in ["web-1", "web-2"] {
+        let at = dom
+            .find(&format!("class=\"audit\" data-proxy=\"default/{name}\""))
+            .expect("audit section");
+        let audit = visible_text(&dom[at..at + dom[at..].find("</details>").expect("end of section")]);
+        for reason in ["ProvisioningStarted", "InstanceCreated", "Healthy"] {
+            assert!(audit.contains(reason), "{name}'s audit lacks {reason}: {audit}");
+        }
+        assert!(
+            audit.contains("provisioning --health_passed--> healthy"),
+            "{audit}"
+        );
+    }
+    assert!(
+        !dom.contains(CANARY_PASSWORD),
+        "the proxy password reached the page"
+    );
+    assert!(!dom.contains(&token), "the token reached the page");
+
+    let shot = host.path().join("status-page.png");
+    chromium(
+        profile.path(),
+        &[
+            &format!("--screenshot={}", shot.display()),
+            "--window-size=1400,1100",
+        ],
+        &url,
+    );
+    let png = std::fs::read(&shot).expect("the screenshot was written");
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "a PNG");
+    // A blank or error page compresses to a few kB; this one has tables and text.
+    assert!(
+        png.len() > 40_000,
+        "the screenshot is {} bytes: nearly empty?",
+        png.len()
+    );
+    if let Some(copy) = std::env::var_os("EPO_UI_SCREENSHOT") {
+        std::fs::copy(&shot, copy).expect("copy of the screenshot");
+    }
+
+    stop(operator);
+}
+
+/// `GET /ui` with `token` as a bearer token.
+fn ui_page(api: SocketAddr, token: &str) -> blocking_http::Response {
+    let bearer = [("Authorization", format!("Bearer {token}"))];
+    request(api, "GET", "/ui", &bearer, "").expect("GET /ui")
+}
+
+/// Acquires a lease on the proxies matching `selector` (`{"key":"value"}`) for `holder`.
+fn acquire(api: SocketAddr, token: &str, selector: &str, holder: &str) -> String {
+    let lease = request(
+        api,
+        "POST",
+        "/v1/leases",
+        &[
+            ("Authorization", format!("Bearer {token}")),
+            ("Content-Type", "application/json".to_owned()),
+        ],
+        &format!(r#"{{"selector":{selector},"holder":"{holder}","ttlSeconds":300}}"#),
+    )
+    .expect("acquire");
+    assert_eq!(lease.status, 201, "{}", lease.body);
+    lease.body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_in_cluster_mode_is_on_the_admin_port() {
+    const TOKEN: &str = "status-page-cluster-token-0123456789";
+    let origin = Origin::start().await;
+    let server = FakeApiServer::start().await;
+    let client = server.client();
+    let host = Host::new(); // Kills the local provider's Squids under it on Drop.
+    let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
+    let admin: SocketAddr = ([127, 0, 0, 1], admin_port).into();
+    let discovery: SocketAddr = ([127, 0, 0, 1], discovery_port).into();
+    let options = local_cluster(host.path(), &host.path().join("local"), TOKEN, admin, discovery);
+    let operator = ClusterApp::start(client.clone(), options);
+
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "web-credentials", "namespace": "crawl"},
+        "data": {"username": base64(b"crawler"), "password": base64(CANARY_PASSWORD.as_bytes())},
+    }))
+    .expect("valid Secret");
+    Api::<Secret>::namespaced(client.clone(), "crawl")
+        .create(&PostParams::default(), &secret)
+        .await
+        .expect("Secret created");
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
+    let proxy: Proxy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "edge-1", "namespace": "crawl"},
+        "spec": {
+            "provider": "local",
+            "placement": {"address": "127.0.0.1"},
+            "port": proxy_port,
+            "attributes": {"pool": "cluster"},
+            "lease": {"maxConcurrent": 2},
+            "auth": {"secretRef": {"name": "web-credentials"}},
+            "health": {"url": origin.http_url("/health"), "intervalSeconds": 1, "timeoutSeconds": 1},
+        },
+    }))
+    .expect("valid Proxy");
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("Proxy created");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let phase = proxies.get("edge-1").await.ok().and_then(|p| p.status?.phase);
+        if phase.as_deref() == Some("healthy") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "edge-1 never became healthy: {phase:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let lease =
+        tokio::task::spawn_blocking(move || acquire(discovery, TOKEN, r#"{"pool":"cluster"}"#, "crawler-c"))
+            .await
+            .expect("acquire task");
+    assert!(
+        lease.contains(CANARY_PASSWORD),
+        "the lease carries the credentials"
+    );
+
+    let denied = tokio::task::spawn_blocking(move || request(admin, "GET", "/ui", &[], "").expect("GET /ui"))
+        .await
+        .expect("request task");
+    assert_eq!(
+        denied.status, 401,
+        "the admin port's /ui needs the discovery token: {}",
+        denied.body
+    );
+
+    let url = format!("http://ui:{TOKEN}@127.0.0.1:{admin_port}/ui");
+    let profile = tempfile::tempdir().expect("chromium profile");
+    let dom = tokio::task::spawn_blocking(move || chromium(profile.path(), &["--dump-dom"], &url))
+        .await
+        .expect("chromium task");
+    let text = visible_text(&dom);
+    assert!(text.contains("cluster mode"), "{text}");
+    let cells = visible_text(row(&dom, "data-proxy=\"crawl/edge-1\""));
+    for expected in [
+        "crawl/ edge-1",
+        "healthy",
+        "local",
+        &format!("127.0.0.1:{proxy_port}"),
+        "1 / 2 slots",
+        "passing",
+    ] {
+        assert!(cells.contains(expected), "{expected:?} not in {cells}");
+    }
+    let at = dom
+        .find("class=\"audit\" data-proxy=\"crawl/edge-1\"")
+        .expect("audit section");
+    let audit = visible_text(&dom[at..at + dom[at..].find("</details>").expect("end of section")]);
+    assert!(
+        audit.contains("provisioning --health_passed--> healthy"),
+        "{audit}"
+    );
+    assert!(audit.contains("InstanceCreated"), "{audit}");
+    assert!(
+        !dom.contains(CANARY_PASSWORD),
+        "the proxy password reached the page"
+    );
+    assert!(!dom.contains(TOKEN), "the token reached the page");
+    operator.stop().await;
+}
