@@ -39,6 +39,7 @@ async fn probes_follow_readiness_and_metrics_are_exposed() {
     ready_tx.send_replace(Readiness {
         caches_synced: true,
         leader: false,
+        checkpoint_failing: false,
     });
     assert_eq!(
         get(addr, "/readyz").await,
@@ -47,8 +48,18 @@ async fn probes_follow_readiness_and_metrics_are_exposed() {
     ready_tx.send_replace(Readiness {
         caches_synced: true,
         leader: true,
+        checkpoint_failing: false,
     });
-    assert_eq!(get(addr, "/readyz").await.0, StatusCode::OK);
+    assert_eq!(get(addr, "/readyz").await, (StatusCode::OK, "ready\n".to_owned()));
+    // A failing lease checkpoint is a detail, not a reason to stop serving.
+    ready_tx.send_replace(Readiness {
+        caches_synced: true,
+        leader: true,
+        checkpoint_failing: true,
+    });
+    let (status, body) = get(addr, "/readyz").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("lease checkpoint failing"), "{body}");
 
     let (status, body) = get(addr, "/metrics").await;
     assert_eq!(status, StatusCode::OK);

@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::{
     Api,
-    api::{DeleteParams, PostParams},
+    api::{DeleteParams, ListParams, PostParams},
 };
 use serde_json::json;
 use support::{
@@ -137,13 +137,19 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         .expect("through the proxy");
     assert_eq!(response.status(), StatusCode::OK);
 
-    // The lease checkpoint lands in the cluster, in the operator's namespace.
+    // The lease checkpoint lands in the cluster, in the operator's namespace: one part per
+    // changed lease-store shard, found by label.
     eventually("the lease checkpoint", async || {
-        let cm = Api::<ConfigMap>::namespaced(client.clone(), "egress-proxies-system")
-            .get_opt("egress-proxies-operator")
+        let parts = Api::<ConfigMap>::namespaced(client.clone(), "egress-proxies-system")
+            .list(&ListParams::default().labels("crawl.example.com/lease-checkpoint=egress-proxies-operator"))
             .await
-            .ok()??;
-        cm.data?.values().any(|v| v.contains("crawler-1")).then_some(())
+            .ok()?;
+        parts
+            .items
+            .into_iter()
+            .filter_map(|cm| cm.data)
+            .any(|data| data.values().any(|v| v.contains("crawler-1")))
+            .then_some(())
     })
     .await;
     let (code, metrics) = send(admin_port, "GET", "/metrics", None, "").await;

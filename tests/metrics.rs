@@ -29,15 +29,16 @@ use egress_proxies_operator::{
 };
 use http_body_util::Full;
 use hyper::{Request, StatusCode};
+use k8s_openapi::api::events::v1::Event as K8sEvent;
 use kube::{
     Api,
-    api::{DeleteParams, PostParams},
+    api::{DeleteParams, ListParams, PostParams},
 };
 use serde_json::json;
 use support::{
     cluster_app::{ClusterApp, installation, local_cluster},
     contract::plain_request,
-    fake_apiserver::FakeApiServer,
+    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
     http::{get, request},
     local::{StateDir, free_port, squids_under},
     operations_doc::documented_metrics,
@@ -204,6 +205,13 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         "the admin server samples active leases at scrape"
     );
     let lease_id = lease["leaseId"].as_str().expect("lease id");
+    // The lease checkpoint cannot be written while the release changes the store: the
+    // operator says so on /readyz (still ready) and with an Event on its leader Lease.
+    let checkpoint_writes = RequestMatcher::any()
+        .verb(Verb::Patch)
+        .resource("configmaps")
+        .namespace("egress-proxies-system");
+    server.fail_next(checkpoint_writes.clone(), 1_000_000, 500);
     let (code, released) = post(
         discovery,
         &format!("/v1/leases/{lease_id}/release"),
@@ -211,6 +219,34 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     )
     .await;
     assert!(code.is_success(), "{released}");
+    let events: Api<K8sEvent> = Api::namespaced(client.clone(), "egress-proxies-system");
+    let has_event = async |reason: &str| {
+        events
+            .list(&ListParams::default())
+            .await
+            .ok()
+            .is_some_and(|list| {
+                list.items.iter().any(|e| {
+                    e.reason.as_deref() == Some(reason)
+                        && e.regarding.as_ref().and_then(|r| r.kind.as_deref()) == Some("Lease")
+                })
+            })
+    };
+    eventually("the checkpoint failure reported", async || {
+        let (code, body) = get(admin, "/readyz").await;
+        (code == StatusCode::OK
+            && body.contains("lease checkpoint failing")
+            && has_event("LeaseCheckpointFailed").await)
+            .then_some(())
+    })
+    .await;
+    server.fail_next(checkpoint_writes, 0, 500);
+    eventually("the checkpoint saved again", async || {
+        let (code, body) = get(admin, "/readyz").await;
+        (code == StatusCode::OK && body == "ready\n" && has_event("LeaseCheckpointRecovered").await)
+            .then_some(())
+    })
+    .await;
 
     // Delete; GC removes the orphan.
     proxies
@@ -305,6 +341,10 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     assert_eq!(value(r#"epo_discovery_leases_released_total{code="ok"}"#), 1.0);
     assert_eq!(value("epo_discovery_leases_active"), 0.0);
     assert!(value(r#"epo_discovery_requests_total{route="acquire",code="ok"}"#) >= 1.0);
+    assert!(value("epo_lease_checkpoint_failures_total") >= 1.0);
+    assert!(value("epo_lease_checkpoint_last_success_timestamp_seconds") > 1.7e9);
+    assert!(value("epo_lease_checkpoint_written_objects_total") >= 2.0);
+    assert!(value("epo_lease_checkpoint_written_bytes_total") > 0.0);
 
     operator.stop().await;
 }

@@ -24,7 +24,7 @@ use crate::{
     health::{HealthConfig, HealthEngine},
     lease::{
         LeaseStore, LeaseStoreConfig,
-        checkpoint::{CheckpointStore, FileCheckpoint, MaintenanceConfig, maintenance},
+        checkpoint::{CheckpointReport, CheckpointStore, FileCheckpoint, MaintenanceConfig, maintenance},
         token::LeaseSigner,
     },
     monitor::{LogSink, Monitor},
@@ -282,6 +282,8 @@ pub async fn run_standalone(
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::register(&mut registry));
     let discovery_metrics = DiscoveryMetrics::register(&mut registry);
+    let checkpoint_report = CheckpointReport::default();
+    checkpoint_report.register(&mut registry);
     let registry = Arc::new(registry);
     let (health_handle, mut health_events) = HealthEngine::start(HealthConfig {
         probe_metrics: Some(metrics.probe_metrics()),
@@ -364,7 +366,10 @@ pub async fn run_standalone(
     let upkeep = tokio::spawn(maintenance(
         store.clone(),
         Some(checkpoint as Arc<dyn CheckpointStore>),
-        MaintenanceConfig::default(),
+        MaintenanceConfig {
+            report: checkpoint_report,
+            ..MaintenanceConfig::default()
+        },
         stopped(),
     ));
     let (flips_tx, flips_rx) = mpsc::unbounded_channel();

@@ -13,7 +13,7 @@
 
 use std::{
     cmp::Reverse,
-    collections::{BinaryHeap, HashMap},
+    collections::{BTreeMap, BinaryHeap, HashMap},
     hash::BuildHasher,
     sync::{Arc, Mutex, MutexGuard, RwLock},
     time::Duration,
@@ -1349,82 +1349,82 @@ impl LeaseStore {
         dirty
     }
 
+    /// The store shards changed since the last call (and clears their marks): what a sharded
+    /// checkpoint ([`Self::checkpoint_shards`]) writes.
+    pub fn take_dirty_shards(&self) -> Vec<usize> {
+        let mut dirty = Vec::new();
+        for (i, shard) in self.inner.shards.iter().enumerate() {
+            if std::mem::take(&mut lock(&shard.0).dirty) {
+                dirty.push(i);
+            }
+        }
+        dirty
+    }
+
+    /// Number of store shards.
+    pub fn shard_count(&self) -> usize {
+        self.inner.shards.len()
+    }
+
     /// A snapshot of everything worth keeping across a restart: admission, cooldowns, bans,
     /// leases, sessions and the token high-water marks. Proxy configuration and credentials
     /// are not in it: the controller configures proxies again.
     pub fn checkpoint(&self) -> Checkpoint {
+        let all: Vec<usize> = (0..self.inner.shards.len()).collect();
         let now = self.now();
-        let mut cp = Checkpoint {
+        Checkpoint::merge(self.checkpoint_shards(&all)).unwrap_or_else(|| Checkpoint {
             version: Checkpoint::VERSION,
             saved_at_ms: now,
             ..Checkpoint::default()
-        };
+        })
+    }
+
+    /// One self-contained checkpoint per store shard in `which` (same order): its proxies,
+    /// the sticky sessions bound to them, and every token high-water mark this process knows
+    /// (a few numbers, so any one part bounds the tokens issued before it). Parts join with
+    /// [`Checkpoint::merge`].
+    pub fn checkpoint_shards(&self, which: &[usize]) -> Vec<Checkpoint> {
+        let now = self.now();
+        let mut hwm = BTreeMap::new();
         {
             let restore = self.inner.restore.read().unwrap_or_else(|e| e.into_inner());
-            cp.token_hwm.extend(restore.hwm.iter().map(|(k, v)| (*k, *v)));
+            hwm.extend(restore.hwm.iter().map(|(k, v)| (*k, *v)));
         }
-        for shard in self.inner.shards.iter() {
-            let mut shard = lock(&shard.0);
+        let mut parts: Vec<Checkpoint> = Vec::with_capacity(which.len());
+        let mut position = HashMap::new();
+        for (pos, &index) in which.iter().enumerate() {
+            position.insert(index, pos);
+            let mut shard = lock(&self.inner.shards[index].0);
             // Expiries that are due start their rests before they are recorded.
             shard.settle(now);
+            let mut cp = Checkpoint {
+                version: Checkpoint::VERSION,
+                saved_at_ms: now,
+                token_hwm: hwm.clone(),
+                ..Checkpoint::default()
+            };
             // The sequence itself, not just the last token issued: it starts at the clock, so a
             // checkpoint taken before any lease still bounds what came before it.
-            let hwm = cp.token_hwm.entry(shard.id).or_insert(0);
-            *hwm = (*hwm).max((shard.seq << SHARD_BITS) | shard.id as u64);
-            for slot in shard.slots.iter() {
-                let Some(p) = slot.proxy.as_ref() else { continue };
-                let leases: Vec<_> = p
-                    .leases
+            let mark = cp.token_hwm.entry(shard.id).or_insert(0);
+            *mark = (*mark).max((shard.seq << SHARD_BITS) | shard.id as u64);
+            cp.proxies.extend(
+                shard
+                    .slots
                     .iter()
-                    .filter(|l| l.expires_at > now)
-                    .map(|l| LeaseCheckpoint {
-                        first_token: l.first_token,
-                        token: l.token,
-                        holder: l.holder.as_str().to_owned(),
-                        acquired_at_ms: l.acquired_at,
-                        expires_at_ms: l.expires_at,
-                        ttl_ms: l.ttl_ms,
-                        target_domain: l.target_domain.as_deref().map(str::to_owned),
-                        session_key: l.session_key.as_deref().map(str::to_owned),
-                    })
-                    .collect();
-                let bans: Vec<_> = p
-                    .bans
-                    .iter()
-                    .filter(|(_, until)| *until > now)
-                    .map(|(d, until)| BanCheckpoint {
-                        domain: d.to_string(),
-                        until_ms: *until,
-                    })
-                    .collect();
-                let admission = match p.admission {
-                    AdmissionState::Open => CheckpointAdmission::Open,
-                    AdmissionState::Closed => CheckpointAdmission::Closed,
-                    AdmissionState::Draining => CheckpointAdmission::Draining,
-                };
-                let cooling = (p.cooling_until > now).then_some(p.cooling_until);
-                if leases.is_empty()
-                    && bans.is_empty()
-                    && cooling.is_none()
-                    && p.revoked_below == 0
-                    && admission == CheckpointAdmission::Closed
-                {
-                    continue;
-                }
-                cp.proxies.push(ProxyCheckpoint {
-                    key: p.key.clone(),
-                    admission,
-                    cooldown_until_ms: cooling,
-                    revoked_below: p.revoked_below,
-                    bans,
-                    leases,
-                });
-            }
+                    .filter_map(|slot| slot.proxy.as_ref())
+                    .filter_map(|p| proxy_checkpoint(p, now)),
+            );
+            cp.proxies.sort_by(|a, b| a.key.cmp(&b.key));
+            parts.push(cp);
         }
         for sessions in self.inner.sessions.iter() {
             for (k, b) in lock(&sessions.0).iter() {
-                if b.expires_at > now {
-                    cp.sessions.push(SessionCheckpoint {
+                if b.expires_at <= now {
+                    continue;
+                }
+                // A binding lives with its proxy's shard: binding it there dirtied that shard.
+                if let Some(&pos) = position.get(&self.shard_index(&b.key)) {
+                    parts[pos].sessions.push(SessionCheckpoint {
                         session_key: k.to_string(),
                         proxy: b.key.clone(),
                         expires_at_ms: b.expires_at,
@@ -1432,9 +1432,10 @@ impl LeaseStore {
                 }
             }
         }
-        cp.proxies.sort_by(|a, b| a.key.cmp(&b.key));
-        cp.sessions.sort_by(|a, b| a.session_key.cmp(&b.session_key));
-        cp
+        for cp in &mut parts {
+            cp.sessions.sort_by(|a, b| a.session_key.cmp(&b.session_key));
+        }
+        parts
     }
 
     /// Loads a checkpoint: call once at start, before serving (upserts may come before or
@@ -1516,4 +1517,54 @@ impl LeaseStore {
             });
         }
     }
+}
+
+/// One proxy's durable state, or `None` if nothing about it is worth keeping.
+fn proxy_checkpoint(p: &ProxyState, now: u64) -> Option<ProxyCheckpoint> {
+    let leases: Vec<_> = p
+        .leases
+        .iter()
+        .filter(|l| l.expires_at > now)
+        .map(|l| LeaseCheckpoint {
+            first_token: l.first_token,
+            token: l.token,
+            holder: l.holder.as_str().to_owned(),
+            acquired_at_ms: l.acquired_at,
+            expires_at_ms: l.expires_at,
+            ttl_ms: l.ttl_ms,
+            target_domain: l.target_domain.as_deref().map(str::to_owned),
+            session_key: l.session_key.as_deref().map(str::to_owned),
+        })
+        .collect();
+    let bans: Vec<_> = p
+        .bans
+        .iter()
+        .filter(|(_, until)| *until > now)
+        .map(|(d, until)| BanCheckpoint {
+            domain: d.to_string(),
+            until_ms: *until,
+        })
+        .collect();
+    let admission = match p.admission {
+        AdmissionState::Open => CheckpointAdmission::Open,
+        AdmissionState::Closed => CheckpointAdmission::Closed,
+        AdmissionState::Draining => CheckpointAdmission::Draining,
+    };
+    let cooling = (p.cooling_until > now).then_some(p.cooling_until);
+    if leases.is_empty()
+        && bans.is_empty()
+        && cooling.is_none()
+        && p.revoked_below == 0
+        && admission == CheckpointAdmission::Closed
+    {
+        return None;
+    }
+    Some(ProxyCheckpoint {
+        key: p.key.clone(),
+        admission,
+        cooldown_until_ms: cooling,
+        revoked_below: p.revoked_below,
+        bans,
+        leases,
+    })
 }

@@ -726,6 +726,7 @@ async fn maintenance_reaps_and_saves_until_shutdown() {
         checkpoint::MaintenanceConfig {
             reap_interval: Duration::from_millis(10),
             checkpoint_interval: Duration::from_millis(10),
+            ..Default::default()
         },
         async {
             let _ = stopped.await;

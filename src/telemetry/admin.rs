@@ -28,6 +28,9 @@ pub struct Readiness {
     pub caches_synced: bool,
     /// This replica leads.
     pub leader: bool,
+    /// Lease checkpoint saves fail: a detail of `/readyz`, not a reason to stop serving (the
+    /// leases are still served and honoured; only a leader change would lose recent ones).
+    pub checkpoint_failing: bool,
 }
 
 impl Readiness {
@@ -111,6 +114,10 @@ fn respond(
         "/readyz" => {
             let state = *readiness.borrow();
             match (state.caches_synced, state.leader) {
+                (true, true) if state.checkpoint_failing => text(
+                    StatusCode::OK,
+                    "ready; lease checkpoint failing (see epo_lease_checkpoint_failures_total and Events on the leader Lease)\n",
+                ),
                 (true, true) => text(StatusCode::OK, "ready\n"),
                 (false, _) => text(StatusCode::SERVICE_UNAVAILABLE, "caches not synced\n"),
                 (true, false) => text(StatusCode::SERVICE_UNAVAILABLE, "not the leader\n"),

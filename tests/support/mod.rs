@@ -9,6 +9,7 @@
 
 pub mod cluster_app;
 pub mod fake_apiserver;
+pub mod leases;
 pub mod process;
 pub mod standalone;
 

@@ -194,6 +194,9 @@ fn object_response(code: u16, object: &Value, metadata_only: bool) -> Response<B
     }
 }
 
+/// Largest request body kube-apiserver reads.
+pub const REQUEST_LIMIT_BYTES: usize = 3 * 1024 * 1024;
+
 async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
     let latency = lock(&inner.hooks).latency;
     if !latency.is_zero() {
@@ -219,6 +222,13 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
         Ok(collected) => collected.to_bytes(),
         Err(e) => return error_response(&ApiError::bad_request(format!("reading the request body: {e}"))),
     };
+    // kube-apiserver's limit on a write's body (3 MiB); objects have smaller limits of their own.
+    if body.len() > REQUEST_LIMIT_BYTES {
+        return error_response(&ApiError::unknown(
+            413,
+            format!("Request entity too large: limit is {REQUEST_LIMIT_BYTES}"),
+        ));
+    }
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     if method == Method::GET {
         match segments.as_slice() {

@@ -30,6 +30,8 @@ pub enum FieldErrorKind {
     Invalid(Value),
     /// `Forbidden`.
     Forbidden,
+    /// `Too long: <detail>` (e.g. a ConfigMap's data past 1 MiB).
+    TooLong,
 }
 
 impl FieldError {
@@ -65,6 +67,7 @@ impl FieldError {
             FieldErrorKind::Required => "FieldValueRequired",
             FieldErrorKind::Invalid(_) => "FieldValueInvalid",
             FieldErrorKind::Forbidden => "FieldValueForbidden",
+            FieldErrorKind::TooLong => "FieldValueTooLong",
         }
     }
 
@@ -74,6 +77,7 @@ impl FieldError {
             FieldErrorKind::Required => "Required value".to_owned(),
             FieldErrorKind::Invalid(value) => format!("Invalid value: {value}"),
             FieldErrorKind::Forbidden => "Forbidden".to_owned(),
+            FieldErrorKind::TooLong => "Too long".to_owned(),
         };
         if !self.detail.is_empty() {
             text.push_str(": ");

@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use super::{
     patch::{self, at_path, dotted, dropped_paths, leaf_paths, merge_patch, remove_path, strip_nulls},
     registry::ResourceDef,
-    status::{ApiError, FieldError, OPTIMISTIC_LOCK_MESSAGE},
+    status::{ApiError, FieldError, FieldErrorKind, OPTIMISTIC_LOCK_MESSAGE},
 };
 
 /// (namespace, name); the namespace is empty for cluster-scoped objects.
@@ -426,6 +426,7 @@ impl Store {
 
     fn validate(&self, rid: usize, new: &Value, old: Option<&Value>) -> Result<(), ApiError> {
         let rs = &self.resources[rid];
+        check_size(&rs.def, new)?;
         let Some(validator) = &rs.validator else {
             return Ok(());
         };
@@ -1099,4 +1100,45 @@ impl Store {
     pub fn all(&self, rid: usize, namespace: Option<&str>) -> Vec<Arc<Value>> {
         self.scan(rid, namespace, None).map(|(_, o)| o.clone()).collect()
     }
+}
+
+/// kube-apiserver's limit on a ConfigMap's or Secret's data (values and keys, binary data
+/// decoded): 1 MiB.
+pub const DATA_LIMIT_BYTES: usize = 1024 * 1024;
+/// etcd's default `--max-request-bytes`: an object whose encoding is larger is refused.
+pub const OBJECT_LIMIT_BYTES: usize = 1536 * 1024;
+
+/// The size limits of a real cluster: a ConfigMap or Secret whose data passes
+/// [`DATA_LIMIT_BYTES`] is Invalid (422, `Too long`), any object whose JSON passes
+/// [`OBJECT_LIMIT_BYTES`] fails as etcd fails it (500, `request is too large`).
+fn check_size(def: &ResourceDef, new: &Value) -> Result<(), ApiError> {
+    if def.group.is_empty() && (def.plural == "configmaps" || def.plural == "secrets") {
+        let mut size = 0;
+        for (field, decoded) in [("data", def.plural == "secrets"), ("binaryData", true)] {
+            if let Some(map) = new.get(field).and_then(Value::as_object) {
+                for (key, value) in map {
+                    let len = value.as_str().map_or(0, str::len);
+                    // Base64 values count as the bytes they decode to.
+                    size += key.len() + if decoded { len / 4 * 3 } else { len };
+                }
+            }
+        }
+        if size > DATA_LIMIT_BYTES {
+            let name = meta_str(new, "name").unwrap_or_default();
+            return Err(ApiError::invalid(
+                def,
+                name,
+                &[FieldError {
+                    field: "[]".to_owned(),
+                    kind: FieldErrorKind::TooLong,
+                    detail: format!("must have at most {DATA_LIMIT_BYTES} bytes"),
+                }],
+            ));
+        }
+    }
+    let encoded = serde_json::to_vec(new).map_or(0, |v| v.len());
+    if encoded > OBJECT_LIMIT_BYTES {
+        return Err(ApiError::unknown(500, "etcdserver: request is too large"));
+    }
+    Ok(())
 }
