@@ -195,6 +195,15 @@ fn condition(
     }
 }
 
+/// The phase a stored status reports; a new Proxy (or an unknown phase name) counts as the
+/// initial phase.
+pub fn phase_of(status: Option<&ProxyStatus>) -> Phase {
+    status
+        .and_then(|s| s.phase.as_deref())
+        .and_then(Phase::from_name)
+        .unwrap_or(Phase::INITIAL)
+}
+
 /// The stored `Ready` condition, if any.
 pub fn ready_condition(status: Option<&ProxyStatus>) -> Option<&Condition> {
     find(&status?.conditions, READY)

@@ -33,7 +33,11 @@ use progress::Progress;
 use crate::{
     api::{Proxy, ProxySpec},
     check::Checker,
-    controller::{ProviderAvailability, Reconciler, ReconcilerConfig, cluster::backoff, status::FINALIZER},
+    controller::{
+        ProviderAvailability, Reconciler, ReconcilerConfig,
+        cluster::backoff,
+        status::{FINALIZER, phase_of},
+    },
     effects::{HealthControl, LeaseControl, ProxyKey},
     provider::ProviderRegistry,
     store::{ProxyRecord, Store, StoreError},
@@ -114,18 +118,8 @@ impl Standalone {
                     .unwrap_or_else(|p| p.into_inner())
                     .iter()
                     .map(|(key, record)| {
-                        let provider = record
-                            .spec
-                            .get("provider")
-                            .and_then(|p| p.as_str())
-                            .unwrap_or_default();
-                        let phase = record
-                            .status
-                            .as_ref()
-                            .and_then(|s| s.phase.as_deref())
-                            .and_then(crate::machine::Phase::from_name)
-                            .unwrap_or(crate::machine::Phase::INITIAL);
-                        (key.clone(), provider.to_owned(), phase)
+                        let provider = record.provider().unwrap_or_default().to_owned();
+                        (key.clone(), provider, phase_of(record.status.as_ref()))
                     }),
             );
         Ok(Self {
@@ -173,7 +167,7 @@ impl Standalone {
         let now = Instant::now();
         let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
         for (key, record) in records.iter() {
-            if record.spec.get("provider").and_then(|p| p.as_str()) == Some(provider) {
+            if record.provider() == Some(provider) {
                 self.due.insert(key.clone(), now);
             }
         }

@@ -30,11 +30,7 @@ impl ProxySource for StoreSource {
         Ok(records
             .into_iter()
             .map(|(key, record)| {
-                let provider = record
-                    .spec
-                    .get("provider")
-                    .and_then(|p| p.as_str())
-                    .unwrap_or("-");
+                let provider = record.provider().unwrap_or("-");
                 ProxyState::from_status(
                     &key.namespace,
                     &key.name,

@@ -68,6 +68,13 @@ pub struct ProxyRecord {
     pub status: Option<ProxyStatus>,
 }
 
+impl ProxyRecord {
+    /// The provider instance the stored spec names, if it names one.
+    pub fn provider(&self) -> Option<&str> {
+        self.spec.get("provider").and_then(|p| p.as_str())
+    }
+}
+
 /// One line of the audit trail.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AuditLine {

@@ -309,12 +309,7 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
             .reconciler
             .pools()
             .seed(context.proxies.state().iter().map(|p| {
-                let phase = p
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.phase.as_deref())
-                    .and_then(crate::machine::Phase::from_name)
-                    .unwrap_or(crate::machine::Phase::INITIAL);
+                let phase = super::status::phase_of(p.status.as_ref());
                 (
                     ProxyKey {
                         namespace: p.namespace().unwrap_or_default(),
