@@ -215,9 +215,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                     .as_ref()
                     .is_some_and(|stamped| *stamped != resolved.hash) =>
             {
-                record.provider_id = Some(instance.id.to_string());
-                record.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
-                record.spec_hash = instance.spec_hash.clone();
+                record.point_at(&instance, None);
                 vec![Occurrence::new(
                     Event::InstanceStale,
                     format!(
@@ -230,10 +228,8 @@ impl<B: ProxyBackend> Reconciler<B> {
             }
             Ok(instance) => {
                 self.set_running_credentials(cx.key, resolved.credentials.clone());
-                record.provider_id = Some(instance.id.to_string());
-                record.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
                 // What it was built from (an older encoding of the same spec stays as stamped).
-                record.spec_hash = instance.spec_hash.clone().or_else(|| Some(resolved.hash.clone()));
+                record.point_at(&instance, Some(&resolved.hash));
                 // Provisioned=True is reported once this instance is seen running.
                 record.instance_running = false;
                 vec![Occurrence::new(

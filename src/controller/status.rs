@@ -102,6 +102,17 @@ impl Record {
         }
     }
 
+    /// Record `instance` as the current one: its ID, endpoint and the hash it was built from
+    /// (its own stamp, else `requested`, the hash it was created for).
+    pub fn point_at(&mut self, instance: &crate::provider::Instance, requested: Option<&str>) {
+        self.provider_id = Some(instance.id.to_string());
+        self.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
+        self.spec_hash = instance
+            .spec_hash
+            .clone()
+            .or_else(|| requested.map(str::to_owned));
+    }
+
     /// Forget the current instance (it is gone).
     pub fn forget_instance(&mut self) {
         self.provider_id = None;
