@@ -49,7 +49,7 @@ use egress_proxies_operator::{
     },
     effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey},
     provider::{Instance, Provider, ProviderRegistry, memory::MemoryProvider},
-    telemetry::Metrics,
+    telemetry::{Metrics, heap},
 };
 use fake_apiserver::FakeApiServer;
 use kube::{Api, api::PostParams};
@@ -393,6 +393,8 @@ async fn run_case(n: usize, steady: Duration) -> Figures {
     let controller = tokio::spawn(run_controller(deps, triggers, ready_tx, async {
         let _ = stopped.await;
     }));
+    // What the binary runs beside the controller: freed heap goes back to the OS.
+    let trimmer = tokio::spawn(heap::trim_periodically(heap::TRIM_INTERVAL));
     ready.wait_for(|r| *r).await.expect("caches sync");
 
     let started = Instant::now();
@@ -494,6 +496,7 @@ async fn run_case(n: usize, steady: Duration) -> Figures {
 
     let _ = stop.send(());
     controller.await.expect("controller stops");
+    trimmer.abort();
     api.stop().await;
     Figures { converged }
 }

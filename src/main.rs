@@ -11,7 +11,7 @@ use egress_proxies_operator::{
     config::ProvidersConfig,
     machine,
     standalone::status,
-    telemetry::tracing_setup,
+    telemetry::{heap, tracing_setup},
 };
 
 /// Provisions, health-checks and leases egress proxies.
@@ -391,7 +391,12 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 gc_interval: std::time::Duration::from_secs(60),
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(async { app::run_standalone(options, shutdown_signal()).await })?;
+            runtime.block_on(async {
+                let trimmer = tokio::spawn(heap::trim_periodically(heap::TRIM_INTERVAL));
+                let result = app::run_standalone(options, shutdown_signal()).await;
+                trimmer.abort();
+                result
+            })?;
             telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
@@ -437,12 +442,18 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(async {
-                let shutdown = shutdown_signal();
-                let client = kube::Client::try_default()
-                    .await
-                    .context("connecting to the cluster")?;
-                app::cluster::run_cluster(client, options, shutdown).await?;
-                anyhow::Ok(())
+                let trimmer = tokio::spawn(heap::trim_periodically(heap::TRIM_INTERVAL));
+                let result = async {
+                    let shutdown = shutdown_signal();
+                    let client = kube::Client::try_default()
+                        .await
+                        .context("connecting to the cluster")?;
+                    app::cluster::run_cluster(client, options, shutdown).await?;
+                    anyhow::Ok(())
+                }
+                .await;
+                trimmer.abort();
+                result
             })?;
             telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
