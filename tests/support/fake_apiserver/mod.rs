@@ -18,12 +18,15 @@
 // Not every test uses every hook.
 #![allow(dead_code)]
 
+mod crd;
+mod openapi;
 mod patch;
 mod registry;
 mod selector;
 mod server;
 mod status;
 mod store;
+mod table;
 
 use std::{
     net::SocketAddr,
@@ -228,6 +231,17 @@ struct Inner {
 }
 
 impl Inner {
+    /// Serves what every stored CustomResourceDefinition defines (idempotent).
+    fn install_crds(&self) {
+        let mut store = lock(&self.store);
+        let Some(rid) = store.resolve(crd::CRD_RESOURCE) else {
+            return;
+        };
+        for object in store.all(rid, None) {
+            crd::install(&mut store, &object);
+        }
+    }
+
     fn take_injected_failure(&self, record: &RequestRecord) -> Option<u16> {
         let mut hooks = lock(&self.hooks);
         let failure = hooks
@@ -471,8 +485,14 @@ impl FakeApiServer {
         } else {
             store.create(rid, def.namespaced.then_some(ns.as_str()), object, false, true)
         };
+        drop(store);
         match result {
-            Ok(stored) => (*stored).clone(),
+            Ok(stored) => {
+                if def.is_named(crd::CRD_RESOURCE) {
+                    self.inner.install_crds();
+                }
+                (*stored).clone()
+            }
             Err(error) => panic!("put_json({resource}) was rejected: {}", error.message),
         }
     }
