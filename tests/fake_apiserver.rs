@@ -94,22 +94,7 @@ async fn raw(
     content_type: &str,
     body: &str,
 ) -> (u16, Value) {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Full<Bytes>>();
-    let request = hyper::Request::builder()
-        .method(method)
-        .uri(format!("{}{path}", server.url()))
-        .header("content-type", content_type)
-        .body(Full::new(Bytes::from(body.to_owned())))
-        .expect("a valid request");
-    let response = client.request(request).await.expect("the fake server answers");
-    let code = response.status().as_u16();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("a complete body")
-        .to_bytes();
+    let (code, bytes, _) = request(server, method, path, "application/json", content_type, body).await;
     (code, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
