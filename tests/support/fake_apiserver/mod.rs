@@ -2,7 +2,9 @@
 //! on 127.0.0.1, faithful where the operator depends on it: resourceVersion and generation,
 //! the status subresource, finalizers and deletionTimestamp, label and field selectors,
 //! merge / JSON / apply patches, 409 conflicts, `Status` error bodies, and list + watch with
-//! bookmarks and 410 Gone on a stale resourceVersion. Test hooks inject failures, compact
+//! bookmarks and 410 Gone on a stale resourceVersion; and what a real kubectl needs: stored
+//! CRDs served as they declare, OpenAPI v3, `fieldValidation`, server-side Tables from printer
+//! columns, `events.k8s.io` Events listed through core v1. Test hooks inject failures, compact
 //! the watch history, end open watches, count requests and reach the store directly.
 //!
 //! What is faithful and what is simplified is documented in docs/testing.md
