@@ -1861,3 +1861,51 @@ async fn a_protobuf_body_is_unsupported_media_type() {
     let status: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(status["reason"], "UnsupportedMediaType");
 }
+
+/// Aggregated discovery (kube-apiserver >= 1.26): `/api` and `/apis` asked for
+/// `APIGroupDiscoveryList` answer every group, version and resource in one document with that
+/// media type, which kube's `Discovery::run_aggregated` (as kubectl) reads; a plain Accept
+/// still gets the legacy documents.
+#[tokio::test]
+async fn aggregated_discovery_lists_every_resource_in_one_document() {
+    let server = FakeApiServer::start().await;
+    install_proxy_crd(&server).await;
+    let discovery = kube::discovery::Discovery::new(server.client())
+        .run_aggregated()
+        .await
+        .unwrap();
+    let gvk = kube::api::GroupVersionKind::gvk("crawl.example.com", "v1alpha1", "Proxy");
+    let (resource, caps) = discovery.resolve_gvk(&gvk).expect("Proxy is discoverable");
+    assert_eq!(resource.plural, "proxies");
+    assert_eq!(caps.scope, kube::discovery::Scope::Namespaced);
+    assert!(
+        caps.subresources
+            .iter()
+            .any(|(r, _)| r.plural == "proxies/status" || r.plural == "status")
+    );
+    let secrets = kube::api::GroupVersionKind::gvk("", "v1", "Secret");
+    assert!(discovery.resolve_gvk(&secrets).is_some());
+
+    let accept = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json";
+    let (code, body, _) = request(&server, "GET", "/apis", accept, "", "").await;
+    assert_eq!(code, 200);
+    let list: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(list["kind"], "APIGroupDiscoveryList");
+    assert_eq!(list["apiVersion"], "apidiscovery.k8s.io/v2");
+    let crawl = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["metadata"]["name"] == "crawl.example.com")
+        .unwrap();
+    let proxies = crawl["versions"][0]["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["resource"] == "proxies")
+        .unwrap();
+    assert_eq!(proxies["shortNames"], json!(["px"]));
+    assert_eq!(proxies["scope"], "Namespaced");
+    let legacy = get_value(&server, "/apis", "application/json").await;
+    assert_eq!(legacy["kind"], "APIGroupList");
+}

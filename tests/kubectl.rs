@@ -37,6 +37,7 @@ impl Kubectl {
     /// `EPO_KUBECTL`, else `kubectl` on PATH; fails the test (never skips it) when there is none.
     fn new(dir: &Path, server: &str) -> Self {
         let bin = std::env::var_os("EPO_KUBECTL")
+            .filter(|path| !path.is_empty())
             .map(PathBuf::from)
             .or_else(|| {
                 std::env::var_os("PATH").and_then(|paths| {

@@ -242,6 +242,10 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
     if method == Method::GET {
         match segments.as_slice() {
             ["version"] => return value_response(200, &version()),
+            ["api"] | ["apis"] if aggregated_version(&accept).is_some() => {
+                let version = aggregated_version(&accept).expect("just checked");
+                return aggregated_discovery(&inner, segments[0] == "api", version);
+            }
             ["api"] => return value_response(200, &core_versions(&inner)),
             ["apis"] => return value_response(200, &group_list(&inner)),
             ["apis", group] => {
@@ -1069,6 +1073,86 @@ fn group_list(inner: &Inner) -> Value {
     }
     let groups: Vec<Value> = names.iter().filter_map(|g| api_group(inner, g)).collect();
     json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
+}
+
+/// The aggregated discovery version an Accept header asks for (kubectl >= 1.26 and kube's
+/// `Discovery::run_aggregated` list `v2`, then `v2beta1`, then plain JSON).
+fn aggregated_version(accept: &str) -> Option<&'static str> {
+    let asks = |version: &str| {
+        accept.split(',').any(|media| {
+            let params: Vec<&str> = media.split(';').map(str::trim).collect();
+            params.contains(&"g=apidiscovery.k8s.io")
+                && params.contains(&"as=APIGroupDiscoveryList")
+                && params.contains(&format!("v={version}").as_str())
+        })
+    };
+    ["v2", "v2beta1"].into_iter().find(|v| asks(v))
+}
+
+/// Aggregated discovery (`apidiscovery.k8s.io` `APIGroupDiscoveryList`): every group with
+/// every version and resource in one document, `/api` for the core group, `/apis` for the
+/// others.
+fn aggregated_discovery(inner: &Inner, core: bool, version: &str) -> Response<Body> {
+    let store = lock(&inner.store);
+    let mut groups: Vec<(String, Vec<(String, Vec<Value>)>)> = Vec::new();
+    for rs in store.resources.iter().filter(|r| r.def.group.is_empty() == core) {
+        let def = &rs.def;
+        let kind = |kind: &str| json!({"group": def.group, "version": def.version, "kind": kind});
+        let mut resource = json!({
+            "resource": def.plural,
+            "responseKind": kind(&def.kind),
+            "scope": if def.namespaced { "Namespaced" } else { "Cluster" },
+            "singularResource": def.singular_name(),
+            "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
+        });
+        if !def.short_names.is_empty() {
+            resource["shortNames"] = json!(def.short_names);
+        }
+        if !def.categories.is_empty() {
+            resource["categories"] = json!(def.categories);
+        }
+        if def.status_subresource {
+            resource["subresources"] = json!([{
+                "subresource": "status",
+                "responseKind": kind(&def.kind),
+                "verbs": ["get", "patch", "update"],
+            }]);
+        }
+        let group = match groups.iter_mut().position(|(name, _)| *name == def.group) {
+            Some(i) => &mut groups[i].1,
+            None => {
+                groups.push((def.group.clone(), Vec::new()));
+                &mut groups.last_mut().expect("just pushed").1
+            }
+        };
+        match group.iter_mut().find(|(v, _)| *v == def.version) {
+            Some((_, resources)) => resources.push(resource),
+            None => group.push((def.version.clone(), vec![resource])),
+        }
+    }
+    let items: Vec<Value> = groups
+        .into_iter()
+        .map(|(name, versions)| {
+            let versions: Vec<Value> = versions
+                .into_iter()
+                .map(|(version, resources)| json!({"version": version, "resources": resources, "freshness": "Current"}))
+                .collect();
+            let metadata = if name.is_empty() { json!({}) } else { json!({"name": name}) };
+            json!({"metadata": metadata, "versions": versions})
+        })
+        .collect();
+    let list = json!({
+        "kind": "APIGroupDiscoveryList",
+        "apiVersion": format!("apidiscovery.k8s.io/{version}"),
+        "metadata": {},
+        "items": items,
+    });
+    let mut response = value_response(200, &list);
+    let content_type = format!("application/json;g=apidiscovery.k8s.io;v={version};as=APIGroupDiscoveryList");
+    if let Ok(value) = HeaderValue::from_str(&content_type) {
+        response.headers_mut().insert(CONTENT_TYPE, value);
+    }
+    response
 }
 
 fn resource_list(inner: &Inner, group: &str, version: &str) -> Response<Body> {
