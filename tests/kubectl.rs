@@ -222,9 +222,9 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     sample["spec"]["health"]["url"] = format!("http://{}/health", origin.http).into();
     sample["spec"]["health"]["intervalSeconds"] = 2.into();
     sample["spec"]["health"]["timeoutSeconds"] = 1.into();
-    let manifest = dir.path().join("proxy.yaml");
-    std::fs::write(&manifest, serde_norway::to_string(&sample).unwrap()).unwrap();
-    let manifest = manifest.to_str().unwrap();
+    let manifest_path = dir.path().join("proxy.yaml");
+    std::fs::write(&manifest_path, serde_norway::to_string(&sample).unwrap()).unwrap();
+    let manifest = manifest_path.to_str().unwrap();
 
     // A field the CRD's schema does not declare: kubectl >= 1.25 learns from OpenAPI v3 that
     // the server validates fields and sends fieldValidation=Strict, so it is refused. Older
@@ -323,6 +323,45 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     );
     assert!(events.contains("Normal"), "{events}");
 
+    // Applying an edited manifest again: client-side apply sends a JSON merge patch (OpenAPI
+    // says custom resources take no strategic merge patch) computed from its last-applied
+    // annotation, so a dropped attribute is removed. Attributes never replace the instance.
+    sample["spec"]["attributes"] = serde_json::json!({"region": "eu", "pool": "blue"});
+    std::fs::write(&manifest_path, serde_norway::to_string(&sample).unwrap()).unwrap();
+    let out = kubectl.ok(&["apply", "-f", manifest]).await;
+    assert_eq!(out.trim(), format!("proxy.crawl.example.com/{name} configured"));
+    let stored = server.get_json("proxies", Some("crawl"), &name).unwrap();
+    assert_eq!(
+        stored["spec"]["attributes"],
+        serde_json::json!({"region": "eu", "pool": "blue"})
+    );
+    assert!(
+        server.requests().iter().any(
+            |r| r.content_type.as_deref() == Some("application/merge-patch+json")
+                && r.field_manager.as_deref() == Some("kubectl-client-side-apply")
+        ),
+        "kubectl apply patched with a JSON merge patch"
+    );
+    // Server-side apply, as `kubectl apply --server-side` sends it.
+    sample["spec"]["attributes"]["pool"] = "green".into();
+    std::fs::write(&manifest_path, serde_norway::to_string(&sample).unwrap()).unwrap();
+    let out = kubectl.ok(&["apply", "--server-side", "-f", manifest]).await;
+    assert_eq!(
+        out.trim(),
+        format!("proxy.crawl.example.com/{name} serverside-applied")
+    );
+    let stored = server.get_json("proxies", Some("crawl"), &name).unwrap();
+    assert_eq!(stored["spec"]["attributes"]["pool"], "green");
+    assert_eq!(
+        stored["status"]["specHash"], spec_hash,
+        "attributes replace nothing"
+    );
+    // kubectl patch defaults to a strategic merge patch, which custom resources refuse.
+    let refused = kubectl
+        .fails(&["patch", "proxy", &name, "-p", r#"{"spec":{"port":1}}"#])
+        .await;
+    assert!(refused.contains("application/merge-patch+json"), "{refused}");
+
     // A spec edit that changes what runs (the port): the operator replaces the instance.
     let new_port = free_port();
     let out = kubectl
@@ -348,7 +387,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
                 "proxy",
                 &name,
                 "-o",
-                "jsonpath={.status.phase} {.status.endpoint} {.status.specHash} {.status.observedGeneration}",
+                "jsonpath={.status.phase} {.status.endpoint} {.status.specHash} {.status.observedGeneration} {.metadata.generation}",
             ])
             .await;
             let fields: Vec<String> = fields.split(' ').map(str::to_owned).collect();
@@ -362,8 +401,8 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     println!("phases seen through kubectl after the patch: {phases:?}; now {replaced:?}");
     assert_ne!(replaced[2], spec_hash, "an instance of the new spec");
     assert_eq!(
-        replaced[3], "2",
-        "the patch made generation 2 and the operator observed it"
+        replaced[3], replaced[4],
+        "the operator observed the patched generation"
     );
     assert!(refuses_connections(port), "the old Squid is gone");
     assert!(!refuses_connections(new_port), "the new Squid listens");
