@@ -406,12 +406,16 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     );
     assert!(refuses_connections(port), "the old Squid is gone");
     assert!(!refuses_connections(new_port), "the new Squid listens");
-    let described = kubectl.ok(&["describe", "proxy", &name]).await;
-    let events = described.split("\nEvents:").nth(1).unwrap_or_default();
-    assert!(
-        events.contains("SpecChanged"),
-        "the replacement's Event: {events}"
-    );
+    eventually(
+        Duration::from_secs(30),
+        "describe to show the SpecChanged Event",
+        async || {
+            let described = kubectl.ok(&["describe", "proxy", &name]).await;
+            let events = described.split("\nEvents:").nth(1)?.to_owned();
+            events.contains("SpecChanged").then_some(())
+        },
+    )
+    .await;
 
     // `kubectl delete` waits for the object to be gone: the operator drains, deletes the
     // Squid and removes its finalizer.
