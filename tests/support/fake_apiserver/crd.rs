@@ -51,7 +51,9 @@ pub fn install(store: &mut Store, crd: &Value) {
         ],
         "storedVersions": stored,
     });
-    // Writing the same status again is a no-op in the store (no new resourceVersion).
+    // Installing again writes the same status: a no-op in the store (no new resourceVersion).
+    // A status the store refuses would only leave the CRD unestablished, which nothing here
+    // waits for.
     let _ = store.update(rid, &key, updated, super::store::Target::Status, false, false);
 }
 

@@ -22,7 +22,7 @@ pub fn gv_key(group: &str, version: &str) -> String {
 /// The definition name the API server gives a kind: `com.example.crawl.v1alpha1.Proxy` for a
 /// custom resource (the group reversed), `io.k8s.api.core.v1.Secret` for a built-in one.
 fn schema_name(def: &ResourceDef) -> String {
-    if def.from_crd {
+    if def.is_custom() {
         let reversed: Vec<&str> = def.group.split('.').rev().collect();
         format!("{}.{}.{}", reversed.join("."), def.version, def.kind)
     } else if def.group == "apiextensions.k8s.io" {

@@ -1,6 +1,8 @@
 //! The resources the fake serves and how each behaves where Kubernetes resources differ
 //! (scope, status subresource, generation, unconditional updates, delete responses).
 
+use serde_json::Value;
+
 /// One served resource (one group/version/plural).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ResourceDef {
@@ -41,7 +43,7 @@ pub struct ResourceDef {
     /// A CRD's `additionalPrinterColumns`, for server-side Table printing.
     pub printer_columns: Vec<PrinterColumn>,
     /// A CRD's `openAPIV3Schema`: published in /openapi/v3 and used by `fieldValidation`.
-    pub schema: Option<serde_json::Value>,
+    pub schema: Option<Value>,
     /// Defined by a stored CustomResourceDefinition (else a built-in type).
     pub from_crd: bool,
 }
@@ -125,6 +127,12 @@ impl ResourceDef {
         self
     }
 
+    /// A custom resource (defined by a CRD, or declared like one with [`Self::custom`]) rather
+    /// than a built-in type: named, printed and patched as CRDs are.
+    pub fn is_custom(&self) -> bool {
+        self.from_crd || !self.strategic_merge
+    }
+
     /// Lowercase singular name, as discovery reports it.
     pub fn singular_name(&self) -> String {
         if self.singular.is_empty() {
@@ -136,35 +144,28 @@ impl ResourceDef {
 
     /// The served versions a CustomResourceDefinition object defines, as kube-apiserver's
     /// apiextensions controller would serve them once the CRD is established.
-    pub fn from_crd(crd: &serde_json::Value) -> Vec<Self> {
-        let text = |v: &serde_json::Value, p: &str| {
+    pub fn from_crd(crd: &Value) -> Vec<Self> {
+        let text = |v: &Value, p: &str| {
             v.pointer(p)
-                .and_then(serde_json::Value::as_str)
+                .and_then(Value::as_str)
                 .unwrap_or_default()
                 .to_owned()
         };
-        let strings = |v: &serde_json::Value, p: &str| -> Vec<String> {
+        let strings = |v: &Value, p: &str| -> Vec<String> {
             v.pointer(p)
-                .and_then(serde_json::Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(serde_json::Value::as_str)
-                        .map(str::to_owned)
-                        .collect()
-                })
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect())
                 .unwrap_or_default()
         };
         let group = text(crd, "/spec/group");
         let kind = text(crd, "/spec/names/kind");
         let plural = text(crd, "/spec/names/plural");
         let namespaced = text(crd, "/spec/scope") != "Cluster";
-        let versions = crd
-            .pointer("/spec/versions")
-            .and_then(serde_json::Value::as_array);
+        let versions = crd.pointer("/spec/versions").and_then(Value::as_array);
         versions
             .into_iter()
             .flatten()
-            .filter(|v| v.get("served").and_then(serde_json::Value::as_bool) != Some(false))
+            .filter(|v| v.get("served").and_then(Value::as_bool) != Some(false))
             .map(|v| {
                 let mut def = Self::custom(&group, &text(v, "/name"), &kind, &plural);
                 def.namespaced = namespaced;
@@ -176,7 +177,7 @@ impl ResourceDef {
                 def.from_crd = true;
                 def.printer_columns = v
                     .get("additionalPrinterColumns")
-                    .and_then(serde_json::Value::as_array)
+                    .and_then(Value::as_array)
                     .into_iter()
                     .flatten()
                     .map(|c| PrinterColumn {
@@ -184,7 +185,7 @@ impl ResourceDef {
                         type_: text(c, "/type"),
                         format: text(c, "/format"),
                         description: text(c, "/description"),
-                        priority: c.get("priority").and_then(serde_json::Value::as_i64).unwrap_or(0),
+                        priority: c.get("priority").and_then(Value::as_i64).unwrap_or(0),
                         json_path: text(c, "/jsonPath"),
                     })
                     .collect();

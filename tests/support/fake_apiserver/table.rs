@@ -48,7 +48,7 @@ fn columns(def: &ResourceDef) -> (Vec<Value>, Vec<PrinterColumn>) {
     let printer: Vec<PrinterColumn> = if !def.printer_columns.is_empty() {
         def.printer_columns.clone()
     } else {
-        let (name, description) = if def.from_crd {
+        let (name, description) = if def.is_custom() {
             ("Age", "")
         } else {
             (
