@@ -1094,7 +1094,9 @@ fn aggregated_version(accept: &str) -> Option<&'static str> {
 /// others.
 fn aggregated_discovery(inner: &Inner, core: bool, version: &str) -> Response<Body> {
     let store = lock(&inner.store);
-    let mut groups: Vec<(String, Vec<(String, Vec<Value>)>)> = Vec::new();
+    // Group → version → resources, in the order they are served.
+    type Versions = Vec<(String, Vec<Value>)>;
+    let mut groups: Vec<(String, Versions)> = Vec::new();
     for rs in store.resources.iter().filter(|r| r.def.group.is_empty() == core) {
         let def = &rs.def;
         let kind = |kind: &str| json!({"group": def.group, "version": def.version, "kind": kind});
