@@ -1609,8 +1609,8 @@ async fn tables_are_printed_from_the_crds_printer_columns() {
 }
 
 /// Printer columns of every type and the JSONPath forms CRDs use: an index, a quoted key, a
-/// missing field (no value), an object in a string column (its JSON), a value of the wrong
-/// type for the column (no value).
+/// filter on a list of conditions, a missing field or unmatched filter (no value), an object
+/// in a string column (its JSON), a value of the wrong type for the column (no value).
 #[tokio::test]
 async fn printer_columns_evaluate_jsonpath_and_column_types() {
     let server = FakeApiServer::start().await;
@@ -1634,6 +1634,8 @@ async fn printer_columns_evaluate_jsonpath_and_column_types() {
                         column("Missing", "string", ".spec.missing"),
                         column("Object", "string", ".spec.object"),
                         column("Mistyped", "integer", ".spec.flag"),
+                        column("Ready", "string", r#".status.conditions[?(@.type=="Ready")].status"#),
+                        column("Nothing", "string", ".status.conditions[?(@.type=='Gone')].status"),
                     ],
                 }],
             },
@@ -1645,12 +1647,13 @@ async fn printer_columns_evaluate_jsonpath_and_column_types() {
             "apiVersion": "example.com/v1", "kind": "Widget",
             "metadata": {"name": "w", "labels": {"app": "shop"}},
             "spec": {"sizes": [1, 7], "flag": true, "ratio": 0.5, "object": {"a": 1}},
+            "status": {"conditions": [{"type": "Synced", "status": "False"}, {"type": "Ready", "status": "True"}]},
         }),
     );
     let table = get_value(&server, "/apis/example.com/v1/namespaces/default/widgets", TABLE).await;
     assert_eq!(
         table["rows"][0]["cells"],
-        json!(["w", 7, "shop", true, 0.5, null, "{\"a\":1}", null])
+        json!(["w", 7, "shop", true, 0.5, null, "{\"a\":1}", null, "True", null])
     );
 }
 

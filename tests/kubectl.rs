@@ -194,12 +194,16 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     // Install the CRD as a user would; the fake then serves Proxies with its printer
     // columns, short names and schema. The namespace exists before anything goes into it.
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let crd = repo.join("config/crd/bases/crawl.example.com_proxies.yaml");
-    let out = kubectl.ok(&["apply", "-f", crd.to_str().unwrap()]).await;
-    assert!(
-        out.contains("customresourcedefinition.apiextensions.k8s.io/proxies.crawl.example.com created"),
-        "{out}"
-    );
+    let crds = repo.join("config/crd/bases");
+    let out = kubectl.ok(&["apply", "-f", crds.to_str().unwrap()]).await;
+    for crd in ["proxies", "providerhealths"] {
+        assert!(
+            out.contains(&format!(
+                "customresourcedefinition.apiextensions.k8s.io/{crd}.crawl.example.com created"
+            )),
+            "{out}"
+        );
+    }
     // The fake serves Proxies before their CRD is stored (the other tests need no CRD), so a
     // kubectl that cached discovery before (1.20 keeps it 10 minutes) would not know the
     // CRD's short names yet; against a real server, proxies would have been missing and
@@ -269,8 +273,33 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     // The short name and the category the CRD declares resolve too.
     let (_, rows) = table(&kubectl.ok(&["get", "px"]).await);
     assert_eq!(rows.len(), 1);
-    let (_, rows) = table(&kubectl.ok(&["get", "crawl"]).await);
-    assert_eq!(rows.len(), 1);
+    // ProviderHealth, cluster-scoped: its printer columns include a JSONPath filter over the
+    // conditions (`Available`) and a priority-1 column that only `-o wide` shows.
+    let rows = eventually(
+        Duration::from_secs(30),
+        "the local provider's health",
+        async || {
+            let (header, rows) = table(&kubectl.ok(&["get", "providerhealths"]).await);
+            if rows.is_empty() {
+                return None; // "No resources found" (on stderr) until the first probe
+            }
+            assert_eq!(header, ["NAME", "TYPE", "AVAILABLE", "INSTANCES", "AGE"]);
+            (rows.len() == 1 && !rows[0][2].is_empty()).then_some(rows)
+        },
+    )
+    .await;
+    assert_eq!(rows[0][..3], ["local", "local", "True"], "{rows:?}");
+    // An integer column (the count at the last probe, every 30 s).
+    assert!(rows[0][3].parse::<u64>().is_ok(), "{rows:?}");
+    let (header, _) = table(&kubectl.ok(&["get", "ph", "-o", "wide"]).await);
+    assert_eq!(
+        header,
+        ["NAME", "TYPE", "AVAILABLE", "INSTANCES", "LATENCY", "AGE"]
+    );
+    // The category both CRDs declare lists both kinds.
+    let all = kubectl.ok(&["get", "crawl"]).await;
+    assert!(all.contains(&format!("proxy.crawl.example.com/{name}")), "{all}");
+    assert!(all.contains("providerhealth.crawl.example.com/local"), "{all}");
 
     // `-o yaml`: the object as stored, with the operator's status and finalizer.
     let object = yaml(&kubectl.ok(&["get", "proxy", &name, "-o", "yaml"]).await);

@@ -71,9 +71,10 @@ fn columns(def: &ResourceDef) -> (Vec<Value>, Vec<PrinterColumn>) {
     (defs, printer)
 }
 
-/// Evaluates the simple JSONPath CRDs use (`.status.phase`, `.spec.ports[0].port`,
-/// `.metadata.labels['app']`); anything else (filters, wildcards, ranges) yields nothing,
-/// where the API server would evaluate it.
+/// Evaluates the JSONPath forms CRDs use (`.status.phase`, `.spec.ports[0].port`,
+/// `.metadata.labels['app']`, `.status.conditions[?(@.type=="Ready")].status`), giving the
+/// first result as the API server's table convertor does; anything else (wildcards, ranges,
+/// other filter operators) yields nothing, where the API server would evaluate it.
 pub fn json_path<'a>(object: &'a Value, path: &str) -> Option<&'a Value> {
     let path = path.trim().trim_start_matches('{').trim_end_matches('}');
     let path = path.strip_prefix('$').unwrap_or(path);
@@ -95,9 +96,10 @@ pub fn json_path<'a>(object: &'a Value, path: &str) -> Option<&'a Value> {
                 .strip_prefix('\'')
                 .and_then(|s| s.strip_suffix('\''))
                 .or_else(|| inner.strip_prefix('"').and_then(|s| s.strip_suffix('"')));
-            node = match quoted {
-                Some(key) => node.get(key)?,
-                None => node.get(inner.parse::<usize>().ok()?)?,
+            node = match (quoted, inner.strip_prefix("?(").and_then(|f| f.strip_suffix(')'))) {
+                (Some(key), _) => node.get(key)?,
+                (None, Some(filter)) => first_match(node, filter)?,
+                (None, None) => node.get(inner.parse::<usize>().ok()?)?,
             };
             rest = &after[end + 1..];
         } else {
@@ -105,6 +107,26 @@ pub fn json_path<'a>(object: &'a Value, path: &str) -> Option<&'a Value> {
         }
     }
     Some(node)
+}
+
+/// The first element of an array for which `@.path == literal` holds (a string in single or
+/// double quotes, or a JSON number, boolean or null).
+fn first_match<'a>(array: &'a Value, filter: &str) -> Option<&'a Value> {
+    let (left, right) = filter.split_once("==")?;
+    let path = left.trim().strip_prefix('@')?;
+    let right = right.trim();
+    let literal = match right
+        .strip_prefix('\'')
+        .and_then(|r| r.strip_suffix('\''))
+        .or_else(|| right.strip_prefix('"').and_then(|r| r.strip_suffix('"')))
+    {
+        Some(text) => Value::String(text.to_owned()),
+        None => serde_json::from_str(right).ok()?,
+    };
+    array
+        .as_array()?
+        .iter()
+        .find(|item| json_path(item, path) == Some(&literal))
 }
 
 /// A cell as the apiextensions table convertor makes it: `string` columns print the value
