@@ -3,7 +3,6 @@
 //! Labels are bounded: error categories, phases and transition endpoints come from closed sets.
 
 pub mod admin;
-pub mod heap;
 pub mod tracing_setup;
 
 use std::time::Duration;

@@ -66,7 +66,6 @@ pub fn sweep(
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
 
     use futures::StreamExt;
     use kube::runtime::watcher;
