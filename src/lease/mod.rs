@@ -22,9 +22,11 @@
 //!   every expiry likewise from the lease's `expiresAt` (as if released then). A `banned` outcome also rests it for the target domain alone, for
 //!   [`LeaseStoreConfig::ban_cooldown`]. Requests without a target domain ignore domain bans.
 //! - **Choice.** Among eligible proxies, the least recently used one (acquired or released the
-//!   longest ago). The store is split into shards, each with its own lock and LRU lists; an
-//!   acquire visits shards from a random one, so the choice is LRU within a shard and close to
-//!   LRU overall. `shards: 1` makes it strict. A selector with several terms gets a list of its
+//!   longest ago). The store is split into shards, each with its own lock and LRU lists; a
+//!   thread's acquires start in one shard for 64 acquires, then in the next, round robin
+//!   (concurrent threads split the shards between them, so no shard's data moves between cores
+//!   on every call), so the choice is LRU within a shard and close to LRU overall. `shards: 1`
+//!   makes it strict. A selector with several terms gets a list of its
 //!   own for its combination the first time it is compiled (up to [`MAX_INDEXED_COMBINATIONS`],
 //!   first come first served), so its acquire takes that list's head. Beyond the cap, a
 //!   selector walks its rarest term's list and skips proxies that miss another term; those
@@ -179,7 +181,11 @@ pub struct AcquireRequest<'a> {
 }
 
 /// What the store shares about a proxy with lease holders. `Debug` hides the credentials.
+///
+/// Aligned to two cache lines: every lease hands out a reference to it, and the count of one
+/// proxy's info must not share a line with another's that a thread on the other core counts.
 #[derive(Clone, PartialEq, Eq)]
+#[repr(align(128))]
 pub struct ProxyInfo {
     /// The Proxy's `namespace/name`.
     pub key: ProxyKey,
