@@ -184,7 +184,7 @@ pub struct AcquireRequest<'a> {
 ///
 /// Aligned to two cache lines: every lease hands out a reference to it, and the count of one
 /// proxy's info must not share a line with another's that a thread on the other core counts.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 #[repr(align(128))]
 pub struct ProxyInfo {
     /// The Proxy's `namespace/name`.
@@ -197,7 +197,24 @@ pub struct ProxyInfo {
     pub attributes: BTreeMap<String, String>,
     url_with_credentials: String,
     url: String,
+    /// Its JSON as every lease answer shows it, rendered by the discovery API on first use
+    /// (an info is immutable: a changed proxy gets a new one).
+    rendered: std::sync::OnceLock<Box<str>>,
 }
+
+impl PartialEq for ProxyInfo {
+    fn eq(&self, other: &Self) -> bool {
+        // The rendering is derived from the rest.
+        self.key == other.key
+            && self.endpoint == other.endpoint
+            && self.endpoint_text == other.endpoint_text
+            && self.attributes == other.attributes
+            && self.url_with_credentials == other.url_with_credentials
+            && self.url == other.url
+    }
+}
+
+impl Eq for ProxyInfo {}
 
 impl ProxyInfo {
     /// Builds the info (and both proxy URLs) of a target.
@@ -219,7 +236,13 @@ impl ProxyInfo {
             attributes: target.attributes.clone(),
             url_with_credentials,
             url,
+            rendered: std::sync::OnceLock::new(),
         }
+    }
+
+    /// `render(self)`, computed once per info and kept with it.
+    pub(crate) fn rendered(&self, render: impl FnOnce(&Self) -> String) -> &str {
+        self.rendered.get_or_init(|| render(self).into_boxed_str())
     }
 
     /// `http://host:port`.

@@ -1511,11 +1511,27 @@ impl LeaseStore {
     pub fn checkpoint(&self) -> Checkpoint {
         let all: Vec<usize> = (0..self.inner.shards.len()).collect();
         let now = self.now();
-        Checkpoint::merge(self.checkpoint_shards(&all)).unwrap_or_else(|| Checkpoint {
+        let mut out = Checkpoint {
             version: Checkpoint::VERSION,
             saved_at_ms: now,
             ..Checkpoint::default()
-        })
+        };
+        // The parts hold disjoint proxies and sessions (each its own shard's), each sorted, all
+        // saved at the same instant: joining them is a stable sort of sorted runs, not the
+        // general `Checkpoint::merge` (a map insert per proxy: most of the time of a
+        // checkpoint of 10k proxies, taken every second on a serving thread).
+        for part in self.checkpoint_shards(&all) {
+            out.saved_at_ms = part.saved_at_ms;
+            for (shard, hwm) in part.token_hwm {
+                let have = out.token_hwm.entry(shard).or_insert(0);
+                *have = (*have).max(hwm);
+            }
+            out.proxies.extend(part.proxies);
+            out.sessions.extend(part.sessions);
+        }
+        out.proxies.sort_by(|a, b| a.key.cmp(&b.key));
+        out.sessions.sort_by(|a, b| a.session_key.cmp(&b.session_key));
+        out
     }
 
     /// One self-contained checkpoint per store shard in `which` (same order): its proxies,
