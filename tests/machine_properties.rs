@@ -6,8 +6,8 @@
 //! - every transition row is reachable: by a fact combination (derive picks its event, its guard
 //!   holds and no earlier row's does) or, for an event only executors raise, after a row into its
 //!   state that runs a raising effect; the test lists every row that is not;
-//! - from every state, deletion ends in `deleted` with the finalizer removed once (replayed through
-//!   the real reconciler against the scenario world);
+//! - from every state, deletion ends in `deleted` with the finalizer removed once where one was set
+//!   (replayed through the real reconciler against the scenario world);
 //! - no state other than the final one is a dead end, and every state is reachable;
 //! - decide is deterministic and pure.
 
@@ -106,7 +106,10 @@ async fn deletion_ends_in_deleted_from_every_state() {
                 .iter()
                 .filter(|e| **e == EffectKind::RemoveFinalizer)
                 .count();
-            assert_eq!(removes, 1, "{label}");
+            // A pending Proxy has no finalizer yet (none is added before a provider call): the
+            // API server removes it at once.
+            let finalizer_held = phase != Phase::Pending;
+            assert_eq!(removes, usize::from(finalizer_held), "{label}");
             assert!(
                 !effects.contains(&EffectKind::CreateInstance),
                 "{label}: deletion never creates"

@@ -5,19 +5,13 @@
 
 use std::{collections::BTreeSet, path::PathBuf};
 
-use egress_proxies_operator::controller::simulate::{Replay, Scenario};
+use egress_proxies_operator::controller::simulate::{self, Replay, Scenario};
 use egress_proxies_operator::machine::table::{ROWS, event_info};
 use egress_proxies_operator::machine::{Phase, reason};
 
 fn scenario_files() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("machines/scenarios");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("machines/scenarios exists")
-        .map(|e| e.expect("readable entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-        .collect();
-    files.sort();
-    files
+    simulate::scenario_files(&dir).expect("machines/scenarios is readable")
 }
 
 async fn replay_all() -> Vec<(String, Scenario, Replay)> {

@@ -22,7 +22,7 @@ use egress_proxies_operator::{
     api::{Proxy, ProxySpec},
     controller::{
         cluster::{KubeBackend, events::EventPublisher},
-        simulate::{EPOCH, InMemory, ProxyObjects, Replay, Scenario},
+        simulate::{self, EPOCH, InMemory, ProxyObjects, Replay, Scenario},
     },
     effects::{BackendError, ProxyKey},
     machine::{AuditEntry, EffectKind},
@@ -40,13 +40,7 @@ use support::fake_apiserver::FakeApiServer;
 
 fn scenario_files() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("machines/scenarios");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("machines/scenarios exists")
-        .map(|e| e.expect("readable entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-        .collect();
-    files.sort();
-    files
+    simulate::scenario_files(&dir).expect("machines/scenarios is readable")
 }
 
 fn key(proxy: &Proxy) -> ProxyKey {

@@ -476,6 +476,19 @@ impl Scenario {
                 );
             }
             let Some(current) = objects.get().await.map_err(|e| step_failed(step.at, e))? else {
+                // Deleted with no finalizer to hold it: gone without the operator's help.
+                let mut changes = changes;
+                changes.push("no finalizer holds the Proxy: it is gone".to_owned());
+                steps.push(ReplayedStep {
+                    at: step.at,
+                    changes,
+                    crashed: false,
+                    audit: Vec::new(),
+                    plans: Vec::new(),
+                    written: None,
+                    phase: Phase::Deleted,
+                    wake: None,
+                });
                 break;
             };
             world.lock().crashing = step.crash;
@@ -516,6 +529,19 @@ impl Scenario {
             creates: world.lock().creates,
         })
     }
+}
+
+/// The scenario files (`*.yaml`) in `dir`, sorted by name.
+pub fn scenario_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
 }
 
 /// Replay the scenario file at `path` and render its trail (what `egress-proxies-operator audit` prints).
