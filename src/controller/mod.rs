@@ -24,6 +24,7 @@ pub mod observe;
 pub mod plan;
 pub mod pool;
 mod reconciler;
+pub mod secrets;
 pub mod simulate;
 pub mod spec_hash;
 pub mod status;
@@ -33,7 +34,7 @@ use std::{
     sync::{Arc, RwLock},
 };
 
-pub use reconciler::{ReconcileError, ReconcileOutcome, Reconciler, ReconcilerConfig};
+pub use reconciler::{ReconcileError, ReconcileOutcome, Reconciler, ReconcilerConfig, error_backoff};
 
 /// Availability of provider instances as the provider-health monitor last saw it. Providers not
 /// (yet) probed count as available: a Proxy is never held back on a guess.

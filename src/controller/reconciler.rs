@@ -604,3 +604,11 @@ fn secret_value<T>(
         Err(transient) => Err(ReconcileError::Secret(transient)),
     }
 }
+
+/// How long a mode waits before reconciling a Proxy again after `failures` failed reconciles
+/// in a row (the backend or the API failed, not a provider: those are rows of the table):
+/// 1 s, 2 s, 4 s ... capped at 300 s.
+pub fn error_backoff(failures: u32) -> Duration {
+    let exponent = failures.saturating_sub(1).min(9);
+    Duration::from_secs((1u64 << exponent).min(300))
+}

@@ -14,7 +14,7 @@ use tracing::info;
 use super::progress::Progress;
 use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
-    controller::cluster::backend::{credentials_of, user_data_of},
+    controller::secrets::{credentials_of, user_data_of},
     effects::{BackendError, ProxyBackend, ProxyKey, SecretError},
     machine::AuditEntry,
     provider::{Credentials, UserData},

@@ -34,8 +34,7 @@ use crate::{
     api::{Proxy, ProxySpec},
     check::Checker,
     controller::{
-        ProviderAvailability, Reconciler, ReconcilerConfig,
-        cluster::backoff,
+        ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
         status::{FINALIZER, phase_of},
     },
     effects::{HealthControl, LeaseControl, ProxyKey},
@@ -237,7 +236,7 @@ impl Standalone {
             Err(err) => {
                 let failures = self.failures.entry(key.clone()).or_insert(0);
                 *failures += 1;
-                let delay = backoff(*failures);
+                let delay = error_backoff(*failures);
                 warn!(proxy = %key, category = err.category(), error = %err, retry_in = ?delay, "reconcile failed");
                 self.due.insert(key.clone(), Instant::now() + delay);
             }

@@ -40,7 +40,7 @@ use tracing::{info, warn};
 
 pub use backend::KubeBackend;
 
-use super::{ProviderAvailability, ReconcileError, Reconciler, ReconcilerConfig};
+use super::{ProviderAvailability, ReconcileError, Reconciler, ReconcilerConfig, error_backoff};
 use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy},
     effects::{HealthControl, LeaseControl, ProxyKey},
@@ -362,7 +362,7 @@ fn error_policy(proxy: Arc<Proxy>, error: &ReconcileError, context: Arc<Context>
     let mut failures = context.failures.lock().unwrap_or_else(|p| p.into_inner());
     let count = failures.entry(key).or_insert(0);
     *count = count.saturating_add(1);
-    let delay = backoff(*count);
+    let delay = error_backoff(*count);
     warn!(
         namespace = %proxy.namespace().unwrap_or_default(),
         name = %proxy.name_any(),
@@ -372,10 +372,4 @@ fn error_policy(proxy: Arc<Proxy>, error: &ReconcileError, context: Arc<Context>
         "reconcile failed"
     );
     Action::requeue(delay)
-}
-
-/// 1 s, 2 s, 4 s ... capped at 300 s.
-pub fn backoff(failures: u32) -> Duration {
-    let exponent = failures.saturating_sub(1).min(9);
-    Duration::from_secs((1u64 << exponent).min(300))
 }
