@@ -23,9 +23,10 @@ use super::{
     Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
     ProviderId,
     libvirt::{
-        self, BaseVolume, DomainPlan, KVM_NAMESPACE, NameLocks, Stamp, StampError, VolumeNames,
+        self, BaseVolume, DomainPlan, KVM_NAMESPACE, Stamp, StampError, VolumeNames,
         seed::{Seed, SeedError},
     },
+    locks::NameLocks,
 };
 use crate::config::{KvmSettings, NetworkSettings, is_dns_label};
 
