@@ -9,6 +9,7 @@
 
 pub(crate) mod crypt;
 pub mod seed;
+mod steps;
 #[cfg(test)]
 mod tests;
 
@@ -19,6 +20,11 @@ use std::{
 };
 
 use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
+
+pub use self::steps::{
+    Lookup, NewDomain, Planner, check_create_name, delete_removes, discovery_port, is_foreign,
+    needs_existing_stamps, seed_error,
+};
 
 use super::{
     Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProviderError, ProviderId,
