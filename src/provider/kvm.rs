@@ -22,15 +22,19 @@ use futures::{StreamExt, TryStreamExt};
 use super::{
     Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
     ProviderId,
-    libvirt::{
-        self, BaseVolume, KVM_NAMESPACE, NewDomain, Planner, Stamp, StampError, VolumeNames, seed::Seed,
-    },
+    libvirt::{self, BaseVolume, KVM_NAMESPACE, Kind, NewDomain, Stamp, StampError, VolumeNames, seed::Seed},
     locks::NameLocks,
 };
 use crate::config::{KvmSettings, NetworkSettings, is_dns_label};
 
 /// The provider type's name.
 pub const PROVIDER_TYPE: &str = "kvm";
+
+/// kvm's volume names and stamp namespace.
+const KIND: Kind = Kind {
+    provider_type: PROVIDER_TYPE,
+    namespace: KVM_NAMESPACE,
+};
 
 /// How many `virsh` children `list` runs at once.
 const LIST_CONCURRENCY: usize = 4;
@@ -395,14 +399,15 @@ impl KvmProvider {
         } else {
             None
         };
-        let NewDomain { stamp, volumes, xml } = Planner {
-            settings: &self.settings,
-            installation: &self.installation,
-            instance: &self.instance,
-            provider_type: PROVIDER_TYPE,
-            namespace: KVM_NAMESPACE,
-        }
-        .new_domain(request, created_at, existing)?;
+        let NewDomain { stamp, volumes, xml } = libvirt::new_domain(
+            &self.settings,
+            &self.installation,
+            &self.instance,
+            KIND,
+            request,
+            created_at,
+            existing,
+        )?;
         // No domain of this name exists, so volumes of its names are left from an interrupted
         // attempt and unused: start afresh.
         self.delete_volumes(&volumes).await?;

@@ -29,7 +29,7 @@ use super::{
     Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
     ProviderId,
     libvirt::{
-        self, BaseVolume, KVM2_NAMESPACE, NewDomain, Planner, Stamp, StampError, VolumeNames, seed::Seed,
+        self, BaseVolume, KVM2_NAMESPACE, Kind, NewDomain, Stamp, StampError, VolumeNames, seed::Seed,
     },
     locks::NameLocks,
 };
@@ -37,6 +37,12 @@ use crate::config::{KvmSettings, NetworkSettings, is_dns_label};
 
 /// The provider type's name.
 pub const PROVIDER_TYPE: &str = "kvm2";
+
+/// kvm2's volume names and stamp namespace.
+const KIND: Kind = Kind {
+    provider_type: PROVIDER_TYPE,
+    namespace: KVM2_NAMESPACE,
+};
 
 /// The `kvm2` provider instance.
 pub struct Kvm2Provider {
@@ -256,16 +262,6 @@ impl Session {
         ProviderId::new(PROVIDER_TYPE, &self.instance, name)
     }
 
-    fn planner(&self) -> Planner<'_> {
-        Planner {
-            settings: &self.settings,
-            installation: &self.installation,
-            instance: &self.instance,
-            provider_type: PROVIDER_TYPE,
-            namespace: KVM2_NAMESPACE,
-        }
-    }
-
     /// Whether `stamp` names another installation (a damaged stamp names none).
     fn is_foreign(&self, stamp: &Result<Stamp, StampError>) -> bool {
         libvirt::is_foreign(&self.installation, stamp)
@@ -479,7 +475,15 @@ impl Session {
         } else {
             None
         };
-        let NewDomain { stamp, volumes, xml } = self.planner().new_domain(request, created_at, existing)?;
+        let NewDomain { stamp, volumes, xml } = libvirt::new_domain(
+            &self.settings,
+            &self.installation,
+            &self.instance,
+            KIND,
+            request,
+            created_at,
+            existing,
+        )?;
         // No domain of this name exists, so volumes of its names are left from an interrupted
         // attempt and unused: start afresh.
         self.delete_volumes(&pool, &volumes)?;

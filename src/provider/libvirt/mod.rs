@@ -22,8 +22,8 @@ use std::{
 use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
 
 pub use self::steps::{
-    Lookup, NewDomain, Planner, check_create_name, delete_removes, discovery_port, is_foreign,
-    needs_existing_stamps, seed_error,
+    Kind, Lookup, NewDomain, check_create_name, delete_removes, discovery_port, is_foreign,
+    needs_existing_stamps, new_domain, seed_error,
 };
 
 use super::{

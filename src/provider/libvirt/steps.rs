@@ -81,58 +81,49 @@ pub struct NewDomain {
     pub xml: String,
 }
 
-/// Who plans a new domain: the provider instance and the names that keep provider types apart.
-pub struct Planner<'a> {
-    /// The provider's settings.
-    pub settings: &'a KvmSettings,
-    /// The installation stamped on the domain.
-    pub installation: &'a Installation,
-    /// The provider instance name (from the providers config).
-    pub instance: &'a str,
+/// What keeps the two provider types' domains apart.
+#[derive(Clone, Copy, Debug)]
+pub struct Kind {
     /// The provider type (`kvm`, `kvm2`): part of every volume name.
-    pub provider_type: &'a str,
-    /// The provider type's metadata namespace.
-    pub namespace: &'a str,
+    pub provider_type: &'static str,
+    /// The provider type's metadata namespace for the owner stamp.
+    pub namespace: &'static str,
 }
 
-impl Planner<'_> {
-    /// The new domain for `request`, created at `created_at`. `existing` holds the stamps of
-    /// the provider's domains when [`needs_existing_stamps`] says so.
-    pub fn new_domain(
-        &self,
-        request: &InstanceRequest,
-        created_at: jiff::Timestamp,
-        existing: Option<Vec<Result<Stamp, StampError>>>,
-    ) -> Result<NewDomain, ProviderError> {
-        let host_forward = match &self.settings.network {
-            NetworkSettings::User {
-                host_forward_address,
-                host_forward_ports,
-            } => Some(plan_host_forward(
-                request,
-                *host_forward_address,
-                *host_forward_ports,
-                existing.unwrap_or_default(),
-            )?),
-            _ => None,
-        };
-        let stamp = Stamp::for_request(
-            self.installation,
-            self.instance,
+/// The new domain of provider instance `instance` (with `settings`, for `installation`) for
+/// `request`, created at `created_at`. `existing` holds the stamps of the provider's domains
+/// when [`needs_existing_stamps`] says so.
+pub fn new_domain(
+    settings: &KvmSettings,
+    installation: &Installation,
+    instance: &str,
+    kind: Kind,
+    request: &InstanceRequest,
+    created_at: jiff::Timestamp,
+    existing: Option<Vec<Result<Stamp, StampError>>>,
+) -> Result<NewDomain, ProviderError> {
+    let host_forward = match &settings.network {
+        NetworkSettings::User {
+            host_forward_address,
+            host_forward_ports,
+        } => Some(plan_host_forward(
             request,
-            created_at,
-            host_forward,
-        );
-        let volumes = VolumeNames::new(&request.name, self.provider_type);
-        let xml = domain_xml(&DomainPlan {
-            name: &request.name,
-            settings: self.settings,
-            stamp: &stamp,
-            namespace: self.namespace,
-            volumes: &volumes,
-        });
-        Ok(NewDomain { stamp, volumes, xml })
-    }
+            *host_forward_address,
+            *host_forward_ports,
+            existing.unwrap_or_default(),
+        )?),
+        _ => None,
+    };
+    let stamp = Stamp::for_request(installation, instance, request, created_at, host_forward);
+    let volumes = VolumeNames::new(&request.name, kind.provider_type);
+    let xml = domain_xml(&DomainPlan {
+        name: &request.name,
+        settings,
+        stamp: &stamp,
+        namespace: kind.namespace,
+        volumes: &volumes,
+    });
+    Ok(NewDomain { stamp, volumes, xml })
 }
 
 /// The port to pair with a discovered guest address, if the address is to be discovered:
