@@ -22,15 +22,19 @@ use futures::{StreamExt, TryStreamExt};
 use super::{
     Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
     ProviderId,
-    libvirt::{
-        self, BaseVolume, DomainPlan, KVM_NAMESPACE, NameLocks, Stamp, StampError, VolumeNames,
-        seed::{Seed, SeedError},
-    },
+    libvirt::{self, BaseVolume, KVM_NAMESPACE, Kind, NewDomain, Stamp, StampError, VolumeNames, seed::Seed},
+    locks::NameLocks,
 };
 use crate::config::{KvmSettings, NetworkSettings, is_dns_label};
 
 /// The provider type's name.
 pub const PROVIDER_TYPE: &str = "kvm";
+
+/// kvm's volume names and stamp namespace.
+const KIND: Kind = Kind {
+    provider_type: PROVIDER_TYPE,
+    namespace: KVM_NAMESPACE,
+};
 
 /// How many `virsh` children `list` runs at once.
 const LIST_CONCURRENCY: usize = 4;
@@ -116,15 +120,8 @@ pub struct KvmProvider {
     virsh: PathBuf,
 }
 
-/// A domain of a given name, as kvm sees it.
-enum Lookup {
-    /// No domain of that name.
-    Missing,
-    /// A domain without kvm's stamp: not ours, never touched.
-    Foreign,
-    /// A domain kvm made, with its stamp (boxed: it dwarfs the other variants).
-    Ours(Box<Result<Stamp, StampError>>),
-}
+/// A domain of a given name, as kvm sees it (the name is the handle).
+type Lookup = libvirt::Lookup<()>;
 
 impl KvmProvider {
     /// A provider instance named `instance_name` (from the providers config) with `settings`,
@@ -147,9 +144,7 @@ impl KvmProvider {
 
     /// Whether `stamp` names another installation (a damaged stamp names none).
     fn is_foreign(&self, stamp: &Result<Stamp, StampError>) -> bool {
-        stamp
-            .as_ref()
-            .is_ok_and(|stamp| self.installation.is_foreign(stamp.installation.as_ref()))
+        libvirt::is_foreign(&self.installation, stamp)
     }
 
     /// Runs this `virsh` binary instead of the one on `PATH`.
@@ -227,7 +222,7 @@ impl KvmProvider {
             .virsh(&["metadata", "--domain", name, "--uri", KVM_NAMESPACE])
             .await
         {
-            Ok(xml) => Ok(Lookup::Ours(Box::new(Stamp::parse(xml.trim())))),
+            Ok(xml) => Ok(Lookup::Ours((), Box::new(Stamp::parse(xml.trim())))),
             Err(err) if err.message().contains("metadata not found") => Ok(Lookup::Foreign),
             Err(err) if err.is_missing("domain") => {
                 // virsh says "failed to get domain" for more than absence; a listing that
@@ -261,14 +256,12 @@ impl KvmProvider {
         discover: bool,
     ) -> Result<Instance, ProviderError> {
         let state = self.state(name).await?;
-        let needs_discovery = stamp.as_ref().map_or(true, |stamp| stamp.endpoint().is_none());
-        let discovered = if discover && needs_discovery && state == InstanceState::Running {
-            let port = stamp.as_ref().map_or(0, |stamp| stamp.port);
-            self.discover_address(name)
+        let discovered = match libvirt::discovery_port(&stamp, &state, discover) {
+            Some(port) => self
+                .discover_address(name)
                 .await
-                .map(|host| Endpoint { host, port })
-        } else {
-            None
+                .map(|host| Endpoint { host, port }),
+            None => None,
         };
         Ok(libvirt::instance_from_stamp(
             self.id(name),
@@ -395,36 +388,29 @@ impl KvmProvider {
         self.check_pool().await?;
         let base = self.base_volume().await?;
         self.check_network().await?;
-        let host_forward = match &self.settings.network {
-            NetworkSettings::User {
-                host_forward_address,
-                host_forward_ports,
-            } => Some(libvirt::plan_host_forward(
-                request,
-                *host_forward_address,
-                *host_forward_ports,
-                self.stamped().await?.into_iter().map(|(_, stamp)| stamp),
-            )?),
-            _ => None,
+        let existing = if libvirt::needs_existing_stamps(&self.settings) {
+            Some(
+                self.stamped()
+                    .await?
+                    .into_iter()
+                    .map(|(_, stamp)| stamp)
+                    .collect(),
+            )
+        } else {
+            None
         };
-        let stamp = Stamp::for_request(
+        let NewDomain { stamp, volumes, xml } = libvirt::new_domain(
+            &self.settings,
             &self.installation,
             &self.instance,
+            KIND,
             request,
             created_at,
-            host_forward,
-        );
-        let volumes = VolumeNames::new(name, PROVIDER_TYPE);
+            existing,
+        )?;
         // No domain of this name exists, so volumes of its names are left from an interrupted
         // attempt and unused: start afresh.
         self.delete_volumes(&volumes).await?;
-        let xml = libvirt::domain_xml(&DomainPlan {
-            name,
-            settings: &self.settings,
-            stamp: &stamp,
-            namespace: KVM_NAMESPACE,
-            volumes: &volumes,
-        });
         self.make_domain(&base, &volumes, iso, &xml, name).await?;
         self.describe(name, Ok(stamp), true).await
     }
@@ -607,16 +593,15 @@ impl Provider for KvmProvider {
 
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         let name = &request.name;
-        if !is_dns_label(name) {
-            return Err(ProviderError::Misconfigured(format!(
-                "instance name {name:?} is not a DNS label"
-            )));
-        }
-        let seed = Seed::for_request(request).map_err(seed_error)?;
-        let iso = seed.build_iso(self.timeout()).await.map_err(seed_error)?;
+        libvirt::check_create_name(name)?;
+        let seed = Seed::for_request(request).map_err(libvirt::seed_error)?;
+        let iso = seed
+            .build_iso(self.timeout())
+            .await
+            .map_err(libvirt::seed_error)?;
         let _guard = self.locks.lock(name).await;
         match self.lookup(name).await? {
-            Lookup::Ours(stamp) => {
+            Lookup::Ours((), stamp) => {
                 if let Ok(stamp) = &*stamp {
                     self.installation
                         .refuse_foreign(name, stamp.installation.as_ref())?;
@@ -639,8 +624,10 @@ impl Provider for KvmProvider {
             return Err(ProviderError::NotFound(name.to_owned()));
         }
         match self.lookup(name).await? {
-            Lookup::Ours(stamp) if self.is_foreign(&stamp) => Err(ProviderError::NotFound(name.to_owned())),
-            Lookup::Ours(stamp) => match self.describe(name, *stamp, true).await {
+            Lookup::Ours((), stamp) if self.is_foreign(&stamp) => {
+                Err(ProviderError::NotFound(name.to_owned()))
+            }
+            Lookup::Ours((), stamp) => match self.describe(name, *stamp, true).await {
                 // Deleted between the two calls.
                 Err(_) if matches!(self.lookup(name).await?, Lookup::Missing) => {
                     Err(ProviderError::NotFound(name.to_owned()))
@@ -656,22 +643,11 @@ impl Provider for KvmProvider {
             return Ok(());
         }
         let _guard = self.locks.lock(name).await;
-        match self.lookup(name).await? {
-            Lookup::Foreign => {
-                tracing::debug!(
-                    instance = name,
-                    "delete: the domain of that name is not kvm's; left alone"
-                );
-                Ok(())
-            }
-            Lookup::Ours(stamp) if self.is_foreign(&stamp) => {
-                tracing::info!(
-                    instance = name,
-                    "delete: the domain of that name belongs to another installation; left alone"
-                );
-                Ok(())
-            }
-            Lookup::Missing | Lookup::Ours(_) => self.remove(name).await,
+        let lookup = self.lookup(name).await?;
+        if libvirt::delete_removes(&lookup, &self.installation, name, PROVIDER_TYPE) {
+            self.remove(name).await
+        } else {
+            Ok(())
         }
     }
 
@@ -681,7 +657,7 @@ impl Provider for KvmProvider {
         }
         let _guard = self.locks.lock(name).await;
         let stamp = match self.lookup(name).await? {
-            Lookup::Ours(stamp) => *stamp,
+            Lookup::Ours((), stamp) => *stamp,
             Lookup::Missing | Lookup::Foreign => return Err(ProviderError::NotFound(name.to_owned())),
         };
         let (stamp, changed) = libvirt::adoption_stamp(name, stamp, &self.installation)?;
@@ -779,13 +755,6 @@ fn write_private(path: &Path, content: &[u8]) -> std::io::Result<()> {
         .mode(0o600)
         .open(path)?;
     file.write_all(content)
-}
-
-fn seed_error(err: SeedError) -> ProviderError {
-    match err {
-        SeedError::ToolMissing | SeedError::Credentials(_) => ProviderError::Misconfigured(err.to_string()),
-        other => ProviderError::Backend(other.to_string()),
-    }
 }
 
 #[cfg(test)]

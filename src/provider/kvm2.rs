@@ -29,14 +29,20 @@ use super::{
     Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProbeReport, Provider, ProviderError,
     ProviderId,
     libvirt::{
-        self, BaseVolume, DomainPlan, KVM2_NAMESPACE, NameLocks, Stamp, StampError, VolumeNames,
-        seed::{Seed, SeedError},
+        self, BaseVolume, KVM2_NAMESPACE, Kind, NewDomain, Stamp, StampError, VolumeNames, seed::Seed,
     },
+    locks::NameLocks,
 };
 use crate::config::{KvmSettings, NetworkSettings, is_dns_label};
 
 /// The provider type's name.
 pub const PROVIDER_TYPE: &str = "kvm2";
+
+/// kvm2's volume names and stamp namespace.
+const KIND: Kind = Kind {
+    provider_type: PROVIDER_TYPE,
+    namespace: KVM2_NAMESPACE,
+};
 
 /// The `kvm2` provider instance.
 pub struct Kvm2Provider {
@@ -119,14 +125,12 @@ impl Provider for Kvm2Provider {
     }
 
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
-        if !is_dns_label(&request.name) {
-            return Err(ProviderError::Misconfigured(format!(
-                "instance name {:?} is not a DNS label",
-                request.name
-            )));
-        }
-        let seed = Seed::for_request(request).map_err(seed_error)?;
-        let iso = seed.build_iso(self.timeout()).await.map_err(seed_error)?;
+        libvirt::check_create_name(&request.name)?;
+        let seed = Seed::for_request(request).map_err(libvirt::seed_error)?;
+        let iso = seed
+            .build_iso(self.timeout())
+            .await
+            .map_err(libvirt::seed_error)?;
         let guard = self.locks.lock(&request.name).await;
         let request = request.clone();
         let created_at = jiff::Timestamp::now();
@@ -241,14 +245,7 @@ struct Session {
 type StampedDomain = (Domain, String, Result<Stamp, StampError>);
 
 /// A domain of a given name, as kvm2 sees it.
-enum Lookup {
-    /// No domain of that name.
-    Missing,
-    /// A domain without kvm2's stamp: not ours, never touched.
-    Foreign,
-    /// A domain kvm2 made, with its stamp (boxed: it dwarfs the other variants).
-    Ours(Domain, Box<Result<Stamp, StampError>>),
-}
+type Lookup = libvirt::Lookup<Domain>;
 
 impl Session {
     fn connect(&self) -> Result<Connect, ProviderError> {
@@ -267,9 +264,7 @@ impl Session {
 
     /// Whether `stamp` names another installation (a damaged stamp names none).
     fn is_foreign(&self, stamp: &Result<Stamp, StampError>) -> bool {
-        stamp
-            .as_ref()
-            .is_ok_and(|stamp| self.installation.is_foreign(stamp.installation.as_ref()))
+        libvirt::is_foreign(&self.installation, stamp)
     }
 
     /// Restamps legacy domain `name` with this installation (live and persistent definition).
@@ -358,13 +353,8 @@ impl Session {
             Enum::Known(DomainState::NoState) => InstanceState::Starting,
             _ => InstanceState::Stopped,
         };
-        let needs_discovery = stamp.as_ref().map_or(true, |stamp| stamp.endpoint().is_none());
-        let discovered = if discover && needs_discovery && state == InstanceState::Running {
-            let port = stamp.as_ref().map_or(0, |stamp| stamp.port);
-            discover_address(domain).map(|host| Endpoint { host, port })
-        } else {
-            None
-        };
+        let discovered = libvirt::discovery_port(&stamp, &state, discover)
+            .and_then(|port| discover_address(domain).map(|host| Endpoint { host, port }));
         Ok(libvirt::instance_from_stamp(
             self.id(name),
             stamp,
@@ -479,38 +469,24 @@ impl Session {
         let pool = self.pool(connection)?;
         let base = self.base_volume(&pool)?;
         self.check_network(connection)?;
-        let host_forward = match &self.settings.network {
-            NetworkSettings::User {
-                host_forward_address,
-                host_forward_ports,
-            } => Some(libvirt::plan_host_forward(
-                request,
-                *host_forward_address,
-                *host_forward_ports,
-                self.stamped_domains(connection)?
-                    .into_iter()
-                    .map(|(_, _, stamp)| stamp),
-            )?),
-            _ => None,
+        let existing = if libvirt::needs_existing_stamps(&self.settings) {
+            let stamped = self.stamped_domains(connection)?;
+            Some(stamped.into_iter().map(|(_, _, stamp)| stamp).collect())
+        } else {
+            None
         };
-        let stamp = Stamp::for_request(
+        let NewDomain { stamp, volumes, xml } = libvirt::new_domain(
+            &self.settings,
             &self.installation,
             &self.instance,
+            KIND,
             request,
             created_at,
-            host_forward,
-        );
-        let volumes = VolumeNames::new(name, PROVIDER_TYPE);
+            existing,
+        )?;
         // No domain of this name exists, so volumes of its names are left from an interrupted
         // attempt and unused: start afresh.
         self.delete_volumes(&pool, &volumes)?;
-        let xml = libvirt::domain_xml(&DomainPlan {
-            name,
-            settings: &self.settings,
-            stamp: &stamp,
-            namespace: KVM2_NAMESPACE,
-            volumes: &volumes,
-        });
         let domain = self.make_domain(connection, &pool, &base, &volumes, iso, &xml, name)?;
         self.describe(&domain, name, Ok(stamp), true)
     }
@@ -611,22 +587,11 @@ impl Session {
     }
 
     fn delete(&self, connection: &Connect, name: &str) -> Result<(), ProviderError> {
-        match self.lookup(connection, name)? {
-            Lookup::Foreign => {
-                tracing::debug!(
-                    instance = name,
-                    "delete: the domain of that name is not kvm2's; left alone"
-                );
-                Ok(())
-            }
-            Lookup::Ours(_, stamp) if self.is_foreign(&stamp) => {
-                tracing::info!(
-                    instance = name,
-                    "delete: the domain of that name belongs to another installation; left alone"
-                );
-                Ok(())
-            }
-            Lookup::Missing | Lookup::Ours(..) => self.remove(connection, name, None),
+        let lookup = self.lookup(connection, name)?;
+        if libvirt::delete_removes(&lookup, &self.installation, name, PROVIDER_TYPE) {
+            self.remove(connection, name, None)
+        } else {
+            Ok(())
         }
     }
 
@@ -769,12 +734,5 @@ fn classify(context: impl std::fmt::Display, err: &VirtError) -> ProviderError {
         ProviderError::Unavailable(message)
     } else {
         ProviderError::Backend(message)
-    }
-}
-
-fn seed_error(err: SeedError) -> ProviderError {
-    match err {
-        SeedError::ToolMissing | SeedError::Credentials(_) => ProviderError::Misconfigured(err.to_string()),
-        other => ProviderError::Backend(other.to_string()),
     }
 }

@@ -26,6 +26,7 @@ pub mod kvm;
 pub mod kvm2;
 pub mod libvirt;
 pub mod local;
+pub mod locks;
 pub mod memory;
 mod registry;
 

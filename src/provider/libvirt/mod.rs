@@ -9,17 +9,22 @@
 
 pub(crate) mod crypt;
 pub mod seed;
+mod steps;
 #[cfg(test)]
 mod tests;
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::BTreeSet,
     fmt::Write as _,
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener},
-    sync::{Arc, Mutex},
 };
 
 use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
+
+pub use self::steps::{
+    Kind, Lookup, NewDomain, check_create_name, delete_removes, discovery_port, is_foreign,
+    needs_existing_stamps, new_domain, seed_error,
+};
 
 use super::{
     Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProviderError, ProviderId,
@@ -546,25 +551,6 @@ pub fn pick_address<'a>(addresses: impl IntoIterator<Item = &'a str>) -> Option<
         }
     }
     ipv6
-}
-
-/// Per-instance-name locks, so two calls of one provider object never interleave the steps of
-/// creating and deleting the same domain. (Across processes, leader election keeps one
-/// operator acting.)
-#[derive(Default)]
-pub struct NameLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
-
-impl NameLocks {
-    /// Waits for and holds the lock of `name`; release by dropping the guard.
-    pub async fn lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = {
-            // Poisoning cannot leave the map inconsistent: every update is one insert or retain.
-            let mut locks = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            locks.retain(|_, lock| Arc::strong_count(lock) > 1);
-            locks.entry(name.to_owned()).or_default().clone()
-        };
-        lock.lock_owned().await
-    }
 }
 
 /// Escapes text for XML attribute values and element content.

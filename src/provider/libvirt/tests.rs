@@ -473,27 +473,6 @@ fn picked_address_prefers_global_ipv4() {
     assert_eq!(pick_address(["::1/128", "garbage"]), None);
 }
 
-#[tokio::test]
-async fn name_locks_serialise_one_name_only() {
-    let locks = Arc::new(NameLocks::default());
-    let held = locks.lock("a").await;
-    // Another name is free...
-    let other = tokio::time::timeout(std::time::Duration::from_secs(5), locks.lock("b")).await;
-    assert!(other.is_ok());
-    // ...the same name waits until the guard is gone.
-    let locks2 = Arc::clone(&locks);
-    let waiter = tokio::spawn(async move {
-        let _guard = locks2.lock("a").await;
-    });
-    tokio::task::yield_now().await;
-    assert!(!waiter.is_finished());
-    drop(held);
-    tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
-        .await
-        .expect("released")
-        .expect("task");
-}
-
 /// Splits a multi-part user-data into (headers, decoded body) per part.
 fn mime_parts(message: &str) -> Vec<(String, String)> {
     let boundary = message

@@ -3,6 +3,7 @@ use std::{
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    time::Duration,
 };
 
 use sha_crypt::{PasswordHash, PasswordVerifier, ShaCrypt};
