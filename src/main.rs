@@ -200,6 +200,12 @@ enum Command {
         /// every instance, and orphan GC and adoption act only on instances carrying both.
         #[arg(long, default_value = "standalone")]
         installation_name: String,
+        /// Answer lease operations before they are durable: leases are then checkpointed once
+        /// a second, and a crash can lose the last second's acquires and releases (docs/api.md).
+        /// By default each acquire, renewal and release is in the lease journal (fsynced, with
+        /// group commit) before it is answered.
+        #[arg(long)]
+        no_durable_leases: bool,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         json_logs: bool,
@@ -368,11 +374,13 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             discovery_no_auth,
             lifecycle,
             installation_name,
+            no_durable_leases,
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
             let options = app::StandaloneOptions {
                 installation_name,
+                durable_leases: !no_durable_leases,
                 manifests,
                 providers_config,
                 state,

@@ -51,6 +51,7 @@
 pub mod checkpoint;
 mod clock;
 mod control;
+pub mod journal;
 mod key;
 mod selector;
 mod store;
