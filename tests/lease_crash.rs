@@ -9,6 +9,8 @@
 //! `EPO_CRASH_NO_DURABILITY=1` runs it against `--no-durable-leases` (the 1 s checkpoint of
 //! before): then it is expected to fail, which shows what it catches.
 
+#[path = "support/operations_doc.rs"]
+mod operations_doc;
 mod support;
 
 use std::{
@@ -310,6 +312,7 @@ async fn no_answered_lease_operation_is_lost_across_sigkills() {
         .map(|r| std::mem::take(&mut *r.lock().unwrap()))
         .collect();
     let violations = check(&operator, &records).await;
+    let (port, token) = (operator.host.api_port, operator.token.clone());
     let held: usize = records.iter().map(|r| r.held.len()).sum();
     let released: usize = records.iter().map(|r| r.released.len()).sum();
     let in_doubt: usize = records
@@ -328,6 +331,23 @@ async fn no_answered_lease_operation_is_lost_across_sigkills() {
         "seed {seed}: answered lease operations were lost across SIGKILL:\n{}",
         violations.join("\n")
     );
+    if durable {
+        // The journal's metrics, as docs/operations.md lists them for standalone mode.
+        let Answer::Got(StatusCode::OK, _) = try_api(port, &token, "GET", "/healthz", "", TIMEOUT).await
+        else {
+            panic!("the operator stopped answering");
+        };
+        let text = standalone::metrics_when(&operator.host, "journal commits", |t| {
+            t.contains("epo_lease_journal_commit_batch_records_count")
+        })
+        .await;
+        for name in operations_doc::standalone_only_metrics() {
+            assert!(
+                text.contains(&name),
+                "{name} is documented but not exposed:\n{text}"
+            );
+        }
+    }
     operator.kill();
 }
 
