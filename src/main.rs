@@ -467,9 +467,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     print!("{}", status::render_audit(&store, &key)?);
                 }
                 None => {
-                    let checkpoint = state.join("leases.checkpoint");
+                    let checkpoint = state.join(app::LEASE_CHECKPOINT_FILE);
                     let leases =
-                        egress_proxies_operator::lease::checkpoint::active_leases_by_proxy(&checkpoint);
+                        egress_proxies_operator::lease::journal::active_leases_by_proxy(&state, &checkpoint);
                     let count = |key: &egress_proxies_operator::effects::ProxyKey| {
                         leases
                             .get(&format!("{}/{}", key.namespace, key.name))

@@ -877,6 +877,28 @@ pub fn recover(dir: &Path, snapshot: Option<Checkpoint>) -> Result<Recovered, Jo
     })
 }
 
+/// Active leases per proxy (`namespace/name`) in the state folder `state`: its checkpoint file
+/// `checkpoint` with the journal replayed onto it, read-only (for `status`, while the operator
+/// may run). Unreadable parts count as no leases; leases past their expiry are not counted.
+pub fn active_leases_by_proxy(state: &Path, checkpoint: &Path) -> BTreeMap<String, u32> {
+    let snapshot = std::fs::read(checkpoint)
+        .ok()
+        .and_then(|bytes| super::checkpoint::decode(&bytes).ok());
+    let Ok(recovered) = recover(state, snapshot) else {
+        return BTreeMap::new();
+    };
+    let now = super::Clock::System.now_ms();
+    recovered
+        .checkpoint
+        .proxies
+        .iter()
+        .map(|p| {
+            let live = p.leases.iter().filter(|l| l.expires_at_ms > now).count();
+            (p.key.to_string(), u32::try_from(live).unwrap_or(u32::MAX))
+        })
+        .collect()
+}
+
 /// Applies records to a checkpoint, indexed by proxy and session.
 struct Replay<'a> {
     cp: &'a mut Checkpoint,
@@ -1071,7 +1093,8 @@ pub async fn compaction(
             }
         }
         if last {
-            journal.close();
+            // Joins the writer thread: off the async workers.
+            let _ = tokio::task::spawn_blocking(move || journal.close()).await;
             return;
         }
     }
