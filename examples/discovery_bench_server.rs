@@ -4,8 +4,9 @@
 //! journal in a temporary folder (standalone's default: every acquire and release fsynced, with
 //! group commit, before it is answered; `EPO_JOURNAL_WINDOW_US` sets the group-commit window);
 //! `bare` serves the bare hyper baseline with canned answers.
-//! Both print `listening on ADDR` and run until killed, on a default multi-thread tokio
-//! runtime, like the operator (one worker per CPU it may run on: `taskset` decides).
+//! Each prints `listening on ADDR` and runs until SIGTERM (then removes its temporary folder),
+//! on a default multi-thread tokio runtime, like the operator (one worker per CPU it may run
+//! on: `taskset` decides). `EPO_JOURNAL_STATS=1` prints records and time per journal sync.
 //!
 //! `cargo run --release --example discovery_bench_server -- discovery|durable|bare`
 //! (`EPO_BENCH_STATE_DIR` puts the journal's folder elsewhere than the system's temp folder)
@@ -57,7 +58,27 @@ fn main() {
                 {
                     config.window = std::time::Duration::from_micros(us);
                 }
-                let journal = Journal::start(config, 1, JournalMetrics::default()).expect("journal");
+                let metrics = JournalMetrics::default();
+                let journal = Journal::start(config, 1, metrics.clone()).expect("journal");
+                if std::env::var_os("EPO_JOURNAL_STATS").is_some() {
+                    // Records per sync and sync time, every 5 s on stderr.
+                    tokio::spawn(async move {
+                        let mut last = metrics.totals();
+                        loop {
+                            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                            let now = metrics.totals();
+                            let (records, syncs, secs) = (now.0 - last.0, now.1 - last.1, now.2 - last.2);
+                            if syncs > 0 {
+                                eprintln!(
+                                    "journal: {records} records in {syncs} syncs ({:.1} per sync), {:.0} µs per sync",
+                                    records as f64 / syncs as f64,
+                                    1e6 * secs / syncs as f64
+                                );
+                            }
+                            last = now;
+                        }
+                    });
+                }
                 state.set_journal(journal.clone());
                 tokio::spawn(journal::compaction(
                     store.clone(),
@@ -84,6 +105,12 @@ fn main() {
         };
         println!("listening on {addr}");
         let _ = std::io::stdout().flush();
-        let _ = server.await;
+        // benches/wrk.sh stops it with SIGTERM: return, so the temporary folder is removed.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = server => {}
+            _ = term.recv() => {}
+        }
+        drop(state_dir);
     });
 }

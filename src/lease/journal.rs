@@ -242,6 +242,9 @@ pub struct JournalMetrics {
     fsync_seconds: Histogram,
     failures: Counter,
     records: Counter,
+    /// [`Self::totals`]' (not exported: the histogram has them).
+    syncs: Counter,
+    sync_micros: Counter,
 }
 
 impl Default for JournalMetrics {
@@ -251,6 +254,8 @@ impl Default for JournalMetrics {
             fsync_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 14)),
             failures: Counter::default(),
             records: Counter::default(),
+            syncs: Counter::default(),
+            sync_micros: Counter::default(),
         }
     }
 }
@@ -283,6 +288,15 @@ impl JournalMetrics {
     /// Failed batches so far.
     pub fn failures(&self) -> u64 {
         self.failures.get()
+    }
+
+    /// Records committed, batches committed and the seconds their syncs took, so far.
+    pub fn totals(&self) -> (u64, u64, f64) {
+        (
+            self.records.get(),
+            self.syncs.get(),
+            self.sync_micros.get() as f64 / 1e6,
+        )
     }
 }
 
@@ -624,9 +638,10 @@ impl Writer {
         let result = self.write_sync(&pending.frames, pending.first_seq);
         match &result {
             Ok(()) => {
-                self.metrics
-                    .fsync_seconds
-                    .observe(started.elapsed().as_secs_f64());
+                let took = started.elapsed();
+                self.metrics.fsync_seconds.observe(took.as_secs_f64());
+                self.metrics.syncs.inc();
+                self.metrics.sync_micros.inc_by(took.as_micros() as u64);
                 self.metrics.batch_records.observe(pending.records as f64);
                 self.metrics.records.inc_by(pending.records as u64);
                 self.shared
