@@ -4,6 +4,13 @@
 use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
+
+/// mimalloc rather than glibc's allocator: glibc keeps memory freed in the middle of its heaps
+/// (after the initial list, a mass replacement), so a long-running operator's resident set
+/// drifts well above its live heap; at 10,000 Proxies mimalloc's is ~10 MB smaller
+/// (`cargo bench --bench converge`, which runs the operator on the same allocator).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::{Args, Parser, Subcommand};
 use egress_proxies_operator::{
     api, app,

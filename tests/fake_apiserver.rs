@@ -94,22 +94,7 @@ async fn raw(
     content_type: &str,
     body: &str,
 ) -> (u16, Value) {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Full<Bytes>>();
-    let request = hyper::Request::builder()
-        .method(method)
-        .uri(format!("{}{path}", server.url()))
-        .header("content-type", content_type)
-        .body(Full::new(Bytes::from(body.to_owned())))
-        .expect("a valid request");
-    let response = client.request(request).await.expect("the fake server answers");
-    let code = response.status().as_u16();
-    let bytes = response
-        .into_body()
-        .collect()
-        .await
-        .expect("a complete body")
-        .to_bytes();
+    let (code, bytes, _) = request(server, method, path, "application/json", content_type, body).await;
     (code, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
@@ -1456,4 +1441,474 @@ async fn token_review_checks_token_and_audiences_and_stores_nothing() {
             .count(),
         4
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// What kubectl needs: CRDs, OpenAPI, Tables, field validation, Events through core v1
+
+/// A request with an Accept header, answering the status, the raw body and the `Warning`
+/// headers.
+async fn request(
+    server: &FakeApiServer,
+    method: &str,
+    path: &str,
+    accept: &str,
+    content_type: &str,
+    body: &str,
+) -> (u16, Bytes, Vec<String>) {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let request = hyper::Request::builder()
+        .method(method)
+        .uri(format!("{}{path}", server.url()))
+        .header("accept", accept)
+        .header("content-type", content_type)
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .expect("a valid request");
+    let response = client.request(request).await.expect("the fake server answers");
+    let code = response.status().as_u16();
+    let warnings = response
+        .headers()
+        .get_all("warning")
+        .iter()
+        .map(|v| v.to_str().unwrap().to_owned())
+        .collect();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .expect("a complete body")
+        .to_bytes();
+    (code, bytes, warnings)
+}
+
+async fn get_value(server: &FakeApiServer, path: &str, accept: &str) -> Value {
+    let (code, body, _) = request(server, "GET", path, accept, "", "").await;
+    assert_eq!(code, 200, "GET {path}: {}", String::from_utf8_lossy(&body));
+    serde_json::from_slice(&body).expect("JSON")
+}
+
+/// The Proxy CRD as `config/crd/bases` has it, stored over HTTP as `kubectl apply` does.
+async fn install_proxy_crd(server: &FakeApiServer) {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/config/crd/bases/crawl.example.com_proxies.yaml"
+    );
+    let crd: Value = serde_norway::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let (code, body, _) = request(
+        server,
+        "POST",
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+        "application/json",
+        "application/json",
+        &crd.to_string(),
+    )
+    .await;
+    assert_eq!(code, 201, "{}", String::from_utf8_lossy(&body));
+}
+
+const TABLE: &str = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json";
+
+/// Storing a CustomResourceDefinition serves its resource with the names, scope and schema it
+/// declares, and marks it Established with its accepted names (as the apiextensions controllers
+/// do).
+#[tokio::test]
+async fn a_stored_crd_is_served_with_its_names_and_established() {
+    let server = FakeApiServer::start().await;
+    let before = get_value(&server, "/apis/crawl.example.com/v1alpha1", "application/json").await;
+    let proxies = |list: &Value| {
+        list["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == "proxies")
+            .cloned()
+            .unwrap()
+    };
+    assert!(proxies(&before).get("shortNames").is_none());
+    install_proxy_crd(&server).await;
+    let after = get_value(&server, "/apis/crawl.example.com/v1alpha1", "application/json").await;
+    assert_eq!(proxies(&after)["shortNames"], json!(["px"]));
+    assert_eq!(proxies(&after)["categories"], json!(["crawl"]));
+    assert_eq!(proxies(&after)["singularName"], "proxy");
+    let crd = server
+        .get_json("customresourcedefinitions", None, "proxies.crawl.example.com")
+        .unwrap();
+    let established = crd["status"]["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "Established")
+        .cloned()
+        .unwrap();
+    assert_eq!(established["status"], "True");
+    assert_eq!(crd["status"]["acceptedNames"]["kind"], "Proxy");
+}
+
+/// `Accept: ...;as=Table;g=meta.k8s.io` (kubectl get): a `meta.k8s.io/v1` Table whose columns
+/// are `Name` then the CRD's `additionalPrinterColumns`, cells evaluated from their JSONPath
+/// (a date as its age), rows carrying `PartialObjectMetadata` unless `includeObject` says
+/// otherwise; types without printer columns get the default `Created At` column.
+#[tokio::test]
+async fn tables_are_printed_from_the_crds_printer_columns() {
+    let server = FakeApiServer::start().await;
+    install_proxy_crd(&server).await;
+    server.put_json(
+        "proxies",
+        json!({
+            "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+            "metadata": {"name": "p1", "namespace": "crawl"},
+            "spec": {"provider": "local"},
+            "status": {"phase": "healthy", "endpoint": "127.0.0.1:3128"},
+        }),
+    );
+    let list_path = "/apis/crawl.example.com/v1alpha1/namespaces/crawl/proxies";
+    let table = get_value(&server, list_path, TABLE).await;
+    assert_eq!(table["kind"], "Table");
+    assert_eq!(table["apiVersion"], "meta.k8s.io/v1");
+    let columns: Vec<&str> = table["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(columns, ["Name", "Phase", "Provider", "Endpoint", "Age"]);
+    let row = &table["rows"][0];
+    assert_eq!(
+        row["cells"].as_array().unwrap()[..4],
+        [
+            json!("p1"),
+            json!("healthy"),
+            json!("local"),
+            json!("127.0.0.1:3128")
+        ]
+    );
+    let age = row["cells"][4].as_str().unwrap();
+    assert!(["0s", "1s", "2s"].contains(&age), "{age}");
+    assert_eq!(row["object"]["kind"], "PartialObjectMetadata");
+    assert_eq!(row["object"]["metadata"]["name"], "p1");
+    assert!(table["metadata"]["resourceVersion"].is_string());
+
+    let bare = get_value(&server, &format!("{list_path}?includeObject=None"), TABLE).await;
+    assert!(bare["rows"][0].get("object").is_none());
+    let full = get_value(&server, &format!("{list_path}/p1?includeObject=Object"), TABLE).await;
+    assert_eq!(full["rows"].as_array().unwrap().len(), 1);
+    assert_eq!(full["rows"][0]["object"]["status"]["phase"], "healthy");
+    // Without the Table media type, the object itself.
+    let plain = get_value(&server, &format!("{list_path}/p1"), "application/json").await;
+    assert_eq!(plain["kind"], "Proxy");
+
+    let built_in = get_value(&server, "/api/v1/namespaces/default/configmaps", TABLE).await;
+    let columns: Vec<&str> = built_in["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(columns, ["Name", "Created At"]);
+}
+
+/// Printer columns of every type and the JSONPath forms CRDs use: an index, a quoted key, a
+/// filter on a list of conditions, a missing field or unmatched filter (no value), an object
+/// in a string column (its JSON), a value of the wrong type for the column (no value).
+#[tokio::test]
+async fn printer_columns_evaluate_jsonpath_and_column_types() {
+    let server = FakeApiServer::start().await;
+    let column = |name: &str, type_: &str, path: &str| json!({"name": name, "type": type_, "jsonPath": path});
+    server.put_json(
+        "customresourcedefinitions",
+        json!({
+            "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": "widgets.example.com"},
+            "spec": {
+                "group": "example.com", "scope": "Namespaced",
+                "names": {"kind": "Widget", "plural": "widgets", "singular": "widget"},
+                "versions": [{
+                    "name": "v1", "served": true, "storage": true,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
+                    "additionalPrinterColumns": [
+                        column("Second", "integer", ".spec.sizes[1]"),
+                        column("App", "string", ".metadata.labels['app']"),
+                        column("Flag", "boolean", ".spec.flag"),
+                        column("Ratio", "number", ".spec.ratio"),
+                        column("Missing", "string", ".spec.missing"),
+                        column("Object", "string", ".spec.object"),
+                        column("Mistyped", "integer", ".spec.flag"),
+                        column("Ready", "string", r#".status.conditions[?(@.type=="Ready")].status"#),
+                        column("Nothing", "string", ".status.conditions[?(@.type=='Gone')].status"),
+                    ],
+                }],
+            },
+        }),
+    );
+    server.put_json(
+        "widgets",
+        json!({
+            "apiVersion": "example.com/v1", "kind": "Widget",
+            "metadata": {"name": "w", "labels": {"app": "shop"}},
+            "spec": {"sizes": [1, 7], "flag": true, "ratio": 0.5, "object": {"a": 1}},
+            "status": {"conditions": [{"type": "Synced", "status": "False"}, {"type": "Ready", "status": "True"}]},
+        }),
+    );
+    let table = get_value(&server, "/apis/example.com/v1/namespaces/default/widgets", TABLE).await;
+    assert_eq!(
+        table["rows"][0]["cells"],
+        json!(["w", 7, "shop", true, 0.5, null, "{\"a\":1}", null, "True", null])
+    );
+}
+
+/// `/openapi/v3` lists every served group version with a hashed URL; each document has the
+/// resource paths with their PATCH content types (strategic merge for built-in types only)
+/// and the `fieldValidation` parameter, from which kubectl decides how to validate and patch,
+/// and a CRD's schema tagged with its group/version/kind once the CRD is stored. `/openapi/v2`
+/// is a document without definitions, in protobuf for client-go.
+#[tokio::test]
+async fn openapi_documents_tell_kubectl_how_to_patch_and_validate() {
+    let server = FakeApiServer::start().await;
+    let index = get_value(&server, "/openapi/v3", "application/json").await;
+    let url = |index: &Value, key: &str| {
+        index["paths"][key]["serverRelativeURL"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let before = url(&index, "apis/crawl.example.com/v1alpha1");
+    assert!(before.starts_with("/openapi/v3/apis/crawl.example.com/v1alpha1?hash="));
+
+    let patch_of = |doc: &Value, path: &str| doc["paths"][path]["patch"].clone();
+    let core = get_value(&server, &url(&index, "api/v1"), "application/json").await;
+    let patch = patch_of(&core, "/api/v1/namespaces/{namespace}/configmaps/{name}");
+    assert!(patch["requestBody"]["content"]["application/strategic-merge-patch+json"].is_object());
+    assert_eq!(
+        patch["x-kubernetes-group-version-kind"],
+        json!({"group": "", "kind": "ConfigMap", "version": "v1"})
+    );
+
+    install_proxy_crd(&server).await;
+    let index = get_value(&server, "/openapi/v3", "application/json").await;
+    let after = url(&index, "apis/crawl.example.com/v1alpha1");
+    assert_ne!(before, after, "the hash follows the document");
+    let doc = get_value(&server, &after, "application/json").await;
+    let patch = patch_of(
+        &doc,
+        "/apis/crawl.example.com/v1alpha1/namespaces/{namespace}/proxies/{name}",
+    );
+    let content = patch["requestBody"]["content"].as_object().unwrap();
+    assert!(content.contains_key("application/merge-patch+json"));
+    assert!(!content.contains_key("application/strategic-merge-patch+json"));
+    assert!(
+        patch["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == "fieldValidation" && p["in"] == "query")
+    );
+    let schema = &doc["components"]["schemas"]["com.example.crawl.v1alpha1.Proxy"];
+    assert_eq!(
+        schema["x-kubernetes-group-version-kind"],
+        json!([{"group": "crawl.example.com", "kind": "Proxy", "version": "v1alpha1"}])
+    );
+    assert!(schema["properties"]["spec"]["properties"]["provider"].is_object());
+    let (code, _, _) = request(
+        &server,
+        "GET",
+        "/openapi/v3/apis/nothing.example.com/v1",
+        "application/json",
+        "",
+        "",
+    )
+    .await;
+    assert_eq!(code, 404);
+
+    let v2 = get_value(&server, "/openapi/v2", "application/json").await;
+    assert_eq!(v2["swagger"], "2.0");
+    let (code, protobuf, _) = request(
+        &server,
+        "GET",
+        "/openapi/v2",
+        "application/com.github.proto-openapi.spec.v2@v1.0+protobuf",
+        "",
+        "",
+    )
+    .await;
+    assert_eq!(code, 200);
+    assert_eq!(&protobuf[..5], b"\x0a\x032.0", "field 1 (swagger) = \"2.0\"");
+}
+
+/// `fieldValidation` (kube-apiserver >= 1.27) against a CRD's schema: an undeclared field is a
+/// 400 with `Strict`, a `Warning` header with `Warn` (also the default), nothing with `Ignore`;
+/// an unknown mode is a 400.
+#[tokio::test]
+async fn field_validation_refuses_warns_or_ignores_undeclared_fields() {
+    let server = FakeApiServer::start().await;
+    install_proxy_crd(&server).await;
+    let body = |name: &str| {
+        json!({
+            "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+            "metadata": {"name": name},
+            "spec": {"provider": "local", "colour": "blue", "health": {"url": "http://x", "shade": 1}},
+        })
+        .to_string()
+    };
+    let path = "/apis/crawl.example.com/v1alpha1/namespaces/default/proxies";
+    let post = |query: &'static str, name: &'static str| {
+        let server = &server;
+        let body = body(name);
+        async move {
+            request(
+                server,
+                "POST",
+                &format!("{path}{query}"),
+                "application/json",
+                "application/json",
+                &body,
+            )
+            .await
+        }
+    };
+    let (code, answer, _) = post("?fieldValidation=Strict", "a").await;
+    assert_eq!(code, 400);
+    let status: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(status["reason"], "BadRequest");
+    assert_eq!(
+        status["message"],
+        r#"Proxy in version "v1alpha1" cannot be handled as a Proxy: strict decoding error: unknown field "spec.colour", unknown field "spec.health.shade""#
+    );
+    assert!(server.get_json("proxies", None, "a").is_none());
+
+    let (code, _, warnings) = post("?fieldValidation=Warn", "b").await;
+    assert_eq!(code, 201);
+    assert_eq!(
+        warnings,
+        [
+            r#"299 - "unknown field \"spec.colour\"""#,
+            r#"299 - "unknown field \"spec.health.shade\"""#
+        ]
+    );
+    let (code, _, warnings) = post("", "c").await;
+    assert_eq!((code, warnings.len()), (201, 2), "Warn is the default");
+    let (code, _, warnings) = post("?fieldValidation=Ignore", "d").await;
+    assert_eq!((code, warnings.len()), (201, 0));
+    let (code, _, _) = post("?fieldValidation=Loose", "e").await;
+    assert_eq!(code, 400);
+
+    // A merge patch is checked as it is sent.
+    let (code, answer, _) = request(
+        &server,
+        "PATCH",
+        &format!("{path}/b?fieldValidation=Strict"),
+        "application/json",
+        "application/merge-patch+json",
+        r#"{"spec":{"port":3129,"portt":1}}"#,
+    )
+    .await;
+    assert_eq!(code, 400, "{}", String::from_utf8_lossy(&answer));
+}
+
+/// One Event storage, two APIs: an `events.k8s.io/v1` Event is listed through core `v1`
+/// converted (`regarding` → `involvedObject`, `note` → `message`, `reportingController` →
+/// `reportingComponent`) and selected by `involvedObject.*` field selectors, as
+/// `kubectl describe` lists them.
+#[tokio::test]
+async fn events_k8s_io_events_are_listed_through_the_core_api() {
+    let server = FakeApiServer::start().await;
+    let events: Api<K8sEvent> = Api::namespaced(server.client(), "crawl");
+    let event: K8sEvent = serde_json::from_value(json!({
+        "metadata": {"name": "p1.1"},
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "regarding": {"kind": "Proxy", "namespace": "crawl", "name": "p1", "uid": "u-1", "apiVersion": "crawl.example.com/v1alpha1"},
+        "reason": "Healthy", "note": "it works", "type": "Normal", "action": "Reconcile",
+        "reportingController": "egress-proxies-operator", "reportingInstance": "replica-a",
+    }))
+    .unwrap();
+    events.create(&PostParams::default(), &event).await.unwrap();
+    let core: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(server.client(), "crawl");
+    let selected = core
+        .list(
+            &ListParams::default()
+                .fields("involvedObject.name=p1,involvedObject.kind=Proxy,involvedObject.uid=u-1"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(selected.items.len(), 1);
+    let seen = &selected.items[0];
+    assert_eq!(seen.message.as_deref(), Some("it works"));
+    assert_eq!(seen.reason.as_deref(), Some("Healthy"));
+    assert_eq!(seen.involved_object.name.as_deref(), Some("p1"));
+    assert_eq!(
+        seen.reporting_component.as_deref(),
+        Some("egress-proxies-operator")
+    );
+    let other = core
+        .list(&ListParams::default().fields("involvedObject.name=p2"))
+        .await
+        .unwrap();
+    assert!(other.items.is_empty());
+}
+
+/// kubectl's typed clients send protobuf bodies for built-in types; the fake reads JSON only
+/// and says so with a 415, not a JSON parse error.
+#[tokio::test]
+async fn a_protobuf_body_is_unsupported_media_type() {
+    let server = FakeApiServer::start().await;
+    let (code, body, _) = request(
+        &server,
+        "POST",
+        "/api/v1/namespaces",
+        "application/json",
+        "application/vnd.kubernetes.protobuf",
+        "k8s\0",
+    )
+    .await;
+    assert_eq!(code, 415);
+    let status: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(status["reason"], "UnsupportedMediaType");
+}
+
+/// Aggregated discovery (kube-apiserver >= 1.26): `/api` and `/apis` asked for
+/// `APIGroupDiscoveryList` answer every group, version and resource in one document with that
+/// media type, which kube's `Discovery::run_aggregated` (as kubectl) reads; a plain Accept
+/// still gets the legacy documents.
+#[tokio::test]
+async fn aggregated_discovery_lists_every_resource_in_one_document() {
+    let server = FakeApiServer::start().await;
+    install_proxy_crd(&server).await;
+    let discovery = kube::discovery::Discovery::new(server.client())
+        .run_aggregated()
+        .await
+        .unwrap();
+    let gvk = kube::api::GroupVersionKind::gvk("crawl.example.com", "v1alpha1", "Proxy");
+    let (resource, caps) = discovery.resolve_gvk(&gvk).expect("Proxy is discoverable");
+    assert_eq!(resource.plural, "proxies");
+    assert_eq!(caps.scope, kube::discovery::Scope::Namespaced);
+    assert!(
+        caps.subresources
+            .iter()
+            .any(|(r, _)| r.plural == "proxies/status" || r.plural == "status")
+    );
+    let secrets = kube::api::GroupVersionKind::gvk("", "v1", "Secret");
+    assert!(discovery.resolve_gvk(&secrets).is_some());
+
+    let accept = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json";
+    let (code, body, _) = request(&server, "GET", "/apis", accept, "", "").await;
+    assert_eq!(code, 200);
+    let list: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(list["kind"], "APIGroupDiscoveryList");
+    assert_eq!(list["apiVersion"], "apidiscovery.k8s.io/v2");
+    let crawl = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["metadata"]["name"] == "crawl.example.com")
+        .unwrap();
+    let proxies = crawl["versions"][0]["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["resource"] == "proxies")
+        .unwrap();
+    assert_eq!(proxies["shortNames"], json!(["px"]));
+    assert_eq!(proxies["scope"], "Namespaced");
+    let legacy = get_value(&server, "/apis", "application/json").await;
+    assert_eq!(legacy["kind"], "APIGroupList");
 }

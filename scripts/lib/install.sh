@@ -7,7 +7,7 @@
 # venv/pip and mypy for the Python client's tests (tests/python_client.rs installs
 # clients/python into a virtualenv over these and type-checks it); prometheus for promtool
 # (tests/monitoring.rs checks config/monitoring/); chromium and a font for the status page's
-# browser test (tests/status_page.rs).
+# browser test (tests/status_page.rs); kubectl (below) for tests/kubectl.rs.
 SYSTEM_PACKAGES=(pkg-config libvirt-dev libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
     qemu-system-x86 squid genisoimage mmdebstrap e2fsprogs
     python3-scrapy python3-pytest python3-venv python3-pip python3-mypy
@@ -27,6 +27,11 @@ install_system_packages() {
     if ! dpkg-query -W -f='${Status}' qemu-utils 2>/dev/null | grep -q "install ok installed" \
         && [[ " ${missing[*]} " != *" qemu-system-x86 "* ]]; then
         missing+=(qemu-system-x86)
+    fi
+    # kubectl for tests/kubectl.rs: Debian's `kubernetes-client` (1.20 on bookworm), only
+    # where no kubectl is on PATH (another one, e.g. Google's `kubectl` package, conflicts).
+    if ! command -v kubectl >/dev/null 2>&1; then
+        missing+=(kubernetes-client)
     fi
     if [ "${#missing[@]}" -gt 0 ]; then
         echo "==> installing ${missing[*]}"

@@ -5,10 +5,12 @@
 //! (`x-kubernetes-validations`), so the API server enforces them without a webhook and
 //! [`crate::check`] can enforce the very same rules offline.
 
+mod attributes;
 mod crd;
 mod provider_health;
 mod proxy;
 
+pub use attributes::Attributes;
 pub use crd::{CrdFile, crd_files, render_all};
 pub use provider_health::{ProviderHealth, ProviderHealthFields, ProviderHealthStatus};
 pub use proxy::{

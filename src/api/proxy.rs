@@ -1,8 +1,7 @@
 //! The namespaced `Proxy` resource: one egress proxy, provisioned through a named provider
 //! instance and handed to crawlers through the discovery API.
 
-use std::collections::BTreeMap;
-
+use super::Attributes;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
@@ -62,13 +61,13 @@ pub struct ProxySpec {
 
     /// Free-form labels crawlers select proxies by (for example `region: eu`, `tier: residential`).
     /// Keys follow Kubernetes label-key syntax.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(default, skip_serializing_if = "Attributes::is_empty")]
     #[x_kube(
         validation = Rule::new(r"self.all(k, k.matches('^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$') && size(k) <= 317)").message("keys must look like label keys: an optional DNS prefix and '/', then 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"),
         validation = Rule::new("self.all(k, size(self[k]) <= 256)").message("values must be at most 256 characters")
     )]
     #[schemars(extend("maxProperties" = 64))]
-    pub attributes: BTreeMap<String, String>,
+    pub attributes: Attributes,
 
     /// How crawlers may lease this proxy.
     #[serde(default)]

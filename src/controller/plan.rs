@@ -227,28 +227,46 @@ fn add(now: Timestamp, delay: std::time::Duration) -> Timestamp {
     now.checked_add(delay).unwrap_or(Timestamp::MAX)
 }
 
-/// When the reconciler should look at this Proxy again, after a reconcile that ended in `record`
-/// (`None`: only a change wakes it).
-pub fn next_wake(
-    record: &Record,
-    now: Timestamp,
-    timers: &crate::machine::Timers,
-    spec_valid: bool,
-) -> Option<std::time::Duration> {
+/// When the reconciler looks at a Proxy again.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Wake {
+    /// After this long (`None`: only a change wakes it).
+    pub after: Option<std::time::Duration>,
+    /// Nothing but the periodic resync is due: a mode may cover it with one sweep over all
+    /// Proxies (cluster mode does) instead of a timer per Proxy.
+    pub resync_only: bool,
+}
+
+impl Wake {
+    /// After `after`, for a reason other than the resync.
+    pub fn after(after: std::time::Duration) -> Wake {
+        Wake {
+            after: Some(after),
+            resync_only: false,
+        }
+    }
+}
+
+/// When the reconciler should look at this Proxy again, after a reconcile that ended in `record`:
+/// the earliest of its state's timer, its retry, the poll of a state that waits for the world,
+/// and the resync.
+pub fn next_wake(record: &Record, now: Timestamp, timers: &crate::machine::Timers, spec_valid: bool) -> Wake {
     let phase = record.state.phase();
     let retry = record.next_attempt.map(|at| policy::until(at, now));
     let timer = timers.remaining(&record.state, now);
-    let wait = match phase {
-        Phase::Deleted => return None,
+    let poll = match phase {
+        Phase::Deleted => return Wake::default(),
         // A user error: the fix (a spec or Secret change) wakes us; nothing else can help.
-        Phase::Pending if !spec_valid && retry.is_none() => return None,
-        Phase::Pending => retry.unwrap_or(timers.resync),
+        Phase::Pending if !spec_valid && retry.is_none() => return Wake::default(),
         // Waiting for the world (a boot, a drain, a delete): look again every poll.
-        Phase::Provisioning | Phase::Replacing | Phase::Deleting => timers.poll,
-        Phase::Healthy | Phase::Degraded => timers.resync,
+        Phase::Provisioning | Phase::Replacing | Phase::Deleting => Some(timers.poll),
+        Phase::Pending | Phase::Healthy | Phase::Degraded => None,
     };
-    [Some(wait), timer, retry.filter(|_| phase != Phase::Pending)]
-        .into_iter()
-        .flatten()
-        .min()
+    match [poll, timer, retry].into_iter().flatten().min() {
+        Some(due) => Wake::after(due.min(timers.resync)),
+        None => Wake {
+            after: Some(timers.resync),
+            resync_only: true,
+        },
+    }
 }

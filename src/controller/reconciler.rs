@@ -12,7 +12,7 @@ use super::{
     credentials::CredentialsBook,
     execute::{EffectContext, ObjectWrites, Occurrence, lease_target, parse_endpoint, short},
     observe::{InstanceObservation, Observation, SpecProblem, applied_hash, facts, needs_instance},
-    plan::{Plan, PlanInput, next_wake, plan},
+    plan::{Plan, PlanInput, Wake, next_wake, plan},
     pool::{Budgets, PoolFacts, Pools},
     spec_hash::{self, Comparison},
     status::{FINALIZER, Record},
@@ -84,6 +84,8 @@ impl ReconcileError {
 pub struct ReconcileOutcome {
     /// Reconcile again after this long (`None`: only a change wakes it).
     pub requeue_after: Option<Duration>,
+    /// Only the periodic resync is due (see [`Wake::resync_only`]).
+    pub resync_only: bool,
     /// Transitions taken, in order.
     pub audit: Vec<AuditEntry>,
     /// The plan of each transition, in order (what the executors were asked to do).
@@ -342,15 +344,16 @@ impl<B: ProxyBackend> Reconciler<B> {
                 proxy_writes += 1;
             }
         }
-        let requeue_after = if yielded {
-            Some(Duration::ZERO)
+        let wake = if yielded {
+            Wake::after(Duration::ZERO)
         } else if held_by_budget {
-            Some(self.config.timers.poll)
+            Wake::after(self.config.timers.poll)
         } else {
             next_wake(&record, now, &self.config.timers, resolved.is_ok())
         };
         Ok(ReconcileOutcome {
-            requeue_after,
+            requeue_after: wake.after,
+            resync_only: wake.resync_only,
             audit,
             plans,
             proxy_writes,

@@ -376,14 +376,23 @@ impl Scenario {
         config
     }
 
-    /// Replays the scenario through the reconciler.
+    /// Replays the scenario through the reconciler, the Proxy object kept in memory.
     pub async fn replay(&self) -> Result<Replay, ScenarioError> {
+        self.replay_in(&InMemory::default()).await
+    }
+
+    /// Replays the scenario through the reconciler with the Proxy object kept by `objects`: a
+    /// mode's own store and backend. Every step reads the Proxy back as that mode serves it.
+    pub async fn replay_in<O: ProxyObjects>(&self, objects: &O) -> Result<Replay, ScenarioError> {
         let world = Arc::new(World::default());
         let clock = world.clone();
         // The provider-health monitor's view: a step that takes the provider down tells it too.
         let availability = ProviderAvailability::default();
         let reconciler = Reconciler::new(
-            SimBackend(world.clone()),
+            ScriptedBackend {
+                world: world.clone(),
+                mode: objects.backend(),
+            },
             ProviderRegistry::new().with(SimProvider(world.clone(), Installation::default())),
             Arc::new(SimLeases(world.clone())),
             Arc::new(SimHealth(world.clone())),
@@ -394,7 +403,13 @@ impl Scenario {
         world.lock().slow_boot = self.config.slow_boot;
         world.lock().slow_delete = self.config.slow_delete;
         world.lock().credentials_in_place = self.config.credentials_in_place;
+        let step_failed = |at: u64, err: BackendError| ScenarioError::Reconcile {
+            name: self.name.clone(),
+            at,
+            message: format!("the Proxy's store failed: {err}"),
+        };
         let mut proxy = sim_proxy();
+        let mut deleted_at_start = false;
         if let Some(phase) = self.start.phase.as_deref().and_then(Phase::from_name) {
             let mut record = Record::new(EPOCH);
             record.state = crate::machine::State::new(phase, EPOCH);
@@ -410,7 +425,7 @@ impl Scenario {
                 record.provider_id = Some(format!("sim/{PROVIDER}/{INSTANCE}"));
                 record.endpoint = Some("127.0.0.1:3128".to_owned());
                 record.instance_running = true;
-                w.finalizer = true;
+                proxy.metadata.finalizers = Some(vec![FINALIZER.to_owned()]);
             }
             if matches!(phase, Phase::Healthy) {
                 w.health = HealthVerdict::Passing { after_failing: false };
@@ -418,28 +433,54 @@ impl Scenario {
             if matches!(phase, Phase::Degraded) {
                 w.health = HealthVerdict::Failing;
             }
-            if matches!(phase, Phase::Deleting) {
-                w.deleted = true;
-            }
+            deleted_at_start = matches!(phase, Phase::Deleting);
             proxy.status = Some(record.to_status(&ProxyStatus::default(), Some(1), EPOCH));
         }
+        objects.create(&proxy).await.map_err(|e| step_failed(0, e))?;
+        if deleted_at_start {
+            objects.delete().await.map_err(|e| step_failed(0, e))?;
+        }
         let mut steps = Vec::new();
+        let mut status = proxy.status.clone();
         for step in &self.steps {
             let at = EPOCH
                 .checked_add(jiff::SignedDuration::from_secs(
                     i64::try_from(step.at).unwrap_or(i64::MAX),
                 ))
                 .unwrap_or(Timestamp::MAX);
-            let changes = world.apply(step, at, &mut proxy, reconciler.pools());
+            let (changes, edits) = world.apply(step, at, reconciler.pools());
+            let Some(mut current) = objects.get().await.map_err(|e| step_failed(step.at, e))? else {
+                break;
+            };
+            if edits.new_spec {
+                // A new port stands for any change of what runs (placement, cloud-init, port).
+                current.spec.port += 1;
+                objects
+                    .edit_spec(&current.spec)
+                    .await
+                    .map_err(|e| step_failed(step.at, e))?;
+            }
+            if edits.strip_finalizers {
+                objects
+                    .strip_finalizers()
+                    .await
+                    .map_err(|e| step_failed(step.at, e))?;
+            }
+            if edits.delete {
+                objects.delete().await.map_err(|e| step_failed(step.at, e))?;
+            }
             if let Some(provider) = &step.world.provider {
                 availability.set(
                     PROVIDER,
                     (provider == "down").then(|| "the provider is down".to_owned()),
                 );
             }
-            sync_proxy(&world, &mut proxy);
+            let Some(current) = objects.get().await.map_err(|e| step_failed(step.at, e))? else {
+                break;
+            };
+            world.lock().crashing = step.crash;
             let outcome = reconciler
-                .reconcile(&proxy)
+                .reconcile(&current)
                 .await
                 .map_err(|err| ScenarioError::Reconcile {
                     name: self.name.clone(),
@@ -447,12 +488,12 @@ impl Scenario {
                     message: err.to_string(),
                 })?;
             let written = world.lock().written.take();
-            if !step.crash
-                && let Some(status) = &written
-            {
-                proxy.status = Some(status.clone());
+            match objects.get().await.map_err(|e| step_failed(step.at, e))? {
+                Some(stored) => status = stored.status,
+                // Gone (deleted): its last status is the last one written.
+                None if !step.crash => status = written.clone().or(status),
+                None => {}
             }
-            sync_proxy(&world, &mut proxy);
             steps.push(ReplayedStep {
                 at: step.at,
                 changes,
@@ -471,7 +512,7 @@ impl Scenario {
             name: self.name.clone(),
             description: self.description.clone(),
             steps,
-            status: proxy.status,
+            status,
             creates: world.lock().creates,
         })
     }
@@ -657,8 +698,8 @@ struct WorldState {
     health: HealthVerdict,
     leases: u32,
     provider_down: bool,
-    deleted: bool,
-    finalizer: bool,
+    /// This step's reconcile dies before its status write.
+    crashing: bool,
     failures: HashMap<&'static str, Failure>,
     written: Option<ProxyStatus>,
     creates: u32,
@@ -678,8 +719,7 @@ impl Default for WorldState {
             health: HealthVerdict::Unknown,
             leases: 0,
             provider_down: false,
-            deleted: false,
-            finalizer: false,
+            crashing: false,
             failures: HashMap::new(),
             written: None,
             creates: 0,
@@ -699,14 +739,10 @@ impl World {
         self.lock().now
     }
 
-    /// Applies a step's changes; returns them as text for the trail.
-    fn apply(
-        &self,
-        step: &SimStep,
-        at: Timestamp,
-        proxy: &mut Proxy,
-        pools: &super::pool::Pools,
-    ) -> Vec<String> {
+    /// Applies a step's changes to the world; returns them as text for the trail, and the
+    /// edits of the Proxy object for the caller to make.
+    fn apply(&self, step: &SimStep, at: Timestamp, pools: &super::pool::Pools) -> (Vec<String>, ObjectEdits) {
+        let mut edits = ObjectEdits::default();
         let mut w = self.lock();
         w.now = at;
         let mut changes = Vec::new();
@@ -730,10 +766,8 @@ impl World {
             changes.push(format!("{leases} active lease(s)"));
         }
         if let Some(spec) = &change.spec {
-            // A new port stands for any change of what runs (placement, cloud-init, port).
             w.spec = spec.clone();
-            proxy.spec.port += 1;
-            proxy.metadata.generation = proxy.metadata.generation.map(|g| g + 1);
+            edits.new_spec = true;
             changes.push(format!("spec changed to {spec}"));
         }
         if let Some(problem) = &change.spec_problem {
@@ -745,7 +779,7 @@ impl World {
             });
         }
         if change.deleted {
-            w.deleted = true;
+            edits.delete = true;
             changes.push("Proxy deleted".to_owned());
         }
         if let Some(credentials) = &change.credentials {
@@ -768,7 +802,7 @@ impl World {
             _ => {}
         }
         if change.finalizer_removed {
-            w.finalizer = false;
+            edits.strip_finalizers = true;
             changes.push("finalizer removed".to_owned());
         }
         if let Some(pool) = change.pool {
@@ -806,7 +840,7 @@ impl World {
         if step.crash {
             changes.push("the operator crashes before writing the status".to_owned());
         }
-        changes
+        (changes, edits)
     }
 
     fn fail(&self, effect: &'static str) -> Option<ProviderError> {
@@ -826,11 +860,12 @@ impl World {
     }
 }
 
-/// The Proxy object as an API server would serve it from the world.
-fn sync_proxy(world: &World, proxy: &mut Proxy) {
-    let w = world.lock();
-    proxy.metadata.finalizers = w.finalizer.then(|| vec![FINALIZER.to_owned()]);
-    proxy.metadata.deletion_timestamp = w.deleted.then_some(Time(EPOCH));
+/// What a step does to the Proxy object (as a user or another controller would).
+#[derive(Debug, Default)]
+struct ObjectEdits {
+    new_spec: bool,
+    delete: bool,
+    strip_finalizers: bool,
 }
 
 fn sim_proxy() -> Proxy {
@@ -853,12 +888,119 @@ fn sim_proxy() -> Proxy {
     }
 }
 
-struct SimBackend(Arc<World>);
+/// Where a scenario's Proxy object lives: a mode's own store, and the backend that mode's
+/// reconciler writes the finalizer, the status and the audit trail through. The scenario world
+/// scripts the rest (provider, health, leases, Secrets). Implemented in memory here, and over
+/// the embedded store and the API server by `tests/scenario_modes.rs`.
+#[async_trait]
+pub trait ProxyObjects: Send + Sync {
+    /// The mode's backend.
+    type Backend: ProxyBackend + 'static;
+    /// A backend over this store.
+    fn backend(&self) -> Self::Backend;
+    /// Stores the scenario's Proxy (with its finalizers and status) as a new object.
+    async fn create(&self, proxy: &Proxy) -> Result<(), BackendError>;
+    /// The Proxy as the mode serves it now; `None` once it is gone.
+    async fn get(&self) -> Result<Option<Proxy>, BackendError>;
+    /// A user's edit of the spec (the generation moves).
+    async fn edit_spec(&self, spec: &ProxySpec) -> Result<(), BackendError>;
+    /// A user's delete (the finalizer holds the object).
+    async fn delete(&self) -> Result<(), BackendError>;
+    /// Someone removes every finalizer behind the operator's back.
+    async fn strip_finalizers(&self) -> Result<(), BackendError>;
+}
+
+/// The Proxy object in memory, served as an API server would.
+#[derive(Clone, Default)]
+pub struct InMemory(Arc<Mutex<Option<Proxy>>>);
+
+impl InMemory {
+    fn edit(&self, change: impl FnOnce(&mut Proxy)) -> Result<(), BackendError> {
+        let mut object = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let proxy = object
+            .as_mut()
+            .ok_or_else(|| BackendError::Gone("proxy".to_owned()))?;
+        change(proxy);
+        // Like the API server: a deleted object without finalizers is gone.
+        if proxy.metadata.deletion_timestamp.is_some()
+            && proxy.metadata.finalizers.as_ref().is_none_or(Vec::is_empty)
+        {
+            *object = None;
+        }
+        Ok(())
+    }
+}
 
 #[async_trait]
-impl ProxyBackend for SimBackend {
+impl ProxyObjects for InMemory {
+    type Backend = InMemory;
+    fn backend(&self) -> InMemory {
+        self.clone()
+    }
+    async fn create(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(proxy.clone());
+        Ok(())
+    }
+    async fn get(&self) -> Result<Option<Proxy>, BackendError> {
+        Ok(self.0.lock().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+    async fn edit_spec(&self, spec: &ProxySpec) -> Result<(), BackendError> {
+        self.edit(|proxy| {
+            proxy.spec = spec.clone();
+            proxy.metadata.generation = proxy.metadata.generation.map(|g| g + 1);
+        })
+    }
+    async fn delete(&self) -> Result<(), BackendError> {
+        // Like the API server: marking an object deleted moves its generation.
+        self.edit(|proxy| {
+            proxy.metadata.deletion_timestamp = Some(Time(EPOCH));
+            proxy.metadata.generation = proxy.metadata.generation.map(|g| g + 1);
+        })
+    }
+    async fn strip_finalizers(&self) -> Result<(), BackendError> {
+        self.edit(|proxy| proxy.metadata.finalizers = None)
+    }
+}
+
+#[async_trait]
+impl ProxyBackend for InMemory {
     async fn cloud_init(&self, _: &str, _: &SecretKeyRef) -> Result<UserData, SecretError> {
-        match &self.0.lock().spec_problem {
+        Err(SecretError::NotUsable(
+            "Secrets come from the scenario's script".to_owned(),
+        ))
+    }
+    async fn credentials(&self, _: &str, _: &str) -> Result<Credentials, SecretError> {
+        Err(SecretError::NotUsable(
+            "Secrets come from the scenario's script".to_owned(),
+        ))
+    }
+    async fn add_finalizer(&self, _: &Proxy) -> Result<Option<String>, BackendError> {
+        self.edit(|proxy| proxy.metadata.finalizers = Some(vec![FINALIZER.to_owned()]))
+            .map(|()| None)
+    }
+    async fn remove_finalizer(&self, _: &Proxy) -> Result<(), BackendError> {
+        self.edit(|proxy| proxy.metadata.finalizers = None)
+    }
+    async fn write_status(&self, _: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
+        self.edit(|proxy| proxy.status = Some(status.clone()))
+    }
+    async fn record(&self, _: &Proxy, _: &AuditEntry, _: &str) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+/// The reconciler's backend in a scenario: Secrets from the world's script; finalizer, status and
+/// audit writes through the mode's backend, each status write recorded, and lost when the step
+/// crashes.
+struct ScriptedBackend<B> {
+    world: Arc<World>,
+    mode: B,
+}
+
+#[async_trait]
+impl<B: ProxyBackend> ProxyBackend for ScriptedBackend<B> {
+    async fn cloud_init(&self, _: &str, _: &SecretKeyRef) -> Result<UserData, SecretError> {
+        match &self.world.lock().spec_problem {
             Some(problem) => Err(SecretError::NotUsable(problem.clone())),
             None => Ok(UserData(USER_DATA.to_owned())),
         }
@@ -866,23 +1008,28 @@ impl ProxyBackend for SimBackend {
     async fn credentials(&self, _: &str, _: &str) -> Result<Credentials, SecretError> {
         Ok(Credentials {
             username: "crawler".to_owned(),
-            password: self.0.lock().credentials.clone(),
+            password: self.world.lock().credentials.clone(),
         })
     }
-    async fn add_finalizer(&self, _: &Proxy) -> Result<Option<String>, BackendError> {
-        self.0.lock().finalizer = true;
-        Ok(None)
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<Option<String>, BackendError> {
+        self.mode.add_finalizer(proxy).await
     }
-    async fn remove_finalizer(&self, _: &Proxy) -> Result<(), BackendError> {
-        self.0.lock().finalizer = false;
-        Ok(())
+    async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        self.mode.remove_finalizer(proxy).await
     }
-    async fn write_status(&self, _: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
-        self.0.lock().written = Some(status.clone());
-        Ok(())
+    async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
+        let crashing = {
+            let mut w = self.world.lock();
+            w.written = Some(status.clone());
+            w.crashing
+        };
+        if crashing {
+            return Ok(());
+        }
+        self.mode.write_status(proxy, status).await
     }
-    async fn record(&self, _: &Proxy, _: &AuditEntry, _: &str) -> Result<(), BackendError> {
-        Ok(())
+    async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
+        self.mode.record(proxy, entry, message).await
     }
 }
 

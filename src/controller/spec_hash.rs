@@ -229,7 +229,7 @@ mod tests {
             ),
             (
                 "attributes",
-                |s| s.attributes = BTreeMap::from([("region".into(), "us".into())]),
+                |s| s.attributes = BTreeMap::from([("region".into(), "us".into())]).into(),
                 CONTENT,
                 false,
             ),

@@ -576,8 +576,12 @@ impl CheckpointSaver {
                 return Ok(());
             }
             let which: Vec<usize> = self.shards.iter().copied().collect();
+            let parts = {
+                let (store, which) = (store.clone(), which.clone());
+                off_the_serving_threads(move || store.checkpoint_shards(&which)).await?
+            };
             let mut result = Ok(());
-            for (shard, part) in which.iter().zip(store.checkpoint_shards(&which)) {
+            for (shard, part) in which.iter().zip(parts) {
                 // Other shards still go out when one fails (e.g. it grew past a size limit).
                 match sink.save_shard(*shard, &part).await {
                     Ok(written) => {
@@ -594,7 +598,11 @@ impl CheckpointSaver {
             if !self.whole {
                 return Ok(());
             }
-            let result = sink.save(&store.checkpoint()).await.map(|written| {
+            let checkpoint = {
+                let store = store.clone();
+                off_the_serving_threads(move || store.checkpoint()).await?
+            };
+            let result = sink.save(&checkpoint).await.map(|written| {
                 report.wrote(written);
                 self.whole = false;
             });
@@ -602,6 +610,16 @@ impl CheckpointSaver {
             result
         }
     }
+}
+
+/// Runs `f` (taking a snapshot of the store: milliseconds for many proxies) on the blocking
+/// pool, so the runtime's workers keep serving requests meanwhile.
+async fn off_the_serving_threads<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, CheckpointError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| CheckpointError::Backend(format!("checkpoint snapshot task failed: {e}")))
 }
 
 /// Reaps expired state and saves checkpoints until `shutdown` completes, then saves a last

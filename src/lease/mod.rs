@@ -22,9 +22,11 @@
 //!   every expiry likewise from the lease's `expiresAt` (as if released then). A `banned` outcome also rests it for the target domain alone, for
 //!   [`LeaseStoreConfig::ban_cooldown`]. Requests without a target domain ignore domain bans.
 //! - **Choice.** Among eligible proxies, the least recently used one (acquired or released the
-//!   longest ago). The store is split into shards, each with its own lock and LRU lists; an
-//!   acquire visits shards from a random one, so the choice is LRU within a shard and close to
-//!   LRU overall. `shards: 1` makes it strict. A selector with several terms gets a list of its
+//!   longest ago). The store is split into shards, each with its own lock and LRU lists; a
+//!   thread's acquires start in one shard for 64 acquires, then in the next, round robin
+//!   (concurrent threads split the shards between them, so no shard's data moves between cores
+//!   on every call), so the choice is LRU within a shard and close to LRU overall. `shards: 1`
+//!   makes it strict. A selector with several terms gets a list of its
 //!   own for its combination the first time it is compiled (up to [`MAX_INDEXED_COMBINATIONS`],
 //!   first come first served), so its acquire takes that list's head. Beyond the cap, a
 //!   selector walks its rarest term's list and skips proxies that miss another term; those
@@ -184,7 +186,11 @@ pub struct AcquireRequest<'a> {
 }
 
 /// What the store shares about a proxy with lease holders. `Debug` hides the credentials.
-#[derive(Clone, PartialEq, Eq)]
+///
+/// Aligned to two cache lines: every lease hands out a reference to it, and the count of one
+/// proxy's info must not share a line with another's that a thread on the other core counts.
+#[derive(Clone)]
+#[repr(align(128))]
 pub struct ProxyInfo {
     /// The Proxy's `namespace/name`.
     pub key: ProxyKey,
@@ -196,7 +202,24 @@ pub struct ProxyInfo {
     pub attributes: BTreeMap<String, String>,
     url_with_credentials: String,
     url: String,
+    /// Its JSON as every lease answer shows it, rendered by the discovery API on first use
+    /// (an info is immutable: a changed proxy gets a new one).
+    rendered: std::sync::OnceLock<Box<str>>,
 }
+
+impl PartialEq for ProxyInfo {
+    fn eq(&self, other: &Self) -> bool {
+        // The rendering is derived from the rest.
+        self.key == other.key
+            && self.endpoint == other.endpoint
+            && self.endpoint_text == other.endpoint_text
+            && self.attributes == other.attributes
+            && self.url_with_credentials == other.url_with_credentials
+            && self.url == other.url
+    }
+}
+
+impl Eq for ProxyInfo {}
 
 impl ProxyInfo {
     /// Builds the info (and both proxy URLs) of a target.
@@ -218,7 +241,13 @@ impl ProxyInfo {
             attributes: target.attributes.clone(),
             url_with_credentials,
             url,
+            rendered: std::sync::OnceLock::new(),
         }
+    }
+
+    /// `render(self)`, computed once per info and kept with it.
+    pub(crate) fn rendered(&self, render: impl FnOnce(&Self) -> String) -> &str {
+        self.rendered.get_or_init(|| render(self).into_boxed_str())
     }
 
     /// `http://host:port`.

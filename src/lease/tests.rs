@@ -1231,3 +1231,33 @@ fn a_checkpoint_records_the_rest_a_due_expiry_brings() {
     assert!(proxy.leases.is_empty());
     assert_eq!(proxy.cooldown_until_ms, Some(lease.expires_at_ms + 30_000));
 }
+
+#[test]
+fn one_thread_draws_from_every_shard_in_turn() {
+    let (store, _) = store(4);
+    for i in 0..40 {
+        add_open(&store, target(&format!("p{i}"), &[], 1, 0));
+    }
+    let all = sel(&store, "");
+    // A fresh thread: its cursor starts at the beginning of a burst.
+    let (per_shard, per_proxy) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut per_shard = [0usize; 4];
+            let mut per_proxy = BTreeMap::<String, usize>::new();
+            for _ in 0..64 * 4 * 4 {
+                let lease = acquire(&store, &all).unwrap();
+                per_shard[lease.id.hint.shard as usize] += 1;
+                *per_proxy.entry(name(&lease).to_owned()).or_default() += 1;
+                store
+                    .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+                    .unwrap();
+            }
+            (per_shard, per_proxy)
+        })
+        .join()
+        .unwrap()
+    });
+    // 64 acquires per shard in turn: every shard the same share, every proxy used.
+    assert_eq!(per_shard, [256; 4]);
+    assert_eq!(per_proxy.len(), 40, "{per_proxy:?}");
+}

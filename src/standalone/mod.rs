@@ -298,6 +298,8 @@ impl Standalone {
             if !desired.proxies.contains_key(key) && !record.deleting && !source_broken {
                 record.deleting = true;
                 record.deletion_time = Some(now);
+                // As the API server does when it marks an object deleted.
+                record.generation += 1;
                 changed.push(key.clone());
             }
         }
@@ -316,28 +318,7 @@ impl Standalone {
     /// The Proxy object the reconciler sees, as the API server would serve it.
     fn proxy(&self, key: &ProxyKey) -> Option<Proxy> {
         let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-        let record = records.get(key)?;
-        let spec: ProxySpec = match serde_json::from_value(record.spec.clone()) {
-            Ok(spec) => spec,
-            Err(err) => {
-                warn!(proxy = %key, error = %err, "stored spec is unreadable");
-                return None;
-            }
-        };
-        Some(Proxy {
-            metadata: ObjectMeta {
-                name: Some(key.name.clone()),
-                namespace: Some(key.namespace.clone()),
-                uid: Some(record.uid.clone()),
-                generation: Some(record.generation),
-                creation_timestamp: Some(Time(record.created)),
-                deletion_timestamp: record.deletion_time.map(Time),
-                finalizers: record.finalizer.then(|| vec![FINALIZER.to_owned()]),
-                ..ObjectMeta::default()
-            },
-            spec,
-            status: record.status.clone(),
-        })
+        proxy_of(key, records.get(key)?)
     }
 
     fn phase_counts(&self) -> BTreeMap<String, usize> {
@@ -418,4 +399,30 @@ fn references_any(spec: &serde_json::Value, namespace: &str, secrets: &[(String,
 /// A random 128-bit identity, like `metadata.uid`.
 fn new_uid() -> String {
     format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+}
+
+/// The Proxy object a stored record stands for, as the API server would serve it; `None` when
+/// the stored spec is unreadable (logged).
+pub fn proxy_of(key: &ProxyKey, record: &ProxyRecord) -> Option<Proxy> {
+    let spec: ProxySpec = match serde_json::from_value(record.spec.clone()) {
+        Ok(spec) => spec,
+        Err(err) => {
+            warn!(proxy = %key, error = %err, "stored spec is unreadable");
+            return None;
+        }
+    };
+    Some(Proxy {
+        metadata: ObjectMeta {
+            name: Some(key.name.clone()),
+            namespace: Some(key.namespace.clone()),
+            uid: Some(record.uid.clone()),
+            generation: Some(record.generation),
+            creation_timestamp: Some(Time(record.created)),
+            deletion_timestamp: record.deletion_time.map(Time),
+            finalizers: record.finalizer.then(|| vec![FINALIZER.to_owned()]),
+            ..ObjectMeta::default()
+        },
+        spec,
+        status: record.status.clone(),
+    })
 }

@@ -13,6 +13,7 @@
 pub mod backend;
 pub mod events;
 pub mod leader;
+pub mod resync;
 
 use std::{
     collections::HashMap,
@@ -124,6 +125,7 @@ pub async fn run_controller(
     if let Some(feed) = &deps.status_feed {
         feed.set_proxies(proxy_store.clone());
     }
+    let resync_period = deps.reconciler.timers.resync;
     let context = Arc::new(Context {
         reconciler: Reconciler::new(
             backend,
@@ -174,6 +176,7 @@ pub async fn run_controller(
             })
         })
         .reconcile_on(triggers.map(|key| ObjectRef::new(&key.name).within(&key.namespace)))
+        .reconcile_on(resync::sweep(proxy_store.clone(), resync_period, resync::TICK))
         .graceful_shutdown_on(shutdown);
 
     let readiness = {
@@ -342,6 +345,8 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
         .unwrap_or_else(|p| p.into_inner())
         .remove(&ObjectRef::from_obj(&*proxy));
     Ok(match outcome.requeue_after {
+        // The resync sweep visits it; no timer of its own.
+        Some(_) if outcome.resync_only => Action::await_change(),
         Some(after) => Action::requeue(after),
         None => Action::await_change(),
     })

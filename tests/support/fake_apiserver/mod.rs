@@ -2,7 +2,9 @@
 //! on 127.0.0.1, faithful where the operator depends on it: resourceVersion and generation,
 //! the status subresource, finalizers and deletionTimestamp, label and field selectors,
 //! merge / JSON / apply patches, 409 conflicts, `Status` error bodies, and list + watch with
-//! bookmarks and 410 Gone on a stale resourceVersion. Test hooks inject failures, compact
+//! bookmarks and 410 Gone on a stale resourceVersion; and what a real kubectl needs: stored
+//! CRDs served as they declare, OpenAPI v3, `fieldValidation`, server-side Tables from printer
+//! columns, `events.k8s.io` Events listed through core v1. Test hooks inject failures, compact
 //! the watch history, end open watches, count requests and reach the store directly.
 //!
 //! What is faithful and what is simplified is documented in docs/testing.md
@@ -18,12 +20,15 @@
 // Not every test uses every hook.
 #![allow(dead_code)]
 
+mod crd;
+mod openapi;
 mod patch;
 mod registry;
 mod selector;
 mod server;
 mod status;
 mod store;
+mod table;
 
 use std::{
     net::SocketAddr,
@@ -228,6 +233,17 @@ struct Inner {
 }
 
 impl Inner {
+    /// Serves what every stored CustomResourceDefinition defines (idempotent).
+    fn install_crds(&self) {
+        let mut store = lock(&self.store);
+        let Some(rid) = store.resolve(crd::CRD_RESOURCE) else {
+            return;
+        };
+        for object in store.all(rid, None) {
+            crd::install(&mut store, &object);
+        }
+    }
+
     fn take_injected_failure(&self, record: &RequestRecord) -> Option<u16> {
         let mut hooks = lock(&self.hooks);
         let failure = hooks
@@ -471,8 +487,14 @@ impl FakeApiServer {
         } else {
             store.create(rid, def.namespaced.then_some(ns.as_str()), object, false, true)
         };
+        drop(store);
         match result {
-            Ok(stored) => (*stored).clone(),
+            Ok(stored) => {
+                if def.is_named(crd::CRD_RESOURCE) {
+                    self.inner.install_crds();
+                }
+                (*stored).clone()
+            }
             Err(error) => panic!("put_json({resource}) was rejected: {}", error.message),
         }
     }

@@ -1,6 +1,8 @@
 //! The resources the fake serves and how each behaves where Kubernetes resources differ
 //! (scope, status subresource, generation, unconditional updates, delete responses).
 
+use serde_json::Value;
+
 /// One served resource (one group/version/plural).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ResourceDef {
@@ -32,6 +34,30 @@ pub struct ResourceDef {
     /// Field selectors accepted besides `metadata.name` and `metadata.namespace`
     /// (dotted JSON paths into the object).
     pub extra_field_selectors: Vec<String>,
+    /// Lowercase singular name for discovery (`proxy`); empty: the lowercase kind.
+    pub singular: String,
+    /// Discovery short names (`px`), which kubectl resolves.
+    pub short_names: Vec<String>,
+    /// Discovery categories (`all`, `crawl`).
+    pub categories: Vec<String>,
+    /// A CRD's `additionalPrinterColumns`, for server-side Table printing.
+    pub printer_columns: Vec<PrinterColumn>,
+    /// A CRD's `openAPIV3Schema`: published in /openapi/v3 and used by `fieldValidation`.
+    pub schema: Option<Value>,
+    /// Defined by a stored CustomResourceDefinition (else a built-in type).
+    pub from_crd: bool,
+}
+
+/// One `additionalPrinterColumns` entry of a CRD version.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrinterColumn {
+    pub name: String,
+    /// `string`, `integer`, `number`, `boolean` or `date`.
+    pub type_: String,
+    pub format: String,
+    pub description: String,
+    pub priority: i64,
+    pub json_path: String,
 }
 
 impl ResourceDef {
@@ -50,6 +76,12 @@ impl ResourceDef {
             return_deleted_object: false,
             strategic_merge: true,
             extra_field_selectors: Vec::new(),
+            singular: String::new(),
+            short_names: Vec::new(),
+            categories: Vec::new(),
+            printer_columns: Vec::new(),
+            schema: None,
+            from_crd: false,
         }
     }
 
@@ -93,6 +125,73 @@ impl ResourceDef {
     pub fn with_field_selectors(mut self, fields: &[&str]) -> Self {
         self.extra_field_selectors = fields.iter().map(|f| (*f).to_owned()).collect();
         self
+    }
+
+    /// A custom resource (defined by a CRD, or declared like one with [`Self::custom`]) rather
+    /// than a built-in type: named, printed and patched as CRDs are.
+    pub fn is_custom(&self) -> bool {
+        self.from_crd || !self.strategic_merge
+    }
+
+    /// Lowercase singular name, as discovery reports it.
+    pub fn singular_name(&self) -> String {
+        if self.singular.is_empty() {
+            self.kind.to_lowercase()
+        } else {
+            self.singular.clone()
+        }
+    }
+
+    /// The served versions a CustomResourceDefinition object defines, as kube-apiserver's
+    /// apiextensions controller would serve them once the CRD is established.
+    pub fn from_crd(crd: &Value) -> Vec<Self> {
+        let text = |v: &Value, p: &str| {
+            v.pointer(p)
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let strings = |v: &Value, p: &str| -> Vec<String> {
+            v.pointer(p)
+                .and_then(Value::as_array)
+                .map(|a| a.iter().filter_map(Value::as_str).map(str::to_owned).collect())
+                .unwrap_or_default()
+        };
+        let group = text(crd, "/spec/group");
+        let kind = text(crd, "/spec/names/kind");
+        let plural = text(crd, "/spec/names/plural");
+        let namespaced = text(crd, "/spec/scope") != "Cluster";
+        let versions = crd.pointer("/spec/versions").and_then(Value::as_array);
+        versions
+            .into_iter()
+            .flatten()
+            .filter(|v| v.get("served").and_then(Value::as_bool) != Some(false))
+            .map(|v| {
+                let mut def = Self::custom(&group, &text(v, "/name"), &kind, &plural);
+                def.namespaced = namespaced;
+                def.status_subresource = v.pointer("/subresources/status").is_some();
+                def.singular = text(crd, "/spec/names/singular");
+                def.short_names = strings(crd, "/spec/names/shortNames");
+                def.categories = strings(crd, "/spec/names/categories");
+                def.schema = v.pointer("/schema/openAPIV3Schema").cloned();
+                def.from_crd = true;
+                def.printer_columns = v
+                    .get("additionalPrinterColumns")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .map(|c| PrinterColumn {
+                        name: text(c, "/name"),
+                        type_: text(c, "/type"),
+                        format: text(c, "/format"),
+                        description: text(c, "/description"),
+                        priority: c.get("priority").and_then(Value::as_i64).unwrap_or(0),
+                        json_path: text(c, "/jsonPath"),
+                    })
+                    .collect();
+                def
+            })
+            .collect()
     }
 
     /// `apiVersion` of its objects: `v1` or `group/version`.
@@ -175,6 +274,15 @@ pub fn default_resources() -> Vec<ResourceDef> {
         ]),
         ResourceDef::builtin("coordination.k8s.io", "v1", "Lease", "leases"),
         ResourceDef::builtin("authentication.k8s.io", "v1", "TokenReview", "tokenreviews").cluster_scoped(),
+        ResourceDef::builtin(
+            "apiextensions.k8s.io",
+            "v1",
+            "CustomResourceDefinition",
+            "customresourcedefinitions",
+        )
+        .cluster_scoped()
+        .with_status()
+        .with_generation(),
         ResourceDef::builtin("apps", "v1", "Deployment", "deployments")
             .with_status()
             .with_generation(),

@@ -23,11 +23,12 @@ use serde_json::{Value, json};
 use tokio::{net::TcpListener, sync::watch, task::JoinSet, time::Instant};
 
 use super::{
-    Inner, RequestRecord, Verb, lock,
+    Inner, RequestRecord, Verb, crd, lock, openapi,
     registry::ResourceDef,
     selector::{FieldSelector, LabelSelector},
     status::{self, ApiError},
     store::{Deletion, EventType, ObjKey, PatchBody, StoredEvent, Target, render_line},
+    table,
 };
 
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -130,6 +131,8 @@ struct Call<'a> {
     query: HashMap<String, String>,
     content_type: String,
     metadata_only: bool,
+    /// `as=Table` was asked for: answer reads with a Table carrying this much of each object.
+    table: Option<table::Include>,
     body: Bytes,
     rid: usize,
     def: Arc<ResourceDef>,
@@ -211,7 +214,8 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
             .and_then(|v: &HeaderValue| v.to_str().ok())
             .unwrap_or_default()
     };
-    let metadata_only = header(ACCEPT).contains("as=PartialObjectMetadata");
+    let accept = header(ACCEPT).to_owned();
+    let metadata_only = accept.contains("as=PartialObjectMetadata");
     let content_type = header(CONTENT_TYPE)
         .split(';')
         .next()
@@ -229,10 +233,19 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
             format!("Request entity too large: limit is {REQUEST_LIMIT_BYTES}"),
         ));
     }
+    // Built-in types' clients (kubectl's typed ones) send protobuf, which the fake does not
+    // decode: say so as the API server does for a media type it cannot read.
+    if !body.is_empty() && content_type.contains("protobuf") {
+        return error_response(&ApiError::unsupported_patch(&["application/json"]));
+    }
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
     if method == Method::GET {
         match segments.as_slice() {
             ["version"] => return value_response(200, &version()),
+            ["api"] | ["apis"] if aggregated_version(&accept).is_some() => {
+                let version = aggregated_version(&accept).expect("just checked");
+                return aggregated_discovery(&inner, segments[0] == "api", version);
+            }
             ["api"] => return value_response(200, &core_versions(&inner)),
             ["apis"] => return value_response(200, &group_list(&inner)),
             ["apis", group] => {
@@ -243,6 +256,10 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
             }
             ["api", "v1"] => return resource_list(&inner, "", "v1"),
             ["apis", group, version] => return resource_list(&inner, group, version),
+            ["openapi", "v2"] => return openapi_v2(&accept),
+            ["openapi", "v3"] => return with_defs(&inner, |defs| value_response(200, &openapi::index(defs))),
+            ["openapi", "v3", "api", version] => return openapi_v3(&inner, "", version),
+            ["openapi", "v3", "apis", group, version] => return openapi_v3(&inner, group, version),
             _ => {}
         }
     }
@@ -297,10 +314,13 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
         code: 0,
     };
     let injected = inner.take_injected_failure(&record);
+    let table =
+        table::wanted(&accept).then(|| table::Include::parse(query.get("includeObject").map(String::as_str)));
     let call = Call {
         query,
         content_type,
         metadata_only,
+        table,
         body,
         rid,
         def: def.clone(),
@@ -323,6 +343,9 @@ async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<Body> {
         },
     };
     let response = response.unwrap_or_else(|error| error_response(&error));
+    if verb.is_write() && response.status().is_success() && def.is_named(crd::CRD_RESOURCE) {
+        inner.install_crds();
+    }
     record.code = response.status().as_u16();
     lock(&inner.hooks).requests.push(record);
     response
@@ -369,6 +392,17 @@ fn locate<'a>(
 
 fn get(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
     let object = lock(&inner.store).get(call.rid, &call.key())?;
+    if let Some(include) = call.table {
+        let rv = object
+            .pointer("/metadata/resourceVersion")
+            .cloned()
+            .unwrap_or_default();
+        let metadata = json!({"resourceVersion": rv});
+        return Ok(value_response(
+            200,
+            &table::render(&call.def, &[&object], metadata, include),
+        ));
+    }
     Ok(object_response(200, &object, call.metadata_only))
 }
 
@@ -382,7 +416,32 @@ fn list(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
         .map(String::as_str)
         .filter(|c| !c.is_empty());
     let filter = |o: &Value| labels.matches(o) && fields.matches(o);
-    let page = lock(&inner.store).list(call.rid, call.namespace, &filter, limit, continue_token)?;
+    let mut page = lock(&inner.store).list(call.rid, call.namespace, &filter, limit, continue_token)?;
+    if call.def.group.is_empty() && call.def.plural == "events" && page.continue_token.is_none() {
+        // One storage, two APIs: `events.k8s.io/v1` Events are core Events too (after the
+        // last page of the core ones, converted as the API server converts them).
+        let store = lock(&inner.store);
+        if let Some(rid) = store.resolve("events.events.k8s.io") {
+            page.items.extend(
+                store
+                    .all(rid, call.namespace)
+                    .iter()
+                    .map(|e| Arc::new(events_v1_to_core(e)))
+                    .filter(|e| filter(e)),
+            );
+        }
+    }
+    if let Some(include) = call.table {
+        let mut metadata = json!({"resourceVersion": page.rv.to_string()});
+        if let Some(token) = &page.continue_token {
+            metadata["continue"] = token.clone().into();
+        }
+        let objects: Vec<&Value> = page.items.iter().map(|o| &**o).collect();
+        return Ok(value_response(
+            200,
+            &table::render(&call.def, &objects, metadata, include),
+        ));
+    }
     let (kind, api_version) = if call.metadata_only {
         (
             "PartialObjectMetadataList".to_owned(),
@@ -417,8 +476,62 @@ fn list(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
 
 fn create(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
     let body = call.json_body()?;
+    let warnings = field_validation(call, &body)?;
     let created = lock(&inner.store).create(call.rid, call.namespace, body, call.dry_run(), false)?;
-    Ok(object_response(201, &created, call.metadata_only))
+    Ok(warn(
+        object_response(201, &created, call.metadata_only),
+        &warnings,
+    ))
+}
+
+/// `fieldValidation` against a CRD's schema: fields it does not declare are refused with
+/// `Strict`, reported in `Warning` headers with `Warn` (the API server's default) and
+/// let through with `Ignore`. Types without a schema (built-ins) are not checked.
+fn field_validation(call: &Call, body: &Value) -> Result<Vec<String>, ApiError> {
+    let Some(schema) = call.def.schema.as_ref() else {
+        return Ok(Vec::new());
+    };
+    let mode = call
+        .query
+        .get("fieldValidation")
+        .map(String::as_str)
+        .unwrap_or("Warn");
+    match mode {
+        "Strict" | "Warn" | "Ignore" => {}
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "fieldValidation parameter unsupported: {other}"
+            )));
+        }
+    }
+    if mode == "Ignore" {
+        return Ok(Vec::new());
+    }
+    let unknown = crd::unknown_fields(schema, body);
+    if unknown.is_empty() {
+        return Ok(Vec::new());
+    }
+    let found: Vec<String> = unknown.iter().map(|f| format!("unknown field \"{f}\"")).collect();
+    if mode == "Strict" {
+        let kind = &call.def.kind;
+        return Err(ApiError::bad_request(format!(
+            "{kind} in version \"{}\" cannot be handled as a {kind}: strict decoding error: {}",
+            call.def.version,
+            found.join(", ")
+        )));
+    }
+    Ok(found)
+}
+
+/// Adds one `Warning: 299 - "..."` header per warning, as the API server sends them.
+fn warn(mut response: Response<Body>, warnings: &[String]) -> Response<Body> {
+    for warning in warnings {
+        let text = format!("299 - {}", serde_json::Value::String(warning.clone()));
+        if let Ok(value) = HeaderValue::from_str(&text) {
+            response.headers_mut().append("Warning", value);
+        }
+    }
+    response
 }
 
 /// A TokenReview as the API server answers it: the token must be one a test added, and when
@@ -464,9 +577,13 @@ fn token_review(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> 
 
 fn update(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
     let body = call.json_body()?;
+    let warnings = field_validation(call, &body)?;
     let updated =
         lock(&inner.store).update(call.rid, &call.key(), body, call.target, call.dry_run(), true)?;
-    Ok(object_response(200, &updated, call.metadata_only))
+    Ok(warn(
+        object_response(200, &updated, call.metadata_only),
+        &warnings,
+    ))
 }
 
 /// Drops strategic-merge directives (`$patch`, `$retainKeys`, `$setElementOrder/...`),
@@ -565,12 +682,15 @@ fn patch(inner: &Inner, call: &Call) -> Result<Response<Body>, ApiError> {
             _ => PatchBody::Merge(patch),
         }
     };
+    let warnings = match &body {
+        PatchBody::Apply { config, .. } | PatchBody::Merge(config) => field_validation(call, config)?,
+        PatchBody::Json(_) => Vec::new(),
+    };
     let (object, created) =
         lock(&inner.store).patch(call.rid, &call.key(), body, call.target, call.dry_run())?;
-    Ok(object_response(
-        if created { 201 } else { 200 },
-        &object,
-        call.metadata_only,
+    Ok(warn(
+        object_response(if created { 201 } else { 200 }, &object, call.metadata_only),
+        &warnings,
     ))
 }
 
@@ -955,6 +1075,88 @@ fn group_list(inner: &Inner) -> Value {
     json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
 }
 
+/// The aggregated discovery version an Accept header asks for (kubectl >= 1.26 and kube's
+/// `Discovery::run_aggregated` list `v2`, then `v2beta1`, then plain JSON).
+fn aggregated_version(accept: &str) -> Option<&'static str> {
+    let asks = |version: &str| {
+        accept.split(',').any(|media| {
+            let params: Vec<&str> = media.split(';').map(str::trim).collect();
+            params.contains(&"g=apidiscovery.k8s.io")
+                && params.contains(&"as=APIGroupDiscoveryList")
+                && params.contains(&format!("v={version}").as_str())
+        })
+    };
+    ["v2", "v2beta1"].into_iter().find(|v| asks(v))
+}
+
+/// Aggregated discovery (`apidiscovery.k8s.io` `APIGroupDiscoveryList`): every group with
+/// every version and resource in one document, `/api` for the core group, `/apis` for the
+/// others.
+fn aggregated_discovery(inner: &Inner, core: bool, version: &str) -> Response<Body> {
+    let store = lock(&inner.store);
+    // Group → version → resources, in the order they are served.
+    type Versions = Vec<(String, Vec<Value>)>;
+    let mut groups: Vec<(String, Versions)> = Vec::new();
+    for rs in store.resources.iter().filter(|r| r.def.group.is_empty() == core) {
+        let def = &rs.def;
+        let kind = |kind: &str| json!({"group": def.group, "version": def.version, "kind": kind});
+        let mut resource = json!({
+            "resource": def.plural,
+            "responseKind": kind(&def.kind),
+            "scope": if def.namespaced { "Namespaced" } else { "Cluster" },
+            "singularResource": def.singular_name(),
+            "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
+        });
+        if !def.short_names.is_empty() {
+            resource["shortNames"] = json!(def.short_names);
+        }
+        if !def.categories.is_empty() {
+            resource["categories"] = json!(def.categories);
+        }
+        if def.status_subresource {
+            resource["subresources"] = json!([{
+                "subresource": "status",
+                "responseKind": kind(&def.kind),
+                "verbs": ["get", "patch", "update"],
+            }]);
+        }
+        let group = match groups.iter_mut().position(|(name, _)| *name == def.group) {
+            Some(i) => &mut groups[i].1,
+            None => {
+                groups.push((def.group.clone(), Vec::new()));
+                &mut groups.last_mut().expect("just pushed").1
+            }
+        };
+        match group.iter_mut().find(|(v, _)| *v == def.version) {
+            Some((_, resources)) => resources.push(resource),
+            None => group.push((def.version.clone(), vec![resource])),
+        }
+    }
+    let items: Vec<Value> = groups
+        .into_iter()
+        .map(|(name, versions)| {
+            let versions: Vec<Value> = versions
+                .into_iter()
+                .map(|(version, resources)| json!({"version": version, "resources": resources, "freshness": "Current"}))
+                .collect();
+            let metadata = if name.is_empty() { json!({}) } else { json!({"name": name}) };
+            json!({"metadata": metadata, "versions": versions})
+        })
+        .collect();
+    let list = json!({
+        "kind": "APIGroupDiscoveryList",
+        "apiVersion": format!("apidiscovery.k8s.io/{version}"),
+        "metadata": {},
+        "items": items,
+    });
+    let mut response = value_response(200, &list);
+    let content_type = format!("application/json;g=apidiscovery.k8s.io;v={version};as=APIGroupDiscoveryList");
+    if let Ok(value) = HeaderValue::from_str(&content_type) {
+        response.headers_mut().insert(CONTENT_TYPE, value);
+    }
+    response
+}
+
 fn resource_list(inner: &Inner, group: &str, version: &str) -> Response<Body> {
     let store = lock(&inner.store);
     let mut resources = Vec::new();
@@ -964,13 +1166,20 @@ fn resource_list(inner: &Inner, group: &str, version: &str) -> Response<Body> {
         .filter(|r| r.def.group == group && r.def.version == version)
     {
         let def = &rs.def;
-        resources.push(json!({
+        let mut resource = json!({
             "name": def.plural,
-            "singularName": def.kind.to_lowercase(),
+            "singularName": def.singular_name(),
             "namespaced": def.namespaced,
             "kind": def.kind,
             "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
-        }));
+        });
+        if !def.short_names.is_empty() {
+            resource["shortNames"] = json!(def.short_names);
+        }
+        if !def.categories.is_empty() {
+            resource["categories"] = json!(def.categories);
+        }
+        resources.push(resource);
         if def.status_subresource {
             resources.push(json!({
                 "name": format!("{}/status", def.plural),
@@ -993,4 +1202,70 @@ fn resource_list(inner: &Inner, group: &str, version: &str) -> Response<Body> {
         200,
         &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}),
     )
+}
+
+// ---------------------------------------------------------------------------------------
+// OpenAPI and Event conversion
+
+fn with_defs(inner: &Inner, f: impl FnOnce(&[&ResourceDef]) -> Response<Body>) -> Response<Body> {
+    let defs: Vec<Arc<ResourceDef>> = lock(&inner.store)
+        .resources
+        .iter()
+        .map(|r| r.def.clone())
+        .collect();
+    let refs: Vec<&ResourceDef> = defs.iter().map(|d| &**d).collect();
+    f(&refs)
+}
+
+fn openapi_v3(inner: &Inner, group: &str, version: &str) -> Response<Body> {
+    with_defs(inner, |defs| {
+        match openapi::group_version_document(defs, group, version) {
+            Some(document) => value_response(200, &document),
+            None => error_response(&ApiError::unknown_path()),
+        }
+    })
+}
+
+/// client-go asks for the protobuf encoding; other clients get JSON.
+fn openapi_v2(accept: &str) -> Response<Body> {
+    if accept.contains("protobuf") {
+        let mut response = Response::new(full(openapi::v2_protobuf()));
+        response.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/com.github.proto-openapi.spec.v2.v1.0+protobuf"),
+        );
+        response
+    } else {
+        value_response(200, &openapi::v2_json())
+    }
+}
+
+/// An `events.k8s.io/v1` Event as the core `v1` API shows it (the API server's conversion:
+/// `regarding` is `involvedObject`, `note` is `message`, `reportingController` is
+/// `reportingComponent`, the `deprecated*` fields lose their prefix).
+fn events_v1_to_core(event: &Value) -> Value {
+    let mut core = json!({"apiVersion": "v1", "kind": "Event"});
+    let renames = [
+        ("metadata", "metadata"),
+        ("regarding", "involvedObject"),
+        ("related", "related"),
+        ("note", "message"),
+        ("reason", "reason"),
+        ("type", "type"),
+        ("action", "action"),
+        ("eventTime", "eventTime"),
+        ("series", "series"),
+        ("reportingController", "reportingComponent"),
+        ("reportingInstance", "reportingInstance"),
+        ("deprecatedSource", "source"),
+        ("deprecatedFirstTimestamp", "firstTimestamp"),
+        ("deprecatedLastTimestamp", "lastTimestamp"),
+        ("deprecatedCount", "count"),
+    ];
+    for (from, to) in renames {
+        if let Some(value) = event.get(from).filter(|v| !v.is_null()) {
+            core[to] = value.clone();
+        }
+    }
+    core
 }

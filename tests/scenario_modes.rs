@@ -1,0 +1,362 @@
+//! Every lifecycle scenario of machines/scenarios/ replayed in both modes: the real reconciler
+//! with the scenario's scripted provider, health, leases and Secrets, and the Proxy object kept
+//! by the mode's own store and written through the mode's own backend: the embedded store with
+//! `StandaloneBackend`, and the fake API server with `KubeBackend` (finalizer patches with
+//! resourceVersions, status replaces, Events). Each step reads the Proxy back as the mode serves
+//! it. Each mode must plan the same effects and write the same statuses as the in-memory replay
+//! the snapshots show, and its audit trail (Events; the store's audit log) must hold every
+//! transition.
+
+mod support {
+    pub mod fake_apiserver;
+}
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+
+use async_trait::async_trait;
+use egress_proxies_operator::{
+    api::{Proxy, ProxySpec},
+    controller::{
+        cluster::{KubeBackend, events::EventPublisher},
+        simulate::{EPOCH, InMemory, ProxyObjects, Replay, Scenario},
+    },
+    effects::{BackendError, ProxyKey},
+    machine::{AuditEntry, EffectKind},
+    standalone::{StandaloneBackend, progress::Progress, proxy_of},
+    store::{ProxyRecord, Store},
+};
+use k8s_openapi::api::events::v1::Event;
+use kube::{
+    Api, Client,
+    api::{DeleteParams, Patch, PatchParams, PostParams},
+    runtime::{events::Reporter, reflector},
+};
+use serde_json::json;
+use support::fake_apiserver::FakeApiServer;
+
+fn scenario_files() -> Vec<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("machines/scenarios");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("machines/scenarios exists")
+        .map(|e| e.expect("readable entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+fn key(proxy: &Proxy) -> ProxyKey {
+    ProxyKey {
+        namespace: proxy.metadata.namespace.clone().expect("namespaced"),
+        name: proxy.metadata.name.clone().expect("named"),
+    }
+}
+
+// ---- standalone: the embedded store ---------------------------------------------------------
+
+/// The Proxy as standalone mode keeps it: a record in the embedded store (read back from disk
+/// every time), edited as the manifests-folder runner edits it.
+struct Embedded {
+    _dir: tempfile::TempDir,
+    store: Arc<Store>,
+    records: Arc<Mutex<HashMap<ProxyKey, ProxyRecord>>>,
+    key: Mutex<Option<ProxyKey>>,
+}
+
+impl Embedded {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = Arc::new(Store::open(dir.path()).expect("store opens"));
+        Self {
+            _dir: dir,
+            store,
+            records: Arc::default(),
+            key: Mutex::default(),
+        }
+    }
+
+    fn key(&self) -> ProxyKey {
+        self.key.lock().unwrap().clone().expect("created first")
+    }
+
+    /// Changes the record as the runner's merge of the manifests folder does.
+    fn edit(&self, change: impl FnOnce(&mut ProxyRecord)) -> Result<(), BackendError> {
+        let key = self.key();
+        let mut records = self.records.lock().unwrap();
+        let record = records
+            .get_mut(&key)
+            .ok_or_else(|| BackendError::Gone(key.to_string()))?;
+        change(record);
+        self.store
+            .save(&key, record)
+            .map_err(|e| BackendError::Other(e.to_string()))
+    }
+}
+
+#[async_trait]
+impl ProxyObjects for Embedded {
+    type Backend = StandaloneBackend;
+    fn backend(&self) -> StandaloneBackend {
+        StandaloneBackend::new(
+            self.store.clone(),
+            self.records.clone(),
+            Arc::default(),
+            Arc::new(Progress::default()),
+        )
+    }
+    async fn create(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        let key = key(proxy);
+        let record = ProxyRecord {
+            uid: proxy.metadata.uid.clone().expect("uid"),
+            generation: 1,
+            spec: serde_json::to_value(&proxy.spec).expect("spec serializes"),
+            source: "scenario.yaml".to_owned(),
+            finalizer: proxy.metadata.finalizers.is_some(),
+            created: EPOCH,
+            status: proxy.status.clone(),
+            ..ProxyRecord::default()
+        };
+        self.store.save(&key, &record).expect("saved");
+        self.records.lock().unwrap().insert(key.clone(), record);
+        *self.key.lock().unwrap() = Some(key);
+        Ok(())
+    }
+    async fn get(&self) -> Result<Option<Proxy>, BackendError> {
+        let key = self.key();
+        let stored = self
+            .store
+            .reader()
+            .get(&key)
+            .map_err(|e| BackendError::Other(e.to_string()))?;
+        // What the backend writes through and what is on disk never part.
+        assert_eq!(stored.as_ref(), self.records.lock().unwrap().get(&key));
+        Ok(stored.and_then(|record| proxy_of(&key, &record)))
+    }
+    async fn edit_spec(&self, spec: &ProxySpec) -> Result<(), BackendError> {
+        self.edit(|record| {
+            record.spec = serde_json::to_value(spec).expect("spec serializes");
+            record.generation += 1;
+        })
+    }
+    async fn delete(&self) -> Result<(), BackendError> {
+        self.edit(|record| {
+            record.deleting = true;
+            record.deletion_time = Some(EPOCH);
+            record.generation += 1;
+        })
+    }
+    async fn strip_finalizers(&self) -> Result<(), BackendError> {
+        self.edit(|record| record.finalizer = false)
+    }
+}
+
+// ---- cluster: the API server ----------------------------------------------------------------
+
+/// The Proxy as cluster mode keeps it: an object in the (fake) API server, read with a real
+/// `kube::Client`, edited as `kubectl` would.
+struct ApiServer {
+    server: FakeApiServer,
+    client: Client,
+}
+
+impl ApiServer {
+    async fn new() -> Self {
+        let server = FakeApiServer::start().await;
+        let client = server.client();
+        Self { server, client }
+    }
+
+    fn proxies(&self) -> Api<Proxy> {
+        Api::namespaced(self.client.clone(), "sim")
+    }
+
+    /// Every Event about the Proxy: reason → how many times it was observed.
+    async fn event_counts(&self) -> BTreeMap<String, i32> {
+        let events: Api<Event> = Api::namespaced(self.client.clone(), "sim");
+        let mut counts = BTreeMap::new();
+        for event in events.list(&Default::default()).await.expect("events list") {
+            let reason = event.reason.clone().expect("an Event has a reason");
+            *counts.entry(reason).or_default() += event.series.map_or(1, |s| s.count);
+        }
+        counts
+    }
+}
+
+fn kube_error(err: kube::Error) -> BackendError {
+    BackendError::Other(err.to_string())
+}
+
+#[async_trait]
+impl ProxyObjects for ApiServer {
+    type Backend = KubeBackend;
+    fn backend(&self) -> KubeBackend {
+        let reporter = Reporter {
+            controller: "egress-proxies-operator".to_owned(),
+            instance: Some("scenario".to_owned()),
+        };
+        let (cloud_init_secrets, _writer) = reflector::store();
+        KubeBackend::new(
+            self.client.clone(),
+            EventPublisher::new(self.client.clone(), reporter),
+            cloud_init_secrets,
+        )
+    }
+    async fn create(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        let mut object = proxy.clone();
+        object.status = None;
+        let created = self
+            .proxies()
+            .create(&PostParams::default(), &object)
+            .await
+            .map_err(kube_error)?;
+        if let Some(status) = &proxy.status {
+            let mut with_status = created;
+            with_status.status = Some(status.clone());
+            self.proxies()
+                .replace_status("proxy", &PostParams::default(), &with_status)
+                .await
+                .map_err(kube_error)?;
+        }
+        Ok(())
+    }
+    async fn get(&self) -> Result<Option<Proxy>, BackendError> {
+        self.proxies().get_opt("proxy").await.map_err(kube_error)
+    }
+    async fn edit_spec(&self, spec: &ProxySpec) -> Result<(), BackendError> {
+        self.proxies()
+            .patch(
+                "proxy",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": spec})),
+            )
+            .await
+            .map(drop)
+            .map_err(kube_error)
+    }
+    async fn delete(&self) -> Result<(), BackendError> {
+        self.proxies()
+            .delete("proxy", &DeleteParams::default())
+            .await
+            .map(drop)
+            .map_err(kube_error)
+    }
+    async fn strip_finalizers(&self) -> Result<(), BackendError> {
+        let patch = json!({"metadata": {"finalizers": null}});
+        self.proxies()
+            .patch("proxy", &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map(drop)
+            .map_err(kube_error)
+    }
+}
+
+// ---- the comparison -------------------------------------------------------------------------
+
+/// Asserts that `replay` (in `mode`) did what the in-memory `reference` did: the same
+/// transitions, plans, status writes (field by field) and final status.
+fn assert_same(stem: &str, mode: &str, reference: &Replay, replay: &Replay) {
+    let trail = reference.render();
+    assert_eq!(
+        replay.render(),
+        trail,
+        "{stem}: the {mode} trail differs from the in-memory one"
+    );
+    assert_eq!(
+        replay.steps.len(),
+        reference.steps.len(),
+        "{stem} ({mode}): steps"
+    );
+    for (ours, theirs) in replay.steps.iter().zip(&reference.steps) {
+        let at = ours.at;
+        assert_eq!(ours.audit, theirs.audit, "{stem} ({mode}) +{at}s: transitions");
+        assert_eq!(ours.plans, theirs.plans, "{stem} ({mode}) +{at}s: plans");
+        assert_eq!(
+            ours.written, theirs.written,
+            "{stem} ({mode}) +{at}s: status write"
+        );
+    }
+    assert_eq!(
+        replay.status, reference.status,
+        "{stem} ({mode}): final status\n{trail}"
+    );
+    assert_eq!(replay.creates, reference.creates, "{stem} ({mode}): create calls");
+}
+
+/// The transitions whose row records them (`record_event`): the persisted audit trail.
+fn recorded(replay: &Replay) -> impl Iterator<Item = &AuditEntry> {
+    replay
+        .audit()
+        .filter(|entry| entry.effects.contains(&EffectKind::RecordEvent))
+}
+
+/// The recorded transitions of the replay, by reason.
+fn recorded_counts(replay: &Replay) -> BTreeMap<String, i32> {
+    let mut counts = BTreeMap::new();
+    for entry in recorded(replay) {
+        *counts.entry(entry.reason.clone()).or_default() += 1;
+    }
+    counts
+}
+
+#[tokio::test]
+async fn every_scenario_plans_and_writes_the_same_in_standalone_mode() {
+    let files = scenario_files();
+    assert!(files.len() >= 25, "the scenarios ship");
+    for path in files {
+        let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+        let scenario = Scenario::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        let reference = scenario.replay_in(&InMemory::default()).await.unwrap();
+        let embedded = Embedded::new();
+        let replay = scenario
+            .replay_in(&embedded)
+            .await
+            .unwrap_or_else(|e| panic!("{stem} in standalone mode: {e}"));
+        assert_same(&stem, "standalone", &reference, &replay);
+        // The store's audit log holds every transition its row records, in order (a deleted
+        // Proxy's log goes with it).
+        let key = ProxyKey {
+            namespace: "sim".to_owned(),
+            name: "proxy".to_owned(),
+        };
+        if embedded.store.reader().get(&key).unwrap().is_some() {
+            let logged: Vec<_> = embedded
+                .store
+                .reader()
+                .audit(&key)
+                .unwrap()
+                .into_iter()
+                .map(|line| line.entry)
+                .collect();
+            let audit: Vec<_> = recorded(&replay).cloned().collect();
+            assert_eq!(logged, audit, "{stem}: the stored audit log");
+        }
+    }
+}
+
+#[tokio::test]
+async fn every_scenario_plans_and_writes_the_same_in_cluster_mode() {
+    for path in scenario_files() {
+        let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+        let scenario = Scenario::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        let reference = scenario.replay_in(&InMemory::default()).await.unwrap();
+        let api = ApiServer::new().await;
+        let replay = scenario
+            .replay_in(&api)
+            .await
+            .unwrap_or_else(|e| panic!("{stem} in cluster mode: {e}"));
+        assert_same(&stem, "cluster", &reference, &replay);
+        // Every transition its row records is an Event (repeats folded into a series, as
+        // client-go does).
+        assert_eq!(
+            api.event_counts().await,
+            recorded_counts(&replay),
+            "{stem}: Events by reason\n{}",
+            replay.render()
+        );
+        drop(api.server);
+    }
+}
