@@ -285,8 +285,9 @@ pub async fn run_standalone(
         "leases restored"
     );
     store.restore(&recovered.checkpoint);
-    if options.durable_leases {
-        // Nothing answered was lost: restored leases are as real as live ones.
+    if options.durable_leases && recovered.exact {
+        // Nothing answered was lost: restored leases are as real as live ones. (After a run
+        // without the journal, the unconfirmed-lease grace applies once more.)
         store.trust_restored();
     }
     let signer = LeaseSigner::load_or_create(&options.state.join("lease-signing.key"))

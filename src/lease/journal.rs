@@ -851,6 +851,9 @@ pub struct Recovered {
     pub replayed: usize,
     /// Segments that ended in a torn or corrupt frame (ignored from there).
     pub torn: usize,
+    /// Whether the state is exact: there was no snapshot, or one written with the journal on
+    /// (a snapshot from a run without it may hold leases released in its last second).
+    pub exact: bool,
 }
 
 /// Replays the segments in `dir` onto `snapshot` (records it already holds are skipped).
@@ -859,6 +862,7 @@ pub fn recover(dir: &Path, snapshot: Option<Checkpoint>) -> Result<Recovered, Jo
         version: Checkpoint::VERSION,
         ..Checkpoint::default()
     });
+    let exact = cp.journal_seq.is_some() || (cp.proxies.is_empty() && cp.sessions.is_empty());
     let from = cp.journal_seq.unwrap_or(0);
     let mut last_seq = from;
     let mut replay = Replay::new(&mut cp);
@@ -889,6 +893,7 @@ pub fn recover(dir: &Path, snapshot: Option<Checkpoint>) -> Result<Recovered, Jo
         last_seq,
         replayed,
         torn,
+        exact,
     })
 }
 
@@ -1231,6 +1236,14 @@ mod tests {
         // Every token replayed bounds the next ones: shard 1 issued 33, 65 and 97.
         assert_eq!(r.checkpoint.token_hwm.get(&1), Some(&97));
         assert_eq!(r.checkpoint.journal_seq, Some(4));
+        assert!(r.exact, "no snapshot: the journal is the whole state");
+        // A snapshot written without the journal may be a second behind: not exact.
+        let plain = Checkpoint {
+            journal_seq: None,
+            ..r.checkpoint.clone()
+        };
+        assert!(!recover(dir.path(), Some(plain)).unwrap().exact);
+        assert!(recover(dir.path(), Some(r.checkpoint)).unwrap().exact);
     }
 
     #[tokio::test]
