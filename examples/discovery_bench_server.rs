@@ -1,10 +1,15 @@
 //! The server side of the wrk benchmark (`benches/wrk.sh`): `discovery` serves the real
 //! discovery API over a store of 10k proxies, with the standalone mode's upkeep (reaper and a
-//! file checkpoint every second); `bare` serves the bare hyper baseline with canned answers.
-//! Both print `listening on ADDR` and run until killed, on a default multi-thread tokio
-//! runtime, like the operator (one worker per CPU it may run on: `taskset` decides).
+//! file checkpoint every second) as with `--no-durable-leases`; `durable` the same with the lease
+//! journal in a temporary folder (standalone's default: every acquire and release fsynced, with
+//! group commit, before it is answered; `EPO_JOURNAL_WINDOW_US` sets the group-commit window);
+//! `bare` serves the bare hyper baseline with canned answers.
+//! Each prints `listening on ADDR` and runs until SIGTERM (then removes its temporary folder),
+//! on a default multi-thread tokio runtime, like the operator (one worker per CPU it may run
+//! on: `taskset` decides). `EPO_JOURNAL_STATS=1` prints records and time per journal sync.
 //!
-//! `cargo run --release --example discovery_bench_server -- discovery|bare`
+//! `cargo run --release --example discovery_bench_server -- discovery|durable|bare`
+//! (`EPO_BENCH_STATE_DIR` puts the journal's folder elsewhere than the system's temp folder)
 
 #[path = "../benches/common/mod.rs"]
 mod common;
@@ -14,7 +19,8 @@ use std::{io::Write, sync::Arc};
 use egress_proxies_operator::{
     discovery,
     lease::{
-        checkpoint::{CheckpointStore, FileCheckpoint, MaintenanceConfig},
+        checkpoint::{CheckpointReport, CheckpointStore, FileCheckpoint, MaintenanceConfig},
+        journal::{self, Journal, JournalConfig, JournalMetrics},
         maintenance,
     },
 };
@@ -22,8 +28,8 @@ use tokio::net::TcpListener;
 
 fn main() {
     let mode = std::env::args().nth(1).unwrap_or_default();
-    if mode != "discovery" && mode != "bare" {
-        eprintln!("usage: discovery_bench_server discovery|bare");
+    if !["discovery", "durable", "bare"].contains(&mode.as_str()) {
+        eprintln!("usage: discovery_bench_server discovery|durable|bare");
         std::process::exit(2);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -33,25 +39,78 @@ fn main() {
     runtime.block_on(async {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("bound address");
-        let state_dir = tempfile::tempdir().expect("temporary folder");
+        let state_dir = match std::env::var_os("EPO_BENCH_STATE_DIR") {
+            Some(dir) => tempfile::tempdir_in(dir),
+            None => tempfile::tempdir(),
+        }
+        .expect("temporary folder");
         let server = if mode == "bare" {
             tokio::spawn(common::serve_bare(listener))
         } else {
             let store = common::filled_store(1);
-            let checkpoint = Arc::new(FileCheckpoint::new(state_dir.path().join("leases.json")));
+            let checkpoint = FileCheckpoint::new(state_dir.path().join("leases.json"));
+            let state = common::discovery_state(store.clone());
+            let sink = if mode == "durable" {
+                let mut config = JournalConfig::new(state_dir.path());
+                if let Some(us) = std::env::var("EPO_JOURNAL_WINDOW_US")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                {
+                    config.window = std::time::Duration::from_micros(us);
+                }
+                let metrics = JournalMetrics::default();
+                let journal = Journal::start(config, 1, metrics.clone()).expect("journal");
+                if std::env::var_os("EPO_JOURNAL_STATS").is_some() {
+                    // Records per sync and sync time, every 5 s on stderr.
+                    tokio::spawn(async move {
+                        let mut last = metrics.totals();
+                        loop {
+                            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                            let now = metrics.totals();
+                            let (records, syncs, secs) = (now.0 - last.0, now.1 - last.1, now.2 - last.2);
+                            if syncs > 0 {
+                                eprintln!(
+                                    "journal: {records} records in {syncs} syncs ({:.1} per sync), {:.0} µs per sync",
+                                    records as f64 / syncs as f64,
+                                    1e6 * secs / syncs as f64
+                                );
+                            }
+                            last = now;
+                        }
+                    });
+                }
+                state.set_journal(journal.clone());
+                tokio::spawn(journal::compaction(
+                    store.clone(),
+                    journal,
+                    checkpoint,
+                    state_dir.path().to_owned(),
+                    MaintenanceConfig::default().checkpoint_interval,
+                    CheckpointReport::default(),
+                    std::future::pending(),
+                ));
+                None
+            } else {
+                Some(Arc::new(checkpoint) as Arc<dyn CheckpointStore>)
+            };
             tokio::spawn(maintenance(
                 store.clone(),
-                Some(checkpoint as Arc<dyn CheckpointStore>),
+                sink,
                 MaintenanceConfig::default(),
                 std::future::pending(),
             ));
-            let state = common::discovery_state(store);
             tokio::spawn(async move {
                 let _ = discovery::serve(listener, state, std::future::pending()).await;
             })
         };
         println!("listening on {addr}");
         let _ = std::io::stdout().flush();
-        let _ = server.await;
+        // benches/wrk.sh stops it with SIGTERM: return, so the temporary folder is removed.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = server => {}
+            _ = term.recv() => {}
+        }
+        drop(state_dir);
     });
 }

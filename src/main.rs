@@ -207,6 +207,12 @@ enum Command {
         /// every instance, and orphan GC and adoption act only on instances carrying both.
         #[arg(long, default_value = "standalone")]
         installation_name: String,
+        /// Answer lease operations before they are durable: leases are then checkpointed once
+        /// a second, and a crash can lose the last second's acquires and releases (docs/api.md).
+        /// By default each acquire, renewal and release is in the lease journal (fsynced, with
+        /// group commit) before it is answered.
+        #[arg(long)]
+        no_durable_leases: bool,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         json_logs: bool,
@@ -375,11 +381,13 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             discovery_no_auth,
             lifecycle,
             installation_name,
+            no_durable_leases,
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
             let options = app::StandaloneOptions {
                 installation_name,
+                durable_leases: !no_durable_leases,
                 manifests,
                 providers_config,
                 state,
@@ -466,9 +474,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     print!("{}", status::render_audit(&store, &key)?);
                 }
                 None => {
-                    let checkpoint = state.join("leases.checkpoint");
+                    let checkpoint = state.join(app::LEASE_CHECKPOINT_FILE);
                     let leases =
-                        egress_proxies_operator::lease::checkpoint::active_leases_by_proxy(&checkpoint);
+                        egress_proxies_operator::lease::journal::active_leases_by_proxy(&state, &checkpoint);
                     let count = |key: &egress_proxies_operator::effects::ProxyKey| {
                         leases
                             .get(&format!("{}/{}", key.namespace, key.name))

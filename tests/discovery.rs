@@ -25,6 +25,7 @@ use egress_proxies_operator::{
     lease::{
         Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, ProxyKey,
         checkpoint::{decode_chunks, encode_chunks},
+        journal::{Journal, JournalConfig, JournalMetrics, SEGMENT_PREFIX},
         token::LeaseSigner,
     },
     provider::{Credentials, Endpoint},
@@ -72,6 +73,7 @@ fn demo_store() -> LeaseStore {
 /// A live server on 127.0.0.1:0; stops (gracefully) on Drop.
 struct Server {
     url: String,
+    state: DiscoveryState,
     ready: watch::Sender<Readiness>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
@@ -97,11 +99,12 @@ impl Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(discovery::serve(listener, state, async {
+        let task = tokio::spawn(discovery::serve(listener, state.clone(), async {
             let _ = stopped.await;
         }));
         Server {
             url,
+            state,
             ready,
             stop: Some(stop),
             task: Some(task),
@@ -1532,6 +1535,35 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
             contract.check(method, Some(template), status, &head, &body);
         }
     }
+    server
+        .ready
+        .send(Readiness {
+            synced: true,
+            leader: true,
+        })
+        .unwrap();
+    // A lease journal whose disk is full: the acquire is not durable, so not answered 201, and
+    // /readyz says why.
+    let journal_dir = tempfile::tempdir().unwrap();
+    let journal = Journal::start(
+        JournalConfig::new(journal_dir.path()),
+        1,
+        JournalMetrics::default(),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(
+        "/dev/full",
+        journal_dir.path().join(format!("{SEGMENT_PREFIX}{:020}", 1)),
+    )
+    .unwrap();
+    server.state.set_journal(journal.clone());
+    for (method, path) in [("POST", "/v1/leases"), ("GET", "/readyz")] {
+        let (status, head, body) = call(&url, method, path, Some(TOKEN), r#"{"holder":"c"}"#).await;
+        assert_eq!(status, 503, "{method} {path}: {body}");
+        assert!(body.contains("journal_unavailable"), "{body}");
+        contract.check(method, Some(path), status, &head, &body);
+    }
+    journal.close();
     // What the HTTP layer answers by itself.
     for (request, want) in [
         (b"HELLO THERE\r\n\r\n".to_vec(), 400),

@@ -246,6 +246,7 @@ fn parts_written_at_different_times_merge_to_the_newest_state() {
             proxy("b", CheckpointAdmission::Open),
         ],
         sessions: vec![session("a", 5_000)],
+        journal_seq: None,
     };
     let newer = Checkpoint {
         version: Checkpoint::VERSION,
@@ -253,6 +254,7 @@ fn parts_written_at_different_times_merge_to_the_newest_state() {
         token_hwm: BTreeMap::from([(0, 700)]),
         proxies: vec![proxy("a", CheckpointAdmission::Draining)],
         sessions: vec![session("c", 9_000)],
+        journal_seq: None,
     };
     let merged = Checkpoint::merge([newer, older]).unwrap();
     assert_eq!(merged.saved_at_ms, 2_000);

@@ -25,6 +25,7 @@ use crate::{
     lease::{
         LeaseStore, LeaseStoreConfig,
         checkpoint::{CheckpointReport, CheckpointStore, FileCheckpoint, MaintenanceConfig, maintenance},
+        journal::{self, Journal, JournalConfig, JournalMetrics},
         token::LeaseSigner,
     },
     monitor::{LogSink, Monitor},
@@ -81,7 +82,15 @@ pub struct StandaloneOptions {
     /// This installation's name; its cluster identity is the ID generated once into the
     /// state folder ([`installation_id`]).
     pub installation_name: String,
+    /// Make every acquire, renewal and release durable (the lease journal) before answering
+    /// it. Off: leases are checkpointed once a second and a crash can lose the last second's
+    /// operations (docs/api.md).
+    pub durable_leases: bool,
 }
+
+/// The file in the state folder holding standalone mode's lease snapshot (the lease journal's
+/// segments, [`journal::SEGMENT_PREFIX`], sit beside it).
+pub const LEASE_CHECKPOINT_FILE: &str = "leases.checkpoint";
 
 /// The file in the state folder holding standalone mode's generated cluster identity.
 pub const INSTALLATION_ID_FILE: &str = "installation-id";
@@ -260,16 +269,26 @@ pub async fn run_standalone(
     info!(installation = %installation, "installation identity");
     let providers = ProviderRegistry::for_installation(&config, None, &installation)?;
 
-    // Leases: restored from the last checkpoint, signed with a key kept in the state folder.
+    // Leases: restored from the last checkpoint and the journal replayed onto it (also with
+    // durability off: a journal left by an earlier run holds answered operations), signed
+    // with a key kept in the state folder.
     let store = LeaseStore::new(LeaseStoreConfig::default());
-    let checkpoint = Arc::new(FileCheckpoint::new(options.state.join("leases.checkpoint")));
-    match checkpoint.load().await {
-        Ok(Some(saved)) => {
-            info!(leases = saved.lease_count(), "lease checkpoint restored");
-            store.restore(&saved);
-        }
-        Ok(None) => {}
-        Err(err) => warn!(error = %err, "lease checkpoint unreadable; starting without it"),
+    let checkpoint = Arc::new(FileCheckpoint::new(options.state.join(LEASE_CHECKPOINT_FILE)));
+    let recovered = journal::recover_and_compact(&options.state, &checkpoint)
+        .await
+        .map_err(|e| AppError::Startup(format!("recovering leases: {e}")))?;
+    info!(
+        leases = recovered.checkpoint.lease_count(),
+        replayed = recovered.replayed,
+        torn_segments = recovered.torn,
+        durable = options.durable_leases,
+        "leases restored"
+    );
+    store.restore(&recovered.checkpoint);
+    if options.durable_leases && recovered.exact {
+        // Nothing answered was lost: restored leases are as real as live ones. (After a run
+        // without the journal, the unconfirmed-lease grace applies once more.)
+        store.trust_restored();
     }
     let signer = LeaseSigner::load_or_create(&options.state.join("lease-signing.key"))
         .map_err(|e| AppError::Startup(format!("lease signing key: {e}")))?;
@@ -284,6 +303,8 @@ pub async fn run_standalone(
     let discovery_metrics = DiscoveryMetrics::register(&mut registry);
     let checkpoint_report = CheckpointReport::default();
     checkpoint_report.register(&mut registry);
+    let journal_metrics = JournalMetrics::default();
+    journal_metrics.register(&mut registry);
     let registry = Arc::new(registry);
     let (health_handle, mut health_events) = HealthEngine::start(HealthConfig {
         probe_metrics: Some(metrics.probe_metrics()),
@@ -314,6 +335,18 @@ pub async fn run_standalone(
     ));
     let health_log = status_page.health_log();
     state.set_status_page(status_page);
+    let journal = if options.durable_leases {
+        let journal = Journal::start(
+            JournalConfig::new(&options.state),
+            recovered.last_seq + 1,
+            journal_metrics,
+        )
+        .map_err(|e| AppError::Startup(e.to_string()))?;
+        state.set_journal(journal.clone());
+        Some(journal)
+    } else {
+        None
+    };
     let listener = tokio::net::TcpListener::bind(options.listen)
         .await
         .map_err(|e| AppError::Startup(format!("binding the discovery API on {}: {e}", options.listen)))?;
@@ -363,12 +396,29 @@ pub async fn run_standalone(
         }
     });
     let api = tokio::spawn(discovery::serve(listener, state, stopped()));
+    // With the journal, compaction saves the checkpoint and maintenance only reaps.
+    let maintenance_config = MaintenanceConfig::default();
+    let compaction = journal.map(|journal| {
+        tokio::spawn(journal::compaction(
+            store.clone(),
+            journal,
+            (*checkpoint).clone(),
+            options.state.clone(),
+            maintenance_config.checkpoint_interval,
+            checkpoint_report.clone(),
+            stopped(),
+        ))
+    });
+    let sink = match compaction {
+        Some(_) => None,
+        None => Some(checkpoint as Arc<dyn CheckpointStore>),
+    };
     let upkeep = tokio::spawn(maintenance(
         store.clone(),
-        Some(checkpoint as Arc<dyn CheckpointStore>),
+        sink,
         MaintenanceConfig {
             report: checkpoint_report,
-            ..MaintenanceConfig::default()
+            ..maintenance_config
         },
         stopped(),
     ));
@@ -411,6 +461,9 @@ pub async fn run_standalone(
     }
     if let Ok(Err(err)) = upkeep.await {
         warn!(error = %err, "the last lease checkpoint failed");
+    }
+    if let Some(compaction) = compaction {
+        let _ = compaction.await;
     }
     Ok(())
 }

@@ -48,7 +48,10 @@ pub use wire::{
 };
 
 use crate::lease::{
-    AcquireRequest, LeaseError, LeaseStore, Selector, rfc3339,
+    AcquireRequest, LeaseError, LeaseStore, Outcome, Selector,
+    checkpoint::BanCheckpoint,
+    journal::{Journal, JournalError, Record},
+    rfc3339,
     token::{LeaseSigner, MAX_ID_LEN},
 };
 use metrics::{CodeLabels, ResultLabels};
@@ -95,6 +98,7 @@ struct StateInner {
     metrics: DiscoveryMetrics,
     config: DiscoveryConfig,
     ui: std::sync::OnceLock<Arc<crate::ui::StatusPage>>,
+    journal: std::sync::OnceLock<Journal>,
 }
 
 /// What the API serves from; cheap to clone.
@@ -127,6 +131,7 @@ impl DiscoveryState {
                 metrics,
                 config,
                 ui: std::sync::OnceLock::new(),
+                journal: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -134,6 +139,12 @@ impl DiscoveryState {
     /// Serves the status page at `GET /ui` (standalone mode; once).
     pub fn set_status_page(&self, page: Arc<crate::ui::StatusPage>) {
         let _ = self.inner.ui.set(page);
+    }
+
+    /// Makes acquires, renewals and releases durable before they are answered (standalone
+    /// mode; once): each handler appends what changed to `journal` and awaits its commit.
+    pub fn set_journal(&self, journal: Journal) {
+        let _ = self.inner.journal.set(journal);
     }
 
     /// The lease store behind the API.
@@ -416,20 +427,23 @@ where
     }
     let identity = authenticate(s, parts).await?;
     check_ready(s)?;
+    if !matches!(route, Route::List) {
+        check_journal(s)?;
+    }
     // One instant per request: every store decision and every time in the answer is about it.
     match route {
         Route::List => list(s, parts, s.store.now_ms()),
         Route::Acquire => {
             let req: AcquireBody = read_json(s, parts, body).await?;
-            acquire(s, &identity, req, s.store.now_ms())
+            acquire(s, &identity, req, s.store.now_ms()).await
         }
         Route::Renew(id) => {
             let req: RenewBody = read_json(s, parts, body).await?;
-            renew(s, id, req, s.store.now_ms())
+            renew(s, id, req, s.store.now_ms()).await
         }
         Route::Release(id) => {
             let req: ReleaseBody = read_json(s, parts, body).await?;
-            release(s, id, req, s.store.now_ms())
+            release(s, id, req, s.store.now_ms()).await
         }
         Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Ui => {
             unreachable!("answered above")
@@ -455,12 +469,14 @@ fn healthz() -> Response<Full<Bytes>> {
     tag = "operations",
     responses(
         (status = 200, description = "Ready to serve leases", body = StatusBody),
-        (status = 503, description = "`not_ready` or `not_leader`", body = ErrorBody,
+        (status = 503, description = "`not_ready`, `not_leader` or `journal_unavailable` (standalone: \
+            the lease journal cannot sync)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait: 1"))),
     ),
 )]
 fn readyz(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> {
     check_ready(s)?;
+    check_journal(s)?;
     Ok(json(StatusCode::OK, &StatusBody { status: "ready" }))
 }
 
@@ -521,6 +537,35 @@ fn check_ready(s: &StateInner) -> Result<(), ApiError> {
         .retry(Duration::from_secs(1)));
     }
     Ok(())
+}
+
+/// Refuses lease operations while the journal cannot make them durable.
+fn check_journal(s: &StateInner) -> Result<(), ApiError> {
+    match s.journal.get().and_then(Journal::failing) {
+        Some(why) => Err(journal_unavailable(&JournalError::Failing(why))),
+        None => Ok(()),
+    }
+}
+
+fn journal_unavailable(error: &JournalError) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "journal_unavailable",
+        format!("the lease operation could not be made durable: {error}"),
+    )
+    .retry(Duration::from_secs(1))
+}
+
+/// Appends `record` to the journal, if any, and waits until it is durable.
+async fn commit(s: &StateInner, record: impl FnOnce() -> Record) -> Result<(), ApiError> {
+    match s.journal.get() {
+        Some(journal) => journal
+            .append(&record())
+            .wait()
+            .await
+            .map_err(|e| journal_unavailable(&e)),
+        None => Ok(()),
+    }
 }
 
 async fn authenticate(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<Identity, ApiError> {
@@ -653,13 +698,13 @@ fn list(
         (status = 401, description = "`unauthorized`", body = ErrorBody),
         (status = 403, description = "`forbidden`", body = ErrorBody),
         (status = 413, description = "`payload_too_large`: body over 16 KiB", body = ErrorBody),
-        (status = 503, description = "`no_proxy_available` (nothing eligible now), `not_ready`, `not_leader` or \
-            `auth_unavailable`", body = ErrorBody,
+        (status = 503, description = "`no_proxy_available` (nothing eligible now), `not_ready`, `not_leader`, \
+            `auth_unavailable` or `journal_unavailable` (the lease could not be made durable)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds until trying again may succeed: 1 to 60"))),
     ),
     security(("bearer" = [])),
 )]
-fn acquire(
+async fn acquire(
     s: &StateInner,
     identity: &Identity,
     req: AcquireBody,
@@ -693,6 +738,17 @@ fn acquire(
         req.target_domain.as_deref(),
         req.session_key.as_deref(),
     );
+    if let Err(error) = commit(s, || {
+        Record::acquired(&lease, &claim, s.store.config().session_idle_ttl)
+    })
+    .await
+    {
+        // Not durable, so not granted: free the slot (nobody was told its token).
+        let _ = s
+            .store
+            .release_at(&lease.id, lease.fencing_token, Outcome::Error, None, now);
+        return Err(error);
+    }
     let lease_id = s.signer.sign(&claim);
     let body = AcquireResponse {
         lease_id,
@@ -726,6 +782,10 @@ fn with_claim<T>(
     match op(&claim.id) {
         Err(LeaseError::NotFound) => {
             s.store.reinstate_at(&claim, token, now)?;
+            if let Some(journal) = s.journal.get() {
+                // The operation's own record follows: its commit makes this one durable too.
+                drop(journal.append(&Record::reinstated(&claim, token)));
+            }
             tracing::info!(proxy = %claim.id.key, "lease reinstated from its signed ID");
             Ok(op(&claim.id)?)
         }
@@ -748,12 +808,17 @@ fn with_claim<T>(
         (status = 404, description = "`lease_not_found`: unknown, released, revoked or expired", body = ErrorBody),
         (status = 409, description = "`stale_token` or `proxy_draining`", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+        (status = 503, description = "`not_ready`, `not_leader`, `auth_unavailable` or `journal_unavailable` (the operation could not be made durable)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ),
     security(("bearer" = [])),
 )]
-fn renew(s: &StateInner, id: &str, req: RenewBody, now: u64) -> Result<Response<Full<Bytes>>, ApiError> {
+async fn renew(
+    s: &StateInner,
+    id: &str,
+    req: RenewBody,
+    now: u64,
+) -> Result<Response<Full<Bytes>>, ApiError> {
     if req
         .ttl_seconds
         .is_some_and(|t| t == 0 || t > wire::MAX_TTL_SECONDS)
@@ -764,9 +829,18 @@ fn renew(s: &StateInner, id: &str, req: RenewBody, now: u64) -> Result<Response<
         )));
     }
     let ttl = req.ttl_seconds.map(Duration::from_secs);
-    let renewed = with_claim(s, id, req.fencing_token, now, |lease| {
-        s.store.renew_at(lease, req.fencing_token, ttl, now)
+    let (renewed, lease) = with_claim(s, id, req.fencing_token, now, |lease| {
+        s.store
+            .renew_at(lease, req.fencing_token, ttl, now)
+            .map(|r| (r, lease.clone()))
     })?;
+    commit(s, || Record::Renew {
+        key: lease.key,
+        first_token: lease.first_token,
+        token: renewed.fencing_token,
+        expires_at_ms: renewed.expires_at_ms,
+    })
+    .await?;
     Ok(json(
         StatusCode::OK,
         &RenewResponse {
@@ -792,22 +866,50 @@ fn renew(s: &StateInner, id: &str, req: RenewBody, now: u64) -> Result<Response<
         (status = 404, description = "`lease_not_found`: unknown, released, revoked or expired", body = ErrorBody),
         (status = 409, description = "`stale_token`", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+        (status = 503, description = "`not_ready`, `not_leader`, `auth_unavailable` or `journal_unavailable` (the operation could not be made durable)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ),
     security(("bearer" = [])),
 )]
-fn release(s: &StateInner, id: &str, req: ReleaseBody, now: u64) -> Result<Response<Full<Bytes>>, ApiError> {
+async fn release(
+    s: &StateInner,
+    id: &str,
+    req: ReleaseBody,
+    now: u64,
+) -> Result<Response<Full<Bytes>>, ApiError> {
     req.validate().map_err(ApiError::bad_request)?;
-    with_claim(s, id, req.fencing_token, now, |lease| {
-        s.store.release_at(
-            lease,
-            req.fencing_token,
-            req.outcome,
-            req.target_domain.as_deref(),
-            now,
-        )
+    let lease = with_claim(s, id, req.fencing_token, now, |lease| {
+        s.store
+            .release_at(
+                lease,
+                req.fencing_token,
+                req.outcome,
+                req.target_domain.as_deref(),
+                now,
+            )
+            .map(|()| lease.clone())
     })?;
+    commit(s, || {
+        let ban = (req.outcome == Outcome::Banned)
+            .then(|| {
+                // The store took the lease's own domain when the release named none.
+                req.target_domain
+                    .clone()
+                    .or_else(|| verify(s, id).ok()?.target_domain)
+            })
+            .flatten()
+            .map(|domain| BanCheckpoint {
+                domain: LeaseStore::normalize_domain(&domain),
+                until_ms: now + s.store.config().ban_cooldown.as_millis() as u64,
+            });
+        Record::Release {
+            cooldown_until_ms: s.store.cooldown_until(&lease.key, now),
+            key: lease.key,
+            first_token: lease.first_token,
+            ban,
+        }
+    })
+    .await?;
     s.metrics
         .released
         .get_or_create(&CodeLabels {

@@ -572,3 +572,56 @@ async fn length_limits_count_characters_where_the_docs_say_characters() {
         assert_eq!(a.status, want, "{body}: {}", a.text);
     }
 }
+
+#[tokio::test]
+async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_failed_sync_is_a_503() {
+    use crate::lease::journal::{self, Journal, JournalConfig, JournalMetrics, SEGMENT_PREFIX};
+    let dir = tempfile::tempdir().unwrap();
+    let h = harness(2, 1);
+    let journal = Journal::start(JournalConfig::new(dir.path()), 1, JournalMetrics::default()).unwrap();
+    h.state.set_journal(journal.clone());
+    let acquired = h.call("POST", "/v1/leases", Some(json!({"holder": "c1"}))).await;
+    assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
+    let renewed = h
+        .call(
+            "POST",
+            &format!("/v1/leases/{}/renew", acquired.body["leaseId"].as_str().unwrap()),
+            Some(json!({"fencingToken": acquired.body["fencingToken"]})),
+        )
+        .await;
+    assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.text);
+    // Answered, so already in the log (no close, no flush).
+    let r = journal::recover(dir.path(), None).unwrap();
+    let lease = &r.checkpoint.proxies[0].leases[0];
+    assert_eq!(Some(lease.token), renewed.body["fencingToken"].as_u64());
+
+    // The next segment is a full disk.
+    let through = journal.rotate().await.unwrap();
+    std::os::unix::fs::symlink(
+        "/dev/full",
+        dir.path().join(format!("{SEGMENT_PREFIX}{:020}", through + 1)),
+    )
+    .unwrap();
+    let refused = h.call("POST", "/v1/leases", Some(json!({"holder": "c2"}))).await;
+    assert_eq!(
+        (refused.status, code(&refused)),
+        (StatusCode::SERVICE_UNAVAILABLE, "journal_unavailable"),
+        "{}",
+        refused.text
+    );
+    assert!(refused.headers.contains_key("retry-after"));
+    // Until it recovers, /readyz says why and lease operations are refused up front.
+    let ready = h.raw("GET", "/readyz", None, Bytes::new()).await;
+    assert_eq!(code(&ready), "journal_unavailable", "{}", ready.text);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while h.raw("GET", "/readyz", None, Bytes::new()).await.status != StatusCode::OK {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the journal never recovered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = h.call("POST", "/v1/leases", Some(json!({"holder": "c3"}))).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.text);
+    journal.close();
+}

@@ -303,6 +303,7 @@ pub const ERROR_CODES: &[&str] = &[
     "not_leader",
     "not_ready",
     "auth_unavailable",
+    "journal_unavailable",
 ];
 
 fn error_code_schema() -> Object {

@@ -47,6 +47,10 @@ pub struct Checkpoint {
     /// Sticky-session bindings.
     #[serde(default)]
     pub sessions: Vec<SessionCheckpoint>,
+    /// The last lease journal record this snapshot holds (standalone mode with durability,
+    /// [`super::journal`]): replay skips it and every earlier one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal_seq: Option<u64>,
 }
 
 impl Checkpoint {
@@ -550,6 +554,13 @@ impl CheckpointSaver {
     /// nothing changed.
     pub fn force(&mut self) {
         self.whole = true;
+    }
+
+    /// Whether the next [`Self::save`] to a one-document store writes (takes the store's
+    /// dirty marks, like that save would).
+    pub fn pending(&mut self, store: &LeaseStore) -> bool {
+        self.whole |= store.take_dirty();
+        self.whole
     }
 
     /// Saves what changed to `sink`, counting and reporting to `report`.

@@ -42,7 +42,11 @@
 //!   renew or release must present the lease's latest token; an older one is refused.
 //!
 //! # Persistence
-//! Mutations mark their shard dirty; [`maintenance`] periodically snapshots dirty stores into a
+//! Standalone mode (by default) makes every acquire, renewal and release durable before it is
+//! answered: the discovery API appends what changed to the [`journal`] and awaits its group
+//! commit; the journal is compacted into the checkpoint file and replayed onto it at start.
+//! Otherwise (cluster mode, or `--no-durable-leases`):
+//! mutations mark their shard dirty; [`maintenance`] periodically snapshots dirty stores into a
 //! [`checkpoint::Checkpoint`] and hands it to a [`checkpoint::CheckpointStore`] (a file in
 //! standalone mode, Kubernetes objects in cluster mode), off the hot path. On start,
 //! [`LeaseStore::restore`] loads it. Leases issued after the last checkpoint are not lost either:
@@ -53,6 +57,7 @@
 pub mod checkpoint;
 mod clock;
 mod control;
+pub mod journal;
 mod key;
 mod selector;
 mod store;

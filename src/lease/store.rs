@@ -1002,6 +1002,29 @@ impl LeaseStore {
         self.count_leases(key, now, |l| !l.restored || now < unconfirmed_until)
     }
 
+    /// Counts every restored lease as confirmed (drains and deletions wait for it): the
+    /// restored state is exact, not possibly stale (standalone mode with the lease journal).
+    pub fn trust_restored(&self) {
+        self.inner
+            .restore
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .unconfirmed_until = u64::MAX;
+    }
+
+    /// End of `key`'s cooldown at `now`, if it rests (what a release's journal record keeps).
+    pub fn cooldown_until(&self, key: &ProxyKey, now: u64) -> Option<u64> {
+        let shard = self.shard_for(key);
+        let slot = shard.by_key.get(key)?;
+        let until = shard.proxy(*slot).cooling_until;
+        (until > now).then_some(until)
+    }
+
+    /// `domain` as bans and journal records keep it.
+    pub fn normalize_domain(domain: &str) -> String {
+        normalize_domain(domain)
+    }
+
     /// Active (unexpired) leases on a proxy; 0 if unknown.
     pub fn active_leases(&self, key: &ProxyKey) -> usize {
         self.count_leases(key, self.now(), |_| true)

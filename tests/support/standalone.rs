@@ -121,15 +121,72 @@ pub fn squids(dir: &Path) -> Vec<u32> {
 /// The operator in standalone mode on `host`, logging to `log_name` in its folder. Squids it
 /// starts run in their own sessions and are stopped by [`Host`]'s Drop.
 pub fn start_operator(host: &Host, log_name: &str) -> GroupChild {
+    start_operator_with(host, log_name, &[])
+}
+
+/// [`start_operator`] with `extra` arguments to `standalone`.
+pub fn start_operator_with(host: &Host, log_name: &str, extra: &[&str]) -> GroupChild {
     GroupChild::spawn(
         Command::new(BIN)
             .current_dir(host.dir.path())
             .args(["standalone", "--manifests", "manifests"])
             .args(["--providers-config", "providers.yaml", "--state", "state"])
             .args(["--listen", &format!("127.0.0.1:{}", host.api_port)])
+            .args(extra)
             .env("RUST_LOG", "info"),
         &host.dir.path().join(log_name),
     )
+}
+
+/// The answer to one discovery API request, as a client that may be cut off sees it.
+#[derive(Debug)]
+pub enum Answer {
+    /// Nothing listened: the request was never received.
+    Refused,
+    /// Sent, but no answer came (the operator died or hung): it may or may not have happened.
+    Lost,
+    /// Answered.
+    Got(hyper::StatusCode, serde_json::Value),
+}
+
+/// One request to `host`'s discovery API with `token`, on a fresh connection, that never
+/// panics on the server's death (within `timeout`).
+pub async fn try_api(
+    port: u16,
+    token: &str,
+    method: &str,
+    path: &str,
+    body: &str,
+    timeout: Duration,
+) -> Answer {
+    let Ok(stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return Answer::Refused;
+    };
+    let exchange = async {
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .ok()?;
+        tokio::spawn(conn);
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "127.0.0.1")
+            .header("authorization", format!("Bearer {token}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .expect("request");
+        let response = sender.send_request(request).await.ok()?;
+        let status = response.status();
+        let bytes = response.into_body().collect().await.ok()?.to_bytes();
+        Some((
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+        ))
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(Some((status, body))) => Answer::Got(status, body),
+        _ => Answer::Lost,
+    }
 }
 
 /// SIGTERM, as systemd or Ctrl-C would; asserts a clean exit.
