@@ -9,6 +9,7 @@ use std::{
 
 use super::{
     checkpoint::{self, CheckpointStore, FileCheckpoint},
+    store::BURST,
     token::{LeaseSigner, TokenError},
     *,
 };
@@ -1244,7 +1245,7 @@ fn one_thread_draws_from_every_shard_in_turn() {
         s.spawn(|| {
             let mut per_shard = [0usize; 4];
             let mut per_proxy = BTreeMap::<String, usize>::new();
-            for _ in 0..64 * 4 * 4 {
+            for _ in 0..BURST * 4 * 4 {
                 let lease = acquire(&store, &all).unwrap();
                 per_shard[lease.id.hint.shard as usize] += 1;
                 *per_proxy.entry(name(&lease).to_owned()).or_default() += 1;
@@ -1257,7 +1258,7 @@ fn one_thread_draws_from_every_shard_in_turn() {
         .join()
         .unwrap()
     });
-    // 64 acquires per shard in turn: every shard the same share, every proxy used.
-    assert_eq!(per_shard, [256; 4]);
+    // BURST acquires per shard in turn: every shard the same share, every proxy used.
+    assert_eq!(per_shard, [BURST as usize * 4; 4]);
     assert_eq!(per_proxy.len(), 40, "{per_proxy:?}");
 }
