@@ -102,6 +102,28 @@ measure() {
     }'
 }
 
+# Per server and connection count over the rounds: the median share, the lowest share and the
+# worst p99, from lines "round conns p99_ms share_percent server".
+medians() {
+  awk 'NF {
+      k = $5 " " $2
+      n[k]++; r[k, n[k]] = $4
+      if (!(k in worst) || $3 > worst[k]) worst[k] = $3
+      if (!(k in low) || $4 < low[k]) low[k] = $4
+    }
+    END {
+      for (c in n) {
+        # median of the rounds (insertion sort: a handful of values)
+        m = n[c]
+        for (i = 1; i <= m; i++) v[i] = r[c, i]
+        for (i = 2; i <= m; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
+        med = (m % 2) ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
+        split(c, kc, " ")
+        printf "  %-9s %3s connections over %d round(s): median %.1f %%, lowest %.1f %%, worst p99 %.2f ms\n", kc[1], kc[2], m, med, low[c], worst[c]
+      }
+    }'
+}
+
 echo "wrk: 1 thread on CPU $client_cpu; server on CPU $server_cpu; acquire->release pairs; ${secs}s per run; $rounds round(s); nice $niceness"
 echo "journal folder (durable): $(df -T "${EPO_BENCH_STATE_DIR:-${TMPDIR:-/tmp}}" | awk 'NR == 2 { print $1 " (" $2 ")" }')"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -124,8 +146,8 @@ for round in $(seq 1 "$rounds"); do
         failures=$((failures + 1))
       fi
       if [ "$mode" = durable ]; then
-        durable_summary+=$(printf '%s %s %s %s\n' "$round" "$conns" "$p99" \
-          "$(awk -v a="${rps[durable]}" -v b="${rps[discovery]}" 'BEGIN { printf "%.1f", 100 * a / b }')")
+        durable_summary+=$(printf '%s %s %s %s %s\n' "$round" "$conns" "$p99" \
+          "$(awk -v a="${rps[durable]}" -v b="${rps[discovery]}" 'BEGIN { printf "%.1f", 100 * a / b }')" durable)
         durable_summary+=$'\n'
       fi
       # durable's target is against discovery without the journal (below), not bare hyper.
@@ -143,41 +165,12 @@ echo "$summary" | awk 'NF {
     ok = ($4 >= 60 && $3 < 2) ? "ok" : "MISSED"
     printf "  %-9s round %s, %3s connections: %5s %% of bare hyper, p99 %s ms (bare hyper: %s ms)  %s\n", $5, $1, $2, $4, $3, $6, ok
   }'
-echo "$summary" | awk 'NF {
-    k = $5 " " $2
-    n[k]++; r[k, n[k]] = $4
-    if (!(k in worst) || $3 > worst[k]) worst[k] = $3
-    if (!(k in low) || $4 < low[k]) low[k] = $4
-  }
-  END {
-    for (c in n) {
-      # median of the rounds (insertion sort: a handful of values)
-      m = n[c]
-      for (i = 1; i <= m; i++) v[i] = r[c, i]
-      for (i = 2; i <= m; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
-      med = (m % 2) ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
-      split(c, kc, " ")
-      printf "  %-9s %3s connections over %d round(s): median %.1f %%, lowest %.1f %%, worst p99 %.2f ms\n", kc[1], kc[2], m, med, low[c], worst[c]
-    }
-  }'
+echo "$summary" | medians
 if [ -n "$durable_summary" ]; then
   echo
   echo "durable (lease journal) as a share of discovery's req/s without it (targets: >= 80 %, p99 < 3 ms at 64 connections):"
   echo "$durable_summary" | awk 'NF { printf "  round %s, %3s connections: %5s %% of discovery, p99 %s ms\n", $1, $2, $4, $3 }'
-  echo "$durable_summary" | awk 'NF {
-      n[$2]++; r[$2, n[$2]] = $4
-      if (!($2 in worst) || $3 > worst[$2]) worst[$2] = $3
-      if (!($2 in low) || $4 < low[$2]) low[$2] = $4
-    }
-    END {
-      for (c in n) {
-        m = n[c]
-        for (i = 1; i <= m; i++) v[i] = r[c, i]
-        for (i = 2; i <= m; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
-        med = (m % 2) ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2
-        printf "  durable %3s connections over %d round(s): median %.1f %%, lowest %.1f %%, worst p99 %.2f ms\n", c, m, med, low[c], worst[c]
-      }
-    }'
+  echo "$durable_summary" | medians
   echo "$durable_summary" | awk 'NF { runs++; if ($4 < 80 || ($2 == 64 && $3 >= 3)) missed++ }
     END {
       if (missed == 0) printf "durable PASS: %d of %d runs at >= 80 %% of discovery, p99 < 3 ms at 64 connections\n", runs, runs
