@@ -449,10 +449,9 @@ impl Scenario {
                 ))
                 .unwrap_or(Timestamp::MAX);
             let (changes, edits) = world.apply(step, at, reconciler.pools());
-            let Some(mut current) = objects.get().await.map_err(|e| step_failed(step.at, e))? else {
-                break;
-            };
-            if edits.new_spec {
+            if edits.new_spec
+                && let Some(mut current) = objects.get().await.map_err(|e| step_failed(step.at, e))?
+            {
                 // A new port stands for any change of what runs (placement, cloud-init, port).
                 current.spec.port += 1;
                 objects
