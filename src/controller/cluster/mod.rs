@@ -6,7 +6,8 @@
 //! The controller does not wake itself: Proxy watch events reach it only when the generation,
 //! the finalizers or the deletion mark changed ([`proxy_changed`]), so its own status writes do
 //! not re-trigger a reconcile and the reconciler's `requeue_after` (timers, backoff) is what
-//! brings a waiting Proxy back. A reconcile that another trigger (health) starts before the
+//! brings a waiting Proxy back; a Proxy that waits for nothing is looked at by the resync sweep
+//! ([`resync`]). A reconcile that another trigger (health) starts before the
 //! cache has received our own last status write is put off briefly instead of redoing the
 //! transitions on the old version ([`KubeBackend::is_superseded`]).
 
