@@ -26,6 +26,11 @@ use egress_proxies_operator::{
 };
 use tokio::net::TcpListener;
 
+/// The operator's allocator (src/main.rs), so the discovery API here costs what it costs there;
+/// the bare baseline shares the process and so the allocator.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let mode = std::env::args().nth(1).unwrap_or_default();
     if !["discovery", "durable", "bare"].contains(&mode.as_str()) {
