@@ -45,10 +45,8 @@ use std::{
 
 use egress_proxies_operator::{
     api::Proxy,
-    controller::{
-        ProviderAvailability, ReconcilerConfig,
-        cluster::{ClusterDeps, run_controller},
-    },
+    cluster::{ClusterDeps, run_controller},
+    controller::{ProviderAvailability, ReconcilerConfig},
     effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey},
     provider::{Instance, Provider, ProviderRegistry, memory::MemoryProvider},
     telemetry::Metrics,
@@ -389,6 +387,7 @@ async fn run_case(n: usize, steady: Duration) -> Figures {
         identity: "bench".into(),
         metrics: Arc::new(Metrics::register(&mut registry)),
         status_feed: None,
+        provider_flips: None,
     };
     let triggers = futures::stream::unfold(
         trigger_rx,

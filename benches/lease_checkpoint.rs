@@ -17,7 +17,7 @@ mod leases;
 use std::time::{Duration, Instant};
 
 use egress_proxies_operator::{
-    app::cluster::ConfigMapCheckpoint,
+    cluster::ConfigMapCheckpoint,
     lease::{
         LeaseStore, LeaseStoreConfig,
         checkpoint::{self, CheckpointReport, CheckpointSaver, CheckpointStore},

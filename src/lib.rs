@@ -7,6 +7,7 @@
 pub mod api;
 pub mod app;
 pub mod check;
+pub mod cluster;
 pub mod config;
 pub mod controller;
 pub mod discovery;
@@ -18,6 +19,5 @@ pub mod machine;
 pub mod monitor;
 pub mod provider;
 pub mod standalone;
-pub mod store;
 pub mod telemetry;
 pub mod ui;

@@ -15,9 +15,10 @@ use clap::{Args, Parser, Subcommand};
 use egress_proxies_operator::{
     api, app,
     check::{Checker, Report},
+    cluster,
     config::ProvidersConfig,
     machine,
-    standalone::status,
+    standalone::{self, status},
     telemetry::tracing_setup,
 };
 
@@ -385,7 +386,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
-            let options = app::StandaloneOptions {
+            let options = standalone::StandaloneOptions {
                 installation_name,
                 durable_leases: !no_durable_leases,
                 manifests,
@@ -406,7 +407,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 gc_interval: std::time::Duration::from_secs(60),
             };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
-            runtime.block_on(async { app::run_standalone(options, shutdown_signal()).await })?;
+            runtime.block_on(async { standalone::run_standalone(options, shutdown_signal()).await })?;
             telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
@@ -432,7 +433,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             // Before connecting: a missing choice is a usage error, not a cluster problem.
             auth.validate(true)?;
             let telemetry = tracing_setup::init(json_logs)?;
-            let options = app::cluster::ClusterOptions {
+            let options = cluster::ClusterOptions {
                 providers_config,
                 namespace,
                 gc_allow_namespaced,
@@ -456,14 +457,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 let client = kube::Client::try_default()
                     .await
                     .context("connecting to the cluster")?;
-                app::cluster::run_cluster(client, options, shutdown).await?;
+                cluster::run_cluster(client, options, shutdown).await?;
                 anyhow::Ok(())
             })?;
             telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { state, audit } => {
-            let store = egress_proxies_operator::store::Store::read_only(&state)?;
+            let store = standalone::store::Store::read_only(&state)?;
             match audit {
                 Some(proxy) => {
                     let (namespace, name) = proxy.split_once('/').unwrap_or(("default", proxy.as_str()));
@@ -474,7 +475,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     print!("{}", status::render_audit(&store, &key)?);
                 }
                 None => {
-                    let checkpoint = state.join(app::LEASE_CHECKPOINT_FILE);
+                    let checkpoint = state.join(standalone::mode::LEASE_CHECKPOINT_FILE);
                     let leases =
                         egress_proxies_operator::lease::journal::active_leases_by_proxy(&state, &checkpoint);
                     let count = |key: &egress_proxies_operator::effects::ProxyKey| {

@@ -34,8 +34,8 @@ use std::{
 
 use egress_proxies_operator::{
     api::Proxy,
-    app::cluster::cluster_identity,
-    gc::{GcConfig, GcReport, KubeLiveOwners, collect, gc_enabled},
+    cluster::{KubeLiveOwners, cluster_identity},
+    gc::{GcConfig, GcReport, collect, gc_enabled},
     provider::{
         Installation, Instance, InstanceRequest, Owner, Provider, ProviderError, ProviderRegistry,
         instance_name,

@@ -7,7 +7,7 @@ mod support {
 
 use std::time::Duration;
 
-use egress_proxies_operator::controller::cluster::leader::{LeaderElector, LeaderTimings, Leadership};
+use egress_proxies_operator::cluster::leader::{LeaderElector, LeaderTimings, Leadership};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use support::fake_apiserver::{FakeApiServer, RequestMatcher};

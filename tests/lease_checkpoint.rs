@@ -7,7 +7,7 @@ mod support;
 use std::{collections::BTreeMap, time::Duration};
 
 use egress_proxies_operator::{
-    app::cluster::{CHECKPOINT_LABEL, ConfigMapCheckpoint},
+    cluster::{CHECKPOINT_LABEL, ConfigMapCheckpoint},
     lease::{
         LeaseStore, LeaseStoreConfig,
         checkpoint::{CheckpointReport, CheckpointSaver, CheckpointStore, encode_chunks},

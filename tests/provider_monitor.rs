@@ -19,14 +19,11 @@ use std::{
 
 use egress_proxies_operator::{
     api::{ProviderHealth, Proxy},
-    app::cluster::reconcile_providers_proxies,
-    controller::{
-        ProviderAvailability, ReconcilerConfig,
-        cluster::{ClusterDeps, run_controller},
-    },
+    cluster::{ClusterDeps, KubeHealthSink, run_controller},
+    controller::{ProviderAvailability, ReconcilerConfig},
     health::{HealthConfig, HealthEngine},
     lease::{LeaseStore, LeaseStoreConfig},
-    monitor::{Monitor, kube_sink::KubeHealthSink},
+    monitor::Monitor,
     provider::{ProviderRegistry, kvm2::Kvm2Provider},
     telemetry::Metrics,
 };
@@ -165,13 +162,7 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
 
     // Meanwhile a new Proxy on it is held in pending, saying why.
     let (health_engine, _events) = HealthEngine::start(HealthConfig::default()).expect("health engine");
-    let (triggers_tx, triggers_rx) = mpsc::channel(16);
-    let retrigger = tokio::spawn(reconcile_providers_proxies(
-        client.clone(),
-        None,
-        flipped_rx,
-        triggers_tx,
-    ));
+    let (_triggers_tx, triggers_rx) = mpsc::channel(16);
     let (ready_tx, mut ready) = watch::channel(false);
     let (stop, stopped) = oneshot::channel::<()>();
     let controller = tokio::spawn(run_controller(
@@ -190,6 +181,8 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
             identity: "monitor-test".into(),
             metrics,
             status_feed: None,
+            // Flips re-reconcile the provider's Proxies, found in the controller's cache.
+            provider_flips: Some(flipped_rx),
         },
         futures::stream::unfold(
             triggers_rx,
@@ -267,8 +260,4 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
         .expect("controller stops")
         .expect("no panic");
     drop(monitor);
-    tokio::time::timeout(DEADLINE, retrigger)
-        .await
-        .expect("the retrigger task ends with the monitor")
-        .expect("no panic");
 }

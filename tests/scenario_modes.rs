@@ -20,14 +20,16 @@ use std::{
 use async_trait::async_trait;
 use egress_proxies_operator::{
     api::{Proxy, ProxySpec},
-    controller::{
-        cluster::{KubeBackend, events::EventPublisher},
-        simulate::{self, EPOCH, InMemory, ProxyObjects, Replay, Scenario},
-    },
+    cluster::{KubeBackend, events::EventPublisher},
+    controller::simulate::{self, EPOCH, InMemory, ProxyObjects, Replay, Scenario},
     effects::{BackendError, ProxyKey},
     machine::{AuditEntry, EffectKind},
-    standalone::{StandaloneBackend, progress::Progress, proxy_of},
-    store::{ProxyRecord, Store},
+    standalone::{
+        StandaloneBackend,
+        progress::Progress,
+        proxy_of,
+        store::{ProxyRecord, Store},
+    },
 };
 use k8s_openapi::api::events::v1::Event;
 use kube::{

@@ -12,8 +12,7 @@ use egress_proxies_operator::{
     controller::{ProviderAvailability, ReconcilerConfig},
     effects::{HealthVerdict, ProxyKey},
     provider::{ProviderRegistry, memory::MemoryProvider},
-    standalone::{Standalone, StandaloneDeps},
-    store::Store,
+    standalone::{Standalone, StandaloneDeps, store::Store},
 };
 use support::scripted::{ScriptedHealth, ScriptedLeases, key};
 

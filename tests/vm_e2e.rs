@@ -58,7 +58,7 @@ use std::{
 use egress_proxies_operator::{
     effects::ProxyKey,
     provider::libvirt::seed,
-    store::{ProxyRecord, Store},
+    standalone::store::{ProxyRecord, Store},
 };
 use support::{
     blocking_http::{Origin, get_through_proxy, percent_decode, request},

@@ -14,10 +14,10 @@
 //!
 //! Rounds repeat until no event is derived. Then the **status** ([`status`], pure) is written
 //! once, only if it changed, and the reconciler says when to look again ([`plan::next_wake`]).
-//! Mode-specific I/O sits behind [`crate::effects::ProxyBackend`]; the Kubernetes wiring is in
-//! [`cluster`].
+//! Mode-specific I/O sits behind [`crate::effects::ProxyBackend`]: this module names neither
+//! mode. The Kubernetes wiring is in [`crate::cluster`], the folder-and-store runner in
+//! [`crate::standalone`].
 
-pub mod cluster;
 pub mod credentials;
 pub mod execute;
 pub mod observe;

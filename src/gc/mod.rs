@@ -43,6 +43,14 @@ pub trait LiveOwners: Send + Sync {
     async fn live_uids(&self, namespace: Option<&str>) -> Result<HashSet<String>, String>;
 }
 
+/// A mode hands its live owners over as a trait object.
+#[async_trait]
+impl<T: LiveOwners + ?Sized> LiveOwners for Arc<T> {
+    async fn live_uids(&self, namespace: Option<&str>) -> Result<HashSet<String>, String> {
+        (**self).live_uids(namespace).await
+    }
+}
+
 /// GC settings.
 #[derive(Clone, Debug)]
 pub struct GcConfig {
@@ -302,35 +310,6 @@ fn verdict(
         return Verdict::Young;
     }
     Verdict::Collect
-}
-
-/// Live owners read from the API server with a fresh list (not a cache that may lag a create).
-pub struct KubeLiveOwners {
-    client: kube::Client,
-}
-
-impl KubeLiveOwners {
-    /// Lists through `client`.
-    pub fn new(client: kube::Client) -> Self {
-        Self { client }
-    }
-}
-
-#[async_trait]
-impl LiveOwners for KubeLiveOwners {
-    async fn live_uids(&self, namespace: Option<&str>) -> Result<HashSet<String>, String> {
-        use kube::{Api, api::ListParams};
-
-        let api: Api<crate::api::Proxy> = match namespace {
-            Some(ns) => Api::namespaced(self.client.clone(), ns),
-            None => Api::all(self.client.clone()),
-        };
-        let list = api
-            .list_metadata(&ListParams::default())
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(list.items.into_iter().filter_map(|p| p.metadata.uid).collect())
-    }
 }
 
 #[cfg(test)]

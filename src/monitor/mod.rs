@@ -11,8 +11,6 @@ use tracing::{info, warn};
 
 use crate::{controller::ProviderAvailability, provider::ProviderRegistry, telemetry::Metrics};
 
-pub mod kube_sink;
-
 /// What one probe of one provider instance found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProbeOutcome {

@@ -11,14 +11,16 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
 use tracing::info;
 
-use super::progress::Progress;
+use super::{
+    progress::Progress,
+    store::{AuditLine, ProxyRecord, Store},
+};
 use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
     controller::secrets::{credentials_of, user_data_of},
     effects::{BackendError, ProxyBackend, ProxyKey, SecretError},
     machine::AuditEntry,
     provider::{Credentials, UserData},
-    store::{AuditLine, ProxyRecord, Store},
 };
 
 /// Records by key, shared by the runner and the backend.

@@ -5,10 +5,8 @@ use std::fmt::Write as _;
 
 use jiff::Timestamp;
 
-use crate::{
-    effects::ProxyKey,
-    store::{ReadOnlyStore, StoreError},
-};
+use super::store::{ReadOnlyStore, StoreError};
+use crate::effects::ProxyKey;
 
 /// A table of every proxy; `leases` gives the active leases of a proxy.
 pub fn render_table(

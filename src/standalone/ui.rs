@@ -3,9 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
+use super::store::{ReadOnlyStore, Store};
 use crate::{
     effects::ProxyKey,
-    store::{ReadOnlyStore, Store},
     ui::{AuditRow, ProxySource, ProxyState, UiError},
 };
 

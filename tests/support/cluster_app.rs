@@ -9,10 +9,8 @@
 use std::{net::SocketAddr, path::Path, time::Duration};
 
 use egress_proxies_operator::{
-    app::{
-        AppError, DiscoveryAuthOptions,
-        cluster::{ClusterOptions, cluster_identity, run_cluster},
-    },
+    app::{AppError, DiscoveryAuthOptions},
+    cluster::{ClusterOptions, cluster_identity, run_cluster},
     provider::Installation,
 };
 use kube::Client;

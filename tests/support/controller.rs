@@ -10,10 +10,8 @@
 use std::{sync::Arc, time::Duration};
 
 use egress_proxies_operator::{
-    controller::{
-        ProviderAvailability, ReconcilerConfig,
-        cluster::{ClusterDeps, run_controller},
-    },
+    cluster::{ClusterDeps, run_controller},
+    controller::{ProviderAvailability, ReconcilerConfig},
     effects::{HealthControl, LeaseControl, ProxyKey},
     provider::ProviderRegistry,
     telemetry::Metrics,
@@ -58,6 +56,7 @@ impl ControllerSetup {
                 identity: "test-operator".into(),
                 metrics,
                 status_feed: None,
+                provider_flips: None,
             },
             registry,
         }

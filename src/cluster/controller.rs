@@ -1,6 +1,7 @@
-//! Cluster mode: the reconciler wired to Kubernetes with kube-runtime's `Controller` on `Proxy`,
-//! a label-selected reflector of cloud-init Secrets whose changes re-reconcile the Proxies that
-//! reference them, extra triggers (health verdicts), bounded concurrency, debounce, error
+//! The controller wiring: the reconciler wired to Kubernetes with kube-runtime's `Controller`
+//! on `Proxy`, a label-selected reflector of cloud-init Secrets whose changes re-reconcile the
+//! Proxies that reference them, extra triggers (health verdicts, provider availability flips
+//! resolved through the Proxy cache: [`super::triggers`]), bounded concurrency, debounce, error
 //! back-off by category, and graceful shutdown.
 //!
 //! The controller does not wake itself: Proxy watch events reach it only when the generation,
@@ -10,11 +11,6 @@
 //! ([`resync`]). A reconcile that another trigger (health) starts before the
 //! cache has received our own last status write is put off briefly instead of redoing the
 //! transitions on the old version ([`KubeBackend::is_superseded`]).
-
-pub mod backend;
-pub mod events;
-pub mod leader;
-pub mod resync;
 
 use std::{
     collections::HashMap,
@@ -36,14 +32,13 @@ use kube::{
         watcher::{self, watcher},
     },
 };
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
-pub use backend::KubeBackend;
-
-use super::{ProviderAvailability, ReconcileError, Reconciler, ReconcilerConfig, error_backoff};
+use super::{KubeBackend, events, resync, triggers};
 use crate::{
     api::{CLOUD_INIT_SECRET_LABEL, Proxy},
+    controller::{ProviderAvailability, ReconcileError, Reconciler, ReconcilerConfig, error_backoff},
     effects::{HealthControl, LeaseControl, ProxyKey},
     provider::ProviderRegistry,
     telemetry::Metrics,
@@ -78,6 +73,9 @@ pub struct ClusterDeps {
     pub metrics: Arc<Metrics>,
     /// The status page's view of the Proxies and their audit, if it is served.
     pub status_feed: Option<crate::ui::cluster::ClusterFeed>,
+    /// Names of providers whose availability flipped (e.g. from the provider-health monitor):
+    /// their Proxies are reconciled now rather than at their next requeue.
+    pub provider_flips: Option<mpsc::UnboundedReceiver<String>>,
 }
 
 struct Context {
@@ -127,6 +125,8 @@ pub async fn run_controller(
         feed.set_proxies(proxy_store.clone());
     }
     let resync_period = deps.reconciler.timers.resync;
+    // Without a monitor, a channel that is closed at once: no flips.
+    let provider_flips = deps.provider_flips.unwrap_or_else(|| mpsc::unbounded_channel().1);
     let context = Arc::new(Context {
         reconciler: Reconciler::new(
             backend,
@@ -176,8 +176,9 @@ pub async fn run_controller(
                 spec.cloud_init.as_ref().map(|c| c.secret_ref.name.as_str())
             })
         })
-        .reconcile_on(triggers.map(|key| ObjectRef::new(&key.name).within(&key.namespace)))
+        .reconcile_on(triggers.map(|key| triggers::object_ref(&key)))
         .reconcile_on(resync::sweep(proxy_store.clone(), resync_period, resync::TICK))
+        .reconcile_on(triggers::provider_flips(proxy_store.clone(), provider_flips))
         .graceful_shutdown_on(shutdown);
 
     let readiness = {
@@ -313,7 +314,7 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
             .reconciler
             .pools()
             .seed(context.proxies.state().iter().map(|p| {
-                let phase = super::status::phase_of(p.status.as_ref());
+                let phase = crate::controller::status::phase_of(p.status.as_ref());
                 (
                     ProxyKey {
                         namespace: p.namespace().unwrap_or_default(),

@@ -1,4 +1,5 @@
-//! Publishing provider health as cluster-scoped `ProviderHealth` objects.
+//! The provider-health monitor's sink in cluster mode: one cluster-scoped `ProviderHealth`
+//! object per provider instance, written only when its condition changes.
 
 use async_trait::async_trait;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -7,8 +8,8 @@ use kube::{
     api::{ObjectMeta, PostParams},
 };
 
-use super::{HealthSink, ProbeOutcome};
 use crate::api::{ProviderHealth, ProviderHealthFields, ProviderHealthStatus};
+use crate::monitor::{HealthSink, ProbeOutcome};
 
 /// Writes one `ProviderHealth` per provider instance, named after it.
 pub struct KubeHealthSink {

@@ -1,0 +1,325 @@
+//! [`start_core`]: the services both modes run, started in one order over a mode's adapters.
+
+use std::{future::Future, net::SocketAddr, sync::Arc, time::Duration};
+
+use prometheus_client::registry::Registry;
+use tokio::{
+    sync::{mpsc, watch},
+    task::JoinHandle,
+};
+use tracing::warn;
+
+use super::AppError;
+use crate::{
+    controller::ProviderAvailability,
+    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, auth::Authenticator},
+    effects::ProxyKey,
+    gc::{self, GcConfig, LiveOwners},
+    health::{HealthConfig, HealthEngine, HealthHandle},
+    lease::{
+        LeaseStore,
+        checkpoint::{CheckpointReport, CheckpointStore, MaintenanceConfig, maintenance},
+        journal::Journal,
+        token::LeaseSigner,
+    },
+    monitor::{HealthSink, Monitor},
+    provider::ProviderRegistry,
+    telemetry::{Metrics, admin::StatusPageSlot},
+    ui::{ProxySource, StatusPage},
+};
+
+/// How long one provider-health probe may take.
+const PROVIDER_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The metrics registry both modes serve, with the core's metric families registered.
+pub struct CoreMetrics {
+    /// Everything registered, as `/metrics` serves it.
+    pub registry: Arc<Registry>,
+    /// The operator's own metrics (reconciles, probes, GC, proxies per phase).
+    pub metrics: Arc<Metrics>,
+    /// The discovery API's metrics.
+    pub discovery: DiscoveryMetrics,
+    /// Lease checkpoint saves.
+    pub checkpoint: CheckpointReport,
+}
+
+impl CoreMetrics {
+    /// Registers the core's families, then the mode's own (`extra`).
+    pub fn register(extra: impl FnOnce(&mut Registry)) -> Self {
+        let mut registry = Registry::default();
+        let metrics = Arc::new(Metrics::register(&mut registry));
+        let discovery = DiscoveryMetrics::register(&mut registry);
+        let checkpoint = CheckpointReport::default();
+        checkpoint.register(&mut registry);
+        extra(&mut registry);
+        Self {
+            registry: Arc::new(registry),
+            metrics,
+            discovery,
+            checkpoint,
+        }
+    }
+}
+
+/// One stop signal fanned out to every task of a mode.
+#[derive(Clone)]
+pub struct StopSignal(Arc<watch::Sender<bool>>);
+
+impl Default for StopSignal {
+    fn default() -> Self {
+        Self(Arc::new(watch::channel(false).0))
+    }
+}
+
+impl StopSignal {
+    /// A signal raised when `shutdown` resolves (or by [`StopSignal::stop`]).
+    pub fn on(shutdown: impl Future<Output = ()> + Send + 'static) -> Self {
+        let signal = Self::default();
+        let raise = signal.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            raise.stop();
+        });
+        signal
+    }
+
+    /// Raises it.
+    pub fn stop(&self) {
+        self.0.send_replace(true);
+    }
+
+    /// Whether it was raised.
+    pub fn is_stopped(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Resolves once it is raised.
+    pub fn stopped(&self) -> impl Future<Output = ()> + Send + Sync + 'static {
+        let mut rx = self.0.subscribe();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+}
+
+/// Where the status page is served.
+pub enum StatusPageAt {
+    /// On the discovery API (standalone mode: one port).
+    DiscoveryApi,
+    /// In this slot of the admin server (cluster mode).
+    Admin(StatusPageSlot),
+}
+
+/// What a mode plugs into the core.
+pub struct CoreAdapters {
+    /// Provider instances.
+    pub providers: ProviderRegistry,
+    /// The lease store, restored from the mode's checkpoint.
+    pub leases: LeaseStore,
+    /// Signs lease tokens.
+    pub signer: LeaseSigner,
+    /// Authenticates discovery API callers.
+    pub auth: Arc<dyn Authenticator>,
+    /// Whether the discovery API answers `/readyz` with ready.
+    pub readiness: watch::Receiver<Readiness>,
+    /// Where the status page reads Proxies and their audit.
+    pub proxies: Arc<dyn ProxySource>,
+    /// Where the status page is served.
+    pub status_page: StatusPageAt,
+    /// Where provider health is published.
+    pub provider_health: Arc<dyn HealthSink>,
+    /// Where lease checkpoints are saved every interval; `None`: only reaped (the mode
+    /// checkpoints otherwise, e.g. through the journal's compaction).
+    pub checkpoint: Option<Arc<dyn CheckpointStore>>,
+    /// Makes lease operations durable before they are answered.
+    pub journal: Option<Journal>,
+    /// Orphan GC: the live owners and its settings; `None`: GC off.
+    pub gc: Option<(Arc<dyn LiveOwners>, GcConfig)>,
+}
+
+/// The core's knobs.
+#[derive(Clone, Copy, Debug)]
+pub struct CoreFlags {
+    /// The discovery API's address.
+    pub discovery_listen: SocketAddr,
+    /// How often each provider instance is probed.
+    pub provider_probe_interval: Duration,
+    /// Between two GC passes.
+    pub gc_interval: Duration,
+}
+
+/// The running core: what a mode's reconcile loop drives and is driven by.
+pub struct Core {
+    /// The health engine (the reconciler's health executor).
+    pub health: HealthHandle,
+    /// Provider availability as the monitor sees it.
+    pub availability: ProviderAvailability,
+    /// The lease store (the reconciler's lease executor).
+    pub leases: LeaseStore,
+    /// Where the discovery API listens.
+    pub discovery_addr: SocketAddr,
+    /// Proxies whose health verdict changed: reconcile them now.
+    pub triggers: mpsc::Receiver<ProxyKey>,
+    /// Providers whose availability flipped: reconcile their Proxies now.
+    pub provider_flips: mpsc::UnboundedReceiver<String>,
+    /// The core's tasks.
+    pub tasks: CoreTasks,
+}
+
+/// The core's tasks: they stop when the stop signal is raised; dropping this detaches them.
+pub struct CoreTasks {
+    tasks: Vec<JoinHandle<()>>,
+    forward: JoinHandle<()>,
+}
+
+impl CoreTasks {
+    /// Waits for the core's tasks once the stop signal is raised (the discovery API drains,
+    /// the last checkpoint is saved).
+    pub async fn join(self) {
+        self.forward.abort();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+}
+
+/// Starts the core over `adapters`; everything stops when `stop` is raised.
+pub async fn start_core(
+    adapters: CoreAdapters,
+    flags: CoreFlags,
+    metrics: &CoreMetrics,
+    stop: &StopSignal,
+) -> Result<Core, AppError> {
+    let CoreAdapters {
+        providers,
+        leases,
+        signer,
+        auth,
+        readiness,
+        proxies,
+        status_page,
+        provider_health,
+        checkpoint,
+        journal,
+        gc,
+    } = adapters;
+    let (health, mut health_events) = HealthEngine::start(HealthConfig {
+        probe_metrics: Some(metrics.metrics.probe_metrics()),
+        ..HealthConfig::default()
+    })
+    .map_err(|e| AppError::Startup(e.to_string()))?;
+    let availability = ProviderAvailability::default();
+    let page = Arc::new(StatusPage::new(
+        proxies,
+        leases.clone(),
+        health.clone(),
+        availability.clone(),
+        providers.iter().map(|(name, _)| name.to_owned()).collect(),
+        auth.clone(),
+    ));
+    let health_log = page.health_log();
+    let api = DiscoveryState::new(
+        leases.clone(),
+        signer,
+        auth,
+        readiness,
+        metrics.registry.clone(),
+        metrics.discovery.clone(),
+        DiscoveryConfig::default(),
+    );
+    match status_page {
+        StatusPageAt::DiscoveryApi => api.set_status_page(page),
+        StatusPageAt::Admin(slot) => {
+            let _ = slot.set(page);
+        }
+    }
+    if let Some(journal) = journal {
+        api.set_journal(journal);
+    }
+    let listener = tokio::net::TcpListener::bind(flags.discovery_listen)
+        .await
+        .map_err(|e| {
+            AppError::Startup(format!(
+                "binding the discovery API on {}: {e}",
+                flags.discovery_listen
+            ))
+        })?;
+    let discovery_addr = listener
+        .local_addr()
+        .map_err(|e| AppError::Startup(e.to_string()))?;
+
+    let mut tasks = Vec::new();
+    let serving = discovery::serve(listener, api, stop.stopped());
+    tasks.push(tokio::spawn(async move {
+        if let Err(err) = serving.await {
+            warn!(error = %err, "discovery API stopped with an error");
+        }
+    }));
+    let upkeep = maintenance(
+        leases.clone(),
+        checkpoint,
+        MaintenanceConfig {
+            report: metrics.checkpoint.clone(),
+            ..MaintenanceConfig::default()
+        },
+        stop.stopped(),
+    );
+    tasks.push(tokio::spawn(async move {
+        if let Err(err) = upkeep.await {
+            warn!(error = %err, "the last lease checkpoint failed");
+        }
+    }));
+
+    let (flips_tx, provider_flips) = mpsc::unbounded_channel();
+    let monitor = Monitor::new(
+        providers.clone(),
+        availability.clone(),
+        provider_health,
+        PROVIDER_PROBE_TIMEOUT,
+    )
+    .with_metrics(metrics.metrics.clone())
+    .on_change(Arc::new(move |provider: &str| {
+        // The mode's loop may have stopped already; then nothing needs the news.
+        let _ = flips_tx.send(provider.to_owned());
+    }));
+    tasks.push(tokio::spawn(
+        monitor.run(flags.provider_probe_interval, stop.stopped()),
+    ));
+    if let Some((owners, config)) = gc {
+        tasks.push(tokio::spawn(gc::run(
+            providers,
+            owners,
+            config,
+            flags.gc_interval,
+            Some(metrics.metrics.clone()),
+            stop.stopped(),
+        )));
+    }
+
+    let (trigger_tx, triggers) = mpsc::channel(1024);
+    let forward = tokio::spawn(async move {
+        while let Some(event) = health_events.recv().await {
+            health_log.record(&event);
+            if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
+                break;
+            }
+        }
+    });
+    Ok(Core {
+        health,
+        availability,
+        leases,
+        discovery_addr,
+        triggers,
+        provider_flips,
+        tasks: CoreTasks { tasks, forward },
+    })
+}
+
+/// The reconciler's key for a health event's proxy.
+pub fn proxy_key(key: &crate::lease::ProxyKey) -> ProxyKey {
+    ProxyKey {
+        namespace: key.namespace().to_owned(),
+        name: key.name().to_owned(),
+    }
+}

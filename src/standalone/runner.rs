@@ -1,0 +1,418 @@
+//! The standalone runner: plays the API server's part over the manifests folder and the
+//! embedded store. It turns manifest changes into generations, a vanished manifest into a
+//! deletion (the finalizer keeps the record until the instance is gone), and schedules
+//! reconciles by each Proxy's requeue time or an external trigger (a health verdict changed, a
+//! provider's availability flipped).
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, RwLock},
+    time::Duration,
+};
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use tokio::{sync::mpsc, time::Instant};
+use tracing::{info, warn};
+
+use super::{
+    backend::{Records, Secrets, StandaloneBackend},
+    manifests::{Desired, fingerprint, scan},
+    progress::Progress,
+    store::{ProxyRecord, Store, StoreError},
+};
+
+use crate::{
+    api::{Proxy, ProxySpec},
+    check::Checker,
+    controller::{
+        ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
+        status::{FINALIZER, phase_of},
+    },
+    effects::{HealthControl, LeaseControl, ProxyKey},
+    provider::ProviderRegistry,
+    telemetry::Metrics,
+};
+
+/// A standalone failure at start-up.
+#[derive(Debug, thiserror::Error)]
+pub enum StandaloneError {
+    /// The state folder.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The manifests folder.
+    #[error("manifests folder {0} does not exist or is not a folder")]
+    Manifests(PathBuf),
+}
+
+/// The executors and providers standalone mode drives.
+pub struct StandaloneDeps {
+    /// Provider instances.
+    pub providers: ProviderRegistry,
+    /// Lease executor.
+    pub leases: Arc<dyn LeaseControl>,
+    /// Health engine.
+    pub health: Arc<dyn HealthControl>,
+    /// Provider availability.
+    pub availability: ProviderAvailability,
+    /// Reconciler knobs.
+    pub reconciler: ReconcilerConfig,
+}
+
+/// The standalone runner.
+pub struct Standalone {
+    manifests: PathBuf,
+    store: Arc<Store>,
+    records: Records,
+    secrets: Secrets,
+    progress: Arc<Progress>,
+    reconciler: Reconciler<StandaloneBackend>,
+    checker: Checker,
+    last_fingerprint: Option<Vec<(PathBuf, u64, Option<std::time::SystemTime>)>>,
+    due: HashMap<ProxyKey, Instant>,
+    failures: HashMap<ProxyKey, u32>,
+    broken_files: usize,
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl Standalone {
+    /// Opens the state folder (locking it) and loads what it holds.
+    pub fn open(manifests: &Path, state: &Path, deps: StandaloneDeps) -> Result<Self, StandaloneError> {
+        if !manifests.is_dir() {
+            return Err(StandaloneError::Manifests(manifests.to_owned()));
+        }
+        let store = Arc::new(Store::open(state)?);
+        let loaded: HashMap<ProxyKey, ProxyRecord> = store.reader().list()?.into_iter().collect();
+        let now = Instant::now();
+        let due = loaded.keys().map(|k| (k.clone(), now)).collect();
+        info!(records = loaded.len(), state = %state.display(), "state loaded");
+        let records: Records = Arc::new(Mutex::new(loaded));
+        let secrets: Secrets = Arc::new(RwLock::new(HashMap::new()));
+        let progress = Arc::new(Progress::default());
+        let backend =
+            StandaloneBackend::new(store.clone(), records.clone(), secrets.clone(), progress.clone());
+        let reconciler = Reconciler::new(
+            backend,
+            deps.providers,
+            deps.leases,
+            deps.health,
+            deps.availability,
+            deps.reconciler,
+        );
+        // The pool budgets count every Proxy from the start, not only the ones reconciled so far.
+        reconciler
+            .pools()
+            .seed(
+                records
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .iter()
+                    .map(|(key, record)| {
+                        let provider = record.provider().unwrap_or_default().to_owned();
+                        (key.clone(), provider, phase_of(record.status.as_ref()))
+                    }),
+            );
+        Ok(Self {
+            manifests: manifests.to_owned(),
+            store,
+            records,
+            secrets,
+            progress,
+            reconciler,
+            checker: Checker::new(None),
+            last_fingerprint: None,
+            due,
+            failures: HashMap::new(),
+            broken_files: 0,
+            metrics: None,
+        })
+    }
+
+    /// Records reconciles, transitions and proxies per phase in `metrics`, as cluster mode does.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// The progress view.
+    pub fn progress(&self) -> Arc<Progress> {
+        self.progress.clone()
+    }
+
+    /// Reconcile `key` at the next step.
+    pub fn trigger(&mut self, key: ProxyKey) {
+        if self
+            .records
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&key)
+        {
+            self.due.insert(key, Instant::now());
+        }
+    }
+
+    /// Reconcile every Proxy placed on `provider` at the next step (its availability flipped:
+    /// held Proxies provision at once instead of at their next retry).
+    pub fn trigger_provider(&mut self, provider: &str) {
+        let now = Instant::now();
+        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        for (key, record) in records.iter() {
+            if record.provider() == Some(provider) {
+                self.due.insert(key.clone(), now);
+            }
+        }
+    }
+
+    /// One round: pick up manifest changes, reconcile what is due. Returns when the next
+    /// reconcile is due (if any).
+    pub async fn step(&mut self) -> Option<Instant> {
+        let current = fingerprint(&self.manifests);
+        if self.last_fingerprint.as_ref() != Some(&current) {
+            let desired = scan(&self.manifests, &self.checker);
+            for problem in &desired.problems {
+                warn!(%problem, "manifest rejected; its proxies keep their last valid version");
+            }
+            self.apply(desired);
+            self.last_fingerprint = Some(current);
+        }
+        let now = Instant::now();
+        let due: Vec<ProxyKey> = self
+            .due
+            .iter()
+            .filter(|(_, at)| **at <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in due {
+            self.reconcile(&key).await;
+        }
+        self.update_progress();
+        self.due.values().min().copied()
+    }
+
+    async fn reconcile(&mut self, key: &ProxyKey) {
+        let Some(proxy) = self.proxy(key) else {
+            self.due.remove(key);
+            return;
+        };
+        let started = std::time::Instant::now();
+        let result = self.reconciler.reconcile(&proxy).await;
+        if let Some(metrics) = &self.metrics {
+            metrics.observe_reconcile(started.elapsed(), result.as_ref().err().map(|e| e.category()));
+            for entry in result.iter().flat_map(|outcome| &outcome.audit) {
+                metrics.observe_transition(entry.from.as_str(), entry.to.as_str(), &entry.reason);
+            }
+        }
+        match result {
+            Ok(outcome) => {
+                self.failures.remove(key);
+                let gone = !self
+                    .records
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains_key(key);
+                match (gone, outcome.requeue_after) {
+                    (true, _) => {
+                        self.due.remove(key);
+                        // A manifest re-added during the deletion is picked up now.
+                        self.last_fingerprint = None;
+                    }
+                    (false, Some(after)) => {
+                        self.due.insert(key.clone(), Instant::now() + after);
+                    }
+                    (false, None) => {
+                        self.due.remove(key);
+                    }
+                }
+            }
+            Err(err) => {
+                let failures = self.failures.entry(key.clone()).or_insert(0);
+                *failures += 1;
+                let delay = error_backoff(*failures);
+                warn!(proxy = %key, category = err.category(), error = %err, retry_in = ?delay, "reconcile failed");
+                self.due.insert(key.clone(), Instant::now() + delay);
+            }
+        }
+    }
+
+    /// Merges the folder's desired state into the records, like API writes would.
+    fn apply(&mut self, desired: Desired) {
+        let rotated = {
+            let mut secrets = self.secrets.write().unwrap_or_else(|p| p.into_inner());
+            let rotated = changed_secrets(&secrets, &desired.secrets);
+            *secrets = desired.secrets;
+            rotated
+        };
+        let now = jiff::Timestamp::now();
+        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        // A Secret's new content is part of its Proxies' spec hash: reconcile them now, as the
+        // cluster's Secret watch does, not at the next resync.
+        for (key, record) in records.iter() {
+            if references_any(&record.spec, &key.namespace, &rotated) {
+                self.due.insert(key.clone(), Instant::now());
+            }
+        }
+        let mut changed = Vec::new();
+        for (key, wanted) in &desired.proxies {
+            let source = wanted.source.display().to_string();
+            match records.get_mut(key) {
+                // Deletion can't be undone; the manifest is picked up again once it completes.
+                Some(record) if record.deleting => {}
+                Some(record) if record.spec != wanted.spec_json => {
+                    record.spec = wanted.spec_json.clone();
+                    record.generation += 1;
+                    record.source = source;
+                    changed.push(key.clone());
+                }
+                Some(_) => {}
+                None => {
+                    records.insert(
+                        key.clone(),
+                        ProxyRecord {
+                            uid: new_uid(),
+                            generation: 1,
+                            spec: wanted.spec_json.clone(),
+                            source,
+                            created: now,
+                            ..ProxyRecord::default()
+                        },
+                    );
+                    changed.push(key.clone());
+                }
+            }
+        }
+        for (key, record) in records.iter_mut() {
+            let source_broken = desired
+                .broken_files
+                .iter()
+                .any(|f| f.display().to_string() == record.source);
+            if !desired.proxies.contains_key(key) && !record.deleting && !source_broken {
+                record.deleting = true;
+                record.deletion_time = Some(now);
+                // As the API server does when it marks an object deleted.
+                record.generation += 1;
+                changed.push(key.clone());
+            }
+        }
+        for key in changed {
+            if let Some(record) = records.get(&key)
+                && let Err(err) = self.store.save(&key, record)
+            {
+                warn!(proxy = %key, error = %err, "saving the record failed");
+            }
+            self.due.insert(key, Instant::now());
+        }
+        drop(records);
+        self.broken_files = desired.broken_files.len();
+    }
+
+    /// The Proxy object the reconciler sees, as the API server would serve it.
+    fn proxy(&self, key: &ProxyKey) -> Option<Proxy> {
+        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        proxy_of(key, records.get(key)?)
+    }
+
+    fn phase_counts(&self) -> BTreeMap<String, usize> {
+        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let mut counts = BTreeMap::new();
+        for record in records.values() {
+            let phase = record
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_else(|| "pending".to_owned());
+            *counts.entry(phase).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    fn update_progress(&self) {
+        let counts = self.phase_counts();
+        if let Some(metrics) = &self.metrics {
+            metrics.set_phase_counts(&counts);
+        }
+        self.progress.set_counts(counts, self.broken_files);
+    }
+
+    /// Runs until `shutdown` resolves: steps whenever something is due, a trigger arrives (a
+    /// Proxy's key, or the name of a provider whose availability flipped) or `poll` elapses
+    /// (to notice manifest changes).
+    pub async fn run(
+        mut self,
+        mut triggers: mpsc::Receiver<ProxyKey>,
+        mut provider_flips: mpsc::UnboundedReceiver<String>,
+        poll: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        loop {
+            let next = self.step().await;
+            self.progress.print_if_changed();
+            let wake = next.map_or(Instant::now() + poll, |at| at.min(Instant::now() + poll));
+            tokio::select! {
+                _ = &mut shutdown => break,
+                Some(key) = triggers.recv() => self.trigger(key),
+                Some(provider) = provider_flips.recv() => self.trigger_provider(&provider),
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+        }
+        info!("standalone mode stopped");
+    }
+}
+
+/// Secrets (namespace, name) added, removed or changed between two readings of the folder.
+fn changed_secrets(
+    before: &HashMap<(String, String), k8s_openapi::api::core::v1::Secret>,
+    after: &HashMap<(String, String), k8s_openapi::api::core::v1::Secret>,
+) -> Vec<(String, String)> {
+    let mut changed: Vec<(String, String)> = after
+        .iter()
+        .filter(|(key, secret)| before.get(*key) != Some(*secret))
+        .map(|(key, _)| key.clone())
+        .collect();
+    changed.extend(before.keys().filter(|key| !after.contains_key(*key)).cloned());
+    changed
+}
+
+/// Whether a Proxy `spec` (as stored) in `namespace` references one of `secrets`, through its
+/// cloud-init or its credentials.
+fn references_any(spec: &serde_json::Value, namespace: &str, secrets: &[(String, String)]) -> bool {
+    ["/cloudInit/secretRef/name", "/auth/secretRef/name"]
+        .iter()
+        .filter_map(|pointer| spec.pointer(pointer)?.as_str())
+        .any(|name| {
+            secrets
+                .iter()
+                .any(|(ns, secret)| ns == namespace && secret == name)
+        })
+}
+
+/// A random 128-bit identity, like `metadata.uid`.
+fn new_uid() -> String {
+    format!("{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..))
+}
+
+/// The Proxy object a stored record stands for, as the API server would serve it; `None` when
+/// the stored spec is unreadable (logged).
+pub fn proxy_of(key: &ProxyKey, record: &ProxyRecord) -> Option<Proxy> {
+    let spec: ProxySpec = match serde_json::from_value(record.spec.clone()) {
+        Ok(spec) => spec,
+        Err(err) => {
+            warn!(proxy = %key, error = %err, "stored spec is unreadable");
+            return None;
+        }
+    };
+    Some(Proxy {
+        metadata: ObjectMeta {
+            name: Some(key.name.clone()),
+            namespace: Some(key.namespace.clone()),
+            uid: Some(record.uid.clone()),
+            generation: Some(record.generation),
+            creation_timestamp: Some(Time(record.created)),
+            deletion_timestamp: record.deletion_time.map(Time),
+            finalizers: record.finalizer.then(|| vec![FINALIZER.to_owned()]),
+            ..ObjectMeta::default()
+        },
+        spec,
+        status: record.status.clone(),
+    })
+}
