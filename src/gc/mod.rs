@@ -1,5 +1,6 @@
 //! Orphan garbage collection: deletes provider instances whose owning Proxy is gone, and
-//! adopts legacy-stamped instances whose owner lives here.
+//! adopts legacy-stamped instances whose owner lives here. The live owners come from a mode
+//! ([`LiveOwners`]: `cluster::owners`, `standalone::owners`); this module names neither.
 //!
 //! An instance is collected only if all of these hold:
 //! - its provider reports it as its own (each provider lists only what it made, so another

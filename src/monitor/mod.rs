@@ -1,7 +1,8 @@
 //! The provider-health monitor: probes every configured provider instance (connect and list)
 //! on an interval, keeps [`ProviderAvailability`] current for the reconciler (which holds new
-//! provisioning while a provider is down), and publishes one `ProviderHealth` object per
-//! instance, written only when its condition changes.
+//! provisioning while a provider is down), and hands each outcome whose condition changed to a
+//! mode's [`HealthSink`] (the log here; `ProviderHealth` objects in cluster mode, in
+//! [`crate::cluster::health_sink`]). Names no mode itself.
 
 use std::{collections::HashMap, future::Future, sync::Arc, time::Duration};
 
