@@ -8,11 +8,11 @@ use tokio::sync::watch;
 use tracing::info;
 
 use super::{Standalone, StandaloneDeps, owners::StateOwners, ui::StoreSource};
+use crate::app::{
+    AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, StatusPageAt, StopSignal,
+    discovery_authenticator, start_core,
+};
 use crate::{
-    app::{
-        AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, StatusPageAt, StopSignal,
-        discovery_authenticator, start_core,
-    },
     config::ProvidersConfig,
     controller::ReconcilerConfig,
     discovery::Readiness,

@@ -91,14 +91,14 @@ impl Standalone {
         let progress = Arc::new(Progress::default());
         let backend =
             StandaloneBackend::new(store.clone(), records.clone(), secrets.clone(), progress.clone());
-        let reconciler = Reconciler::new(
-            backend,
-            deps.providers,
-            deps.leases,
-            deps.health,
-            deps.availability,
-            deps.reconciler,
-        );
+        let StandaloneDeps {
+            providers,
+            leases,
+            health,
+            availability,
+            reconciler: config,
+        } = deps;
+        let reconciler = Reconciler::new(backend, providers, leases, health, availability, config);
         // The pool budgets count every Proxy from the start, not only the ones reconciled so far.
         reconciler
             .pools()
