@@ -44,7 +44,7 @@ use crate::{
     },
     config::ProvidersConfig,
     controller::ReconcilerConfig,
-    discovery::Readiness,
+    discovery::{Readiness, auth::Authenticator},
     gc::{GcConfig, LiveOwners, gc_enabled},
     lease::{
         LeaseStore, LeaseStoreConfig,
@@ -121,32 +121,76 @@ pub async fn run_cluster(
         return Ok(());
     };
     info!("leading: starting the controller");
+    let replica = Replica {
+        client,
+        options,
+        providers,
+        auth,
+        signer,
+        metrics,
+        admin,
+    };
+    act(replica, &leadership, &stop).await?;
+    // The core's tasks stop on the signal; a follower's checkpoint is not waited for.
+    let lost_leadership = *leadership.borrow() != Leadership::Leader && !stop.is_stopped();
+    stop.stop();
+    if lost_leadership {
+        return Err(AppError::Startup(
+            "lost leadership: stopping so a restart rejoins as a follower".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// What a replica has set up before it leads.
+struct Replica {
+    client: Client,
+    options: ClusterOptions,
+    providers: ProviderRegistry,
+    auth: Arc<dyn Authenticator>,
+    signer: LeaseSigner,
+    metrics: CoreMetrics,
+    admin: Admin,
+}
+
+/// The leader's work: the core over cluster mode's adapters and the controller, until the
+/// controller stops (shutdown, or leadership lost).
+async fn act(
+    replica: Replica,
+    leadership: &watch::Receiver<Leadership>,
+    stop: &StopSignal,
+) -> Result<(), AppError> {
+    let Replica {
+        client,
+        options,
+        providers,
+        auth,
+        signer,
+        metrics,
+        admin,
+    } = replica;
     let (leases, checkpoint) = restore_leases(&client, &options.system_namespace).await;
     let (discovery_ready_tx, discovery_ready) = watch::channel(Readiness::default());
     let status_feed = ClusterFeed::default();
-    let core = start_core(
-        CoreAdapters {
-            providers: providers.clone(),
-            leases,
-            signer,
-            auth,
-            readiness: discovery_ready,
-            proxies: Arc::new(status_feed.clone()),
-            status_page: StatusPageAt::Admin(admin.status_page),
-            provider_health: Arc::new(KubeHealthSink::new(client.clone())),
-            checkpoint: Some(checkpoint),
-            journal: None,
-            gc: gc_adapter(&client, &options),
-        },
-        CoreFlags {
-            discovery_listen: options.discovery_listen,
-            provider_probe_interval: options.provider_probe_interval,
-            gc_interval: options.gc_interval,
-        },
-        &metrics,
-        &stop,
-    )
-    .await?;
+    let adapters = CoreAdapters {
+        providers: providers.clone(),
+        leases,
+        signer,
+        auth,
+        readiness: discovery_ready,
+        proxies: Arc::new(status_feed.clone()),
+        status_page: StatusPageAt::Admin(admin.status_page),
+        provider_health: Arc::new(KubeHealthSink::new(client.clone())),
+        checkpoint: Some(checkpoint),
+        journal: None,
+        gc: gc_adapter(&client, &options),
+    };
+    let flags = CoreFlags {
+        discovery_listen: options.discovery_listen,
+        provider_probe_interval: options.provider_probe_interval,
+        gc_interval: options.gc_interval,
+    };
+    let core = start_core(adapters, flags, &metrics, stop).await?;
     tokio::spawn(checkpoint::report_checkpoint_health(
         client.clone(),
         options.system_namespace.clone(),
@@ -179,7 +223,7 @@ pub async fn run_cluster(
         deps,
         triggers,
         caches_tx,
-        while_leading(&stop, &leadership),
+        while_leading(stop, leadership),
     ));
     let readiness = tokio::spawn(follow_readiness(
         caches_rx,
@@ -190,14 +234,6 @@ pub async fn run_cluster(
     ));
     let _ = controller.await;
     readiness.abort();
-    // The core's tasks stop on the signal; a follower's checkpoint is not waited for.
-    let lost_leadership = *leadership.borrow() != Leadership::Leader && !stop.is_stopped();
-    stop.stop();
-    if lost_leadership {
-        return Err(AppError::Startup(
-            "lost leadership: stopping so a restart rejoins as a follower".to_owned(),
-        ));
-    }
     Ok(())
 }
 
