@@ -7,7 +7,9 @@ use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 use tokio::sync::watch;
 use tracing::info;
 
-use super::{Standalone, StandaloneDeps, owners::StateOwners, ui::StoreSource};
+use super::{
+    Standalone, StandaloneDeps, StandaloneError, owners::StateOwners, store::Store, ui::StoreSource,
+};
 use crate::app::{
     AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, StatusPageAt, StopSignal,
     discovery_authenticator, start_core,
@@ -27,8 +29,8 @@ use crate::{
     provider::{Installation, ProviderRegistry},
 };
 
-impl From<super::StandaloneError> for AppError {
-    fn from(error: super::StandaloneError) -> Self {
+impl From<StandaloneError> for AppError {
+    fn from(error: StandaloneError) -> Self {
         AppError::Mode(Box::new(error))
     }
 }
@@ -123,6 +125,9 @@ pub async fn run_standalone(
     let installation = Installation::new(installation_id(&options.state)?, &options.installation_name);
     info!(installation = %installation, "installation identity");
     let providers = ProviderRegistry::for_installation(&config, None, &installation)?;
+    // Locked before anything reads or writes the folder's leases: a second operator on the
+    // same folder stops here, before its upkeep could save over this one's checkpoint.
+    let records = Store::open(&options.state).map_err(StandaloneError::from)?;
     let leases = restore_leases(&options).await?;
     let signer = LeaseSigner::load_or_create(&options.state.join("lease-signing.key"))
         .map_err(|e| AppError::Startup(format!("lease signing key: {e}")))?;
@@ -133,18 +138,7 @@ pub async fn run_standalone(
     let auth = discovery_authenticator(&auth_options, None).await?;
     let journal_metrics = JournalMetrics::default();
     let metrics = CoreMetrics::register(|registry| journal_metrics.register(registry));
-    // With the journal, its compaction saves the checkpoint and the core's upkeep only reaps.
-    let journal = match options.durable_leases {
-        true => Some(
-            Journal::start(
-                JournalConfig::new(&options.state),
-                leases.last_seq + 1,
-                journal_metrics,
-            )
-            .map_err(|e| AppError::Startup(e.to_string()))?,
-        ),
-        false => None,
-    };
+    let journal = start_journal(&options, &leases, journal_metrics)?;
     let stop = StopSignal::default();
     // One process, always ready: nothing to sync and no one to lead.
     let (_ready, readiness) = watch::channel(Readiness {
@@ -192,9 +186,9 @@ pub async fn run_standalone(
         ))
     });
 
-    let runner = Standalone::open(
+    let runner = Standalone::with_store(
         &options.manifests,
-        &options.state,
+        records,
         StandaloneDeps {
             providers,
             leases: Arc::new(leases.store),
@@ -231,6 +225,21 @@ pub async fn run_standalone(
         let _ = compaction.await;
     }
     Ok(())
+}
+
+/// With durable leases, the journal every acquire, renewal and release is written to before
+/// it is answered; its compaction then saves the checkpoint and the core's upkeep only reaps.
+fn start_journal(
+    options: &StandaloneOptions,
+    leases: &RestoredLeases,
+    metrics: JournalMetrics,
+) -> Result<Option<Journal>, AppError> {
+    if !options.durable_leases {
+        return Ok(None);
+    }
+    Journal::start(JournalConfig::new(&options.state), leases.last_seq + 1, metrics)
+        .map(Some)
+        .map_err(|e| AppError::Startup(e.to_string()))
 }
 
 /// The lease store as the state folder left it, and where it is checkpointed.

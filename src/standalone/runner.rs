@@ -81,7 +81,16 @@ impl Standalone {
         if !manifests.is_dir() {
             return Err(StandaloneError::Manifests(manifests.to_owned()));
         }
-        let store = Arc::new(Store::open(state)?);
+        Self::with_store(manifests, Store::open(state)?, deps)
+    }
+
+    /// Loads what `store` (opened, so locked, by the caller) holds.
+    pub fn with_store(manifests: &Path, store: Store, deps: StandaloneDeps) -> Result<Self, StandaloneError> {
+        if !manifests.is_dir() {
+            return Err(StandaloneError::Manifests(manifests.to_owned()));
+        }
+        let state = store.dir().to_owned();
+        let store = Arc::new(store);
         let loaded: HashMap<ProxyKey, ProxyRecord> = store.reader().list()?.into_iter().collect();
         let now = Instant::now();
         let due = loaded.keys().map(|k| (k.clone(), now)).collect();

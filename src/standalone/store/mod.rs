@@ -197,6 +197,11 @@ impl Store {
             })
     }
 
+    /// The state folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// A reader over the same folder.
     pub fn reader(&self) -> ReadOnlyStore {
         ReadOnlyStore {
