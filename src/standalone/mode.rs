@@ -324,4 +324,63 @@ mod tests {
         let err = installation_id(state.path()).expect_err("an empty ID is refused");
         assert!(err.to_string().contains("is empty"), "{err}");
     }
+
+    fn options(dir: &std::path::Path) -> StandaloneOptions {
+        let manifests = dir.join("manifests");
+        std::fs::create_dir_all(&manifests).expect("manifests folder");
+        std::fs::write(
+            dir.join("providers.yaml"),
+            format!(
+                "providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: {}\n",
+                dir.join("squids").display()
+            ),
+        )
+        .expect("providers config");
+        StandaloneOptions {
+            manifests,
+            providers_config: dir.join("providers.yaml"),
+            state: dir.join("state"),
+            listen: "127.0.0.1:0".parse().expect("an address"),
+            auth: DiscoveryAuthOptions::default(),
+            poll: Duration::from_millis(100),
+            gc_grace: Duration::from_secs(300),
+            reconciler: ReconcilerConfig::default(),
+            provider_probe_interval: Duration::from_secs(30),
+            terminal_progress: false,
+            gc_interval: Duration::from_secs(60),
+            installation_name: "test".into(),
+            durable_leases: true,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_second_operator_on_the_same_state_folder_is_refused_and_the_first_runs_on() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let options = options(dir.path());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let first = tokio::spawn(run_standalone(options.clone(), async {
+            let _ = stopped.await;
+        }));
+        // The first one holds the folder once its store is open.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while Store::open(&options.state).is_ok() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the first operator never locked the folder"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        let second = tokio::time::timeout(Duration::from_secs(20), run_standalone(options.clone(), async {}))
+            .await
+            .expect("the second one returns at once");
+        let err = second.expect_err("the folder is taken");
+        assert!(err.to_string().contains("is in use by another"), "{err}");
+        stop.send(()).expect("the first operator still runs");
+        tokio::time::timeout(Duration::from_secs(30), first)
+            .await
+            .expect("stops")
+            .expect("no panic")
+            .expect("clean exit");
+    }
 }
