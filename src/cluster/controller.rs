@@ -217,15 +217,8 @@ async fn sample_phases(store: reflector::Store<Proxy>, metrics: Arc<Metrics>) {
         return;
     }
     loop {
-        let mut counts = std::collections::BTreeMap::new();
-        for proxy in store.state() {
-            let phase = proxy
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.clone())
-                .unwrap_or_else(|| "pending".to_owned());
-            *counts.entry(phase).or_insert(0) += 1;
-        }
+        let proxies = store.state();
+        let counts = crate::controller::status::count_phases(proxies.iter().map(|p| p.status.as_ref()));
         metrics.set_phase_counts(&counts);
         tokio::time::sleep(PHASE_SAMPLE_INTERVAL).await;
     }

@@ -160,48 +160,40 @@ async fn act(
     leadership: &watch::Receiver<Leadership>,
     stop: &StopSignal,
 ) -> Result<(), AppError> {
-    let Replica {
-        client,
-        options,
-        providers,
-        auth,
-        signer,
-        metrics,
-        admin,
-    } = replica;
-    let (leases, checkpoint) = restore_leases(&client, &options.system_namespace).await;
+    let (client, options) = (&replica.client, &replica.options);
+    let (leases, checkpoint) = restore_leases(client, &options.system_namespace).await;
     let (discovery_ready_tx, discovery_ready) = watch::channel(Readiness::default());
     let status_feed = ClusterFeed::default();
     let adapters = CoreAdapters {
-        providers: providers.clone(),
+        providers: replica.providers.clone(),
         leases,
-        signer,
-        auth,
+        signer: replica.signer,
+        auth: replica.auth,
         readiness: discovery_ready,
         proxies: Arc::new(status_feed.clone()),
-        status_page: StatusPageAt::Admin(admin.status_page),
+        status_page: StatusPageAt::Admin(replica.admin.status_page),
         provider_health: Arc::new(KubeHealthSink::new(client.clone())),
         checkpoint: Some(checkpoint),
         journal: None,
-        gc: gc_adapter(&client, &options),
+        gc: gc_adapter(client, options),
     };
     let flags = CoreFlags {
         discovery_listen: options.discovery_listen,
         provider_probe_interval: options.provider_probe_interval,
         gc_interval: options.gc_interval,
     };
-    let core = start_core(adapters, flags, &metrics, stop).await?;
+    let core = start_core(adapters, flags, &replica.metrics, stop).await?;
     tokio::spawn(checkpoint::report_checkpoint_health(
         client.clone(),
         options.system_namespace.clone(),
         options.identity.clone(),
-        metrics.checkpoint.subscribe(),
+        replica.metrics.checkpoint.subscribe(),
     ));
 
     let (caches_tx, caches_rx) = watch::channel(false);
     let deps = ClusterDeps {
-        client,
-        providers,
+        client: client.clone(),
+        providers: replica.providers,
         leases: Arc::new(core.leases),
         health: Arc::new(core.health),
         availability: core.availability,
@@ -210,7 +202,7 @@ async fn act(
         concurrency: options.concurrency,
         debounce: Duration::from_millis(200),
         identity: options.identity.clone(),
-        metrics: metrics.metrics.clone(),
+        metrics: replica.metrics.metrics.clone(),
         status_feed: Some(status_feed),
         provider_flips: Some(core.provider_flips),
     };
@@ -228,8 +220,8 @@ async fn act(
     let readiness = tokio::spawn(follow_readiness(
         caches_rx,
         leadership.clone(),
-        metrics.checkpoint.subscribe(),
-        admin.readiness,
+        replica.metrics.checkpoint.subscribe(),
+        replica.admin.readiness,
         discovery_ready_tx,
     ));
     let _ = controller.await;

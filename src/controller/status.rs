@@ -215,6 +215,21 @@ pub fn phase_of(status: Option<&ProxyStatus>) -> Phase {
         .unwrap_or(Phase::INITIAL)
 }
 
+/// Proxies per reported phase name (`pending` for a Proxy without one), as `epo_proxies`
+/// counts them in both modes.
+pub fn count_phases<'a>(
+    statuses: impl IntoIterator<Item = Option<&'a ProxyStatus>>,
+) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for status in statuses {
+        let phase = status
+            .and_then(|s| s.phase.clone())
+            .unwrap_or_else(|| "pending".to_owned());
+        *counts.entry(phase).or_insert(0) += 1;
+    }
+    counts
+}
+
 /// The stored `Ready` condition, if any.
 pub fn ready_condition(status: Option<&ProxyStatus>) -> Option<&Condition> {
     find(&status?.conditions, READY)

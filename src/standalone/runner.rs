@@ -27,7 +27,7 @@ use crate::{
     check::Checker,
     controller::{
         ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
-        status::{FINALIZER, phase_of},
+        status::{FINALIZER, count_phases, phase_of},
     },
     effects::{HealthControl, LeaseControl, ProxyKey},
     provider::ProviderRegistry,
@@ -322,16 +322,7 @@ impl Standalone {
 
     fn phase_counts(&self) -> BTreeMap<String, usize> {
         let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
-        let mut counts = BTreeMap::new();
-        for record in records.values() {
-            let phase = record
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.clone())
-                .unwrap_or_else(|| "pending".to_owned());
-            *counts.entry(phase).or_insert(0) += 1;
-        }
-        counts
+        count_phases(records.values().map(|r| r.status.as_ref()))
     }
 
     fn update_progress(&self) {
