@@ -125,62 +125,7 @@ enum Command {
         check: bool,
     },
     /// Run the operator against the cluster of the kubeconfig / in-cluster config (cluster mode).
-    Run {
-        /// Providers config.
-        #[arg(long, value_name = "FILE")]
-        providers_config: PathBuf,
-        /// Watch only this namespace (disables orphan GC unless --gc-allow-namespaced).
-        #[arg(long, value_name = "NS")]
-        namespace: Option<String>,
-        /// Run orphan GC in namespace-restricted mode (it then judges only that namespace's instances).
-        #[arg(long)]
-        gc_allow_namespaced: bool,
-        /// Only log what orphan GC would delete.
-        #[arg(long)]
-        gc_dry_run: bool,
-        /// Orphan GC spares instances younger than this (their create may be in flight).
-        #[arg(long, value_name = "SECONDS", default_value_t = 300)]
-        gc_grace_seconds: u64,
-        /// Time between two orphan GC passes.
-        #[arg(long, value_name = "SECONDS", default_value_t = 60)]
-        gc_interval_seconds: u64,
-        #[command(flatten)]
-        lifecycle: LifecycleArgs,
-        /// Namespace of the leader Lease and the lease checkpoint.
-        #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
-        system_namespace: String,
-        /// This replica's identity.
-        #[arg(long, env = "POD_NAME", default_value = "egress-proxies-operator")]
-        identity: String,
-        /// This installation's name in the cluster: with the cluster's identity (the
-        /// kube-system namespace's UID) it is stamped on every instance, and orphan GC and
-        /// adoption act only on instances carrying both. Give each installation sharing a
-        /// backend its own.
-        #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-operator")]
-        installation_name: String,
-        /// Admin server address (/healthz, /readyz, /metrics).
-        #[arg(long, default_value = "0.0.0.0:8081")]
-        admin_listen: std::net::SocketAddr,
-        /// Discovery API address.
-        #[arg(long, default_value = "0.0.0.0:8080")]
-        discovery_listen: std::net::SocketAddr,
-        /// How the discovery API authenticates callers (at least one method, or --discovery-no-auth).
-        #[command(flatten)]
-        auth: ClusterAuthArgs,
-        /// Key signing lease tokens, shared by all replicas.
-        #[arg(
-            long,
-            value_name = "FILE",
-            default_value = "/etc/egress-proxies-operator/lease-key/key"
-        )]
-        lease_signing_key: PathBuf,
-        /// Parallel reconciles.
-        #[arg(long, default_value_t = 8)]
-        concurrency: u16,
-        /// Log as JSON lines instead of text.
-        #[arg(long)]
-        json_logs: bool,
-    },
+    Run(RunArgs),
     /// Run the whole operator on this host without Kubernetes (standalone mode).
     Standalone {
         /// Folder of Proxy manifests (and the Secrets they reference).
@@ -233,6 +178,92 @@ enum Command {
         #[arg(value_name = "SCENARIO")]
         scenario: PathBuf,
     },
+}
+
+/// The flags of `run` (cluster mode).
+#[derive(Args)]
+struct RunArgs {
+    /// Providers config.
+    #[arg(long, value_name = "FILE")]
+    providers_config: PathBuf,
+    /// Watch only this namespace (disables orphan GC unless --gc-allow-namespaced).
+    #[arg(long, value_name = "NS")]
+    namespace: Option<String>,
+    /// Run orphan GC in namespace-restricted mode (it then judges only that namespace's instances).
+    #[arg(long)]
+    gc_allow_namespaced: bool,
+    /// Only log what orphan GC would delete.
+    #[arg(long)]
+    gc_dry_run: bool,
+    /// Orphan GC spares instances younger than this (their create may be in flight).
+    #[arg(long, value_name = "SECONDS", default_value_t = 300)]
+    gc_grace_seconds: u64,
+    /// Time between two orphan GC passes.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+    gc_interval_seconds: u64,
+    #[command(flatten)]
+    lifecycle: LifecycleArgs,
+    /// Namespace of the leader Lease and the lease checkpoint.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-system")]
+    system_namespace: String,
+    /// This replica's identity.
+    #[arg(long, env = "POD_NAME", default_value = "egress-proxies-operator")]
+    identity: String,
+    /// This installation's name in the cluster: with the cluster's identity (the
+    /// kube-system namespace's UID) it is stamped on every instance, and orphan GC and
+    /// adoption act only on instances carrying both. Give each installation sharing a
+    /// backend its own.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-operator")]
+    installation_name: String,
+    /// Admin server address (/healthz, /readyz, /metrics).
+    #[arg(long, default_value = "0.0.0.0:8081")]
+    admin_listen: std::net::SocketAddr,
+    /// Discovery API address.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    discovery_listen: std::net::SocketAddr,
+    /// How the discovery API authenticates callers (at least one method, or --discovery-no-auth).
+    #[command(flatten)]
+    auth: ClusterAuthArgs,
+    /// Key signing lease tokens, shared by all replicas.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_value = "/etc/egress-proxies-operator/lease-key/key"
+    )]
+    lease_signing_key: PathBuf,
+    /// Parallel reconciles.
+    #[arg(long, default_value_t = 8)]
+    concurrency: u16,
+    /// Log as JSON lines instead of text.
+    #[arg(long)]
+    json_logs: bool,
+}
+
+impl RunArgs {
+    /// Cluster mode's options, with the discovery API's authentication checked before anything
+    /// connects (a missing choice is a usage error, not a cluster problem).
+    fn options(self) -> anyhow::Result<cluster::ClusterOptions> {
+        let auth = self.auth.options();
+        auth.validate(true)?;
+        Ok(cluster::ClusterOptions {
+            providers_config: self.providers_config,
+            namespace: self.namespace,
+            gc_allow_namespaced: self.gc_allow_namespaced,
+            gc_dry_run: self.gc_dry_run,
+            gc_grace: std::time::Duration::from_secs(self.gc_grace_seconds),
+            gc_interval: std::time::Duration::from_secs(self.gc_interval_seconds.max(1)),
+            reconciler: self.lifecycle.config()?,
+            provider_probe_interval: std::time::Duration::from_secs(self.lifecycle.provider_probe_interval),
+            system_namespace: self.system_namespace,
+            identity: self.identity,
+            installation_name: self.installation_name,
+            admin_listen: self.admin_listen,
+            discovery_listen: self.discovery_listen,
+            auth,
+            signing_key: self.lease_signing_key,
+            concurrency: self.concurrency,
+        })
+    }
 }
 
 /// Discovery API authentication flags of `run`: static tokens (file and/or Secret), TokenReview,
@@ -411,46 +442,10 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             telemetry.shutdown();
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run {
-            providers_config,
-            namespace,
-            gc_allow_namespaced,
-            gc_dry_run,
-            gc_grace_seconds,
-            gc_interval_seconds,
-            lifecycle,
-            system_namespace,
-            identity,
-            installation_name,
-            admin_listen,
-            discovery_listen,
-            auth,
-            lease_signing_key,
-            concurrency,
-            json_logs,
-        } => {
-            let auth = auth.options();
-            // Before connecting: a missing choice is a usage error, not a cluster problem.
-            auth.validate(true)?;
+        Command::Run(args) => {
+            let json_logs = args.json_logs;
+            let options = args.options()?;
             let telemetry = tracing_setup::init(json_logs)?;
-            let options = cluster::ClusterOptions {
-                providers_config,
-                namespace,
-                gc_allow_namespaced,
-                gc_dry_run,
-                gc_grace: std::time::Duration::from_secs(gc_grace_seconds),
-                gc_interval: std::time::Duration::from_secs(gc_interval_seconds.max(1)),
-                reconciler: lifecycle.config()?,
-                provider_probe_interval: std::time::Duration::from_secs(lifecycle.provider_probe_interval),
-                system_namespace,
-                identity,
-                installation_name,
-                admin_listen,
-                discovery_listen,
-                auth,
-                signing_key: lease_signing_key,
-                concurrency,
-            };
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(async {
                 let shutdown = shutdown_signal();
