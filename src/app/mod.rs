@@ -2,7 +2,7 @@
 //! the status page), lease upkeep (reaping, checkpoints), the provider-health monitor and
 //! orphan GC, each over the adapters a mode hands it ([`CoreAdapters`]); it returns what the
 //! mode's reconcile loop drives ([`Core`]). Also the discovery API's authentication options
-//! ([`auth`]), shared by both modes' flags.
+//! ([`DiscoveryAuthOptions`], [`discovery_authenticator`]), shared by both modes' flags.
 //!
 //! Owns: the order in which the shared services start and stop, and the start-up error type.
 //! Must not touch: Kubernetes or the state folder. What differs between the modes (where

@@ -1,5 +1,7 @@
 //! [`ProxyBackend`] over the Kubernetes API: finalizers and status on the Proxy, Events as the
 //! audit trail, Secrets from the label-selected cache (cloud-init) or a direct read (credentials).
+//! Must not touch: what the status says (built by [`crate::controller::status`]); it only
+//! writes it.
 
 use std::{
     collections::HashMap,

@@ -11,6 +11,9 @@
 //! ([`resync`]). A reconcile that another trigger (health) starts before the
 //! cache has received our own last status write is put off briefly instead of redoing the
 //! transitions on the old version ([`KubeBackend::is_superseded`]).
+//!
+//! Must not touch: the lifecycle's decisions (the shared [`Reconciler`] makes them) or the
+//! core's services (it is handed their executors in [`ClusterDeps`]).
 
 use std::{
     collections::HashMap,

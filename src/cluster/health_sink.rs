@@ -1,5 +1,6 @@
 //! The provider-health monitor's sink in cluster mode: one cluster-scoped `ProviderHealth`
-//! object per provider instance, written only when its condition changes.
+//! object per provider instance, written only when its condition changes. Must not touch:
+//! availability (the monitor keeps it).
 
 use async_trait::async_trait;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};

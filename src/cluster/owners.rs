@@ -1,4 +1,6 @@
-//! Live owners for orphan GC in cluster mode: the UIDs of the Proxies the API server holds now.
+//! Live owners for orphan GC in cluster mode: the UIDs of the Proxies the API server holds now
+//! (a fresh list, never the controller's cache, which may lag a create). Must not touch: the
+//! verdicts (they are [`crate::gc`]'s).
 
 use std::collections::HashSet;
 

@@ -1,6 +1,6 @@
 //! What wakes the controller besides Proxy watch events, read from the controller's own
 //! reflector cache: a provider whose availability flipped names its Proxies without a LIST
-//! against the API server.
+//! against the API server. Must not touch: the API server (reads the cache only).
 
 use futures::{Stream, StreamExt, stream};
 use kube::runtime::reflector::{ObjectRef, Store};

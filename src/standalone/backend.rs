@@ -1,5 +1,7 @@
 //! [`ProxyBackend`] over the embedded store: finalizer, status and audit trail are saved to the
-//! state folder; Secrets come from the manifests folder.
+//! state folder; Secrets come from the manifests folder. Must not touch: the manifests folder
+//! (read by [`super::manifests`] only) or what the status says (built by
+//! [`crate::controller::status`]).
 
 use std::{
     collections::HashMap,

@@ -1,5 +1,6 @@
 //! Live owners for orphan GC in standalone mode: the records of the state folder, read afresh
-//! at each pass (the runner writes a record before it creates the instance).
+//! at each pass (the runner writes a record before it creates the instance). Read-only: never
+//! takes the folder's lock.
 
 use std::{collections::HashSet, path::PathBuf};
 

@@ -3,6 +3,9 @@
 //! deletion (the finalizer keeps the record until the instance is gone), and schedules
 //! reconciles by each Proxy's requeue time or an external trigger (a health verdict changed, a
 //! provider's availability flipped).
+//!
+//! Must not touch: the lifecycle's decisions (the shared [`Reconciler`] makes them) or the
+//! core's services (it is handed their executors in [`StandaloneDeps`]).
 
 use std::{
     collections::{BTreeMap, HashMap},
