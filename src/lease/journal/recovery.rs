@@ -233,6 +233,8 @@ pub async fn recover_and_compact(dir: &Path, file: &FileCheckpoint) -> Result<Re
     };
     let had_segments = !segment::segments(dir).is_empty();
     let recovered = recover(dir, snapshot)?;
+    // A spare whose preparation a crash interrupted: started again when needed.
+    let _ = std::fs::remove_file(dir.join(segment::SPARE_PART));
     if had_segments {
         file.save(&recovered.checkpoint)
             .await

@@ -30,7 +30,7 @@ pub const SEGMENT_PREFIX: &str = "leases.journal.";
 /// The spare: a file of zeros or a covered segment, the next segment's blocks.
 const SPARE: &str = "leases.journal.spare";
 /// A spare being prepared (renamed to [`SPARE`] once all zeros are durable).
-const SPARE_PART: &str = "leases.journal.spare.part";
+pub(super) const SPARE_PART: &str = "leases.journal.spare.part";
 
 pub(super) const FRAME_HEADER: usize = 16;
 /// No record comes near this; a larger length is a corrupt frame.
@@ -171,15 +171,7 @@ impl Segment {
                 let len = file.metadata().map_err(|e| JournalError::io(&path, &e))?.len();
                 (file, len)
             }
-            Err(_) => {
-                let file = OpenOptions::new()
-                    .create(true)
-                    .write(true)
-                    .truncate(true)
-                    .open(&path)
-                    .map_err(|e| JournalError::io(&path, &e))?;
-                (file, 0)
-            }
+            Err(_) => (create_empty(&path)?, 0),
         };
         sync_dir(dir)?;
         Ok(Segment {
@@ -220,6 +212,16 @@ impl Segment {
     }
 }
 
+/// Creates the file at `path`, emptying one of that name.
+fn create_empty(path: &Path) -> Result<File, JournalError> {
+    OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| JournalError::io(path, &e))
+}
+
 fn sync_dir(dir: &Path) -> Result<(), JournalError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -246,12 +248,7 @@ pub(super) fn recycle_or_remove(dir: &Path, path: &Path) -> bool {
 /// compaction calls it on a blocking thread), then renames it into place.
 pub(super) fn prepare_spare(dir: &Path) -> Result<(), JournalError> {
     let part = dir.join(SPARE_PART);
-    let file = OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .open(&part)
-        .map_err(|e| JournalError::io(&part, &e))?;
+    let file = create_empty(&part)?;
     let zeros = vec![0u8; PREPARE_STEP];
     let mut at = 0;
     while at < SEGMENT_BYTES {

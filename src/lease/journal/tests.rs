@@ -72,6 +72,14 @@ async fn write_all(dir: &Path, next_seq: u64, records: &[Record]) -> Journal {
     journal
 }
 
+/// A journal that committed `records` (numbered from 1), then closed its segment.
+async fn rotated_after(dir: &Path, records: &[Record]) -> (Journal, u64) {
+    let journal = write_all(dir, 1, records).await;
+    let through = journal.rotate().await.unwrap();
+    assert_eq!(through, records.len() as u64);
+    (journal, through)
+}
+
 #[tokio::test]
 async fn committed_records_replay_onto_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -145,14 +153,8 @@ async fn a_torn_last_record_is_ignored() {
 #[tokio::test]
 async fn replay_skips_what_the_snapshot_holds_and_merges_what_it_may_hold() {
     let dir = tempfile::tempdir().unwrap();
-    let journal = write_all(
-        dir.path(),
-        1,
-        &[acquire("a", 33, 90_000), acquire("a", 65, 90_000)],
-    )
-    .await;
-    let through = journal.rotate().await.unwrap();
-    assert_eq!(through, 2);
+    let (journal, through) =
+        rotated_after(dir.path(), &[acquire("a", 33, 90_000), acquire("a", 65, 90_000)]).await;
     // Applied to the store before the snapshot below, appended after the rotation.
     let late = [renew("a", 33, 97, 120_000), release("a", 65)];
     for r in &late {
@@ -283,13 +285,7 @@ fn inode(path: &Path) -> u64 {
 #[tokio::test]
 async fn a_covered_segment_is_recycled_and_its_old_records_never_replay() {
     let dir = tempfile::tempdir().unwrap();
-    let journal = write_all(
-        dir.path(),
-        1,
-        &[acquire("a", 33, 90_000), acquire("b", 65, 90_000)],
-    )
-    .await;
-    assert_eq!(journal.rotate().await.unwrap(), 2);
+    let (journal, _) = rotated_after(dir.path(), &[acquire("a", 33, 90_000), acquire("b", 65, 90_000)]).await;
     journal.append(&release("a", 33)).wait().await.unwrap();
     let old = segment_path(dir.path(), 1);
     let old_inode = inode(&old);
