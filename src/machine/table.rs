@@ -1,7 +1,7 @@
 //! The Proxy transition table, compiled: generated types plus the hand-written types they use.
 //!
-//! build.rs turns `machines/proxy.yaml` into `$OUT_DIR/proxy_machine.rs`, included here. It holds
-//! [`Fact`], [`Phase`], [`Event`] (in priority order), [`TimerKind`], [`State`], the [`reason`]
+//! build.rs turns `machines/proxy.yaml` into `$OUT_DIR/proxy_machine.rs`, included here (the
+//! templates are in build/generate.rs). It holds [`Fact`], [`Phase`], [`Event`] (in priority order), [`TimerKind`], [`State`], the [`reason`]
 //! constants, the statig machine (one `#[state]` handler per table state, each a `match event`
 //! over the rows) and the static metadata [`ROWS`], [`EVENTS`], [`STATES`], [`EFFECTS`]. This
 //! module owns the types that generated code refers to: [`Facts`], [`Literal`], [`Row`],
@@ -198,13 +198,16 @@ pub fn event_info(event: Event) -> &'static EventInfo {
 
 /// The context the generated handlers read and write while deciding one event.
 ///
-/// Handlers get the clock and the facts from here (they are pure) and report which row matched,
-/// so [`decide`](super::decide) can return that row's effects and reason.
+/// Handlers get the clock and the facts from here (they are pure) and report which row matched or
+/// that they ignored the event, so [`decide`](super::decide) can return that row's effects and
+/// reason. statig's machine does not hand back a handler's outcome; this context is how statig
+/// expects results to leave a handler.
 #[derive(Debug)]
 pub struct DecideCtx {
     now: Timestamp,
     facts: Facts,
     matched: Option<&'static Row>,
+    ignored: bool,
 }
 
 impl DecideCtx {
@@ -213,6 +216,7 @@ impl DecideCtx {
             now,
             facts,
             matched: None,
+            ignored: false,
         }
     }
 
@@ -232,6 +236,14 @@ impl DecideCtx {
 
     pub(crate) fn matched_row(&self) -> Option<&'static Row> {
         self.matched
+    }
+
+    pub(crate) fn ignored(&mut self) {
+        self.ignored = true;
+    }
+
+    pub(crate) fn was_ignored(&self) -> bool {
+        self.ignored
     }
 }
 
