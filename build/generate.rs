@@ -1,11 +1,12 @@
 //! The Rust code build.rs emits for one validated table, written as `quote!` templates that read
 //! like the output, and pretty-printed with `prettyplease`.
 //!
-//! The output holds the `Fact`, `Phase`, `Event`, `TimerKind` and `State` types, the `reason`
+//! The output holds the `Fact`, `Phase`, `Event`, `EffectKind`, `TimerKind` and `State` types, the `reason`
 //! constants, a `#[statig::state_machine]` impl whose state handlers are a `match event` built from
 //! the rows, and the static metadata (`ROWS`, `EVENTS`, `STATES`, `EFFECTS`) that `derive`, the
-//! docs renderer and the tests read. Effect names are emitted as `EffectKind::CreateInstance`, so a
-//! name the Rust code lacks fails compilation.
+//! docs renderer and the tests read. `EffectKind` comes from the table's `effects` section: the
+//! planner matches on it exhaustively, so an effect added to the table without a plan for it fails
+//! compilation.
 
 use std::collections::BTreeSet;
 
@@ -44,6 +45,11 @@ fn machine(t: &Table, source: &str) -> TokenStream {
         "Event",
         "What happened, derived from facts or raised by an executor; `ALL` is in priority order.",
         &named(t.events.iter().map(|e| (&e.name, &e.doc)).collect()),
+    );
+    let effect = named_enum(
+        "EffectKind",
+        "One side effect requested by a transition, in the order the row lists it.",
+        &named(t.effects.iter().map(|e| (&e.name, &e.doc)).collect()),
     );
     let timer = named_enum(
         "TimerKind",
@@ -126,6 +132,7 @@ fn machine(t: &Table, source: &str) -> TokenStream {
         #fact
         #phase
         #event
+        #effect
         #timer
 
         impl Phase {

@@ -1,9 +1,10 @@
 //! The Proxy transition table, compiled: generated types plus the hand-written types they use.
 //!
 //! build.rs turns `machines/proxy.yaml` into `$OUT_DIR/proxy_machine.rs`, included here (the
-//! templates are in build/generate.rs). It holds [`Fact`], [`Phase`], [`Event`] (in priority order), [`TimerKind`], [`State`], the [`reason`]
-//! constants, the statig machine (one `#[state]` handler per table state, each a `match event`
-//! over the rows) and the static metadata [`ROWS`], [`EVENTS`], [`STATES`], [`EFFECTS`]. This
+//! templates are in build/generate.rs). It holds [`Fact`], [`Phase`], [`Event`] (in priority
+//! order), [`EffectKind`], [`TimerKind`], [`State`], the [`reason`] constants, the statig machine
+//! (one `#[state]` handler per table state, each a `match event` over the rows) and the static
+//! metadata [`ROWS`], [`EVENTS`], [`STATES`], [`EFFECTS`]. This
 //! module owns the types that generated code refers to: [`Facts`], [`Literal`], [`Row`],
 //! [`EventInfo`], [`StateInfo`], [`EffectInfo`], [`DecideCtx`] and the persisted form
 //! [`StateRecord`].
@@ -12,8 +13,6 @@ use std::borrow::Cow;
 
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
-
-use super::effects::EffectKind;
 
 include!(concat!(env!("OUT_DIR"), "/proxy_machine.rs"));
 
