@@ -127,315 +127,345 @@ pub(crate) fn load_table(text: &str) -> Result<Table, Vec<String>> {
     Ok(table)
 }
 
+/// Every rule, section by section; the errors keep table order within a section.
 fn validate(t: &Table) -> Result<(), Vec<String>> {
-    let mut errors = Vec::new();
-
-    if !is_snake(&t.machine) {
-        errors.push(format!("machine name `{}` must be snake_case", t.machine));
+    let mut check = Check::declarations(t);
+    check.events(t);
+    let mut coverage = check.states(t);
+    let groups = check.rows(t);
+    check.groups(t, &groups, &mut coverage);
+    check.coverage(t, &coverage);
+    check.unused(t);
+    if check.errors.is_empty() {
+        Ok(())
+    } else {
+        Err(check.errors)
     }
+}
 
-    let mut check_names = |kind: &str, names: Vec<(&str, &str)>| -> BTreeSet<String> {
-        let mut seen = BTreeSet::new();
-        for (name, doc) in names {
-            if !is_snake(name) {
-                errors.push(format!("{kind} `{name}` must be snake_case"));
-            }
-            if doc.trim().is_empty() {
-                errors.push(format!("{kind} `{name}` needs a one-line doc"));
-            }
-            if doc.contains('\n') {
-                errors.push(format!("{kind} `{name}`: the doc must be one line"));
-            }
-            if !seen.insert(name.to_owned()) {
-                errors.push(format!("{kind} `{name}` is declared twice"));
-            }
+/// (state, event) -> what covers it (`ignore`, `invalid`, transition rows).
+type CoverageMap = BTreeMap<(String, String), Vec<String>>;
+
+/// The problems found so far, and the declared names of each kind.
+struct Check {
+    errors: Vec<String>,
+    facts: BTreeSet<String>,
+    states: BTreeSet<String>,
+    events: BTreeSet<String>,
+    effects: BTreeSet<String>,
+    timers: BTreeSet<String>,
+}
+
+/// `a, b, c`: the known names, for an error about an unknown one.
+fn list(set: &BTreeSet<String>) -> String {
+    set.iter().cloned().collect::<Vec<_>>().join(", ")
+}
+
+impl Check {
+    /// Names are snake_case, documented in one line and declared once; one initial and one final state.
+    fn declarations(t: &Table) -> Check {
+        let mut errors = Vec::new();
+        if !is_snake(&t.machine) {
+            errors.push(format!("machine name `{}` must be snake_case", t.machine));
         }
-        seen
-    };
-    let facts = check_names(
-        "fact",
-        t.facts
-            .iter()
-            .map(|s| (s.name.as_str(), s.doc.as_str()))
-            .collect(),
-    );
-    let states = check_names(
-        "state",
-        t.states
-            .iter()
-            .map(|s| (s.name.as_str(), s.doc.as_str()))
-            .collect(),
-    );
-    let events = check_names(
-        "event",
-        t.events
-            .iter()
-            .map(|s| (s.name.as_str(), s.doc.as_str()))
-            .collect(),
-    );
-    let effects = check_names(
-        "effect",
-        t.effects
-            .iter()
-            .map(|s| (s.name.as_str(), s.doc.as_str()))
-            .collect(),
-    );
-    let timers = check_names(
-        "timer",
-        t.timers
-            .iter()
-            .map(|s| (s.name.as_str(), s.doc.as_str()))
-            .collect(),
-    );
-    let list = |set: &BTreeSet<String>| set.iter().cloned().collect::<Vec<_>>().join(", ");
-    if t.facts.len() > 32 {
-        errors.push(format!(
-            "at most 32 facts (a `u32` bit set); the table has {}",
-            t.facts.len()
-        ));
+        let mut names = |kind: &str, items: Vec<(&String, &String)>| -> BTreeSet<String> {
+            let mut seen = BTreeSet::new();
+            for (name, doc) in items {
+                if !is_snake(name) {
+                    errors.push(format!("{kind} `{name}` must be snake_case"));
+                }
+                if doc.trim().is_empty() {
+                    errors.push(format!("{kind} `{name}` needs a one-line doc"));
+                }
+                if doc.contains('\n') {
+                    errors.push(format!("{kind} `{name}`: the doc must be one line"));
+                }
+                if !seen.insert(name.clone()) {
+                    errors.push(format!("{kind} `{name}` is declared twice"));
+                }
+            }
+            seen
+        };
+        let facts = names("fact", t.facts.iter().map(|x| (&x.name, &x.doc)).collect());
+        let states = names("state", t.states.iter().map(|x| (&x.name, &x.doc)).collect());
+        let events = names("event", t.events.iter().map(|x| (&x.name, &x.doc)).collect());
+        let effects = names("effect", t.effects.iter().map(|x| (&x.name, &x.doc)).collect());
+        let timers = names("timer", t.timers.iter().map(|x| (&x.name, &x.doc)).collect());
+        if t.facts.len() > 32 {
+            errors.push(format!(
+                "at most 32 facts (a `u32` bit set); the table has {}",
+                t.facts.len()
+            ));
+        }
+        match t.states.iter().find(|s| s.name == t.initial) {
+            None => errors.push(format!(
+                "initial state `{}` is not declared; states: {}",
+                t.initial,
+                list(&states)
+            )),
+            Some(s) if s.is_final => errors.push(format!("initial state `{}` must not be final", t.initial)),
+            Some(_) => {}
+        }
+        if !t.states.iter().any(|s| s.is_final) {
+            errors.push("declare one state with `final: true` (the end of the deletion path)".to_owned());
+        }
+        Check {
+            errors,
+            facts,
+            states,
+            events,
+            effects,
+            timers,
+        }
     }
 
-    match t.states.iter().find(|s| s.name == t.initial) {
-        None => errors.push(format!(
-            "initial state `{}` is not declared; states: {}",
-            t.initial,
-            list(&states)
-        )),
-        Some(s) if s.is_final => errors.push(format!("initial state `{}` must not be final", t.initial)),
-        Some(_) => {}
-    }
-    if !t.states.iter().any(|s| s.is_final) {
-        errors.push("declare one state with `final: true` (the end of the deletion path)".to_owned());
-    }
-
-    let check_literals = |errors: &mut Vec<String>, context: &str, literals: &[String]| {
+    /// Fact literals (`fact` / `not fact`) name declared facts, each once.
+    fn literals(&mut self, context: &str, literals: &[String]) {
         let mut seen = BTreeSet::new();
         for text in literals {
             let (fact, _) = literal(text);
-            if !facts.contains(fact) {
-                errors.push(format!(
-                    "{context}: unknown fact `{fact}`; facts: {}",
-                    list(&facts)
-                ));
+            if !self.facts.contains(fact) {
+                let known = list(&self.facts);
+                self.errors
+                    .push(format!("{context}: unknown fact `{fact}`; facts: {known}"));
             }
             if !seen.insert(fact.to_owned()) {
-                errors.push(format!("{context}: fact `{fact}` listed twice"));
-            }
-        }
-    };
-
-    let mut used_facts = BTreeSet::new();
-    let mut used_effects = BTreeSet::new();
-    for e in &t.events {
-        let context = format!("event `{}`", e.name);
-        check_literals(&mut errors, &context, &e.when);
-        used_facts.extend(e.when.iter().map(|l| literal(l).0.to_owned()));
-        if e.when.is_empty() && e.raised_by.is_empty() {
-            errors.push(format!(
-                "{context}: say what raises it: facts under `when`, effects under `raised_by`, or both"
-            ));
-        }
-        for effect in &e.raised_by {
-            if !effects.contains(effect) {
-                errors.push(format!(
-                    "{context}: `raised_by` lists unknown effect `{effect}`; effects: {}",
-                    list(&effects)
-                ));
+                self.errors.push(format!("{context}: fact `{fact}` listed twice"));
             }
         }
     }
 
-    // (state, event) -> where it is covered.
-    let mut coverage: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
-    for s in &t.states {
-        if let Some(timer) = &s.timer
-            && !timers.contains(timer)
-        {
-            errors.push(format!(
-                "state `{}`: unknown timer `{timer}`; timers: {}",
-                s.name,
-                list(&timers)
-            ));
-        }
-        for (kind, names) in [("ignore", &s.ignore), ("invalid", &s.invalid)] {
-            for e in names {
-                if !events.contains(e) {
-                    errors.push(format!(
-                        "state `{}`: `{kind}` lists unknown event `{e}`; events: {}",
-                        s.name,
-                        list(&events)
+    /// Every event says what raises it: facts, effects, or both.
+    fn events(&mut self, t: &Table) {
+        for e in &t.events {
+            let context = format!("event `{}`", e.name);
+            self.literals(&context, &e.when);
+            if e.when.is_empty() && e.raised_by.is_empty() {
+                self.errors.push(format!(
+                    "{context}: say what raises it: facts under `when`, effects under `raised_by`, or both"
+                ));
+            }
+            for effect in &e.raised_by {
+                if !self.effects.contains(effect) {
+                    self.errors.push(format!(
+                        "{context}: `raised_by` lists unknown effect `{effect}`; effects: {}",
+                        list(&self.effects)
                     ));
                 }
-                coverage
-                    .entry((s.name.clone(), e.clone()))
-                    .or_default()
-                    .push(format!("`{kind}`"));
-            }
-        }
-        for e in &s.invalid {
-            if t.events.iter().any(|ev| &ev.name == e && !ev.when.is_empty()) {
-                errors.push(format!(
-                    "state `{}`: event `{e}` is raised by facts, which can hold in any state: \
-                     give it rows or list it under `ignore`, not `invalid`",
-                    s.name
-                ));
             }
         }
     }
 
-    let mut used_events = BTreeSet::new();
-    // (from, on) -> row indexes, in table order.
-    let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
-    for (i, row) in t.transitions.iter().enumerate() {
-        let label = row_label(i, row);
-        if !states.contains(&row.from) {
-            errors.push(format!(
-                "{label}: unknown state `{}` in `from`; states: {}",
-                row.from,
-                list(&states)
-            ));
-        }
-        if !states.contains(&row.to) {
-            errors.push(format!(
-                "{label}: unknown state `{}` in `to`; states: {}",
-                row.to,
-                list(&states)
-            ));
-        }
-        if !events.contains(&row.on) {
-            errors.push(format!(
-                "{label}: unknown event `{}`; events: {}",
-                row.on,
-                list(&events)
-            ));
-        }
-        if t.states.iter().any(|s| s.name == row.from && s.is_final) {
-            errors.push(format!(
-                "{label}: the final state `{}` cannot have transitions",
-                row.from
-            ));
-        }
-        check_literals(&mut errors, &label, &row.guard);
-        used_facts.extend(row.guard.iter().map(|l| literal(l).0.to_owned()));
-        if row.reenter {
-            let has_timer = t.states.iter().any(|s| s.name == row.from && s.timer.is_some());
-            if row.from != row.to || !has_timer {
-                errors.push(format!(
-                    "{label}: `reenter` restarts a timer: only on a self-transition of a state with a timer"
-                ));
-            }
-        }
-        let mut seen = BTreeSet::new();
-        for e in &row.effects {
-            if !effects.contains(e) {
-                errors.push(format!(
-                    "{label}: unknown effect `{e}`; effects: {}",
-                    list(&effects)
-                ));
-            }
-            if !seen.insert(e) {
-                errors.push(format!("{label}: effect `{e}` listed twice"));
-            }
-            used_effects.insert(e.clone());
-        }
-        if !is_camel(&row.reason) {
-            errors.push(format!("{label}: reason `{}` must be CamelCase", row.reason));
-        }
-        if row.note.trim().is_empty() || row.note.contains('\n') {
-            errors.push(format!("{label}: needs a one-line `note` saying why"));
-        }
-        used_events.insert(row.on.clone());
-        groups
-            .entry((row.from.clone(), row.on.clone()))
-            .or_default()
-            .push(i);
-    }
-
-    for ((from, on), rows) in &groups {
-        coverage
-            .entry((from.clone(), on.clone()))
-            .or_default()
-            .push("transition rows".to_owned());
-        let (last, guarded) = rows.split_last().expect("a group has at least one row");
-        if !t.transitions[*last].guard.is_empty() {
-            errors.push(format!(
-                "{}: guarded rows for ({from}, {on}) must end with an unguarded fallback row",
-                row_label(*last, &t.transitions[*last])
-            ));
-        }
-        let mut seen_guards = BTreeSet::new();
-        for i in guarded {
-            let row = &t.transitions[*i];
-            if row.guard.is_empty() {
-                errors.push(format!(
-                    "{}: only the last row for ({from}, {on}) may be unguarded; rows after it are unreachable",
-                    row_label(*i, row)
-                ));
-            } else if !seen_guards.insert(row.guard.clone()) {
-                errors.push(format!(
-                    "{}: guard repeated for ({from}, {on}); the later row is unreachable",
-                    row_label(*i, row)
-                ));
-            }
-        }
-        // An event only effects raise can happen in a state only right after a row into it ran
-        // one of those effects.
-        if let Some(event) = t.events.iter().find(|e| &e.name == on)
-            && event.when.is_empty()
-        {
-            let reachable = t
-                .transitions
-                .iter()
-                .any(|r| &r.to == from && r.effects.iter().any(|e| event.raised_by.contains(e)));
-            if !reachable {
-                errors.push(format!(
-                    "state `{from}` has rows for `{on}`, which only {} raise(s), but no row into `{from}` runs it: \
-                     the rows are unreachable (declare the event `invalid` there)",
-                    event.raised_by.join(" / ")
-                ));
-            }
-        }
-    }
-
-    for s in &t.states {
-        for e in &t.events {
-            match coverage.get(&(s.name.clone(), e.name.clone())) {
-                None => errors.push(format!(
-                    "state `{}` does not cover event `{}`: add a transition row, or list it under `ignore` or `invalid`",
-                    s.name, e.name
-                )),
-                Some(by) if by.len() > 1 => errors.push(format!(
-                    "state `{}`, event `{}` is covered more than once: {}",
+    /// States name known timers and events; returns what their `ignore` / `invalid` lists cover.
+    fn states(&mut self, t: &Table) -> CoverageMap {
+        let mut coverage = CoverageMap::new();
+        for s in &t.states {
+            if let Some(timer) = &s.timer
+                && !self.timers.contains(timer)
+            {
+                self.errors.push(format!(
+                    "state `{}`: unknown timer `{timer}`; timers: {}",
                     s.name,
-                    e.name,
-                    by.join(" and ")
-                )),
-                Some(_) => {}
+                    list(&self.timers)
+                ));
+            }
+            for (kind, names) in [("ignore", &s.ignore), ("invalid", &s.invalid)] {
+                for e in names {
+                    if !self.events.contains(e) {
+                        self.errors.push(format!(
+                            "state `{}`: `{kind}` lists unknown event `{e}`; events: {}",
+                            s.name,
+                            list(&self.events)
+                        ));
+                    }
+                    coverage
+                        .entry((s.name.clone(), e.clone()))
+                        .or_default()
+                        .push(format!("`{kind}`"));
+                }
+            }
+            for e in &s.invalid {
+                if t.events.iter().any(|ev| &ev.name == e && !ev.when.is_empty()) {
+                    self.errors.push(format!(
+                        "state `{}`: event `{e}` is raised by facts, which can hold in any state: \
+                         give it rows or list it under `ignore`, not `invalid`",
+                        s.name
+                    ));
+                }
+            }
+        }
+        coverage
+    }
+
+    /// Each row on its own; returns the row indexes per (from, on), in table order.
+    fn rows(&mut self, t: &Table) -> BTreeMap<(String, String), Vec<usize>> {
+        let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
+        for (i, row) in t.transitions.iter().enumerate() {
+            let label = row_label(i, row);
+            for (field, state) in [("from", &row.from), ("to", &row.to)] {
+                if !self.states.contains(state) {
+                    self.errors.push(format!(
+                        "{label}: unknown state `{state}` in `{field}`; states: {}",
+                        list(&self.states)
+                    ));
+                }
+            }
+            if !self.events.contains(&row.on) {
+                self.errors.push(format!(
+                    "{label}: unknown event `{}`; events: {}",
+                    row.on,
+                    list(&self.events)
+                ));
+            }
+            if t.states.iter().any(|s| s.name == row.from && s.is_final) {
+                self.errors.push(format!(
+                    "{label}: the final state `{}` cannot have transitions",
+                    row.from
+                ));
+            }
+            self.literals(&label, &row.guard);
+            if row.reenter {
+                let has_timer = t.states.iter().any(|s| s.name == row.from && s.timer.is_some());
+                if row.from != row.to || !has_timer {
+                    self.errors.push(format!(
+                        "{label}: `reenter` restarts a timer: only on a self-transition of a state with a timer"
+                    ));
+                }
+            }
+            let mut seen = BTreeSet::new();
+            for e in &row.effects {
+                if !self.effects.contains(e) {
+                    self.errors.push(format!(
+                        "{label}: unknown effect `{e}`; effects: {}",
+                        list(&self.effects)
+                    ));
+                }
+                if !seen.insert(e) {
+                    self.errors.push(format!("{label}: effect `{e}` listed twice"));
+                }
+            }
+            if !is_camel(&row.reason) {
+                self.errors
+                    .push(format!("{label}: reason `{}` must be CamelCase", row.reason));
+            }
+            if row.note.trim().is_empty() || row.note.contains('\n') {
+                self.errors
+                    .push(format!("{label}: needs a one-line `note` saying why"));
+            }
+            groups
+                .entry((row.from.clone(), row.on.clone()))
+                .or_default()
+                .push(i);
+        }
+        groups
+    }
+
+    /// The rows of one (state, event): distinct guards, one unguarded fallback last, reachable.
+    fn groups(
+        &mut self,
+        t: &Table,
+        groups: &BTreeMap<(String, String), Vec<usize>>,
+        coverage: &mut CoverageMap,
+    ) {
+        for ((from, on), rows) in groups {
+            coverage
+                .entry((from.clone(), on.clone()))
+                .or_default()
+                .push("transition rows".to_owned());
+            let (last, guarded) = rows.split_last().expect("a group has at least one row");
+            if !t.transitions[*last].guard.is_empty() {
+                self.errors.push(format!(
+                    "{}: guarded rows for ({from}, {on}) must end with an unguarded fallback row",
+                    row_label(*last, &t.transitions[*last])
+                ));
+            }
+            let mut seen_guards = BTreeSet::new();
+            for i in guarded {
+                let row = &t.transitions[*i];
+                if row.guard.is_empty() {
+                    self.errors.push(format!(
+                        "{}: only the last row for ({from}, {on}) may be unguarded; rows after it are unreachable",
+                        row_label(*i, row)
+                    ));
+                } else if !seen_guards.insert(row.guard.clone()) {
+                    self.errors.push(format!(
+                        "{}: guard repeated for ({from}, {on}); the later row is unreachable",
+                        row_label(*i, row)
+                    ));
+                }
+            }
+            // An event only effects raise can happen in a state only right after a row into it ran
+            // one of those effects.
+            if let Some(event) = t.events.iter().find(|e| &e.name == on)
+                && event.when.is_empty()
+            {
+                let reachable = t
+                    .transitions
+                    .iter()
+                    .any(|r| &r.to == from && r.effects.iter().any(|e| event.raised_by.contains(e)));
+                if !reachable {
+                    self.errors.push(format!(
+                        "state `{from}` has rows for `{on}`, which only {} raise(s), but no row into `{from}` runs it: \
+                         the rows are unreachable (declare the event `invalid` there)",
+                        event.raised_by.join(" / ")
+                    ));
+                }
             }
         }
     }
 
-    let reasons: BTreeSet<&str> = t.transitions.iter().map(|r| r.reason.as_str()).collect();
-    for warning in &t.warnings {
-        if !reasons.contains(warning.as_str()) {
-            errors.push(format!(
-                "`warnings` lists `{warning}`, which no transition row gives as its reason"
-            ));
-        }
-    }
-    let used_timers: BTreeSet<String> = t.states.iter().filter_map(|s| s.timer.clone()).collect();
-    for (kind, declared, used) in [
-        ("event", &events, &used_events),
-        ("effect", &effects, &used_effects),
-        ("fact", &facts, &used_facts),
-        ("timer", &timers, &used_timers),
-    ] {
-        for name in declared.difference(used) {
-            errors.push(format!("{kind} `{name}` is declared but nothing uses it"));
+    /// Every (state, event) pair is covered exactly once.
+    fn coverage(&mut self, t: &Table, coverage: &CoverageMap) {
+        for s in &t.states {
+            for e in &t.events {
+                match coverage.get(&(s.name.clone(), e.name.clone())) {
+                    None => self.errors.push(format!(
+                        "state `{}` does not cover event `{}`: add a transition row, or list it under `ignore` or `invalid`",
+                        s.name, e.name
+                    )),
+                    Some(by) if by.len() > 1 => self.errors.push(format!(
+                        "state `{}`, event `{}` is covered more than once: {}",
+                        s.name,
+                        e.name,
+                        by.join(" and ")
+                    )),
+                    Some(_) => {}
+                }
+            }
         }
     }
 
-    if errors.is_empty() { Ok(()) } else { Err(errors) }
+    /// Warnings name reasons rows give; every declared name is used somewhere.
+    fn unused(&mut self, t: &Table) {
+        let reasons: BTreeSet<&str> = t.transitions.iter().map(|r| r.reason.as_str()).collect();
+        for warning in &t.warnings {
+            if !reasons.contains(warning.as_str()) {
+                self.errors.push(format!(
+                    "`warnings` lists `{warning}`, which no transition row gives as its reason"
+                ));
+            }
+        }
+        let fact_names = |literals: &[String]| -> Vec<String> {
+            literals.iter().map(|l| literal(l).0.to_owned()).collect()
+        };
+        let used_facts: BTreeSet<String> = (t.events.iter().flat_map(|e| fact_names(&e.when)))
+            .chain(t.transitions.iter().flat_map(|r| fact_names(&r.guard)))
+            .collect();
+        let used_effects: BTreeSet<String> = t.transitions.iter().flat_map(|r| r.effects.clone()).collect();
+        let used_events: BTreeSet<String> = t.transitions.iter().map(|r| r.on.clone()).collect();
+        let used_timers: BTreeSet<String> = t.states.iter().filter_map(|s| s.timer.clone()).collect();
+        for (kind, declared, used) in [
+            ("event", &self.events, &used_events),
+            ("effect", &self.effects, &used_effects),
+            ("fact", &self.facts, &used_facts),
+            ("timer", &self.timers, &used_timers),
+        ] {
+            for name in declared.difference(used) {
+                self.errors
+                    .push(format!("{kind} `{name}` is declared but nothing uses it"));
+            }
+        }
+    }
 }
 
 pub(crate) fn camel(snake: &str) -> String {
