@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 use proc_macro2::{Ident, Literal, TokenStream};
 use quote::{format_ident, quote};
 
-use crate::table::{Table, camel, literal, shouty};
+use crate::table::{Table, camel, literal, row_label, shouty};
 
 /// The generated module for `table` (read from `source`), formatted.
 pub(crate) fn generate(table: &Table, source: &str) -> String {
@@ -236,6 +236,8 @@ fn handler(t: &Table, state: &str, state_doc: &str, ignore: &[String], invalid: 
         .filter(|(_, r)| r.from == state)
         .map(|(i, row)| {
             let (on, to, index) = (ident(&row.on), ident(&row.to), Literal::usize_unsuffixed(i));
+            // Printed as a `///` line above the arm, so the generated code reads like the table.
+            let why = doc(&format!("{}: {}", row_label(i, row), row.note));
             // A self-transition keeps `since` (its timer keeps running) unless it re-enters.
             let since = if row.to == row.from && !row.reenter {
                 quote!(*since)
@@ -249,6 +251,7 @@ fn handler(t: &Table, state: &str, state_doc: &str, ignore: &[String], invalid: 
                 quote!(if context.holds(#literals))
             };
             quote! {
+                #[doc = #why]
                 Event::#on #guard => {
                     context.matched(&ROWS[#index]);
                     statig::Outcome::Transition(State::#to { since: #since })
@@ -257,19 +260,25 @@ fn handler(t: &Table, state: &str, state_doc: &str, ignore: &[String], invalid: 
         });
     let ignore = (!ignore.is_empty()).then(|| {
         let events = ignore.iter().map(|e| ident(e));
-        quote!(#(Event::#events)|* => {
-            context.ignored();
-            statig::Outcome::Handled
-        })
+        quote! {
+            #[doc = " ignore: no effect, no audit entry."]
+            #(Event::#events)|* => {
+                context.ignored();
+                statig::Outcome::Handled
+            }
+        }
     });
     let invalid = (!invalid.is_empty()).then(|| {
         let events = invalid.iter().map(|e| ident(e));
-        quote!(#(Event::#events)|* => statig::Outcome::Super,)
+        quote! {
+            #[doc = " invalid: cannot happen here; `Super` without a superstate leaves it unhandled."]
+            #(Event::#events)|* => statig::Outcome::Super,
+        }
     });
     quote! {
         #[doc = #state_doc]
         #[state]
-        #[allow(unused_variables)]
+        #[allow(unused_variables, unused_doc_comments)]
         fn #name(since: &jiff::Timestamp, event: &Event, context: &mut DecideCtx) -> statig::Outcome<State> {
             match event {
                 #(#rows)*
