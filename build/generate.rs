@@ -28,33 +28,30 @@ pub(crate) fn generate(table: &Table, source: &str) -> String {
 
 fn machine(t: &Table, source: &str) -> TokenStream {
     let machine_name = &t.machine;
-    let named = |items: Vec<(&String, &String)>| -> Vec<(String, String)> {
-        items.into_iter().map(|(n, d)| (n.clone(), d.clone())).collect()
-    };
     let fact = named_enum(
         "Fact",
         "A boolean observation `derive` and the guards read.",
-        &named(t.facts.iter().map(|f| (&f.name, &f.doc)).collect()),
+        t.facts.iter().map(|f| (&f.name, &f.doc)),
     );
     let phase = named_enum(
         "Phase",
         "A lifecycle phase: the state without its data.",
-        &named(t.states.iter().map(|s| (&s.name, &s.doc)).collect()),
+        t.states.iter().map(|s| (&s.name, &s.doc)),
     );
     let event = named_enum(
         "Event",
         "What happened, derived from facts or raised by an executor; `ALL` is in priority order.",
-        &named(t.events.iter().map(|e| (&e.name, &e.doc)).collect()),
+        t.events.iter().map(|e| (&e.name, &e.doc)),
     );
     let effect = named_enum(
         "EffectKind",
         "One side effect requested by a transition, in the order the row lists it.",
-        &named(t.effects.iter().map(|e| (&e.name, &e.doc)).collect()),
+        t.effects.iter().map(|e| (&e.name, &e.doc)),
     );
     let timer = named_enum(
         "TimerKind",
         "A configurable duration a state waits for.",
-        &named(t.timers.iter().map(|d| (&d.name, &d.doc)).collect()),
+        t.timers.iter().map(|d| (&d.name, &d.doc)),
     );
 
     let initial = ident(&t.initial);
@@ -290,11 +287,16 @@ fn handler(t: &Table, state: &str, state_doc: &str, ignore: &[String], invalid: 
 }
 
 /// A plain enum with `ALL`, `as_str`, `doc` and `from_name`, from (snake_case name, doc) pairs.
-fn named_enum(ty: &str, ty_doc: &str, items: &[(String, String)]) -> TokenStream {
+fn named_enum<'a>(
+    ty: &str,
+    ty_doc: &str,
+    items: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> TokenStream {
+    let items: Vec<(&String, &String)> = items.into_iter().collect();
     let (ty, ty_doc) = (format_ident!("{ty}"), doc(ty_doc));
     let variants: Vec<Ident> = items.iter().map(|(name, _)| ident(name)).collect();
     let names = items.iter().map(|(name, _)| name);
-    let docs: Vec<&String> = items.iter().map(|(_, doc)| doc).collect();
+    let docs: Vec<&String> = items.iter().map(|(_, doc)| *doc).collect();
     let doc_attrs = docs.iter().map(|d| doc(d));
     let count = len(items.len());
     quote! {
