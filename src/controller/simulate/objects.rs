@@ -1,12 +1,11 @@
-//! Where a scenario's Proxy object lives ([`ProxyObjects`], [`InMemory`]), and the backend the
-//! reconciler writes through in a scenario.
+//! Where a scenario's Proxy object lives ([`ProxyObjects`], [`InMemory`]) and what it is at the
+//! start ([`sim_proxy`]).
 
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
-use super::world::{USER_DATA, World};
 use super::{EPOCH, PROVIDER};
 use crate::{
     api::{Proxy, ProxySpec, ProxyStatus, SecretKeyRef},
@@ -16,6 +15,7 @@ use crate::{
     provider::{Credentials, UserData},
 };
 
+/// The scenario's Proxy: a minimal spec on the `sim` provider, with both Secrets referenced.
 pub(super) fn sim_proxy() -> Proxy {
     let spec: ProxySpec = serde_json::from_value(serde_json::json!({
         "provider": PROVIDER,
@@ -134,49 +134,5 @@ impl ProxyBackend for InMemory {
     }
     async fn record(&self, _: &Proxy, _: &AuditEntry, _: &str) -> Result<(), BackendError> {
         Ok(())
-    }
-}
-
-/// The reconciler's backend in a scenario: Secrets from the world's script; finalizer, status and
-/// audit writes through the mode's backend, each status write recorded, and lost when the step
-/// crashes.
-pub(super) struct ScriptedBackend<B> {
-    pub(super) world: Arc<World>,
-    pub(super) mode: B,
-}
-
-#[async_trait]
-impl<B: ProxyBackend> ProxyBackend for ScriptedBackend<B> {
-    async fn cloud_init(&self, _: &str, _: &SecretKeyRef) -> Result<UserData, SecretError> {
-        match &self.world.lock().spec_problem {
-            Some(problem) => Err(SecretError::NotUsable(problem.clone())),
-            None => Ok(UserData(USER_DATA.to_owned())),
-        }
-    }
-    async fn credentials(&self, _: &str, _: &str) -> Result<Credentials, SecretError> {
-        Ok(Credentials {
-            username: "crawler".to_owned(),
-            password: self.world.lock().credentials.clone(),
-        })
-    }
-    async fn add_finalizer(&self, proxy: &Proxy) -> Result<Option<String>, BackendError> {
-        self.mode.add_finalizer(proxy).await
-    }
-    async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
-        self.mode.remove_finalizer(proxy).await
-    }
-    async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
-        let crashing = {
-            let mut w = self.world.lock();
-            w.written = Some(status.clone());
-            w.crashing
-        };
-        if crashing {
-            return Ok(());
-        }
-        self.mode.write_status(proxy, status).await
-    }
-    async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
-        self.mode.record(proxy, entry, message).await
     }
 }

@@ -5,8 +5,8 @@ use std::{sync::Arc, time::Duration};
 
 use jiff::Timestamp;
 
-use super::objects::{InMemory, ProxyObjects, ScriptedBackend, sim_proxy};
-use super::world::{INSTANCE, SimHealth, SimInstance, SimLeases, SimProvider, USER_DATA, World};
+use super::objects::{InMemory, ProxyObjects, sim_proxy};
+use super::world::{INSTANCE, ScriptedBackend, SimHealth, SimLeases, SimProvider, USER_DATA, World};
 use super::{EPOCH, PROVIDER, Scenario, ScenarioError};
 use crate::{
     api::ProxyStatus,
@@ -16,7 +16,7 @@ use crate::{
         spec_hash,
         status::{FINALIZER, PROVISIONED, READY, REMEDIATION_PAUSED, Record, SPEC_VALID},
     },
-    effects::{BackendError, HealthVerdict},
+    effects::BackendError,
     machine::{AuditEntry, Phase, audit},
     provider::{Installation, ProviderRegistry},
 };
@@ -46,9 +46,7 @@ impl Scenario {
             self.reconciler_config(),
         )
         .with_clock(move || clock.now());
-        world.lock().slow_boot = self.config.slow_boot;
-        world.lock().slow_delete = self.config.slow_delete;
-        world.lock().credentials_in_place = self.config.credentials_in_place;
+        world.configure(&self.config);
         let step_failed = |at: u64, err: BackendError| ScenarioError::Reconcile {
             name: self.name.clone(),
             at,
@@ -59,25 +57,15 @@ impl Scenario {
         if let Some(phase) = self.start.phase.as_deref().and_then(Phase::from_name) {
             let mut record = Record::new(EPOCH);
             record.state = crate::machine::State::new(phase, EPOCH);
-            let mut w = world.lock();
-            w.leases = self.start.leases;
-            if !matches!(phase, Phase::Pending | Phase::Deleted) {
-                let hash = spec_hash::for_spec(&proxy.spec, Some(USER_DATA));
-                w.instance = Some(SimInstance {
-                    spec: hash.clone(),
-                    running: true,
-                });
-                record.spec_hash = Some(hash);
+            let live = !matches!(phase, Phase::Pending | Phase::Deleted);
+            let hash = live.then(|| spec_hash::for_spec(&proxy.spec, Some(USER_DATA)));
+            world.start_in(phase, self.start.leases, hash.clone());
+            if live {
+                record.spec_hash = hash;
                 record.provider_id = Some(format!("sim/{PROVIDER}/{INSTANCE}"));
                 record.endpoint = Some("127.0.0.1:3128".to_owned());
                 record.instance_running = true;
                 proxy.metadata.finalizers = Some(vec![FINALIZER.to_owned()]);
-            }
-            if matches!(phase, Phase::Healthy) {
-                w.health = HealthVerdict::Passing { after_failing: false };
-            }
-            if matches!(phase, Phase::Degraded) {
-                w.health = HealthVerdict::Failing;
             }
             deleted_at_start = matches!(phase, Phase::Deleting);
             proxy.status = Some(record.to_status(&ProxyStatus::default(), Some(1), EPOCH));
@@ -136,7 +124,7 @@ impl Scenario {
                 });
                 break;
             };
-            world.lock().crashing = step.crash;
+            world.set_crashing(step.crash);
             let outcome = reconciler
                 .reconcile(&current)
                 .await
@@ -145,7 +133,7 @@ impl Scenario {
                     at: step.at,
                     message: err.to_string(),
                 })?;
-            let written = world.lock().written.take();
+            let written = world.take_written();
             match objects.get().await.map_err(|e| step_failed(step.at, e))? {
                 Some(stored) => status = stored.status,
                 // Gone (deleted): its last status is the last one written.
@@ -171,7 +159,7 @@ impl Scenario {
             description: self.description.clone(),
             steps,
             status,
-            creates: world.lock().creates,
+            creates: world.creates(),
         })
     }
 }

@@ -1,6 +1,6 @@
 //! The scripted world of a scenario: one provider instance, the health verdict, the leases, the
-//! pool and the failures a step scripts, with the provider, health and lease adapters the real
-//! reconciler calls.
+//! pool and the failures a step scripts, with the adapters the real reconciler calls (provider,
+//! health, leases, and the backend that takes Secrets from the script and loses crashed writes).
 
 use std::{
     collections::HashMap,
@@ -10,15 +10,18 @@ use std::{
 use async_trait::async_trait;
 use jiff::Timestamp;
 
-use super::{EPOCH, Failure, PROVIDER, SimStep};
+use super::{EPOCH, Failure, PROVIDER, SimConfig, SimStep};
 use crate::{
-    api::ProxyStatus,
+    api::{Proxy, ProxyStatus, SecretKeyRef},
     controller::pool::Pools,
-    effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey},
-    machine::Phase,
+    effects::{
+        BackendError, DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget,
+        ProxyBackend, ProxyKey, SecretError,
+    },
+    machine::{AuditEntry, Phase},
     provider::{
         Credentials, CredentialsUpdate, Endpoint, Installation, Instance, InstanceRequest, InstanceState,
-        ProbeReport, Provider, ProviderError, ProviderId,
+        ProbeReport, Provider, ProviderError, ProviderId, UserData,
     },
 };
 
@@ -27,29 +30,29 @@ pub(super) const INSTANCE: &str = "epo-sim-proxy";
 pub(super) const USER_DATA: &str = "#cloud-config";
 
 #[derive(Clone, Debug)]
-pub(super) struct SimInstance {
-    pub(super) spec: String,
-    pub(super) running: bool,
+struct SimInstance {
+    spec: String,
+    running: bool,
 }
 
 #[derive(Debug)]
-pub(super) struct WorldState {
-    pub(super) now: Timestamp,
-    pub(super) spec: String,
-    pub(super) spec_problem: Option<String>,
-    pub(super) instance: Option<SimInstance>,
-    pub(super) slow_boot: bool,
-    pub(super) slow_delete: bool,
-    pub(super) credentials_in_place: bool,
-    pub(super) credentials: String,
-    pub(super) health: HealthVerdict,
-    pub(super) leases: u32,
-    pub(super) provider_down: bool,
+struct WorldState {
+    now: Timestamp,
+    spec: String,
+    spec_problem: Option<String>,
+    instance: Option<SimInstance>,
+    slow_boot: bool,
+    slow_delete: bool,
+    credentials_in_place: bool,
+    credentials: String,
+    health: HealthVerdict,
+    leases: u32,
+    provider_down: bool,
     /// This step's reconcile dies before its status write.
-    pub(super) crashing: bool,
-    pub(super) failures: HashMap<&'static str, Failure>,
-    pub(super) written: Option<ProxyStatus>,
-    pub(super) creates: u32,
+    crashing: bool,
+    failures: HashMap<&'static str, Failure>,
+    written: Option<ProxyStatus>,
+    creates: u32,
 }
 
 impl Default for WorldState {
@@ -78,12 +81,50 @@ impl Default for WorldState {
 pub(super) struct World(Mutex<WorldState>);
 
 impl World {
-    pub(super) fn lock(&self) -> MutexGuard<'_, WorldState> {
+    fn lock(&self) -> MutexGuard<'_, WorldState> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub(super) fn now(&self) -> Timestamp {
         self.lock().now
+    }
+
+    /// The provider's behaviour the scenario configures.
+    pub(super) fn configure(&self, config: &SimConfig) {
+        let mut w = self.lock();
+        w.slow_boot = config.slow_boot;
+        w.slow_delete = config.slow_delete;
+        w.credentials_in_place = config.credentials_in_place;
+    }
+
+    /// A scenario that starts in `phase`: its leases, its instance (built from `spec_hash`, running)
+    /// and the health verdict that phase implies.
+    pub(super) fn start_in(&self, phase: Phase, leases: u32, spec_hash: Option<String>) {
+        let mut w = self.lock();
+        w.leases = leases;
+        if let Some(spec) = spec_hash {
+            w.instance = Some(SimInstance { spec, running: true });
+        }
+        match phase {
+            Phase::Healthy => w.health = HealthVerdict::Passing { after_failing: false },
+            Phase::Degraded => w.health = HealthVerdict::Failing,
+            _ => {}
+        }
+    }
+
+    /// Whether this step's reconcile dies before its status write.
+    pub(super) fn set_crashing(&self, crashing: bool) {
+        self.lock().crashing = crashing;
+    }
+
+    /// The status the last reconcile wrote (even if a crash lost it), once.
+    pub(super) fn take_written(&self) -> Option<ProxyStatus> {
+        self.lock().written.take()
+    }
+
+    /// Create calls the provider received.
+    pub(super) fn creates(&self) -> u32 {
+        self.lock().creates
     }
 
     /// Applies a step's changes to the world; returns them as text for the trail, and the
@@ -190,7 +231,8 @@ impl World {
         (changes, edits)
     }
 
-    pub(super) fn fail(&self, effect: &'static str) -> Option<ProviderError> {
+    /// The scripted failure of the next call of `effect`, if one is left.
+    fn fail(&self, effect: &'static str) -> Option<ProviderError> {
         let mut w = self.lock();
         let failure = w.failures.get_mut(effect)?;
         if failure.times == 0 {
@@ -213,6 +255,50 @@ pub(super) struct ObjectEdits {
     pub(super) new_spec: bool,
     pub(super) delete: bool,
     pub(super) strip_finalizers: bool,
+}
+
+/// The reconciler's backend in a scenario: Secrets from the world's script; finalizer, status and
+/// audit writes through the mode's backend, each status write recorded, and lost when the step
+/// crashes.
+pub(super) struct ScriptedBackend<B> {
+    pub(super) world: Arc<World>,
+    pub(super) mode: B,
+}
+
+#[async_trait]
+impl<B: ProxyBackend> ProxyBackend for ScriptedBackend<B> {
+    async fn cloud_init(&self, _: &str, _: &SecretKeyRef) -> Result<UserData, SecretError> {
+        match &self.world.lock().spec_problem {
+            Some(problem) => Err(SecretError::NotUsable(problem.clone())),
+            None => Ok(UserData(USER_DATA.to_owned())),
+        }
+    }
+    async fn credentials(&self, _: &str, _: &str) -> Result<Credentials, SecretError> {
+        Ok(Credentials {
+            username: "crawler".to_owned(),
+            password: self.world.lock().credentials.clone(),
+        })
+    }
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<Option<String>, BackendError> {
+        self.mode.add_finalizer(proxy).await
+    }
+    async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        self.mode.remove_finalizer(proxy).await
+    }
+    async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
+        let crashing = {
+            let mut w = self.world.lock();
+            w.written = Some(status.clone());
+            w.crashing
+        };
+        if crashing {
+            return Ok(());
+        }
+        self.mode.write_status(proxy, status).await
+    }
+    async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
+        self.mode.record(proxy, entry, message).await
+    }
 }
 
 pub(super) struct SimProvider(pub(super) Arc<World>, pub(super) Installation);
