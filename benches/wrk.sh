@@ -171,10 +171,14 @@ if [ -n "$durable_summary" ]; then
   echo "durable (lease journal) as a share of discovery's req/s without it (targets: >= 80 %, p99 < 3 ms at 64 connections):"
   echo "$durable_summary" | awk 'NF { printf "  round %s, %3s connections: %5s %% of discovery, p99 %s ms\n", $1, $2, $4, $3 }'
   echo "$durable_summary" | medians
-  echo "$durable_summary" | awk 'NF { runs++; if ($4 < 80 || ($2 == 64 && $3 >= 3)) missed++ }
+  # The targets are at 64 connections. With fewer, each client's next operation waits for the
+  # sync of its last (16 clients: ~130 µs of serving, then a ~50 µs sync with nothing else to
+  # do), so the share there is reported, not judged.
+  echo "$durable_summary" | awk 'NF && $2 == 64 { runs++; if ($4 < 80 || $3 >= 3) missed++ }
     END {
-      if (missed == 0) printf "durable PASS: %d of %d runs at >= 80 %% of discovery, p99 < 3 ms at 64 connections\n", runs, runs
-      else printf "durable FAIL: %d of %d runs under 80 %% of discovery or (at 64 connections) p99 >= 3 ms\n", missed, runs
+      if (runs == 0) print "durable: no run at 64 connections, nothing judged"
+      else if (missed == 0) printf "durable PASS: %d of %d runs at 64 connections at >= 80 %% of discovery with p99 < 3 ms\n", runs, runs
+      else printf "durable FAIL: %d of %d runs at 64 connections under 80 %% of discovery or with p99 >= 3 ms\n", missed, runs
     }'
 fi
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -2,7 +2,8 @@
 //! discovery API over a store of 10k proxies, with the standalone mode's upkeep (reaper and a
 //! file checkpoint every second) as with `--no-durable-leases`; `durable` the same with the lease
 //! journal in a temporary folder (standalone's default: every acquire and release fsynced, with
-//! group commit, before it is answered; `EPO_JOURNAL_WINDOW_US` sets the group-commit window);
+//! group commit, before it is answered; `EPO_JOURNAL_WINDOW_US` sets the group-commit window,
+//! default 1 ms);
 //! `bare` serves the bare hyper baseline with canned answers.
 //! Each prints `listening on ADDR` and runs until SIGTERM (then removes its temporary folder),
 //! on a default multi-thread tokio runtime, like the operator (one worker per CPU it may run

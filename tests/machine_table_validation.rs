@@ -1,7 +1,8 @@
-//! The build fails, naming the row, on a broken transition table. build.rs is included here so its
-//! validation can be exercised on edited copies of machines/proxy.yaml without breaking the build.
+//! The build fails, naming the row, on a broken transition table. build/table.rs (the build script's
+//! table module) is included here so its validation can be exercised on edited copies of
+//! machines/proxy.yaml without breaking the build.
 
-#[path = "../build.rs"]
+#[path = "../build/table.rs"]
 #[allow(dead_code)]
 mod build_script;
 

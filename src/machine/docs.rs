@@ -2,7 +2,8 @@
 //!
 //! The document is derived, never edited: a Mermaid state diagram of every row, one-line tables of
 //! facts, states (with their timers), events (with what raises them, in priority order), effects
-//! and timers (with their defaults), the rows with their notes, and the full state × event matrix. A test compares docs/machines.md with [`render_markdown`] so the two cannot drift.
+//! and timers (with their defaults), the rows with their notes, and the full state × event matrix.
+//! A test compares docs/machines.md with [`render_markdown`] so the two cannot drift.
 
 use std::fmt::Write as _;
 
@@ -77,10 +78,8 @@ pub fn render_markdown() -> String {
     let _ = writeln!(w);
 
     // States.
-    let _ = writeln!(w, "### States");
-    let _ = writeln!(w);
-    let _ = writeln!(w, "| State | Timer | Meaning |");
-    let _ = writeln!(w, "|---|---|---|");
+    heading(w, "States");
+    columns(w, &["State", "Timer", "Meaning"]);
     for phase in Phase::ALL {
         let data = phase
             .timer()
@@ -98,20 +97,16 @@ pub fn render_markdown() -> String {
     let _ = writeln!(w);
 
     // Facts.
-    let _ = writeln!(w, "### Facts");
-    let _ = writeln!(w);
-    let _ = writeln!(w, "| Fact | Holds when |");
-    let _ = writeln!(w, "|---|---|");
+    heading(w, "Facts");
+    columns(w, &["Fact", "Holds when"]);
     for fact in Fact::ALL {
         let _ = writeln!(w, "| `{fact}` | {} |", fact.doc());
     }
     let _ = writeln!(w);
 
     // Events.
-    let _ = writeln!(w, "### Events (in priority order)");
-    let _ = writeln!(w);
-    let _ = writeln!(w, "| # | Event | Derived when | Raised by | Meaning |");
-    let _ = writeln!(w, "|---|---|---|---|---|");
+    heading(w, "Events (in priority order)");
+    columns(w, &["#", "Event", "Derived when", "Raised by", "Meaning"]);
     for (i, info) in EVENTS.iter().enumerate() {
         let raised: Vec<String> = info.raised_by.iter().map(|e| format!("`{e}`")).collect();
         let when = if info.when.is_empty() {
@@ -131,10 +126,8 @@ pub fn render_markdown() -> String {
     let _ = writeln!(w);
 
     // Timers.
-    let _ = writeln!(w, "### Timers");
-    let _ = writeln!(w);
-    let _ = writeln!(w, "| Timer | Default | Flag | Meaning |");
-    let _ = writeln!(w, "|---|---|---|---|");
+    heading(w, "Timers");
+    columns(w, &["Timer", "Default", "Flag", "Meaning"]);
     for timer in TimerKind::ALL {
         let _ = writeln!(
             w,
@@ -148,26 +141,22 @@ pub fn render_markdown() -> String {
     let _ = writeln!(w);
 
     // Effects.
-    let _ = writeln!(w, "### Effects");
-    let _ = writeln!(w);
-    let _ = writeln!(w, "| Effect | Meaning |");
-    let _ = writeln!(w, "|---|---|");
+    heading(w, "Effects");
+    columns(w, &["Effect", "Meaning"]);
     for effect in &EFFECTS {
         let _ = writeln!(w, "| `{}` | {} |", effect.name, effect.doc);
     }
     let _ = writeln!(w);
 
     // Rows.
-    let _ = writeln!(w, "### Transitions");
-    let _ = writeln!(w);
+    heading(w, "Transitions");
     let _ = writeln!(
         w,
         "Rows for the same state and event are tried in order; a guard is a list of facts that must \
          all hold; the last row has no guard. *Re-enters* restarts the state's timer."
     );
     let _ = writeln!(w);
-    let _ = writeln!(w, "| From | Event | Guard | To | Effects | Reason | Why |");
-    let _ = writeln!(w, "|---|---|---|---|---|---|---|");
+    columns(w, &["From", "Event", "Guard", "To", "Effects", "Reason", "Why"]);
     for row in &ROWS {
         let mut guard = if row.guard.is_empty() {
             String::new()
@@ -192,16 +181,17 @@ pub fn render_markdown() -> String {
     let _ = writeln!(w);
 
     // Matrix.
-    let _ = writeln!(w, "### State × event matrix");
-    let _ = writeln!(w);
+    heading(w, "State × event matrix");
     let _ = writeln!(
         w,
         "A target state (with its guard when rows are guarded), `·` for ignored, **invalid** for invalid."
     );
     let _ = writeln!(w);
-    let header: Vec<String> = Phase::ALL.iter().map(|p| format!("`{p}`")).collect();
-    let _ = writeln!(w, "| Event | {} |", header.join(" | "));
-    let _ = writeln!(w, "|---|{}", "---|".repeat(Phase::ALL.len()));
+    let phases: Vec<String> = Phase::ALL.iter().map(|p| format!("`{p}`")).collect();
+    let header: Vec<&str> = std::iter::once("Event")
+        .chain(phases.iter().map(String::as_str))
+        .collect();
+    columns(w, &header);
     for event in table::Event::ALL {
         let cells: Vec<String> = Phase::ALL
             .iter()
@@ -226,6 +216,17 @@ pub fn render_markdown() -> String {
         let _ = writeln!(w, "| `{event}` | {} |", cells.join(" | "));
     }
     o
+}
+
+/// A `###` heading and the blank line after it.
+fn heading(w: &mut String, title: &str) {
+    let _ = writeln!(w, "### {title}\n");
+}
+
+/// A Markdown table's header row and separator.
+fn columns(w: &mut String, names: &[&str]) {
+    let _ = writeln!(w, "| {} |", names.join(" | "));
+    let _ = writeln!(w, "|{}", "---|".repeat(names.len()));
 }
 
 /// Where the rendered document lives, relative to the repository root.

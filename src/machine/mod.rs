@@ -7,18 +7,12 @@
 //! `machines/proxy.yaml`: build.rs generates the statig machine from it, so the running code can take
 //! no transition the table lacks (see [`table`]).
 //!
-//! Why [`decide`] calls the generated state's handler directly (via
-//! `statig::blocking::State::call_handler`) instead of driving statig's `StateMachine` wrapper:
-//! the state lives in the Proxy status and is rehydrated on every reconcile. A deserialized statig
-//! wrapper is uninitialized, and initializing it runs the initial state's entry actions, which
-//! would repeat effects already carried out before a restart. So the machine has no entry or exit
-//! actions at all: every effect is attached to a transition row, and rehydrating is plain
-//! deserialization ([`State`] implements serde), which cannot emit anything.
-//!
-//! The machine is flat, without statig superstates: a `live` superstate could hold the
-//! `deletion_requested` rows of several states, but healthy and degraded differ in what they
-//! disable, and a flat table keeps every (state, event) outcome on one line of the YAML and of the
-//! matrix snapshot, where reviewers read it.
+//! [`decide`] drives statig the way its docs describe: the state read from the Proxy status goes
+//! into an uninitialized machine (`state_mut`), `init_with_context` enters it, and
+//! `handle_with_context` dispatches the event. Initialising runs the entry actions into the
+//! current state, so the machine has none (nor exit actions): every effect belongs to a transition
+//! row, and rehydrating after a restart cannot repeat one. docs/architecture.md ("The generated
+//! engine") says why the machine is flat and what each handler outcome means.
 //!
 //! Submodules: [`table`] (generated types and metadata), [`derive`] (facts → event),
 //! [`effects`] (the effect kinds), [`policy`] (timers and retry backoff), [`audit`] (audit trail),
@@ -104,40 +98,38 @@ pub fn decide(
     facts: Facts,
     now: Timestamp,
 ) -> Result<Decision, InvalidTransition> {
-    use statig::blocking::State as _;
+    use statig::blocking::IntoStateMachineExt as _;
 
     let mut ctx = table::DecideCtx::new(now, facts);
-    // The handler only reads the state-local data; a scratch copy keeps `decide` pure.
-    let mut scratch = state.clone();
-    let outcome = scratch.call_handler(&mut table::ProxyMachine, &event, &mut ctx);
-    match outcome {
-        statig::Outcome::Transition(to) => {
-            let row = ctx
-                .matched_row()
-                .expect("invariant: every generated transition arm names its row");
-            Ok(Decision {
-                from: state.clone(),
-                event,
-                to,
-                effects: row.effects.to_vec(),
-                row: Some(row),
-                outcome: Outcome::Transitioned,
-            })
-        }
-        statig::Outcome::Handled => Ok(Decision {
+    let mut machine = table::ProxyMachine.uninitialized_state_machine();
+    *machine.state_mut() = state.clone();
+    let mut machine = machine.init_with_context(&mut ctx);
+    machine.handle_with_context(&event, &mut ctx);
+    // The handler recorded what it did: a row, an ignored event, or nothing (the table's `invalid`
+    // events return `Super`, and with no superstate statig leaves them unhandled).
+    if let Some(row) = ctx.matched_row() {
+        Ok(Decision {
+            from: state.clone(),
+            event,
+            to: machine.state().clone(),
+            effects: row.effects.to_vec(),
+            row: Some(row),
+            outcome: Outcome::Transitioned,
+        })
+    } else if ctx.was_ignored() {
+        Ok(Decision {
             from: state.clone(),
             event,
             to: state.clone(),
             effects: Vec::new(),
             row: None,
             outcome: Outcome::Ignored,
-        }),
-        // Generated handlers return `Super` exactly for the table's `invalid` events; there is no
-        // superstate to defer to.
-        statig::Outcome::Super => Err(InvalidTransition {
+        })
+    } else {
+        Err(InvalidTransition {
             state: state.clone(),
             event,
-        }),
+        })
     }
 }
 

@@ -128,23 +128,33 @@ mod tests {
         Timestamp::from_second(1_750_000_000 + secs).expect("valid test timestamp")
     }
 
+    /// A timer expires at its limit (provisioning: 600 s), a clock going backwards counts as no
+    /// time elapsed, and a state without a timer never expires.
     #[test]
-    fn provisioning_times_out_at_the_limit() {
+    fn timers_expire_at_the_limit_and_clock_skew_counts_as_no_time_elapsed() {
         let timers = Timers::default();
-        let state = State::new(Phase::Provisioning, t(0));
-        assert!(!timers.expired(&state, t(599)));
-        assert!(timers.expired(&state, t(600)));
-        assert_eq!(timers.remaining(&state, t(595)), Some(Duration::from_secs(5)));
+        // (phase, entered at, now, expired)
+        let cases = [
+            (Phase::Provisioning, 0, 599, false),
+            (Phase::Provisioning, 0, 600, true),
+            (Phase::Degraded, 100, 0, false),
+            (Phase::Degraded, 100, 1000, true),
+            (Phase::Pending, 0, 1_000_000, false),
+        ];
+        for (phase, since, now, expired) in cases {
+            let state = State::new(phase, t(since));
+            assert_eq!(
+                timers.expired(&state, t(now)),
+                expired,
+                "{phase} since {since}, at {now}"
+            );
+        }
+        let provisioning = State::new(Phase::Provisioning, t(0));
+        assert_eq!(
+            timers.remaining(&provisioning, t(595)),
+            Some(Duration::from_secs(5))
+        );
         assert_eq!(timers.remaining(&State::new(Phase::Healthy, t(0)), t(595)), None);
-    }
-
-    #[test]
-    fn clock_skew_counts_as_no_time_elapsed() {
-        let timers = Timers::default();
-        let state = State::new(Phase::Degraded, t(100));
-        assert!(!timers.expired(&state, t(0)));
-        assert!(timers.expired(&state, t(1000)));
-        assert!(!timers.expired(&State::new(Phase::Pending, t(0)), t(1_000_000)));
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! The Proxy transition table, compiled: generated types plus the hand-written types they use.
 //!
-//! build.rs turns `machines/proxy.yaml` into `$OUT_DIR/proxy_machine.rs`, included here. It holds
-//! [`Fact`], [`Phase`], [`Event`] (in priority order), [`TimerKind`], [`State`], the [`reason`]
-//! constants, the statig machine (one `#[state]` handler per table state, each a `match event`
-//! over the rows) and the static metadata [`ROWS`], [`EVENTS`], [`STATES`], [`EFFECTS`]. This
+//! build.rs turns `machines/proxy.yaml` into `$OUT_DIR/proxy_machine.rs`, included here (the
+//! templates are in build/generate.rs). It holds [`Fact`], [`Phase`], [`Event`] (in priority
+//! order), [`EffectKind`], [`TimerKind`], [`State`], the [`reason`] constants, the statig machine
+//! (one `#[state]` handler per table state, each a `match event` over the rows) and the static
+//! metadata [`ROWS`], [`EVENTS`], [`STATES`], [`EFFECTS`]. This
 //! module owns the types that generated code refers to: [`Facts`], [`Literal`], [`Row`],
 //! [`EventInfo`], [`StateInfo`], [`EffectInfo`], [`DecideCtx`] and the persisted form
 //! [`StateRecord`].
@@ -12,8 +13,6 @@ use std::borrow::Cow;
 
 use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
-
-use super::effects::EffectKind;
 
 include!(concat!(env!("OUT_DIR"), "/proxy_machine.rs"));
 
@@ -198,13 +197,16 @@ pub fn event_info(event: Event) -> &'static EventInfo {
 
 /// The context the generated handlers read and write while deciding one event.
 ///
-/// Handlers get the clock and the facts from here (they are pure) and report which row matched,
-/// so [`decide`](super::decide) can return that row's effects and reason.
+/// Handlers get the clock and the facts from here (they are pure) and report which row matched or
+/// that they ignored the event, so [`decide`](super::decide) can return that row's effects and
+/// reason. statig's machine does not hand back a handler's outcome; this context is how statig
+/// expects results to leave a handler.
 #[derive(Debug)]
 pub struct DecideCtx {
     now: Timestamp,
     facts: Facts,
     matched: Option<&'static Row>,
+    ignored: bool,
 }
 
 impl DecideCtx {
@@ -213,6 +215,7 @@ impl DecideCtx {
             now,
             facts,
             matched: None,
+            ignored: false,
         }
     }
 
@@ -232,6 +235,14 @@ impl DecideCtx {
 
     pub(crate) fn matched_row(&self) -> Option<&'static Row> {
         self.matched
+    }
+
+    pub(crate) fn ignored(&mut self) {
+        self.ignored = true;
+    }
+
+    pub(crate) fn was_ignored(&self) -> bool {
+        self.ignored
     }
 }
 

@@ -1,0 +1,443 @@
+//! The scripted world of a scenario: one provider instance, the health verdict, the leases, the
+//! pool and the failures a step scripts, with the adapters the real reconciler calls (provider,
+//! health, leases, and the backend that takes Secrets from the script and loses crashed writes).
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard},
+};
+
+use async_trait::async_trait;
+use jiff::Timestamp;
+
+use super::{EPOCH, Failure, PROVIDER, SimConfig, SimStep};
+use crate::{
+    api::{Proxy, ProxyStatus, SecretKeyRef},
+    controller::pool::Pools,
+    effects::{
+        BackendError, DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget,
+        ProxyBackend, ProxyKey, SecretError,
+    },
+    machine::{AuditEntry, Phase},
+    provider::{
+        Credentials, CredentialsUpdate, Endpoint, Installation, Instance, InstanceRequest, InstanceState,
+        ProbeReport, Provider, ProviderError, ProviderId, UserData,
+    },
+};
+
+pub(super) const INSTANCE: &str = "epo-sim-proxy";
+/// The cloud-init content of the scenario Proxy's Secret (it only feeds the spec hash).
+pub(super) const USER_DATA: &str = "#cloud-config";
+
+#[derive(Clone, Debug)]
+struct SimInstance {
+    spec: String,
+    running: bool,
+}
+
+#[derive(Debug)]
+struct WorldState {
+    now: Timestamp,
+    spec: String,
+    spec_problem: Option<String>,
+    instance: Option<SimInstance>,
+    slow_boot: bool,
+    slow_delete: bool,
+    credentials_in_place: bool,
+    credentials: String,
+    health: HealthVerdict,
+    leases: u32,
+    provider_down: bool,
+    /// This step's reconcile dies before its status write.
+    crashing: bool,
+    failures: HashMap<&'static str, Failure>,
+    written: Option<ProxyStatus>,
+    creates: u32,
+}
+
+impl Default for WorldState {
+    fn default() -> Self {
+        WorldState {
+            now: EPOCH,
+            spec: "v1".to_owned(),
+            spec_problem: None,
+            instance: None,
+            slow_boot: false,
+            slow_delete: false,
+            credentials_in_place: false,
+            credentials: "v1".to_owned(),
+            health: HealthVerdict::Unknown,
+            leases: 0,
+            provider_down: false,
+            crashing: false,
+            failures: HashMap::new(),
+            written: None,
+            creates: 0,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct World(Mutex<WorldState>);
+
+impl World {
+    fn lock(&self) -> MutexGuard<'_, WorldState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn now(&self) -> Timestamp {
+        self.lock().now
+    }
+
+    /// The provider's behaviour the scenario configures.
+    pub(super) fn configure(&self, config: &SimConfig) {
+        let mut w = self.lock();
+        w.slow_boot = config.slow_boot;
+        w.slow_delete = config.slow_delete;
+        w.credentials_in_place = config.credentials_in_place;
+    }
+
+    /// A scenario that starts in `phase`: its leases, its instance (built from `spec_hash`, running)
+    /// and the health verdict that phase implies.
+    pub(super) fn start_in(&self, phase: Phase, leases: u32, spec_hash: Option<String>) {
+        let mut w = self.lock();
+        w.leases = leases;
+        if let Some(spec) = spec_hash {
+            w.instance = Some(SimInstance { spec, running: true });
+        }
+        match phase {
+            Phase::Healthy => w.health = HealthVerdict::Passing { after_failing: false },
+            Phase::Degraded => w.health = HealthVerdict::Failing,
+            _ => {}
+        }
+    }
+
+    /// Whether this step's reconcile dies before its status write.
+    pub(super) fn set_crashing(&self, crashing: bool) {
+        self.lock().crashing = crashing;
+    }
+
+    /// The status the last reconcile wrote (even if a crash lost it), once.
+    pub(super) fn take_written(&self) -> Option<ProxyStatus> {
+        self.lock().written.take()
+    }
+
+    /// Create calls the provider received.
+    pub(super) fn creates(&self) -> u32 {
+        self.lock().creates
+    }
+
+    /// Applies a step's changes to the world; returns them as text for the trail, and the
+    /// edits of the Proxy object for the caller to make.
+    pub(super) fn apply(&self, step: &SimStep, at: Timestamp, pools: &Pools) -> (Vec<String>, ObjectEdits) {
+        let mut edits = ObjectEdits::default();
+        let mut w = self.lock();
+        w.now = at;
+        let mut changes = Vec::new();
+        let change = &step.world;
+        if let Some(health) = &change.health {
+            w.health = match health.as_str() {
+                "passing" => HealthVerdict::Passing {
+                    after_failing: w.health == HealthVerdict::Failing,
+                },
+                "failing" => HealthVerdict::Failing,
+                _ => HealthVerdict::Unknown,
+            };
+            changes.push(format!("health {health}"));
+        }
+        if let Some(provider) = &change.provider {
+            w.provider_down = provider == "down";
+            changes.push(format!("provider {provider}"));
+        }
+        if let Some(leases) = change.leases {
+            w.leases = leases;
+            changes.push(format!("{leases} active lease(s)"));
+        }
+        if let Some(spec) = &change.spec {
+            w.spec = spec.clone();
+            edits.new_spec = true;
+            changes.push(format!("spec changed to {spec}"));
+        }
+        if let Some(problem) = &change.spec_problem {
+            w.spec_problem = (!problem.is_empty()).then(|| problem.clone());
+            changes.push(if problem.is_empty() {
+                "spec fixed".to_owned()
+            } else {
+                format!("spec broken: {problem}")
+            });
+        }
+        if change.deleted {
+            edits.delete = true;
+            changes.push("Proxy deleted".to_owned());
+        }
+        if let Some(credentials) = &change.credentials {
+            w.credentials = credentials.clone();
+            changes.push(format!("credentials rotated to {credentials}"));
+        }
+        match change.instance.as_deref() {
+            Some("vanished") => {
+                w.instance = None;
+                w.health = HealthVerdict::Unknown;
+                changes.push("instance vanished".to_owned());
+            }
+            Some(state @ ("running" | "starting")) => {
+                let running = state == "running";
+                if let Some(instance) = &mut w.instance {
+                    instance.running = running;
+                }
+                changes.push(format!("instance {state}"));
+            }
+            _ => {}
+        }
+        if change.finalizer_removed {
+            edits.strip_finalizers = true;
+            changes.push("finalizer removed".to_owned());
+        }
+        if let Some(pool) = change.pool {
+            let others = (0..pool.size).map(|i| {
+                let phase = if i < pool.degraded {
+                    Phase::Degraded
+                } else if i < pool.degraded + pool.unavailable {
+                    Phase::Replacing
+                } else {
+                    Phase::Healthy
+                };
+                let key = ProxyKey {
+                    namespace: "sim".to_owned(),
+                    name: format!("peer-{i}"),
+                };
+                (key, phase)
+            });
+            for (key, phase) in others {
+                pools.set(&key, PROVIDER, phase);
+            }
+            changes.push(format!(
+                "pool: {} others, {} degraded, {} unavailable",
+                pool.size, pool.degraded, pool.unavailable
+            ));
+        }
+        for (effect, failure) in &step.fail {
+            let effect: &'static str = match effect.as_str() {
+                "create_instance" => "create_instance",
+                "update_credentials" => "update_credentials",
+                _ => "delete_instance",
+            };
+            changes.push(format!("next {} {effect} fail ({})", failure.times, failure.kind));
+            w.failures.insert(effect, failure.clone());
+        }
+        if step.crash {
+            changes.push("the operator crashes before writing the status".to_owned());
+        }
+        (changes, edits)
+    }
+
+    /// The scripted failure of the next call of `effect`, if one is left.
+    fn fail(&self, effect: &'static str) -> Option<ProviderError> {
+        let mut w = self.lock();
+        let failure = w.failures.get_mut(effect)?;
+        if failure.times == 0 {
+            return None;
+        }
+        failure.times -= 1;
+        let message = failure.message.clone();
+        Some(match failure.kind.as_str() {
+            "permanent" => ProviderError::Misconfigured(message),
+            "rejected" => ProviderError::Rejected(message),
+            "unavailable" => ProviderError::Unavailable(message),
+            _ => ProviderError::Backend(message),
+        })
+    }
+}
+
+/// What a step does to the Proxy object (as a user or another controller would).
+#[derive(Debug, Default)]
+pub(super) struct ObjectEdits {
+    pub(super) new_spec: bool,
+    pub(super) delete: bool,
+    pub(super) strip_finalizers: bool,
+}
+
+/// The reconciler's backend in a scenario: Secrets from the world's script; finalizer, status and
+/// audit writes through the mode's backend, each status write recorded, and lost when the step
+/// crashes.
+pub(super) struct ScriptedBackend<B> {
+    pub(super) world: Arc<World>,
+    pub(super) mode: B,
+}
+
+#[async_trait]
+impl<B: ProxyBackend> ProxyBackend for ScriptedBackend<B> {
+    async fn cloud_init(&self, _: &str, _: &SecretKeyRef) -> Result<UserData, SecretError> {
+        match &self.world.lock().spec_problem {
+            Some(problem) => Err(SecretError::NotUsable(problem.clone())),
+            None => Ok(UserData(USER_DATA.to_owned())),
+        }
+    }
+    async fn credentials(&self, _: &str, _: &str) -> Result<Credentials, SecretError> {
+        Ok(Credentials {
+            username: "crawler".to_owned(),
+            password: self.world.lock().credentials.clone(),
+        })
+    }
+    async fn add_finalizer(&self, proxy: &Proxy) -> Result<Option<String>, BackendError> {
+        self.mode.add_finalizer(proxy).await
+    }
+    async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
+        self.mode.remove_finalizer(proxy).await
+    }
+    async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
+        let crashing = {
+            let mut w = self.world.lock();
+            w.written = Some(status.clone());
+            w.crashing
+        };
+        if crashing {
+            return Ok(());
+        }
+        self.mode.write_status(proxy, status).await
+    }
+    async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
+        self.mode.record(proxy, entry, message).await
+    }
+}
+
+pub(super) struct SimProvider(pub(super) Arc<World>, pub(super) Installation);
+
+impl SimProvider {
+    fn instance(instance: &SimInstance) -> Instance {
+        Instance {
+            id: ProviderId::new("sim", PROVIDER, INSTANCE),
+            owner: None,
+            installation: None,
+            spec_hash: Some(instance.spec.clone()),
+            created_at: EPOCH,
+            state: if instance.running {
+                InstanceState::Running
+            } else {
+                InstanceState::Starting
+            },
+            endpoint: Some(Endpoint {
+                host: "127.0.0.1".to_owned(),
+                port: 3128,
+            }),
+        }
+    }
+}
+
+#[async_trait]
+impl Provider for SimProvider {
+    fn provider_type(&self) -> &'static str {
+        "sim"
+    }
+    fn instance(&self) -> &str {
+        PROVIDER
+    }
+    fn installation(&self) -> &Installation {
+        &self.1
+    }
+    async fn adopt(&self, name: &str) -> Result<Instance, ProviderError> {
+        self.get(name).await
+    }
+    fn updates_credentials_in_place(&self) -> bool {
+        self.0.lock().credentials_in_place
+    }
+    async fn update_credentials(
+        &self,
+        _: &str,
+        _: Option<&Credentials>,
+    ) -> Result<CredentialsUpdate, ProviderError> {
+        if let Some(err) = self.0.fail("update_credentials") {
+            return Err(err);
+        }
+        Ok(if self.0.lock().credentials_in_place {
+            CredentialsUpdate::Applied
+        } else {
+            CredentialsUpdate::Unsupported
+        })
+    }
+    async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
+        self.0.lock().creates += 1;
+        if let Some(err) = self.0.fail("create_instance") {
+            return Err(err);
+        }
+        let mut w = self.0.lock();
+        if w.provider_down {
+            return Err(ProviderError::Unavailable("the provider is down".to_owned()));
+        }
+        let slow = w.slow_boot;
+        let instance = w.instance.get_or_insert_with(|| SimInstance {
+            spec: request.spec_hash.clone(),
+            running: !slow,
+        });
+        Ok(Self::instance(instance))
+    }
+    async fn get(&self, _: &str) -> Result<Instance, ProviderError> {
+        let w = self.0.lock();
+        if w.provider_down {
+            return Err(ProviderError::Unavailable("the provider is down".to_owned()));
+        }
+        w.instance
+            .as_ref()
+            .map(Self::instance)
+            .ok_or_else(|| ProviderError::NotFound(INSTANCE.to_owned()))
+    }
+    async fn delete(&self, _: &str) -> Result<(), ProviderError> {
+        if let Some(err) = self.0.fail("delete_instance") {
+            return Err(err);
+        }
+        let mut w = self.0.lock();
+        if w.slow_delete {
+            if let Some(instance) = &mut w.instance {
+                instance.running = false;
+            }
+        } else {
+            w.instance = None;
+        }
+        w.health = HealthVerdict::Unknown;
+        Ok(())
+    }
+    async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
+        Ok(self.0.lock().instance.iter().map(Self::instance).collect())
+    }
+    async fn probe(&self) -> Result<ProbeReport, ProviderError> {
+        Ok(ProbeReport {
+            instance_count: usize::from(self.0.lock().instance.is_some()),
+            detail: "simulated".to_owned(),
+        })
+    }
+}
+
+pub(super) struct SimLeases(pub(super) Arc<World>);
+
+impl LeaseControl for SimLeases {
+    fn upsert(&self, _: LeaseTarget) {}
+    fn set_admission(&self, _: &ProxyKey, _: bool) {}
+    fn drain(&self, _: &ProxyKey) -> DrainStatus {
+        match self.0.lock().leases {
+            0 => DrainStatus::Drained,
+            active => DrainStatus::Pending { active },
+        }
+    }
+    fn revoke_all(&self, _: &ProxyKey) -> u32 {
+        std::mem::take(&mut self.0.lock().leases)
+    }
+    fn remove(&self, _: &ProxyKey) {}
+    fn active(&self, _: &ProxyKey) -> u32 {
+        self.0.lock().leases
+    }
+}
+
+pub(super) struct SimHealth(pub(super) Arc<World>);
+
+impl HealthControl for SimHealth {
+    fn upsert(&self, _: HealthTarget) {}
+    fn remove(&self, _: &ProxyKey) {}
+    fn verdict(&self, _: &ProxyKey) -> HealthVerdict {
+        let w = self.0.lock();
+        if w.instance.as_ref().is_some_and(|i| i.running) {
+            w.health
+        } else {
+            HealthVerdict::Unknown
+        }
+    }
+}
