@@ -17,9 +17,9 @@ use std::{sync::Arc, time::Duration};
 use async_trait::async_trait;
 
 use super::{
-    BaseVolume, Kind, Lookup, NewDomain, Stamp, StampError, VolumeNames, adoption_stamp, check_create_name,
-    delete_removes, discovery_port, foreign_domain, instance_from_stamp, is_foreign, needs_existing_stamps,
-    new_domain, overlay_volume_xml, seed::Seed, seed_error, seed_volume_xml,
+    BaseVolume, Kind, Lookup, NewDomain, Stamp, StampError, VolumeNames, adoption_stamp, call_timeout,
+    check_create_name, delete_removes, discovery_port, foreign_domain, instance_from_stamp, is_foreign,
+    needs_existing_stamps, new_domain, overlay_volume_xml, seed::Seed, seed_error, seed_volume_xml,
 };
 use crate::{
     config::{KvmSettings, NetworkSettings, is_dns_label},
@@ -164,10 +164,6 @@ impl<A: Access> LibvirtProvider<A> {
         }
     }
 
-    fn timeout(&self) -> Duration {
-        Duration::from_secs(self.context.settings.timeout_seconds.max(1))
-    }
-
     /// Runs `work` as a blocking task with a fresh session; `guard` (the name lock) goes with
     /// it and is released when the work ends, not when the caller stops waiting.
     async fn run<T: Send + 'static>(
@@ -217,7 +213,10 @@ impl<A: Access> Provider for LibvirtProvider<A> {
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
         check_create_name(&request.name)?;
         let seed = Seed::for_request(request).map_err(seed_error)?;
-        let iso = seed.build_iso(self.timeout()).await.map_err(seed_error)?;
+        let iso = seed
+            .build_iso(call_timeout(&self.context.settings))
+            .await
+            .map_err(seed_error)?;
         let guard = self.locks.lock(&request.name).await;
         let request = request.clone();
         let created_at = jiff::Timestamp::now();

@@ -28,7 +28,7 @@ use std::{
 use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
 
 pub use self::steps::{
-    Kind, Lookup, NewDomain, check_create_name, delete_removes, discovery_port, is_foreign,
+    Kind, Lookup, NewDomain, call_timeout, check_create_name, delete_removes, discovery_port, is_foreign,
     needs_existing_stamps, new_domain, seed_error,
 };
 

@@ -23,7 +23,7 @@ use virt::{
 };
 
 use super::{
-    KVM2_NAMESPACE, Kind, Lookup, STAMP_PREFIX, Stamp, StampError,
+    KVM2_NAMESPACE, Kind, Lookup, STAMP_PREFIX, Stamp, StampError, call_timeout,
     driver::{Access, LibvirtProvider, Session, Stamped},
     pick_address,
 };
@@ -53,10 +53,7 @@ impl Kvm2Provider {
 pub struct Native;
 
 impl Access for Native {
-    const KIND: Kind = Kind {
-        provider_type: PROVIDER_TYPE,
-        namespace: KVM2_NAMESPACE,
-    };
+    const KIND: Kind = Kind::new(PROVIDER_TYPE, KVM2_NAMESPACE);
     type Session = NativeSession;
 
     fn open(&self, settings: &KvmSettings) -> Result<NativeSession, ProviderError> {
@@ -75,7 +72,7 @@ impl Access for Native {
 
     /// A blocked libvirt call cannot be interrupted: the caller stops waiting instead.
     fn operation_timeout(&self, settings: &KvmSettings) -> Option<Duration> {
-        Some(Duration::from_secs(settings.timeout_seconds.max(1)))
+        Some(call_timeout(settings))
     }
 }
 

@@ -20,7 +20,7 @@ use futures::{StreamExt, TryStreamExt};
 use tokio::runtime::Handle;
 
 use super::{
-    KVM_NAMESPACE, Kind, Lookup, STAMP_PREFIX, Stamp,
+    KVM_NAMESPACE, Kind, Lookup, STAMP_PREFIX, Stamp, call_timeout,
     driver::{Access, LibvirtProvider, Session, Stamped},
     pick_address,
 };
@@ -65,17 +65,14 @@ pub struct Virsh {
 }
 
 impl Access for Virsh {
-    const KIND: Kind = Kind {
-        provider_type: PROVIDER_TYPE,
-        namespace: KVM_NAMESPACE,
-    };
+    const KIND: Kind = Kind::new(PROVIDER_TYPE, KVM_NAMESPACE);
     type Session = VirshSession;
 
     fn open(&self, settings: &KvmSettings) -> Result<VirshSession, ProviderError> {
         Ok(VirshSession {
             program: self.program.clone(),
             uri: settings.uri.clone(),
-            timeout: Duration::from_secs(settings.timeout_seconds.max(1)),
+            timeout: call_timeout(settings),
             handle: Handle::current(),
         })
     }
