@@ -534,3 +534,7 @@ impl<S: Session> Operation<'_, S> {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "driver_tests.rs"]
+mod tests;
