@@ -428,7 +428,7 @@ impl Scenario {
                 proxy.metadata.finalizers = Some(vec![FINALIZER.to_owned()]);
             }
             if matches!(phase, Phase::Healthy) {
-                w.health = HealthVerdict::Passing { after_failing: false };
+                w.health = HealthVerdict::Passing;
             }
             if matches!(phase, Phase::Degraded) {
                 w.health = HealthVerdict::Failing;
@@ -774,9 +774,7 @@ impl World {
         let change = &step.world;
         if let Some(health) = &change.health {
             w.health = match health.as_str() {
-                "passing" => HealthVerdict::Passing {
-                    after_failing: w.health == HealthVerdict::Failing,
-                },
+                "passing" => HealthVerdict::Passing,
                 "failing" => HealthVerdict::Failing,
                 _ => HealthVerdict::Unknown,
             };
@@ -839,10 +837,7 @@ impl World {
                 } else {
                     Phase::Healthy
                 };
-                let key = ProxyKey {
-                    namespace: "sim".to_owned(),
-                    name: format!("peer-{i}"),
-                };
+                let key = ProxyKey::new("sim", &format!("peer-{i}"));
                 (key, phase)
             });
             for (key, phase) in others {
@@ -1172,15 +1167,17 @@ impl LeaseControl for SimLeases {
     fn drain(&self, _: &ProxyKey) -> DrainStatus {
         match self.0.lock().leases {
             0 => DrainStatus::Drained,
-            active => DrainStatus::Pending { active },
+            active => DrainStatus::Pending {
+                active: active as usize,
+            },
         }
     }
-    fn revoke_all(&self, _: &ProxyKey) -> u32 {
-        std::mem::take(&mut self.0.lock().leases)
+    fn revoke_all(&self, _: &ProxyKey) -> usize {
+        std::mem::take(&mut self.0.lock().leases) as usize
     }
     fn remove(&self, _: &ProxyKey) {}
-    fn active(&self, _: &ProxyKey) -> u32 {
-        self.0.lock().leases
+    fn active(&self, _: &ProxyKey) -> usize {
+        self.0.lock().leases as usize
     }
 }
 
