@@ -20,6 +20,7 @@ pub(super) enum SmallStr {
 }
 
 impl SmallStr {
+    #[inline]
     pub(super) fn new(s: &str) -> Self {
         if s.len() <= 30 {
             let mut bytes = [0u8; 30];
@@ -33,6 +34,7 @@ impl SmallStr {
         }
     }
 
+    #[inline]
     pub(super) fn as_str(&self) -> &str {
         match self {
             SmallStr::Inline { len, bytes } => std::str::from_utf8(&bytes[..*len as usize])
@@ -101,6 +103,7 @@ impl ProxyState {
         }
     }
 
+    #[inline]
     pub(super) fn banned_for(&self, domain: Option<&str>, now: u64) -> bool {
         match domain {
             None => false,
@@ -108,6 +111,7 @@ impl ProxyState {
         }
     }
 
+    #[inline]
     pub(super) fn eligible(&self, now: u64) -> bool {
         self.info.is_some()
             && self.admission == AdmissionState::Open

@@ -64,6 +64,7 @@ pub(super) struct Shard {
     pub(super) reinstated: HashMap<u64, u64>,
 }
 
+#[inline]
 pub(super) fn link_of(links: &mut [Link], list: u32) -> &mut Link {
     links
         .iter_mut()
@@ -91,6 +92,7 @@ impl Shard {
         }
     }
 
+    #[inline]
     pub(super) fn proxy(&self, slot: u32) -> &ProxyState {
         self.slots[slot as usize]
             .proxy
@@ -98,6 +100,7 @@ impl Shard {
             .expect("slots reached through lists or the key map are occupied")
     }
 
+    #[inline]
     pub(super) fn proxy_mut(&mut self, slot: u32) -> &mut ProxyState {
         self.slots[slot as usize]
             .proxy
@@ -105,6 +108,7 @@ impl Shard {
             .expect("slots reached through lists or the key map are occupied")
     }
 
+    #[inline]
     pub(super) fn next_token(&mut self, now: u64) -> u64 {
         self.seq = (self.seq + 1).max(now * SEQ_PER_MS);
         (self.seq << SHARD_BITS) | self.id as u64
@@ -132,6 +136,7 @@ impl Shard {
         slot
     }
 
+    #[inline]
     pub(super) fn head(&self, list: u32) -> &ListHead {
         match list.checked_sub(COMBINATION_BASE) {
             Some(i) => &self.combination_lists[i as usize],
@@ -139,6 +144,7 @@ impl Shard {
         }
     }
 
+    #[inline]
     pub(super) fn head_mut(&mut self, list: u32) -> &mut ListHead {
         match list.checked_sub(COMBINATION_BASE) {
             Some(i) => &mut self.combination_lists[i as usize],
@@ -232,6 +238,7 @@ impl Shard {
     /// counted from `expires_at`, exactly as if it had been released then. Every operation that
     /// reads or changes a shard settles it first, so listing, acquire, renew and release agree
     /// at every instant whatever the reaper has done. Returns how many leases expired.
+    #[inline]
     pub(super) fn settle(&mut self, now: u64) -> usize {
         let mut expired = 0;
         while let Some(&Reverse((at, slot, generation))) = self.expiring.peek() {
