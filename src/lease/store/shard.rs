@@ -64,6 +64,28 @@ pub(super) struct Shard {
     pub(super) reinstated: HashMap<u64, u64>,
 }
 
+/// Pops the entries of an expiry or cooldown heap that are due at `now`, skipping stale ones
+/// (the slot was reused or emptied since): each as (due time, slot, its proxy).
+#[inline]
+fn pop_due<'a>(
+    heap: &mut BinaryHeap<Reverse<(u64, u32, u32)>>,
+    slots: &'a mut [Slot],
+    now: u64,
+) -> Option<(u64, u32, &'a mut ProxyState)> {
+    while let Some(&Reverse((at, slot, generation))) = heap.peek() {
+        if at > now {
+            return None;
+        }
+        heap.pop();
+        let s = &slots[slot as usize];
+        if s.generation == generation && s.proxy.is_some() {
+            let p = slots[slot as usize].proxy.as_mut()?;
+            return Some((at, slot, p));
+        }
+    }
+    None
+}
+
 #[inline]
 pub(super) fn link_of(links: &mut [Link], list: u32) -> &mut Link {
     links
@@ -241,19 +263,11 @@ impl Shard {
     #[inline]
     pub(super) fn settle(&mut self, now: u64) -> usize {
         let mut expired = 0;
-        while let Some(&Reverse((at, slot, generation))) = self.expiring.peek() {
-            if at > now {
-                break;
-            }
-            self.expiring.pop();
-            let s = &mut self.slots[slot as usize];
-            if s.generation != generation {
+        while let Some((at, slot, p)) = pop_due(&mut self.expiring, &mut self.slots, now) {
+            if p.check_at != at {
                 continue;
             }
-            match s.proxy.as_mut() {
-                Some(p) if p.check_at == at => p.check_at = 0,
-                _ => continue,
-            }
+            p.check_at = 0;
             expired += self.expire_leases(slot, now);
         }
         self.promote_cooled(now);
@@ -262,18 +276,8 @@ impl Shard {
 
     /// Puts proxies whose cooldown ended back into the lists.
     pub(super) fn promote_cooled(&mut self, now: u64) {
-        while let Some(&Reverse((until, slot, generation))) = self.cooling.peek() {
-            if until > now {
-                break;
-            }
-            self.cooling.pop();
-            let s = &mut self.slots[slot as usize];
-            if s.generation != generation {
-                continue;
-            }
-            if let Some(p) = s.proxy.as_mut()
-                && p.cooling_until == until
-            {
+        while let Some((until, slot, p)) = pop_due(&mut self.cooling, &mut self.slots, now) {
+            if p.cooling_until == until {
                 p.cooling_until = 0;
                 self.relink(slot, now, false);
             }
