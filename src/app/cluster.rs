@@ -19,7 +19,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
-use super::{AppError, DiscoveryAuthOptions, discovery_authenticator, proxy_key};
+use super::{AppError, DiscoveryAuthOptions, discovery_authenticator};
 use crate::{
     api::Proxy,
     config::ProvidersConfig,
@@ -433,7 +433,7 @@ pub async fn run_cluster(
     tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
             health_log.record(&event);
-            if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
+            if trigger_tx.send(event.key.clone()).await.is_err() {
                 break;
             }
         }
@@ -483,10 +483,7 @@ pub async fn run_cluster(
                     checkpoint_failing: checkpoint_health.borrow_and_update().failing.is_some(),
                 };
                 admin_tx.send_replace(state);
-                discovery_ready_tx.send_replace(Readiness {
-                    synced: state.caches_synced,
-                    leader: state.leader,
-                });
+                discovery_ready_tx.send_replace(state);
                 tokio::select! {
                     changed = caches_rx.changed(), if caches_open => caches_open = changed.is_ok(),
                     changed = leadership.changed() => if changed.is_err() { break },
@@ -605,10 +602,8 @@ pub async fn reconcile_providers_proxies(
             }
         };
         for proxy in proxies.iter().filter(|p| p.spec.provider == provider) {
-            let key = crate::effects::ProxyKey {
-                namespace: proxy.namespace().unwrap_or_default(),
-                name: proxy.name_any(),
-            };
+            let key =
+                crate::effects::ProxyKey::new(&proxy.namespace().unwrap_or_default(), &proxy.name_any());
             if triggers.send(key).await.is_err() {
                 return;
             }

@@ -313,8 +313,9 @@ pub async fn run_standalone(
     .map_err(|e| AppError::Startup(e.to_string()))?;
     let availability = ProviderAvailability::default();
     let (_readiness_tx, readiness) = watch::channel(Readiness {
-        synced: true,
+        caches_synced: true,
         leader: true,
+        ..Readiness::default()
     });
     let state = DiscoveryState::new(
         store.clone(),
@@ -390,7 +391,7 @@ pub async fn run_standalone(
     let forward = tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
             health_log.record(&event);
-            if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
+            if trigger_tx.send(event.key.clone()).await.is_err() {
                 break;
             }
         }
@@ -466,14 +467,6 @@ pub async fn run_standalone(
         let _ = compaction.await;
     }
     Ok(())
-}
-
-/// The reconciler's key for a health event's proxy.
-pub fn proxy_key(key: &crate::lease::ProxyKey) -> crate::effects::ProxyKey {
-    crate::effects::ProxyKey {
-        namespace: key.namespace().to_owned(),
-        name: key.name().to_owned(),
-    }
 }
 
 /// Creates a tokens file with one random token if it does not exist (readable by the owner only).

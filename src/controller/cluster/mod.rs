@@ -176,7 +176,7 @@ pub async fn run_controller(
                 spec.cloud_init.as_ref().map(|c| c.secret_ref.name.as_str())
             })
         })
-        .reconcile_on(triggers.map(|key| ObjectRef::new(&key.name).within(&key.namespace)))
+        .reconcile_on(triggers.map(|key| ObjectRef::new(key.name()).within(key.namespace())))
         .reconcile_on(resync::sweep(proxy_store.clone(), resync_period, resync::TICK))
         .graceful_shutdown_on(shutdown);
 
@@ -315,10 +315,7 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
             .seed(context.proxies.state().iter().map(|p| {
                 let phase = super::status::phase_of(p.status.as_ref());
                 (
-                    ProxyKey {
-                        namespace: p.namespace().unwrap_or_default(),
-                        name: p.name_any(),
-                    },
+                    ProxyKey::new(&p.namespace().unwrap_or_default(), &p.name_any()),
                     p.spec.provider.clone(),
                     phase,
                 )
