@@ -127,7 +127,7 @@ impl HealthControl for InstantHealth {
     }
     fn verdict(&self, key: &ProxyKey) -> HealthVerdict {
         if self.passing.lock().unwrap().contains(key) {
-            HealthVerdict::Passing { after_failing: false }
+            HealthVerdict::Passing
         } else {
             HealthVerdict::Unknown
         }
@@ -143,11 +143,11 @@ impl LeaseControl for NoLeases {
     fn drain(&self, _key: &ProxyKey) -> DrainStatus {
         DrainStatus::Drained
     }
-    fn revoke_all(&self, _key: &ProxyKey) -> u32 {
+    fn revoke_all(&self, _key: &ProxyKey) -> usize {
         0
     }
     fn remove(&self, _key: &ProxyKey) {}
-    fn active(&self, _key: &ProxyKey) -> u32 {
+    fn active(&self, _key: &ProxyKey) -> usize {
         0
     }
 }

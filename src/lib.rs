@@ -19,5 +19,6 @@ pub mod machine;
 pub mod monitor;
 pub mod provider;
 pub mod standalone;
+pub mod sync;
 pub mod telemetry;
 pub mod ui;

@@ -463,10 +463,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             match audit {
                 Some(proxy) => {
                     let (namespace, name) = proxy.split_once('/').unwrap_or(("default", proxy.as_str()));
-                    let key = egress_proxies_operator::effects::ProxyKey {
-                        namespace: namespace.to_owned(),
-                        name: name.to_owned(),
-                    };
+                    let key = egress_proxies_operator::effects::ProxyKey::new(namespace, name);
                     print!("{}", status::render_audit(&store, &key)?);
                 }
                 None => {
@@ -474,10 +471,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                     let leases =
                         egress_proxies_operator::lease::journal::active_leases_by_proxy(&state, &checkpoint);
                     let count = |key: &egress_proxies_operator::effects::ProxyKey| {
-                        leases
-                            .get(&format!("{}/{}", key.namespace, key.name))
-                            .copied()
-                            .unwrap_or(0)
+                        leases.get(key.as_str()).copied().unwrap_or(0)
                     };
                     print!(
                         "{}",

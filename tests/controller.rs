@@ -143,7 +143,7 @@ fn condition<'a>(
 }
 
 fn passing() -> HealthVerdict {
-    HealthVerdict::Passing { after_failing: false }
+    HealthVerdict::Passing
 }
 
 async fn make_healthy(world: &World, operator: &RunningController, name: &str) -> Proxy {
@@ -203,12 +203,7 @@ async fn create_to_healthy_within_the_write_budget_and_a_resync_writes_nothing()
         .expect("registered with the lease store");
     assert!(leases.open, "a healthy proxy takes leases");
     assert_eq!(
-        leases
-            .target
-            .expect("target")
-            .attributes
-            .get("region")
-            .map(String::as_str),
+        leases.target.expect("target").attributes.get("region"),
         Some("eu")
     );
 
@@ -342,7 +337,7 @@ async fn changing_attributes_never_replaces_the_instance() {
         .and_then(|e| e.target)
         .expect("target");
     assert_eq!(
-        target.attributes.get("region").map(String::as_str),
+        target.attributes.get("region"),
         Some("us"),
         "attributes apply in place"
     );
@@ -578,9 +573,7 @@ async fn a_repeated_event_joins_the_first_ones_series() {
         world.health.set(&k, HealthVerdict::Failing);
         operator.trigger(k.clone()).await;
         world.wait_phase("flappy", "degraded").await;
-        world
-            .health
-            .set(&k, HealthVerdict::Passing { after_failing: true });
+        world.health.set(&k, HealthVerdict::Passing);
         operator.trigger(k.clone()).await;
         world.wait_phase("flappy", "healthy").await;
     }

@@ -54,7 +54,8 @@ fn demo_store() -> LeaseStore {
             attributes: BTreeMap::from([
                 ("region".to_owned(), region.to_owned()),
                 ("tier".to_owned(), "dc".to_owned()),
-            ]),
+            ])
+            .into(),
             policy: LeasePolicy {
                 max_concurrent: 2,
                 cooldown_seconds: 0,
@@ -84,8 +85,9 @@ impl Server {
         let mut registry = Registry::default();
         let metrics = DiscoveryMetrics::register(&mut registry);
         let (ready, readiness) = watch::channel(Readiness {
-            synced: true,
+            caches_synced: true,
             leader: true,
+            ..Readiness::default()
         });
         let state = DiscoveryState::new(
             store,
@@ -895,7 +897,7 @@ async fn listing_acquire_renew_and_release_agree_around_expires_at() {
             host: "127.0.0.1".into(),
             port: 3128,
         },
-        attributes: BTreeMap::from([("region".to_owned(), "solo".to_owned())]),
+        attributes: BTreeMap::from([("region".to_owned(), "solo".to_owned())]).into(),
         policy: LeasePolicy {
             max_concurrent: 1,
             cooldown_seconds: 0,
@@ -1514,12 +1516,14 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
     // Not ready, then not the leader: every lease operation and /readyz say so.
     for readiness in [
         Readiness {
-            synced: false,
+            caches_synced: false,
             leader: true,
+            ..Readiness::default()
         },
         Readiness {
-            synced: true,
+            caches_synced: true,
             leader: false,
+            ..Readiness::default()
         },
     ] {
         server.ready.send(readiness).unwrap();
@@ -1538,8 +1542,9 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
     server
         .ready
         .send(Readiness {
-            synced: true,
+            caches_synced: true,
             leader: true,
+            ..Readiness::default()
         })
         .unwrap();
     // A lease journal whose disk is full: the acquire is not durable, so not answered 201, and

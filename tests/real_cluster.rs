@@ -89,10 +89,7 @@ async fn controller_converges_on_a_real_cluster() {
         .await
         .expect("created (are the CRDs applied?)");
     wait_for(&proxies, "real-1", |p| phase(p) == Some("provisioning")).await;
-    health.set(
-        &key(&namespace, "real-1"),
-        HealthVerdict::Passing { after_failing: false },
-    );
+    health.set(&key(&namespace, "real-1"), HealthVerdict::Passing);
     controller.trigger(key(&namespace, "real-1")).await;
     wait_for(&proxies, "real-1", |p| phase(p) == Some("healthy")).await;
     proxies

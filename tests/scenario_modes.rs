@@ -46,10 +46,10 @@ fn scenario_files() -> Vec<PathBuf> {
 }
 
 fn key(proxy: &Proxy) -> ProxyKey {
-    ProxyKey {
-        namespace: proxy.metadata.namespace.clone().expect("namespaced"),
-        name: proxy.metadata.name.clone().expect("named"),
-    }
+    ProxyKey::new(
+        &proxy.metadata.namespace.clone().expect("namespaced"),
+        &proxy.metadata.name.clone().expect("named"),
+    )
 }
 
 // ---- standalone: the embedded store ---------------------------------------------------------
@@ -314,10 +314,7 @@ async fn every_scenario_plans_and_writes_the_same_in_standalone_mode() {
         assert_same(&stem, "standalone", &reference, &replay);
         // The store's audit log holds every transition its row records, in order (a deleted
         // Proxy's log goes with it).
-        let key = ProxyKey {
-            namespace: "sim".to_owned(),
-            name: "proxy".to_owned(),
-        };
+        let key = ProxyKey::new("sim", "proxy");
         if embedded.store.reader().get(&key).unwrap().is_some() {
             let logged: Vec<_> = embedded
                 .store

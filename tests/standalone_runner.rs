@@ -106,8 +106,7 @@ async fn folder_changes_drive_the_lifecycle_and_restarts_are_safe() {
     assert_eq!(host.provider.created_count(), 2);
 
     for k in [&a, &b] {
-        host.health
-            .set(k, HealthVerdict::Passing { after_failing: false });
+        host.health.set(k, HealthVerdict::Passing);
         runner.trigger(k.clone());
     }
     step_until(&mut runner, || {
@@ -215,8 +214,7 @@ async fn rotating_a_referenced_secret_replaces_its_proxy_without_waiting_for_the
     })
     .await;
     for k in [&a, &b] {
-        host.health
-            .set(k, HealthVerdict::Passing { after_failing: false });
+        host.health.set(k, HealthVerdict::Passing);
         runner.trigger(k.clone());
     }
     step_until(&mut runner, || {

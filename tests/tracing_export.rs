@@ -462,10 +462,7 @@ async fn cluster_mode_reconciles_are_spans_under_the_controllers_own() {
     let mut providers = ProviderRegistry::new();
     providers.insert(Arc::new(MemoryProvider::new("mem")));
     let health = ScriptedHealth::new();
-    health.set(
-        &key("crawl", "spanned"),
-        HealthVerdict::Passing { after_failing: false },
-    );
+    health.set(&key("crawl", "spanned"), HealthVerdict::Passing);
     let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
     setup.deps.identity = "tracing-test".into();
     let controller = setup.start().await;

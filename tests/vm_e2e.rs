@@ -774,12 +774,7 @@ impl Rig {
     /// The Proxy's record (status included) as `status` reads it.
     fn record(&self) -> Option<ProxyRecord> {
         let store = Store::read_only(&self.path("state")).ok()?;
-        store
-            .get(&ProxyKey {
-                namespace: "default".into(),
-                name: PROXY.into(),
-            })
-            .ok()?
+        store.get(&ProxyKey::new("default", PROXY)).ok()?
     }
 
     /// `status --audit`: the Proxy's audit trail.

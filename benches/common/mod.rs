@@ -41,7 +41,8 @@ pub fn filled_store(max_concurrent: i32) -> LeaseStore {
                     "tier".to_owned(),
                     if i % 3 == 0 { "res" } else { "dc" }.to_owned(),
                 ),
-            ]),
+            ])
+            .into(),
             policy: LeasePolicy {
                 max_concurrent,
                 cooldown_seconds: 0,
@@ -59,8 +60,9 @@ pub fn discovery_state(store: LeaseStore) -> DiscoveryState {
     let mut registry = Registry::default();
     let metrics = DiscoveryMetrics::register(&mut registry);
     let (ready, readiness) = tokio::sync::watch::channel(Readiness {
-        synced: true,
+        caches_synced: true,
         leader: true,
+        ..Readiness::default()
     });
     // Ready for the life of the process.
     std::mem::forget(ready);

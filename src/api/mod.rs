@@ -7,11 +7,13 @@
 
 mod attributes;
 mod crd;
+mod key;
 mod provider_health;
 mod proxy;
 
 pub use attributes::Attributes;
 pub use crd::{CrdFile, crd_files, render_all};
+pub use key::{MalformedProxyKey, ProxyKey};
 pub use provider_health::{ProviderHealth, ProviderHealthFields, ProviderHealthStatus};
 pub use proxy::{
     CLOUD_INIT_SECRET_LABEL, CloudInit, HealthCheck, LeasePolicy, Placement, Proxy, ProxyAuth,

@@ -300,7 +300,7 @@ pub async fn start_core(
     let forward = tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
             health_log.record(&event);
-            if trigger_tx.send(proxy_key(&event.key)).await.is_err() {
+            if trigger_tx.send(event.key.clone()).await.is_err() {
                 break;
             }
         }
@@ -314,12 +314,4 @@ pub async fn start_core(
         provider_flips,
         tasks: CoreTasks { tasks, forward },
     })
-}
-
-/// The reconciler's key for a health event's proxy.
-pub fn proxy_key(key: &crate::lease::ProxyKey) -> ProxyKey {
-    ProxyKey {
-        namespace: key.namespace().to_owned(),
-        name: key.name().to_owned(),
-    }
 }

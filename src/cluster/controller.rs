@@ -312,10 +312,7 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
             .seed(context.proxies.state().iter().map(|p| {
                 let phase = crate::controller::status::phase_of(p.status.as_ref());
                 (
-                    ProxyKey {
-                        namespace: p.namespace().unwrap_or_default(),
-                        name: p.name_any(),
-                    },
+                    ProxyKey::new(&p.namespace().unwrap_or_default(), &p.name_any()),
                     p.spec.provider.clone(),
                     phase,
                 )

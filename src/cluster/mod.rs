@@ -363,10 +363,7 @@ async fn follow_readiness(
             checkpoint_failing: checkpoint_health.borrow_and_update().failing.is_some(),
         };
         admin.send_replace(state);
-        discovery.send_replace(Readiness {
-            synced: state.caches_synced,
-            leader: state.leader,
-        });
+        discovery.send_replace(state);
         tokio::select! {
             changed = caches.changed(), if caches_open => caches_open = changed.is_ok(),
             changed = leadership.changed() => if changed.is_err() { break },

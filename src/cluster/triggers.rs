@@ -30,7 +30,7 @@ pub fn provider_flips(
 
 /// The controller's reference for a Proxy named by its key.
 pub fn object_ref(key: &ProxyKey) -> ObjectRef<Proxy> {
-    ObjectRef::new(&key.name).within(&key.namespace)
+    ObjectRef::new(key.name()).within(key.namespace())
 }
 
 #[cfg(test)]
@@ -76,14 +76,8 @@ mod tests {
         assert_eq!(
             refs,
             [
-                object_ref(&ProxyKey {
-                    namespace: "crawl".into(),
-                    name: "b".into()
-                }),
-                object_ref(&ProxyKey {
-                    namespace: "crawl".into(),
-                    name: "a".into()
-                }),
+                object_ref(&ProxyKey::new("crawl", "b")),
+                object_ref(&ProxyKey::new("crawl", "a")),
             ]
         );
     }

@@ -118,10 +118,7 @@ mod tests {
     #[test]
     fn the_book_tells_what_to_do_with_a_rotation() {
         let book = CredentialsBook::default();
-        let key = ProxyKey {
-            namespace: "crawl".into(),
-            name: "a".into(),
-        };
+        let key = ProxyKey::new("crawl", "a");
         let (old, new) = (creds("old"), creds("new"));
         assert_eq!(
             book.compare(&key, Some(&old), true),

@@ -338,7 +338,7 @@ pub(crate) fn lease_target(
     Some(LeaseTarget {
         key: cx.key.clone(),
         endpoint: parse_endpoint(record.endpoint.as_deref()?)?,
-        attributes: cx.proxy.spec.attributes.to_map(),
+        attributes: cx.proxy.spec.attributes.clone(),
         policy: cx.proxy.spec.lease.clone(),
         credentials,
     })

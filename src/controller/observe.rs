@@ -68,7 +68,7 @@ pub struct Observation {
     /// The health engine's verdict.
     pub health: HealthVerdict,
     /// Leases held on the proxy.
-    pub active_leases: u32,
+    pub active_leases: usize,
     /// The pool's budget facts.
     pub pool: PoolFacts,
 }
@@ -104,10 +104,7 @@ pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers:
         (Fact::InstanceMissing, instance_missing),
         (Fact::InstanceRunning, instance_running),
         (Fact::RunningReported, record.instance_running),
-        (
-            Fact::HealthPassing,
-            matches!(o.health, HealthVerdict::Passing { .. }),
-        ),
+        (Fact::HealthPassing, o.health == HealthVerdict::Passing),
         (Fact::HealthFailing, o.health == HealthVerdict::Failing),
         (Fact::LeasesActive, o.active_leases > 0),
         (Fact::RetryDue, retry_due),

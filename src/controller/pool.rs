@@ -183,10 +183,7 @@ mod tests {
     use super::*;
 
     fn key(i: usize) -> ProxyKey {
-        ProxyKey {
-            namespace: "crawl".to_owned(),
-            name: format!("p{i}"),
-        }
+        ProxyKey::new("crawl", &format!("p{i}"))
     }
 
     fn pool(phases: &[Phase]) -> Pools {

@@ -186,28 +186,28 @@ impl<B: ProxyBackend> Reconciler<B> {
 
     async fn reconcile_steps(&self, proxy: &Proxy) -> Result<ReconcileOutcome, ReconcileError> {
         let now = (self.clock)();
-        let key = ProxyKey {
-            namespace: proxy
+        let key = ProxyKey::new(
+            proxy
                 .metadata
                 .namespace
-                .clone()
+                .as_deref()
                 .ok_or(ReconcileError::MalformedObject("namespace"))?,
-            name: proxy
+            proxy
                 .metadata
                 .name
-                .clone()
+                .as_deref()
                 .ok_or(ReconcileError::MalformedObject("name"))?,
-        };
+        );
         let uid = proxy
             .metadata
             .uid
             .clone()
             .ok_or(ReconcileError::MalformedObject("uid"))?;
-        let instance = instance_name(&key.namespace, &key.name, &uid);
+        let instance = instance_name(key.namespace(), key.name(), &uid);
         let owner = Owner {
             uid,
-            namespace: key.namespace.clone(),
-            name: key.name.clone(),
+            namespace: key.namespace().to_owned(),
+            name: key.name().to_owned(),
         };
         let previous = proxy.status.clone().unwrap_or_default();
         let mut record =
@@ -505,7 +505,7 @@ impl<B: ProxyBackend> Reconciler<B> {
             Some(cloud_init) => {
                 let read = self
                     .backend
-                    .cloud_init(&key.namespace, &cloud_init.secret_ref)
+                    .cloud_init(key.namespace(), &cloud_init.secret_ref)
                     .await;
                 match secret_value(read, "CloudInitSecretUnusable")? {
                     Ok(data) => Some(data),
@@ -518,7 +518,7 @@ impl<B: ProxyBackend> Reconciler<B> {
             Some(auth) => {
                 let read = self
                     .backend
-                    .credentials(&key.namespace, &auth.secret_ref.name)
+                    .credentials(key.namespace(), &auth.secret_ref.name)
                     .await;
                 match secret_value(read, "CredentialsSecretUnusable")? {
                     Ok(credentials) => Some(credentials),
@@ -579,7 +579,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                 }
                 // Leasable only once *this process* has seen the proxy pass a probe: after a
                 // restart the persisted `healthy` may describe an instance that died meanwhile.
-                let verified = matches!(self.health.verdict(cx.key), HealthVerdict::Passing { .. });
+                let verified = self.health.verdict(cx.key) == HealthVerdict::Passing;
                 self.leases
                     .set_admission(cx.key, phase == Phase::Healthy && verified);
             }

@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use super::*;
 use crate::{
     api::LeasePolicy,
-    lease::{Admission, LeaseStoreConfig, LeaseTarget, ProxyKey},
+    lease::{Admission, LeaseError, LeaseStoreConfig, LeaseTarget, ProxyKey},
     provider::{Credentials, Endpoint},
 };
 
@@ -40,7 +40,8 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
                     if i % 2 == 0 { "eu" } else { "us" }.to_owned(),
                 ),
                 ("tier".to_owned(), "dc".to_owned()),
-            ]),
+            ])
+            .into(),
             policy: LeasePolicy {
                 max_concurrent,
                 cooldown_seconds: 0,
@@ -56,8 +57,9 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
     let mut registry = Registry::default();
     let metrics = DiscoveryMetrics::register(&mut registry);
     let (ready, readiness) = watch::channel(Readiness {
-        synced: true,
+        caches_synced: true,
         leader: true,
+        ..Readiness::default()
     });
     let tokens = StaticTokens::parse(&format!("# crawlers\n{TOKEN}\n"));
     let state = DiscoveryState::new(
@@ -346,8 +348,9 @@ async fn readiness_gates_leases_but_not_liveness() {
         StatusCode::OK
     );
     h.ready.send_replace(Readiness {
-        synced: true,
+        caches_synced: true,
         leader: false,
+        ..Readiness::default()
     });
     let r = h.raw("GET", "/readyz", None, Bytes::new()).await;
     assert_eq!(
@@ -361,8 +364,9 @@ async fn readiness_gates_leases_but_not_liveness() {
     );
     assert_eq!(a.headers["retry-after"], "1");
     h.ready.send_replace(Readiness {
-        synced: false,
+        caches_synced: false,
         leader: true,
+        ..Readiness::default()
     });
     let r = h.raw("GET", "/readyz", None, Bytes::new()).await;
     assert_eq!(

@@ -10,7 +10,10 @@ use utoipa::{
     openapi::{ObjectBuilder, Type, schema::Object},
 };
 
-use crate::lease::{Availability, Outcome, ProxyInfo, ProxyView, rfc3339};
+use crate::{
+    api::Attributes,
+    lease::{Availability, Outcome, ProxyInfo, ProxyView, rfc3339},
+};
 
 /// Longest lease TTL a request may ask for (the proxy's `maxTtlSeconds` caps it further).
 pub const MAX_TTL_SECONDS: u64 = 86_400;
@@ -156,7 +159,8 @@ pub struct ProxyJson<'a> {
     /// `host:port`.
     pub endpoint: &'a str,
     /// Attributes.
-    pub attributes: &'a BTreeMap<String, String>,
+    #[schema(value_type = BTreeMap<String, String>)]
+    pub attributes: &'a Attributes,
     /// In listings: how it stands.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub availability: Option<Availability>,
@@ -409,7 +413,6 @@ impl ReleaseResponse {
 
 #[cfg(test)]
 mod fast_json_tests {
-    use std::collections::BTreeMap;
 
     use super::*;
     use crate::{
@@ -428,7 +431,7 @@ mod fast_json_tests {
             attributes: attributes
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect::<BTreeMap<_, _>>(),
+                .collect(),
             policy: LeasePolicy {
                 max_concurrent: 1,
                 cooldown_seconds: 0,

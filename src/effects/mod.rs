@@ -11,26 +11,19 @@
 
 use async_trait::async_trait;
 
+// The key, the health verdict, the lease target and the drain status are the API's, the health
+// engine's and the lease store's own types, re-exported because the executors' interfaces speak
+// in them (the verdict under a name that says whose it is).
+pub use crate::{
+    api::ProxyKey,
+    health::Verdict as HealthVerdict,
+    lease::{DrainStatus, LeaseTarget},
+};
 use crate::{
-    api::{HealthCheck, LeasePolicy, Proxy, ProxyStatus, SecretKeyRef},
+    api::{HealthCheck, Proxy, ProxyStatus, SecretKeyRef},
     machine::AuditEntry,
     provider::{Credentials, Endpoint, UserData},
 };
-
-/// Identifies a Proxy: `namespace/name`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ProxyKey {
-    /// Namespace (standalone mode uses the manifest's, or `default`).
-    pub namespace: String,
-    /// Name.
-    pub name: String,
-}
-
-impl std::fmt::Display for ProxyKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
 
 /// Why a referenced Secret can't be used: a user error reported on the Proxy.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -76,33 +69,6 @@ pub trait ProxyBackend: Send + Sync {
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError>;
 }
 
-/// Whether a drain is complete.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DrainStatus {
-    /// No lease remains.
-    Drained,
-    /// Leases remain; they are no longer renewed and expire.
-    Pending {
-        /// How many.
-        active: u32,
-    },
-}
-
-/// What the lease store needs to know about a proxy.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LeaseTarget {
-    /// The proxy.
-    pub key: ProxyKey,
-    /// Where crawlers connect.
-    pub endpoint: Endpoint,
-    /// Attributes crawlers select by.
-    pub attributes: std::collections::BTreeMap<String, String>,
-    /// Limits.
-    pub policy: LeasePolicy,
-    /// Credentials handed to lease holders.
-    pub credentials: Option<Credentials>,
-}
-
 /// The lease executor's interface.
 pub trait LeaseControl: Send + Sync {
     /// Registers or updates a proxy (attributes and limits change in place; leases stay).
@@ -112,11 +78,11 @@ pub trait LeaseControl: Send + Sync {
     /// Closes admission and reports whether leases remain.
     fn drain(&self, key: &ProxyKey) -> DrainStatus;
     /// Revokes every lease on the proxy; returns how many.
-    fn revoke_all(&self, key: &ProxyKey) -> u32;
+    fn revoke_all(&self, key: &ProxyKey) -> usize;
     /// Forgets the proxy.
     fn remove(&self, key: &ProxyKey);
     /// Leases held on the proxy.
-    fn active(&self, key: &ProxyKey) -> u32;
+    fn active(&self, key: &ProxyKey) -> usize;
 }
 
 /// What the health engine probes for one proxy.
@@ -130,20 +96,6 @@ pub struct HealthTarget {
     pub check: HealthCheck,
     /// Credentials the proxy requires.
     pub credentials: Option<Credentials>,
-}
-
-/// The health verdict on one proxy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HealthVerdict {
-    /// No threshold crossed yet.
-    Unknown,
-    /// Passing; `after_failing` if it failed before.
-    Passing {
-        /// It had failed before.
-        after_failing: bool,
-    },
-    /// Failing past the threshold.
-    Failing,
 }
 
 /// The health engine's interface.

@@ -127,22 +127,22 @@ pub async fn collect(
         }
         for instance in instances {
             let id = instance.id.to_string();
-            match verdict(provider.installation(), &instance, &live, config, now) {
-                Verdict::Keep => {}
-                Verdict::UnknownOwner => report.unknown_owner.push(id),
-                Verdict::Foreign => {
+            match disposition(provider.installation(), &instance, &live, config, now) {
+                Disposition::Keep => {}
+                Disposition::UnknownOwner => report.unknown_owner.push(id),
+                Disposition::Foreign => {
                     *report.left_alone.entry((name.to_owned(), FOREIGN)).or_insert(0) += 1;
                     report.foreign.push(id);
                 }
-                Verdict::Legacy => {
+                Disposition::Legacy => {
                     *report.left_alone.entry((name.to_owned(), LEGACY)).or_insert(0) += 1;
                     report.legacy.push(id);
                 }
-                Verdict::Adopt if config.dry_run => {
+                Disposition::Adopt if config.dry_run => {
                     info!(instance = %id, "dry run: would adopt legacy-stamped instance");
                     report.adopted.push(id);
                 }
-                Verdict::Adopt => match provider.adopt(&instance.id.native_id).await {
+                Disposition::Adopt => match provider.adopt(&instance.id.native_id).await {
                     Ok(_) => {
                         info!(
                             instance = %id,
@@ -156,12 +156,12 @@ pub async fn collect(
                         warn!(instance = %id, error = %err, "adopting legacy-stamped instance failed")
                     }
                 },
-                Verdict::Young => report.spared_young.push(id),
-                Verdict::Collect if config.dry_run => {
+                Disposition::Young => report.spared_young.push(id),
+                Disposition::Collect if config.dry_run => {
                     info!(instance = %id, "dry run: would delete orphaned instance");
                     report.collected.push(id);
                 }
-                Verdict::Collect => match provider.delete(&instance.id.native_id).await {
+                Disposition::Collect => match provider.delete(&instance.id.native_id).await {
                     Ok(()) => {
                         info!(instance = %id, owner = ?instance.owner, "deleted orphaned instance");
                         report.collected.push(id);
@@ -270,7 +270,8 @@ impl LeftAloneLog {
     }
 }
 
-enum Verdict {
+/// What one sweep does with one provider instance (a GC decision, not a health verdict).
+enum Disposition {
     Keep,
     UnknownOwner,
     Foreign,
@@ -280,37 +281,37 @@ enum Verdict {
     Collect,
 }
 
-fn verdict(
+fn disposition(
     installation: &Installation,
     instance: &Instance,
     live: &HashSet<String>,
     config: &GcConfig,
     now: Timestamp,
-) -> Verdict {
+) -> Disposition {
     let Some(owner) = &instance.owner else {
-        return Verdict::UnknownOwner;
+        return Disposition::UnknownOwner;
     };
     let claim = installation.claim(instance.installation.as_ref());
     if claim == Claim::Foreign {
-        return Verdict::Foreign;
+        return Disposition::Foreign;
     }
     if let Some(namespace) = &config.namespace
         && &owner.namespace != namespace
     {
-        return Verdict::Keep;
+        return Disposition::Keep;
     }
     let live = live.contains(&owner.uid);
     match (claim, live) {
-        (Claim::Legacy, true) => return Verdict::Adopt,
-        (Claim::Legacy, false) => return Verdict::Legacy,
-        (_, true) => return Verdict::Keep,
+        (Claim::Legacy, true) => return Disposition::Adopt,
+        (Claim::Legacy, false) => return Disposition::Legacy,
+        (_, true) => return Disposition::Keep,
         (_, false) => {}
     }
     let age = now.duration_since(instance.created_at);
     if age.is_negative() || age.unsigned_abs() < config.grace {
-        return Verdict::Young;
+        return Disposition::Young;
     }
-    Verdict::Collect
+    Disposition::Collect
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ impl effects::HealthControl for HealthHandle {
         HealthHandle::upsert(
             self,
             HealthTarget {
-                key: (&target.key).into(),
+                key: target.key,
                 endpoint: target.endpoint,
                 url: check.url.clone(),
                 interval: seconds(check.interval_seconds),
@@ -32,20 +32,11 @@ impl effects::HealthControl for HealthHandle {
         );
     }
 
-    fn remove(&self, key: &effects::ProxyKey) {
-        HealthHandle::remove(self, &ProxyKey::from(key));
+    fn remove(&self, key: &ProxyKey) {
+        HealthHandle::remove(self, key);
     }
 
-    fn verdict(&self, key: &effects::ProxyKey) -> effects::HealthVerdict {
-        match self.snapshot(&key.into()) {
-            None => effects::HealthVerdict::Unknown,
-            Some(s) => match s.verdict {
-                Verdict::Unknown => effects::HealthVerdict::Unknown,
-                Verdict::Passing => effects::HealthVerdict::Passing {
-                    after_failing: s.recovered,
-                },
-                Verdict::Failing => effects::HealthVerdict::Failing,
-            },
-        }
+    fn verdict(&self, key: &ProxyKey) -> Verdict {
+        self.snapshot(key).map_or(Verdict::Unknown, |s| s.verdict)
     }
 }

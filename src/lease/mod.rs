@@ -58,7 +58,6 @@ pub mod checkpoint;
 mod clock;
 mod control;
 pub mod journal;
-mod key;
 mod selector;
 mod store;
 pub mod token;
@@ -66,28 +65,28 @@ pub mod token;
 #[cfg(test)]
 mod tests;
 
-use std::{collections::BTreeMap, fmt, sync::Arc, time::Duration};
+use std::{fmt, sync::Arc, time::Duration};
 
+pub use crate::api::{MalformedProxyKey, ProxyKey};
 pub use checkpoint::maintenance;
 pub use clock::{Clock, rfc3339};
-pub use key::{MalformedProxyKey, ProxyKey};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
 pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
 
 use crate::{
-    api::LeasePolicy,
+    api::{Attributes, LeasePolicy},
     provider::{Credentials, Endpoint},
 };
 
 /// A proxy as the controller hands it to the store.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct LeaseTarget {
     /// The Proxy's `namespace/name`.
     pub key: ProxyKey,
     /// Where crawlers reach it.
     pub endpoint: Endpoint,
     /// Attributes crawlers select by.
-    pub attributes: BTreeMap<String, String>,
+    pub attributes: Attributes,
     /// Limits, cooldown and longest TTL.
     pub policy: LeasePolicy,
     /// Credentials crawlers must send to the proxy; handed to lease holders in the proxy URL.
@@ -199,7 +198,7 @@ pub struct ProxyInfo {
     /// `host:port`.
     pub endpoint_text: String,
     /// Its attributes.
-    pub attributes: BTreeMap<String, String>,
+    pub attributes: Attributes,
     url_with_credentials: String,
     url: String,
     /// Its JSON as every lease answer shows it, rendered by the discovery API on first use

@@ -7,6 +7,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::api::Attributes;
+
 /// Longest selector accepted, in bytes.
 pub const MAX_SELECTOR_LEN: usize = 2048;
 /// Most terms a selector may have.
@@ -142,7 +144,7 @@ impl Interner {
     }
 
     /// Sorted pair ids of an attribute map, allocating new ones.
-    pub(crate) fn intern_all(&mut self, attributes: &BTreeMap<String, String>) -> Vec<u32> {
+    pub(crate) fn intern_all(&mut self, attributes: &Attributes) -> Vec<u32> {
         let mut ids: Vec<u32> = attributes.iter().map(|(k, v)| self.intern(k, v)).collect();
         ids.sort_unstable();
         ids

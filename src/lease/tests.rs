@@ -788,10 +788,7 @@ fn proxy_urls_carry_credentials_only_where_asked() {
 fn the_lease_executor_interface_drives_the_store() {
     use crate::effects::{self, LeaseControl};
     let (store, _) = store(2);
-    let key = effects::ProxyKey {
-        namespace: "crawl".into(),
-        name: "a".into(),
-    };
+    let key = effects::ProxyKey::new("crawl", "a");
     let control: &dyn LeaseControl = &store;
     control.upsert(effects::LeaseTarget {
         key: key.clone(),
@@ -799,7 +796,7 @@ fn the_lease_executor_interface_drives_the_store() {
             host: "127.0.0.1".into(),
             port: 3128,
         },
-        attributes: BTreeMap::from([("region".to_owned(), "eu".to_owned())]),
+        attributes: BTreeMap::from([("region".to_owned(), "eu".to_owned())]).into(),
         policy: LeasePolicy {
             max_concurrent: 2,
             cooldown_seconds: 0,

@@ -7,7 +7,7 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Mutex},
 };
 
 type LockMap = Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>;
@@ -63,11 +63,9 @@ impl Drop for NameGuard {
     }
 }
 
-/// Locks a std mutex, continuing past poisoning: every critical section in the providers
-/// leaves the data consistent (single inserts, removes and counter updates).
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+// Every critical section in the providers leaves the data consistent (single inserts, removes
+// and counter updates), so poisoning is ignored: the crate's one poison-tolerant lock.
+pub(crate) use crate::sync::lock;
 
 #[cfg(test)]
 mod tests {

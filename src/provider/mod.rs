@@ -22,13 +22,21 @@
 //!   orphan GC adopts it ([`Provider::adopt`]).
 
 pub mod kubernetes;
-pub mod kvm;
-pub mod kvm2;
 pub mod libvirt;
 pub mod local;
 pub mod locks;
 pub mod memory;
 mod registry;
+
+/// The `kvm` provider type: libvirt VMs through `virsh` ([`libvirt::virsh`]).
+pub mod kvm {
+    pub use super::libvirt::virsh::{KvmProvider, PROVIDER_TYPE, VirshError};
+}
+
+/// The `kvm2` provider type: libvirt VMs through libvirt's API ([`libvirt::native`]).
+pub mod kvm2 {
+    pub use super::libvirt::native::{Kvm2Provider, PROVIDER_TYPE};
+}
 
 use std::{fmt, str::FromStr, sync::Arc};
 

@@ -71,10 +71,7 @@ impl StandaloneBackend {
 }
 
 fn key_of(proxy: &Proxy) -> ProxyKey {
-    ProxyKey {
-        namespace: proxy.namespace().unwrap_or_default(),
-        name: proxy.name_any(),
-    }
+    ProxyKey::new(&proxy.namespace().unwrap_or_default(), &proxy.name_any())
 }
 
 #[async_trait]

@@ -109,7 +109,7 @@ pub fn scan(dir: &Path, checker: &Checker) -> Desired {
                     // `check` passed, so the spec deserializes; defaults come from serde.
                     if let Ok(spec) = serde_json::from_value::<ProxySpec>(spec_json.clone()) {
                         desired.proxies.insert(
-                            ProxyKey { namespace, name },
+                            ProxyKey::new(&namespace, &name),
                             DesiredProxy {
                                 spec,
                                 spec_json,

@@ -142,8 +142,9 @@ pub async fn run_standalone(
     let stop = StopSignal::default();
     // One process, always ready: nothing to sync and no one to lead.
     let (_ready, readiness) = watch::channel(Readiness {
-        synced: true,
+        caches_synced: true,
         leader: true,
+        ..Readiness::default()
     });
     let adapters = CoreAdapters {
         providers: providers.clone(),

@@ -259,7 +259,7 @@ impl Standalone {
         // A Secret's new content is part of its Proxies' spec hash: reconcile them now, as the
         // cluster's Secret watch does, not at the next resync.
         for (key, record) in records.iter() {
-            if references_any(&record.spec, &key.namespace, &rotated) {
+            if references_any(&record.spec, key.namespace(), &rotated) {
                 self.due.insert(key.clone(), Instant::now());
             }
         }
@@ -406,8 +406,8 @@ pub fn proxy_of(key: &ProxyKey, record: &ProxyRecord) -> Option<Proxy> {
     };
     Some(Proxy {
         metadata: ObjectMeta {
-            name: Some(key.name.clone()),
-            namespace: Some(key.namespace.clone()),
+            name: Some(key.name().to_owned()),
+            namespace: Some(key.namespace().to_owned()),
             uid: Some(record.uid.clone()),
             generation: Some(record.generation),
             creation_timestamp: Some(Time(record.created)),

@@ -36,8 +36,8 @@ pub fn render_table(
             phase.push_str(" (deleting)");
         }
         rows.push([
-            key.namespace.clone(),
-            key.name.clone(),
+            key.namespace().to_owned(),
+            key.name().to_owned(),
             phase,
             provider,
             status.endpoint.unwrap_or_else(|| "-".to_owned()),

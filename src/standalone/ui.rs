@@ -32,8 +32,8 @@ impl ProxySource for StoreSource {
             .map(|(key, record)| {
                 let provider = record.provider().unwrap_or("-");
                 ProxyState::from_status(
-                    &key.namespace,
-                    &key.name,
+                    key.namespace(),
+                    key.name(),
                     provider,
                     record.status.as_ref(),
                     record.deleting,
@@ -44,10 +44,7 @@ impl ProxySource for StoreSource {
     }
 
     fn audit(&self, namespace: &str, name: &str, n: usize) -> Vec<AuditRow> {
-        let key = ProxyKey {
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-        };
+        let key = ProxyKey::new(namespace, name);
         // An unreadable trail shows as empty; the page still renders the rest.
         let lines = self
             .store()

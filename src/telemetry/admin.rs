@@ -21,7 +21,7 @@ use tracing::{debug, warn};
 
 use crate::ui::StatusPage;
 
-/// What `/readyz` reports.
+/// What `/readyz` reports, on the admin port and (caches and leadership only) on the discovery API.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Readiness {
     /// The informer caches have synced.

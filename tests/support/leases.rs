@@ -30,7 +30,7 @@ pub fn filled_store(leases: usize) -> (LeaseStore, Vec<Held>) {
                 host: format!("10.0.{}.{}", i / 250, i % 250),
                 port: 3128,
             },
-            attributes: BTreeMap::from([("region".to_owned(), "eu".to_owned())]),
+            attributes: BTreeMap::from([("region".to_owned(), "eu".to_owned())]).into(),
             policy: LeasePolicy {
                 max_concurrent: LEASES_PER_PROXY as i32,
                 cooldown_seconds: 0,

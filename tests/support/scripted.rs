@@ -14,10 +14,7 @@ use egress_proxies_operator::effects::{
 };
 
 pub fn key(namespace: &str, name: &str) -> ProxyKey {
-    ProxyKey {
-        namespace: namespace.to_owned(),
-        name: name.to_owned(),
-    }
+    ProxyKey::new(namespace, name)
 }
 
 /// Health verdicts set by the test.
@@ -73,8 +70,8 @@ pub struct ScriptedLeases {
 pub struct LeaseEntry {
     pub target: Option<LeaseTarget>,
     pub open: bool,
-    pub active: u32,
-    pub revoked: u32,
+    pub active: usize,
+    pub revoked: usize,
 }
 
 impl ScriptedLeases {
@@ -82,7 +79,7 @@ impl ScriptedLeases {
         Arc::default()
     }
 
-    pub fn set_active(&self, key: &ProxyKey, active: u32) {
+    pub fn set_active(&self, key: &ProxyKey, active: usize) {
         self.state.lock().unwrap().entry(key.clone()).or_default().active = active;
     }
 
@@ -111,7 +108,7 @@ impl LeaseControl for ScriptedLeases {
         }
     }
 
-    fn revoke_all(&self, key: &ProxyKey) -> u32 {
+    fn revoke_all(&self, key: &ProxyKey) -> usize {
         let mut state = self.state.lock().unwrap();
         let entry = state.entry(key.clone()).or_default();
         let revoked = entry.active;
@@ -124,7 +121,7 @@ impl LeaseControl for ScriptedLeases {
         self.state.lock().unwrap().remove(key);
     }
 
-    fn active(&self, key: &ProxyKey) -> u32 {
+    fn active(&self, key: &ProxyKey) -> usize {
         self.state.lock().unwrap().get(key).map_or(0, |e| e.active)
     }
 }

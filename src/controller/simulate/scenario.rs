@@ -80,7 +80,7 @@ pub struct Start {
     pub phase: Option<String>,
     /// Active leases at the start.
     #[serde(default)]
-    pub leases: u32,
+    pub leases: usize,
 }
 
 /// One step.
@@ -109,7 +109,7 @@ pub struct WorldChange {
     /// `up` or `down`.
     pub provider: Option<String>,
     /// Active leases from now on.
-    pub leases: Option<u32>,
+    pub leases: Option<usize>,
     /// A new spec (its label stands for its hash): the placement, cloud-init or port changed.
     pub spec: Option<String>,
     /// The spec cannot be realised (the text says why); an empty text: it can again.

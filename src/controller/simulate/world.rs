@@ -46,7 +46,7 @@ struct WorldState {
     credentials_in_place: bool,
     credentials: String,
     health: HealthVerdict,
-    leases: u32,
+    leases: usize,
     provider_down: bool,
     /// This step's reconcile dies before its status write.
     crashing: bool,
@@ -99,14 +99,14 @@ impl World {
 
     /// A scenario that starts in `phase`: its leases, its instance (built from `spec_hash`, running)
     /// and the health verdict that phase implies.
-    pub(super) fn start_in(&self, phase: Phase, leases: u32, spec_hash: Option<String>) {
+    pub(super) fn start_in(&self, phase: Phase, leases: usize, spec_hash: Option<String>) {
         let mut w = self.lock();
         w.leases = leases;
         if let Some(spec) = spec_hash {
             w.instance = Some(SimInstance { spec, running: true });
         }
         match phase {
-            Phase::Healthy => w.health = HealthVerdict::Passing { after_failing: false },
+            Phase::Healthy => w.health = HealthVerdict::Passing,
             Phase::Degraded => w.health = HealthVerdict::Failing,
             _ => {}
         }
@@ -137,9 +137,7 @@ impl World {
         let change = &step.world;
         if let Some(health) = &change.health {
             w.health = match health.as_str() {
-                "passing" => HealthVerdict::Passing {
-                    after_failing: w.health == HealthVerdict::Failing,
-                },
+                "passing" => HealthVerdict::Passing,
                 "failing" => HealthVerdict::Failing,
                 _ => HealthVerdict::Unknown,
             };
@@ -202,10 +200,7 @@ impl World {
                 } else {
                     Phase::Healthy
                 };
-                let key = ProxyKey {
-                    namespace: "sim".to_owned(),
-                    name: format!("peer-{i}"),
-                };
+                let key = ProxyKey::new("sim", &format!("peer-{i}"));
                 (key, phase)
             });
             for (key, phase) in others {
@@ -418,11 +413,11 @@ impl LeaseControl for SimLeases {
             active => DrainStatus::Pending { active },
         }
     }
-    fn revoke_all(&self, _: &ProxyKey) -> u32 {
+    fn revoke_all(&self, _: &ProxyKey) -> usize {
         std::mem::take(&mut self.0.lock().leases)
     }
     fn remove(&self, _: &ProxyKey) {}
-    fn active(&self, _: &ProxyKey) -> u32 {
+    fn active(&self, _: &ProxyKey) -> usize {
         self.0.lock().leases
     }
 }

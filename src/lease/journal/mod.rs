@@ -42,7 +42,7 @@ use std::{
     collections::VecDeque,
     path::{Path, PathBuf},
     sync::{
-        Arc, Condvar, Mutex, MutexGuard,
+        Arc, Condvar, Mutex,
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
@@ -59,6 +59,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use super::{ProxyKey, checkpoint::BanCheckpoint};
+use crate::sync::lock;
 
 /// One lease operation as the journal keeps it: what changed in the store, enough to redo it
 /// on a snapshot. Holds no secrets (no lease IDs, no credentials).
@@ -325,11 +326,6 @@ struct Shared {
     segment_bytes: AtomicU64,
     last_error: Mutex<Option<String>>,
     last_durable: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic elsewhere while holding it leaves plain data; keep going.
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The journal's writer handle; cheap to clone. Dropping the last clone does not stop the

@@ -16,8 +16,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::sync::lock;
+
 use super::{
-    Item, JournalConfig, JournalError, JournalMetrics, Shared, Waiter, lock,
+    Item, JournalConfig, JournalError, JournalMetrics, Shared, Waiter,
     segment::{self, Segment},
 };
 

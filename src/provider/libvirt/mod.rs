@@ -1,17 +1,23 @@
-//! What the two libvirt providers share: the domain they define, the owner stamp in its
-//! `<metadata>`, the names of its volumes and the cloud-init seed it boots with.
+//! The libvirt providers: `kvm` and `kvm2` are one provisioning algorithm ([`driver`]) over
+//! two access paths, [`virsh`] (the `virsh` command line, type `kvm`) and [`native`]
+//! (libvirt's API through the `virt` crate, type `kvm2`).
 //!
-//! `kvm2` (libvirt API) and `kvm` (`virsh` command line) are separate implementations of the
-//! backend calls, but they describe a proxy's VM the same way, so a guest image built for one
-//! boots under the other. What keeps them apart is the metadata namespace each stamps its
-//! domains with ([`KVM2_NAMESPACE`], [`KVM_NAMESPACE`]) and the provider type in every volume
-//! name: neither sees, adopts or deletes the other's domains or volumes.
+//! This file owns what the domain looks like: its definition, the owner stamp in its
+//! `<metadata>`, the names of its volumes, its host forward; [`seed`] owns the cloud-init seed
+//! it boots with and `steps.rs` the small decisions the driver takes. Both types describe
+//! a proxy's VM the same way, so a guest image built for one boots under the other. What keeps
+//! them apart is the metadata namespace each stamps its domains with ([`KVM2_NAMESPACE`],
+//! [`KVM_NAMESPACE`]) and the provider type in every volume name: neither sees, adopts or
+//! deletes the other's domains or volumes.
 
 pub(crate) mod crypt;
+pub mod driver;
+pub mod native;
 pub mod seed;
 mod steps;
 #[cfg(test)]
 mod tests;
+pub mod virsh;
 
 use std::{
     collections::BTreeSet,
@@ -22,7 +28,7 @@ use std::{
 use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
 
 pub use self::steps::{
-    Kind, Lookup, NewDomain, check_create_name, delete_removes, discovery_port, is_foreign,
+    Kind, Lookup, NewDomain, call_timeout, check_create_name, delete_removes, discovery_port, is_foreign,
     needs_existing_stamps, new_domain, seed_error,
 };
 

@@ -1,7 +1,10 @@
-//! The steps of the provisioning algorithm that `kvm` (virsh) and `kvm2` (libvirt API) take
-//! alike, whatever the access path: what a name lookup means, which domains `delete` leaves
-//! alone, what a new domain is made of, when an address is discovered, and how seed failures
-//! are reported. The access paths only run the backend calls between these steps.
+//! The small decisions of the libvirt provisioning algorithm ([`super::driver`]), apart from
+//! the driver so they read (and test) without a backend: what a name lookup means, which
+//! domains `delete` leaves alone, what a new domain is made of, when an address is discovered,
+//! how long a backend call may take and how seed failures are reported. Nothing here calls
+//! libvirt.
+
+use std::time::Duration;
 
 use super::{DomainPlan, Stamp, StampError, VolumeNames, domain_xml, plan_host_forward};
 use crate::{
@@ -88,6 +91,21 @@ pub struct Kind {
     pub provider_type: &'static str,
     /// The provider type's metadata namespace for the owner stamp.
     pub namespace: &'static str,
+}
+
+impl Kind {
+    /// Provider type `provider_type`, stamping in `namespace`.
+    pub const fn new(provider_type: &'static str, namespace: &'static str) -> Self {
+        Self {
+            provider_type,
+            namespace,
+        }
+    }
+}
+
+/// How long one backend call (and the seed build) may take: `timeoutSeconds`, at least 1 s.
+pub fn call_timeout(settings: &KvmSettings) -> Duration {
+    Duration::from_secs(settings.timeout_seconds.max(1))
 }
 
 /// The new domain of provider instance `instance` (with `settings`, for `installation`) for

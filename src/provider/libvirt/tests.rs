@@ -11,7 +11,7 @@ use crate::{
     provider::{Credentials, UserData},
 };
 
-fn settings(network: NetworkSettings, boot: BootSettings) -> KvmSettings {
+pub(super) fn settings(network: NetworkSettings, boot: BootSettings) -> KvmSettings {
     KvmSettings {
         uri: "test:///default".into(),
         pool: "pool & co".into(),

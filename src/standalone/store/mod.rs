@@ -286,16 +286,13 @@ fn read_record(path: &Path) -> Result<Option<ProxyRecord>, StoreError> {
 // Namespaces and names are DNS labels/subdomains, so '_' cannot occur in them and separates
 // the two unambiguously.
 fn file_stem(key: &ProxyKey) -> String {
-    format!("{}_{}", key.namespace, key.name)
+    format!("{}_{}", key.namespace(), key.name())
 }
 
 fn key_from_file(file: &str) -> Option<ProxyKey> {
     let stem = file.strip_suffix(".json")?;
     let (namespace, name) = stem.split_once('_')?;
-    Some(ProxyKey {
-        namespace: namespace.to_owned(),
-        name: name.to_owned(),
-    })
+    Some(ProxyKey::new(namespace, name))
 }
 
 fn record_path(dir: &Path, key: &ProxyKey) -> PathBuf {
@@ -311,10 +308,7 @@ mod tests {
     use super::*;
 
     fn key() -> ProxyKey {
-        ProxyKey {
-            namespace: "default".into(),
-            name: "web-1".into(),
-        }
+        ProxyKey::new("default", "web-1")
     }
 
     #[test]

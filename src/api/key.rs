@@ -1,10 +1,12 @@
-//! [`ProxyKey`]: the name of one Proxy (`namespace/name`) shared by the lease store, the health
-//! engine, the discovery API and the controller.
+//! [`ProxyKey`]: the name of one Proxy (`namespace/name`), the one key type of the controller,
+//! both modes' stores, the lease store, the health engine and the discovery API.
 
-use std::{fmt, str::FromStr, sync::Arc};
+use std::{cmp::Ordering, fmt, str::FromStr, sync::Arc};
 
-/// A Proxy's `namespace/name`. Cheap to clone and hash (one shared string).
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A Proxy's `namespace/name`. Cheap to clone and hash (one shared string). Ordered by
+/// namespace, then name (as `kubectl` lists them; not the joined string's order, in which
+/// `a-b/x` would come before `a/x`).
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct ProxyKey {
     full: Arc<str>,
     /// Byte index of the `/` between namespace and name.
@@ -33,6 +35,18 @@ impl ProxyKey {
     /// `namespace/name`.
     pub fn as_str(&self) -> &str {
         &self.full
+    }
+}
+
+impl Ord for ProxyKey {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.namespace(), self.name()).cmp(&(other.namespace(), other.name()))
+    }
+}
+
+impl PartialOrd for ProxyKey {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
     }
 }
 

@@ -1,0 +1,127 @@
+//! One proxy's state in its shard ([`ProxyState`]) and its leases ([`LeaseRecord`]).
+
+use std::sync::Arc;
+
+use crate::lease::{LeaseTarget, ProxyInfo, ProxyKey};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum AdmissionState {
+    Open,
+    Closed,
+    Draining,
+}
+
+/// A short string kept inline: holder names are short, and this spares an allocation (and a
+/// free) per lease on the hot path.
+#[derive(Clone, Debug)]
+pub(super) enum SmallStr {
+    Inline { len: u8, bytes: [u8; 30] },
+    Heap(Box<str>),
+}
+
+impl SmallStr {
+    #[inline]
+    pub(super) fn new(s: &str) -> Self {
+        if s.len() <= 30 {
+            let mut bytes = [0u8; 30];
+            bytes[..s.len()].copy_from_slice(s.as_bytes());
+            SmallStr::Inline {
+                len: s.len() as u8,
+                bytes,
+            }
+        } else {
+            SmallStr::Heap(s.into())
+        }
+    }
+
+    #[inline]
+    pub(super) fn as_str(&self) -> &str {
+        match self {
+            SmallStr::Inline { len, bytes } => std::str::from_utf8(&bytes[..*len as usize])
+                .expect("inline bytes are copied whole from a str"),
+            SmallStr::Heap(s) => s,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct LeaseRecord {
+    pub(super) first_token: u64,
+    pub(super) token: u64,
+    pub(super) acquired_at: u64,
+    pub(super) expires_at: u64,
+    /// What the holder asked for (capped), the default length of a renewal.
+    pub(super) ttl_ms: u64,
+    pub(super) holder: SmallStr,
+    pub(super) target_domain: Option<Box<str>>,
+    pub(super) session_key: Option<Box<str>>,
+    /// Loaded from a checkpoint and not touched since: the holder may hold a newer token
+    /// (a renewal the checkpoint missed), so a higher presented token is taken as current.
+    pub(super) restored: bool,
+}
+
+#[derive(Debug)]
+pub(super) struct ProxyState {
+    pub(super) key: ProxyKey,
+    /// `None` while only restored from a checkpoint and not configured again yet.
+    pub(super) info: Option<Arc<ProxyInfo>>,
+    pub(super) pairs: Vec<u32>,
+    pub(super) max_concurrent: u32,
+    pub(super) cooldown_ms: u64,
+    pub(super) max_ttl_ms: u64,
+    pub(super) admission: AdmissionState,
+    pub(super) cooling_until: u64,
+    pub(super) bans: Vec<(Box<str>, u64)>,
+    pub(super) leases: Vec<LeaseRecord>,
+    pub(super) linked: bool,
+    /// Leases whose first token is below this were revoked: never reinstated.
+    pub(super) revoked_below: u64,
+    /// For restored, unconfigured entries: dropped by the reaper after this time.
+    pub(super) parked_until: u64,
+    /// When its entry in the shard's expiry heap is due (0: none); never after its earliest
+    /// lease expiry, so [`Shard::settle`] sees every expiry on time.
+    pub(super) check_at: u64,
+}
+
+impl ProxyState {
+    pub(super) fn new(key: ProxyKey) -> Self {
+        Self {
+            key,
+            info: None,
+            pairs: Vec::new(),
+            max_concurrent: 1,
+            cooldown_ms: 0,
+            max_ttl_ms: 3_600_000,
+            admission: AdmissionState::Closed,
+            cooling_until: 0,
+            bans: Vec::new(),
+            leases: Vec::new(),
+            linked: false,
+            revoked_below: 0,
+            parked_until: 0,
+            check_at: 0,
+        }
+    }
+
+    #[inline]
+    pub(super) fn banned_for(&self, domain: Option<&str>, now: u64) -> bool {
+        match domain {
+            None => false,
+            Some(d) => self.bans.iter().any(|(b, until)| *until > now && &**b == d),
+        }
+    }
+
+    #[inline]
+    pub(super) fn eligible(&self, now: u64) -> bool {
+        self.info.is_some()
+            && self.admission == AdmissionState::Open
+            && self.cooling_until <= now
+            && (self.leases.len() as u32) < self.max_concurrent
+    }
+
+    pub(super) fn apply_policy(&mut self, target: &LeaseTarget) {
+        self.max_concurrent = target.policy.max_concurrent.max(1) as u32;
+        self.cooldown_ms = target.policy.cooldown_seconds.max(0) as u64 * 1000;
+        self.max_ttl_ms = target.policy.max_ttl_seconds.max(1) as u64 * 1000;
+    }
+}
