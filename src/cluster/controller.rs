@@ -334,11 +334,7 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
     if let Some(feed) = &context.status_feed {
         feed.record(&proxy, &outcome.audit);
     }
-    context
-        .failures
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&ObjectRef::from_obj(&*proxy));
+    crate::sync::lock(&context.failures).remove(&ObjectRef::from_obj(&*proxy));
     Ok(match outcome.requeue_after {
         // The resync sweep visits it; no timer of its own.
         Some(_) if outcome.resync_only => Action::await_change(),
@@ -354,7 +350,7 @@ fn error_policy(proxy: Arc<Proxy>, error: &ReconcileError, context: Arc<Context>
     if error.category() == "Conflict" {
         return Action::requeue(Duration::from_millis(200));
     }
-    let mut failures = context.failures.lock().unwrap_or_else(|p| p.into_inner());
+    let mut failures = crate::sync::lock(&context.failures);
     let count = failures.entry(key).or_insert(0);
     *count = count.saturating_add(1);
     let delay = error_backoff(*count);

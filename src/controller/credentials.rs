@@ -32,7 +32,7 @@ pub struct CredentialsBook {
 
 impl CredentialsBook {
     fn lock(&self) -> MutexGuard<'_, HashMap<ProxyKey, Applied>> {
-        self.applied.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.applied)
     }
 
     /// The instance of `key` accepts `credentials` (a create or an update gave them).

@@ -46,7 +46,7 @@ pub struct ProviderAvailability {
 impl ProviderAvailability {
     /// Marks `provider` down with `reason`, or up with `None`.
     pub fn set(&self, provider: &str, down_reason: Option<String>) {
-        let mut down = self.down.write().unwrap_or_else(|p| p.into_inner());
+        let mut down = crate::sync::write(&self.down);
         match down_reason {
             Some(reason) => down.insert(provider.to_owned(), reason),
             None => down.remove(provider),
@@ -55,10 +55,6 @@ impl ProviderAvailability {
 
     /// Why `provider` is down, if it is.
     pub fn down_reason(&self, provider: &str) -> Option<String> {
-        self.down
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(provider)
-            .cloned()
+        crate::sync::read(&self.down).get(provider).cloned()
     }
 }

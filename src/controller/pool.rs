@@ -120,7 +120,7 @@ fn in_pool(phase: Phase) -> bool {
 
 impl Pools {
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.inner)
     }
 
     /// Records that `key` (on `provider`) is in `phase`; a deleted Proxy leaves its pool.

@@ -294,7 +294,7 @@ impl ReloadingTokens {
 
     /// The tokens in force now.
     pub fn snapshot(&self) -> Arc<StaticTokens> {
-        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+        crate::sync::read(&self.current).clone()
     }
 }
 
@@ -312,7 +312,7 @@ async fn reload(source: impl TokenSource, current: Weak<RwLock<Arc<StaticTokens>
                     info!(source = %source.describe(), "discovery API tokens readable again");
                     failing = false;
                 }
-                let mut slot = current.write().unwrap_or_else(|e| e.into_inner());
+                let mut slot = crate::sync::write(&current);
                 if **slot != tokens {
                     info!(source = %source.describe(), tokens = tokens.len(), "discovery API tokens reloaded");
                     *slot = Arc::new(tokens);
@@ -331,10 +331,7 @@ async fn reload(source: impl TokenSource, current: Weak<RwLock<Arc<StaticTokens>
 impl Authenticator for ReloadingTokens {
     async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
         // Looked up under the read lock: no clone of the set per request.
-        self.current
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .lookup(token)
+        crate::sync::read(&self.current).lookup(token)
     }
 }
 
@@ -500,7 +497,7 @@ impl Authenticator for TokenReviewAuthenticator {
     async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
         let key = digest(token);
         let now = Instant::now();
-        if let Some((at, answer)) = self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key)
+        if let Some((at, answer)) = crate::sync::lock(&self.cache).get(&key)
             && now.duration_since(*at) < TOKEN_REVIEW_CACHE_TTL
         {
             return answer.clone();
@@ -508,7 +505,7 @@ impl Authenticator for TokenReviewAuthenticator {
         let answer = self.review(token).await;
         // Unavailability is not cached: the next request asks again.
         if !matches!(answer, Err(AuthError::Unavailable(_))) {
-            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let mut cache = crate::sync::lock(&self.cache);
             if cache.len() >= TOKEN_REVIEW_CACHE_MAX {
                 cache.retain(|_, (at, _)| now.duration_since(*at) < TOKEN_REVIEW_CACHE_TTL);
                 if cache.len() >= TOKEN_REVIEW_CACHE_MAX {

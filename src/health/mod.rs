@@ -233,7 +233,7 @@ struct State {
 impl State {
     fn table(&self) -> MutexGuard<'_, Table> {
         // No code path panics while holding the lock with the table half-updated.
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.table)
     }
 }
 

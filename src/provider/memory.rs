@@ -64,9 +64,7 @@ impl MemoryProvider {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Instance>> {
         // A panic while holding the lock leaves a consistent map (every write is one insert or
         // remove), so a poisoned lock is safe to keep using.
-        self.instances
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        crate::sync::lock(&self.instances)
     }
 
     /// Makes every call fail with `Unavailable` until called again with `false`.
@@ -81,7 +79,7 @@ impl MemoryProvider {
 
     /// State new instances start in.
     pub fn start_instances_as(&self, state: InstanceState) {
-        *self.initial_state.lock().unwrap_or_else(|p| p.into_inner()) = state;
+        *crate::sync::lock(&self.initial_state) = state;
     }
 
     /// Sets the state of an existing instance (e.g. to simulate a crash).
@@ -162,11 +160,7 @@ impl Provider for MemoryProvider {
         {
             return Err(ProviderError::Backend("scripted create failure".to_owned()));
         }
-        let state = self
-            .initial_state
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let state = crate::sync::lock(&self.initial_state).clone();
         let instance = Instance {
             id: self.id_for(&request.name),
             owner: Some(request.owner.clone()),

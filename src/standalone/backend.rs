@@ -51,7 +51,7 @@ impl StandaloneBackend {
 
     fn update(&self, proxy: &Proxy, change: impl FnOnce(&mut ProxyRecord)) -> Result<(), BackendError> {
         let key = key_of(proxy);
-        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let mut records = crate::sync::lock(&self.records);
         let record = records
             .get_mut(&key)
             .ok_or_else(|| BackendError::Gone(key.to_string()))?;
@@ -62,9 +62,7 @@ impl StandaloneBackend {
     }
 
     fn secret(&self, namespace: &str, name: &str) -> Option<Secret> {
-        self.secrets
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
+        crate::sync::read(&self.secrets)
             .get(&(namespace.to_owned(), name.to_owned()))
             .cloned()
     }
@@ -105,7 +103,7 @@ impl ProxyBackend for StandaloneBackend {
 
     async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
         let key = key_of(proxy);
-        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let mut records = crate::sync::lock(&self.records);
         let Some(record) = records.get_mut(&key) else {
             return Ok(());
         };

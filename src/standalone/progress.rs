@@ -30,7 +30,7 @@ struct View {
 impl Progress {
     /// Notes a transition.
     pub fn transition(&self, key: &ProxyKey, entry: &AuditEntry) {
-        let mut view = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut view = crate::sync::lock(&self.state);
         view.recent
             .push_back(format!("{key} {} -> {} ({})", entry.from, entry.to, entry.reason));
         while view.recent.len() > RECENT {
@@ -40,26 +40,26 @@ impl Progress {
 
     /// Sets the counts of proxies per phase and of manifest files with problems.
     pub fn set_counts(&self, phases: BTreeMap<String, usize>, invalid_files: usize) {
-        let mut view = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut view = crate::sync::lock(&self.state);
         view.phases = phases;
         view.invalid_files = invalid_files;
     }
 
     /// The summary line.
     pub fn line(&self) -> String {
-        let view = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let view = crate::sync::lock(&self.state);
         render(&view)
     }
 
     /// Never print again: stderr carries JSON log lines only (`--json-logs`), which a plain
     /// text line would break for the programs that parse them.
     pub fn mute(&self) {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).muted = true;
+        crate::sync::lock(&self.state).muted = true;
     }
 
     /// Prints the summary to stderr if it changed since the last print (unless muted).
     pub fn print_if_changed(&self) {
-        let mut view = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut view = crate::sync::lock(&self.state);
         let line = render(&view);
         if line != view.printed && !view.muted {
             // The terminal is a user interface here, not a log: write it directly.

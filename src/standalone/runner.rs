@@ -114,16 +114,10 @@ impl Standalone {
         // The pool budgets count every Proxy from the start, not only the ones reconciled so far.
         reconciler
             .pools()
-            .seed(
-                records
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .iter()
-                    .map(|(key, record)| {
-                        let provider = record.provider().unwrap_or_default().to_owned();
-                        (key.clone(), provider, phase_of(record.status.as_ref()))
-                    }),
-            );
+            .seed(crate::sync::lock(&records).iter().map(|(key, record)| {
+                let provider = record.provider().unwrap_or_default().to_owned();
+                (key.clone(), provider, phase_of(record.status.as_ref()))
+            }));
         Ok(Self {
             manifests: manifests.to_owned(),
             store,
@@ -153,12 +147,7 @@ impl Standalone {
 
     /// Reconcile `key` at the next step.
     pub fn trigger(&mut self, key: ProxyKey) {
-        if self
-            .records
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains_key(&key)
-        {
+        if crate::sync::lock(&self.records).contains_key(&key) {
             self.due.insert(key, Instant::now());
         }
     }
@@ -167,7 +156,7 @@ impl Standalone {
     /// held Proxies provision at once instead of at their next retry).
     pub fn trigger_provider(&mut self, provider: &str) {
         let now = Instant::now();
-        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let records = crate::sync::lock(&self.records);
         for (key, record) in records.iter() {
             if record.provider() == Some(provider) {
                 self.due.insert(key.clone(), now);
@@ -217,11 +206,7 @@ impl Standalone {
         match result {
             Ok(outcome) => {
                 self.failures.remove(key);
-                let gone = !self
-                    .records
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .contains_key(key);
+                let gone = !crate::sync::lock(&self.records).contains_key(key);
                 match (gone, outcome.requeue_after) {
                     (true, _) => {
                         self.due.remove(key);
@@ -249,13 +234,13 @@ impl Standalone {
     /// Merges the folder's desired state into the records, like API writes would.
     fn apply(&mut self, desired: Desired) {
         let rotated = {
-            let mut secrets = self.secrets.write().unwrap_or_else(|p| p.into_inner());
+            let mut secrets = crate::sync::write(&self.secrets);
             let rotated = changed_secrets(&secrets, &desired.secrets);
             *secrets = desired.secrets;
             rotated
         };
         let now = jiff::Timestamp::now();
-        let mut records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let mut records = crate::sync::lock(&self.records);
         // A Secret's new content is part of its Proxies' spec hash: reconcile them now, as the
         // cluster's Secret watch does, not at the next resync.
         for (key, record) in records.iter() {
@@ -319,12 +304,12 @@ impl Standalone {
 
     /// The Proxy object the reconciler sees, as the API server would serve it.
     fn proxy(&self, key: &ProxyKey) -> Option<Proxy> {
-        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let records = crate::sync::lock(&self.records);
         proxy_of(key, records.get(key)?)
     }
 
     fn phase_counts(&self) -> BTreeMap<String, usize> {
-        let records = self.records.lock().unwrap_or_else(|p| p.into_inner());
+        let records = crate::sync::lock(&self.records);
         count_phases(records.values().map(|r| r.status.as_ref()))
     }
 

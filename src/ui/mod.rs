@@ -165,7 +165,7 @@ impl<T> Default for Recent<T> {
 impl<T: Clone> Recent<T> {
     /// Appends `items` to `namespace/name`'s entries, dropping the oldest beyond the limit.
     pub fn push(&self, namespace: &str, name: &str, items: impl IntoIterator<Item = T>) {
-        let mut all = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let mut all = crate::sync::lock(&self.entries);
         let trail = all.entry((namespace.to_owned(), name.to_owned())).or_default();
         for item in items {
             if trail.len() == AUDIT_ENTRIES_SHOWN {
@@ -182,13 +182,13 @@ impl<T: Clone> Recent<T> {
 
     /// Keeps the entries of the Proxies `keep` accepts (by namespace and name).
     pub fn retain(&self, keep: impl Fn(&str, &str) -> bool) {
-        let mut all = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let mut all = crate::sync::lock(&self.entries);
         all.retain(|(namespace, name), _| keep(namespace, name));
     }
 
     /// The last `n` entries of `namespace/name`, oldest first.
     pub fn last(&self, namespace: &str, name: &str, n: usize) -> Vec<T> {
-        let all = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let all = crate::sync::lock(&self.entries);
         all.get(&(namespace.to_owned(), name.to_owned()))
             .map(|trail| {
                 trail

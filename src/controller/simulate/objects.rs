@@ -64,7 +64,7 @@ pub struct InMemory(Arc<Mutex<Option<Proxy>>>);
 
 impl InMemory {
     fn edit(&self, change: impl FnOnce(&mut Proxy)) -> Result<(), BackendError> {
-        let mut object = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut object = crate::sync::lock(&self.0);
         let proxy = object
             .as_mut()
             .ok_or_else(|| BackendError::Gone("proxy".to_owned()))?;
@@ -86,11 +86,11 @@ impl ProxyObjects for InMemory {
         self.clone()
     }
     async fn create(&self, proxy: &Proxy) -> Result<(), BackendError> {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(proxy.clone());
+        *crate::sync::lock(&self.0) = Some(proxy.clone());
         Ok(())
     }
     async fn get(&self) -> Result<Option<Proxy>, BackendError> {
-        Ok(self.0.lock().unwrap_or_else(|p| p.into_inner()).clone())
+        Ok(crate::sync::lock(&self.0).clone())
     }
     async fn edit_spec(&self, spec: &ProxySpec) -> Result<(), BackendError> {
         self.edit(|proxy| {

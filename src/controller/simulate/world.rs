@@ -82,7 +82,7 @@ pub(super) struct World(Mutex<WorldState>);
 
 impl World {
     fn lock(&self) -> MutexGuard<'_, WorldState> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.0)
     }
 
     pub(super) fn now(&self) -> Timestamp {
