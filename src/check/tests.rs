@@ -11,6 +11,13 @@ fn proxy(spec: Value) -> Value {
     })
 }
 
+/// What a checker without a cluster reports about `text`, read as the file `path`.
+fn check(path: &str, text: &str) -> Report {
+    let mut report = Report::default();
+    Checker::new(None).check_text(path, text, &mut report);
+    report
+}
+
 #[test]
 fn defaults_apply_before_cel_rules() {
     let schema = ProxySchema::new();
@@ -88,34 +95,23 @@ fn unknown_fields_are_reported_at_every_level() {
 
 #[test]
 fn a_yaml_syntax_error_is_one_problem_not_a_panic() {
-    let checker = Checker::new(None);
-    let mut report = Report::default();
-    checker.check_text("broken.yaml", "apiVersion: [unclosed\n", &mut report);
+    let report = check("broken.yaml", "apiVersion: [unclosed\n");
     assert_eq!(report.problems.len(), 1);
     assert_eq!(report.problems[0].object, "YAML");
 }
 
 #[test]
 fn other_kinds_are_reported_as_unsupported() {
-    let checker = Checker::new(None);
-    let mut report = Report::default();
-    checker.check_text(
-        "x.yaml",
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: s}\n",
-        &mut report,
-    );
+    let report = check("x.yaml", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: s}\n");
     assert_eq!(report.problems.len(), 1);
     assert_eq!(report.problems[0].object, "v1 ConfigMap");
 }
 
 #[test]
 fn secrets_are_checked_for_what_the_operator_reads() {
-    let checker = Checker::new(None);
-    let mut report = Report::default();
-    checker.check_text(
+    let report = check(
         "s.yaml",
         "apiVersion: v1\nkind: Secret\nmetadata: {name: ok}\nstringData: {user-data: x}\n---\napiVersion: v1\nkind: Secret\nmetadata: {name: bad}\nstringData: {user-data: [1]}\n",
-        &mut report,
     );
     let lines: Vec<String> = report.problems.iter().map(ToString::to_string).collect();
     assert_eq!(

@@ -87,6 +87,11 @@ impl Harness {
         self.raw(method, path, Some(TOKEN), Bytes::from(bytes)).await
     }
 
+    /// GET without a token, as probes and scrapers ask.
+    async fn get_unauthenticated(&self, path: &str) -> Answer {
+        self.raw("GET", path, None, Bytes::new()).await
+    }
+
     async fn raw(&self, method: &str, path: &str, token: Option<&str>, body: Bytes) -> Answer {
         let mut req = Request::builder().method(method).uri(path);
         if let Some(t) = token {
@@ -128,24 +133,17 @@ async fn lease_lifecycle_over_the_router() {
     let id = a.body["leaseId"].as_str().unwrap().to_owned();
     let token = a.body["fencingToken"].as_u64().unwrap();
 
-    let r = h
-        .call(
-            "POST",
-            &format!("/v1/leases/{id}/renew"),
-            Some(json!({"fencingToken": token})),
-        )
-        .await;
+    // The same renewal twice: the first moves the token on, so the second is stale.
+    let renew_with_first_token = async || {
+        let path = format!("/v1/leases/{id}/renew");
+        h.call("POST", &path, Some(json!({"fencingToken": token}))).await
+    };
+    let r = renew_with_first_token().await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     let new_token = r.body["fencingToken"].as_u64().unwrap();
     assert!(new_token > token);
 
-    let stale = h
-        .call(
-            "POST",
-            &format!("/v1/leases/{id}/renew"),
-            Some(json!({"fencingToken": token})),
-        )
-        .await;
+    let stale = renew_with_first_token().await;
     assert_eq!(
         (stale.status, code(&stale)),
         (StatusCode::CONFLICT, "stale_token")
@@ -190,7 +188,7 @@ async fn lease_lifecycle_over_the_router() {
     assert_eq!(list.body["proxies"][0]["availability"], "available");
     assert!(!list.text.contains("pw"), "listings carry no credentials");
 
-    let metrics = h.raw("GET", "/metrics", None, Bytes::new()).await;
+    let metrics = h.get_unauthenticated("/metrics").await;
     assert_eq!(metrics.status, StatusCode::OK);
     assert!(
         metrics.text.contains("epo_discovery_leases_acquired_total 1"),
@@ -343,16 +341,16 @@ async fn documented_error_statuses() {
 #[tokio::test]
 async fn readiness_gates_leases_but_not_liveness() {
     let h = harness(1, 1);
-    assert_eq!(
-        h.raw("GET", "/readyz", None, Bytes::new()).await.status,
-        StatusCode::OK
-    );
-    h.ready.send_replace(Readiness {
-        caches_synced: true,
-        leader: false,
-        ..Readiness::default()
-    });
-    let r = h.raw("GET", "/readyz", None, Bytes::new()).await;
+    assert_eq!(h.get_unauthenticated("/readyz").await.status, StatusCode::OK);
+    let set_readiness = |caches_synced, leader| {
+        h.ready.send_replace(Readiness {
+            caches_synced,
+            leader,
+            ..Readiness::default()
+        })
+    };
+    set_readiness(true, false);
+    let r = h.get_unauthenticated("/readyz").await;
     assert_eq!(
         (r.status, code(&r)),
         (StatusCode::SERVICE_UNAVAILABLE, "not_leader")
@@ -363,20 +361,13 @@ async fn readiness_gates_leases_but_not_liveness() {
         (StatusCode::SERVICE_UNAVAILABLE, "not_leader")
     );
     assert_eq!(a.headers["retry-after"], "1");
-    h.ready.send_replace(Readiness {
-        caches_synced: false,
-        leader: true,
-        ..Readiness::default()
-    });
-    let r = h.raw("GET", "/readyz", None, Bytes::new()).await;
+    set_readiness(false, true);
+    let r = h.get_unauthenticated("/readyz").await;
     assert_eq!(
         (r.status, code(&r)),
         (StatusCode::SERVICE_UNAVAILABLE, "not_ready")
     );
-    assert_eq!(
-        h.raw("GET", "/healthz", None, Bytes::new()).await.status,
-        StatusCode::OK
-    );
+    assert_eq!(h.get_unauthenticated("/healthz").await.status, StatusCode::OK);
 }
 
 struct Forbidding;
@@ -615,10 +606,10 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
     );
     assert!(refused.headers.contains_key("retry-after"));
     // Until it recovers, /readyz says why and lease operations are refused up front.
-    let ready = h.raw("GET", "/readyz", None, Bytes::new()).await;
+    let ready = h.get_unauthenticated("/readyz").await;
     assert_eq!(code(&ready), "journal_unavailable", "{}", ready.text);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while h.raw("GET", "/readyz", None, Bytes::new()).await.status != StatusCode::OK {
+    while h.get_unauthenticated("/readyz").await.status != StatusCode::OK {
         assert!(
             std::time::Instant::now() < deadline,
             "the journal never recovered"

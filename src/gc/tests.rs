@@ -32,6 +32,18 @@ fn created_at_zero() -> Timestamp {
     t(0)
 }
 
+/// The provider "mem" whose instances are all created at `t(0)`.
+fn memory_at_zero() -> MemoryProvider {
+    MemoryProvider::new("mem").with_clock(created_at_zero)
+}
+
+/// A registry holding `provider` alone.
+fn registry_of(provider: &Arc<MemoryProvider>) -> ProviderRegistry {
+    let mut registry = ProviderRegistry::new();
+    registry.insert(provider.clone());
+    registry
+}
+
 async fn instance(provider: &MemoryProvider, uid: &str, namespace: &str) -> String {
     let request = InstanceRequest {
         name: crate::provider::instance_name(namespace, uid, uid),
@@ -59,11 +71,10 @@ fn config(grace_secs: u64) -> GcConfig {
 
 #[tokio::test]
 async fn deletes_true_orphans_only() {
-    let provider = Arc::new(MemoryProvider::new("mem").with_clock(created_at_zero));
+    let provider = Arc::new(memory_at_zero());
     let live = instance(&provider, "live-uid", "crawl").await;
     let orphan = instance(&provider, "gone-uid", "crawl").await;
-    let mut registry = ProviderRegistry::new();
-    registry.insert(provider.clone());
+    let registry = registry_of(&provider);
     let owners = Owners(HashSet::from(["live-uid".to_owned()]));
 
     // Inside the grace period the orphan may be an in-flight create: spared.
@@ -79,14 +90,13 @@ async fn deletes_true_orphans_only() {
 
 #[tokio::test]
 async fn never_touches_unknown_owners_and_respects_dry_run() {
-    let provider = Arc::new(MemoryProvider::new("mem").with_clock(created_at_zero));
+    let provider = Arc::new(memory_at_zero());
     let orphan = instance(&provider, "gone-uid", "crawl").await;
     let mut unowned = provider.get(&orphan).await.expect("exists");
     unowned.owner = None;
     unowned.id.native_id = "foreign".into();
     provider.insert_raw(unowned);
-    let mut registry = ProviderRegistry::new();
-    registry.insert(provider.clone());
+    let registry = registry_of(&provider);
     let owners = Owners(HashSet::new());
 
     let dry = GcConfig {
@@ -109,11 +119,10 @@ async fn never_touches_unknown_owners_and_respects_dry_run() {
 
 #[tokio::test]
 async fn namespace_mode_judges_only_its_own_namespace_and_fails_safe() {
-    let provider = Arc::new(MemoryProvider::new("mem").with_clock(created_at_zero));
+    let provider = Arc::new(memory_at_zero());
     let ours = instance(&provider, "gone-1", "crawl").await;
     let theirs = instance(&provider, "gone-2", "other").await;
-    let mut registry = ProviderRegistry::new();
-    registry.insert(provider.clone());
+    let registry = registry_of(&provider);
     assert!(
         !gc_enabled(Some("crawl"), false),
         "namespace mode disables GC by default"
@@ -154,19 +163,14 @@ async fn stamped(provider: &MemoryProvider, uid: &str, installation: Option<Inst
 
 #[tokio::test]
 async fn acts_only_on_its_own_installation_and_adopts_live_owned_legacy_instances() {
-    let provider = Arc::new(
-        MemoryProvider::new("mem")
-            .with_clock(created_at_zero)
-            .with_installation(prod()),
-    );
+    let provider = Arc::new(memory_at_zero().with_installation(prod()));
     let own_orphan = stamped(&provider, "gone-1", Some(prod())).await;
     let foreign_orphan = stamped(&provider, "gone-2", Some(staging())).await;
     let foreign_same_cluster =
         stamped(&provider, "gone-3", Some(Installation::new("cluster-a", "other"))).await;
     let legacy_live = stamped(&provider, "live-legacy", None).await;
     let legacy_orphan = stamped(&provider, "gone-legacy", None).await;
-    let mut registry = ProviderRegistry::new();
-    registry.insert(provider.clone());
+    let registry = registry_of(&provider);
     let owners = Owners(HashSet::from(["live-legacy".to_owned()]));
     let id = |name: &str| format!("memory/mem/{name}");
 
@@ -251,15 +255,10 @@ async fn acts_only_on_its_own_installation_and_adopts_live_owned_legacy_instance
 
 #[tokio::test]
 async fn each_left_alone_instance_is_logged_once_not_every_pass() {
-    let provider = Arc::new(
-        MemoryProvider::new("mem")
-            .with_clock(created_at_zero)
-            .with_installation(prod()),
-    );
+    let provider = Arc::new(memory_at_zero().with_installation(prod()));
     let foreign = stamped(&provider, "gone-1", Some(staging())).await;
     let legacy = stamped(&provider, "gone-2", None).await;
-    let mut registry = ProviderRegistry::new();
-    registry.insert(provider.clone());
+    let registry = registry_of(&provider);
     let owners = Owners(HashSet::new());
     let mut log = LeftAloneLog::default();
 

@@ -87,6 +87,22 @@ fn name(lease: &Lease) -> &str {
     lease.id.key.name()
 }
 
+/// A store of `shards` shards with one open proxy "a" (no attributes), and the selector that
+/// matches everything.
+fn one_proxy(shards: usize, max: i32, cooldown: i32) -> (LeaseStore, Clock, CompiledSelector) {
+    let (store, clock) = store(shards);
+    add_open(&store, target("a", &[], max, cooldown));
+    let all = sel(&store, "");
+    (store, clock, all)
+}
+
+/// Ends `lease` as a plain success; the tests that need the error call `release` themselves.
+fn release_ok(store: &LeaseStore, lease: &Lease) {
+    store
+        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+        .unwrap();
+}
+
 #[test]
 fn only_open_proxies_are_leased() {
     let (store, _) = store(4);
@@ -157,7 +173,7 @@ fn least_recently_used_first_with_one_shard() {
     assert_eq!((name(&a), name(&b)), ("a", "b"));
     // c was never used; a and b were, a before b.
     assert_eq!(name(&acquire(&store, &all).unwrap()), "c");
-    store.release(&b.id, b.fencing_token, Outcome::Ok, None).unwrap();
+    release_ok(&store, &b);
     // a: used once (oldest), then c, then b (just released).
     assert_eq!(name(&acquire(&store, &all).unwrap()), "a");
     assert_eq!(name(&acquire(&store, &all).unwrap()), "c");
@@ -223,13 +239,9 @@ fn renewal_is_capped_by_max_ttl() {
 
 #[test]
 fn cooldown_after_release() {
-    let (store, clock) = store(1);
-    add_open(&store, target("a", &[], 1, 30));
-    let all = sel(&store, "");
+    let (store, clock, all) = one_proxy(1, 1, 30);
     let lease = acquire(&store, &all).unwrap();
-    store
-        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&store, &lease);
     match acquire(&store, &all) {
         Err(LeaseError::NoProxyAvailable { retry_after }) => assert_eq!(retry_after, Duration::from_secs(30)),
         other => panic!("expected cooldown, got {other:?}"),
@@ -241,9 +253,7 @@ fn cooldown_after_release() {
 
 #[test]
 fn banned_outcome_cools_down_for_that_domain_only() {
-    let (store, clock) = store(1);
-    add_open(&store, target("a", &[], 1, 0));
-    let all = sel(&store, "");
+    let (store, clock, all) = one_proxy(1, 1, 0);
     let lease = acquire_with(&store, &all, Some("Shop.Example."), None).unwrap();
     store
         .release(&lease.id, lease.fencing_token, Outcome::Banned, None)
@@ -253,9 +263,7 @@ fn banned_outcome_cools_down_for_that_domain_only() {
         Err(LeaseError::NoProxyAvailable { .. })
     ));
     let other = acquire_with(&store, &all, Some("news.example"), None).unwrap();
-    store
-        .release(&other.id, other.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&store, &other);
     let none = acquire(&store, &all).unwrap();
     // A ban needs a domain: the lease has none and the release names none.
     assert_eq!(
@@ -285,16 +293,12 @@ fn sticky_sessions_keep_their_proxy_while_eligible() {
     let all = sel(&store, "");
     let first = acquire_with(&store, &all, None, Some("login-42")).unwrap();
     let bound = first.id.key.clone();
-    store
-        .release(&first.id, first.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&store, &first);
     // Its own post-release cooldown does not apply to the session.
     for _ in 0..3 {
         let again = acquire_with(&store, &all, None, Some("login-42")).unwrap();
         assert_eq!(again.id.key, bound);
-        store
-            .release(&again.id, again.fencing_token, Outcome::Ok, None)
-            .unwrap();
+        release_ok(&store, &again);
     }
     // Others do wait for the cooldown.
     let others: Vec<_> = (0..3).map(|_| acquire(&store, &all).unwrap().id.key).collect();
@@ -310,9 +314,7 @@ fn sticky_sessions_keep_their_proxy_while_eligible() {
     add_open(&store, target("e", &[], 1, 60));
     let moved = acquire_with(&store, &all, None, Some("login-42")).unwrap();
     assert_eq!(moved.id.key, spare);
-    store
-        .release(&moved.id, moved.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&store, &moved);
     store.set_admission(&bound, Admission::Open).unwrap();
     assert_eq!(
         acquire_with(&store, &all, None, Some("login-42")).unwrap().id.key,
@@ -354,16 +356,12 @@ fn concurrent_clients_never_exceed_max_concurrent() {
                         let (lease, idx) = held.swap_remove(i % held.len());
                         // Count down before the store frees the slot.
                         in_use[idx].fetch_sub(1, Ordering::SeqCst);
-                        store
-                            .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
-                            .unwrap();
+                        release_ok(&store, &lease);
                     }
                 }
                 for (lease, idx) in held {
                     in_use[idx].fetch_sub(1, Ordering::SeqCst);
-                    store
-                        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
-                        .unwrap();
+                    release_ok(&store, &lease);
                 }
             })
         })
@@ -381,9 +379,7 @@ fn concurrent_clients_never_exceed_max_concurrent() {
 
 #[test]
 fn drain_refuses_renewals_and_reports_completion() {
-    let (store, _) = store(2);
-    add_open(&store, target("a", &[], 2, 0));
-    let all = sel(&store, "");
+    let (store, _, all) = one_proxy(2, 2, 0);
     let l1 = acquire(&store, &all).unwrap();
     assert_eq!(store.drain(&key("a")), DrainStatus::Pending { active: 1 });
     assert!(acquire(&store, &all).is_err());
@@ -391,9 +387,7 @@ fn drain_refuses_renewals_and_reports_completion() {
         store.renew(&l1.id, l1.fencing_token, None),
         Err(LeaseError::Draining)
     );
-    store
-        .release(&l1.id, l1.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&store, &l1);
     assert_eq!(store.drain(&key("a")), DrainStatus::Drained);
     assert_eq!(store.drain(&key("unknown")), DrainStatus::Drained);
     store.set_admission(&key("a"), Admission::Open).unwrap();
@@ -402,9 +396,7 @@ fn drain_refuses_renewals_and_reports_completion() {
 
 #[test]
 fn revoke_and_remove_drop_leases() {
-    let (store, _) = store(2);
-    add_open(&store, target("a", &[], 3, 0));
-    let all = sel(&store, "");
+    let (store, _, all) = one_proxy(2, 3, 0);
     let l1 = acquire(&store, &all).unwrap();
     let _l2 = acquire(&store, &all).unwrap();
     assert_eq!(store.revoke_all(&key("a")), 2);
@@ -425,9 +417,7 @@ fn revoke_and_remove_drop_leases() {
 
 #[test]
 fn expired_leases_are_reaped_and_free_their_slot() {
-    let (store, clock) = store(2);
-    add_open(&store, target("a", &[], 1, 0));
-    let all = sel(&store, "");
+    let (store, clock, all) = one_proxy(2, 1, 0);
     let lease = acquire(&store, &all).unwrap();
     assert!(acquire(&store, &all).is_err());
     clock.advance(Duration::from_secs(61));
@@ -451,9 +441,7 @@ fn upsert_updates_in_place_and_keeps_leases() {
     assert!(acquire(&store, &sel(&store, "region=eu")).is_err());
     let second = acquire(&store, &sel(&store, "region=us")).unwrap();
     assert_eq!(name(&second), "a");
-    store
-        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&store, &lease);
     // A lower limit than the active count stops new leases only.
     store.upsert_proxy(target("a", &[("region", "us")], 1, 0));
     assert_eq!(store.active_leases(&key("a")), 1);
@@ -514,16 +502,12 @@ async fn leases_survive_a_restart_through_the_file_checkpoint() {
     let l4 = acquire(&after, &all).unwrap();
     assert_eq!(name(&l4), "b", "a is full with its two restored leases");
     assert!(acquire(&after, &all).is_err());
-    after
-        .release(&l4.id, l4.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&after, &l4);
     assert!(
         acquire_with(&after, &all, Some("news.example"), None).is_err(),
         "the ban on b survived"
     );
-    after
-        .release(&l2.id, l2.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&after, &l2);
     // The sticky session is still bound to a (which has a free slot again).
     let sticky = acquire_with(&after, &all, None, Some("s1")).unwrap();
     assert_eq!(name(&sticky), "a");
@@ -541,9 +525,7 @@ fn signed_claims_bring_back_leases_the_checkpoint_missed() {
     let all = sel(&leader1, "");
     let known = acquire(&leader1, &all).unwrap();
     let released = acquire(&leader1, &all).unwrap();
-    leader1
-        .release(&released.id, released.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&leader1, &released);
     let cp = leader1.checkpoint();
     // Issued after the checkpoint: the next leader has no record of it.
     let missed = acquire_with(&leader1, &all, Some("shop.example"), None).unwrap();
@@ -614,9 +596,7 @@ fn a_reinstated_claim_is_honoured_once() {
     // A lease issued by this store itself is never "missed".
     leader2.set_admission(&key("a"), Admission::Open).unwrap();
     let own = acquire(&leader2, &sel(&leader2, "")).unwrap();
-    leader2
-        .release(&own.id, own.fencing_token, Outcome::Ok, None)
-        .unwrap();
+    release_ok(&leader2, &own);
     assert_eq!(
         leader2.reinstate(&own.claim("h", None, None), own.fencing_token),
         Err(LeaseError::NotFound)
@@ -834,7 +814,7 @@ fn a_combination_selector_is_indexed_and_keeps_lru_order_among_its_matches() {
     let all = sel(&store, "");
     let a = acquire(&store, &all).unwrap();
     assert_eq!(name(&a), "a");
-    store.release(&a.id, a.fencing_token, Outcome::Ok, None).unwrap();
+    release_ok(&store, &a);
     // Indexed after the proxies exist: its list takes them in their LRU order (c before a).
     let eu_dc = sel(&store, "tier=dc,region=eu");
     assert!(matches!(eu_dc, CompiledSelector::Indexed { .. }), "{eu_dc:?}");
@@ -857,7 +837,7 @@ fn a_combination_selector_is_indexed_and_keeps_lru_order_among_its_matches() {
         Err(LeaseError::NoProxyAvailable { .. })
     ));
     // A proxy whose attributes stop matching leaves it.
-    store.release(&c.id, c.fencing_token, Outcome::Ok, None).unwrap();
+    release_ok(&store, &c);
     add_open(&store, target("c", &[("region", "us"), ("tier", "dc")], 1, 0));
     assert!(matches!(
         acquire(&store, &eu_dc),
@@ -950,9 +930,7 @@ fn acquire_agrees_with_a_plain_lru_model_under_random_operations() {
                 2 => {
                     let Some(m) = model.get_mut(&n) else { continue };
                     let Some(lease) = m.lease.take() else { continue };
-                    store
-                        .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
-                        .unwrap();
+                    release_ok(&store, &lease);
                     if m.open {
                         seq += 1;
                         m.seq = seq;
@@ -1001,9 +979,7 @@ fn acquire_agrees_with_a_plain_lru_model_under_random_operations() {
 /// lease its holder confirms (renews) after the restore is waited for like any other.
 #[test]
 fn unconfirmed_restored_leases_hold_up_a_drain_only_for_the_grace() {
-    let (before, clock) = store(2);
-    add_open(&before, target("a", &[], 3, 0));
-    let all = sel(&before, "");
+    let (before, clock, all) = one_proxy(2, 3, 0);
     let forgotten = acquire(&before, &all).unwrap();
     let renewed_later = acquire(&before, &all).unwrap();
     let cp = before.checkpoint();
@@ -1078,9 +1054,7 @@ fn release_sees(store: &LeaseStore, lease: &Lease, now: u64) -> bool {
 #[test]
 fn every_operation_agrees_on_expiry_at_every_instant_without_the_reaper() {
     for shards in [1, 4] {
-        let (store, _) = store(shards);
-        add_open(&store, target("a", &[], 1, 0));
-        let all = sel(&store, "");
+        let (store, _, all) = one_proxy(shards, 1, 0);
         let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
         let end = lease.expires_at_ms;
         assert_eq!(end, T0 + 10_000);
@@ -1112,9 +1086,7 @@ fn every_operation_agrees_on_expiry_at_every_instant_without_the_reaper() {
 
 #[test]
 fn an_expiry_rests_the_proxy_from_expires_at_like_a_release_then() {
-    let (store, _) = store(1);
-    add_open(&store, target("a", &[], 2, 5));
-    let all = sel(&store, "");
+    let (store, _, all) = one_proxy(1, 2, 5);
     let short = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
     let long = acquire_for(&store, &all, Duration::from_secs(60), T0).unwrap();
     let end = short.expires_at_ms;
@@ -1136,9 +1108,7 @@ fn an_expiry_rests_the_proxy_from_expires_at_like_a_release_then() {
 
 #[test]
 fn an_expiry_long_past_leaves_no_rest() {
-    let (store, _) = store(1);
-    add_open(&store, target("a", &[], 1, 5));
-    let all = sel(&store, "");
+    let (store, _, all) = one_proxy(1, 1, 5);
     let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
     let now = lease.expires_at_ms + 5_000;
     assert_eq!(store.list_at(&all, now)[0].availability, Availability::Available);
@@ -1147,29 +1117,19 @@ fn an_expiry_long_past_leaves_no_rest() {
 
 #[test]
 fn renewals_move_the_expiry_for_every_operation() {
-    let (store, _) = store(1);
-    add_open(&store, target("a", &[], 1, 0));
-    let all = sel(&store, "");
+    let (store, _, all) = one_proxy(1, 1, 0);
     let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
     // Longer, then shorter than the first expiry: the heap entry must follow both ways.
-    let renewed = store
-        .renew_at(
-            &lease.id,
-            lease.fencing_token,
-            Some(Duration::from_secs(30)),
-            T0 + 5_000,
-        )
-        .unwrap();
+    // Renews the one lease (its id never changes) with the token it holds now.
+    let renew = |token: u64, ttl_secs: u64, now: u64| {
+        store
+            .renew_at(&lease.id, token, Some(Duration::from_secs(ttl_secs)), now)
+            .unwrap()
+    };
+    let renewed = renew(lease.fencing_token, 30, T0 + 5_000);
     assert_eq!(renewed.expires_at_ms, T0 + 35_000);
     assert_eq!(store.list_at(&all, T0 + 20_000)[0].active_leases, 1);
-    let renewed = store
-        .renew_at(
-            &lease.id,
-            renewed.fencing_token,
-            Some(Duration::from_secs(1)),
-            T0 + 20_000,
-        )
-        .unwrap();
+    let renewed = renew(renewed.fencing_token, 1, T0 + 20_000);
     assert_eq!(renewed.expires_at_ms, T0 + 21_000);
     assert!(acquire_for(&store, &all, Duration::from_secs(10), T0 + 20_999).is_err());
     assert!(acquire_for(&store, &all, Duration::from_secs(10), T0 + 21_000).is_ok());
@@ -1219,9 +1179,7 @@ fn retry_after_counts_only_the_proxies_the_selector_matches() {
 
 #[test]
 fn a_checkpoint_records_the_rest_a_due_expiry_brings() {
-    let (store, clock) = store(1);
-    add_open(&store, target("a", &[], 1, 30));
-    let all = sel(&store, "");
+    let (store, clock, all) = one_proxy(1, 1, 30);
     let lease = acquire_for(&store, &all, Duration::from_secs(10), T0).unwrap();
     clock.advance(Duration::from_secs(12));
     let cp = store.checkpoint();
@@ -1246,9 +1204,7 @@ fn one_thread_draws_from_every_shard_in_turn() {
                 let lease = acquire(&store, &all).unwrap();
                 per_shard[lease.id.hint.shard as usize] += 1;
                 *per_proxy.entry(name(&lease).to_owned()).or_default() += 1;
-                store
-                    .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
-                    .unwrap();
+                release_ok(&store, &lease);
             }
             (per_shard, per_proxy)
         })

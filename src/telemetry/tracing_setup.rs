@@ -200,24 +200,28 @@ pub fn init(json_logs: bool) -> Result<Telemetry, TracingError> {
             .unwrap_or_default();
         tracing::info!(%endpoint, "exporting traces over OTLP/HTTP (protobuf)");
         // The exporter would note these before logging is up; say it where it is seen.
-        for var in [
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-            "OTEL_EXPORTER_OTLP_PROTOCOL",
-        ] {
-            if let Ok(protocol) = std::env::var(var)
-                && protocol != "http/protobuf"
-            {
-                tracing::warn!(%var, %protocol, "only http/protobuf is supported; using it");
-            }
-        }
-        for var in [
-            "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
-            "OTEL_EXPORTER_OTLP_COMPRESSION",
-        ] {
-            if let Ok(compression) = std::env::var(var)
-                && compression != "none"
-            {
-                tracing::warn!(%var, %compression, "compression is not supported; sending uncompressed");
+        let env = |name: &str| std::env::var(name).ok();
+        let only_one_choice = [
+            (
+                [
+                    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                    "OTEL_EXPORTER_OTLP_PROTOCOL",
+                ],
+                "http/protobuf",
+                "only http/protobuf is supported; using it",
+            ),
+            (
+                [
+                    "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+                    "OTEL_EXPORTER_OTLP_COMPRESSION",
+                ],
+                "none",
+                "compression is not supported; sending uncompressed",
+            ),
+        ];
+        for (names, supported, consequence) in only_one_choice {
+            for (var, value) in unsupported_values(names, supported, env) {
+                tracing::warn!(%var, %value, "{consequence}");
             }
         }
     }
@@ -233,6 +237,23 @@ fn configured_endpoints() -> Vec<String> {
     .into_iter()
     .filter_map(|var| std::env::var(var).ok().filter(|v| !v.trim().is_empty()))
     .collect()
+}
+
+/// Those of the variables `names` that are set to something other than `supported`, with
+/// their values, as `var` reads them.
+fn unsupported_values(
+    names: [&'static str; 2],
+    supported: &str,
+    var: impl Fn(&str) -> Option<String>,
+) -> Vec<(&'static str, String)> {
+    names
+        .into_iter()
+        .filter_map(|name| {
+            var(name)
+                .filter(|value| value != supported)
+                .map(|value| (name, value))
+        })
+        .collect()
 }
 
 /// `message` with the userinfo of `url` (if it has one) replaced by `***`.
@@ -416,6 +437,31 @@ mod tests {
         assert_eq!(settings(&[endpoint, ("OTEL_SDK_DISABLED", "TRUE")]), None);
         assert_eq!(settings(&[endpoint, ("OTEL_TRACES_EXPORTER", "none")]), None);
         assert!(settings(&[endpoint, ("OTEL_SDK_DISABLED", "false")]).is_some());
+    }
+
+    #[test]
+    fn only_set_unsupported_protocol_and_compression_values_are_warned_about() {
+        let vars = HashMap::from([
+            ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "none"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+        ]);
+        let var = |name: &str| vars.get(name).map(|v| (*v).to_owned());
+        let names = [
+            "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+            "OTEL_EXPORTER_OTLP_COMPRESSION",
+        ];
+        assert_eq!(
+            unsupported_values(names, "none", var),
+            [("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip".to_owned())]
+        );
+        let protocols = [
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ];
+        assert!(
+            unsupported_values(protocols, "http/protobuf", var).is_empty(),
+            "unset"
+        );
     }
 
     #[test]

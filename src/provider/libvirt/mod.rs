@@ -410,24 +410,19 @@ pub fn domain_xml(plan: &DomainPlan<'_>) -> String {
          <readonly/>\n    </disk>",
         escape(&plan.volumes.seed)
     );
-    match &settings.network {
-        NetworkSettings::Libvirt { name } => {
-            let _ = writeln!(
-                xml,
-                "    <interface type='network'>\n      <source network='{}'/>\n      \
-                 <model type='virtio'/>\n    </interface>",
-                escape(name)
-            );
-        }
-        NetworkSettings::Bridge { name } => {
-            let _ = writeln!(
-                xml,
-                "    <interface type='bridge'>\n      <source bridge='{}'/>\n      \
-                 <model type='virtio'/>\n    </interface>",
-                escape(name)
-            );
-        }
-        NetworkSettings::User { .. } => {}
+    // libvirt names an interface's type and its source attribute alike: `network`, `bridge`.
+    let interface = match &settings.network {
+        NetworkSettings::Libvirt { name } => Some(("network", name)),
+        NetworkSettings::Bridge { name } => Some(("bridge", name)),
+        NetworkSettings::User { .. } => None,
+    };
+    if let Some((kind, name)) = interface {
+        let _ = writeln!(
+            xml,
+            "    <interface type='{kind}'>\n      <source {kind}='{}'/>\n      \
+             <model type='virtio'/>\n    </interface>",
+            escape(name)
+        );
     }
     match settings.console_log_path(plan.name) {
         Some(log) => {
