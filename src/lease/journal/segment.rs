@@ -147,9 +147,13 @@ pub(super) fn read_segment(
 /// An open segment: records are written at `pos`, over blocks the file has up to `allocated`
 /// (zeros, or a recycled segment's old records), so a sync flushes data only.
 pub(super) struct Segment {
+    /// Open for writing at offsets (never appending: the size must not change under a sync).
     pub(super) file: File,
+    /// For error messages.
     pub(super) path: PathBuf,
+    /// Where the next batch goes: just past the last record (over the end marker).
     pub(super) pos: u64,
+    /// How far the file has blocks: writing below this flushes data only.
     pub(super) allocated: u64,
     /// The next zero-fill's size, once the file's own blocks are used up.
     pub(super) ahead: u64,
