@@ -27,6 +27,36 @@ use crate::lease::{
     rfc3339,
 };
 
+/// What every endpoint that needs a token may answer before it reads the request (documents
+/// the OpenAPI contract; never built).
+#[derive(utoipa::IntoResponses)]
+#[expect(dead_code, reason = "only its OpenAPI responses are used")]
+enum AuthErrors {
+    #[response(status = 401, description = "`unauthorized`")]
+    Unauthorized(ErrorBody),
+    #[response(status = 403, description = "`forbidden`")]
+    Forbidden(ErrorBody),
+}
+
+/// What renew and release may answer about the lease they name, past authentication.
+#[derive(utoipa::IntoResponses)]
+#[expect(dead_code, reason = "only its OpenAPI responses are used")]
+enum LeaseIdErrors {
+    #[response(
+        status = 404,
+        description = "`lease_not_found`: unknown, released, revoked or expired"
+    )]
+    NotFound(ErrorBody),
+    #[response(status = 413, description = "`payload_too_large`")]
+    PayloadTooLarge(ErrorBody),
+    #[response(
+        status = 503,
+        description = "`not_ready`, `not_leader`, `auth_unavailable` or `journal_unavailable` (the operation could not be made durable)",
+        headers(("Retry-After" = u64, description = "Seconds to wait"))
+    )]
+    Unavailable(ErrorBody),
+}
+
 /// Liveness.
 #[utoipa::path(
     get,
@@ -240,8 +270,7 @@ where
     responses(
         (status = 200, description = "The matching proxies and how each stands", body = ListResponse),
         (status = 400, description = "`malformed_request`: bad selector or unknown query parameter", body = ErrorBody),
-        (status = 401, description = "`unauthorized`", body = ErrorBody),
-        (status = 403, description = "`forbidden`", body = ErrorBody),
+        AuthErrors,
         (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds to wait"))),
     ),
@@ -278,8 +307,7 @@ pub(super) fn list(
     responses(
         (status = 201, description = "The lease", body = AcquireResponse),
         (status = 400, description = "`malformed_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`", body = ErrorBody),
-        (status = 403, description = "`forbidden`", body = ErrorBody),
+        AuthErrors,
         (status = 413, description = "`payload_too_large`: body over 16 KiB", body = ErrorBody),
         (status = 503, description = "`no_proxy_available` (nothing eligible now), `not_ready`, `not_leader`, \
             `auth_unavailable` or `journal_unavailable` (the lease could not be made durable)", body = ErrorBody,
@@ -386,13 +414,9 @@ pub(super) fn with_claim<T>(
     responses(
         (status = 200, description = "The new token and expiry", body = RenewResponse),
         (status = 400, description = "`malformed_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`", body = ErrorBody),
-        (status = 403, description = "`forbidden`", body = ErrorBody),
-        (status = 404, description = "`lease_not_found`: unknown, released, revoked or expired", body = ErrorBody),
+        AuthErrors,
         (status = 409, description = "`stale_token` or `proxy_draining`", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 503, description = "`not_ready`, `not_leader`, `auth_unavailable` or `journal_unavailable` (the operation could not be made durable)", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        LeaseIdErrors,
     ),
     security(("bearer" = [])),
 )]
@@ -444,13 +468,9 @@ pub(super) async fn renew(
     responses(
         (status = 200, description = "Released", body = ReleaseResponse),
         (status = 400, description = "`malformed_request` or `target_domain_required`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`", body = ErrorBody),
-        (status = 403, description = "`forbidden`", body = ErrorBody),
-        (status = 404, description = "`lease_not_found`: unknown, released, revoked or expired", body = ErrorBody),
+        AuthErrors,
         (status = 409, description = "`stale_token`", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 503, description = "`not_ready`, `not_leader`, `auth_unavailable` or `journal_unavailable` (the operation could not be made durable)", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        LeaseIdErrors,
     ),
     security(("bearer" = [])),
 )]
