@@ -81,15 +81,7 @@ impl Embedded {
 
     /// Changes the record as the runner's merge of the manifests folder does.
     fn edit(&self, change: impl FnOnce(&mut ProxyRecord)) -> Result<(), BackendError> {
-        let key = self.key();
-        let mut records = self.records.lock().unwrap();
-        let record = records
-            .get_mut(&key)
-            .ok_or_else(|| BackendError::Gone(key.to_string()))?;
-        change(record);
-        self.store
-            .save(&key, record)
-            .map_err(|e| BackendError::Other(e.to_string()))
+        self.backend().edit(&self.key(), change)
     }
 }
 

@@ -49,16 +49,20 @@ impl StandaloneBackend {
         }
     }
 
-    fn update(&self, proxy: &Proxy, change: impl FnOnce(&mut ProxyRecord)) -> Result<(), BackendError> {
-        let key = key_of(proxy);
+    /// Changes the record of `key` and saves it; `Gone` if there is none.
+    pub fn edit(&self, key: &ProxyKey, change: impl FnOnce(&mut ProxyRecord)) -> Result<(), BackendError> {
         let mut records = crate::sync::lock(&self.records);
         let record = records
-            .get_mut(&key)
+            .get_mut(key)
             .ok_or_else(|| BackendError::Gone(key.to_string()))?;
         change(record);
         self.store
-            .save(&key, record)
+            .save(key, record)
             .map_err(|e| BackendError::Other(e.to_string()))
+    }
+
+    fn update(&self, proxy: &Proxy, change: impl FnOnce(&mut ProxyRecord)) -> Result<(), BackendError> {
+        self.edit(&key_of(proxy), change)
     }
 
     fn secret(&self, namespace: &str, name: &str) -> Option<Secret> {
