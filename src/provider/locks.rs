@@ -10,6 +10,8 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use crate::sync::lock;
+
 type LockMap = Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>;
 
 /// One async lock per instance name, dropped from the map when nobody holds or waits for it.
@@ -62,10 +64,6 @@ impl Drop for NameGuard {
         }
     }
 }
-
-// Every critical section in the providers leaves the data consistent (single inserts, removes
-// and counter updates), so poisoning is ignored: the crate's one poison-tolerant lock.
-pub(crate) use crate::sync::lock;
 
 #[cfg(test)]
 mod tests {

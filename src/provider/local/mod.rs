@@ -54,10 +54,12 @@ use self::{
 };
 use super::{
     Credentials, CredentialsUpdate, Installation, Instance, InstanceRequest, InstanceState, ProbeReport,
-    Provider, ProviderError,
-    locks::{NameLocks, lock},
+    Provider, ProviderError, locks::NameLocks,
 };
-use crate::config::{LocalSettings, is_dns_label};
+use crate::{
+    config::{LocalSettings, is_dns_label},
+    sync::lock,
+};
 
 /// The provider type's name in the providers config.
 pub const PROVIDER_TYPE: &str = "local";

@@ -14,7 +14,7 @@ use super::{
     state::{self, InstanceDir, OwnerRecord, ProcessRecord, TRASH_PREFIX},
     table::{listen_of, remove_folder},
 };
-use crate::provider::{ProviderError, locks::lock};
+use crate::{provider::ProviderError, sync::lock};
 
 /// How often the supervisor looks for dead Squids.
 pub const SUPERVISE_INTERVAL: Duration = Duration::from_secs(2);
