@@ -294,14 +294,12 @@ pub async fn compaction(
                 Err(error) => tracing::warn!(%error, "saving the lease checkpoint failed; retrying"),
             }
         }
-        if !last {
-            prepare_spare_if_missing(&dir).await;
-        }
         if last {
             // Joins the writer thread: off the async workers.
             let _ = tokio::task::spawn_blocking(move || journal.close()).await;
             return;
         }
+        prepare_spare_if_missing(&dir).await;
     }
 }
 
