@@ -71,13 +71,18 @@ pub(super) fn segments(dir: &Path) -> Vec<(u64, PathBuf)> {
 
 pub(super) fn encode_frame(out: &mut Vec<u8>, seq: u64, payload: &[u8]) {
     let seq = seq.to_le_bytes();
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&seq);
-    crc.update(payload);
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&crc.finalize().to_le_bytes());
+    out.extend_from_slice(&frame_crc(&seq, payload).to_le_bytes());
     out.extend_from_slice(&seq);
     out.extend_from_slice(payload);
+}
+
+/// CRC-32 (IEEE) of a frame's sequence number and payload.
+fn frame_crc(seq: &[u8; 8], payload: &[u8]) -> u32 {
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(seq);
+    crc.update(payload);
+    crc.finalize()
 }
 
 /// What reading a segment found after its last record.
@@ -123,10 +128,7 @@ pub(super) fn read_segment(
         else {
             return Ok((out, SegmentEnd::Torn));
         };
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&seq_bytes);
-        hasher.update(payload);
-        if hasher.finalize() != crc {
+        if frame_crc(&seq_bytes, payload) != crc {
             return Ok((out, SegmentEnd::Torn));
         }
         let seq = u64::from_le_bytes(seq_bytes);
