@@ -82,6 +82,17 @@ pub struct ProxySpec {
     pub auth: Option<ProxyAuth>,
 }
 
+impl Proxy {
+    /// The Proxy's `namespace/name` key (an object without a namespace, which the API server
+    /// never serves for this namespaced kind, keys under the empty namespace).
+    pub fn key(&self) -> super::ProxyKey {
+        super::ProxyKey::new(
+            self.metadata.namespace.as_deref().unwrap_or_default(),
+            self.metadata.name.as_deref().unwrap_or_default(),
+        )
+    }
+}
+
 fn default_port() -> i32 {
     3128
 }

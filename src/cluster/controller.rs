@@ -311,11 +311,7 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
             .pools()
             .seed(context.proxies.state().iter().map(|p| {
                 let phase = crate::controller::status::phase_of(p.status.as_ref());
-                (
-                    ProxyKey::new(&p.namespace().unwrap_or_default(), &p.name_any()),
-                    p.spec.provider.clone(),
-                    phase,
-                )
+                (p.key(), p.spec.provider.clone(), phase)
             }));
     }
     let started = std::time::Instant::now();

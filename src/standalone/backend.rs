@@ -62,7 +62,7 @@ impl StandaloneBackend {
     }
 
     fn update(&self, proxy: &Proxy, change: impl FnOnce(&mut ProxyRecord)) -> Result<(), BackendError> {
-        self.edit(&key_of(proxy), change)
+        self.edit(&proxy.key(), change)
     }
 
     fn secret(&self, namespace: &str, name: &str) -> Option<Secret> {
@@ -70,10 +70,6 @@ impl StandaloneBackend {
             .get(&(namespace.to_owned(), name.to_owned()))
             .cloned()
     }
-}
-
-fn key_of(proxy: &Proxy) -> ProxyKey {
-    ProxyKey::new(&proxy.namespace().unwrap_or_default(), &proxy.name_any())
 }
 
 #[async_trait]
@@ -106,7 +102,7 @@ impl ProxyBackend for StandaloneBackend {
     }
 
     async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
-        let key = key_of(proxy);
+        let key = proxy.key();
         let mut records = crate::sync::lock(&self.records);
         let Some(record) = records.get_mut(&key) else {
             return Ok(());
@@ -132,7 +128,7 @@ impl ProxyBackend for StandaloneBackend {
     }
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
-        let key = key_of(proxy);
+        let key = proxy.key();
         info!(proxy = %key, transition = %entry.arrow(), reason = %entry.reason, "transition");
         self.progress.transition(&key, entry);
         self.store
