@@ -19,8 +19,8 @@ use egress_proxies_operator::{
     api::LeasePolicy,
     app::{DiscoveryAuthOptions, TOKEN_RELOAD_INTERVAL, discovery_authenticator},
     discovery::{
-        self, Authenticator, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, StaticTokens,
-        TokenReviewAuthenticator, auth::AuthError,
+        self, Authenticator, DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness,
+        StaticTokens, TokenReviewAuthenticator, auth::AuthError,
     },
     lease::{
         Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, ProxyKey,
@@ -89,15 +89,15 @@ impl Server {
             leader: true,
             ..Readiness::default()
         });
-        let state = DiscoveryState::new(
+        let state = DiscoveryState::new(DiscoveryDeps {
             store,
-            LeaseSigner::new(&SECRET).unwrap(),
+            signer: LeaseSigner::new(&SECRET).unwrap(),
             auth,
             readiness,
-            Arc::new(registry),
+            registry: Arc::new(registry),
             metrics,
-            DiscoveryConfig::default(),
-        );
+            config: DiscoveryConfig::default(),
+        });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -46,7 +46,8 @@ struct Held {
     id: String,
     proxy: String,
     token: u64,
-    /// A renewal was sent and not answered: the token may be this one or a newer one.
+    /// A renewal was sent and not answered: the token may be this one or a newer one. The
+    /// client asks again with this token before it uses the lease for anything else.
     token_in_doubt: bool,
 }
 
@@ -166,10 +167,18 @@ struct Record {
     released: Vec<(String, u64, String)>,
     /// Leases whose release was sent and not answered, by proxy: they may still be active.
     release_in_doubt: Vec<Held>,
-    /// Acquires sent and not answered: a lease the client does not know may exist, anywhere.
+    /// Acquires sent and not answered: a lease the client does not know may exist, anywhere,
+    /// until its TTL ends.
     acquire_in_doubt: usize,
+    /// Leases whose lost renewal turned out to have happened (asking again answered
+    /// `stale_token`): active with a token the client never learnt, until their TTL ends.
+    abandoned: Vec<Held>,
+    /// The last answer that was neither a success nor in doubt (for a stalled run's message).
+    last_refusal: Option<String>,
     /// Operations answered with a success.
     answered: usize,
+    /// Operations whose answer left them in doubt (a kill cut them off), settled or not.
+    cut_off: usize,
     /// Answers no correct operator gives.
     violations: Vec<String>,
 }
@@ -181,20 +190,41 @@ enum Told {
     /// It may or may not have happened: no answer, or a 5xx that is not "nothing available"
     /// (e.g. `journal_unavailable`: applied in memory, maybe not on disk).
     InDoubt,
-    /// It did not happen (nothing listened, or no proxy available yet after a restart).
-    Nothing,
+    /// It did not happen (nothing listened, or no proxy available yet after a restart): why.
+    Nothing(String),
+    /// 409 `stale_token`: the lease has a newer token than the one sent.
+    Stale,
+    /// 404 `lease_not_found`: the lease is not active.
+    NotFound,
     /// Anything else.
     Unexpected(String),
+}
+
+impl Told {
+    fn describe(self) -> String {
+        match self {
+            Told::Done(body) => format!("success: {body}"),
+            Told::InDoubt => "no answer".to_owned(),
+            Told::Nothing(why) => why,
+            Told::Stale => "stale_token".to_owned(),
+            Told::NotFound => "lease_not_found".to_owned(),
+            Told::Unexpected(what) => what,
+        }
+    }
 }
 
 fn told(answer: Answer, success: StatusCode) -> Told {
     match answer {
         Answer::Got(status, body) if status == success => Told::Done(body),
-        Answer::Refused => Told::Nothing,
+        Answer::Refused => Told::Nothing("connection refused".to_owned()),
         Answer::Got(StatusCode::SERVICE_UNAVAILABLE, body)
             if body["error"]["code"] == "no_proxy_available" =>
         {
-            Told::Nothing
+            Told::Nothing(body.to_string())
+        }
+        Answer::Got(StatusCode::CONFLICT, body) if body["error"]["code"] == "stale_token" => Told::Stale,
+        Answer::Got(StatusCode::NOT_FOUND, body) if body["error"]["code"] == "lease_not_found" => {
+            Told::NotFound
         }
         Answer::Lost => Told::InDoubt,
         Answer::Got(status, _) if status.is_server_error() => Told::InDoubt,
@@ -239,11 +269,27 @@ impl Operator {
     }
 }
 
-/// TTL of the clients' leases.
-const TTL: Duration = Duration::from_secs(300);
+/// TTL of the clients' leases: what bounds a lease a kill made the client lose track of (an
+/// acquire whose answer was lost, a renewal that happened but whose answer was lost), as it
+/// does for a real crawler. Shorter than the chaos test waits for progress after its last
+/// fault, so slots lost that way are free again by then; far longer than a held lease goes
+/// untouched.
+const TTL: Duration = Duration::from_secs(30);
+
+/// What the client does next.
+enum Step {
+    Acquire,
+    Renew(Held),
+    Release(Held),
+    /// Asks again, with the token it knows, whether a renewal that got no answer happened.
+    ResolveRenewal(Held),
+    /// Releases again a lease whose release got no answer (404 then means the first did it).
+    ResolveRelease(Held),
+}
 
 /// A crawler: acquires (holding at most `max_held` leases), renews and releases at random,
-/// recording what it is told.
+/// recording what it is told. An operation cut off by a kill is settled first, where the API
+/// allows it, as a careful crawler would.
 async fn client(
     port: u16,
     token: String,
@@ -255,25 +301,32 @@ async fn client(
 ) {
     let mut rng = fastrand::Rng::with_seed(seed);
     while running.load(Ordering::Relaxed) {
-        let choice = {
+        let step = {
             let r = record.lock().unwrap();
             let usable: Vec<Held> = r.held.iter().filter(|h| !h.token_in_doubt).cloned().collect();
-            if usable.is_empty() || (usable.len() < max_held && rng.bool()) {
-                None
+            if let Some(h) = r.held.iter().find(|h| h.token_in_doubt) {
+                Step::ResolveRenewal(h.clone())
+            } else if let Some(h) = r.release_in_doubt.first() {
+                Step::ResolveRelease(h.clone())
+            } else if usable.is_empty() || (usable.len() < max_held && rng.bool()) {
+                Step::Acquire
+            } else if rng.bool() {
+                Step::Renew(usable[rng.usize(..usable.len())].clone())
             } else {
-                Some(usable[rng.usize(..usable.len())].clone())
+                Step::Release(usable[rng.usize(..usable.len())].clone())
             }
         };
         let sent_in = ledger.epoch();
         let until = Instant::now() + TTL;
-        match choice {
-            None => {
+        match step {
+            Step::Acquire => {
                 let body = format!(
                     r#"{{"holder":"crash-test","selector":{{"pool":"{pool}"}},"ttlSeconds":{}}}"#,
                     TTL.as_secs()
                 );
                 let answer = try_api(port, &token, "POST", "/v1/leases", &body, TIMEOUT).await;
                 let mut r = record.lock().unwrap();
+                r.cut_off += usize::from(matches!(answer, Answer::Lost));
                 match told(answer, StatusCode::CREATED) {
                     Told::Done(body) => {
                         r.answered += 1;
@@ -286,12 +339,17 @@ async fn client(
                         ledger.acquired(&held.id, &held.proxy, held.token, sent_in, until);
                         r.held.push(held);
                     }
-                    Told::InDoubt => r.acquire_in_doubt += 1,
-                    Told::Nothing => {}
-                    Told::Unexpected(what) => r.violations.push(format!("an acquire answered {what}")),
+                    Told::InDoubt => {
+                        r.acquire_in_doubt += 1;
+                        r.cut_off += 1;
+                    }
+                    Told::Nothing(why) => r.last_refusal = Some(format!("acquire: {why}")),
+                    other => r
+                        .violations
+                        .push(format!("an acquire answered {}", other.describe())),
                 }
             }
-            Some(lease) if rng.bool() => {
+            Step::Renew(lease) | Step::ResolveRenewal(lease) => {
                 let answer = try_api(
                     port,
                     &token,
@@ -302,22 +360,36 @@ async fn client(
                 )
                 .await;
                 let mut r = record.lock().unwrap();
-                let held = r.held.iter_mut().find(|h| h.id == lease.id).expect("held");
+                let Some(at) = r.held.iter().position(|h| h.id == lease.id) else {
+                    unreachable!("only this client's task changes its held leases");
+                };
                 match told(answer, StatusCode::OK) {
                     Told::Done(body) => {
+                        let held = &mut r.held[at];
                         held.token = body["fencingToken"].as_u64().expect("token");
+                        held.token_in_doubt = false;
                         ledger.renewed(&held.id, &held.proxy, held.token, sent_in, until);
                         r.answered += 1;
                     }
-                    Told::InDoubt => held.token_in_doubt = true,
-                    Told::Nothing => {}
-                    // A lost lease shows here first (404), or a lost renewal (409).
-                    Told::Unexpected(what) => {
-                        r.violations.push(format!("renewing {lease:?} answered {what}"))
+                    Told::InDoubt => {
+                        r.held[at].token_in_doubt = true;
+                        r.cut_off += 1;
                     }
+                    Told::Nothing(why) => r.last_refusal = Some(format!("renew: {why}")),
+                    // The renewal cut off earlier did happen: the lease's token is one the
+                    // client never learnt, so it can only let the lease run out.
+                    Told::Stale if lease.token_in_doubt => {
+                        let held = r.held.remove(at);
+                        ledger.released(&held.id);
+                        r.abandoned.push(held);
+                    }
+                    // A lost lease shows here first (404), or a lost renewal (409).
+                    other => r
+                        .violations
+                        .push(format!("renewing {lease:?} answered {}", other.describe())),
                 }
             }
-            Some(lease) => {
+            Step::Release(lease) | Step::ResolveRelease(lease) => {
                 // The client stops using the lease when it asks to end it; the store frees
                 // the slot only after that (not counted again if nothing happened: an undercount).
                 ledger.released(&lease.id);
@@ -331,22 +403,39 @@ async fn client(
                 )
                 .await;
                 let mut r = record.lock().unwrap();
-                match told(answer, StatusCode::OK) {
+                let retry = r.release_in_doubt.iter().any(|h| h.id == lease.id);
+                let gone = match told(answer, StatusCode::OK) {
                     Told::Done(_) => {
-                        r.held.retain(|h| h.id != lease.id);
-                        r.released.push((lease.id, lease.token, lease.proxy));
                         r.answered += 1;
+                        true
                     }
+                    // Asked again: the release cut off earlier did happen.
+                    Told::NotFound if retry => true,
                     Told::InDoubt => {
-                        r.held.retain(|h| h.id != lease.id);
-                        r.release_in_doubt.push(lease);
+                        r.cut_off += 1;
+                        if !retry {
+                            r.held.retain(|h| h.id != lease.id);
+                            r.release_in_doubt.push(lease.clone());
+                        }
+                        false
                     }
-                    Told::Nothing => {}
-                    Told::Unexpected(what) => {
+                    Told::Nothing(why) => {
+                        r.last_refusal = Some(format!("release: {why}"));
+                        false
+                    }
+                    other => {
                         // Counted as a violation; the record stops relying on this lease.
+                        let what = other.describe();
                         r.held.retain(|h| h.id != lease.id);
+                        r.release_in_doubt.retain(|h| h.id != lease.id);
                         r.violations.push(format!("releasing {lease:?} answered {what}"));
+                        false
                     }
+                };
+                if gone {
+                    r.held.retain(|h| h.id != lease.id);
+                    r.release_in_doubt.retain(|h| h.id != lease.id);
+                    r.released.push((lease.id, lease.token, lease.proxy));
                 }
             }
         }
@@ -442,7 +531,26 @@ impl Scenario {
         let before = self.answered();
         let deadline = Instant::now() + Duration::from_secs(30);
         while self.answered() < before + n {
-            assert!(Instant::now() < deadline, "no lease operations succeed");
+            assert!(
+                Instant::now() < deadline,
+                "no lease operations succeed; what the clients hold and were last refused:\n{}",
+                self.records
+                    .iter()
+                    .map(|r| {
+                        let r = r.lock().unwrap();
+                        format!(
+                            "{} held ({} with a renewal in doubt), {} releases and {} acquires in doubt, {} abandoned; last refusal: {:?}",
+                            r.held.len(),
+                            r.held.iter().filter(|h| h.token_in_doubt).count(),
+                            r.release_in_doubt.len(),
+                            r.acquire_in_doubt,
+                            r.abandoned.len(),
+                            r.last_refusal
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -471,17 +579,19 @@ impl Scenario {
         violations.extend(self.ledger.violations());
         let held: usize = records.iter().map(|r| r.held.len()).sum();
         let released: usize = records.iter().map(|r| r.released.len()).sum();
-        let in_doubt: usize = records
+        let cut_off: usize = records.iter().map(|r| r.cut_off).sum();
+        let unsettled: usize = records
             .iter()
             .map(|r| {
                 r.release_in_doubt.len()
                     + r.acquire_in_doubt
+                    + r.abandoned.len()
                     + r.held.iter().filter(|h| h.token_in_doubt).count()
             })
             .sum();
         eprintln!(
-            "{} answered operations, {held} leases held at the end, {released} released, {in_doubt} operations \
-             cut off by a kill; tokens compared across {} operator processes",
+            "{} answered operations, {held} leases held at the end, {released} released, {cut_off} operations \
+             cut off by a kill ({unsettled} left to their TTL); tokens compared across {} operator processes",
             records.iter().map(|r| r.answered).sum::<usize>(),
             self.ledger.epochs_with_tokens()
         );
@@ -692,7 +802,7 @@ async fn check(operator: &Operator, pool: &str, records: &[Record]) -> Vec<Strin
         for h in &r.held {
             *certain.entry(h.proxy.clone()).or_default() += 1;
         }
-        for h in &r.release_in_doubt {
+        for h in r.release_in_doubt.iter().chain(&r.abandoned) {
             *maybe.entry(h.proxy.clone()).or_default() += 1;
         }
         anywhere += r.acquire_in_doubt;

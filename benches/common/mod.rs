@@ -7,7 +7,7 @@ use std::{collections::BTreeMap, convert::Infallible, sync::Arc};
 use bytes::Bytes;
 use egress_proxies_operator::{
     api::LeasePolicy,
-    discovery::{DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, StaticTokens},
+    discovery::{DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness, StaticTokens},
     lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, ProxyKey, token::LeaseSigner},
     provider::Endpoint,
 };
@@ -66,15 +66,15 @@ pub fn discovery_state(store: LeaseStore) -> DiscoveryState {
     });
     // Ready for the life of the process.
     std::mem::forget(ready);
-    DiscoveryState::new(
+    DiscoveryState::new(DiscoveryDeps {
         store,
-        LeaseSigner::new(&LeaseSigner::generate_secret()).expect("32 bytes"),
-        Arc::new(StaticTokens::parse(TOKEN)),
+        signer: LeaseSigner::new(&LeaseSigner::generate_secret()).expect("32 bytes"),
+        auth: Arc::new(StaticTokens::parse(TOKEN)),
         readiness,
-        Arc::new(registry),
+        registry: Arc::new(registry),
         metrics,
-        DiscoveryConfig::default(),
-    )
+        config: DiscoveryConfig::default(),
+    })
 }
 
 /// A bare hyper server with canned answers of the real sizes: `POST /v1/leases` gets an

@@ -12,7 +12,10 @@ use tracing::warn;
 use super::AppError;
 use crate::{
     controller::ProviderAvailability,
-    discovery::{self, DiscoveryConfig, DiscoveryMetrics, DiscoveryState, Readiness, auth::Authenticator},
+    discovery::{
+        self, DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness,
+        auth::Authenticator,
+    },
     effects::ProxyKey,
     gc::{self, GcConfig, LiveOwners},
     health::{HealthConfig, HealthEngine, HealthHandle},
@@ -25,7 +28,7 @@ use crate::{
     monitor::{HealthSink, Monitor},
     provider::ProviderRegistry,
     telemetry::{Metrics, admin::StatusPageSlot},
-    ui::{ProxySource, StatusPage},
+    ui::{PageInputs, ProxySource, StatusPage},
 };
 
 /// How long one provider-health probe may take.
@@ -209,24 +212,24 @@ pub async fn start_core(
     })
     .map_err(|e| AppError::Startup(e.to_string()))?;
     let availability = ProviderAvailability::default();
-    let page = Arc::new(StatusPage::new(
-        proxies,
-        leases.clone(),
-        health.clone(),
-        availability.clone(),
-        providers.iter().map(|(name, _)| name.to_owned()).collect(),
-        auth.clone(),
-    ));
+    let page = Arc::new(StatusPage::new(PageInputs {
+        source: proxies,
+        leases: leases.clone(),
+        health: health.clone(),
+        availability: availability.clone(),
+        providers: providers.iter().map(|(name, _)| name.to_owned()).collect(),
+        auth: auth.clone(),
+    }));
     let health_log = page.health_log();
-    let api = DiscoveryState::new(
-        leases.clone(),
+    let api = DiscoveryState::new(DiscoveryDeps {
+        store: leases.clone(),
         signer,
         auth,
         readiness,
-        metrics.registry.clone(),
-        metrics.discovery.clone(),
-        DiscoveryConfig::default(),
-    );
+        registry: metrics.registry.clone(),
+        metrics: metrics.discovery.clone(),
+        config: DiscoveryConfig::default(),
+    });
     match status_page {
         StatusPageAt::DiscoveryApi => api.set_status_page(page),
         StatusPageAt::Admin(slot) => {

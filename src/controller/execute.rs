@@ -7,7 +7,7 @@
 use tracing::debug;
 
 use super::{
-    plan::{Planned, SpecReport},
+    plan::Planned,
     reconciler::{ReconcileError, Reconciler, Resolved},
     status::Record,
 };
@@ -104,20 +104,8 @@ impl<B: ProxyBackend> Reconciler<B> {
                 }
                 Vec::new()
             }
-            Planned::SetConditions {
-                reason,
-                message,
-                spec,
-                provisioned,
-            } => {
-                record.ready_reason = (*reason).to_owned();
-                record.ready_message = message.clone();
-                record.instance_running |= *provisioned;
-                match spec {
-                    SpecReport::Keep => {}
-                    SpecReport::Invalid(text) => record.spec_problem = Some(text.clone()),
-                    SpecReport::Valid => record.spec_problem = None,
-                }
+            Planned::SetConditions(conditions) => {
+                conditions.apply_to(record);
                 Vec::new()
             }
             Planned::RecordEvent { message, .. } => {

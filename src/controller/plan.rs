@@ -19,6 +19,48 @@ pub enum SpecReport {
     Valid,
 }
 
+/// What `set_conditions` reports: the `Ready` reason and message, `SpecValid`, and
+/// `Provisioned`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conditions {
+    /// Ready's reason (the row's).
+    pub reason: &'static str,
+    /// Ready's message (the cause, or the event's doc).
+    pub message: String,
+    /// What happens to `SpecValid`.
+    pub spec: SpecReport,
+    /// Report `Provisioned=True` (the event says the instance runs).
+    pub provisioned: bool,
+}
+
+impl Conditions {
+    /// Writes them into the status record (`Provisioned` is only ever set here).
+    pub fn apply_to(&self, record: &mut Record) {
+        record.ready_reason = self.reason.to_owned();
+        record.ready_message = self.message.clone();
+        record.instance_running |= self.provisioned;
+        match &self.spec {
+            SpecReport::Keep => {}
+            SpecReport::Invalid(text) => record.spec_problem = Some(text.clone()),
+            SpecReport::Valid => record.spec_problem = None,
+        }
+    }
+}
+
+impl fmt::Display for Conditions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "set_conditions(Ready={}: {:?}", self.reason, self.message)?;
+        if self.provisioned {
+            f.write_str(", Provisioned=True")?;
+        }
+        match &self.spec {
+            SpecReport::Keep => f.write_str(")"),
+            SpecReport::Invalid(text) => write!(f, ", SpecValid=False: {text:?})"),
+            SpecReport::Valid => f.write_str(", SpecValid=True)"),
+        }
+    }
+}
+
 /// One effect with its parameters.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Planned {
@@ -36,17 +78,8 @@ pub enum Planned {
     DrainLeases,
     /// `revoke_leases`.
     RevokeLeases,
-    /// `set_conditions`: the `Ready` reason and message, `SpecValid`, and `Provisioned`.
-    SetConditions {
-        /// Ready's reason (the row's).
-        reason: &'static str,
-        /// Ready's message (the cause, or the event's doc).
-        message: String,
-        /// What happens to `SpecValid`.
-        spec: SpecReport,
-        /// Report `Provisioned=True` (the event says the instance runs).
-        provisioned: bool,
-    },
+    /// `set_conditions`.
+    SetConditions(Conditions),
     /// `record_event`: a Kubernetes Event / store entry.
     RecordEvent {
         /// The row's reason.
@@ -72,22 +105,7 @@ pub enum Planned {
 impl fmt::Display for Planned {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Planned::SetConditions {
-                reason,
-                message,
-                spec,
-                provisioned,
-            } => {
-                write!(f, "set_conditions(Ready={reason}: {message:?}")?;
-                if *provisioned {
-                    f.write_str(", Provisioned=True")?;
-                }
-                match spec {
-                    SpecReport::Keep => f.write_str(")"),
-                    SpecReport::Invalid(text) => write!(f, ", SpecValid=False: {text:?})"),
-                    SpecReport::Valid => f.write_str(", SpecValid=True)"),
-                }
-            }
+            Planned::SetConditions(conditions) => conditions.fmt(f),
             Planned::RecordEvent { reason, message } => write!(f, "record_event({reason}: {message:?})"),
             Planned::ScheduleRetry {
                 attempts,
@@ -111,7 +129,7 @@ impl Planned {
             Planned::DisableLeases => EffectKind::DisableLeases,
             Planned::DrainLeases => EffectKind::DrainLeases,
             Planned::RevokeLeases => EffectKind::RevokeLeases,
-            Planned::SetConditions { .. } => EffectKind::SetConditions,
+            Planned::SetConditions(_) => EffectKind::SetConditions,
             Planned::RecordEvent { .. } => EffectKind::RecordEvent,
             Planned::ScheduleRetry { .. } => EffectKind::ScheduleRetry,
             Planned::ClearRetry => EffectKind::ClearRetry,
@@ -180,7 +198,7 @@ pub fn plan(decision: &Decision, cause: Option<&str>, input: PlanInput<'_>) -> P
             EffectKind::DisableLeases => Planned::DisableLeases,
             EffectKind::DrainLeases => Planned::DrainLeases,
             EffectKind::RevokeLeases => Planned::RevokeLeases,
-            EffectKind::SetConditions => Planned::SetConditions {
+            EffectKind::SetConditions => Planned::SetConditions(Conditions {
                 reason,
                 message: message.clone(),
                 spec: match decision.event {
@@ -189,7 +207,7 @@ pub fn plan(decision: &Decision, cause: Option<&str>, input: PlanInput<'_>) -> P
                     _ => SpecReport::Keep,
                 },
                 provisioned: decision.event == Event::InstanceRunning,
-            },
+            }),
             EffectKind::RecordEvent => Planned::RecordEvent {
                 reason,
                 message: message.clone(),

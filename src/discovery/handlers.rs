@@ -18,7 +18,7 @@ use super::{
     metrics::CodeLabels,
     openapi,
     router::{ApiError, json, json_bytes},
-    wire,
+    wire::{self, RequestBody},
 };
 use crate::lease::{
     AcquireRequest, LeaseError, LeaseStore, Outcome, Selector,
@@ -37,6 +37,15 @@ enum AuthErrors {
     #[response(status = 403, description = "`forbidden`")]
     Forbidden(ErrorBody),
 }
+
+/// The path parameter of renew and release (documents the OpenAPI contract; never built).
+#[derive(utoipa::IntoParams)]
+#[into_params(parameter_in = Path, names("leaseId"))]
+#[expect(dead_code, reason = "only its OpenAPI parameter is used")]
+struct LeaseIdPath(
+    /// The signed lease ID from the acquire.
+    String,
+);
 
 /// What renew and release may answer about the lease they name, past authentication.
 #[derive(utoipa::IntoResponses)]
@@ -99,7 +108,7 @@ pub(super) fn readyz(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> 
 )]
 pub(super) fn metrics(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> {
     let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, &s.registry)
+    prometheus_client::encoding::text::encode(&mut text, &s.deps.registry)
         .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics"))?;
     let mut response = Response::new(Full::new(Bytes::from(text)));
     response.headers_mut().insert(
@@ -125,7 +134,7 @@ pub(super) fn openapi_json() -> Response<Full<Bytes>> {
 }
 
 pub(super) fn check_ready(s: &StateInner) -> Result<(), ApiError> {
-    let r = *s.readiness.borrow();
+    let r = *s.deps.readiness.borrow();
     if !r.leader {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -178,7 +187,7 @@ pub(super) async fn authenticate(
     s: &StateInner,
     parts: &hyper::http::request::Parts,
 ) -> Result<Identity, ApiError> {
-    if let Some(anonymous) = s.auth.anonymous() {
+    if let Some(anonymous) = s.deps.auth.anonymous() {
         return Ok(anonymous);
     }
     let unauthenticated = |msg: &str| {
@@ -197,7 +206,7 @@ pub(super) async fn authenticate(
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .ok_or_else(|| unauthenticated("Authorization must be: Bearer <token>"))?;
-    s.auth.authenticate(token).await.map_err(|e| match e {
+    s.deps.auth.authenticate(token).await.map_err(|e| match e {
         AuthError::Unauthenticated => unauthenticated("invalid bearer token"),
         AuthError::Forbidden(_) => ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()),
         AuthError::Unavailable(_) => {
@@ -207,17 +216,19 @@ pub(super) async fn authenticate(
     })
 }
 
-pub(super) async fn read_json<T, B>(
+/// Reads, decodes and validates a request body: 413 over the size limit, 400 for malformed
+/// JSON (saying where) or a value out of range (saying what to fix).
+pub(super) async fn read_request<T, B>(
     s: &StateInner,
     parts: &hyper::http::request::Parts,
     body: B,
 ) -> Result<T, ApiError>
 where
-    T: serde::de::DeserializeOwned,
+    T: RequestBody,
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let limit = s.config.max_body_bytes;
+    let limit = s.deps.config.max_body_bytes;
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -241,10 +252,17 @@ where
     };
     // The plain parser for the common, valid body; the path-tracking one only to say where a
     // malformed body went wrong (it costs about as much as the parse itself).
-    if let Ok(value) = serde_json::from_slice(&bytes) {
-        return Ok(value);
-    }
-    let mut de = serde_json::Deserializer::from_slice(&bytes);
+    let value: T = match serde_json::from_slice(&bytes) {
+        Ok(value) => value,
+        Err(_) => decode_with_path(&bytes)?,
+    };
+    value.validate().map_err(ApiError::bad_request)?;
+    Ok(value)
+}
+
+/// Decodes a body the plain parser refused, to say where it went wrong.
+fn decode_with_path<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
@@ -292,8 +310,8 @@ pub(super) fn list(
             }
         }
     }
-    let compiled = s.store.compile(&selector);
-    let views = s.store.list_at(&compiled, now);
+    let compiled = s.deps.store.compile(&selector);
+    let views = s.deps.store.list_at(&compiled, now);
     let proxies = views.iter().map(ProxyJson::from_view).collect();
     Ok(json(StatusCode::OK, &ListResponse { proxies }))
 }
@@ -321,10 +339,11 @@ pub(super) async fn acquire(
     req: AcquireBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    req.validate().map_err(ApiError::bad_request)?;
     let selector = Selector::from_map(&req.selector);
-    let compiled = s.store.compile(&selector);
-    let ttl = req.ttl_seconds.map_or(s.config.default_ttl, Duration::from_secs);
+    let compiled = s.deps.store.compile(&selector);
+    let ttl = req
+        .ttl_seconds
+        .map_or(s.deps.config.default_ttl, Duration::from_secs);
     let request = AcquireRequest {
         selector: &compiled,
         holder: &req.holder,
@@ -332,17 +351,18 @@ pub(super) async fn acquire(
         target_domain: req.target_domain.as_deref(),
         session_key: req.session_key.as_deref(),
     };
-    let lease = match s.store.acquire_at(&request, now) {
+    let lease = match s.deps.store.acquire_at(&request, now) {
         Ok(lease) => lease,
         Err(e) => {
-            s.metrics
+            s.deps
+                .metrics
                 .refused
                 .get_or_create(&CodeLabels { code: e.code() })
                 .inc();
             return Err(e.into());
         }
     };
-    s.metrics.acquired.inc();
+    s.deps.metrics.acquired.inc();
     tracing::debug!(proxy = %lease.id.key, holder = %req.holder, caller = %identity.name, "lease granted");
     let claim = lease.claim(
         &req.holder,
@@ -350,17 +370,18 @@ pub(super) async fn acquire(
         req.session_key.as_deref(),
     );
     if let Err(error) = commit(s, || {
-        Record::acquired(&lease, &claim, s.store.config().session_idle_ttl)
+        Record::acquired(&lease, &claim, s.deps.store.config().session_idle_ttl)
     })
     .await
     {
         // Not durable, so not granted: free the slot (nobody was told its token).
         let _ = s
+            .deps
             .store
             .release_at(&lease.id, lease.fencing_token, Outcome::Error, None, now);
         return Err(error);
     }
-    let lease_id = s.signer.sign(&claim);
+    let lease_id = s.deps.signer.sign(&claim);
     let body = AcquireResponse {
         lease_id,
         fencing_token: lease.fencing_token,
@@ -377,7 +398,7 @@ pub(super) async fn acquire(
 
 pub(super) fn verify(s: &StateInner, id: &str) -> Result<crate::lease::LeaseClaim, ApiError> {
     // An ID this key did not sign is simply unknown.
-    s.signer.verify(id).map_err(|_| LeaseError::NotFound.into())
+    s.deps.signer.verify(id).map_err(|_| LeaseError::NotFound.into())
 }
 
 /// Runs `op`; if the store has no record of the lease, takes it back from its signed claim
@@ -392,7 +413,7 @@ pub(super) fn with_claim<T>(
     let claim = verify(s, id)?;
     match op(&claim.id) {
         Err(LeaseError::NotFound) => {
-            s.store.reinstate_at(&claim, token, now)?;
+            s.deps.store.reinstate_at(&claim, token, now)?;
             if let Some(journal) = s.journal.get() {
                 // The operation's own record follows: its commit makes this one durable too.
                 drop(journal.append(&Record::reinstated(&claim, token)));
@@ -409,7 +430,7 @@ pub(super) fn with_claim<T>(
     post,
     path = "/v1/leases/{leaseId}/renew",
     tag = "leases",
-    params(("leaseId" = String, Path, description = "The signed lease ID from the acquire")),
+    params(LeaseIdPath),
     request_body(content = RenewBody, content_type = "application/json"),
     responses(
         (status = 200, description = "The new token and expiry", body = RenewResponse),
@@ -426,18 +447,10 @@ pub(super) async fn renew(
     req: RenewBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    if req
-        .ttl_seconds
-        .is_some_and(|t| t == 0 || t > wire::MAX_TTL_SECONDS)
-    {
-        return Err(ApiError::bad_request(format!(
-            "ttlSeconds must be between 1 and {}",
-            wire::MAX_TTL_SECONDS
-        )));
-    }
     let ttl = req.ttl_seconds.map(Duration::from_secs);
     let (renewed, lease) = with_claim(s, id, req.fencing_token, now, |lease| {
-        s.store
+        s.deps
+            .store
             .renew_at(lease, req.fencing_token, ttl, now)
             .map(|r| (r, lease.clone()))
     })?;
@@ -463,7 +476,7 @@ pub(super) async fn renew(
     post,
     path = "/v1/leases/{leaseId}/release",
     tag = "leases",
-    params(("leaseId" = String, Path, description = "The signed lease ID from the acquire")),
+    params(LeaseIdPath),
     request_body(content = ReleaseBody, content_type = "application/json"),
     responses(
         (status = 200, description = "Released", body = ReleaseResponse),
@@ -480,9 +493,9 @@ pub(super) async fn release(
     req: ReleaseBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    req.validate().map_err(ApiError::bad_request)?;
     let lease = with_claim(s, id, req.fencing_token, now, |lease| {
-        s.store
+        s.deps
+            .store
             .release_at(
                 lease,
                 req.fencing_token,
@@ -503,17 +516,18 @@ pub(super) async fn release(
             .flatten()
             .map(|domain| BanCheckpoint {
                 domain: LeaseStore::normalize_domain(&domain),
-                until_ms: now + s.store.config().ban_cooldown.as_millis() as u64,
+                until_ms: now + s.deps.store.config().ban_cooldown.as_millis() as u64,
             });
         Record::Release {
-            cooldown_until_ms: s.store.cooldown_until(&lease.key, now),
+            cooldown_until_ms: s.deps.store.cooldown_until(&lease.key, now),
             key: lease.key,
             first_token: lease.first_token,
             ban,
         }
     })
     .await?;
-    s.metrics
+    s.deps
+        .metrics
         .released
         .get_or_create(&CodeLabels {
             code: req.outcome.as_str(),

@@ -42,12 +42,12 @@ pub use auth::{
 pub use metrics::DiscoveryMetrics;
 pub use wire::{
     AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
-    ReleaseResponse, RenewBody, RenewResponse, StatusBody,
+    ReleaseResponse, RenewBody, RenewResponse, RequestBody, StatusBody,
 };
 
 use crate::lease::{LeaseStore, journal::Journal, token::LeaseSigner};
 use handlers::{
-    acquire, authenticate, check_journal, check_ready, healthz, list, metrics, openapi_json, read_json,
+    acquire, authenticate, check_journal, check_ready, healthz, list, metrics, openapi_json, read_request,
     readyz, release, renew,
 };
 use metrics::ResultLabels;
@@ -80,14 +80,24 @@ impl Default for DiscoveryConfig {
     }
 }
 
+/// What the API serves from, given once when it is built.
+pub struct DiscoveryDeps {
+    pub store: LeaseStore,
+    /// Signs lease IDs and verifies the ones crawlers present.
+    pub signer: LeaseSigner,
+    pub auth: Arc<dyn Authenticator>,
+    /// Lease endpoints answer 503 until this says synced and leader.
+    pub readiness: watch::Receiver<Readiness>,
+    /// What `GET /metrics` renders.
+    pub registry: Arc<Registry>,
+    /// Must have been registered in `registry` (with [`DiscoveryMetrics::register`]) before
+    /// that was frozen in an `Arc`.
+    pub metrics: DiscoveryMetrics,
+    pub config: DiscoveryConfig,
+}
+
 struct StateInner {
-    store: LeaseStore,
-    signer: LeaseSigner,
-    auth: Arc<dyn Authenticator>,
-    readiness: watch::Receiver<Readiness>,
-    registry: Arc<Registry>,
-    metrics: DiscoveryMetrics,
-    config: DiscoveryConfig,
+    deps: DiscoveryDeps,
     ui: std::sync::OnceLock<Arc<crate::ui::StatusPage>>,
     journal: std::sync::OnceLock<Journal>,
 }
@@ -99,28 +109,12 @@ pub struct DiscoveryState {
 }
 
 impl DiscoveryState {
-    /// `metrics` must have been registered in `registry` (with [`DiscoveryMetrics::register`])
-    /// before it was frozen in an `Arc`.
-    pub fn new(
-        store: LeaseStore,
-        signer: LeaseSigner,
-        auth: Arc<dyn Authenticator>,
-        readiness: watch::Receiver<Readiness>,
-        registry: Arc<Registry>,
-        metrics: DiscoveryMetrics,
-        config: DiscoveryConfig,
-    ) -> Self {
+    pub fn new(deps: DiscoveryDeps) -> Self {
         // Metrics built for another state keep reading that state's store.
-        let _ = metrics.active.0.set(store.clone());
+        let _ = deps.metrics.active.0.set(deps.store.clone());
         Self {
             inner: Arc::new(StateInner {
-                store,
-                signer,
-                auth,
-                readiness,
-                registry,
-                metrics,
-                config,
+                deps,
                 ui: std::sync::OnceLock::new(),
                 journal: std::sync::OnceLock::new(),
             }),
@@ -140,7 +134,7 @@ impl DiscoveryState {
 
     /// The lease store behind the API.
     pub fn store(&self) -> &LeaseStore {
-        &self.inner.store
+        &self.inner.deps.store
     }
 }
 
@@ -156,7 +150,7 @@ pub async fn serve(
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(state.inner.config.header_timeout)
+        .header_read_timeout(state.inner.deps.config.header_timeout)
         .keep_alive(true);
     loop {
         tokio::select! {
@@ -171,7 +165,7 @@ pub async fn serve(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let requests = state.inner.metrics.requests.clone();
+                let requests = state.inner.deps.metrics.requests.clone();
                 let state = state.clone();
                 let service = hyper::service::service_fn(move |req| {
                     let state = state.clone();
@@ -192,7 +186,7 @@ pub async fn serve(
         }
     }
     drop(listener);
-    if tokio::time::timeout(state.inner.config.shutdown_grace, graceful.shutdown())
+    if tokio::time::timeout(state.inner.deps.config.shutdown_grace, graceful.shutdown())
         .await
         .is_err()
     {
@@ -219,6 +213,7 @@ where
     };
     state
         .inner
+        .deps
         .metrics
         .record(index, code, started.elapsed().as_secs_f64());
     response
@@ -256,18 +251,18 @@ where
     }
     // One instant per request: every store decision and every time in the answer is about it.
     match route {
-        Route::List => list(s, parts, s.store.now_ms()),
+        Route::List => list(s, parts, s.deps.store.now_ms()),
         Route::Acquire => {
-            let req: AcquireBody = read_json(s, parts, body).await?;
-            acquire(s, &identity, req, s.store.now_ms()).await
+            let req: AcquireBody = read_request(s, parts, body).await?;
+            acquire(s, &identity, req, s.deps.store.now_ms()).await
         }
         Route::Renew(id) => {
-            let req: RenewBody = read_json(s, parts, body).await?;
-            renew(s, id, req, s.store.now_ms()).await
+            let req: RenewBody = read_request(s, parts, body).await?;
+            renew(s, id, req, s.deps.store.now_ms()).await
         }
         Route::Release(id) => {
-            let req: ReleaseBody = read_json(s, parts, body).await?;
-            release(s, id, req, s.store.now_ms()).await
+            let req: ReleaseBody = read_request(s, parts, body).await?;
+            release(s, id, req, s.deps.store.now_ms()).await
         }
         Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Ui => {
             unreachable!("answered above")

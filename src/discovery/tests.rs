@@ -62,15 +62,15 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
         ..Readiness::default()
     });
     let tokens = StaticTokens::parse(&format!("# crawlers\n{TOKEN}\n"));
-    let state = DiscoveryState::new(
+    let state = DiscoveryState::new(DiscoveryDeps {
         store,
-        LeaseSigner::new(&[42u8; 32]).unwrap(),
-        Arc::new(tokens),
+        signer: LeaseSigner::new(&[42u8; 32]).unwrap(),
+        auth: Arc::new(tokens),
         readiness,
-        Arc::new(registry),
+        registry: Arc::new(registry),
         metrics,
-        DiscoveryConfig::default(),
-    );
+        config: DiscoveryConfig::default(),
+    });
     Harness { state, ready }
 }
 
@@ -386,15 +386,15 @@ impl Authenticator for Forbidding {
 #[tokio::test]
 async fn authenticator_verdicts_map_to_401_403_503() {
     let h = harness(1, 1);
-    let state = DiscoveryState::new(
-        h.state.store().clone(),
-        LeaseSigner::new(&[1u8; 32]).unwrap(),
-        Arc::new(Forbidding),
-        h.ready.subscribe(),
-        Arc::new(Registry::default()),
-        DiscoveryMetrics::register(&mut Registry::default()),
-        DiscoveryConfig::default(),
-    );
+    let state = DiscoveryState::new(DiscoveryDeps {
+        store: h.state.store().clone(),
+        signer: LeaseSigner::new(&[1u8; 32]).unwrap(),
+        auth: Arc::new(Forbidding),
+        readiness: h.ready.subscribe(),
+        registry: Arc::new(Registry::default()),
+        metrics: DiscoveryMetrics::register(&mut Registry::default()),
+        config: DiscoveryConfig::default(),
+    });
     let h2 = Harness {
         state,
         ready: h.ready,

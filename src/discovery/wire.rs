@@ -73,15 +73,26 @@ fn valid_domain(d: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
 }
 
-impl AcquireBody {
-    /// Checks ranges and formats; the message says what to fix.
-    pub fn validate(&self) -> Result<(), String> {
+/// A request body: its JSON shape is serde's to check, the rest (lengths, ranges, formats the
+/// contract states) is `validate`'s, run as it is decoded, so a handler only sees valid ones.
+pub trait RequestBody: serde::de::DeserializeOwned {
+    /// What is wrong with it, in words that say what to fix.
+    fn validate(&self) -> Result<(), String>;
+}
+
+fn valid_ttl(ttl_seconds: Option<u64>) -> Result<(), String> {
+    if ttl_seconds.is_some_and(|t| t == 0 || t > MAX_TTL_SECONDS) {
+        return Err(format!("ttlSeconds must be between 1 and {MAX_TTL_SECONDS}"));
+    }
+    Ok(())
+}
+
+impl RequestBody for AcquireBody {
+    fn validate(&self) -> Result<(), String> {
         if !chars_within(&self.holder, MAX_HOLDER_LEN) || !printable(&self.holder) {
             return Err(format!("holder must be 1-{MAX_HOLDER_LEN} printable characters"));
         }
-        if self.ttl_seconds.is_some_and(|t| t == 0 || t > MAX_TTL_SECONDS) {
-            return Err(format!("ttlSeconds must be between 1 and {MAX_TTL_SECONDS}"));
-        }
+        valid_ttl(self.ttl_seconds)?;
         if let Some(d) = &self.target_domain
             && !valid_domain(d)
         {
@@ -120,6 +131,12 @@ pub struct RenewBody {
     pub ttl_seconds: Option<u64>,
 }
 
+impl RequestBody for RenewBody {
+    fn validate(&self) -> Result<(), String> {
+        valid_ttl(self.ttl_seconds)
+    }
+}
+
 /// `POST /v1/leases/{id}/release`.
 #[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -134,9 +151,8 @@ pub struct ReleaseBody {
     pub target_domain: Option<String>,
 }
 
-impl ReleaseBody {
-    /// Checks formats.
-    pub fn validate(&self) -> Result<(), String> {
+impl RequestBody for ReleaseBody {
+    fn validate(&self) -> Result<(), String> {
         match &self.target_domain {
             Some(d) if !valid_domain(d) => Err("targetDomain must be a host name".to_owned()),
             _ => Ok(()),

@@ -285,34 +285,28 @@ pub struct ProxyRow {
     pub audit: Vec<AuditRow>,
 }
 
-/// The status page: a mode's [`ProxySource`] and the parts both modes share.
+/// What the status page reads: a mode's [`ProxySource`] and the parts both modes share.
+pub struct PageInputs {
+    pub source: Arc<dyn ProxySource>,
+    pub leases: LeaseStore,
+    pub health: HealthHandle,
+    pub availability: ProviderAvailability,
+    /// The configured provider instance names.
+    pub providers: Vec<String>,
+    /// The discovery API's: the page admits the same callers.
+    pub auth: Arc<dyn Authenticator>,
+}
+
+/// The status page over its inputs, with the health verdict log the mode feeds.
 pub struct StatusPage {
-    source: Arc<dyn ProxySource>,
-    leases: LeaseStore,
-    health: HealthHandle,
-    availability: ProviderAvailability,
-    providers: Vec<String>,
-    auth: Arc<dyn Authenticator>,
+    inputs: PageInputs,
     health_log: HealthLog,
 }
 
 impl StatusPage {
-    /// `providers`: the configured provider instance names; `auth`: the discovery API's.
-    pub fn new(
-        source: Arc<dyn ProxySource>,
-        leases: LeaseStore,
-        health: HealthHandle,
-        availability: ProviderAvailability,
-        providers: Vec<String>,
-        auth: Arc<dyn Authenticator>,
-    ) -> Self {
+    pub fn new(inputs: PageInputs) -> Self {
         Self {
-            source,
-            leases,
-            health,
-            availability,
-            providers,
-            auth,
+            inputs,
             health_log: HealthLog::default(),
         }
     }
@@ -324,10 +318,11 @@ impl StatusPage {
 
     /// Gathers what the page shows, now.
     pub fn view(&self) -> Result<StatusView, UiError> {
-        let mut states = self.source.proxies()?;
+        let mut states = self.inputs.source.proxies()?;
         states.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        let selector = self.leases.compile(&Selector::default());
+        let selector = self.inputs.leases.compile(&Selector::default());
         let mut leases: BTreeMap<(String, String), ProxyView> = self
+            .inputs
             .leases
             .list(&selector)
             .into_iter()
@@ -344,11 +339,12 @@ impl StatusPage {
             *per_provider.entry(state.provider.as_str()).or_default() += 1;
         }
         let providers = self
+            .inputs
             .providers
             .iter()
             .map(|name| ProviderRow {
                 name: name.clone(),
-                down_reason: self.availability.down_reason(name),
+                down_reason: self.inputs.availability.down_reason(name),
                 proxies: per_provider.get(name.as_str()).copied().unwrap_or(0),
             })
             .collect();
@@ -361,11 +357,12 @@ impl StatusPage {
                 let key = crate::lease::ProxyKey::new(&state.namespace, &state.name);
                 ProxyRow {
                     leases: leases.remove(&(state.namespace.clone(), state.name.clone())),
-                    health: self.health.snapshot(&key),
+                    health: self.inputs.health.snapshot(&key),
                     health_history: self
                         .health_log
                         .last(&state.namespace, &state.name, AUDIT_ENTRIES_SHOWN),
                     audit: self
+                        .inputs
                         .source
                         .audit(&state.namespace, &state.name, AUDIT_ENTRIES_SHOWN),
                     state,
@@ -373,7 +370,7 @@ impl StatusPage {
             })
             .collect();
         Ok(StatusView {
-            mode: self.source.mode(),
+            mode: self.inputs.source.mode(),
             now: Timestamp::now(),
             providers,
             proxies,
@@ -383,13 +380,13 @@ impl StatusPage {
     /// Answers `GET /ui` with these request headers: the page, or 401 (with a Basic challenge
     /// a browser answers), 403, or 503 when the caller cannot be checked or the view not taken.
     pub async fn respond(&self, headers: &HeaderMap) -> Response<Full<Bytes>> {
-        if self.auth.anonymous().is_none() {
+        if self.inputs.auth.anonymous().is_none() {
             let Some(token) = presented_token(headers) else {
                 return challenge(
                     "a token is required: Authorization: Bearer <token>, or the token as the password",
                 );
             };
-            match self.auth.authenticate(&token).await {
+            match self.inputs.auth.authenticate(&token).await {
                 Ok(_) => {}
                 Err(AuthError::Unauthenticated) => return challenge("invalid token"),
                 Err(AuthError::Forbidden(_)) => return plain(StatusCode::FORBIDDEN, "forbidden\n"),
