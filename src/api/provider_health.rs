@@ -39,25 +39,21 @@ use serde::{Deserialize, Serialize};
 pub struct ProviderHealthFields {}
 
 /// What the last probe of the provider instance found.
+#[serde_with::skip_serializing_none]
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ProviderHealthStatus {
     /// Provider type of the instance (`kvm`, `kvm2`, `kubernetes`, `local`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider_type: Option<String>,
     /// The `Available` condition.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// When the provider was last probed (written on condition changes only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_probe_time: Option<Time>,
     /// Latency of the probe (connect and list) in milliseconds.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub latency_millis: Option<i64>,
     /// Human-readable detail of the last probe's outcome.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
     /// Number of instances the provider reports as owned by this operator.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_count: Option<i64>,
 }

@@ -17,6 +17,7 @@ pub const CLOUD_INIT_SECRET_LABEL: &str = "crawl.example.com/cloud-init";
 /// are applied in place and never churn instances.
 // Several printer columns share `type_ = "string"`; clippy reads that as a repeated attribute.
 #[allow(clippy::duplicated_attributes)]
+#[serde_with::skip_serializing_none]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "crawl.example.com",
@@ -51,7 +52,6 @@ pub struct ProxySpec {
     pub placement: Placement,
 
     /// Cloud-init user-data for VM providers, taken from a labelled Secret.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init: Option<CloudInit>,
 
     /// TCP port the proxy listens on.
@@ -78,7 +78,6 @@ pub struct ProxySpec {
     pub health: HealthCheck,
 
     /// Credentials the proxy requires from its clients (HTTP basic auth).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<ProxyAuth>,
 }
 
@@ -98,24 +97,21 @@ fn default_port() -> i32 {
 }
 
 /// Placement hints; each provider documents which ones it honours.
+#[serde_with::skip_serializing_none]
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash)]
 #[serde(rename_all = "camelCase")]
 pub struct Placement {
     /// Host (hypervisor or machine) to place the proxy on.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 253))]
     pub host: Option<String>,
     /// Zone or rack to place the proxy in.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 63))]
     pub zone: Option<String>,
     /// Address the proxy listens on (and is reached at), where the provider lets you choose.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("isIP(self)").message("must be an IPv4 or IPv6 address"))]
     #[schemars(length(max = 45))]
     pub address: Option<String>,
     /// Source address for the proxy's outgoing connections, for hosts with many addresses.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("isIP(self)").message("must be an IPv4 or IPv6 address"))]
     #[schemars(length(max = 45))]
     pub outgoing_address: Option<String>,
@@ -131,6 +127,7 @@ pub struct CloudInit {
 }
 
 /// A key of a Secret in the Proxy's namespace.
+#[serde_with::skip_serializing_none]
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct SecretKeyRef {
@@ -139,7 +136,6 @@ pub struct SecretKeyRef {
     #[schemars(length(max = 253))]
     pub name: String,
     /// Key within the Secret; each field that takes a SecretKeyRef documents its default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self.matches('^[-._a-zA-Z0-9]+$')").message("must be a non-empty Secret key (letters, digits, '-', '_' or '.')"))]
     #[schemars(length(max = 253))]
     pub key: Option<String>,
@@ -188,6 +184,7 @@ impl Default for LeasePolicy {
 }
 
 /// The health check, performed by fetching `url` through the proxy.
+#[serde_with::skip_serializing_none]
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.timeoutSeconds < self.intervalSeconds").message("timeoutSeconds must be less than intervalSeconds: a probe has to finish before the next one starts"))]
@@ -215,7 +212,6 @@ pub struct HealthCheck {
     pub success_threshold: i32,
     /// If set, the probe passes only when the body of `url`'s response contains this address,
     /// proving traffic really leaves through the expected egress IP.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("isIP(self)").message("must be an IPv4 or IPv6 address"))]
     #[schemars(length(max = 45))]
     pub expected_egress_address: Option<String>,
@@ -270,41 +266,33 @@ pub struct ProxyAuthSecretRef {
 
 /// Observed state, written only by the operator and only when something status-affecting
 /// changed.
+#[serde_with::skip_serializing_none]
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ProxyStatus {
     /// Lifecycle phase (the state of the Proxy's state machine).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
     /// When the phase was entered.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase_since: Option<Time>,
     /// Consecutive failed provider calls (creates, deletes, instances that vanished while
     /// booting); reset once the proxy is healthy or its old instance is gone. Drives the backoff.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_attempts: Option<i32>,
     /// When the next attempt after a failure may start (exponential backoff with jitter). Kept
     /// in the status so that neither a restart nor the operator's own writes shorten the wait.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_attempt_time: Option<Time>,
     /// `Ready`, `Provisioned`, `Healthy` and `SpecValid`, with bounded reasons.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The `metadata.generation` this status describes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// Hash of what the running instance was built from (placement, resolved cloud-init
     /// content, effective port).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec_hash: Option<String>,
     /// Self-contained provider ID of the running instance (`type/instance/native-id`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[serde(rename = "providerID")]
     pub provider_id: Option<String>,
     /// `host:port` crawlers connect to.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
     /// When health last changed the status (not a heartbeat of every probe).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_health_check_time: Option<Time>,
 }

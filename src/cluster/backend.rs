@@ -22,7 +22,7 @@ use serde_json::json;
 
 use super::events::EventPublisher;
 use crate::{
-    api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
+    api::{Proxy, ProxyStatus, SecretKeyRef},
     controller::{
         secrets::{credentials_of, user_data_of},
         status::FINALIZER,
@@ -137,10 +137,7 @@ impl ProxyBackend for KubeBackend {
             .cloud_init_secrets
             .get(&ObjectRef::new(&secret.name).within(namespace));
         let Some(found) = found else {
-            return Err(SecretError::NotUsable(format!(
-                "Secret {namespace}/{} not found or not labelled {CLOUD_INIT_SECRET_LABEL}=\"true\" (the operator reads only labelled Secrets)",
-                secret.name
-            )));
+            return Err(SecretError::cloud_init_unusable(namespace, &secret.name, ""));
         };
         user_data_of(&found, namespace, secret)
     }
@@ -151,7 +148,7 @@ impl ProxyBackend for KubeBackend {
             .get_opt(secret_name)
             .await
             .map_err(|e| SecretError::Transient(e.to_string()))?
-            .ok_or_else(|| SecretError::NotUsable(format!("Secret {namespace}/{secret_name} not found")))?;
+            .ok_or_else(|| SecretError::missing(namespace, secret_name, ""))?;
         credentials_of(&secret, namespace, secret_name)
     }
 

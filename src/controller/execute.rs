@@ -7,8 +7,9 @@
 use tracing::debug;
 
 use super::{
+    ReconcileError,
     plan::Planned,
-    reconciler::{ReconcileError, Reconciler, Resolved},
+    reconciler::{Reconciler, Resolved},
     status::Record,
 };
 use crate::{

@@ -19,6 +19,7 @@
 //! [`crate::standalone`].
 
 pub mod credentials;
+mod error;
 pub mod execute;
 pub mod observe;
 pub mod plan;
@@ -34,7 +35,8 @@ use std::{
     sync::{Arc, RwLock},
 };
 
-pub use reconciler::{ReconcileError, ReconcileOutcome, Reconciler, ReconcilerConfig, error_backoff};
+pub use error::{ReconcileError, error_backoff};
+pub use reconciler::{ReconcileOutcome, Reconciler, ReconcilerConfig};
 
 /// Availability of provider instances as the provider-health monitor last saw it. Providers not
 /// (yet) probed count as available: a Proxy is never held back on a guess.

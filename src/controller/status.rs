@@ -239,9 +239,7 @@ pub fn ready_condition(status: Option<&ProxyStatus>) -> Option<&Condition> {
 mod tests {
     use super::*;
 
-    fn t(secs: i64) -> Timestamp {
-        Timestamp::from_second(1_750_000_000 + secs).expect("valid test timestamp")
-    }
+    use crate::machine::test_time as t;
 
     #[test]
     fn a_record_survives_the_round_trip_through_the_status() {

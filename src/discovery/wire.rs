@@ -162,6 +162,7 @@ impl RequestBody for ReleaseBody {
 
 // Borrows from the store's proxy info: an answer serializes it without copying.
 /// A proxy in responses (never with credentials).
+#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schema(as = Proxy)]
@@ -178,16 +179,12 @@ pub struct ProxyJson<'a> {
     #[schema(value_type = BTreeMap<String, String>)]
     pub attributes: &'a Attributes,
     /// In listings: how it stands.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub availability: Option<Availability>,
     /// In listings: active leases.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub active_leases: Option<usize>,
     /// In listings: its limit.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrent: Option<u32>,
     /// In listings: end of its cooldown (RFC 3339), while it rests.
-    #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(format = DateTime)]
     pub cooldown_until: Option<String>,
 }

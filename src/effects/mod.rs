@@ -36,6 +36,22 @@ pub enum SecretError {
     Transient(String),
 }
 
+impl SecretError {
+    /// `namespace/name` is not there (`place`: where the mode looked, e.g. " in the manifests
+    /// folder", or "").
+    pub fn missing(namespace: &str, name: &str, place: &str) -> Self {
+        Self::NotUsable(format!("Secret {namespace}/{name} not found{place}"))
+    }
+
+    /// The cloud-init Secret `namespace/name` is not there, or not labelled for the operator.
+    pub fn cloud_init_unusable(namespace: &str, name: &str, place: &str) -> Self {
+        Self::NotUsable(format!(
+            "Secret {namespace}/{name} not found{place} or not labelled {}=\"true\" (the operator reads only labelled Secrets)",
+            crate::api::CLOUD_INIT_SECRET_LABEL
+        ))
+    }
+}
+
 /// A write to the backend failed.
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum BackendError {

@@ -37,11 +37,12 @@ fn memory_at_zero() -> MemoryProvider {
     MemoryProvider::new("mem").with_clock(created_at_zero)
 }
 
-/// A registry holding `provider` alone.
-fn registry_of(provider: &Arc<MemoryProvider>) -> ProviderRegistry {
+/// `provider`, shared with a registry that holds it alone (what GC passes read).
+fn registered(provider: MemoryProvider) -> (Arc<MemoryProvider>, ProviderRegistry) {
+    let provider = Arc::new(provider);
     let mut registry = ProviderRegistry::new();
     registry.insert(provider.clone());
-    registry
+    (provider, registry)
 }
 
 async fn instance(provider: &MemoryProvider, uid: &str, namespace: &str) -> String {
@@ -71,10 +72,9 @@ fn config(grace_secs: u64) -> GcConfig {
 
 #[tokio::test]
 async fn deletes_true_orphans_only() {
-    let provider = Arc::new(memory_at_zero());
+    let (provider, registry) = registered(memory_at_zero());
     let live = instance(&provider, "live-uid", "crawl").await;
     let orphan = instance(&provider, "gone-uid", "crawl").await;
-    let registry = registry_of(&provider);
     let owners = Owners(HashSet::from(["live-uid".to_owned()]));
 
     // Inside the grace period the orphan may be an in-flight create: spared.
@@ -90,13 +90,12 @@ async fn deletes_true_orphans_only() {
 
 #[tokio::test]
 async fn never_touches_unknown_owners_and_respects_dry_run() {
-    let provider = Arc::new(memory_at_zero());
+    let (provider, registry) = registered(memory_at_zero());
     let orphan = instance(&provider, "gone-uid", "crawl").await;
     let mut unowned = provider.get(&orphan).await.expect("exists");
     unowned.owner = None;
     unowned.id.native_id = "foreign".into();
     provider.insert_raw(unowned);
-    let registry = registry_of(&provider);
     let owners = Owners(HashSet::new());
 
     let dry = GcConfig {
@@ -119,10 +118,9 @@ async fn never_touches_unknown_owners_and_respects_dry_run() {
 
 #[tokio::test]
 async fn namespace_mode_judges_only_its_own_namespace_and_fails_safe() {
-    let provider = Arc::new(memory_at_zero());
+    let (provider, registry) = registered(memory_at_zero());
     let ours = instance(&provider, "gone-1", "crawl").await;
     let theirs = instance(&provider, "gone-2", "other").await;
-    let registry = registry_of(&provider);
     assert!(
         !gc_enabled(Some("crawl"), false),
         "namespace mode disables GC by default"
@@ -163,14 +161,13 @@ async fn stamped(provider: &MemoryProvider, uid: &str, installation: Option<Inst
 
 #[tokio::test]
 async fn acts_only_on_its_own_installation_and_adopts_live_owned_legacy_instances() {
-    let provider = Arc::new(memory_at_zero().with_installation(prod()));
+    let (provider, registry) = registered(memory_at_zero().with_installation(prod()));
     let own_orphan = stamped(&provider, "gone-1", Some(prod())).await;
     let foreign_orphan = stamped(&provider, "gone-2", Some(staging())).await;
     let foreign_same_cluster =
         stamped(&provider, "gone-3", Some(Installation::new("cluster-a", "other"))).await;
     let legacy_live = stamped(&provider, "live-legacy", None).await;
     let legacy_orphan = stamped(&provider, "gone-legacy", None).await;
-    let registry = registry_of(&provider);
     let owners = Owners(HashSet::from(["live-legacy".to_owned()]));
     let id = |name: &str| format!("memory/mem/{name}");
 
@@ -255,10 +252,9 @@ async fn acts_only_on_its_own_installation_and_adopts_live_owned_legacy_instance
 
 #[tokio::test]
 async fn each_left_alone_instance_is_logged_once_not_every_pass() {
-    let provider = Arc::new(memory_at_zero().with_installation(prod()));
+    let (provider, registry) = registered(memory_at_zero().with_installation(prod()));
     let foreign = stamped(&provider, "gone-1", Some(staging())).await;
     let legacy = stamped(&provider, "gone-2", None).await;
-    let registry = registry_of(&provider);
     let owners = Owners(HashSet::new());
     let mut log = LeftAloneLog::default();
 

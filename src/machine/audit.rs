@@ -15,6 +15,7 @@ use super::table::{Event, Phase};
 use super::{Decision, Outcome};
 
 /// One transition, as recorded.
+#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AuditEntry {
     /// When the transition was decided.
@@ -36,7 +37,6 @@ pub struct AuditEntry {
     pub note: String,
     /// What caused the event, when more than its name says: a failed effect's error, the
     /// provider's reason for being down, what is wrong with the spec. Never secret content.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cause: Option<String>,
 }
 

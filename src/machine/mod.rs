@@ -133,6 +133,12 @@ pub fn decide(
     }
 }
 
+/// `secs` seconds after a fixed instant in 2025: the clock of the unit tests.
+#[cfg(test)]
+pub(crate) fn test_time(secs: i64) -> Timestamp {
+    Timestamp::from_second(1_750_000_000 + secs).expect("the test clock stays in range")
+}
+
 #[cfg(test)]
 mod tests {
     use statig::blocking::State as _;

@@ -124,9 +124,7 @@ mod tests {
     use super::*;
     use crate::machine::Phase;
 
-    fn t(secs: i64) -> Timestamp {
-        Timestamp::from_second(1_750_000_000 + secs).expect("valid test timestamp")
-    }
+    use crate::machine::test_time as t;
 
     /// A timer expires at its limit (provisioning: 600 s), a clock going backwards counts as no
     /// time elapsed, and a state without a timer never expires.

@@ -396,15 +396,16 @@ pub trait Provider: Send + Sync {
     /// Checks that the backend answers (connect and list), for `ProviderHealth`.
     async fn probe(&self) -> Result<ProbeReport, ProviderError>;
 
-    /// Gives the running instance `name` new proxy credentials in place, if the backend can:
-    /// afterwards the instance accepts `credentials` and no longer the old ones; open connections
-    /// and leases are untouched. [`CredentialsUpdate::Unsupported`] (the default) means only a
-    /// new instance can carry them: the engine replaces it within the pool's budget.
-    /// Whether [`Provider::update_credentials`] can change a running instance's credentials.
+    /// Whether [`Provider::update_credentials`] can change a running instance's credentials
+    /// (the engine asks before it plans: if not, a credentials change replaces the instance).
     fn updates_credentials_in_place(&self) -> bool {
         false
     }
 
+    /// Gives the running instance `name` new proxy credentials in place, if the backend can:
+    /// afterwards the instance accepts `credentials` and no longer the old ones; open connections
+    /// and leases are untouched. [`CredentialsUpdate::Unsupported`] (the default) means only a
+    /// new instance can carry them: the engine replaces it within the pool's budget.
     async fn update_credentials(
         &self,
         _name: &str,

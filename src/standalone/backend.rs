@@ -25,6 +25,9 @@ use crate::{
     provider::{Credentials, UserData},
 };
 
+/// Where this mode looks for Secrets, as error messages say it.
+const MANIFESTS_FOLDER: &str = " in the manifests folder";
+
 /// Records by key, shared by the runner and the backend.
 pub type Records = Arc<Mutex<HashMap<ProxyKey, ProxyRecord>>>;
 /// Secrets from the manifests folder by (namespace, name).
@@ -79,20 +82,19 @@ impl ProxyBackend for StandaloneBackend {
             .secret(namespace, &secret.name)
             .filter(|s| s.labels().get(CLOUD_INIT_SECRET_LABEL).map(String::as_str) == Some("true"));
         let Some(found) = labelled else {
-            return Err(SecretError::NotUsable(format!(
-                "Secret {namespace}/{} not found in the manifests folder or not labelled {CLOUD_INIT_SECRET_LABEL}=\"true\"",
-                secret.name
-            )));
+            return Err(SecretError::cloud_init_unusable(
+                namespace,
+                &secret.name,
+                MANIFESTS_FOLDER,
+            ));
         };
         user_data_of(&found, namespace, secret)
     }
 
     async fn credentials(&self, namespace: &str, secret_name: &str) -> Result<Credentials, SecretError> {
-        let secret = self.secret(namespace, secret_name).ok_or_else(|| {
-            SecretError::NotUsable(format!(
-                "Secret {namespace}/{secret_name} not found in the manifests folder"
-            ))
-        })?;
+        let secret = self
+            .secret(namespace, secret_name)
+            .ok_or_else(|| SecretError::missing(namespace, secret_name, MANIFESTS_FOLDER))?;
         credentials_of(&secret, namespace, secret_name)
     }
 

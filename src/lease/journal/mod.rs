@@ -63,6 +63,7 @@ use crate::sync::lock;
 
 /// One lease operation as the journal keeps it: what changed in the store, enough to redo it
 /// on a snapshot. Holds no secrets (no lease IDs, no credentials).
+#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(
     tag = "op",
@@ -88,10 +89,8 @@ pub enum Record {
         /// The TTL a renewal without one extends by.
         ttl_ms: u64,
         /// Target domain.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         target_domain: Option<String>,
         /// Sticky-session key and when its binding lapses.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         session: Option<(String, u64)>,
     },
     /// A lease was renewed.
@@ -112,10 +111,8 @@ pub enum Record {
         /// The lease.
         first_token: u64,
         /// The proxy's cooldown end after the release, if resting.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         cooldown_until_ms: Option<u64>,
         /// The domain ban a `banned` outcome started.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
         ban: Option<BanCheckpoint>,
     },
 }

@@ -150,21 +150,21 @@ impl KubernetesProvider {
             Err(other) => return Err(other.into_provider_error()),
         };
         let meta = object.meta();
-        if !self.is_ours(meta) {
+        let made_elsewhere = if !self.is_ours(meta) {
+            Some("another provider instance or nothing of ours")
+        } else if self.installation.is_foreign(stamped_installation(meta).as_ref()) {
+            Some("another installation")
+        } else {
+            None
+        };
+        if let Some(maker) = made_elsewhere {
+            // A name this installation chose is taken by someone else's object: left alone.
             tracing::warn!(
                 provider = %self.instance,
                 resource = kind.resource(),
                 name,
-                "not deleting an object this provider instance did not make"
-            );
-            return Ok(());
-        }
-        if self.installation.is_foreign(stamped_installation(meta).as_ref()) {
-            tracing::info!(
-                provider = %self.instance,
-                resource = kind.resource(),
-                name,
-                "not deleting an object of another installation"
+                made_by = maker,
+                "not deleting an object this installation did not make"
             );
             return Ok(());
         }

@@ -42,6 +42,15 @@ pub struct Stamped<D> {
 }
 
 /// One way of reaching libvirt: what a provider type is made of besides the algorithm.
+/// A volume to create: named fields, so the name and the XML (both text) cannot swap places.
+pub struct NewVolume<'a> {
+    pub name: &'a str,
+    /// libvirt's volume XML.
+    pub xml: &'a str,
+    /// Uploaded into the new volume, if any.
+    pub content: Option<&'a [u8]>,
+}
+
 pub trait Access: Send + Sync + 'static {
     /// The provider type's name and stamp namespace.
     const KIND: Kind;
@@ -82,15 +91,9 @@ pub trait Session {
     fn volume_xml(&self, pool: &Self::Pool, name: &str) -> Result<Option<String>, ProviderError>;
     /// Whether libvirt network `name` is active; `None` if it does not exist.
     fn network_active(&self, name: &str) -> Result<Option<bool>, ProviderError>;
-    /// Creates volume `name` in `pool` from `xml`, then uploads `content` into it (over the
-    /// libvirt connection, so a remote host needs nothing else).
-    fn create_volume(
-        &self,
-        pool: &Self::Pool,
-        name: &str,
-        xml: &str,
-        content: Option<&[u8]>,
-    ) -> Result<(), ProviderError>;
+    /// Creates `volume` in `pool` from its XML, then uploads its content (over the libvirt
+    /// connection, so a remote host needs nothing else).
+    fn create_volume(&self, pool: &Self::Pool, volume: &NewVolume<'_>) -> Result<(), ProviderError>;
     /// Deletes volume `name` of `pool`; a missing one is no error.
     fn delete_volume(&self, pool: &Self::Pool, name: &str) -> Result<(), ProviderError>;
     /// Defines domain `name` from `xml`.
@@ -391,9 +394,19 @@ impl<S: Session> Operation<'_, S> {
         };
         let disk = overlay_volume_xml(&volumes.disk, base);
         let seed = seed_volume_xml(&volumes.seed, iso.len() as u64);
+        let disk = NewVolume {
+            name: &volumes.disk,
+            xml: &disk,
+            content: None,
+        };
+        let seed = NewVolume {
+            name: &volumes.seed,
+            xml: &seed,
+            content: Some(iso),
+        };
         self.session
-            .create_volume(pool, &volumes.disk, &disk, None)
-            .and_then(|()| self.session.create_volume(pool, &volumes.seed, &seed, Some(iso)))
+            .create_volume(pool, &disk)
+            .and_then(|()| self.session.create_volume(pool, &seed))
             .map_err(cleanup_volumes)?;
         let domain = match self.session.define(name, xml) {
             Ok(domain) => domain,

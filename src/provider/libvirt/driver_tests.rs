@@ -6,7 +6,7 @@ use std::{
     time::Duration,
 };
 
-use super::{Access, LibvirtProvider, Session, Stamped};
+use super::{Access, LibvirtProvider, NewVolume, Session, Stamped};
 use crate::{
     config::{BootSettings, KvmSettings, NetworkSettings},
     provider::{
@@ -105,7 +105,7 @@ impl Session for Arc<Backend> {
     fn network_active(&self, _name: &str) -> Result<Option<bool>, ProviderError> {
         Ok(None)
     }
-    fn create_volume(&self, (): &(), _: &str, _: &str, _: Option<&[u8]>) -> Result<(), ProviderError> {
+    fn create_volume(&self, (): &(), _: &NewVolume<'_>) -> Result<(), ProviderError> {
         Ok(())
     }
     fn delete_volume(&self, (): &(), _name: &str) -> Result<(), ProviderError> {

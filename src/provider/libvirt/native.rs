@@ -24,7 +24,7 @@ use virt::{
 
 use super::{
     KVM2_NAMESPACE, Kind, Lookup, STAMP_PREFIX, Stamp, StampError, call_timeout,
-    driver::{Access, LibvirtProvider, Session, Stamped},
+    driver::{Access, LibvirtProvider, NewVolume, Session, Stamped},
     pick_address,
 };
 use crate::{
@@ -209,17 +209,11 @@ impl Session for NativeSession {
             .map_err(|err| classify(format!("reading the state of network {name}"), &err))
     }
 
-    fn create_volume(
-        &self,
-        pool: &StoragePool,
-        name: &str,
-        xml: &str,
-        content: Option<&[u8]>,
-    ) -> Result<(), ProviderError> {
-        let volume = StorageVol::create_xml(pool, xml, 0)
-            .map_err(|err| classify(format!("creating volume {name}"), &err))?;
-        match content {
-            Some(content) => self.upload(&volume, name, content),
+    fn create_volume(&self, pool: &StoragePool, new: &NewVolume<'_>) -> Result<(), ProviderError> {
+        let volume = StorageVol::create_xml(pool, new.xml, 0)
+            .map_err(|err| classify(format!("creating volume {}", new.name), &err))?;
+        match new.content {
+            Some(content) => self.upload(&volume, new.name, content),
             None => Ok(()),
         }
     }

@@ -21,7 +21,7 @@ use tokio::runtime::Handle;
 
 use super::{
     KVM_NAMESPACE, Kind, Lookup, STAMP_PREFIX, Stamp, call_timeout,
-    driver::{Access, LibvirtProvider, Session, Stamped},
+    driver::{Access, LibvirtProvider, NewVolume, Session, Stamped},
     pick_address,
 };
 use crate::{
@@ -351,15 +351,10 @@ impl Session for VirshSession {
         }
     }
 
-    fn create_volume(
-        &self,
-        pool: &String,
-        name: &str,
-        xml: &str,
-        content: Option<&[u8]>,
-    ) -> Result<(), ProviderError> {
-        let mut files: Vec<(&str, &[u8])> = vec![("volume.xml", xml.as_bytes())];
-        files.extend(content.map(|content| ("content", content)));
+    fn create_volume(&self, pool: &String, new: &NewVolume<'_>) -> Result<(), ProviderError> {
+        let name = new.name;
+        let mut files: Vec<(&str, &[u8])> = vec![("volume.xml", new.xml.as_bytes())];
+        files.extend(new.content.map(|content| ("content", content)));
         self.with_files(&files, |paths| {
             self.virsh(&["vol-create", "--pool", pool, "--file", &paths[0]])
                 .map_err(|err| classify(format!("creating volume {name}"), err))?;

@@ -323,14 +323,14 @@ impl Provider for LocalProvider {
         inner.read_instance(name).await
     }
 
-    /// Rewrites the password file in place: Squid's `basic_ncsa_auth` re-reads it when it
-    /// changes, so the new credentials work from the next request on, the old ones get 407, and
-    /// nothing is restarted. Adding or removing authentication changes `squid.conf`: only a new
-    /// instance can do that (`Unsupported`).
     fn updates_credentials_in_place(&self) -> bool {
         true
     }
 
+    /// Rewrites the password file in place: Squid's `basic_ncsa_auth` re-reads it when it
+    /// changes, so the new credentials work from the next request on, the old ones get 407, and
+    /// nothing is restarted. Adding or removing authentication changes `squid.conf`: only a new
+    /// instance can do that (`Unsupported`).
     async fn update_credentials(
         &self,
         name: &str,

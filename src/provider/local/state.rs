@@ -93,6 +93,7 @@ impl InstanceDir {
 
 /// Who an instance belongs to and what it runs: written before Squid starts, so an instance
 /// can always be attributed by orphan GC.
+#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub(super) struct OwnerRecord {
@@ -101,7 +102,6 @@ pub(super) struct OwnerRecord {
     /// The provider instance (from the providers config) that made it.
     pub provider_instance: String,
     /// The installation that made (or adopted) it; absent in a legacy record.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub installation: Option<Installation>,
     /// The owning Proxy.
     pub owner: Owner,
@@ -114,7 +114,6 @@ pub(super) struct OwnerRecord {
     /// Listen port.
     pub port: u16,
     /// Source address for outgoing connections, if set.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outgoing_address: Option<String>,
     /// Whether clients must authenticate.
     pub authenticated: bool,
