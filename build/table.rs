@@ -19,7 +19,7 @@ pub(crate) struct Table {
     pub(crate) facts: Vec<Named>,
     pub(crate) states: Vec<StateDef>,
     pub(crate) events: Vec<EventDef>,
-    pub(crate) effects: Vec<Named>,
+    pub(crate) effects: Vec<EffectDef>,
     pub(crate) timers: Vec<TimerDef>,
     /// Reasons whose Kubernetes Events are of type Warning.
     pub(crate) warnings: Vec<String>,
@@ -46,6 +46,16 @@ pub(crate) struct StateDef {
 pub(crate) struct Named {
     pub(crate) name: String,
     pub(crate) doc: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct EffectDef {
+    pub(crate) name: String,
+    pub(crate) doc: String,
+    /// The events whose rows may run it (its value comes from the event); empty: any.
+    #[serde(default)]
+    pub(crate) only_on: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -300,6 +310,15 @@ impl Check {
     /// Each row on its own; returns the row indexes per (from, on), in table order.
     fn rows(&mut self, t: &Table) -> BTreeMap<(String, String), Vec<usize>> {
         let mut groups: BTreeMap<(String, String), Vec<usize>> = BTreeMap::new();
+        for def in &t.effects {
+            for event in def.only_on.iter().filter(|e| !self.events.contains(*e)) {
+                self.errors.push(format!(
+                    "effect `{}`: `only_on` lists unknown event `{event}`; events: {}",
+                    def.name,
+                    list(&self.events)
+                ));
+            }
+        }
         for (i, row) in t.transitions.iter().enumerate() {
             let label = row_label(i, row);
             for (field, state) in [("from", &row.from), ("to", &row.to)] {
@@ -342,6 +361,15 @@ impl Check {
                 }
                 if !seen.insert(e) {
                     self.errors.push(format!("{label}: effect `{e}` listed twice"));
+                }
+                if let Some(def) = t.effects.iter().find(|d| &d.name == e)
+                    && !def.only_on.is_empty()
+                    && !def.only_on.contains(&row.on)
+                {
+                    self.errors.push(format!(
+                        "{label}: effect `{e}` takes its value from the events {} only",
+                        def.only_on.join(" / ")
+                    ));
                 }
             }
             if !is_camel(&row.reason) {

@@ -7,7 +7,7 @@ use std::{collections::BTreeSet, path::PathBuf};
 
 use egress_proxies_operator::controller::simulate::{self, Replay, Scenario};
 use egress_proxies_operator::machine::table::{ROWS, event_info};
-use egress_proxies_operator::machine::{Phase, reason};
+use egress_proxies_operator::machine::{Event, Phase, reason};
 
 fn scenario_files() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("machines/scenarios");
@@ -103,6 +103,53 @@ async fn executors_raise_only_declared_events() {
             }
         }
     }
+}
+
+/// `Ready` says why the proxy is or is not ready, in every status any scenario writes: a True
+/// Ready never carries a warning's reason, and reporting on the spec (SpecValid) leaves Ready
+/// alone wherever the spec is not what the proxy waits for: a healthy proxy keeps serving its
+/// last valid spec (Ready=True as it was), a degraded or booting one stays not ready for the
+/// reason it was.
+#[tokio::test]
+async fn ready_tells_why_and_spec_reports_leave_it_alone_where_the_spec_does_not_block() {
+    let mut checked = 0;
+    for (stem, _, replay) in replay_all().await {
+        let mut ready_before: Option<(String, String, String)> = None;
+        for step in &replay.steps {
+            let Some(status) = &step.written else { continue };
+            let Some(ready) = status.conditions.iter().find(|c| c.type_ == "Ready") else {
+                continue;
+            };
+            let now = (ready.status.clone(), ready.reason.clone(), ready.message.clone());
+            assert!(
+                !(ready.status == "True" && reason::WARNINGS.contains(&ready.reason.as_str())),
+                "{stem} at +{}s: Ready=True with the warning reason {}\n{}",
+                step.at,
+                ready.reason,
+                replay.render()
+            );
+            let spec_reports_only = !step.audit.is_empty()
+                && step.audit.iter().all(|e| {
+                    matches!(e.event, Event::SpecInvalid | Event::SpecFixed)
+                        && matches!(e.from, Phase::Healthy | Phase::Degraded | Phase::Provisioning)
+                });
+            if spec_reports_only && let Some(before) = &ready_before {
+                checked += 1;
+                assert_eq!(
+                    &now,
+                    before,
+                    "{stem} at +{}s: a spec report changed Ready\n{}",
+                    step.at,
+                    replay.render()
+                );
+            }
+            ready_before = Some(now);
+        }
+    }
+    assert!(
+        checked >= 4,
+        "the scenarios report on the spec of running proxies ({checked} times)"
+    );
 }
 
 /// A failing effect is never silent: the trail names the transition it caused and its cause.

@@ -42,6 +42,18 @@ fn unknown_effect_names_the_row() {
 }
 
 #[test]
+fn an_effect_on_an_event_it_does_not_take_names_the_row() {
+    let errors = errors_after(
+        "effects: [disable_leases, set_conditions, record_event],\n     reason: HealthCheckFailed, note: \"Out of rotation",
+        "effects: [disable_leases, report_spec, record_event],\n     reason: HealthCheckFailed, note: \"Out of rotation",
+    );
+    assert_mentions(
+        &errors,
+        "(healthy --health_failed--> degraded): effect `report_spec` takes its value from the events spec_invalid / spec_fixed only",
+    );
+}
+
+#[test]
 fn unknown_guard_fact_names_the_row() {
     let errors = errors_after(
         "{from: healthy, on: deletion_requested, guard: [leases_active]",

@@ -109,6 +109,10 @@ impl<B: ProxyBackend> Reconciler<B> {
                 conditions.apply_to(record);
                 Vec::new()
             }
+            Planned::ReportSpec(report) => {
+                report.apply_to(record);
+                Vec::new()
+            }
             Planned::RecordEvent { message, .. } => {
                 if let Err(err) = self.backend.record(cx.proxy, entry, message).await {
                     // The audit trail in the cluster is best effort: the status is authoritative.

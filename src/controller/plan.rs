@@ -8,27 +8,41 @@ use jiff::Timestamp;
 use super::status::Record;
 use crate::machine::{Backoff, Decision, EffectKind, Event, Phase, policy};
 
-/// What `set_conditions` does to `SpecValid`.
+/// What `report_spec` says in `SpecValid`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SpecReport {
-    /// Leave it as it is.
-    Keep,
-    /// Report the spec invalid with this text.
+    /// The spec is invalid: this text says what to fix.
     Invalid(String),
-    /// Report the spec valid.
+    /// The spec is valid.
     Valid,
 }
 
-/// What `set_conditions` reports: the `Ready` reason and message, `SpecValid`, and
-/// `Provisioned`.
+impl SpecReport {
+    /// Writes it into the status record.
+    pub fn apply_to(&self, record: &mut Record) {
+        record.spec_problem = match self {
+            SpecReport::Invalid(text) => Some(text.clone()),
+            SpecReport::Valid => None,
+        };
+    }
+}
+
+impl fmt::Display for SpecReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SpecReport::Invalid(text) => write!(f, "report_spec(SpecValid=False: {text:?})"),
+            SpecReport::Valid => f.write_str("report_spec(SpecValid=True)"),
+        }
+    }
+}
+
+/// What `set_conditions` reports: the `Ready` reason and message, and `Provisioned`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Conditions {
     /// Ready's reason (the row's).
     pub reason: &'static str,
     /// Ready's message (the cause, or the event's doc).
     pub message: String,
-    /// What happens to `SpecValid`.
-    pub spec: SpecReport,
     /// Report `Provisioned=True` (the event says the instance runs).
     pub provisioned: bool,
 }
@@ -39,11 +53,6 @@ impl Conditions {
         record.ready_reason = self.reason.to_owned();
         record.ready_message = self.message.clone();
         record.instance_running |= self.provisioned;
-        match &self.spec {
-            SpecReport::Keep => {}
-            SpecReport::Invalid(text) => record.spec_problem = Some(text.clone()),
-            SpecReport::Valid => record.spec_problem = None,
-        }
     }
 }
 
@@ -53,11 +62,7 @@ impl fmt::Display for Conditions {
         if self.provisioned {
             f.write_str(", Provisioned=True")?;
         }
-        match &self.spec {
-            SpecReport::Keep => f.write_str(")"),
-            SpecReport::Invalid(text) => write!(f, ", SpecValid=False: {text:?})"),
-            SpecReport::Valid => f.write_str(", SpecValid=True)"),
-        }
+        f.write_str(")")
     }
 }
 
@@ -80,6 +85,8 @@ pub enum Planned {
     RevokeLeases,
     /// `set_conditions`.
     SetConditions(Conditions),
+    /// `report_spec`.
+    ReportSpec(SpecReport),
     /// `record_event`: a Kubernetes Event / store entry.
     RecordEvent {
         /// The row's reason.
@@ -106,6 +113,7 @@ impl fmt::Display for Planned {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Planned::SetConditions(conditions) => conditions.fmt(f),
+            Planned::ReportSpec(report) => report.fmt(f),
             Planned::RecordEvent { reason, message } => write!(f, "record_event({reason}: {message:?})"),
             Planned::ScheduleRetry {
                 attempts,
@@ -130,6 +138,7 @@ impl Planned {
             Planned::DrainLeases => EffectKind::DrainLeases,
             Planned::RevokeLeases => EffectKind::RevokeLeases,
             Planned::SetConditions(_) => EffectKind::SetConditions,
+            Planned::ReportSpec(_) => EffectKind::ReportSpec,
             Planned::RecordEvent { .. } => EffectKind::RecordEvent,
             Planned::ScheduleRetry { .. } => EffectKind::ScheduleRetry,
             Planned::ClearRetry => EffectKind::ClearRetry,
@@ -201,12 +210,13 @@ pub fn plan(decision: &Decision, cause: Option<&str>, input: PlanInput<'_>) -> P
             EffectKind::SetConditions => Planned::SetConditions(Conditions {
                 reason,
                 message: message.clone(),
-                spec: match decision.event {
-                    Event::SpecInvalid => SpecReport::Invalid(message.clone()),
-                    Event::SpecFixed => SpecReport::Valid,
-                    _ => SpecReport::Keep,
-                },
                 provisioned: decision.event == Event::InstanceRunning,
+            }),
+            // The table runs it on spec_invalid and spec_fixed only (the build checks it).
+            EffectKind::ReportSpec => Planned::ReportSpec(if decision.event == Event::SpecFixed {
+                SpecReport::Valid
+            } else {
+                SpecReport::Invalid(message.clone())
             }),
             EffectKind::RecordEvent => Planned::RecordEvent {
                 reason,
