@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -63,6 +64,73 @@ def assert_no_active_lease(client: DiscoveryClient, selector: Dict[str, str]) ->
     assert listing, "the selector matches the test's proxies"
     active = {p.proxy.key: p.active_leases for p in listing if p.active_leases}
     assert not active, f"leases left behind: {active}"
+
+
+class LosingRelay:
+    """A TCP relay on 127.0.0.1, port 0, in front of the discovery API that loses answers: a
+    request whose path contains ``lose`` reaches the API, and then the relay closes the
+    client's connection without its answer, ``times`` times; every other request is relayed
+    whole. One request per connection (the client sends ``Connection: close``)."""
+
+    def __init__(self, api_url: str) -> None:
+        host, port = api_url.split("//", 1)[1].rstrip("/").split(":")
+        self.upstream = (host, int(port))
+        self.lose = ""
+        self.times = 0
+        self.lost: List[str] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def lose_answers(self, path_part: str, times: int) -> None:
+        self.lose, self.times = path_part, times
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        with conn, socket.create_connection(self.upstream) as upstream:
+            request = self._read_request(conn)
+            upstream.sendall(request)
+            answer = b""
+            while chunk := upstream.recv(65536):
+                answer += chunk
+            line = request.split(b"\r\n", 1)[0].decode()
+            if self.times > 0 and self.lose in line:
+                self.times -= 1
+                self.lost.append(line)
+                return  # the API did it; the client hears nothing
+            conn.sendall(answer)
+
+    @staticmethod
+    def _read_request(conn: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = 0
+        for header in head.split(b"\r\n")[1:]:
+            name, _, value = header.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        while len(body) < length:
+            body += conn.recv(65536)
+        return head + b"\r\n\r\n" + body
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.fixture
+def losing_relay(api_url: str) -> Iterator[LosingRelay]:
+    relay = LosingRelay(api_url)
+    yield relay
+    relay.close()
 
 
 class AccessLogs:

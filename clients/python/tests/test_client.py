@@ -9,8 +9,8 @@ from typing import Dict, List
 
 import pytest
 
-from egress_proxies import DiscoveryClient, DiscoveryError, Lease, NoProxyAvailable
-from conftest import AccessLogs, Site
+from egress_proxies import DiscoveryClient, DiscoveryError, Lease, NoProxyAvailable, StaleToken
+from conftest import AccessLogs, LosingRelay, Site
 
 
 def hold_all(client: DiscoveryClient, selector: Dict[str, str]) -> List[Lease]:
@@ -35,6 +35,44 @@ def test_acquire_list_release(client: DiscoveryClient, selector: Dict[str, str])
     assert lease.released and not lease.active
     assert client.release(lease, "ok") is False, "a second release has nothing to release"
     assert all(p.active_leases == 0 for p in client.list_proxies(selector))
+
+
+def test_a_release_whose_answer_is_lost_is_sent_again_and_settled(
+    client: DiscoveryClient, token: str, selector: Dict[str, str], losing_relay: LosingRelay
+) -> None:
+    with DiscoveryClient(losing_relay.url, token, holder="pytest", renew=False) as through_relay:
+        lease = through_relay.acquire(selector, ttl_seconds=60)
+        losing_relay.lose_answers("/release", times=1)
+        # The first release reaches the API and its answer is lost; the second finds the lease
+        # gone (404): the first one released it.
+        assert through_relay.release(lease, "ok") is True
+        assert losing_relay.lost == [f"POST /v1/leases/{lease.lease_id}/release HTTP/1.1"]
+        assert lease.released and lease.lost is None
+    listed = {p.proxy.key: p for p in client.list_proxies(selector)}
+    assert listed[lease.proxy.key].active_leases == 0, "released, not left to its TTL"
+
+
+def test_a_renewal_whose_answer_is_lost_loses_the_lease_truthfully(
+    client: DiscoveryClient, token: str, selector: Dict[str, str], losing_relay: LosingRelay
+) -> None:
+    with DiscoveryClient(losing_relay.url, token, holder="pytest", renew=False) as through_relay:
+        lease = through_relay.acquire(selector, ttl_seconds=2)
+        token_before = lease.fencing_token
+        losing_relay.lose_answers("/renew", times=1)
+        with pytest.raises(DiscoveryError) as lost:
+            through_relay.renew(lease)
+        assert (lost.value.status, lost.value.code) == (0, "no_answer")
+        assert lease.fencing_token == token_before, "no answer: the client knows no new token"
+        # The renewal happened: the token the client holds is stale now, and it says so.
+        with pytest.raises(StaleToken):
+            through_relay.renew(lease)
+    # Active with a token nobody was told, it ends at its expiry (2 s after the lost renewal).
+    listed = {p.proxy.key: p for p in client.list_proxies(selector)}
+    assert listed[lease.proxy.key].active_leases == 1
+    deadline = time.monotonic() + 10.0
+    while any(p.active_leases for p in client.list_proxies(selector)):
+        assert time.monotonic() < deadline, "the lease outlived its TTL"
+        time.sleep(0.1)
 
 
 def test_leases_are_renewed_in_the_background(client: DiscoveryClient, selector: Dict[str, str]) -> None:

@@ -13,6 +13,7 @@ client can serve every thread of a crawler.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -45,12 +46,22 @@ __all__ = [
 _WAITABLE_CODES = frozenset({"no_proxy_available", "not_ready", "not_leader"})
 # Retry-After when a 503 carries none (the server always sends one; a proxy in front may not).
 _DEFAULT_RETRY_AFTER = 1.0
+# Attempts of a release whose answer leaves it in doubt (no answer, or a 5xx).
+_RELEASE_ATTEMPTS = 3
+
+
+def _worth_retrying(err: DiscoveryError) -> bool:
+    """Whether sending the operation that got ``err`` again may settle it: no answer (it may
+    have happened), no connection, or a 5xx (not ready, not leader, journal unavailable)."""
+    return err.code == "no_answer" or err.status >= 500 or err.code == "unreachable"
 
 
 class DiscoveryError(Exception):
     """An error answer from the API: its HTTP status, stable ``code`` and message.
 
-    ``status`` is 0 and ``code`` is ``"unreachable"`` when the API could not be reached.
+    ``status`` is 0 when no answer came: ``code`` is ``"unreachable"`` when the request was
+    never sent (no connection), ``"no_answer"`` when it may have been (the connection broke or
+    timed out after sending): the operation may then have happened.
     """
 
     def __init__(self, status: int, code: str, message: str, retry_after: Optional[float] = None):
@@ -283,6 +294,10 @@ class DiscoveryClient:
         ``banned`` rests the proxy for ``target_domain`` (default: the lease's). Returns False
         when there was nothing to release: already released here, or unknown to the server
         (expired or revoked).
+
+        A release that gets no answer (or a 5xx) is sent again, up to three attempts in all: a
+        404 then means the earlier attempt released it (True). If every attempt stays in doubt,
+        the last error is raised and the lease ends at its expiry at the latest.
         """
         if self._renewer is not None:
             self._renewer.discard(lease)
@@ -292,14 +307,25 @@ class DiscoveryClient:
             body: Dict[str, Any] = {"fencingToken": lease.fencing_token, "outcome": outcome}
             if target_domain:
                 body["targetDomain"] = target_domain
-            try:
-                self._call("POST", f"/v1/leases/{_quote(lease.lease_id)}/release", body)
-            except LeaseNotFound as err:
-                lease.lost = lease.lost or err
+            maybe_done = False
+            for attempt in range(1, _RELEASE_ATTEMPTS + 1):
+                try:
+                    self._call("POST", f"/v1/leases/{_quote(lease.lease_id)}/release", body)
+                except LeaseNotFound as err:
+                    lease.released = True
+                    if maybe_done:
+                        return True
+                    lease.lost = lease.lost or err
+                    return False
+                except DiscoveryError as err:
+                    if not _worth_retrying(err) or attempt == _RELEASE_ATTEMPTS:
+                        raise
+                    maybe_done = maybe_done or err.code != "unreachable"
+                    time.sleep(min(err.retry_after or 0.2, 1.0))
+                    continue
                 lease.released = True
-                return False
-            lease.released = True
-            return True
+                return True
+            raise AssertionError("unreachable: the last attempt returns or raises")
 
     @contextmanager
     def lease(self, selector: Optional[Mapping[str, str]] = None, **acquire_args: Any) -> Iterator[Lease]:
@@ -340,7 +366,11 @@ class DiscoveryClient:
             raise _error_from(err) from None
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
-            raise DiscoveryError(0, "unreachable", f"{method} {path}: {reason}") from None
+            # Refused or unresolvable: nothing was sent. Anything else (reset, timeout, closed
+            # before the answer) may have cut off a request the server received.
+            sent = not isinstance(reason, (ConnectionRefusedError, socket.gaierror))
+            code = "no_answer" if sent else "unreachable"
+            raise DiscoveryError(0, code, f"{method} {path}: {reason}") from None
 
 
 def _quote(lease_id: str) -> str:
