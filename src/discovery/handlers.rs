@@ -408,10 +408,10 @@ pub(super) fn with_claim<T>(
     id: &str,
     token: u64,
     now: u64,
-    op: impl Fn(&crate::lease::LeaseId) -> Result<T, LeaseError>,
+    op: impl Fn(&crate::lease::LeaseClaim) -> Result<T, LeaseError>,
 ) -> Result<T, ApiError> {
     let claim = verify(s, id)?;
-    match op(&claim.id) {
+    match op(&claim) {
         Err(LeaseError::NotFound) => {
             s.deps.store.reinstate_at(&claim, token, now)?;
             if let Some(journal) = s.journal.get() {
@@ -419,7 +419,7 @@ pub(super) fn with_claim<T>(
                 drop(journal.append(&Record::reinstated(&claim, token)));
             }
             tracing::info!(proxy = %claim.id.key, "lease reinstated from its signed ID");
-            Ok(op(&claim.id)?)
+            Ok(op(&claim)?)
         }
         other => Ok(other?),
     }
@@ -448,11 +448,11 @@ pub(super) async fn renew(
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     let ttl = req.ttl_seconds.map(Duration::from_secs);
-    let (renewed, lease) = with_claim(s, id, req.fencing_token, now, |lease| {
+    let (renewed, lease) = with_claim(s, id, req.fencing_token, now, |claim| {
         s.deps
             .store
-            .renew_at(lease, req.fencing_token, ttl, now)
-            .map(|r| (r, lease.clone()))
+            .renew_at(&claim.id, req.fencing_token, ttl, now)
+            .map(|r| (r, claim.id.clone()))
     })?;
     commit(s, || Record::Renew {
         key: lease.key,
@@ -493,26 +493,22 @@ pub(super) async fn release(
     req: ReleaseBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    let lease = with_claim(s, id, req.fencing_token, now, |lease| {
+    let (lease, own_domain) = with_claim(s, id, req.fencing_token, now, |claim| {
         s.deps
             .store
             .release_at(
-                lease,
+                &claim.id,
                 req.fencing_token,
                 req.outcome,
                 req.target_domain.as_deref(),
                 now,
             )
-            .map(|()| lease.clone())
+            .map(|()| (claim.id.clone(), claim.target_domain.clone()))
     })?;
     commit(s, || {
         let ban = (req.outcome == Outcome::Banned)
-            .then(|| {
-                // The store took the lease's own domain when the release named none.
-                req.target_domain
-                    .clone()
-                    .or_else(|| verify(s, id).ok()?.target_domain)
-            })
+            // The store took the lease's own domain when the release named none.
+            .then(|| req.target_domain.clone().or(own_domain))
             .flatten()
             .map(|domain| BanCheckpoint {
                 domain: LeaseStore::normalize_domain(&domain),

@@ -568,6 +568,44 @@ async fn length_limits_count_characters_where_the_docs_say_characters() {
     }
 }
 
+/// A `banned` release that names no domain bans the lease's own target domain, and the journal
+/// keeps that ban: what a restart replays is what the store did.
+#[tokio::test]
+async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
+    use crate::lease::journal::{self, Journal, JournalConfig, JournalMetrics};
+    let dir = tempfile::tempdir().unwrap();
+    let h = harness(1, 1);
+    let journal = Journal::start(JournalConfig::new(dir.path()), 1, JournalMetrics::default()).unwrap();
+    h.state.set_journal(journal.clone());
+    let acquired = h
+        .call(
+            "POST",
+            "/v1/leases",
+            Some(json!({"holder": "c1", "targetDomain": "Shop.Example"})),
+        )
+        .await;
+    assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
+    let released = h
+        .call(
+            "POST",
+            &format!(
+                "/v1/leases/{}/release",
+                acquired.body["leaseId"].as_str().unwrap()
+            ),
+            Some(json!({"fencingToken": acquired.body["fencingToken"], "outcome": "banned"})),
+        )
+        .await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.text);
+    let recovered = journal::recover(dir.path(), None).unwrap();
+    let bans: Vec<&str> = recovered.checkpoint.proxies[0]
+        .bans
+        .iter()
+        .map(|b| b.domain.as_str())
+        .collect();
+    assert_eq!(bans, ["shop.example"]);
+    journal.close();
+}
+
 #[tokio::test]
 async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_failed_sync_is_a_503() {
     use crate::lease::journal::{self, Journal, JournalConfig, JournalMetrics, SEGMENT_PREFIX};
