@@ -568,15 +568,21 @@ async fn length_limits_count_characters_where_the_docs_say_characters() {
     }
 }
 
+/// A harness over `proxies` proxies whose operations are journaled in a fresh folder.
+fn journaled_harness(proxies: usize) -> (Harness, Journal, tempfile::TempDir) {
+    use crate::lease::journal::{JournalConfig, JournalMetrics};
+    let dir = tempfile::tempdir().unwrap();
+    let h = harness(proxies, 1);
+    let journal = Journal::start(JournalConfig::new(dir.path()), 1, JournalMetrics::default()).unwrap();
+    h.state.set_journal(journal.clone());
+    (h, journal, dir)
+}
+
 /// A `banned` release that names no domain bans the lease's own target domain, and the journal
 /// keeps that ban: what a restart replays is what the store did.
 #[tokio::test]
 async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
-    use crate::lease::journal::{self, Journal, JournalConfig, JournalMetrics};
-    let dir = tempfile::tempdir().unwrap();
-    let h = harness(1, 1);
-    let journal = Journal::start(JournalConfig::new(dir.path()), 1, JournalMetrics::default()).unwrap();
-    h.state.set_journal(journal.clone());
+    let (h, journal, dir) = journaled_harness(1);
     let acquired = h
         .call(
             "POST",
@@ -596,7 +602,7 @@ async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
         )
         .await;
     assert_eq!(released.status, StatusCode::OK, "{}", released.text);
-    let recovered = journal::recover(dir.path(), None).unwrap();
+    let recovered = crate::lease::journal::recover(dir.path(), None).unwrap();
     let bans: Vec<&str> = recovered.checkpoint.proxies[0]
         .bans
         .iter()
@@ -608,11 +614,8 @@ async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
 
 #[tokio::test]
 async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_failed_sync_is_a_503() {
-    use crate::lease::journal::{self, Journal, JournalConfig, JournalMetrics, SEGMENT_PREFIX};
-    let dir = tempfile::tempdir().unwrap();
-    let h = harness(2, 1);
-    let journal = Journal::start(JournalConfig::new(dir.path()), 1, JournalMetrics::default()).unwrap();
-    h.state.set_journal(journal.clone());
+    use crate::lease::journal::SEGMENT_PREFIX;
+    let (h, journal, dir) = journaled_harness(2);
     let acquired = h.call("POST", "/v1/leases", Some(json!({"holder": "c1"}))).await;
     assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
     let renewed = h
@@ -624,7 +627,7 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
         .await;
     assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.text);
     // Answered, so already in the log (no close, no flush).
-    let r = journal::recover(dir.path(), None).unwrap();
+    let r = crate::lease::journal::recover(dir.path(), None).unwrap();
     let lease = &r.checkpoint.proxies[0].leases[0];
     assert_eq!(Some(lease.token), renewed.body["fencingToken"].as_u64());
 
