@@ -159,6 +159,11 @@ enum Command {
         /// group commit) before it is answered.
         #[arg(long)]
         no_durable_leases: bool,
+        /// How long the lease journal waits, after the first operation of a batch, for as many
+        /// more as its last batch held before one fsync commits them all: longer makes bigger
+        /// batches under load (fewer syncs), and adds at most this much to a lone operation.
+        #[arg(long, value_name = "MS", default_value_t = 1, value_parser = clap::value_parser!(u64).range(0..=100))]
+        lease_journal_window_ms: u64,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         json_logs: bool,
@@ -414,12 +419,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             lifecycle,
             installation_name,
             no_durable_leases,
+            lease_journal_window_ms,
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
             let options = standalone::StandaloneOptions {
                 installation_name,
                 durable_leases: !no_durable_leases,
+                lease_journal_window: std::time::Duration::from_millis(lease_journal_window_ms),
                 manifests,
                 providers_config,
                 state,

@@ -68,6 +68,9 @@ pub struct StandaloneOptions {
     /// it. Off: leases are checkpointed once a second and a crash can lose the last second's
     /// operations (docs/api.md).
     pub durable_leases: bool,
+    /// With durable leases: how long the journal's writer waits for more operations after a
+    /// batch's first before it syncs ([`JournalConfig::window`]).
+    pub lease_journal_window: Duration,
 }
 
 /// The file in the state folder holding standalone mode's lease snapshot (the lease journal's
@@ -238,7 +241,11 @@ fn start_journal(
     if !options.durable_leases {
         return Ok(None);
     }
-    Journal::start(JournalConfig::new(&options.state), leases.last_seq + 1, metrics)
+    let config = JournalConfig {
+        window: options.lease_journal_window,
+        ..JournalConfig::new(&options.state)
+    };
+    Journal::start(config, leases.last_seq + 1, metrics)
         .map(Some)
         .map_err(|e| AppError::Startup(e.to_string()))
 }
@@ -351,6 +358,7 @@ mod tests {
             gc_interval: Duration::from_secs(60),
             installation_name: "test".into(),
             durable_leases: true,
+            lease_journal_window: Duration::from_millis(1),
         }
     }
 
