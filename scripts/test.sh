@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: installs what a fresh Debian machine lacks (system
 # packages via apt, Rust components), then checks formatting, runs clippy with warnings as
-# errors, and runs every test (generated files are compared with their sources by tests).
+# errors, builds the code's docs with broken links as errors, and runs every test (generated
+# files are compared with their sources by tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/install.sh
@@ -13,6 +14,9 @@ echo "==> cargo fmt --check"
 cargo fmt --all --check
 echo "==> cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
+echo "==> cargo doc (the code's own docs, private items included: every link resolves)"
+RUSTDOCFLAGS="-D warnings -A rustdoc::private_intra_doc_links" \
+    cargo doc --locked --no-deps --document-private-items
 echo "==> tests"
 if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run --locked --no-fail-fast

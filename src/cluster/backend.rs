@@ -53,7 +53,7 @@ fn short_hash(text: Option<&str>) -> u64 {
 
 impl KubeBackend {
     /// A backend writing through `client`, reading cloud-init Secrets from `cloud_init_secrets`
-    /// (a reflector over Secrets labelled [`CLOUD_INIT_SECRET_LABEL`]), publishing the audit trail
+    /// (a reflector over Secrets labelled [`CLOUD_INIT_SECRET_LABEL`](crate::api::CLOUD_INIT_SECRET_LABEL)), publishing the audit trail
     /// through `events`.
     pub fn new(client: Client, events: EventPublisher, cloud_init_secrets: Store<Secret>) -> Self {
         Self {

@@ -242,7 +242,7 @@ impl<B: ProxyBackend> Reconciler<B> {
         }
     }
 
-    /// Gives the running instance the Secret's credentials; see [`Provider::update_credentials`].
+    /// Gives the running instance the Secret's credentials; see [`crate::provider::Provider::update_credentials`].
     async fn update_credentials(&self, cx: &EffectContext<'_>) -> Vec<Occurrence> {
         let (Some(provider), Ok(resolved)) = (cx.provider, cx.resolved) else {
             // Raised only with a valid spec (`spec_valid` is one of its facts).

@@ -5,7 +5,7 @@
 //!    per reconcile), then each round the provider's `get`, the health verdict, the leases, the
 //!    provider's availability and the pool's budgets ([`pool`]); turned into the table's facts
 //!    (no client required).
-//! 2. **derive** ([`crate::machine::derive`], no client): the first event the facts raise that
+//! 2. **derive** ([`crate::machine::derive()`], no client): the first event the facts raise that
 //!    the state handles, read from the table.
 //! 3. **decide** ([`crate::machine::decide`], no client): the generated machine picks the row.
 //! 4. **plan** ([`plan`], no client): the row's effects with their parameters, as a value.

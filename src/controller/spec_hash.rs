@@ -7,7 +7,7 @@
 //!
 //! Applied hash strings carry their encoding version, so an upgrade that changes the encoding
 //! replaces nothing: an instance stamped under an older version is compared under that version
-//! ([`compare`], [`matches`]) and only a real change of what runs replaces it.
+//! ([`compare`], [`matches()`]) and only a real change of what runs replaces it.
 //!
 //! - version 1: 64 lowercase hex digits, no prefix (every hash written before versioning);
 //! - version N ≥ 2: `vN:` followed by 64 lowercase hex digits.

@@ -14,7 +14,7 @@
 //! row, and rehydrating after a restart cannot repeat one. docs/architecture.md ("The generated
 //! engine") says why the machine is flat and what each handler outcome means.
 //!
-//! Submodules: [`table`] (generated types and metadata), [`derive`] (facts → event),
+//! Submodules: [`table`] (generated types and metadata), [`mod@derive`] (facts → event),
 //! [`effects`] (the effect kinds), [`policy`] (timers and retry backoff), [`audit`] (audit trail),
 //! [`docs`] (docs/machines.md). Scenario replays run the whole reconciler: see
 //! [`crate::controller::simulate`].

@@ -371,7 +371,7 @@ pub trait Provider: Send + Sync {
     /// Creates the instance for `request`, or returns the existing one of that name
     /// (idempotent). Returning does not mean running: poll [`Provider::get`]. An existing
     /// instance of that name stamped by another installation is an error
-    /// ([`Installation::foreign_instance`]), never returned.
+    /// ([`Installation::refuse_foreign`]), never returned.
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError>;
 
     /// The instance named `name` ([`instance_name`]); `NotFound` only if it truly is gone or

@@ -252,7 +252,7 @@ pub async fn recover_and_compact(dir: &Path, file: &FileCheckpoint) -> Result<Re
 /// up to it was applied to the store first), then recycles or deletes the segments the
 /// snapshot covers (closing the open one past [`segment::SEGMENT_BYTES`]), and keeps a spare
 /// segment ready; a last snapshot when `shutdown` completes, then it closes the journal. Saves are counted and failures reported through `report` (like
-/// [`super::maintenance`]'s, which then runs without a checkpoint sink, reaping only).
+/// [`crate::lease::checkpoint::maintenance`]'s, which then runs without a checkpoint sink, reaping only).
 pub async fn compaction(
     store: LeaseStore,
     journal: Journal,

@@ -78,8 +78,8 @@ struct Binding {
 type SessionMap = HashMap<Box<str>, Binding>;
 struct Inner {
     shards: Box<[Padded<Mutex<Shard>>]>,
-    /// Per shard, the thread that last started acquires in it ([`owner_word`]): read and
-    /// written once per [`BURST`], kept off the locks' lines.
+    /// Per shard, the thread that last started acquires in it ([`select::owner_word`]): read and
+    /// written once per [`select::BURST`], kept off the locks' lines.
     owners: Box<[Padded<AtomicU64>]>,
     sessions: Box<[Padded<Mutex<SessionMap>>]>,
     interner: RwLock<Interner>,

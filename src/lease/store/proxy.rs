@@ -79,7 +79,7 @@ pub(super) struct ProxyState {
     /// For restored, unconfigured entries: dropped by the reaper after this time.
     pub(super) parked_until: u64,
     /// When its entry in the shard's expiry heap is due (0: none); never after its earliest
-    /// lease expiry, so [`Shard::settle`] sees every expiry on time.
+    /// lease expiry, so [`super::shard::Shard::settle`] sees every expiry on time.
     pub(super) check_at: u64,
 }
 

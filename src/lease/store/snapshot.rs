@@ -218,7 +218,7 @@ impl LeaseStore {
 
     /// Loads a checkpoint: call once at start, before serving (upserts may come before or
     /// after). Proxies it names that the controller has not configured (yet) are kept, closed,
-    /// for [`LeaseStoreConfig::restore_grace`] so their leases can be renewed and released.
+    /// for [`crate::lease::LeaseStoreConfig::restore_grace`] so their leases can be renewed and released.
     pub fn restore(&self, cp: &Checkpoint) {
         let now = self.now();
         let grace = self.inner.config.restore_grace.as_millis() as u64;
