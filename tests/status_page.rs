@@ -391,3 +391,94 @@ async fn the_status_page_in_cluster_mode_is_on_the_admin_port() {
     assert!(!dom.contains(TOKEN), "the token reached the page");
     operator.stop().await;
 }
+
+/// Cluster mode keeps its trail in memory, and every process starts with none: a replica that
+/// takes over reads back what earlier leaders published as Events, so the page still shows how
+/// each Proxy got where it is (here: transitions only the first leader took).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_status_page_shows_the_trail_across_a_leader_change() {
+    const TOKEN: &str = "status-page-history-token-0123456789";
+    let origin = Origin::start().await;
+    let server = FakeApiServer::start().await;
+    let client = server.client();
+    let host = Host::new();
+    let proxy_port = free_port();
+    let local = host.path().join("local");
+    let addresses = || -> (SocketAddr, SocketAddr) {
+        (
+            ([127, 0, 0, 1], free_port()).into(),
+            ([127, 0, 0, 1], free_port()).into(),
+        )
+    };
+    let (admin, discovery) = addresses();
+    let first = ClusterApp::start(
+        client.clone(),
+        local_cluster(host.path(), &local, TOKEN, admin, discovery),
+    );
+    let proxy: Proxy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "edge-2", "namespace": "crawl"},
+        "spec": {
+            "provider": "local",
+            "placement": {"address": "127.0.0.1"},
+            "port": proxy_port,
+            "health": {"url": origin.http_url("/health"), "intervalSeconds": 1, "timeoutSeconds": 1},
+        },
+    }))
+    .expect("valid Proxy");
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("Proxy created");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while proxies
+        .get("edge-2")
+        .await
+        .ok()
+        .and_then(|p| p.status?.phase)
+        .as_deref()
+        != Some("healthy")
+    {
+        assert!(Instant::now() < deadline, "edge-2 never became healthy");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    first.stop().await;
+
+    let (admin, discovery) = addresses();
+    let second = ClusterApp::start(
+        client.clone(),
+        local_cluster(host.path(), &local, TOKEN, admin, discovery),
+    );
+    let authorization = format!("Basic {}", base64(format!("ui:{TOKEN}").as_bytes()));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let audit = loop {
+        let headers = vec![("Authorization", authorization.clone())];
+        let page = tokio::task::spawn_blocking(move || request(admin, "GET", "/ui", &headers, ""))
+            .await
+            .expect("request task");
+        if let Ok(page) = page
+            && page.status == 200
+            && let Some(at) = page.body.find("class=\"audit\" data-proxy=\"crawl/edge-2\"")
+        {
+            let section = &page.body[at..at + page.body[at..].find("</details>").expect("end of section")];
+            let audit = visible_text(section);
+            if audit.contains("pending --spec_observed--> provisioning") {
+                break audit;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new leader's page never showed the first leader's trail"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    for expected in [
+        "ProvisioningStarted",
+        "InstanceCreated",
+        "provisioning --health_passed--> healthy",
+    ] {
+        assert!(audit.contains(expected), "{expected:?} not in {audit}");
+    }
+    second.stop().await;
+}

@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod controller;
 pub mod events;
 pub mod health_sink;
+pub mod history;
 pub mod leader;
 pub mod owners;
 pub mod resync;
@@ -164,6 +165,11 @@ async fn act(
     let (leases, checkpoint) = restore_leases(client, &options.system_namespace).await;
     let (discovery_ready_tx, discovery_ready) = watch::channel(Readiness::default());
     let status_feed = ClusterFeed::default();
+    tokio::spawn(seed_status_feed(
+        client.clone(),
+        options.namespace.clone(),
+        status_feed.clone(),
+    ));
     let adapters = CoreAdapters {
         providers: replica.providers.clone(),
         leases,
@@ -227,6 +233,21 @@ async fn act(
     let _ = controller.await;
     readiness.abort();
     Ok(())
+}
+
+/// Puts the trails earlier leaders left in Events on the status page (best effort: the page
+/// works without them).
+async fn seed_status_feed(client: Client, namespace: Option<String>, feed: ClusterFeed) {
+    match history::read(&client, namespace.as_deref()).await {
+        Ok(rows) => {
+            info!(
+                rows = rows.len(),
+                "status page: audit trail read back from Events"
+            );
+            feed.seed(rows.into_iter().map(|r| (r.namespace, r.name, r.row)));
+        }
+        Err(err) => warn!(error = %err, "status page: reading the audit trail from Events failed"),
+    }
 }
 
 /// The HMAC key signing lease tokens, shared by all replicas.

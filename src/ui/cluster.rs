@@ -22,6 +22,19 @@ impl ClusterFeed {
         let _ = self.proxies.set(store);
     }
 
+    /// Puts rows from before this process (earlier leaders' Events) in front of each Proxy's
+    /// trail.
+    pub fn seed(&self, rows: impl IntoIterator<Item = (String, String, AuditRow)>) {
+        let mut per_proxy: std::collections::HashMap<(String, String), Vec<AuditRow>> =
+            std::collections::HashMap::new();
+        for (namespace, name, row) in rows {
+            per_proxy.entry((namespace, name)).or_default().push(row);
+        }
+        for ((namespace, name), rows) in per_proxy {
+            self.audit.seed(&namespace, &name, rows);
+        }
+    }
+
     /// Records the audit entries of one reconcile of `proxy`.
     pub fn record(&self, proxy: &Proxy, entries: &[AuditEntry]) {
         if !entries.is_empty() {

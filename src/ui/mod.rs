@@ -214,6 +214,24 @@ impl AuditLog {
             entries.into_iter().map(|entry| AuditRow::from_entry(entry, "")),
         );
     }
+
+    /// Puts `older` rows (from before this process, any order) in front of `namespace/name`'s
+    /// trail: only those older than its first row (a transition this process recorded may also
+    /// be among them, published after it was decided), keeping the last [`AUDIT_ENTRIES_SHOWN`].
+    pub fn seed(&self, namespace: &str, name: &str, mut older: Vec<AuditRow>) {
+        let mut all = crate::sync::lock(&self.entries);
+        let trail = all.entry((namespace.to_owned(), name.to_owned())).or_default();
+        if let Some(first) = trail.front() {
+            older.retain(|row| row.at < first.at);
+        }
+        older.sort_by_key(|row| row.at);
+        for row in older.into_iter().rev() {
+            if trail.len() == AUDIT_ENTRIES_SHOWN {
+                break;
+            }
+            trail.push_front(row);
+        }
+    }
 }
 
 /// A change of a proxy's health verdict.
