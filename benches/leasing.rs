@@ -72,6 +72,7 @@ fn run_store(store: &LeaseStore, selector: &CompiledSelector, threads: usize, fo
                     ttl: Duration::from_secs(60),
                     target_domain: None,
                     session_key: None,
+                    request_id: None,
                 };
                 while !stop.load(Ordering::Relaxed) {
                     for _ in 0..256 {

@@ -23,7 +23,7 @@ use egress_proxies_operator::{
         StaticTokens, TokenReviewAuthenticator, auth::AuthError,
     },
     lease::{
-        Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, ProxyKey,
+        AcquireRequest, Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, ProxyKey, Selector,
         checkpoint::{decode_chunks, encode_chunks},
         journal::{Journal, JournalConfig, JournalMetrics, SEGMENT_PREFIX},
         token::LeaseSigner,
@@ -1547,6 +1547,31 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
             ..Readiness::default()
         })
         .unwrap();
+    // An acquire repeating a request ID whose first grant is not durable yet (granted here
+    // straight from the store and never confirmed): ask again in a moment.
+    let pending = AcquireRequest {
+        selector: &store.compile(&Selector::default()),
+        holder: "c",
+        ttl: Duration::from_secs(60),
+        target_domain: None,
+        session_key: None,
+        request_id: Some("pending-1"),
+    };
+    store
+        .acquire_granted_at(&pending, store.now_ms())
+        .expect("a proxy takes the pending lease");
+    let (status, head, body) = call(
+        &url,
+        "POST",
+        "/v1/leases",
+        Some(TOKEN),
+        r#"{"holder":"c","requestId":"pending-1"}"#,
+    )
+    .await;
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("request_in_progress"), "{body}");
+    assert!(head.to_ascii_lowercase().contains("retry-after: 1\r\n"), "{head}");
+    contract.check("POST", Some("/v1/leases"), status, &head, &body);
     // A lease journal whose disk is full: the acquire is not durable, so not answered 201, and
     // /readyz says why.
     let journal_dir = tempfile::tempdir().unwrap();

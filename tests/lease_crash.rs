@@ -167,9 +167,9 @@ struct Record {
     released: Vec<(String, u64, String)>,
     /// Leases whose release was sent and not answered, by proxy: they may still be active.
     release_in_doubt: Vec<Held>,
-    /// Acquires sent and not answered: a lease the client does not know may exist, anywhere,
-    /// until its TTL ends.
-    acquire_in_doubt: usize,
+    /// Acquires sent and not answered, by request ID: a lease the client does not know may
+    /// exist, anywhere, until the acquire is sent again with its request ID (or its TTL ends).
+    acquires_in_doubt: Vec<String>,
     /// Leases whose lost renewal turned out to have happened (asking again answered
     /// `stale_token`): active with a token the client never learnt, until their TTL ends.
     abandoned: Vec<Held>,
@@ -269,16 +269,18 @@ impl Operator {
     }
 }
 
-/// TTL of the clients' leases: what bounds a lease a kill made the client lose track of (an
-/// acquire whose answer was lost, a renewal that happened but whose answer was lost), as it
-/// does for a real crawler. Shorter than the chaos test waits for progress after its last
-/// fault, so slots lost that way are free again by then; far longer than a held lease goes
-/// untouched.
+/// TTL of the clients' leases: what bounds a lease a kill made the client lose track of (a
+/// renewal that happened but whose answer was lost), as it does for a real crawler. Shorter
+/// than the chaos test waits for progress after its last fault, so slots lost that way are
+/// free again by then; far longer than a held lease goes untouched. (An acquire whose answer
+/// was lost is settled by sending it again with its request ID.)
 const TTL: Duration = Duration::from_secs(30);
 
 /// What the client does next.
 enum Step {
-    Acquire,
+    /// An acquire with this request ID: a new one, or one whose answer was lost, sent again
+    /// (the API then answers the lease it was granted, if it was).
+    Acquire(String),
     Renew(Held),
     Release(Held),
     /// Asks again, with the token it knows, whether a renewal that got no answer happened.
@@ -300,16 +302,28 @@ async fn client(
     (pool, max_held): (&'static str, usize),
 ) {
     let mut rng = fastrand::Rng::with_seed(seed);
-    while running.load(Ordering::Relaxed) {
+    let mut acquires = 0u64;
+    // Once told to stop, a client still settles the acquires it has in doubt (bounded).
+    let mut stopping_since: Option<Instant> = None;
+    loop {
+        if !running.load(Ordering::Relaxed) {
+            let since = *stopping_since.get_or_insert_with(Instant::now);
+            if record.lock().unwrap().acquires_in_doubt.is_empty() || since.elapsed() > TIMEOUT * 2 {
+                break;
+            }
+        }
         let step = {
             let r = record.lock().unwrap();
             let usable: Vec<Held> = r.held.iter().filter(|h| !h.token_in_doubt).cloned().collect();
-            if let Some(h) = r.held.iter().find(|h| h.token_in_doubt) {
+            if let Some(request_id) = r.acquires_in_doubt.first() {
+                Step::Acquire(request_id.clone())
+            } else if let Some(h) = r.held.iter().find(|h| h.token_in_doubt) {
                 Step::ResolveRenewal(h.clone())
             } else if let Some(h) = r.release_in_doubt.first() {
                 Step::ResolveRelease(h.clone())
             } else if usable.is_empty() || (usable.len() < max_held && rng.bool()) {
-                Step::Acquire
+                acquires += 1;
+                Step::Acquire(format!("{seed}-{acquires}"))
             } else if rng.bool() {
                 Step::Renew(usable[rng.usize(..usable.len())].clone())
             } else {
@@ -319,16 +333,19 @@ async fn client(
         let sent_in = ledger.epoch();
         let until = Instant::now() + TTL;
         match step {
-            Step::Acquire => {
+            Step::Acquire(request_id) => {
                 let body = format!(
-                    r#"{{"holder":"crash-test","selector":{{"pool":"{pool}"}},"ttlSeconds":{}}}"#,
+                    r#"{{"holder":"crash-test","selector":{{"pool":"{pool}"}},"ttlSeconds":{},"requestId":"{request_id}"}}"#,
                     TTL.as_secs()
                 );
                 let answer = try_api(port, &token, "POST", "/v1/leases", &body, TIMEOUT).await;
+                // Nothing listened: says nothing about an earlier attempt.
+                let refused = matches!(answer, Answer::Refused);
                 let mut r = record.lock().unwrap();
-                r.cut_off += usize::from(matches!(answer, Answer::Lost));
+                let settled = |r: &mut Record| r.acquires_in_doubt.retain(|id| *id != request_id);
                 match told(answer, StatusCode::CREATED) {
                     Told::Done(body) => {
+                        settled(&mut r);
                         r.answered += 1;
                         let held = Held {
                             id: body["leaseId"].as_str().expect("leaseId").to_owned(),
@@ -340,10 +357,19 @@ async fn client(
                         r.held.push(held);
                     }
                     Told::InDoubt => {
-                        r.acquire_in_doubt += 1;
+                        if !r.acquires_in_doubt.contains(&request_id) {
+                            r.acquires_in_doubt.push(request_id.clone());
+                        }
                         r.cut_off += 1;
                     }
-                    Told::Nothing(why) => r.last_refusal = Some(format!("acquire: {why}")),
+                    // Nothing was granted for this request ID (a lost first one would have
+                    // been answered again): settled.
+                    Told::Nothing(why) => {
+                        if !refused {
+                            settled(&mut r);
+                        }
+                        r.last_refusal = Some(format!("acquire: {why}"));
+                    }
                     other => r
                         .violations
                         .push(format!("an acquire answered {}", other.describe())),
@@ -543,7 +569,7 @@ impl Scenario {
                             r.held.len(),
                             r.held.iter().filter(|h| h.token_in_doubt).count(),
                             r.release_in_doubt.len(),
-                            r.acquire_in_doubt,
+                            r.acquires_in_doubt.len(),
                             r.abandoned.len(),
                             r.last_refusal
                         )
@@ -577,6 +603,13 @@ impl Scenario {
             .collect();
         let mut violations = check(&self.operator, self.pool, &records).await;
         violations.extend(self.ledger.violations());
+        // With a request ID an acquire whose answer was lost is settled by sending it again.
+        let unsettled: Vec<&String> = records.iter().flat_map(|r| &r.acquires_in_doubt).collect();
+        if !unsettled.is_empty() {
+            violations.push(format!(
+                "acquires cut off by a kill and never settled by sending them again: {unsettled:?}"
+            ));
+        }
         let held: usize = records.iter().map(|r| r.held.len()).sum();
         let released: usize = records.iter().map(|r| r.released.len()).sum();
         let cut_off: usize = records.iter().map(|r| r.cut_off).sum();
@@ -584,7 +617,7 @@ impl Scenario {
             .iter()
             .map(|r| {
                 r.release_in_doubt.len()
-                    + r.acquire_in_doubt
+                    + r.acquires_in_doubt.len()
                     + r.abandoned.len()
                     + r.held.iter().filter(|h| h.token_in_doubt).count()
             })
@@ -807,7 +840,7 @@ async fn check(operator: &Operator, pool: &str, records: &[Record]) -> Vec<Strin
         for h in r.release_in_doubt.iter().chain(&r.abandoned) {
             *maybe.entry(h.proxy.clone()).or_default() += 1;
         }
-        anywhere += r.acquire_in_doubt;
+        anywhere += r.acquires_in_doubt.len();
     }
     // Proxies are listed once the restarted controller configured them again.
     let deadline = Instant::now() + Duration::from_secs(30);

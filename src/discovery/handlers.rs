@@ -21,7 +21,7 @@ use super::{
     wire::{self, RequestBody},
 };
 use crate::lease::{
-    AcquireRequest, LeaseError, LeaseStore, Outcome, Selector,
+    AcquireRequest, Granted, LeaseError, LeaseStore, Outcome, Selector,
     checkpoint::BanCheckpoint,
     journal::{Journal, JournalError, Record},
     rfc3339,
@@ -328,7 +328,8 @@ pub(super) fn list(
         AuthErrors,
         (status = 413, description = "`payload_too_large`: body over 16 KiB", body = ErrorBody),
         (status = 503, description = "`no_proxy_available` (nothing eligible now), `not_ready`, `not_leader`, \
-            `auth_unavailable` or `journal_unavailable` (the lease could not be made durable)", body = ErrorBody,
+            `auth_unavailable`, `journal_unavailable` (the lease could not be made durable) or `request_in_progress` \
+            (an acquire with this `requestId` is being granted: ask again)", body = ErrorBody,
             headers(("Retry-After" = u64, description = "Seconds until trying again may succeed: 1 to 60"))),
     ),
     security(("bearer" = [])),
@@ -350,9 +351,10 @@ pub(super) async fn acquire(
         ttl,
         target_domain: req.target_domain.as_deref(),
         session_key: req.session_key.as_deref(),
+        request_id: req.request_id.as_deref(),
     };
-    let lease = match s.deps.store.acquire_at(&request, now) {
-        Ok(lease) => lease,
+    let Granted { lease, repeat_of } = match s.deps.store.acquire_granted_at(&request, now) {
+        Ok(granted) => granted,
         Err(e) => {
             s.deps
                 .metrics
@@ -362,24 +364,39 @@ pub(super) async fn acquire(
             return Err(e.into());
         }
     };
-    s.deps.metrics.acquired.inc();
-    tracing::debug!(proxy = %lease.id.key, holder = %req.holder, caller = %identity.name, "lease granted");
-    let claim = lease.claim(
-        &req.holder,
-        req.target_domain.as_deref(),
-        req.session_key.as_deref(),
-    );
-    if let Err(error) = commit(s, || {
-        Record::acquired(&lease, &claim, s.deps.store.config().session_idle_ttl)
-    })
-    .await
-    {
-        // Not durable, so not granted: free the slot (nobody was told its token).
-        let _ = s
-            .deps
-            .store
-            .release_at(&lease.id, lease.fencing_token, Outcome::Error, None, now);
-        return Err(error);
+    let repeated = repeat_of.is_some();
+    let claim = repeat_of.unwrap_or_else(|| {
+        lease.claim(
+            &req.holder,
+            req.target_domain.as_deref(),
+            req.session_key.as_deref(),
+        )
+    });
+    if repeated {
+        // Granted (and made durable) by an earlier acquire with this request ID.
+        tracing::debug!(proxy = %lease.id.key, holder = %req.holder, caller = %identity.name, "lease answered again for its request ID");
+    } else {
+        s.deps.metrics.acquired.inc();
+        tracing::debug!(proxy = %lease.id.key, holder = %req.holder, caller = %identity.name, "lease granted");
+        let request_id = req.request_id.as_deref();
+        if let Err(error) = commit(s, || {
+            Record::acquired(&lease, &claim, request_id, s.deps.store.config().session_idle_ttl)
+        })
+        .await
+        {
+            // Not durable, so not granted: free the slot (nobody was told its token).
+            let _ = s
+                .deps
+                .store
+                .release_at(&lease.id, lease.fencing_token, Outcome::Error, None, now);
+            if let Some(request_id) = request_id {
+                s.deps.store.forget_request(&req.holder, request_id);
+            }
+            return Err(error);
+        }
+        if let Some(request_id) = request_id {
+            s.deps.store.confirm_request(&req.holder, request_id);
+        }
     }
     let lease_id = s.deps.signer.sign(&claim);
     let body = AcquireResponse {
@@ -389,7 +406,8 @@ pub(super) async fn acquire(
         proxy: ProxyJson::from_info(&lease.proxy),
         acquired_at: rfc3339(lease.acquired_at_ms),
         expires_at: rfc3339(lease.expires_at_ms),
-        ttl_seconds: (lease.expires_at_ms - lease.acquired_at_ms).div_ceil(1000),
+        // As granted (a repeat's lease may have been renewed since).
+        ttl_seconds: (claim.expires_at_ms - claim.acquired_at_ms).div_ceil(1000),
     };
     let mut bytes = Vec::with_capacity(512);
     body.write_json(wire::proxy_json(&lease.proxy), &mut bytes);

@@ -104,11 +104,15 @@ impl From<LeaseError> for ApiError {
         let status = match &e {
             LeaseError::NotFound | LeaseError::UnknownProxy(_) => StatusCode::NOT_FOUND,
             LeaseError::StaleToken { .. } | LeaseError::Draining => StatusCode::CONFLICT,
-            LeaseError::NoProxyAvailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            LeaseError::NoProxyAvailable { .. } | LeaseError::RequestInProgress => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             LeaseError::BanNeedsDomain | LeaseError::Invalid(_) => StatusCode::BAD_REQUEST,
         };
         let retry = match &e {
             LeaseError::NoProxyAvailable { retry_after } => Some(*retry_after),
+            // The grant it waits for is being made durable: milliseconds.
+            LeaseError::RequestInProgress => Some(std::time::Duration::from_secs(1)),
             _ => None,
         };
         let mut err = ApiError::new(status, e.code(), e.to_string());

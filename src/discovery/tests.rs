@@ -82,6 +82,11 @@ struct Answer {
 }
 
 impl Harness {
+    /// `POST /v1/leases` with `body`.
+    async fn acquire(&self, body: Value) -> Answer {
+        self.call("POST", "/v1/leases", Some(body)).await
+    }
+
     async fn call(&self, method: &str, path: &str, body: Option<Value>) -> Answer {
         let bytes = body.map(|b| b.to_string()).unwrap_or_default();
         self.raw(method, path, Some(TOKEN), Bytes::from(bytes)).await
@@ -120,11 +125,7 @@ fn code(a: &Answer) -> &str {
 async fn lease_lifecycle_over_the_router() {
     let h = harness(2, 1);
     let a = h
-        .call(
-            "POST",
-            "/v1/leases",
-            Some(json!({"selector": {"region": "eu"}, "holder": "crawler-7", "ttlSeconds": 30})),
-        )
+        .acquire(json!({"selector": {"region": "eu"}, "holder": "crawler-7", "ttlSeconds": 30}))
         .await;
     assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
     assert_eq!(a.body["proxy"]["key"], "crawl/p0");
@@ -150,11 +151,7 @@ async fn lease_lifecycle_over_the_router() {
     );
 
     let busy = h
-        .call(
-            "POST",
-            "/v1/leases",
-            Some(json!({"selector": {"region": "eu"}, "holder": "c"})),
-        )
+        .acquire(json!({"selector": {"region": "eu"}, "holder": "c"}))
         .await;
     assert_eq!(
         (busy.status, code(&busy)),
@@ -355,7 +352,7 @@ async fn readiness_gates_leases_but_not_liveness() {
         (r.status, code(&r)),
         (StatusCode::SERVICE_UNAVAILABLE, "not_leader")
     );
-    let a = h.call("POST", "/v1/leases", Some(json!({"holder": "a"}))).await;
+    let a = h.acquire(json!({"holder": "a"})).await;
     assert_eq!(
         (a.status, code(&a)),
         (StatusCode::SERVICE_UNAVAILABLE, "not_leader")
@@ -420,11 +417,7 @@ async fn malformed_requests_never_get_a_5xx() {
         .unwrap_or(0x5eed_u64);
     let mut rng = fastrand::Rng::with_seed(seed);
     let acquired = h
-        .call(
-            "POST",
-            "/v1/leases",
-            Some(json!({"holder": "fuzz", "targetDomain": "a.example"})),
-        )
+        .acquire(json!({"holder": "fuzz", "targetDomain": "a.example"}))
         .await;
     let id = acquired.body["leaseId"].as_str().unwrap().to_owned();
     let token = acquired.body["fencingToken"].as_u64().unwrap();
@@ -563,7 +556,7 @@ async fn length_limits_count_characters_where_the_docs_say_characters() {
             StatusCode::BAD_REQUEST,
         ),
     ] {
-        let a = h.call("POST", "/v1/leases", Some(body.clone())).await;
+        let a = h.acquire(body.clone()).await;
         assert_eq!(a.status, want, "{body}: {}", a.text);
     }
 }
@@ -578,17 +571,84 @@ fn journaled_harness(proxies: usize) -> (Harness, Journal, tempfile::TempDir) {
     (h, journal, dir)
 }
 
+/// An acquire sent again with its `requestId` is answered the lease the first one got (same
+/// ID, current token), takes no second slot, and still is after a restart (journal replayed
+/// into a new store); bad request IDs are 400s.
+#[tokio::test]
+async fn an_acquire_repeated_with_its_request_id_gets_the_same_lease_across_a_restart() {
+    let (h, journal, dir) = journaled_harness(2);
+    let body = json!({"holder": "c1", "requestId": "0b7f6e3c-req", "targetDomain": "Shop.Example"});
+    let first = h.acquire(body.clone()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text);
+    let again = h.acquire(body.clone()).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{}", again.text);
+    for field in [
+        "leaseId",
+        "fencingToken",
+        "proxy",
+        "acquiredAt",
+        "expiresAt",
+        "ttlSeconds",
+    ] {
+        assert_eq!(again.body[field], first.body[field], "{field}");
+    }
+    let listing = h.call("GET", "/v1/proxies", None).await;
+    let active: u64 = listing.body["proxies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["activeLeases"].as_u64().unwrap())
+        .sum();
+    assert_eq!(active, 1, "one slot: {}", listing.text);
+    // Another request ID is another lease.
+    let other = h.acquire(json!({"holder": "c1", "requestId": "another"})).await;
+    assert_ne!(other.body["leaseId"], first.body["leaseId"]);
+
+    // A restart: the journal replayed into a new store knows the request.
+    journal.close();
+    let recovered = crate::lease::journal::recover(dir.path(), None).unwrap();
+    let restarted = harness(2, 1);
+    restarted.state.store().restore(&recovered.checkpoint);
+    let after = restarted.acquire(body).await;
+    assert_eq!(after.status, StatusCode::CREATED, "{}", after.text);
+    // The same lease (its ID may encode where the new process keeps it: both IDs work).
+    for field in ["fencingToken", "proxy", "acquiredAt", "expiresAt"] {
+        assert_eq!(after.body[field], first.body[field], "{field}: {}", after.text);
+    }
+    // Renewing through one ID makes the token the other presents stale: one lease.
+    for (id, want) in [
+        (&after.body["leaseId"], StatusCode::OK),
+        (&first.body["leaseId"], StatusCode::CONFLICT),
+    ] {
+        let renewed = restarted
+            .call(
+                "POST",
+                &format!("/v1/leases/{}/renew", id.as_str().unwrap()),
+                Some(json!({"fencingToken": first.body["fencingToken"]})),
+            )
+            .await;
+        assert_eq!(renewed.status, want, "{}", renewed.text);
+    }
+
+    for bad in [json!(""), json!("x".repeat(129)), json!("a\u{7}b")] {
+        let refused = h.acquire(json!({"holder": "c1", "requestId": bad})).await;
+        assert_eq!(
+            (refused.status, code(&refused)),
+            (StatusCode::BAD_REQUEST, "malformed_request"),
+            "{}",
+            refused.text
+        );
+        assert!(refused.text.contains("requestId"), "{}", refused.text);
+    }
+}
+
 /// A `banned` release that names no domain bans the lease's own target domain, and the journal
 /// keeps that ban: what a restart replays is what the store did.
 #[tokio::test]
 async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
     let (h, journal, dir) = journaled_harness(1);
     let acquired = h
-        .call(
-            "POST",
-            "/v1/leases",
-            Some(json!({"holder": "c1", "targetDomain": "Shop.Example"})),
-        )
+        .acquire(json!({"holder": "c1", "targetDomain": "Shop.Example"}))
         .await;
     assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
     let released = h
@@ -616,7 +676,7 @@ async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
 async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_failed_sync_is_a_503() {
     use crate::lease::journal::SEGMENT_PREFIX;
     let (h, journal, dir) = journaled_harness(2);
-    let acquired = h.call("POST", "/v1/leases", Some(json!({"holder": "c1"}))).await;
+    let acquired = h.acquire(json!({"holder": "c1"})).await;
     assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
     let renewed = h
         .call(
@@ -638,7 +698,7 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
         dir.path().join(format!("{SEGMENT_PREFIX}{:020}", through + 1)),
     )
     .unwrap();
-    let refused = h.call("POST", "/v1/leases", Some(json!({"holder": "c2"}))).await;
+    let refused = h.acquire(json!({"holder": "c2"})).await;
     assert_eq!(
         (refused.status, code(&refused)),
         (StatusCode::SERVICE_UNAVAILABLE, "journal_unavailable"),
@@ -657,7 +717,7 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let again = h.call("POST", "/v1/leases", Some(json!({"holder": "c3"}))).await;
+    let again = h.acquire(json!({"holder": "c3"})).await;
     assert_eq!(again.status, StatusCode::CREATED, "{}", again.text);
     journal.close();
 }

@@ -23,6 +23,8 @@ pub const MAX_HOLDER_LEN: usize = 128;
 pub const MAX_SESSION_KEY_LEN: usize = 256;
 /// Longest target domain.
 pub const MAX_DOMAIN_LEN: usize = 253;
+/// Longest request ID.
+pub const MAX_REQUEST_ID_LEN: usize = 128;
 /// Longest selector key (an attribute key: optional DNS prefix, '/', name).
 pub const MAX_SELECTOR_KEY_LEN: usize = 317;
 /// Longest selector value.
@@ -53,6 +55,13 @@ pub struct AcquireBody {
     #[serde(default)]
     #[schema(min_length = 1, max_length = 256)]
     pub session_key: Option<String>,
+    /// Makes the acquire safe to send again (1-128 printable characters, e.g. a UUID): while
+    /// the lease an acquire with this `requestId` and `holder` was granted is active, sending
+    /// it again answers that lease (the same `leaseId`, its current token and expiry) instead
+    /// of granting another. The rest of the repeated body is not compared.
+    #[serde(default)]
+    #[schema(min_length = 1, max_length = 128)]
+    pub request_id: Option<String>,
 }
 
 fn printable(s: &str) -> bool {
@@ -103,6 +112,13 @@ impl RequestBody for AcquireBody {
         {
             return Err(format!(
                 "sessionKey must be 1-{MAX_SESSION_KEY_LEN} printable characters"
+            ));
+        }
+        if let Some(id) = &self.request_id
+            && (!chars_within(id, MAX_REQUEST_ID_LEN) || !printable(id))
+        {
+            return Err(format!(
+                "requestId must be 1-{MAX_REQUEST_ID_LEN} printable characters"
             ));
         }
         if self.selector.len() > MAX_SELECTOR_TERMS
@@ -321,6 +337,7 @@ pub const ERROR_CODES: &[&str] = &[
     "not_ready",
     "auth_unavailable",
     "journal_unavailable",
+    "request_in_progress",
 ];
 
 fn error_code_schema() -> Object {

@@ -182,6 +182,10 @@ pub struct AcquireRequest<'a> {
     pub target_domain: Option<&'a str>,
     /// Sticky-session key.
     pub session_key: Option<&'a str>,
+    /// Makes the acquire safe to send again: while the lease an acquire with this ID and
+    /// holder was granted is active, the same ID and holder get that lease back
+    /// ([`Granted::repeat_of`]) instead of another; see [`LeaseStore::confirm_request`].
+    pub request_id: Option<&'a str>,
 }
 
 /// What the store shares about a proxy with lease holders. `Debug` hides the credentials.
@@ -316,15 +320,25 @@ pub struct Lease {
     pub proxy: Arc<ProxyInfo>,
 }
 
+/// What an acquire got: a lease, and for one that repeated a request ID, the claim that lease
+/// was first granted with (sign it again for the same lease ID).
+#[derive(Clone, Debug)]
+pub struct Granted {
+    pub lease: Lease,
+    /// `None`: a new grant.
+    pub repeat_of: Option<LeaseClaim>,
+}
+
 impl Lease {
-    /// The claim to sign into this lease's ID, with the request's fields.
+    /// The claim to sign into this new lease's ID, with the request's fields (the domain as the
+    /// store keeps it, so a repeat's claim, made from the store, is the same).
     pub fn claim(&self, holder: &str, target_domain: Option<&str>, session_key: Option<&str>) -> LeaseClaim {
         LeaseClaim {
             id: self.id.clone(),
             holder: holder.to_owned(),
             acquired_at_ms: self.acquired_at_ms,
             expires_at_ms: self.expires_at_ms,
-            target_domain: target_domain.map(str::to_owned),
+            target_domain: target_domain.map(LeaseStore::normalize_domain),
             session_key: session_key.map(str::to_owned),
         }
     }
@@ -420,6 +434,11 @@ pub enum LeaseError {
     /// A request value out of range.
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// An acquire with the same request ID and holder is being granted right now (its lease is
+    /// not durable yet), or its lease was restored after a restart and its proxy is not
+    /// configured again yet. Ask again in a moment (it is then answered that lease).
+    #[error("an acquire with this requestId is in progress: ask again in a moment")]
+    RequestInProgress,
 }
 
 impl LeaseError {
@@ -433,6 +452,7 @@ impl LeaseError {
             LeaseError::BanNeedsDomain => "target_domain_required",
             LeaseError::UnknownProxy(_) => "unknown_proxy",
             LeaseError::Invalid(_) => "invalid_request",
+            LeaseError::RequestInProgress => "request_in_progress",
         }
     }
 }

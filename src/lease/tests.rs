@@ -80,6 +80,7 @@ fn acquire_with(
         ttl: Duration::from_secs(60),
         target_domain: domain,
         session_key: session,
+        request_id: None,
     })
 }
 
@@ -228,6 +229,7 @@ fn renewal_is_capped_by_max_ttl() {
             ttl: Duration::from_secs(100_000),
             target_domain: None,
             session_key: None,
+            request_id: None,
         })
         .unwrap();
     assert_eq!(lease.expires_at_ms, T0 + 600_000);
@@ -1028,6 +1030,7 @@ fn acquire_for(
             ttl,
             target_domain: None,
             session_key: None,
+            request_id: None,
         },
         now,
     )
@@ -1214,4 +1217,134 @@ fn one_thread_draws_from_every_shard_in_turn() {
     // BURST acquires per shard in turn: every shard the same share, every proxy used.
     assert_eq!(per_shard, [BURST as usize * 4; 4]);
     assert_eq!(per_proxy.len(), 40, "{per_proxy:?}");
+}
+
+/// An acquire by `holder` with request ID `request_id` for a one-proxy store's selector.
+fn acquire_once(
+    store: &LeaseStore,
+    all: &CompiledSelector,
+    holder: &str,
+    request_id: &str,
+) -> Result<Granted, LeaseError> {
+    let req = AcquireRequest {
+        selector: all,
+        holder,
+        ttl: Duration::from_secs(60),
+        target_domain: Some("Shop.Example"),
+        session_key: Some("s-1"),
+        request_id: Some(request_id),
+    };
+    store.acquire_granted_at(&req, store.now_ms())
+}
+
+#[test]
+fn a_repeated_request_id_gets_its_lease_again_until_the_lease_ends() {
+    let (store, clock, all) = one_proxy(4, 3, 0);
+    let first = acquire_once(&store, &all, "crawler-1", "r-1").unwrap();
+    assert!(first.repeat_of.is_none(), "a new grant");
+    let granted = first.lease.claim("crawler-1", Some("Shop.Example"), Some("s-1"));
+    // Before the caller made it durable, a repeat is refused, not answered.
+    assert_eq!(
+        acquire_once(&store, &all, "crawler-1", "r-1").unwrap_err(),
+        LeaseError::RequestInProgress
+    );
+    store.confirm_request("crawler-1", "r-1");
+
+    clock.advance(Duration::from_secs(5));
+    let again = acquire_once(&store, &all, "crawler-1", "r-1").unwrap();
+    assert_eq!(again.lease.id, first.lease.id, "the same lease");
+    assert_eq!(again.lease.fencing_token, first.lease.fencing_token);
+    assert_eq!(
+        again.repeat_of.as_ref(),
+        Some(&granted),
+        "signed again, the same lease ID"
+    );
+    assert_eq!(store.active_total(), 1, "no second slot taken");
+    // Renewed since: the repeat tells the current token and expiry.
+    let renewed = store
+        .renew(&first.lease.id, first.lease.fencing_token, None)
+        .unwrap();
+    let again = acquire_once(&store, &all, "crawler-1", "r-1").unwrap();
+    assert_eq!(
+        (again.lease.fencing_token, again.lease.expires_at_ms),
+        (renewed.fencing_token, renewed.expires_at_ms)
+    );
+    assert_eq!(
+        again.repeat_of.as_ref(),
+        Some(&granted),
+        "the claim it was granted with"
+    );
+
+    // Another holder's request with the same ID is another request.
+    let other = acquire_once(&store, &all, "crawler-2", "r-1").unwrap();
+    assert_ne!(other.lease.id, first.lease.id);
+
+    // Once the lease ends, the ID may take a new one.
+    store
+        .release(&first.lease.id, renewed.fencing_token, Outcome::Ok, None)
+        .unwrap();
+    let next = acquire_once(&store, &all, "crawler-1", "r-1").unwrap();
+    assert!(next.repeat_of.is_none());
+    assert_ne!(next.lease.id.first_token, first.lease.id.first_token);
+}
+
+#[test]
+fn a_request_whose_grant_was_undone_may_be_sent_again() {
+    let (store, _, all) = one_proxy(1, 1, 0);
+    let first = acquire_once(&store, &all, "crawler-1", "r-1").unwrap();
+    // What the API does when the journal cannot make the grant durable.
+    release_ok(&store, &first.lease);
+    store.forget_request("crawler-1", "r-1");
+    let second = acquire_once(&store, &all, "crawler-1", "r-1").unwrap();
+    assert!(second.repeat_of.is_none(), "a new grant, not the undone one");
+}
+
+#[test]
+fn ended_leases_leave_the_request_index_and_expired_ones_never_answer() {
+    let (store, clock, all) = one_proxy(2, 1000, 0);
+    let first = acquire_once(&store, &all, "crawler-1", "old").unwrap();
+    store.confirm_request("crawler-1", "old");
+    clock.advance(Duration::from_secs(61));
+    let fresh = acquire_once(&store, &all, "crawler-1", "old").unwrap();
+    assert!(fresh.repeat_of.is_none(), "the expired lease is not answered");
+    assert_ne!(fresh.lease.id.first_token, first.lease.id.first_token);
+    // Many requests whose leases end: the index is pruned as it grows (each of its 16 shards
+    // holds at most 64 entries of ended leases before a prune).
+    for i in 0..4000 {
+        let lease = acquire_once(&store, &all, "crawler-1", &format!("r-{i}")).unwrap();
+        release_ok(&store, &lease.lease);
+    }
+    assert!(
+        store.request_index_len() <= 16 * 64,
+        "ended leases pruned: {} entries left",
+        store.request_index_len()
+    );
+}
+
+#[tokio::test]
+async fn request_ids_survive_a_checkpoint_and_its_restore() {
+    let (store, clock, all) = one_proxy(4, 3, 0);
+    let first = acquire_once(&store, &all, "crawler-1", "r-1").unwrap();
+    store.confirm_request("crawler-1", "r-1");
+    let granted = first.lease.claim("crawler-1", Some("Shop.Example"), Some("s-1"));
+    let cp = store.checkpoint();
+    let json = serde_json::to_string(&cp).unwrap();
+    assert!(json.contains("\"requestId\":\"r-1\""), "{json}");
+
+    let after = store_with_clock(&clock);
+    after.restore(&serde_json::from_str(&json).unwrap());
+    // Restored, its proxy not configured again yet: the lease stands, the repeat waits.
+    assert_eq!(
+        acquire_once(&after, &all_of(&after), "crawler-1", "r-1").unwrap_err(),
+        LeaseError::RequestInProgress
+    );
+    add_open(&after, target("a", &[], 3, 0));
+    let again = acquire_once(&after, &all_of(&after), "crawler-1", "r-1").unwrap();
+    assert_eq!(again.lease.id.first_token, first.lease.id.first_token);
+    assert_eq!(again.repeat_of, Some(granted));
+    assert_eq!(after.active_total(), 1);
+}
+
+fn all_of(store: &LeaseStore) -> CompiledSelector {
+    sel(store, "")
 }

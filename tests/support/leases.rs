@@ -51,6 +51,7 @@ pub fn filled_store(leases: usize) -> (LeaseStore, Vec<Held>) {
                 ttl: Duration::from_secs(3600),
                 target_domain: (i % 10 == 0).then_some("example.com"),
                 session_key: None,
+                request_id: None,
             })
             .expect("the store has room for every lease");
         held.push((lease.id, lease.fencing_token));

@@ -52,6 +52,20 @@ def test_a_release_whose_answer_is_lost_is_sent_again_and_settled(
     assert listed[lease.proxy.key].active_leases == 0, "released, not left to its TTL"
 
 
+def test_an_acquire_whose_answer_is_lost_is_sent_again_and_gets_the_same_lease(
+    client: DiscoveryClient, token: str, selector: Dict[str, str], losing_relay: LosingRelay
+) -> None:
+    with DiscoveryClient(losing_relay.url, token, holder="pytest", renew=False) as through_relay:
+        losing_relay.lose_answers("POST /v1/leases ", times=1)
+        lease = through_relay.acquire(selector, ttl_seconds=60)
+        assert losing_relay.lost == ["POST /v1/leases HTTP/1.1"], "the first answer was lost"
+        # The lost acquire was granted; sent again with its requestId it got that lease, not
+        # a second one.
+        active = sum(p.active_leases for p in client.list_proxies(selector))
+        assert active == 1, f"{active} leases for one acquire"
+        assert through_relay.release(lease, "ok") is True
+
+
 def test_a_renewal_whose_answer_is_lost_loses_the_lease_truthfully(
     client: DiscoveryClient, token: str, selector: Dict[str, str], losing_relay: LosingRelay
 ) -> None:

@@ -165,6 +165,9 @@ pub struct LeaseCheckpoint {
     /// Sticky-session key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_key: Option<String>,
+    /// The request ID it was granted for (an acquire repeating it gets this lease again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// A sticky-session binding.

@@ -92,6 +92,8 @@ pub enum Record {
         target_domain: Option<String>,
         /// Sticky-session key and when its binding lapses.
         session: Option<(String, u64)>,
+        /// The request ID it was granted for.
+        request_id: Option<String>,
     },
     /// A lease was renewed.
     Renew {
@@ -119,7 +121,12 @@ pub enum Record {
 
 impl Record {
     /// The record of a granted lease.
-    pub fn acquired(lease: &super::Lease, claim: &super::LeaseClaim, session_idle: Duration) -> Self {
+    pub fn acquired(
+        lease: &super::Lease,
+        claim: &super::LeaseClaim,
+        request_id: Option<&str>,
+        session_idle: Duration,
+    ) -> Self {
         Record::Acquire {
             key: lease.id.key.clone(),
             first_token: lease.id.first_token,
@@ -133,6 +140,7 @@ impl Record {
                 .session_key
                 .clone()
                 .map(|k| (k, lease.expires_at_ms + session_idle.as_millis() as u64)),
+            request_id: request_id.map(str::to_owned),
         }
     }
 
@@ -148,6 +156,7 @@ impl Record {
             ttl_ms: claim.expires_at_ms.saturating_sub(claim.acquired_at_ms).max(1),
             target_domain: claim.target_domain.clone(),
             session: None,
+            request_id: None,
         }
     }
 

@@ -151,6 +151,7 @@ impl<'a> Replay<'a> {
                 ttl_ms,
                 target_domain,
                 session,
+                request_id,
             } => {
                 if *first_token >= proxy.revoked_below
                     && !proxy.leases.iter().any(|l| l.first_token == *first_token)
@@ -164,6 +165,7 @@ impl<'a> Replay<'a> {
                         ttl_ms: *ttl_ms,
                         target_domain: target_domain.clone(),
                         session_key: session.as_ref().map(|(k, _)| k.clone()),
+                        request_id: request_id.clone(),
                     });
                 }
                 if let Some((session_key, until)) = session {

@@ -28,6 +28,7 @@ fn acquire(name: &str, first: u64, expires: u64) -> Record {
         ttl_ms: expires - 1_000,
         target_domain: Some("example.com".into()),
         session: Some(("s1".into(), expires + 60_000)),
+        request_id: None,
     }
 }
 

@@ -15,11 +15,13 @@
 //! lease (configure, admission, drain, renew, release, reap); `proxy` one proxy's state and
 //! lease records; `shard` a shard's slab, LRU lists and expiry/cooldown heaps; `select` the
 //! choice of a proxy (selector compilation, the combination index, acquire and its shard
-//! cursor, listing); `snapshot` checkpoints, restore and the reinstatement of claimed leases.
+//! cursor, listing); `request` acquires by request ID (idempotent); `snapshot` checkpoints,
+//! restore and the reinstatement of claimed leases.
 //! The small helpers the hot path calls from one file into another are `#[inline]`, so the
 //! split into files (and so into codegen units) costs the acquire path no calls.
 
 mod proxy;
+mod request;
 mod select;
 mod shard;
 mod snapshot;
@@ -82,6 +84,8 @@ struct Inner {
     /// written once per [`select::BURST`], kept off the locks' lines.
     owners: Box<[Padded<AtomicU64>]>,
     sessions: Box<[Padded<Mutex<SessionMap>>]>,
+    /// Acquires by request ID ([`request`]).
+    requests: Box<[Padded<Mutex<request::Requests>>]>,
     interner: RwLock<Interner>,
     /// Indexed combinations (sorted pair ids) and their list ids; every shard has their lists.
     combinations: RwLock<HashMap<Box<[u32]>, u32>>,
@@ -137,6 +141,7 @@ impl LeaseStore {
                 shards: shard_vec.into_boxed_slice(),
                 owners: (0..shards).map(|_| Padded(AtomicU64::new(0))).collect(),
                 sessions: sessions.into_boxed_slice(),
+                requests: (0..request::SHARDS).map(|_| Padded(Mutex::default())).collect(),
                 interner: RwLock::new(Interner::default()),
                 combinations: RwLock::new(HashMap::new()),
                 restore: RwLock::new(RestoreInfo {

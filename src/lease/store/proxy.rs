@@ -55,6 +55,8 @@ pub(super) struct LeaseRecord {
     pub(super) holder: SmallStr,
     pub(super) target_domain: Option<Box<str>>,
     pub(super) session_key: Option<Box<str>>,
+    /// The request ID it was granted for, if any (kept so a checkpoint can rebuild the index).
+    pub(super) request_id: Option<Box<str>>,
     /// Loaded from a checkpoint and not touched since: the holder may hold a newer token
     /// (a renewal the checkpoint missed), so a higher presented token is taken as current.
     pub(super) restored: bool,

@@ -20,7 +20,7 @@ use super::{
 };
 use crate::{
     lease::{
-        AcquireRequest, Availability, CompiledSelector, Lease, LeaseError, ProxyView, Selector,
+        AcquireRequest, Availability, CompiledSelector, Granted, Lease, LeaseError, ProxyView, Selector,
         selector::is_sorted_subset,
     },
     sync::{lock, read, write},
@@ -271,14 +271,26 @@ impl LeaseStore {
 
     /// [`LeaseStore::acquire`] at `now` ([`LeaseStore::now_ms`]).
     pub fn acquire_at(&self, req: &AcquireRequest<'_>, now: u64) -> Result<Lease, LeaseError> {
+        self.acquire_granted_at(req, now).map(|granted| granted.lease)
+    }
+
+    /// [`LeaseStore::acquire_at`], saying whether a request ID got its earlier grant again.
+    pub fn acquire_granted_at(&self, req: &AcquireRequest<'_>, now: u64) -> Result<Granted, LeaseError> {
         if req.ttl.is_zero() {
             return Err(LeaseError::Invalid("ttl must be positive".into()));
         }
         let ttl_ms = req.ttl.as_millis().min(u64::MAX as u128) as u64;
         let domain = req.target_domain.map(normalize_domain);
-        match req.session_key {
+        let grant = || match req.session_key {
             Some(session) => self.acquire_sticky(req, session, domain.as_deref(), ttl_ms, now),
             None => self.acquire_any(req, domain.as_deref(), ttl_ms, now),
+        };
+        match req.request_id {
+            Some(request_id) => self.acquire_once(req, request_id, now, grant),
+            None => grant().map(|lease| Granted {
+                lease,
+                repeat_of: None,
+            }),
         }
     }
 

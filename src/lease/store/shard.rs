@@ -310,6 +310,7 @@ impl Shard {
             holder: SmallStr::new(req.holder),
             target_domain: domain.map(Into::into),
             session_key: req.session_key.map(Into::into),
+            request_id: req.request_id.map(Into::into),
             restored: false,
         });
         let proxy = p

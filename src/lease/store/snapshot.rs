@@ -90,6 +90,7 @@ impl LeaseStore {
             holder: SmallStr::new(&claim.holder),
             target_domain: claim.target_domain.as_deref().map(Into::into),
             session_key: claim.session_key.as_deref().map(Into::into),
+            request_id: None,
             restored: false,
         });
         shard.reinstated.insert(first, claim.expires_at_ms);
@@ -271,6 +272,7 @@ impl LeaseStore {
                     holder: SmallStr::new(&l.holder),
                     target_domain: l.target_domain.as_deref().map(Into::into),
                     session_key: l.session_key.as_deref().map(Into::into),
+                    request_id: l.request_id.as_deref().map(Into::into),
                     restored: true,
                 });
                 added += 1;
@@ -294,6 +296,13 @@ impl LeaseStore {
                 expires_at: sc.expires_at_ms,
             });
         }
+        for pc in &cp.proxies {
+            for l in pc.leases.iter().filter(|l| l.expires_at_ms > now) {
+                if let Some(request_id) = &l.request_id {
+                    self.remember_request(&l.holder, request_id, pc.key.clone(), l.first_token);
+                }
+            }
+        }
     }
 }
 
@@ -312,6 +321,7 @@ pub(super) fn proxy_checkpoint(p: &ProxyState, now: u64) -> Option<ProxyCheckpoi
             ttl_ms: l.ttl_ms,
             target_domain: l.target_domain.as_deref().map(str::to_owned),
             session_key: l.session_key.as_deref().map(str::to_owned),
+            request_id: l.request_id.as_deref().map(str::to_owned),
         })
         .collect();
     let bans: Vec<_> = p

@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 # 503 codes after which the same request can succeed later (docs/api.md, "Errors").
-_WAITABLE_CODES = frozenset({"no_proxy_available", "not_ready", "not_leader"})
+_WAITABLE_CODES = frozenset({"no_proxy_available", "not_ready", "not_leader", "request_in_progress"})
 # Retry-After when a 503 carries none (the server always sends one; a proxy in front may not).
 _DEFAULT_RETRY_AFTER = 1.0
 # Attempts of a release whose answer leaves it in doubt (no answer, or a 5xx).
@@ -232,8 +233,12 @@ class DiscoveryClient:
 
         On a 503 it waits as ``Retry-After`` says and tries again, for at most ``max_wait``
         seconds in all (default: the client's); then raises :class:`NoProxyAvailable`.
+
+        Every acquire carries a fresh ``requestId``, so one that gets no answer (or a 5xx) is
+        sent again as it was, within the same bound: the API answers the lease the first one
+        was granted, if it was, instead of granting a second.
         """
-        body: Dict[str, Any] = {"holder": holder or self.holder}
+        body: Dict[str, Any] = {"holder": holder or self.holder, "requestId": uuid.uuid4().hex}
         if selector:
             body["selector"] = dict(selector)
         if ttl_seconds is not None:
@@ -249,14 +254,20 @@ class DiscoveryClient:
                 _, answer, _ = self._call("POST", "/v1/leases", body)
                 break
             except DiscoveryError as err:
-                if err.status != 503 or err.code not in _WAITABLE_CODES:
+                waitable = err.status == 503 and err.code in _WAITABLE_CODES
+                # No answer, or a 5xx: it may have been granted; the same requestId settles it.
+                in_doubt = err.code == "no_answer" or err.status >= 500
+                if not waitable and not in_doubt:
                     raise
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if not waitable:
+                        raise
                     raise NoProxyAvailable(err.status, err.code, err.message, err.retry_after) from None
                 # A slot can free up before Retry-After (a release), but not a cooldown: honour
                 # the hint, within the budget, and make a last attempt when the budget ends.
-                time.sleep(min(err.retry_after or _DEFAULT_RETRY_AFTER, remaining))
+                delay = err.retry_after or (_DEFAULT_RETRY_AFTER if waitable else 0.2)
+                time.sleep(min(delay, remaining))
         lease = Lease(
             lease_id=answer["leaseId"],
             proxy_url=answer["proxyUrl"],
