@@ -21,7 +21,7 @@ use kube::{
 use serde_json::json;
 use support::{
     Origin,
-    cluster_app::{ClusterApp, local_cluster},
+    cluster_app::{ClusterApp, local_cluster, local_proxy},
     fake_apiserver::FakeApiServer,
     free_port,
 };
@@ -82,18 +82,13 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
     let operator = ClusterApp::start(client.clone(), options);
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
-    let proxy: Proxy = serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
-        "metadata": {"name": "squid-1", "namespace": "crawl"},
-        "spec": {
-            "provider": "local",
-            "placement": {"address": "127.0.0.1"},
-            "port": proxy_port,
-            "attributes": {"region": "eu"},
-            "health": {"url": origin.http_url("/health"), "intervalSeconds": 2, "timeoutSeconds": 1},
-        },
-    }))
-    .unwrap();
+    let proxy = local_proxy(
+        "squid-1",
+        proxy_port,
+        &origin.http_url("/health"),
+        2,
+        json!({"attributes": {"region": "eu"}}),
+    );
     proxies
         .create(&PostParams::default(), &proxy)
         .await

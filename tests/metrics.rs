@@ -36,7 +36,7 @@ use kube::{
 };
 use serde_json::json;
 use support::{
-    cluster_app::{ClusterApp, installation, local_cluster},
+    cluster_app::{ClusterApp, installation, local_cluster, local_proxy},
     contract::plain_request,
     fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
     http::{get, request},
@@ -152,18 +152,13 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
 
     // Create → Healthy.
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
-    let proxy: Proxy = serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
-        "metadata": {"name": "squid-1", "namespace": "crawl"},
-        "spec": {
-            "provider": "local",
-            "placement": {"address": "127.0.0.1"},
-            "port": proxy_port,
-            "attributes": {"region": "eu"},
-            "health": {"url": origin.url("/health"), "intervalSeconds": 1, "timeoutSeconds": 1},
-        },
-    }))
-    .expect("valid");
+    let proxy = local_proxy(
+        "squid-1",
+        proxy_port,
+        &origin.url("/health"),
+        1,
+        json!({"attributes": {"region": "eu"}}),
+    );
     proxies
         .create(&PostParams::default(), &proxy)
         .await

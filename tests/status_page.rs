@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, api::PostParams};
 use support::{
     Origin,
-    cluster_app::{ClusterApp, local_cluster},
+    cluster_app::{ClusterApp, local_cluster, local_proxy},
     fake_apiserver::FakeApiServer,
     free_port,
     standalone::{self, Host, healthy_rows, start_operator, stop, wait_status},
@@ -309,20 +309,17 @@ async fn the_status_page_in_cluster_mode_is_on_the_admin_port() {
         .await
         .expect("Secret created");
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
-    let proxy: Proxy = serde_json::from_value(serde_json::json!({
-        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
-        "metadata": {"name": "edge-1", "namespace": "crawl"},
-        "spec": {
-            "provider": "local",
-            "placement": {"address": "127.0.0.1"},
-            "port": proxy_port,
+    let proxy = local_proxy(
+        "edge-1",
+        proxy_port,
+        &origin.http_url("/health"),
+        1,
+        serde_json::json!({
             "attributes": {"pool": "cluster"},
             "lease": {"maxConcurrent": 2},
             "auth": {"secretRef": {"name": "web-credentials"}},
-            "health": {"url": origin.http_url("/health"), "intervalSeconds": 1, "timeoutSeconds": 1},
-        },
-    }))
-    .expect("valid Proxy");
+        }),
+    );
     proxies
         .create(&PostParams::default(), &proxy)
         .await
@@ -415,17 +412,13 @@ async fn the_cluster_status_page_shows_the_trail_across_a_leader_change() {
         client.clone(),
         local_cluster(host.path(), &local, TOKEN, admin, discovery),
     );
-    let proxy: Proxy = serde_json::from_value(serde_json::json!({
-        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
-        "metadata": {"name": "edge-2", "namespace": "crawl"},
-        "spec": {
-            "provider": "local",
-            "placement": {"address": "127.0.0.1"},
-            "port": proxy_port,
-            "health": {"url": origin.http_url("/health"), "intervalSeconds": 1, "timeoutSeconds": 1},
-        },
-    }))
-    .expect("valid Proxy");
+    let proxy = local_proxy(
+        "edge-2",
+        proxy_port,
+        &origin.http_url("/health"),
+        1,
+        serde_json::json!({}),
+    );
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
     proxies
         .create(&PostParams::default(), &proxy)

@@ -16,6 +16,32 @@ use egress_proxies_operator::{
 use kube::Client;
 use tokio::{sync::oneshot, task::JoinHandle};
 
+/// A Proxy `crawl/<name>` of [`local_cluster`]'s `local` provider, listening on
+/// 127.0.0.1:`port`, probed through `health_url` every `interval_seconds` (timeout 1 s);
+/// `spec` adds or overrides spec fields (attributes, lease, auth, ...).
+pub fn local_proxy(
+    name: &str,
+    port: u16,
+    health_url: &str,
+    interval_seconds: u32,
+    spec: serde_json::Value,
+) -> egress_proxies_operator::api::Proxy {
+    let mut proxy = serde_json::json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": name, "namespace": "crawl"},
+        "spec": {
+            "provider": "local",
+            "placement": {"address": "127.0.0.1"},
+            "port": port,
+            "health": {"url": health_url, "intervalSeconds": interval_seconds, "timeoutSeconds": 1},
+        },
+    });
+    if let (Some(base), Some(extra)) = (proxy["spec"].as_object_mut(), spec.as_object()) {
+        base.extend(extra.clone());
+    }
+    serde_json::from_value(proxy).expect("a valid Proxy")
+}
+
 /// The installation name [`local_cluster`]'s options give.
 pub const INSTALLATION_NAME: &str = "egress-proxies-system";
 
