@@ -23,10 +23,13 @@ pub(super) const SHARDS: usize = 16;
 /// Entries a shard holds before its first prune.
 const MIN_PRUNE_AT: usize = 64;
 
+/// (holder, request ID).
+type RequestKey = (Box<str>, Box<str>);
+
 /// One request shard: (holder, request ID) → the lease it was granted.
 #[derive(Default)]
 pub(super) struct Requests {
-    granted: HashMap<(Box<str>, Box<str>), Entry>,
+    granted: HashMap<RequestKey, Entry>,
     /// Size at which the next prune runs.
     prune_at: usize,
 }
@@ -47,36 +50,36 @@ impl LeaseStore {
         now: u64,
         grant: impl FnOnce() -> Result<Lease, LeaseError>,
     ) -> Result<Granted, LeaseError> {
-        let key: (Box<str>, Box<str>) = (req.holder.into(), request_id.into());
-        let mut requests = lock(&self.inner.requests[self.request_shard(&key)].0);
-        if let Some(entry) = requests.granted.get(&key) {
-            match self.repeat(&entry.id, now) {
-                Ok(granted) if entry.confirmed => return Ok(granted),
-                Ok(_) => return Err(LeaseError::RequestInProgress),
-                // The lease has ended: the request ID may be granted anew.
-                Err(LeaseError::NotFound) => {
-                    requests.granted.remove(&key);
+        self.with_request(req.holder, request_id, |requests, key| {
+            if let Some(entry) = requests.granted.get(key) {
+                match self.repeat(&entry.id, now) {
+                    Ok(granted) if entry.confirmed => return Ok(granted),
+                    Ok(_) => return Err(LeaseError::RequestInProgress),
+                    // The lease has ended: the request ID may be granted anew.
+                    Err(LeaseError::NotFound) => {
+                        requests.granted.remove(key);
+                    }
+                    Err(other) => return Err(other),
                 }
-                Err(other) => return Err(other),
             }
-        }
-        let lease = grant()?;
-        requests.granted.insert(
-            key,
-            Entry {
-                id: lease.id.clone(),
-                confirmed: false,
-            },
-        );
-        if requests.granted.len() >= requests.prune_at.max(MIN_PRUNE_AT) {
-            requests
-                .granted
-                .retain(|_, entry| self.with_lease(&entry.id, now, |_, _, _| Ok(())).is_ok());
-            requests.prune_at = requests.granted.len() * 2;
-        }
-        Ok(Granted {
-            lease,
-            repeat_of: None,
+            let lease = grant()?;
+            requests.granted.insert(
+                key.clone(),
+                Entry {
+                    id: lease.id.clone(),
+                    confirmed: false,
+                },
+            );
+            if requests.granted.len() >= requests.prune_at.max(MIN_PRUNE_AT) {
+                requests
+                    .granted
+                    .retain(|_, entry| self.with_lease(&entry.id, now, |_, _, _| Ok(())).is_ok());
+                requests.prune_at = requests.granted.len() * 2;
+            }
+            Ok(Granted {
+                lease,
+                repeat_of: None,
+            })
         })
     }
 
@@ -117,18 +120,16 @@ impl LeaseStore {
         self.inner.requests.iter().map(|r| lock(&r.0).granted.len()).sum()
     }
 
-    fn with_request(
+    /// Runs `f` on the request shard of `holder`'s `request_id`, locked.
+    fn with_request<R>(
         &self,
         holder: &str,
         request_id: &str,
-        f: impl FnOnce(&mut Requests, &(Box<str>, Box<str>)),
-    ) {
-        let key: (Box<str>, Box<str>) = (holder.into(), request_id.into());
-        f(&mut lock(&self.inner.requests[self.request_shard(&key)].0), &key);
-    }
-
-    fn request_shard(&self, key: &(Box<str>, Box<str>)) -> usize {
-        (self.inner.hasher.hash_one(key) % SHARDS as u64) as usize
+        f: impl FnOnce(&mut Requests, &RequestKey) -> R,
+    ) -> R {
+        let key: RequestKey = (holder.into(), request_id.into());
+        let shard = (self.inner.hasher.hash_one(&key) % SHARDS as u64) as usize;
+        f(&mut lock(&self.inner.requests[shard].0), &key)
     }
 
     /// Lease `id` as it stands now, with the claim it was granted with.
@@ -143,11 +144,7 @@ impl LeaseStore {
             let id = LeaseId {
                 key: p.key.clone(),
                 first_token: rec.first_token,
-                hint: LeaseHint {
-                    shard: shard.id,
-                    slot,
-                    generation: shard.slots[slot as usize].generation,
-                },
+                hint: shard.hint(slot),
             };
             Ok(Granted {
                 repeat_of: Some(LeaseClaim {

@@ -293,11 +293,7 @@ impl Shard {
         now: u64,
     ) -> Lease {
         let token = self.next_token(now);
-        let hint = LeaseHint {
-            shard: self.id,
-            slot,
-            generation: self.slots[slot as usize].generation,
-        };
+        let hint = self.hint(slot);
         let p = self.proxy_mut(slot);
         let ttl_ms = ttl_ms.min(p.max_ttl_ms);
         let expires_at = now + ttl_ms;
@@ -332,6 +328,15 @@ impl Shard {
             acquired_at_ms: now,
             expires_at_ms: expires_at,
             proxy,
+        }
+    }
+
+    /// Where a lease of `slot`'s proxy is kept now (what its lease ID carries).
+    pub(super) fn hint(&self, slot: u32) -> LeaseHint {
+        LeaseHint {
+            shard: self.id,
+            slot,
+            generation: self.slots[slot as usize].generation,
         }
     }
 

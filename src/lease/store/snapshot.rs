@@ -296,6 +296,7 @@ impl LeaseStore {
                 expires_at: sc.expires_at_ms,
             });
         }
+        // After the shard locks are released: request shards come first in the lock order.
         for pc in &cp.proxies {
             for l in pc.leases.iter().filter(|l| l.expires_at_ms > now) {
                 if let Some(request_id) = &l.request_id {

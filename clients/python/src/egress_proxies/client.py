@@ -51,10 +51,10 @@ _DEFAULT_RETRY_AFTER = 1.0
 _RELEASE_ATTEMPTS = 3
 
 
-def _worth_retrying(err: DiscoveryError) -> bool:
-    """Whether sending the operation that got ``err`` again may settle it: no answer (it may
-    have happened), no connection, or a 5xx (not ready, not leader, journal unavailable)."""
-    return err.code == "no_answer" or err.status >= 500 or err.code == "unreachable"
+def _may_have_happened(err: DiscoveryError) -> bool:
+    """Whether the operation that got ``err`` may have happened: no answer came, or a 5xx (a
+    journal that may hold it); sending it again settles it."""
+    return err.code == "no_answer" or err.status >= 500
 
 
 class DiscoveryError(Exception):
@@ -255,9 +255,8 @@ class DiscoveryClient:
                 break
             except DiscoveryError as err:
                 waitable = err.status == 503 and err.code in _WAITABLE_CODES
-                # No answer, or a 5xx: it may have been granted; the same requestId settles it.
-                in_doubt = err.code == "no_answer" or err.status >= 500
-                if not waitable and not in_doubt:
+                # It may have been granted: the same requestId settles it.
+                if not waitable and not _may_have_happened(err):
                     raise
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -329,9 +328,10 @@ class DiscoveryClient:
                     lease.lost = lease.lost or err
                     return False
                 except DiscoveryError as err:
-                    if not _worth_retrying(err) or attempt == _RELEASE_ATTEMPTS:
+                    retry = _may_have_happened(err) or err.code == "unreachable"
+                    if not retry or attempt == _RELEASE_ATTEMPTS:
                         raise
-                    maybe_done = maybe_done or err.code != "unreachable"
+                    maybe_done = maybe_done or _may_have_happened(err)
                     time.sleep(min(err.retry_after or 0.2, 1.0))
                     continue
                 lease.released = True
