@@ -6,9 +6,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/install.sh
+source scripts/lib/control-plane.sh
 
 install_system_packages
 ensure_rust_components rustfmt clippy
+
+# The real Kubernetes control plane every cluster-mode test starts (kube-apiserver, etcd,
+# kube-controller-manager, kube-scheduler, kubectl, kwok): built from source once, then cached.
+echo "==> control plane (kube-apiserver $EPO_K8S_VERSION, etcd $EPO_ETCD_VERSION, kwok $EPO_KWOK_VERSION)"
+control_plane_started=$SECONDS
+EPO_CONTROL_PLANE_ASSETS=$(control_plane_assets)
+export EPO_CONTROL_PLANE_ASSETS
+echo "    ready in $((SECONDS - control_plane_started)) s: $EPO_CONTROL_PLANE_ASSETS"
 
 echo "==> cargo fmt --check"
 cargo fmt --all --check

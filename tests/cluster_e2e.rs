@@ -22,7 +22,7 @@ use serde_json::json;
 use support::{
     Origin,
     cluster_app::{ClusterApp, local_cluster, local_proxy},
-    fake_apiserver::FakeApiServer,
+    control_plane::ControlPlane,
     free_port,
 };
 
@@ -66,8 +66,11 @@ async fn eventually<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) ->
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
     let origin = Origin::start().await;
-    let server = FakeApiServer::start().await;
-    let client = server.client();
+    let plane = ControlPlane::start().await;
+    let operator_client = plane.install_default().await;
+    plane.create_namespace("crawl").await;
+    // The test writes as the admin; the operator may do only what its RBAC grants.
+    let client = plane.client().await;
     let dir = tempfile::tempdir().expect("temp dir");
     let token = "e2e-token-0123456789abcdef";
     let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
@@ -79,7 +82,7 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         format!("127.0.0.1:{discovery_port}").parse().unwrap(),
     );
     options.identity = "replica-a".into();
-    let operator = ClusterApp::start(client.clone(), options);
+    let operator = ClusterApp::start(operator_client, options);
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
     let proxy = local_proxy(

@@ -1,13 +1,12 @@
-//! A real `kubectl` manages Proxies against the fake API server while the operator runs
-//! (cluster mode in-process, the `local` provider with real Squid): `apply -f` of the CRD and a
-//! sample, `get` with the CRD's printer columns, `-o yaml`, `describe` with conditions and
-//! Events, a `patch` that replaces the instance, and `delete` completing through the
-//! finalizer. kubectl talks to the fake as to any API server: aggregated-discovery fallback,
-//! OpenAPI v3 for server-side field validation, server-side Tables, the core Events API.
+//! A real `kubectl` manages Proxies against a real kube-apiserver (built from source,
+//! `tests/support/control_plane.rs`) while the operator runs (cluster mode in-process as the
+//! shipped ServiceAccount, the `local` provider with real Squid): `apply -k config/default` as
+//! the README installs it, `apply -f` of a sample, `get` with the CRD's printer columns,
+//! `-o yaml`, `describe` with conditions and Events, a `patch` that replaces the instance, and
+//! `delete` completing through the finalizer.
 //!
-//! Needs `kubectl` (Debian package `kubernetes-client`; scripts/test.sh installs it where
-//! it is missing). `EPO_KUBECTL=/path/to/kubectl` runs another binary (docs/testing.md
-//! lists the versions tried).
+//! kubectl is the one built with the control plane (same version as the server);
+//! `EPO_KUBECTL=/path/to/kubectl` runs another binary.
 
 mod support;
 
@@ -21,7 +20,7 @@ use serde_json::Value;
 use support::{
     Origin,
     cluster_app::{ClusterApp, local_cluster},
-    fake_apiserver::FakeApiServer,
+    control_plane::ControlPlane,
     free_port,
 };
 use tokio::process::Command;
@@ -34,34 +33,19 @@ struct Kubectl {
 }
 
 impl Kubectl {
-    /// `EPO_KUBECTL`, else `kubectl` on PATH; fails the test (never skips it) when there is none.
-    fn new(dir: &Path, server: &str) -> Self {
+    /// `EPO_KUBECTL`, else the control plane's own kubectl, with `kubeconfig` (default
+    /// namespace `crawl`).
+    fn new(dir: &Path, plane: &ControlPlane) -> Self {
         let bin = std::env::var_os("EPO_KUBECTL")
             .filter(|path| !path.is_empty())
             .map(PathBuf::from)
-            .or_else(|| {
-                std::env::var_os("PATH").and_then(|paths| {
-                    std::env::split_paths(&paths)
-                        .map(|p| p.join("kubectl"))
-                        .find(|p| p.is_file())
-                })
-            })
-            .expect(
-                "kubectl not found: install it (Debian package `kubernetes-client`; \
-                 scripts/test.sh does) or point EPO_KUBECTL at one",
-            );
+            .unwrap_or_else(|| plane.assets().join("kubectl"));
         let home = dir.join("home");
         std::fs::create_dir_all(&home).expect("kubectl home");
         let kubeconfig = dir.join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {server}\n\
-                 contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: tester\n    namespace: crawl\n\
-                 current-context: fake\nusers:\n- name: tester\n  user: {{}}\n"
-            ),
-        )
-        .expect("kubeconfig");
+        let admin = std::fs::read_to_string(plane.admin_kubeconfig()).expect("admin kubeconfig");
+        std::fs::write(&kubeconfig, admin.replace("namespace: default", "namespace: crawl"))
+            .expect("kubeconfig");
         Self {
             bin,
             home,
@@ -165,12 +149,12 @@ fn refuses_connections(port: u16) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     let origin = Origin::start().await;
-    let server = FakeApiServer::start().await;
+    let plane = ControlPlane::start().await;
     let dir = tempfile::tempdir().expect("temp dir");
-    let kubectl = Kubectl::new(dir.path(), &server.url());
+    let kubectl = Kubectl::new(dir.path(), &plane);
     let version = yaml(&kubectl.ok(&["version", "-o", "yaml"]).await);
     println!(
-        "kubectl {} against the fake API server {}",
+        "kubectl {} against kube-apiserver {}",
         version["clientVersion"]["gitVersion"].as_str().unwrap_or("?"),
         version["serverVersion"]["gitVersion"].as_str().unwrap_or("?"),
     );
@@ -179,9 +163,41 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
         .and_then(|m| m.trim_end_matches('+').parse().ok())
         .expect("kubectl reports its minor version");
 
+    // Install the product as the README says: CRDs, RBAC, the operator's namespaces,
+    // ServiceAccount and Deployment, in one apply of the kustomization.
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let default = repo.join("config/default");
+    let out = kubectl.ok(&["apply", "-k", default.to_str().unwrap()]).await;
+    for created in [
+        "customresourcedefinition.apiextensions.k8s.io/proxies.crawl.example.com created",
+        "customresourcedefinition.apiextensions.k8s.io/providerhealths.crawl.example.com created",
+        "clusterrole.rbac.authorization.k8s.io/egress-proxies-operator created",
+        "serviceaccount/egress-proxies-operator created",
+        "deployment.apps/egress-proxies-operator created",
+    ] {
+        assert!(out.contains(created), "{created} missing from:\n{out}");
+    }
+    kubectl
+        .ok(&[
+            "wait",
+            "--for=condition=Established",
+            "crd/proxies.crawl.example.com",
+            "crd/providerhealths.crawl.example.com",
+            "--timeout=60s",
+        ])
+        .await;
+    let namespace = dir.path().join("namespace.yaml");
+    std::fs::write(
+        &namespace,
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: crawl\n",
+    )
+    .unwrap();
+    kubectl.ok(&["apply", "-f", namespace.to_str().unwrap()]).await;
+
+    // The operator as the ServiceAccount the shipped ClusterRole and Roles bind.
     let (admin_port, discovery_port) = (free_port(), free_port());
     let operator = ClusterApp::start(
-        server.client(),
+        plane.operator_client().await,
         local_cluster(
             dir.path(),
             &dir.path().join("local"),
@@ -190,32 +206,8 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
             format!("127.0.0.1:{discovery_port}").parse().unwrap(),
         ),
     );
-
-    // Install the CRD as a user would; the fake then serves Proxies with its printer
-    // columns, short names and schema. The namespace exists before anything goes into it.
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let crds = repo.join("config/crd/bases");
-    let out = kubectl.ok(&["apply", "-f", crds.to_str().unwrap()]).await;
-    for crd in ["proxies", "providerhealths"] {
-        assert!(
-            out.contains(&format!(
-                "customresourcedefinition.apiextensions.k8s.io/{crd}.crawl.example.com created"
-            )),
-            "{out}"
-        );
-    }
-    // The fake serves Proxies before their CRD is stored (the other tests need no CRD), so a
-    // kubectl that cached discovery before (1.20 keeps it 10 minutes) would not know the
-    // CRD's short names yet; against a real server, proxies would have been missing and
-    // the cache refreshed on the miss.
-    std::fs::remove_dir_all(kubectl.home.join(".kube/cache")).expect("kubectl's cache");
-    let namespace = dir.path().join("namespace.yaml");
-    std::fs::write(
-        &namespace,
-        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: crawl\n",
-    )
-    .unwrap();
-    kubectl.ok(&["apply", "-f", namespace.to_str().unwrap()]).await;
+    let proxies: kube::Api<egress_proxies_operator::api::Proxy> =
+        kube::Api::namespaced(plane.client().await, "crawl");
 
     // The sample, pointed at this test's world: a free port and a loopback health target,
     // checked every 2 s.
@@ -246,7 +238,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     } else {
         println!("kubectl 1.{minor} predates server-side field validation: unknown-field check skipped");
     }
-    assert!(server.get_json("proxies", Some("crawl"), &name).is_none());
+    assert!(proxies.get_opt(&name).await.expect("readable").is_none());
 
     let out = kubectl.ok(&["apply", "-f", manifest]).await;
     assert_eq!(out.trim(), format!("proxy.crawl.example.com/{name} created"));
@@ -359,17 +351,16 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     std::fs::write(&manifest_path, serde_norway::to_string(&sample).unwrap()).unwrap();
     let out = kubectl.ok(&["apply", "-f", manifest]).await;
     assert_eq!(out.trim(), format!("proxy.crawl.example.com/{name} configured"));
-    let stored = server.get_json("proxies", Some("crawl"), &name).unwrap();
+    let stored = serde_json::to_value(proxies.get(&name).await.expect("stored")).unwrap();
     assert_eq!(
         stored["spec"]["attributes"],
         serde_json::json!({"region": "eu", "pool": "blue"})
     );
     assert!(
-        server.requests().iter().any(
-            |r| r.content_type.as_deref() == Some("application/merge-patch+json")
-                && r.field_manager.as_deref() == Some("kubectl-client-side-apply")
-        ),
-        "kubectl apply patched with a JSON merge patch"
+        stored["metadata"]["managedFields"]
+            .as_array()
+            .is_some_and(|fields| fields.iter().any(|f| f["manager"] == "kubectl-client-side-apply")),
+        "kubectl apply wrote as its own field manager: {stored:#}"
     );
     // Server-side apply, as `kubectl apply --server-side` sends it.
     sample["spec"]["attributes"]["pool"] = "green".into();
@@ -379,7 +370,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
         out.trim(),
         format!("proxy.crawl.example.com/{name} serverside-applied")
     );
-    let stored = server.get_json("proxies", Some("crawl"), &name).unwrap();
+    let stored = serde_json::to_value(proxies.get(&name).await.expect("stored")).unwrap();
     assert_eq!(stored["spec"]["attributes"]["pool"], "green");
     assert_eq!(
         stored["status"]["specHash"], spec_hash,
@@ -451,7 +442,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     let out = kubectl.ok(&["delete", "proxy", &name, "--timeout=90s"]).await;
     assert_eq!(out.trim(), format!("proxy.crawl.example.com \"{name}\" deleted"));
     assert!(
-        server.get_json("proxies", Some("crawl"), &name).is_none(),
+        proxies.get_opt(&name).await.expect("readable").is_none(),
         "kubectl delete returned only once the object was gone"
     );
     assert!(refuses_connections(new_port), "the Squid is gone");

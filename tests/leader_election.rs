@@ -1,16 +1,15 @@
-//! Leader election over a coordination.k8s.io Lease on the fake API server: one leader at a
-//! time, takeover only after expiry or release, and a leader that can't renew steps down.
+//! Leader election over a coordination.k8s.io Lease on a real kube-apiserver and etcd: one
+//! leader at a time, takeover only after expiry or release, and a leader that can't renew (the
+//! API server is down) steps down.
 
-mod support {
-    pub mod fake_apiserver;
-}
+mod support;
 
 use std::time::Duration;
 
 use egress_proxies_operator::cluster::leader::{LeaderElector, LeaderTimings, Leadership};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
-use support::fake_apiserver::{FakeApiServer, RequestMatcher};
+use support::control_plane::ControlPlane;
 use tokio::sync::{oneshot, watch};
 
 fn timings() -> LeaderTimings {
@@ -50,8 +49,9 @@ async fn wait(state: &mut watch::Receiver<Leadership>, want: impl Fn(&Leadership
 
 #[tokio::test]
 async fn one_leader_at_a_time_and_a_clean_handover() {
-    let server = FakeApiServer::start().await;
-    let api: Api<Lease> = Api::namespaced(server.client(), "egress-proxies-system");
+    let plane = ControlPlane::start().await;
+    plane.create_namespace("egress-proxies-system").await;
+    let api: Api<Lease> = Api::namespaced(plane.client().await, "egress-proxies-system");
     let mut a = candidate(api.clone(), "replica-a");
     wait(&mut a.state, |s| *s == Leadership::Leader).await;
     let mut b = candidate(api.clone(), "replica-b");
@@ -79,13 +79,15 @@ async fn one_leader_at_a_time_and_a_clean_handover() {
 
 #[tokio::test]
 async fn a_leader_that_cannot_renew_steps_down_and_a_crashed_leader_is_replaced_after_expiry() {
-    let server = FakeApiServer::start().await;
-    let api: Api<Lease> = Api::namespaced(server.client(), "egress-proxies-system");
+    let mut plane = ControlPlane::start().await;
+    plane.create_namespace("egress-proxies-system").await;
+    let api: Api<Lease> = Api::namespaced(plane.client().await, "egress-proxies-system");
     let mut a = candidate(api.clone(), "replica-a");
     wait(&mut a.state, |s| *s == Leadership::Leader).await;
-    // The API server stops answering a's renewals for longer than the renew deadline.
-    server.fail_next(RequestMatcher::any().resource("leases"), 30, 500);
+    // The API server goes away for longer than the renew deadline: a cannot renew.
+    plane.stop_apiserver().await;
     wait(&mut a.state, |s| *s != Leadership::Leader).await;
+    plane.start_apiserver_again().await;
 
     // a crashes without releasing the Lease: b must wait for it to expire, then take over.
     a.task.abort();

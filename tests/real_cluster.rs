@@ -1,107 +1,252 @@
-//! Opt-in: the controller against a REAL Kubernetes cluster, named by the kubeconfig in
-//! `EPO_TEST_KUBECONFIG` (for example a kind cluster with the CRDs applied:
-//! `cargo run -- crd | kubectl apply -f -`). It compiles in every run; without the variable it
-//! returns at once and says so. It uses its own namespace and deletes it afterwards.
+//! Cluster mode as shipped, on a real kube-apiserver and etcd: two `run` replicas of the
+//! operator binary, installed by `kubectl apply -k config/default` and running as the
+//! ServiceAccount it binds, with the `local` provider (real Squids). The leader is killed
+//! (SIGKILL, no hand-over): the other replica takes over within the lease duration, restores
+//! the crawler's lease from the checkpoint ConfigMaps, and adopts the running Squid instead of
+//! starting a second one. Then kube-apiserver itself restarts, and the operator carries on.
 
-mod support {
-    pub mod controller;
-    pub mod scripted;
-}
+mod support;
 
-use std::{sync::Arc, time::Duration};
-
-use egress_proxies_operator::{
-    api::Proxy,
-    effects::HealthVerdict,
-    provider::{ProviderRegistry, memory::MemoryProvider},
+use std::{
+    net::SocketAddr,
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
 };
-use k8s_openapi::api::core::v1::Namespace;
+
+use egress_proxies_operator::api::Proxy;
+use hyper::{Request, StatusCode};
 use kube::{
-    Api, Client, Config,
-    api::{DeleteParams, PostParams},
-    config::{KubeConfigOptions, Kubeconfig},
+    Api,
+    api::{Patch, PatchParams, PostParams},
 };
 use serde_json::json;
 use support::{
-    controller::ControllerSetup,
-    scripted::{ScriptedHealth, ScriptedLeases, key},
+    Origin,
+    cluster_app::local_proxy,
+    control_plane::{ControlPlane, OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT},
+    free_port, http,
+    process::GroupChild,
 };
 
-async fn wait_for(api: &Api<Proxy>, name: &str, done: impl Fn(Option<&Proxy>) -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let current = api.get_opt(name).await.expect("readable");
-        if done(current.as_ref()) {
-            return;
+const TOKEN: &str = "real-cluster-token-0123456789abcdef";
+
+/// One replica: the operator binary's `run`, as the shipped ServiceAccount.
+struct Replica {
+    identity: String,
+    admin: SocketAddr,
+    discovery: SocketAddr,
+    child: GroupChild,
+}
+
+impl Replica {
+    fn start(dir: &Path, kubeconfig: &Path, identity: &str) -> Self {
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let discovery: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"));
+        command
+            .arg("run")
+            .arg(format!("--providers-config={}", dir.join("providers.yaml").display()))
+            .arg(format!("--discovery-tokens={}", dir.join("tokens").display()))
+            .arg(format!("--lease-signing-key={}", dir.join("key").display()))
+            .arg(format!("--admin-listen={admin}"))
+            .arg(format!("--discovery-listen={discovery}"))
+            .env("KUBECONFIG", kubeconfig)
+            .env("POD_NAMESPACE", OPERATOR_NAMESPACE)
+            .env("POD_NAME", identity)
+            .env("RUST_LOG", "info");
+        let child = GroupChild::spawn(&mut command, &dir.join(format!("{identity}.log")));
+        Self {
+            identity: identity.to_owned(),
+            admin,
+            discovery,
+            child,
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out; last: {current:#?}"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    async fn ready(&self) -> bool {
+        http::get(self.admin, "/readyz").await.0 == StatusCode::OK
+    }
+
+    async fn call(&self, method: &str, path: &str, body: serde_json::Value) -> (StatusCode, serde_json::Value) {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "127.0.0.1")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
+            .unwrap();
+        let (code, text) = http::request(self.discovery, request).await;
+        (code, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
     }
 }
 
-fn phase(p: Option<&Proxy>) -> Option<&str> {
-    p?.status.as_ref()?.phase.as_deref()
+async fn eventually<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
-#[tokio::test]
-async fn controller_converges_on_a_real_cluster() {
-    let Ok(path) = std::env::var("EPO_TEST_KUBECONFIG") else {
-        eprintln!(
-            "not run: set EPO_TEST_KUBECONFIG to a kubeconfig of a disposable cluster (see docs/testing.md)"
-        );
-        return;
-    };
-    let kubeconfig = Kubeconfig::read_from(&path).expect("readable kubeconfig");
-    let config = Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-        .await
-        .expect("valid kubeconfig");
-    let client = Client::try_from(config).expect("client");
-    let namespace = format!("epo-test-{:08x}", fastrand::u32(..));
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}})).unwrap();
-    namespaces
-        .create(&PostParams::default(), &ns)
-        .await
-        .expect("namespace created");
+fn phase(proxy: &Proxy) -> Option<&str> {
+    proxy.status.as_ref()?.phase.as_deref()
+}
 
-    let provider = Arc::new(MemoryProvider::new("mem"));
-    let mut providers = ProviderRegistry::new();
-    providers.insert(provider.clone());
-    let health = ScriptedHealth::new();
-    let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
-    setup.deps.namespace = Some(namespace.clone());
-    setup.deps.debounce = Duration::from_millis(100);
-    setup.deps.identity = "real-cluster-test".into();
-    let controller = setup.start().await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance() {
+    let origin = Origin::start().await;
+    let mut plane = ControlPlane::start().await;
+    plane.install_default().await;
+    plane.create_namespace("crawl").await;
+    let kubeconfig = plane
+        .service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
+        .await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    support::cluster_app::local_cluster(
+        dir.path(),
+        &dir.path().join("local"),
+        TOKEN,
+        "127.0.0.1:0".parse().unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    );
+    let admin = plane.client().await;
+    let proxies: Api<Proxy> = Api::namespaced(admin.clone(), "crawl");
 
-    let proxies: Api<Proxy> = Api::namespaced(client.clone(), &namespace);
-    let proxy: Proxy = serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
-        "metadata": {"name": "real-1", "namespace": namespace},
-        "spec": {"provider": "mem"},
-    }))
-    .unwrap();
+    let a = Replica::start(dir.path(), &kubeconfig, "replica-a");
+    eventually(Duration::from_secs(60), "replica-a leads", async || {
+        a.ready().await.then_some(())
+    })
+    .await;
+    let b = Replica::start(dir.path(), &kubeconfig, "replica-b");
+
+    let port = free_port();
+    let proxy = local_proxy(
+        "squid-1",
+        port,
+        &origin.http_url("/health"),
+        2,
+        json!({"attributes": {"region": "eu"}}),
+    );
     proxies
         .create(&PostParams::default(), &proxy)
         .await
-        .expect("created (are the CRDs applied?)");
-    wait_for(&proxies, "real-1", |p| phase(p) == Some("provisioning")).await;
-    health.set(&key(&namespace, "real-1"), HealthVerdict::Passing);
-    controller.trigger(key(&namespace, "real-1")).await;
-    wait_for(&proxies, "real-1", |p| phase(p) == Some("healthy")).await;
+        .expect("created");
+    let healthy = eventually(Duration::from_secs(60), "squid-1 healthy", async || {
+        let p = proxies.get("squid-1").await.ok()?;
+        (phase(&p) == Some("healthy")).then_some(p)
+    })
+    .await;
+    let provider_id = healthy.status.as_ref().unwrap().provider_id.clone();
+    assert!(!b.ready().await, "the follower is not ready while a leads");
+
+    let (code, lease) = a
+        .call(
+            "POST",
+            "/v1/leases",
+            json!({"selector": {"region": "eu"}, "holder": "crawler-1", "ttlSeconds": 300}),
+        )
+        .await;
+    assert_eq!(code, StatusCode::CREATED, "{lease}");
+    // The checkpoint (ConfigMaps in the operator's namespace) holds the lease before the kill.
+    let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(admin.clone(), OPERATOR_NAMESPACE);
+    eventually(Duration::from_secs(30), "the lease in the checkpoint", async || {
+        let parts = configmaps
+            .list(&kube::api::ListParams::default().labels("crawl.example.com/lease-checkpoint"))
+            .await
+            .ok()?;
+        parts
+            .items
+            .iter()
+            .filter_map(|cm| cm.data.as_ref())
+            .any(|data| data.values().any(|v| v.contains("crawler-1")))
+            .then_some(())
+    })
+    .await;
+
+    // SIGKILL: no release of the leader Lease, no last checkpoint.
+    let killed_at = Instant::now();
+    drop(a);
+    eventually(Duration::from_secs(40), "replica-b leads", async || {
+        b.ready().await.then_some(())
+    })
+    .await;
+    let takeover = killed_at.elapsed();
+    println!("replica-b ready {takeover:?} after replica-a was killed");
+    assert!(
+        takeover <= Duration::from_secs(15 + 2 + 5),
+        "takeover took {takeover:?}: more than the lease duration (15 s), a retry period and a margin"
+    );
+    let lease_id = lease["leaseId"].as_str().expect("leaseId");
+    let (code, renewed) = b
+        .call(
+            "POST",
+            &format!("/v1/leases/{lease_id}/renew"),
+            json!({"fencingToken": lease["fencingToken"], "ttlSeconds": 300}),
+        )
+        .await;
+    assert_eq!(code, StatusCode::OK, "the new leader restored the lease: {renewed}");
+
+    // The new leader adopted the running Squid: same instance, still healthy, no second create.
+    let after = proxies.get("squid-1").await.expect("squid-1");
+    assert_eq!(phase(&after), Some("healthy"));
+    assert_eq!(after.status.as_ref().unwrap().provider_id, provider_id);
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), "crawl");
+    let created: Vec<_> = events
+        .list(&Default::default())
+        .await
+        .expect("events")
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("InstanceCreated"))
+        .collect();
+    let count: i32 = created
+        .iter()
+        .map(|e| e.series.as_ref().map_or(1, |s| s.count))
+        .sum();
+    assert_eq!(count, 1, "one instance for squid-1: {created:#?}");
+
+    // kube-apiserver restarts (an upgrade, a crash): the operator's watches and leader Lease
+    // come back by themselves, and a spec change made afterwards is carried out.
+    plane.restart_apiserver().await;
+    let proxies: Api<Proxy> = Api::namespaced(plane.client().await, "crawl");
+    let new_port = free_port();
     proxies
-        .delete("real-1", &DeleteParams::default())
+        .patch(
+            "squid-1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"port": new_port}})),
+        )
+        .await
+        .expect("patched");
+    eventually(Duration::from_secs(90), "squid-1 replaced on its new port", async || {
+        let p = proxies.get("squid-1").await.ok()?;
+        let status = p.status.as_ref()?;
+        (status.phase.as_deref() == Some("healthy")
+            && status.endpoint.as_deref() == Some(format!("127.0.0.1:{new_port}").as_str()))
+        .then_some(())
+    })
+    .await;
+    assert!(b.ready().await, "replica-b still leads after the API server restart");
+    let log = b.child.log();
+    assert!(!log.contains("Forbidden"), "the shipped RBAC was enough:\n{log}");
+
+    // Deleting the object removes its Squid (nothing outlives the test).
+    proxies
+        .delete("squid-1", &Default::default())
         .await
         .expect("deleted");
-    wait_for(&proxies, "real-1", |p| p.is_none()).await;
-    assert!(provider.names().is_empty());
-
-    controller.stop().await;
-    namespaces
-        .delete(&namespace, &DeleteParams::default())
-        .await
-        .expect("namespace deleted");
+    eventually(Duration::from_secs(60), "squid-1 gone", async || {
+        proxies.get_opt("squid-1").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", new_port)).is_err(),
+        "its Squid is gone"
+    );
+    drop(b);
 }

@@ -8,6 +8,7 @@
 #![allow(dead_code)] // Each test binary uses a different part of the support code.
 
 pub mod cluster_app;
+pub mod control_plane;
 pub mod fake_apiserver;
 pub mod leases;
 pub mod process;
