@@ -4,7 +4,13 @@
 //! injected 409 runs against the in-process fake API server (a real one cannot be told to
 //! conflict on cue).
 
-mod support;
+mod support {
+    pub mod control_plane;
+    pub mod controller;
+    pub mod fake_apiserver;
+    pub mod process;
+    pub mod scripted;
+}
 
 use std::{sync::Arc, time::Duration};
 
@@ -115,7 +121,17 @@ impl World {
 
     /// Polls the Proxy until `done` holds for its status (or it is gone, for `None`).
     async fn wait_for(&self, name: &str, what: &str, done: impl Fn(Option<&Proxy>) -> bool) -> Option<Proxy> {
-        let deadline = tokio::time::Instant::now() + DEADLINE;
+        self.wait_within(DEADLINE, name, what, done).await
+    }
+
+    async fn wait_within(
+        &self,
+        within: Duration,
+        name: &str,
+        what: &str,
+        done: impl Fn(Option<&Proxy>) -> bool,
+    ) -> Option<Proxy> {
+        let deadline = tokio::time::Instant::now() + within;
         loop {
             let current = self.proxies().get_opt(name).await.expect("readable");
             if done(current.as_ref()) {
@@ -505,6 +521,13 @@ async fn an_expired_watch_relists_and_converges() {
     plane.start_apiserver_again().await;
     world.client = world.plane().client().await;
     world.create_proxy("web-5", json!({"provider": "mem"})).await;
+    // The watch reconnects on kube-runtime's backoff (up to 30 s between tries while the API
+    // server was down), then gets 410 and relists.
+    world
+        .wait_within(Duration::from_secs(60), "web-5", "provisioning after the relist", |p| {
+            phase_of(p) == Some("provisioning")
+        })
+        .await;
     make_healthy(&world, &operator, "web-5").await;
     assert_eq!(
         world.provider.created_count(),

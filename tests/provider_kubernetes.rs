@@ -1,17 +1,21 @@
-//! The `kubernetes` provider against the in-process fake API server (a real `kube::Client`
-//! over HTTP on 127.0.0.1): the provider contract suite, the objects it makes (labels, owner
-//! annotations, the Squid config), the endpoint per Service type, error categories, and
-//! isolation between provider instances, and between installations, sharing a namespace.
+//! The `kubernetes` provider against a real kube-apiserver and etcd, with kube-scheduler and
+//! kwok (one fake node: Pods are scheduled, become Running with an IP, and a deleted Pod goes
+//! away once the "node" confirms): the provider contract suite, the objects it makes (labels,
+//! owner annotations, the Squid config), the endpoint per Service type (the server allocates
+//! cluster IPs and node ports), error categories, and isolation between provider instances,
+//! and between installations, sharing a namespace.
 //!
-//! The fake runs no kubelet: Pods stay `Pending` unless a test writes a phase with
-//! `put_json`, and LoadBalancer Services get an ingress only when a test writes one.
+//! The two tests that need a failure on cue (a 500 or 403 on one request, a Pod create that
+//! fails) run against the in-process fake API server, which can inject them.
 
 #[allow(dead_code)]
 #[macro_use]
 mod support {
     #[macro_use]
     pub mod contract;
+    pub mod control_plane;
     pub mod fake_apiserver;
+    pub mod process;
 }
 
 use std::{
@@ -29,8 +33,13 @@ use egress_proxies_operator::{
 };
 use serde_json::{Value, json};
 
+use kube::{
+    Api, Client,
+    api::{ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams},
+};
 use support::{
     contract::{self, ContractBackend},
+    control_plane::{ControlPlane, Options},
     fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
 };
 
@@ -46,10 +55,30 @@ fn settings(service_type: ServiceType) -> KubernetesSettings {
     }
 }
 
-/// A fake API server and the settings providers on it are opened with.
+/// The API server the provider talks to.
+enum Server {
+    /// kube-apiserver, etcd, kube-scheduler and kwok (held: dropping it stops them).
+    Real(#[allow(dead_code)] ControlPlane),
+    /// For failures a real server cannot be told to make.
+    Fake(FakeApiServer),
+}
+
+/// An API server and the settings providers on it are opened with.
 pub struct KubernetesBackend {
-    server: FakeApiServer,
+    server: Server,
+    client: Client,
     settings: KubernetesSettings,
+}
+
+fn resource(plural: &str) -> ApiResource {
+    let kind = match plural {
+        "pods" => "Pod",
+        "services" => "Service",
+        "configmaps" => "ConfigMap",
+        "secrets" => "Secret",
+        other => panic!("no test reads {other}"),
+    };
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", kind), plural)
 }
 
 impl KubernetesBackend {
@@ -58,23 +87,135 @@ impl KubernetesBackend {
     }
 
     async fn with_settings(settings: KubernetesSettings) -> Self {
+        let plane = ControlPlane::start_with(Options {
+            nodes: true,
+            ..Options::default()
+        })
+        .await;
+        plane.create_namespace(NAMESPACE).await;
+        let client = plane.client().await;
         Self {
-            server: FakeApiServer::start().await,
+            server: Server::Real(plane),
+            client,
             settings,
         }
     }
 
-    fn provider(&self, instance: &str) -> KubernetesProvider {
-        KubernetesProvider::new(instance, self.settings.clone(), self.server.client())
+    async fn fake() -> Self {
+        let server = FakeApiServer::start().await;
+        let client = server.client();
+        Self {
+            server: Server::Fake(server),
+            client,
+            settings: settings(ServiceType::ClusterIP),
+        }
     }
 
-    fn object(&self, resource: &str, name: &str) -> Option<Value> {
-        self.server.get_json(resource, Some(NAMESPACE), name)
+    fn fake_server(&self) -> &FakeApiServer {
+        match &self.server {
+            Server::Fake(server) => server,
+            Server::Real(_) => panic!("this test needs the fake API server"),
+        }
+    }
+
+    fn provider(&self, instance: &str) -> KubernetesProvider {
+        KubernetesProvider::new(instance, self.settings.clone(), self.client.clone())
+    }
+
+    fn api(&self, plural: &str) -> Api<DynamicObject> {
+        Api::namespaced_with(self.client.clone(), NAMESPACE, &resource(plural))
+    }
+
+    /// The object as stored, as JSON.
+    async fn object(&self, plural: &str, name: &str) -> Option<Value> {
+        if let Server::Fake(server) = &self.server {
+            return server.get_json(plural, Some(NAMESPACE), name);
+        }
+        let object = self.api(plural).get_opt(name).await.expect("readable")?;
+        Some(serde_json::to_value(object).expect("JSON"))
+    }
+
+    /// Every object of `plural` in the namespace, as JSON.
+    async fn list(&self, plural: &str) -> Vec<Value> {
+        if let Server::Fake(server) = &self.server {
+            return server.list_json(plural, Some(NAMESPACE));
+        }
+        self.api(plural)
+            .list(&ListParams::default())
+            .await
+            .expect("listable")
+            .items
+            .into_iter()
+            .map(|o| serde_json::to_value(o).expect("JSON"))
+            .collect()
+    }
+
+    /// Writes `object` back as an admin would: its metadata and spec, then its status.
+    async fn put(&self, plural: &str, object: Value) {
+        if let Server::Fake(server) = &self.server {
+            server.put_json(plural, object);
+            return;
+        }
+        let api = self.api(plural);
+        let name = object["metadata"]["name"].as_str().expect("a name").to_owned();
+        let dynamic: DynamicObject = serde_json::from_value(object.clone()).expect("an object");
+        let replaced = api
+            .replace(&name, &PostParams::default(), &dynamic)
+            .await
+            .expect("replaced");
+        if object.get("status").is_some() {
+            let mut with_status = object;
+            with_status["metadata"]["resourceVersion"] = replaced.metadata.resource_version.clone().into();
+            let with_status: DynamicObject = serde_json::from_value(with_status).expect("an object");
+            api.replace_status(&name, &PostParams::default(), &with_status)
+            .await
+            .expect("status replaced");
+        }
+    }
+
+    /// Waits until `plural/name` is gone (a Pod's graceful delete ends when kwok, its
+    /// "kubelet", confirms), for up to 30 s.
+    async fn wait_gone(&self, plural: &str, name: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Some(object) = self.object(plural, name).await {
+            assert!(Instant::now() < deadline, "{plural}/{name} left behind: {object:#}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until the namespace holds no Pod, for up to 30 s.
+    async fn wait_no_pods(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let pods = self.list("pods").await;
+            if pods.is_empty() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "pods left behind: {pods:#?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until the Pod `name` is Running (kwok), for up to 60 s.
+    async fn wait_running(&self, name: &str) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let pod = self.object("pods", name).await.expect("pod");
+            if pod["status"]["phase"] == "Running" {
+                return;
+            }
+            assert!(Instant::now() < deadline, "pod {name} not Running: {pod:#}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 }
 
 #[async_trait]
 impl ContractBackend for KubernetesBackend {
+    fn delete_settles(&self) -> Duration {
+        Duration::from_secs(30)
+    }
+
     async fn open(&self) -> Arc<dyn Provider> {
         Arc::new(self.provider("cluster"))
     }
@@ -88,8 +229,8 @@ impl ContractBackend for KubernetesBackend {
 
     /// Pods of that name: the instance is its Pod.
     async fn backend_objects(&self, name: &str) -> usize {
-        self.server
-            .list_json("pods", Some(NAMESPACE))
+        self.list("pods")
+            .await
             .iter()
             .filter(|pod| pod["metadata"]["name"] == name)
             .count()
@@ -130,6 +271,7 @@ async fn every_object_carries_the_labels_and_owner_annotations() {
     for resource in ["pods", "configmaps", "services"] {
         let object = backend
             .object(resource, &request.name)
+            .await
             .unwrap_or_else(|| panic!("no {resource} named {}", request.name));
         let labels = &object["metadata"]["labels"];
         assert_eq!(
@@ -162,13 +304,13 @@ async fn every_object_carries_the_labels_and_owner_annotations() {
         );
     }
     assert!(
-        backend.object("secrets", &request.name).is_none(),
+        backend.object("secrets", &request.name).await.is_none(),
         "no credentials, no Secret"
     );
 
     // The Pod runs the configured image with the config mounted where Squid reads it, and
     // the Service selects it on the proxy's port.
-    let pod = backend.object("pods", &request.name).expect("pod");
+    let pod = backend.object("pods", &request.name).await.expect("pod");
     let container = &pod["spec"]["containers"][0];
     assert_eq!(container["image"], "registry.example.com/squid:5.7");
     assert_eq!(container["volumeMounts"][0]["mountPath"], "/etc/squid/squid.conf");
@@ -176,7 +318,7 @@ async fn every_object_carries_the_labels_and_owner_annotations() {
         pod["spec"]["volumes"][0]["configMap"]["name"],
         request.name.as_str()
     );
-    let service = backend.object("services", &request.name).expect("service");
+    let service = backend.object("services", &request.name).await.expect("service");
     assert_eq!(service["spec"]["type"], "ClusterIP");
     assert_eq!(service["spec"]["ports"][0]["port"], 3130);
     for (key, value) in service["spec"]["selector"].as_object().expect("selector") {
@@ -187,10 +329,7 @@ async fn every_object_carries_the_labels_and_owner_annotations() {
     }
     provider.delete(&request.name).await.expect("delete");
     for resource in ["pods", "configmaps", "services"] {
-        assert!(
-            backend.object(resource, &request.name).is_none(),
-            "{resource} left behind"
-        );
+        backend.wait_gone(resource, &request.name).await;
     }
 }
 
@@ -200,7 +339,7 @@ async fn the_config_map_holds_a_squid_conf_for_the_proxy_port() {
     let provider = backend.provider("cluster");
     let request = request("config", 8123);
     provider.create(&request).await.expect("create");
-    let config_map = backend.object("configmaps", &request.name).expect("configmap");
+    let config_map = backend.object("configmaps", &request.name).await.expect("configmap");
     let conf = config_map["data"]["squid.conf"].as_str().expect("squid.conf");
     assert!(conf.lines().any(|l| l == "http_port 8123"), "{conf}");
     assert!(conf.lines().any(|l| l == "http_access allow all"), "{conf}");
@@ -221,13 +360,14 @@ async fn credentials_go_to_a_secret_as_a_hash_never_to_the_config_map() {
         ..request("auth", 3128)
     };
     provider.create(&request).await.expect("create");
-    let config_map = backend.object("configmaps", &request.name).expect("configmap");
+    let config_map = backend.object("configmaps", &request.name).await.expect("configmap");
     let conf = config_map["data"]["squid.conf"].as_str().expect("squid.conf");
     assert!(conf.contains("auth_param basic program"), "{conf}");
     assert!(!config_map.to_string().contains(password));
 
     let secret = backend
         .object("secrets", &request.name)
+        .await
         .expect("a Secret for the passwords");
     let encoded = secret["data"]["passwd"].as_str().expect("passwd key");
     let passwd = String::from_utf8(base64_decode(encoded)).expect("utf-8");
@@ -236,13 +376,13 @@ async fn credentials_go_to_a_secret_as_a_hash_never_to_the_config_map() {
         "a SHA-512-crypt hash: {passwd}"
     );
     assert!(!passwd.contains(password), "the password itself is not stored");
-    let pod = backend.object("pods", &request.name).expect("pod");
+    let pod = backend.object("pods", &request.name).await.expect("pod");
     let mounts = pod["spec"]["containers"][0]["volumeMounts"].to_string();
     assert!(mounts.contains("/etc/squid/passwd"), "{mounts}");
 
     provider.delete(&request.name).await.expect("delete");
     assert!(
-        backend.object("secrets", &request.name).is_none(),
+        backend.object("secrets", &request.name).await.is_none(),
         "the Secret is deleted too"
     );
 }
@@ -275,15 +415,22 @@ async fn state_follows_the_pod_phase() {
     let provider = backend.provider("cluster");
     let request = request("phase", 3128);
     provider.create(&request).await.expect("create");
+    // kwok runs it, as a kubelet would.
+    backend.wait_running(&request.name).await;
+    assert_eq!(
+        provider.get(&request.name).await.expect("get").state,
+        InstanceState::Running
+    );
+    // Then its "kubelet" reports other phases.
     for (phase, state) in [
         ("Running", InstanceState::Running),
         ("Failed", InstanceState::Stopped),
         ("Succeeded", InstanceState::Stopped),
         ("Pending", InstanceState::Starting),
     ] {
-        let mut pod = backend.object("pods", &request.name).expect("pod");
-        pod["status"] = json!({"phase": phase});
-        backend.server.put_json("pods", pod);
+        let mut pod = backend.object("pods", &request.name).await.expect("pod");
+        pod["status"]["phase"] = json!(phase);
+        backend.put("pods", pod).await;
         let instance = provider.get(&request.name).await.expect("get");
         assert_eq!(instance.state, state, "phase {phase}");
     }
@@ -296,7 +443,7 @@ async fn cluster_ip_endpoint_is_the_allocated_cluster_ip_and_port() {
     let provider = backend.provider("cluster");
     let request = request("cluster-ip", 3129);
     let instance = provider.create(&request).await.expect("create");
-    let service = backend.object("services", &request.name).expect("service");
+    let service = backend.object("services", &request.name).await.expect("service");
     let cluster_ip = service["spec"]["clusterIP"]
         .as_str()
         .expect("allocated")
@@ -319,10 +466,10 @@ async fn load_balancer_endpoint_appears_with_the_ingress() {
     let request = request("load-balancer", 3128);
     let instance = provider.create(&request).await.expect("create");
     assert_eq!(instance.endpoint, None, "no ingress yet");
-    let mut service = backend.object("services", &request.name).expect("service");
+    let mut service = backend.object("services", &request.name).await.expect("service");
     assert_eq!(service["spec"]["type"], "LoadBalancer");
     service["status"] = json!({"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}});
-    backend.server.put_json("services", service);
+    backend.put("services", service).await;
     let instance = provider.get(&request.name).await.expect("get");
     assert_eq!(
         instance.endpoint,
@@ -354,20 +501,20 @@ async fn node_port_endpoint_is_the_node_address_and_node_port() {
     let provider = backend.provider("cluster");
     let request = request("node-port", 3128);
     let instance = provider.create(&request).await.expect("create");
-    // The fake allocates no node port; Kubernetes would.
-    assert_eq!(instance.endpoint, None);
-    let mut service = backend.object("services", &request.name).expect("service");
+    // The API server allocates the node port with the Service.
+    let service = backend.object("services", &request.name).await.expect("service");
     assert_eq!(service["spec"]["type"], "NodePort");
-    service["spec"]["ports"][0]["nodePort"] = json!(30128);
-    backend.server.put_json("services", service);
+    let node_port = service["spec"]["ports"][0]["nodePort"]
+        .as_u64()
+        .expect("a node port allocated") as u16;
+    assert!((30000..=32767).contains(&node_port), "{node_port}");
+    let expected = Some(Endpoint {
+        host: "nodes.example.com".to_owned(),
+        port: node_port,
+    });
+    assert_eq!(instance.endpoint, expected, "known from the create on");
     let instance = provider.get(&request.name).await.expect("get");
-    assert_eq!(
-        instance.endpoint,
-        Some(Endpoint {
-            host: "nodes.example.com".to_owned(),
-            port: 30128
-        })
-    );
+    assert_eq!(instance.endpoint, expected);
     provider.delete(&request.name).await.expect("delete");
 }
 
@@ -403,20 +550,20 @@ async fn an_unreachable_api_server_is_unavailable_quickly() {
 
 #[tokio::test]
 async fn api_errors_map_to_categories_and_a_lost_get_is_not_not_found() {
-    let backend = KubernetesBackend::start().await;
+    let backend = KubernetesBackend::fake().await;
     let provider = backend.provider("cluster");
     let request = request("errors", 3128);
     provider.create(&request).await.expect("create");
 
     // A 500 on the Pod read: doubt, never NotFound.
     let pods = RequestMatcher::any().verb(Verb::Get).resource("pods");
-    backend.server.fail_next(pods.clone(), 1, 500);
+    backend.fake_server().fail_next(pods.clone(), 1, 500);
     match provider.get(&request.name).await {
         Err(ProviderError::Unavailable(_)) => {}
         other => panic!("expected Unavailable on a 500, got {other:?}"),
     }
     // RBAC: a 403 is configuration, and says what permission is missing.
-    backend.server.fail_next(pods, 1, 403);
+    backend.fake_server().fail_next(pods, 1, 403);
     match provider.get(&request.name).await {
         Err(ProviderError::Misconfigured(message)) => {
             assert!(message.contains("pods") && message.contains("get"), "{message}");
@@ -450,7 +597,7 @@ async fn another_provider_instances_objects_are_invisible_and_untouched() {
         .expect("delete of a name not ours succeeds");
     for resource in ["pods", "configmaps", "services"] {
         assert!(
-            backend.object(resource, &their_request.name).is_some(),
+            backend.object(resource, &their_request.name).await.is_some(),
             "their {resource} was deleted"
         );
     }
@@ -458,7 +605,7 @@ async fn another_provider_instances_objects_are_invisible_and_untouched() {
 
     ours.delete(&our_request.name).await.expect("delete ours");
     theirs.delete(&their_request.name).await.expect("delete theirs");
-    assert!(backend.server.list_json("pods", Some(NAMESPACE)).is_empty());
+    backend.wait_no_pods().await;
 }
 
 #[tokio::test]
@@ -474,7 +621,7 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
     assert_eq!(made.installation.as_ref(), Some(&prod_id));
     for resource in ["pods", "configmaps", "services"] {
         let annotations =
-            &backend.object(resource, &prod_request.name).expect("object")["metadata"]["annotations"];
+            &backend.object(resource, &prod_request.name).await.expect("object")["metadata"]["annotations"];
         assert_eq!(
             annotations["crawl.example.com/installation-cluster"], "cluster-uid",
             "{resource}"
@@ -512,7 +659,7 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
         .expect("nothing of staging's");
     for resource in ["pods", "configmaps", "services"] {
         assert!(
-            backend.object(resource, &prod_request.name).is_some(),
+            backend.object(resource, &prod_request.name).await.is_some(),
             "{resource} kept"
         );
     }
@@ -521,13 +668,13 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
     let legacy_request = request("legacy", 3128);
     prod.create(&legacy_request).await.expect("create");
     for resource in ["pods", "configmaps", "services"] {
-        let mut object = backend.object(resource, &legacy_request.name).expect("object");
+        let mut object = backend.object(resource, &legacy_request.name).await.expect("object");
         let annotations = object["metadata"]["annotations"]
             .as_object_mut()
             .expect("annotations");
         annotations.remove("crawl.example.com/installation-cluster");
         annotations.remove("crawl.example.com/installation-name");
-        backend.server.put_json(resource, object);
+        backend.put(resource, object).await;
     }
     assert_eq!(
         staging
@@ -542,6 +689,7 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
     assert_eq!(
         backend
             .object("configmaps", &legacy_request.name)
+            .await
             .expect("config map")["metadata"]["annotations"]["crawl.example.com/installation-name"],
         "staging"
     );
@@ -556,21 +704,21 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
 
     staging.delete(&legacy_request.name).await.expect("delete");
     prod.delete(&prod_request.name).await.expect("delete");
-    assert!(backend.server.list_json("pods", Some(NAMESPACE)).is_empty());
+    backend.wait_no_pods().await;
 }
 
 #[tokio::test]
 async fn a_create_interrupted_before_the_pod_is_completed_by_the_next_create() {
-    let backend = KubernetesBackend::start().await;
+    let backend = KubernetesBackend::fake().await;
     let provider = backend.provider("cluster");
     let request = request("interrupted", 3128);
     // The Pod create fails (the crash point): config and Service exist, no Pod.
     backend
-        .server
+        .fake_server()
         .fail_next(RequestMatcher::any().verb(Verb::Create).resource("pods"), 1, 500);
     assert!(provider.create(&request).await.is_err());
-    assert!(backend.object("configmaps", &request.name).is_some());
-    assert!(backend.object("pods", &request.name).is_none());
+    assert!(backend.object("configmaps", &request.name).await.is_some());
+    assert!(backend.object("pods", &request.name).await.is_none());
     assert!(matches!(
         provider.get(&request.name).await,
         Err(ProviderError::NotFound(_))
@@ -580,11 +728,11 @@ async fn a_create_interrupted_before_the_pod_is_completed_by_the_next_create() {
         .await
         .expect("the repeated create completes");
     assert_eq!(instance.owner.as_ref(), Some(&request.owner));
-    assert!(backend.object("pods", &request.name).is_some());
+    assert!(backend.object("pods", &request.name).await.is_some());
     provider.delete(&request.name).await.expect("delete");
     for resource in ["pods", "configmaps", "services"] {
         assert!(
-            backend.object(resource, &request.name).is_none(),
+            backend.object(resource, &request.name).await.is_none(),
             "{resource} left behind"
         );
     }

@@ -6,6 +6,8 @@
 //! starting a second one. Then kube-apiserver itself restarts, and the operator carries on.
 
 mod support;
+#[path = "support/http.rs"]
+mod http;
 
 use std::{
     net::SocketAddr,
@@ -25,7 +27,7 @@ use support::{
     Origin,
     cluster_app::local_proxy,
     control_plane::{ControlPlane, OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT},
-    free_port, http,
+    free_port,
     process::GroupChild,
 };
 
@@ -33,7 +35,6 @@ const TOKEN: &str = "real-cluster-token-0123456789abcdef";
 
 /// One replica: the operator binary's `run`, as the shipped ServiceAccount.
 struct Replica {
-    identity: String,
     admin: SocketAddr,
     discovery: SocketAddr,
     child: GroupChild,
@@ -57,7 +58,6 @@ impl Replica {
             .env("RUST_LOG", "info");
         let child = GroupChild::spawn(&mut command, &dir.join(format!("{identity}.log")));
         Self {
-            identity: identity.to_owned(),
             admin,
             discovery,
             child,

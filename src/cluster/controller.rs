@@ -81,6 +81,28 @@ pub struct ClusterDeps {
     pub provider_flips: Option<mpsc::UnboundedReceiver<String>>,
 }
 
+/// A watch of `api` that relists at once when its resourceVersion has expired (410 Gone, after
+/// an etcd compaction or an API server restart with a fresh watch cache), as client-go's
+/// reflector does, and backs off (0.8 s doubling to 30 s) on every other error. kube-runtime's
+/// watcher already turns a 410 into a relist; passing the 410 through the backoff would delay
+/// that relist by the backoff's current step, which an outage before it has grown (seen on a
+/// real kube-apiserver: about a minute blind after a 10 s restart).
+fn watch<K>(api: Api<K>, config: watcher::Config) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+    K::DynamicType: Default,
+{
+    watcher(api, config)
+        .filter(|event| {
+            let expired = matches!(event, Err(watcher::Error::WatchError(status)) if status.code == 410);
+            if expired {
+                info!(kind = %K::kind(&Default::default()), "watch expired (410 Gone): relisting");
+            }
+            std::future::ready(!expired)
+        })
+        .default_backoff()
+}
+
 struct Context {
     reconciler: Reconciler<KubeBackend>,
     proxies: reflector::Store<Proxy>,
@@ -107,11 +129,10 @@ pub async fn run_controller(
     };
     // Only labelled Secrets are watched and cached: unrelated Secrets never enter memory.
     let (secret_store, secret_writer) = reflector::store();
-    let secret_stream = watcher(
+    let secret_stream = watch(
         secrets,
         watcher::Config::default().labels(&format!("{CLOUD_INIT_SECRET_LABEL}=true")),
     )
-    .default_backoff()
     .reflect(secret_writer)
     .touched_objects();
 
@@ -146,8 +167,7 @@ pub async fn run_controller(
         status_feed: deps.status_feed,
     });
 
-    let proxy_events = watcher(proxies, watcher::Config::default())
-        .default_backoff()
+    let proxy_events = watch(proxies, watcher::Config::default())
         .modify(slim)
         .reflect(proxy_writer)
         .applied_objects()
@@ -163,9 +183,7 @@ pub async fn run_controller(
         Some(ns) => Api::namespaced(deps.client.clone(), ns),
         None => Api::all(deps.client.clone()),
     };
-    let credential_events = watcher(secret_metadata, watcher::Config::default())
-        .default_backoff()
-        .touched_objects();
+    let credential_events = watch(secret_metadata, watcher::Config::default()).touched_objects();
     let referencing_credentials = proxy_store.clone();
     let referencing = proxy_store.clone();
     let controller = controller

@@ -26,7 +26,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use egress_proxies_operator::{
     api::Placement,
-    provider::{Instance, InstanceRequest, Owner, Provider, ProviderError, ProviderId, instance_name},
+    provider::{Instance, InstanceRequest, InstanceState, Owner, Provider, ProviderError, ProviderId, instance_name},
 };
 
 /// How far a reported creation time may lie outside the create call (clock granularity,
@@ -50,6 +50,13 @@ pub trait ContractBackend: Send + Sync {
 
     /// Whether a failed create of `name` may be retried with a fresh request (e.g. a free port
     /// that was taken between choosing it and using it); the backend forgets `name`'s request.
+    /// How long a delete may take to finish after it returned: zero where delete is
+    /// synchronous (processes, libvirt domains); a Kubernetes Pod is deleted gracefully, and
+    /// until its node confirms, `get` reports it `Stopped` (terminating), then NotFound.
+    fn delete_settles(&self) -> Duration {
+        Duration::ZERO
+    }
+
     fn retry_create(&self, _name: &str, _error: &ProviderError) -> bool {
         false
     }
@@ -202,6 +209,23 @@ pub async fn concurrent_create(backend: &dyn ContractBackend) {
     with_cleanup(&*provider, &[&name], body).await;
 }
 
+/// After a delete returned, `get` says NotFound at once, or (within the backend's
+/// [`ContractBackend::delete_settles`]) first `Stopped` and then NotFound: a terminating
+/// instance never reads as running.
+async fn gone_after_delete(backend: &dyn ContractBackend, provider: &dyn Provider, name: &str) -> Result<(), String> {
+    let deadline = std::time::Instant::now() + backend.delete_settles();
+    // Polled: the backend's own controllers finish the delete.
+    loop {
+        match provider.get(name).await {
+            Err(ProviderError::NotFound(_)) => return Ok(()),
+            Ok(instance) if instance.state == InstanceState::Stopped && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return Err(format!("get after delete gave {other:?}")),
+        }
+    }
+}
+
 /// `get` says NotFound for a name never created and for a deleted one, and finds an existing
 /// one.
 pub async fn truthful_not_found(backend: &dyn ContractBackend) {
@@ -237,10 +261,9 @@ pub async fn truthful_not_found(backend: &dyn ContractBackend) {
             .delete(&name)
             .await
             .map_err(|e| format!("truthful NotFound: delete failed: {e}"))?;
-        match provider.get(&name).await {
-            Err(ProviderError::NotFound(_)) => Ok(()),
-            other => Err(format!("truthful NotFound: get after delete gave {other:?}")),
-        }
+        gone_after_delete(backend, &*provider, &name)
+            .await
+            .map_err(|e| format!("truthful NotFound: {e}"))
     };
     with_cleanup(&*provider, &[&name], body).await;
 }
@@ -265,10 +288,9 @@ pub async fn idempotent_delete(backend: &dyn ContractBackend) {
             .delete(&name_for(&new_owner("never-created")))
             .await
             .map_err(|e| format!("idempotent delete: delete of a never-created name failed: {e}"))?;
-        match provider.get(&name).await {
-            Err(ProviderError::NotFound(_)) => {}
-            other => return Err(format!("idempotent delete: get after delete gave {other:?}")),
-        }
+        gone_after_delete(backend, &*provider, &name)
+            .await
+            .map_err(|e| format!("idempotent delete: {e}"))?;
         let listed = provider
             .list()
             .await

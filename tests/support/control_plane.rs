@@ -10,6 +10,9 @@
 //! (or the test process). One control plane per test process (nextest runs each test in its
 //! own process); each test still works in a namespace of its own ([`ControlPlane::namespace`]).
 //!
+//! Include with `mod support;`, or with `pub mod control_plane; pub mod process;` in a test's
+//! own `mod support { .. }`.
+//!
 //! Binaries: `EPO_CONTROL_PLANE_ASSETS` names their folder (scripts/test.sh builds them once
 //! and sets it); without it the script is run from here, which builds what is missing.
 
@@ -40,7 +43,13 @@ use rcgen::{
 };
 use serde_json::json;
 
-use super::{free_port, process::GroupChild};
+use super::process::GroupChild;
+
+/// A loopback port that was free a moment ago, for a program that must be told its port.
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
+    listener.local_addr().expect("bound address").port()
+}
 
 /// The namespace and ServiceAccount `config/default` runs the operator as.
 pub const OPERATOR_NAMESPACE: &str = "egress-proxies-system";
@@ -107,6 +116,7 @@ struct Pki {
     admin_cert: String,
     admin_key: String,
     service_account_key: String,
+    service_account_public_key: String,
 }
 
 impl Pki {
@@ -154,6 +164,7 @@ impl Pki {
             .signed_by(&admin_key, &issuer)
             .expect("admin certificate");
 
+        let service_account = KeyPair::generate().expect("service account key");
         Self {
             ca_cert: ca_cert_pem,
             ca_key: ca_key_pem,
@@ -161,9 +172,8 @@ impl Pki {
             serving_key: serving_key.serialize_pem(),
             admin_cert: admin_cert.pem(),
             admin_key: admin_key.serialize_pem(),
-            service_account_key: KeyPair::generate()
-                .expect("service account key")
-                .serialize_pem(),
+            service_account_key: service_account.serialize_pem(),
+            service_account_public_key: service_account.public_key_pem(),
         }
     }
 }
@@ -217,6 +227,7 @@ impl ControlPlane {
         let serving_cert = write("apiserver.crt", &pki.serving_cert);
         let serving_key = write("apiserver.key", &pki.serving_key);
         let sa_key = write("service-account.key", &pki.service_account_key);
+        let sa_public_key = write("service-account.pub", &pki.service_account_public_key);
 
         let (etcd, etcd_url) = start_etcd(&assets, dir.path(), options.etcd_fsync).await;
 
@@ -243,7 +254,7 @@ impl ControlPlane {
             "--authorization-mode=RBAC".to_owned(),
             "--service-cluster-ip-range=10.0.0.0/24".to_owned(),
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local".to_owned(),
-            format!("--service-account-key-file={}", sa_key.display()),
+            format!("--service-account-key-file={}", sa_public_key.display()),
             format!("--service-account-signing-key-file={}", sa_key.display()),
             "--allow-privileged=true".to_owned(),
             // One API server: no Endpoints of its own to keep in step with others.
@@ -501,6 +512,9 @@ impl ControlPlane {
         let mut names = Vec::new();
         for entry in std::fs::read_dir(&dir).expect("config/crd/bases") {
             let path = entry.expect("a directory entry").path();
+            if path.extension().is_none_or(|ext| ext != "yaml") {
+                continue;
+            }
             let text = std::fs::read_to_string(&path).expect("a CRD file");
             let crd: CustomResourceDefinition = serde_norway::from_str(&text)
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -554,7 +568,7 @@ impl ControlPlane {
                 "token",
                 name,
                 &PostParams::default(),
-                serde_json::to_vec(&request).expect("JSON"),
+                &request,
             )
             .await
             .expect("a ServiceAccount token");
