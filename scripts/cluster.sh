@@ -135,6 +135,11 @@ status:
   capacity: {cpu: "32", memory: 256Gi, pods: "110"}
 EOF
 
+# The API server taints a new node not-ready; the node lifecycle controller (not run here) would
+# lift it once kwok reports the node Ready.
+"${kubectl[@]}" wait --for=condition=Ready node/kwok-node-0 --timeout=60s >/dev/null
+"${kubectl[@]}" patch node kwok-node-0 --type=merge -p '{"spec":{"taints":null}}' >/dev/null
+
 echo "==> installing the product: kubectl apply -k config/default"
 "${kubectl[@]}" apply -k config/default
 "${kubectl[@]}" wait --for=condition=Established crd/proxies.crawl.example.com \

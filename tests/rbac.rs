@@ -108,7 +108,12 @@ fn pod_proxy(name: &str) -> Proxy {
     serde_json::from_value(json!({
         "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
         "metadata": {"name": name, "namespace": "crawl"},
-        "spec": {"provider": "cluster", "health": {"url": "http://127.0.0.1:9/", "intervalSeconds": 2, "timeoutSeconds": 1}},
+        "spec": {
+            "provider": "cluster",
+            "health": {"url": "http://127.0.0.1:9/", "intervalSeconds": 2, "timeoutSeconds": 1},
+            // Credentials: the provider keeps their hash in a Secret of its namespace.
+            "auth": {"secretRef": {"name": "proxy-credentials"}},
+        },
     }))
     .expect("a valid Proxy")
 }
@@ -116,8 +121,11 @@ fn pod_proxy(name: &str) -> Proxy {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
     let origin = Origin::start().await;
+    // A cluster as users have one: the controller manager makes each namespace's `default`
+    // ServiceAccount, without which admission refuses the provider's Pods.
     let plane = ControlPlane::start_with(Options {
         nodes: true,
+        controller_manager: true,
         ..Options::default()
     })
     .await;
@@ -147,6 +155,15 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
     .expect("providers config");
     let admin = plane.client().await;
     let proxies: Api<Proxy> = Api::namespaced(admin.clone(), "crawl");
+    let credentials = serde_json::from_value(json!({
+        "metadata": {"name": "proxy-credentials", "namespace": "crawl"},
+        "stringData": {"username": "crawler", "password": "rbac-test-password"},
+    }))
+    .expect("a Secret");
+    Api::<k8s_openapi::api::core::v1::Secret>::namespaced(admin.clone(), "crawl")
+        .create(&PostParams::default(), &credentials)
+        .await
+        .expect("credentials");
 
     // With the whole RBAC, a round converges and says nothing of Forbidden.
     let mut ports = Vec::new();
@@ -215,6 +232,7 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
             // RBAC's answer names the verb and the resource: "cannot <verb> resource "<res>"".
             let resources = rule.resources.clone().unwrap_or_default();
             let deadline = Instant::now() + Duration::from_secs(45);
+            let pod_proxy_name = format!("pod-{name}");
             let seen = loop {
                 let log = child.log();
                 let named = log.lines().find(|line| {
@@ -226,6 +244,21 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
                 });
                 if let Some(line) = named {
                     break Some(line.to_owned());
+                }
+                // The kubernetes provider says it in the Proxy's Ready condition.
+                let condition = proxies
+                    .get(&pod_proxy_name)
+                    .await
+                    .ok()
+                    .and_then(|p| p.status)
+                    .and_then(|s| s.conditions.into_iter().find(|c| c.type_ == "Ready"))
+                    .map(|c| c.message)
+                    .filter(|m| {
+                        m.contains("forbidden")
+                            && resources.iter().any(|r| m.contains(&format!("{} in namespace", r)))
+                    });
+                if let Some(message) = condition {
+                    break Some(format!("{pod_proxy_name} Ready: {message}"));
                 }
                 if Instant::now() > deadline {
                     break None;

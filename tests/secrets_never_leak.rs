@@ -1,10 +1,11 @@
 //! A canary secret value, set in a cloud-init Secret and in proxy credentials, never appears in
 //! the operator's logs (at the most verbose level), in the Proxy's status or in Events — through
-//! a whole lifecycle in cluster mode against the fake API server.
+//! a whole lifecycle in cluster mode against a real kube-apiserver and etcd.
 
 mod support {
     pub mod controller;
-    pub mod fake_apiserver;
+    pub mod control_plane;
+    pub mod process;
     pub mod scripted;
 }
 
@@ -27,7 +28,7 @@ use kube::{
 use serde_json::json;
 use support::{
     controller::ControllerSetup,
-    fake_apiserver::FakeApiServer,
+    control_plane::ControlPlane,
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
 
@@ -56,8 +57,7 @@ async fn canary_secrets_stay_out_of_logs_status_and_events() {
         .with_writer(move || writer.clone())
         .init();
 
-    let server = FakeApiServer::start().await;
-    let client = server.client();
+    let (plane, client) = ControlPlane::with_crds(&["crawl"]).await;
     let secrets: Api<Secret> = Api::namespaced(client.clone(), "crawl");
     for (name, labels, data) in [
         (
@@ -133,11 +133,15 @@ async fn canary_secrets_stay_out_of_logs_status_and_events() {
     }
     controller.stop().await;
 
-    let events: Vec<String> = ["events", "events.events.k8s.io"]
+    let events: Vec<String> = Api::<k8s_openapi::api::events::v1::Event>::namespaced(client.clone(), "crawl")
+        .list(&Default::default())
+        .await
+        .expect("Events")
+        .items
         .iter()
-        .flat_map(|r| server.list_json(r, Some("crawl")))
-        .map(|e| e.to_string())
+        .map(|e| serde_json::to_value(e).expect("JSON").to_string())
         .collect();
+    drop(plane);
     let logs = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
     assert!(logs.contains("transition"), "trace logs were captured");
     assert!(!events.is_empty(), "events were recorded");

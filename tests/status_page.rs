@@ -6,7 +6,7 @@
 //! audit reasons, and neither the credentials' canary password nor the token; the screenshot
 //! must be a real PNG. Without credentials the page asks for them (401 with a Basic challenge).
 //!
-//! The same page in cluster mode (on the admin port, against the in-process fake API server)
+//! The same page in cluster mode (on the admin port, against a real kube-apiserver and etcd)
 //! shows the same things from the controller's cache and its in-memory audit.
 //!
 //! `EPO_UI_SCREENSHOT=FILE` keeps a copy of the screenshot (to look at it).
@@ -30,7 +30,7 @@ use kube::{Api, api::PostParams};
 use support::{
     Origin,
     cluster_app::{ClusterApp, local_cluster, local_proxy},
-    fake_apiserver::FakeApiServer,
+    control_plane::ControlPlane,
     free_port,
     standalone::{self, Host, healthy_rows, start_operator, stop, wait_status},
 };
@@ -289,8 +289,7 @@ fn acquire(api: SocketAddr, token: &str, selector: &str, holder: &str) -> String
 async fn the_status_page_in_cluster_mode_is_on_the_admin_port() {
     const TOKEN: &str = "status-page-cluster-token-0123456789";
     let origin = Origin::start().await;
-    let server = FakeApiServer::start().await;
-    let client = server.client();
+    let (_plane, client) = ControlPlane::with_crds(&["crawl"]).await;
     let host = Host::new(); // Kills the local provider's Squids under it on Drop.
     let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
     let admin: SocketAddr = ([127, 0, 0, 1], admin_port).into();
@@ -396,8 +395,7 @@ async fn the_status_page_in_cluster_mode_is_on_the_admin_port() {
 async fn the_cluster_status_page_shows_the_trail_across_a_leader_change() {
     const TOKEN: &str = "status-page-history-token-0123456789";
     let origin = Origin::start().await;
-    let server = FakeApiServer::start().await;
-    let client = server.client();
+    let (_plane, client) = ControlPlane::with_crds(&["crawl"]).await;
     let host = Host::new();
     let proxy_port = free_port();
     let local = host.path().join("local");

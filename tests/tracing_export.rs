@@ -4,12 +4,12 @@
 //! collector is logged and does not stop the operator, `--json-logs` writes one JSON object per
 //! line carrying the span's fields, and a canary secret (cloud-init content, proxy password)
 //! reaches neither the exported spans nor the logs. Cluster mode runs the controller in
-//! process against the fake API server with the library's exporter set-up.
+//! process against a real kube-apiserver with the library's exporter set-up.
 
 #[allow(dead_code)] // Each test binary uses a different part of the support code.
 mod support {
     pub mod controller;
-    pub mod fake_apiserver;
+    pub mod control_plane;
     pub mod origin;
     pub mod otlp;
     pub mod process;
@@ -32,7 +32,7 @@ use egress_proxies_operator::{
 use kube::{Api, api::PostParams};
 use support::{
     controller::ControllerSetup,
-    fake_apiserver::FakeApiServer,
+    control_plane::ControlPlane,
     origin::OriginServer,
     otlp::Collector,
     process::GroupChild,
@@ -457,8 +457,7 @@ async fn cluster_mode_reconciles_are_spans_under_the_controllers_own() {
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(otel_layer(&provider)))
         .expect("the only subscriber of this process");
 
-    let server = FakeApiServer::start().await;
-    let client = server.client();
+    let (_plane, client) = ControlPlane::with_crds(&["crawl"]).await;
     let mut providers = ProviderRegistry::new();
     providers.insert(Arc::new(MemoryProvider::new("mem")));
     let health = ScriptedHealth::new();

@@ -106,16 +106,17 @@ pub async fn run_cluster(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), AppError> {
     let config = ProvidersConfig::load(&options.providers_config)?;
-    let installation = Installation::new(cluster_identity(&client).await?, &options.installation_name);
+    let metrics = CoreMetrics::register(|_| {});
+    let stop = StopSignal::on(shutdown);
+    // Serving /healthz while the identity is awaited: a replica waiting for RBAC is alive.
+    let admin = start_admin(options.admin_listen, &metrics, &stop).await?;
+    let installation = Installation::new(wait_for_cluster_identity(&client, &stop).await?, &options.installation_name);
     info!(installation = %installation, "installation identity");
     // kubernetes provider instances create their Pods through the operator's own client.
     let providers = ProviderRegistry::for_installation(&config, Some(client.clone()), &installation)?;
     // Checked (and token files read) before leading: a misconfigured replica fails at start.
     let auth = discovery_authenticator(&options.auth, Some((&client, &options.system_namespace))).await?;
     let signer = read_signer(&options.signing_key)?;
-    let metrics = CoreMetrics::register(|_| {});
-    let stop = StopSignal::on(shutdown);
-    let admin = start_admin(options.admin_listen, &metrics, &stop).await?;
 
     // Leader election first: nothing acts before this replica leads.
     let Some(leadership) = lead(&client, &options, &stop).await else {
@@ -390,6 +391,28 @@ async fn follow_readiness(
             changed = leadership.changed() => if changed.is_err() { break },
             changed = checkpoint_health.changed() => if changed.is_err() { break },
         }
+    }
+}
+
+/// [`cluster_identity`], retried (1 s doubling to 30 s) until it succeeds or `stop` is raised:
+/// a refusal (a missing RBAC rule, an API server still starting) is logged in the server's own
+/// words and waited out, instead of exiting into a crash loop.
+async fn wait_for_cluster_identity(client: &Client, stop: &StopSignal) -> Result<String, AppError> {
+    let mut delay = Duration::from_secs(1);
+    loop {
+        match cluster_identity(client).await {
+            Ok(uid) => return Ok(uid),
+            Err(err) => warn!(error = %err, retry_in = ?delay, "cannot read the cluster identity yet"),
+        }
+        tokio::select! {
+            () = stop.stopped() => {
+                return Err(AppError::Startup(
+                    "stopped before the cluster identity could be read".to_owned(),
+                ));
+            }
+            () = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(30));
     }
 }
 

@@ -297,6 +297,18 @@ impl ControlPlane {
         plane
     }
 
+    /// etcd and kube-apiserver with the CRDs installed and `namespaces` (plus the operator's
+    /// own, `egress-proxies-system`) created; with a client as the admin.
+    pub async fn with_crds(namespaces: &[&str]) -> (Self, Client) {
+        let plane = Self::start().await;
+        plane.install_crds().await;
+        for namespace in namespaces.iter().chain(&[OPERATOR_NAMESPACE]) {
+            plane.create_namespace(namespace).await;
+        }
+        let client = plane.client().await;
+        (plane, client)
+    }
+
     async fn start_apiserver(&mut self) {
         let log = self.dir.path().join("kube-apiserver.log");
         // Keep the logs of earlier runs (a restart's test reads why it restarted).
@@ -394,6 +406,16 @@ impl ControlPlane {
                 .iter()
                 .any(|c| c.type_ == "Ready" && c.status == "True");
             if ready {
+                // The API server taints a new node not-ready; the node lifecycle controller
+                // (not run here) would lift the taint once the node reports Ready.
+                nodes
+                    .patch(
+                        "kwok-node-0",
+                        &kube::api::PatchParams::default(),
+                        &kube::api::Patch::Merge(json!({"spec": {"taints": null}})),
+                    )
+                    .await
+                    .expect("node taints lifted");
                 break;
             }
             assert!(

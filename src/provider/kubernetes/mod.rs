@@ -397,10 +397,16 @@ impl KubeFailure {
                      operator's credentials ({})",
                     status.message
                 ))),
-                403 => Self::Other(ProviderError::Misconfigured(format!(
+                // RBAC says "cannot <verb> resource"; admission (a missing ServiceAccount,
+                // PodSecurity, a quota) answers 403 too, and then the server's words say why.
+                403 if status.message.contains("cannot ") => Self::Other(ProviderError::Misconfigured(format!(
                     "{verb} {resource} in namespace {namespace} is forbidden: the operator's service \
                      account needs the {verb:?} verb on {resource} there (see \
                      config/rbac/kubernetes_provider_role.yaml)"
+                ))),
+                403 => Self::Other(ProviderError::Misconfigured(format!(
+                    "{verb} {resource} in namespace {namespace} was refused by the API server: {}",
+                    status.message
                 ))),
                 400 | 422 => Self::Other(ProviderError::Misconfigured(format!(
                     "{verb} {resource} in namespace {namespace}: the API server rejected it: {}",
@@ -437,5 +443,42 @@ impl KubeFailure {
             Self::Conflict => ProviderError::Backend("conflicting concurrent change; retry".to_owned()),
             Self::Other(err) => err,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn forbidden(message: &str) -> String {
+        let mut status = kube::core::Status::failure(message, "Forbidden");
+        status.code = 403;
+        match KubeFailure::from_kube(kube::Error::Api(Box::new(status)), Kind::Pod, "create", "proxies") {
+            KubeFailure::Other(ProviderError::Misconfigured(text)) => text,
+            _ => panic!("a 403 is a configuration problem"),
+        }
+    }
+
+    #[test]
+    fn an_rbac_denial_names_the_missing_verb_and_the_role() {
+        let text = forbidden(
+            "pods is forbidden: User \"system:serviceaccount:egress-proxies-system:egress-proxies-operator\" \
+             cannot create resource \"pods\" in API group \"\" in the namespace \"proxies\"",
+        );
+        assert!(text.contains("needs the \"create\" verb on pods"), "{text}");
+        assert!(text.contains("kubernetes_provider_role.yaml"), "{text}");
+    }
+
+    /// Seen on a real kube-apiserver: admission refuses with 403 too (here the ServiceAccount
+    /// admission plugin, in a namespace whose `default` ServiceAccount does not exist yet);
+    /// blaming RBAC sent the reader to the wrong file.
+    #[test]
+    fn a_403_from_admission_says_what_the_server_said_not_rbac() {
+        let text = forbidden(
+            "pods \"epo-x\" is forbidden: error looking up service account proxies/default: \
+             serviceaccount \"default\" not found",
+        );
+        assert!(text.contains("serviceaccount \"default\" not found"), "{text}");
+        assert!(!text.contains("kubernetes_provider_role.yaml"), "{text}");
     }
 }
