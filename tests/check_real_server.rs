@@ -40,10 +40,21 @@ fn documents(text: &str) -> Vec<Value> {
 #[derive(Debug)]
 enum Answer {
     Accepted,
-    Refused { code: u16, fields: Vec<String>, message: String },
+    Refused {
+        code: u16,
+        fields: Vec<String>,
+        message: String,
+    },
 }
 
-async fn send(client: &Client, method: &str, namespace: &str, name: Option<&str>, object: &Value, dry_run: bool) -> Answer {
+async fn send(
+    client: &Client,
+    method: &str,
+    namespace: &str,
+    name: Option<&str>,
+    object: &Value,
+    dry_run: bool,
+) -> Answer {
     let mut path = format!("/apis/crawl.example.com/v1alpha1/namespaces/{namespace}/proxies");
     if let Some(name) = name {
         path.push('/');
@@ -65,7 +76,13 @@ async fn send(client: &Client, method: &str, namespace: &str, name: Option<&str>
             let mut fields: Vec<String> = status
                 .details
                 .as_ref()
-                .map(|d| d.causes.iter().map(|c| c.field.clone()).filter(|f| !f.is_empty()).collect())
+                .map(|d| {
+                    d.causes
+                        .iter()
+                        .map(|c| c.field.clone())
+                        .filter(|f| !f.is_empty())
+                        .collect()
+                })
                 .unwrap_or_default();
             if let Some(rest) = status.message.split("unknown field \"").nth(1) {
                 fields.extend(rest.split('"').next().map(str::to_owned));
@@ -152,7 +169,11 @@ async fn the_real_server_and_check_refuse_the_same_fixtures_naming_the_same_fiel
                 "{}: the server ACCEPTED what check refuses ({expected})",
                 fixture.display()
             )),
-            Answer::Refused { code, fields, message } => {
+            Answer::Refused {
+                code,
+                fields,
+                message,
+            } => {
                 println!(
                     "{}: check `{field}`, server {code} {fields:?}: {message}",
                     fixture.file_name().unwrap().to_string_lossy()
@@ -178,14 +199,26 @@ async fn the_real_server_and_check_refuse_the_same_fixtures_naming_the_same_fiel
             samples += 1;
             let mut report = Report::default();
             checker.check_text("sample", &serde_norway::to_string(&doc).unwrap(), &mut report);
-            assert!(report.problems.is_empty(), "{}: check: {:?}", file.display(), report.problems);
+            assert!(
+                report.problems.is_empty(),
+                "{}: check: {:?}",
+                file.display(),
+                report.problems
+            );
             doc["metadata"]["namespace"] = namespace.clone().into();
             let answer = send(&client, "POST", &namespace, None, &doc, true).await;
             if !matches!(answer, Answer::Accepted) {
-                differences.push(format!("{}: the server refused a sample: {answer:?}", file.display()));
+                differences.push(format!(
+                    "{}: the server refused a sample: {answer:?}",
+                    file.display()
+                ));
             }
         }
     }
     assert!(samples >= 5, "only {samples} sample Proxies");
-    assert!(differences.is_empty(), "check and the real server differ:\n{}", differences.join("\n"));
+    assert!(
+        differences.is_empty(),
+        "check and the real server differ:\n{}",
+        differences.join("\n")
+    );
 }

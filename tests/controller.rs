@@ -29,8 +29,8 @@ use kube::{
 };
 use serde_json::json;
 use support::{
-    controller::{ControllerSetup, RunningController},
     control_plane::{ControlPlane, RequestCounts},
+    controller::{ControllerSetup, RunningController},
     fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
@@ -40,7 +40,7 @@ const DEADLINE: Duration = Duration::from_secs(15);
 
 /// The API server a test's controller talks to.
 enum Server {
-    Real(ControlPlane),
+    Real(Box<ControlPlane>),
     /// For failures a real server cannot be told to make.
     Fake(FakeApiServer),
 }
@@ -61,7 +61,7 @@ impl World {
         plane.install_crds().await;
         plane.create_namespace(NS).await;
         let client = plane.client().await;
-        Self::with(Server::Real(plane), client)
+        Self::with(Server::Real(Box::new(plane)), client)
     }
 
     /// The in-process fake API server, for injected failures.
@@ -320,12 +320,7 @@ async fn an_instance_that_never_passes_its_health_check_is_replaced_after_the_pr
         world.provider.deleted_count() >= 1,
         "the stuck instance was deleted"
     );
-    let events: Vec<String> = world
-        .events()
-        .await
-        .iter()
-        .map(|e| e.to_string())
-        .collect();
+    let events: Vec<String> = world.events().await.iter().map(|e| e.to_string()).collect();
     assert!(
         events
             .iter()
@@ -509,9 +504,12 @@ async fn an_expired_watch_relists_and_converges() {
     world.plane().create_namespace("elsewhere").await;
     let other: Api<Secret> = Api::namespaced(world.client.clone(), "elsewhere");
     for i in 0..20 {
-        let secret: Secret = serde_json::from_value(json!({"metadata": {"name": format!("s{i}")}}))
-            .expect("valid");
-        other.create(&PostParams::default(), &secret).await.expect("created");
+        let secret: Secret =
+            serde_json::from_value(json!({"metadata": {"name": format!("s{i}")}})).expect("valid");
+        other
+            .create(&PostParams::default(), &secret)
+            .await
+            .expect("created");
     }
     let Server::Real(plane) = &mut world.server else {
         unreachable!("World::new is real")
@@ -524,9 +522,12 @@ async fn an_expired_watch_relists_and_converges() {
     // The watch reconnects on kube-runtime's backoff (up to 30 s between tries while the API
     // server was down), then gets 410 and relists.
     world
-        .wait_within(Duration::from_secs(60), "web-5", "provisioning after the relist", |p| {
-            phase_of(p) == Some("provisioning")
-        })
+        .wait_within(
+            Duration::from_secs(60),
+            "web-5",
+            "provisioning after the relist",
+            |p| phase_of(p) == Some("provisioning"),
+        )
         .await;
     make_healthy(&world, &operator, "web-5").await;
     assert_eq!(

@@ -44,8 +44,11 @@ impl Kubectl {
         std::fs::create_dir_all(&home).expect("kubectl home");
         let kubeconfig = dir.join("kubeconfig");
         let admin = std::fs::read_to_string(plane.admin_kubeconfig()).expect("admin kubeconfig");
-        std::fs::write(&kubeconfig, admin.replace("namespace: default", "namespace: crawl"))
-            .expect("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            admin.replace("namespace: default", "namespace: crawl"),
+        )
+        .expect("kubeconfig");
         Self {
             bin,
             home,
@@ -442,7 +445,8 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     let out = kubectl.ok(&["delete", "proxy", &name, "--timeout=90s"]).await;
     // kubectl 1.36 names the namespace; older ones do not.
     assert!(
-        out.trim().starts_with(&format!("proxy.crawl.example.com \"{name}\" deleted")),
+        out.trim()
+            .starts_with(&format!("proxy.crawl.example.com \"{name}\" deleted")),
         "{out}"
     );
     assert!(

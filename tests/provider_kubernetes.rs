@@ -58,7 +58,7 @@ fn settings(service_type: ServiceType) -> KubernetesSettings {
 /// The API server the provider talks to.
 enum Server {
     /// kube-apiserver, etcd, kube-scheduler and kwok (held: dropping it stops them).
-    Real(#[allow(dead_code)] ControlPlane),
+    Real(#[allow(dead_code)] Box<ControlPlane>),
     /// For failures a real server cannot be told to make.
     Fake(FakeApiServer),
 }
@@ -95,7 +95,7 @@ impl KubernetesBackend {
         plane.create_namespace(NAMESPACE).await;
         let client = plane.client().await;
         Self {
-            server: Server::Real(plane),
+            server: Server::Real(Box::new(plane)),
             client,
             settings,
         }
@@ -168,8 +168,8 @@ impl KubernetesBackend {
             with_status["metadata"]["resourceVersion"] = replaced.metadata.resource_version.clone().into();
             let with_status: DynamicObject = serde_json::from_value(with_status).expect("an object");
             api.replace_status(&name, &PostParams::default(), &with_status)
-            .await
-            .expect("status replaced");
+                .await
+                .expect("status replaced");
         }
     }
 
@@ -178,7 +178,10 @@ impl KubernetesBackend {
     async fn wait_gone(&self, plural: &str, name: &str) {
         let deadline = Instant::now() + Duration::from_secs(30);
         while let Some(object) = self.object(plural, name).await {
-            assert!(Instant::now() < deadline, "{plural}/{name} left behind: {object:#}");
+            assert!(
+                Instant::now() < deadline,
+                "{plural}/{name} left behind: {object:#}"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -339,7 +342,10 @@ async fn the_config_map_holds_a_squid_conf_for_the_proxy_port() {
     let provider = backend.provider("cluster");
     let request = request("config", 8123);
     provider.create(&request).await.expect("create");
-    let config_map = backend.object("configmaps", &request.name).await.expect("configmap");
+    let config_map = backend
+        .object("configmaps", &request.name)
+        .await
+        .expect("configmap");
     let conf = config_map["data"]["squid.conf"].as_str().expect("squid.conf");
     assert!(conf.lines().any(|l| l == "http_port 8123"), "{conf}");
     assert!(conf.lines().any(|l| l == "http_access allow all"), "{conf}");
@@ -360,7 +366,10 @@ async fn credentials_go_to_a_secret_as_a_hash_never_to_the_config_map() {
         ..request("auth", 3128)
     };
     provider.create(&request).await.expect("create");
-    let config_map = backend.object("configmaps", &request.name).await.expect("configmap");
+    let config_map = backend
+        .object("configmaps", &request.name)
+        .await
+        .expect("configmap");
     let conf = config_map["data"]["squid.conf"].as_str().expect("squid.conf");
     assert!(conf.contains("auth_param basic program"), "{conf}");
     assert!(!config_map.to_string().contains(password));
@@ -620,8 +629,10 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
     let made = prod.create(&prod_request).await.expect("create");
     assert_eq!(made.installation.as_ref(), Some(&prod_id));
     for resource in ["pods", "configmaps", "services"] {
-        let annotations =
-            &backend.object(resource, &prod_request.name).await.expect("object")["metadata"]["annotations"];
+        let annotations = &backend
+            .object(resource, &prod_request.name)
+            .await
+            .expect("object")["metadata"]["annotations"];
         assert_eq!(
             annotations["crawl.example.com/installation-cluster"], "cluster-uid",
             "{resource}"
@@ -668,7 +679,10 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
     let legacy_request = request("legacy", 3128);
     prod.create(&legacy_request).await.expect("create");
     for resource in ["pods", "configmaps", "services"] {
-        let mut object = backend.object(resource, &legacy_request.name).await.expect("object");
+        let mut object = backend
+            .object(resource, &legacy_request.name)
+            .await
+            .expect("object");
         let annotations = object["metadata"]["annotations"]
             .as_object_mut()
             .expect("annotations");

@@ -35,7 +35,10 @@ fn operator(dir: &Path, kubeconfig: &Path, round: &str) -> GroupChild {
     let mut command = Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"));
     command
         .arg("run")
-        .arg(format!("--providers-config={}", dir.join("providers.yaml").display()))
+        .arg(format!(
+            "--providers-config={}",
+            dir.join("providers.yaml").display()
+        ))
         .arg(format!("--discovery-tokens={}", dir.join("tokens").display()))
         .arg(format!("--lease-signing-key={}", dir.join("key").display()))
         .arg(format!("--admin-listen={admin}"))
@@ -173,7 +176,13 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
         proxies
             .create(
                 &PostParams::default(),
-                &local_proxy(&format!("local-{round}"), port, &origin.http_url("/health"), 2, json!({})),
+                &local_proxy(
+                    &format!("local-{round}"),
+                    port,
+                    &origin.http_url("/health"),
+                    2,
+                    json!({}),
+                ),
             )
             .await
             .expect("created");
@@ -192,10 +201,7 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
         // The Pod's health check cannot pass here (kwok runs no container): provisioning is
         // as far as it goes, with its instance created.
         if phase(&local).as_deref() == Some("healthy")
-            && pod
-                .status
-                .as_ref()
-                .is_some_and(|s| s.provider_id.is_some())
+            && pod.status.as_ref().is_some_and(|s| s.provider_id.is_some())
         {
             break;
         }
@@ -214,8 +220,14 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
 
     let holders = [
         Holder::Cluster("egress-proxies-operator".into()),
-        Holder::Namespaced(OPERATOR_NAMESPACE.into(), "egress-proxies-operator-leader-election".into()),
-        Holder::Namespaced("egress-proxies".into(), "egress-proxies-operator-kubernetes-provider".into()),
+        Holder::Namespaced(
+            OPERATOR_NAMESPACE.into(),
+            "egress-proxies-operator-leader-election".into(),
+        ),
+        Holder::Namespaced(
+            "egress-proxies".into(),
+            "egress-proxies-operator-kubernetes-provider".into(),
+        ),
     ];
     let mut silent = Vec::new();
     let mut round = 0;
@@ -239,7 +251,8 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
                     line.contains("forbidden")
                         && resources.iter().any(|r| {
                             let base = r.split('/').next().unwrap_or(r);
-                            line.contains(&format!("resource \\\"{base}")) || line.contains(&format!("resource \"{base}"))
+                            line.contains(&format!("resource \\\"{base}"))
+                                || line.contains(&format!("resource \"{base}"))
                         })
                 });
                 if let Some(line) = named {
@@ -255,7 +268,9 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
                     .map(|c| c.message)
                     .filter(|m| {
                         m.contains("forbidden")
-                            && resources.iter().any(|r| m.contains(&format!("{} in namespace", r)))
+                            && resources
+                                .iter()
+                                .any(|r| m.contains(&format!("{} in namespace", r)))
                     });
                 if let Some(message) = condition {
                     break Some(format!("{pod_proxy_name} Ready: {message}"));

@@ -5,9 +5,9 @@
 //! the crawler's lease from the checkpoint ConfigMaps, and adopts the running Squid instead of
 //! starting a second one. Then kube-apiserver itself restarts, and the operator carries on.
 
-mod support;
 #[path = "support/http.rs"]
 mod http;
+mod support;
 
 use std::{
     net::SocketAddr,
@@ -47,7 +47,10 @@ impl Replica {
         let mut command = Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"));
         command
             .arg("run")
-            .arg(format!("--providers-config={}", dir.join("providers.yaml").display()))
+            .arg(format!(
+                "--providers-config={}",
+                dir.join("providers.yaml").display()
+            ))
             .arg(format!("--discovery-tokens={}", dir.join("tokens").display()))
             .arg(format!("--lease-signing-key={}", dir.join("key").display()))
             .arg(format!("--admin-listen={admin}"))
@@ -70,7 +73,12 @@ impl Replica {
             && http::get(self.admin, "/readyz").await.0 == StatusCode::OK
     }
 
-    async fn call(&self, method: &str, path: &str, body: serde_json::Value) -> (StatusCode, serde_json::Value) {
+    async fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: serde_json::Value,
+    ) -> (StatusCode, serde_json::Value) {
         let request = Request::builder()
             .method(method)
             .uri(path)
@@ -80,7 +88,10 @@ impl Replica {
             .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
             .unwrap();
         let (code, text) = http::request(self.discovery, request).await;
-        (code, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
+        (
+            code,
+            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
+        )
     }
 }
 
@@ -155,19 +166,24 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
         .await;
     assert_eq!(code, StatusCode::CREATED, "{lease}");
     // The checkpoint (ConfigMaps in the operator's namespace) holds the lease before the kill.
-    let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> = Api::namespaced(admin.clone(), OPERATOR_NAMESPACE);
-    eventually(Duration::from_secs(30), "the lease in the checkpoint", async || {
-        let parts = configmaps
-            .list(&kube::api::ListParams::default().labels("crawl.example.com/lease-checkpoint"))
-            .await
-            .ok()?;
-        parts
-            .items
-            .iter()
-            .filter_map(|cm| cm.data.as_ref())
-            .any(|data| data.values().any(|v| v.contains("crawler-1")))
-            .then_some(())
-    })
+    let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> =
+        Api::namespaced(admin.clone(), OPERATOR_NAMESPACE);
+    eventually(
+        Duration::from_secs(30),
+        "the lease in the checkpoint",
+        async || {
+            let parts = configmaps
+                .list(&kube::api::ListParams::default().labels("crawl.example.com/lease-checkpoint"))
+                .await
+                .ok()?;
+            parts
+                .items
+                .iter()
+                .filter_map(|cm| cm.data.as_ref())
+                .any(|data| data.values().any(|v| v.contains("crawler-1")))
+                .then_some(())
+        },
+    )
     .await;
 
     // SIGKILL: no release of the leader Lease, no last checkpoint.
@@ -191,7 +207,11 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
             json!({"fencingToken": lease["fencingToken"], "ttlSeconds": 300}),
         )
         .await;
-    assert_eq!(code, StatusCode::OK, "the new leader restored the lease: {renewed}");
+    assert_eq!(
+        code,
+        StatusCode::OK,
+        "the new leader restored the lease: {renewed}"
+    );
     // The crawler is done: a replacement would otherwise wait for its lease to drain.
     let (code, released) = b
         .call(
@@ -237,9 +257,11 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
         );
         println!("replica-b stepped down during the API server restart ({status}); restarting it");
         b = Replica::start(dir.path(), &kubeconfig, "replica-b-restarted");
-        eventually(Duration::from_secs(60), "the restarted replica leads", async || {
-            b.ready().await.then_some(())
-        })
+        eventually(
+            Duration::from_secs(60),
+            "the restarted replica leads",
+            async || b.ready().await.then_some(()),
+        )
         .await;
     }
     let proxies: Api<Proxy> = Api::namespaced(plane.client().await, "crawl");
@@ -272,7 +294,10 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(b.ready().await, "replica-b still leads after the API server restart");
+    assert!(
+        b.ready().await,
+        "replica-b still leads after the API server restart"
+    );
     let log = b.child.log();
     assert!(!log.contains("Forbidden"), "the shipped RBAC was enough:\n{log}");
 

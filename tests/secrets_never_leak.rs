@@ -3,8 +3,8 @@
 //! a whole lifecycle in cluster mode against a real kube-apiserver and etcd.
 
 mod support {
-    pub mod controller;
     pub mod control_plane;
+    pub mod controller;
     pub mod process;
     pub mod scripted;
 }
@@ -27,8 +27,8 @@ use kube::{
 };
 use serde_json::json;
 use support::{
-    controller::ControllerSetup,
     control_plane::ControlPlane,
+    controller::ControllerSetup,
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
 

@@ -8,8 +8,8 @@
 
 #[allow(dead_code)] // Each test binary uses a different part of the support code.
 mod support {
-    pub mod controller;
     pub mod control_plane;
+    pub mod controller;
     pub mod origin;
     pub mod otlp;
     pub mod process;
@@ -31,8 +31,8 @@ use egress_proxies_operator::{
 };
 use kube::{Api, api::PostParams};
 use support::{
-    controller::ControllerSetup,
     control_plane::ControlPlane,
+    controller::ControllerSetup,
     origin::OriginServer,
     otlp::Collector,
     process::GroupChild,

@@ -87,7 +87,10 @@ pub struct ClusterDeps {
 /// watcher already turns a 410 into a relist; passing the 410 through the backoff would delay
 /// that relist by the backoff's current step, which an outage before it has grown (seen on a
 /// real kube-apiserver: about a minute blind after a 10 s restart).
-fn watch<K>(api: Api<K>, config: watcher::Config) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+fn watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
 where
     K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
     K::DynamicType: Default,

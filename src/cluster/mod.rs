@@ -110,7 +110,10 @@ pub async fn run_cluster(
     let stop = StopSignal::on(shutdown);
     // Serving /healthz while the identity is awaited: a replica waiting for RBAC is alive.
     let admin = start_admin(options.admin_listen, &metrics, &stop).await?;
-    let installation = Installation::new(wait_for_cluster_identity(&client, &stop).await?, &options.installation_name);
+    let installation = Installation::new(
+        wait_for_cluster_identity(&client, &stop).await?,
+        &options.installation_name,
+    );
     info!(installation = %installation, "installation identity");
     // kubernetes provider instances create their Pods through the operator's own client.
     let providers = ProviderRegistry::for_installation(&config, Some(client.clone()), &installation)?;

@@ -26,7 +26,9 @@ use std::{future::Future, sync::Arc, time::Duration};
 use async_trait::async_trait;
 use egress_proxies_operator::{
     api::Placement,
-    provider::{Instance, InstanceRequest, InstanceState, Owner, Provider, ProviderError, ProviderId, instance_name},
+    provider::{
+        Instance, InstanceRequest, InstanceState, Owner, Provider, ProviderError, ProviderId, instance_name,
+    },
 };
 
 /// How far a reported creation time may lie outside the create call (clock granularity,
@@ -212,13 +214,19 @@ pub async fn concurrent_create(backend: &dyn ContractBackend) {
 /// After a delete returned, `get` says NotFound at once, or (within the backend's
 /// [`ContractBackend::delete_settles`]) first `Stopped` and then NotFound: a terminating
 /// instance never reads as running.
-async fn gone_after_delete(backend: &dyn ContractBackend, provider: &dyn Provider, name: &str) -> Result<(), String> {
+async fn gone_after_delete(
+    backend: &dyn ContractBackend,
+    provider: &dyn Provider,
+    name: &str,
+) -> Result<(), String> {
     let deadline = std::time::Instant::now() + backend.delete_settles();
     // Polled: the backend's own controllers finish the delete.
     loop {
         match provider.get(name).await {
             Err(ProviderError::NotFound(_)) => return Ok(()),
-            Ok(instance) if instance.state == InstanceState::Stopped && std::time::Instant::now() < deadline => {
+            Ok(instance)
+                if instance.state == InstanceState::Stopped && std::time::Instant::now() < deadline =>
+            {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             other => return Err(format!("get after delete gave {other:?}")),

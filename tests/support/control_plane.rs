@@ -160,9 +160,7 @@ impl Pki {
             .distinguished_name
             .push(DnType::OrganizationName, "system:masters");
         admin.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-        let admin_cert = admin
-            .signed_by(&admin_key, &issuer)
-            .expect("admin certificate");
+        let admin_cert = admin.signed_by(&admin_key, &issuer).expect("admin certificate");
 
         let service_account = KeyPair::generate().expect("service account key");
         Self {
@@ -285,7 +283,8 @@ impl ControlPlane {
                 format!("--kubeconfig={}", plane.admin_kubeconfig.display()),
                 "--leader-elect=false".to_owned(),
                 "--secure-port=0".to_owned(),
-                "--controllers=namespace-controller,garbage-collector-controller,serviceaccount-controller".to_owned(),
+                "--controllers=namespace-controller,garbage-collector-controller,serviceaccount-controller"
+                    .to_owned(),
                 format!("--root-ca-file={}", ca.display()),
                 "--use-service-account-credentials=false".to_owned(),
             ]);
@@ -465,8 +464,8 @@ impl ControlPlane {
             .await
             .unwrap_or_else(|e| panic!("creating namespace {name}: {e}"));
         let accounts: Api<ServiceAccount> = Api::namespaced(client, name);
-        let account = serde_json::from_value(json!({"metadata": {"name": "default"}}))
-            .expect("service account");
+        let account =
+            serde_json::from_value(json!({"metadata": {"name": "default"}})).expect("service account");
         match accounts.create(&PostParams::default(), &account).await {
             Ok(_) => {}
             Err(kube::Error::Api(status)) if status.code == 409 => {}
@@ -538,8 +537,8 @@ impl ControlPlane {
                 continue;
             }
             let text = std::fs::read_to_string(&path).expect("a CRD file");
-            let crd: CustomResourceDefinition = serde_norway::from_str(&text)
-                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let crd: CustomResourceDefinition =
+                serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             names.push(crd.name_any());
             crds.create(&PostParams::default(), &crd)
                 .await
@@ -563,7 +562,10 @@ impl ControlPlane {
             if established {
                 return;
             }
-            assert!(Instant::now() < deadline, "CRD {name} not Established within 30 s");
+            assert!(
+                Instant::now() < deadline,
+                "CRD {name} not Established within 30 s"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -572,9 +574,14 @@ impl ControlPlane {
     /// file that authenticates with it, written into this control plane's folder.
     pub async fn service_account_kubeconfig(&self, namespace: &str, name: &str) -> PathBuf {
         let accounts: Api<ServiceAccount> = Api::namespaced(self.client().await, namespace);
-        if accounts.get_opt(name).await.expect("reading the ServiceAccount").is_none() {
-            let account = serde_json::from_value(json!({"metadata": {"name": name}}))
-                .expect("service account");
+        if accounts
+            .get_opt(name)
+            .await
+            .expect("reading the ServiceAccount")
+            .is_none()
+        {
+            let account =
+                serde_json::from_value(json!({"metadata": {"name": name}})).expect("service account");
             accounts
                 .create(&PostParams::default(), &account)
                 .await
@@ -586,19 +593,11 @@ impl ControlPlane {
         }))
         .expect("token request");
         let answer: TokenRequest = accounts
-            .create_subresource(
-                "token",
-                name,
-                &PostParams::default(),
-                &request,
-            )
+            .create_subresource("token", name, &PostParams::default(), &request)
             .await
             .expect("a ServiceAccount token");
         let token = answer.status.expect("a token in the answer").token;
-        let path = self
-            .dir
-            .path()
-            .join(format!("{namespace}-{name}.kubeconfig"));
+        let path = self.dir.path().join(format!("{namespace}-{name}.kubeconfig"));
         std::fs::write(
             &path,
             kubeconfig_text(&self.url, &self.ca_pem, namespace, json!({"token": token})),
@@ -676,7 +675,13 @@ impl ControlPlane {
     /// The last lines of every component's log, for a failing test's message.
     pub fn logs_tail(&self, lines: usize) -> String {
         let mut out = String::new();
-        for name in ["kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kwok"] {
+        for name in [
+            "kube-apiserver",
+            "etcd",
+            "kube-controller-manager",
+            "kube-scheduler",
+            "kwok",
+        ] {
             let path = self.dir.path().join(format!("{name}.log"));
             if let Ok(text) = std::fs::read_to_string(path) {
                 out.push_str(&format!("--- {name} ---\n{}\n", tail(&text, lines)));

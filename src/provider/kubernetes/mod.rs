@@ -399,11 +399,13 @@ impl KubeFailure {
                 ))),
                 // RBAC says "cannot <verb> resource"; admission (a missing ServiceAccount,
                 // PodSecurity, a quota) answers 403 too, and then the server's words say why.
-                403 if status.message.contains("cannot ") => Self::Other(ProviderError::Misconfigured(format!(
-                    "{verb} {resource} in namespace {namespace} is forbidden: the operator's service \
+                403 if status.message.contains("cannot ") => {
+                    Self::Other(ProviderError::Misconfigured(format!(
+                        "{verb} {resource} in namespace {namespace} is forbidden: the operator's service \
                      account needs the {verb:?} verb on {resource} there (see \
                      config/rbac/kubernetes_provider_role.yaml)"
-                ))),
+                    )))
+                }
                 403 => Self::Other(ProviderError::Misconfigured(format!(
                     "{verb} {resource} in namespace {namespace} was refused by the API server: {}",
                     status.message
