@@ -8,9 +8,7 @@
 mod support;
 
 use std::{
-    net::SocketAddr,
     path::Path,
-    process::Command,
     time::{Duration, Instant},
 };
 
@@ -27,28 +25,17 @@ use support::{
     control_plane::{ControlPlane, OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, Options},
     free_port,
     process::GroupChild,
+    run_process::RunProcess,
 };
 
 fn operator(dir: &Path, kubeconfig: &Path, round: &str) -> GroupChild {
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let discovery: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"));
-    command
-        .arg("run")
-        .arg(format!(
-            "--providers-config={}",
-            dir.join("providers.yaml").display()
-        ))
-        .arg(format!("--discovery-tokens={}", dir.join("tokens").display()))
-        .arg(format!("--lease-signing-key={}", dir.join("key").display()))
-        .arg(format!("--admin-listen={admin}"))
-        .arg(format!("--discovery-listen={discovery}"))
-        .arg("--provider-probe-interval=1")
-        .env("KUBECONFIG", kubeconfig)
-        .env("POD_NAMESPACE", OPERATOR_NAMESPACE)
-        .env("POD_NAME", format!("rbac-{round}"))
-        .env("RUST_LOG", "info");
-    GroupChild::spawn(&mut command, &dir.join(format!("operator-{round}.log")))
+    RunProcess::spawn(
+        dir,
+        kubeconfig,
+        &format!("rbac-{round}"),
+        &["--provider-probe-interval=1"],
+    )
+    .child
 }
 
 /// A rule as RBAC prints it, e.g. `create,patch events.k8s.io/events`.

@@ -12,7 +12,6 @@ mod support;
 use std::{
     net::SocketAddr,
     path::Path,
-    process::Command,
     time::{Duration, Instant},
 };
 
@@ -29,6 +28,7 @@ use support::{
     control_plane::{ControlPlane, OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT},
     free_port,
     process::GroupChild,
+    run_process::RunProcess,
 };
 
 const TOKEN: &str = "real-cluster-token-0123456789abcdef";
@@ -42,24 +42,11 @@ struct Replica {
 
 impl Replica {
     fn start(dir: &Path, kubeconfig: &Path, identity: &str) -> Self {
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let discovery: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"));
-        command
-            .arg("run")
-            .arg(format!(
-                "--providers-config={}",
-                dir.join("providers.yaml").display()
-            ))
-            .arg(format!("--discovery-tokens={}", dir.join("tokens").display()))
-            .arg(format!("--lease-signing-key={}", dir.join("key").display()))
-            .arg(format!("--admin-listen={admin}"))
-            .arg(format!("--discovery-listen={discovery}"))
-            .env("KUBECONFIG", kubeconfig)
-            .env("POD_NAMESPACE", OPERATOR_NAMESPACE)
-            .env("POD_NAME", identity)
-            .env("RUST_LOG", "info");
-        let child = GroupChild::spawn(&mut command, &dir.join(format!("{identity}.log")));
+        let RunProcess {
+            admin,
+            discovery,
+            child,
+        } = RunProcess::spawn(dir, kubeconfig, identity, &[]);
         Self {
             admin,
             discovery,

@@ -312,7 +312,8 @@ async fn the_status_page_in_cluster_mode_is_on_the_admin_port() {
         "edge-1",
         proxy_port,
         &origin.http_url("/health"),
-        1,
+        // Every 2 s: the timeout (1 s) must be shorter, as the CRD's rule says.
+        2,
         serde_json::json!({
             "attributes": {"pool": "cluster"},
             "lease": {"maxConcurrent": 2},
@@ -414,7 +415,8 @@ async fn the_cluster_status_page_shows_the_trail_across_a_leader_change() {
         "edge-2",
         proxy_port,
         &origin.http_url("/health"),
-        1,
+        // Every 2 s: the timeout (1 s) must be shorter, as the CRD's rule says.
+        2,
         serde_json::json!({}),
     );
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");

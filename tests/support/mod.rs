@@ -12,6 +12,7 @@ pub mod control_plane;
 pub mod fake_apiserver;
 pub mod leases;
 pub mod process;
+pub mod run_process;
 pub mod standalone;
 
 use std::os::unix::process::CommandExt;
