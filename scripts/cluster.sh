@@ -52,9 +52,11 @@ cleanup() {
 }
 trap cleanup INT TERM EXIT
 
+# Each in a session of its own: Ctrl-C reaches this script alone, which then deletes the Proxies
+# while the operator still runs, and stops the rest in order.
 start() {
     local name=$1; shift
-    "$@" >"$state/logs/$name.log" 2>&1 &
+    setsid "$@" >"$state/logs/$name.log" 2>&1 &
     pids+=($!)
     echo "    $name (pid $!, log $state/logs/$name.log)"
 }

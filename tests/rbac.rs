@@ -124,7 +124,8 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
     let kubeconfig = plane
         .service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
         .await;
-    let dir = tempfile::tempdir().expect("temp dir");
+    // Kills every Squid started under it on drop, also when the test fails half-way.
+    let dir = support::standalone::Host::new();
     support::cluster_app::local_cluster(
         dir.path(),
         &dir.path().join("local"),

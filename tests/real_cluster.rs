@@ -106,7 +106,8 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
     let kubeconfig = plane
         .service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
         .await;
-    let dir = tempfile::tempdir().expect("temp dir");
+    // Kills every Squid started under it on drop, also when the test fails half-way.
+    let dir = support::standalone::Host::new();
     support::cluster_app::local_cluster(
         dir.path(),
         &dir.path().join("local"),
