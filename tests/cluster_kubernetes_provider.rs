@@ -1,0 +1,161 @@
+//! Cluster mode with the `kubernetes` provider on a real control plane (kube-apiserver, etcd,
+//! the controller manager, kube-scheduler and kwok's fake node), installed by
+//! `kubectl apply -k config/default` and running as the shipped ServiceAccount: a Proxy's Squid
+//! Pod is accepted, labelled and Running; deleted behind the operator's back, it is made again;
+//! its health check through the Pod cannot pass (kwok runs no container), so the provisioning
+//! timeout replaces it as documented; deleting the Proxy removes its Pod.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use egress_proxies_operator::api::Proxy;
+use k8s_openapi::api::core::v1::Pod;
+use kube::{
+    Api,
+    api::{DeleteParams, ListParams, PostParams},
+};
+use serde_json::json;
+use support::{
+    cluster_app::{ClusterApp, local_cluster},
+    control_plane::{ControlPlane, Options},
+    free_port,
+};
+
+const POD_NAMESPACE: &str = "egress-proxies";
+
+async fn eventually<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
+    let plane = ControlPlane::start_with(Options {
+        nodes: true,
+        controller_manager: true,
+        ..Options::default()
+    })
+    .await;
+    let operator_client = plane.install_default().await;
+    plane.create_namespace("crawl").await;
+    let admin = plane.client().await;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut options = local_cluster(
+        dir.path(),
+        &dir.path().join("local"),
+        "kubernetes-provider-token-0123456789",
+        ([127, 0, 0, 1], free_port()).into(),
+        ([127, 0, 0, 1], free_port()).into(),
+    );
+    // The provider as config/manager ships it: Pods in egress-proxies.
+    std::fs::write(
+        dir.path().join("providers.yaml"),
+        "providers:\n  - name: cluster\n    type: kubernetes\n    settings:\n      namespace: egress-proxies\n      \
+         image: registry.example.com/squid:5.7\n      serviceType: ClusterIP\n",
+    )
+    .expect("providers config");
+    options.reconciler.timers.provisioning_timeout = Duration::from_secs(8);
+    options.reconciler.timers.poll = Duration::from_secs(1);
+    let operator = ClusterApp::start(operator_client, options);
+
+    let proxies: Api<Proxy> = Api::namespaced(admin.clone(), "crawl");
+    let proxy: Proxy = serde_json::from_value(json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "pod-proxy", "namespace": "crawl"},
+        "spec": {
+            "provider": "cluster",
+            "health": {"url": "http://127.0.0.1:9/", "intervalSeconds": 2, "timeoutSeconds": 1},
+        },
+    }))
+    .expect("a valid Proxy");
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("created");
+
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), POD_NAMESPACE);
+    let selector = ListParams::default().labels("crawl.example.com/provider-instance=cluster");
+    // Accepted by the server, labelled as docs/providers-existing.md says, Running on kwok's node.
+    let first = eventually(Duration::from_secs(60), "a Running Squid Pod", async || {
+        let list = pods.list(&selector).await.ok()?;
+        let pod = list.items.into_iter().next()?;
+        (pod.status.as_ref()?.phase.as_deref() == Some("Running")).then_some(pod)
+    })
+    .await;
+    let labels = first.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        labels.get("app.kubernetes.io/managed-by").map(String::as_str),
+        Some("egress-proxies-operator")
+    );
+    let annotations = first.metadata.annotations.clone().unwrap_or_default();
+    assert_eq!(
+        annotations
+            .get("crawl.example.com/owner-name")
+            .map(String::as_str),
+        Some("pod-proxy")
+    );
+    assert!(first.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some("kwok-node-0"));
+    let first_uid = first.metadata.uid.clone().expect("uid");
+    let name = first.metadata.name.clone().expect("name");
+
+    // Deleted behind the operator's back: the instance vanished, and a new Pod takes its place.
+    pods.delete(&name, &DeleteParams::default())
+        .await
+        .expect("deleted");
+    let second_uid = eventually(Duration::from_secs(60), "the Pod made again", async || {
+        let pod = pods.get_opt(&name).await.ok()??;
+        let uid = pod.metadata.uid.clone()?;
+        (uid != first_uid && pod.metadata.deletion_timestamp.is_none()).then_some(uid)
+    })
+    .await;
+
+    // The health check cannot pass through a kwok Pod: after the provisioning timeout the
+    // instance is deleted and created afresh (reason ProvisioningTimedOut), as documented.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), "crawl");
+    eventually(Duration::from_secs(90), "ProvisioningTimedOut", async || {
+        let list = events.list(&Default::default()).await.ok()?;
+        list.items
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("ProvisioningTimedOut"))
+            .then_some(())
+    })
+    .await;
+    eventually(Duration::from_secs(60), "a replacement Pod", async || {
+        let pod = pods.get_opt(&name).await.ok()??;
+        (pod.metadata.uid.as_deref() != Some(second_uid.as_str())
+            && pod.metadata.deletion_timestamp.is_none())
+        .then_some(())
+    })
+    .await;
+    let proxy = proxies.get("pod-proxy").await.expect("the Proxy");
+    assert_ne!(
+        proxy.status.and_then(|s| s.phase).as_deref(),
+        Some("healthy"),
+        "never healthy: nothing answers through a kwok Pod"
+    );
+
+    // Deleting the Proxy removes its Pod (and the finalizer, once the Pod is gone).
+    proxies
+        .delete("pod-proxy", &DeleteParams::default())
+        .await
+        .expect("deleted");
+    eventually(
+        Duration::from_secs(90),
+        "the Proxy and its Pod gone",
+        async || {
+            let proxy_gone = proxies.get_opt("pod-proxy").await.ok()?.is_none();
+            let pods_gone = pods.list(&selector).await.ok()?.items.is_empty();
+            (proxy_gone && pods_gone).then_some(())
+        },
+    )
+    .await;
+    operator.stop().await;
+}
