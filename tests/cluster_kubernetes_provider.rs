@@ -3,7 +3,8 @@
 //! `kubectl apply -k config/default` and running as the shipped ServiceAccount: a Proxy's Squid
 //! Pod is accepted, labelled and Running; deleted behind the operator's back, it is made again;
 //! its health check through the Pod cannot pass (kwok runs no container), so the provisioning
-//! timeout replaces it as documented; deleting the Proxy removes its Pod.
+//! timeout replaces it as documented; deleting the Proxy removes its Pod; and a Pod whose Proxy
+//! went while no operator ran is collected by orphan GC.
 
 mod support;
 
@@ -155,6 +156,87 @@ async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
             let pods_gone = pods.list(&selector).await.ok()?.items.is_empty();
             (proxy_gone && pods_gone).then_some(())
         },
+    )
+    .await;
+    operator.stop().await;
+}
+
+/// A Squid Pod whose Proxy went while no operator ran (its finalizer removed by hand) is an
+/// orphan: orphan GC, past its grace, deletes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orphaned_squid_pod_is_collected() {
+    let plane = ControlPlane::start_with(Options {
+        nodes: true,
+        controller_manager: true,
+        ..Options::default()
+    })
+    .await;
+    let operator_client = plane.install_default().await;
+    plane.create_namespace("crawl").await;
+    let admin = plane.client().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let options = || {
+        let mut options = local_cluster(
+            dir.path(),
+            &dir.path().join("local"),
+            "kubernetes-provider-token-0123456789",
+            ([127, 0, 0, 1], free_port()).into(),
+            ([127, 0, 0, 1], free_port()).into(),
+        );
+        std::fs::write(
+            dir.path().join("providers.yaml"),
+            "providers:\n  - name: cluster\n    type: kubernetes\n    settings:\n      namespace: egress-proxies\n      \
+             image: registry.example.com/squid:5.7\n      serviceType: ClusterIP\n",
+        )
+        .expect("providers config");
+        options.gc_grace = Duration::from_secs(1);
+        options.gc_interval = Duration::from_secs(1);
+        options
+    };
+    let operator = ClusterApp::start(operator_client.clone(), options());
+    let proxies: Api<Proxy> = Api::namespaced(admin.clone(), "crawl");
+    let proxy: Proxy = serde_json::from_value(json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "orphan", "namespace": "crawl"},
+        "spec": {"provider": "cluster", "health": {"url": "http://127.0.0.1:9/", "intervalSeconds": 2, "timeoutSeconds": 1}},
+    }))
+    .expect("a valid Proxy");
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("created");
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), POD_NAMESPACE);
+    let selector = ListParams::default().labels("crawl.example.com/provider-instance=cluster");
+    let name = eventually(Duration::from_secs(60), "the Squid Pod", async || {
+        let pod = pods.list(&selector).await.ok()?.items.into_iter().next()?;
+        pod.metadata.name
+    })
+    .await;
+    operator.stop().await;
+
+    // The Proxy goes while no operator runs: its finalizer removed by hand.
+    proxies
+        .patch(
+            "orphan",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("finalizer removed");
+    proxies
+        .delete("orphan", &DeleteParams::default())
+        .await
+        .expect("deleted");
+    assert!(
+        pods.get_opt(&name).await.expect("readable").is_some(),
+        "the Pod outlived it"
+    );
+
+    let operator = ClusterApp::start(operator_client, options());
+    eventually(
+        Duration::from_secs(90),
+        "orphan GC to delete the Pod",
+        async || pods.list(&selector).await.ok()?.items.is_empty().then_some(()),
     )
     .await;
     operator.stop().await;
