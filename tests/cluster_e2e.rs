@@ -6,7 +6,7 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use egress_proxies_operator::api::Proxy;
@@ -23,7 +23,7 @@ use support::{
     Origin,
     cluster_app::{ClusterApp, local_cluster, local_proxy},
     control_plane::ControlPlane,
-    free_port,
+    free_port, wait_until,
 };
 
 async fn send(port: u16, method: &str, path: &str, token: Option<&str>, body: &str) -> (StatusCode, String) {
@@ -50,17 +50,6 @@ async fn send(port: u16, method: &str, path: &str, token: Option<&str>, body: &s
     let status = response.status();
     let bytes = response.into_body().collect().await.expect("body").to_bytes();
     (status, String::from_utf8_lossy(&bytes).into_owned())
-}
-
-async fn eventually<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -96,12 +85,12 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         .create(&PostParams::default(), &proxy)
         .await
         .expect("created");
-    eventually("the Proxy is healthy", async || {
+    wait_until(Duration::from_secs(60), "the Proxy is healthy", async || {
         let p = proxies.get("squid-1").await.ok()?;
         (p.status?.phase.as_deref() == Some("healthy")).then_some(())
     })
     .await;
-    eventually("the leader is ready", async || {
+    wait_until(Duration::from_secs(60), "the leader is ready", async || {
         (send(admin_port, "GET", "/readyz", None, "").await.0 == StatusCode::OK).then_some(())
     })
     .await;
@@ -137,7 +126,7 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
 
     // The lease checkpoint lands in the cluster, in the operator's namespace: one part per
     // changed lease-store shard, found by label.
-    eventually("the lease checkpoint", async || {
+    wait_until(Duration::from_secs(60), "the lease checkpoint", async || {
         let parts = Api::<ConfigMap>::namespaced(client.clone(), "egress-proxies-system")
             .list(&ListParams::default().labels("crawl.example.com/lease-checkpoint=egress-proxies-operator"))
             .await
@@ -172,7 +161,7 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         .delete("squid-1", &DeleteParams::default())
         .await
         .expect("delete");
-    eventually("the Proxy is gone", async || {
+    wait_until(Duration::from_secs(60), "the Proxy is gone", async || {
         proxies.get_opt("squid-1").await.ok()?.is_none().then_some(())
     })
     .await;

@@ -8,7 +8,7 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use egress_proxies_operator::api::Proxy;
 use k8s_openapi::api::core::v1::Pod;
@@ -20,24 +20,15 @@ use serde_json::json;
 use support::{
     cluster_app::{ClusterApp, local_cluster},
     control_plane::{ControlPlane, Options},
-    free_port,
+    free_port, wait_until,
 };
 
 const POD_NAMESPACE: &str = "egress-proxies";
 
-async fn eventually<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
+/// A control plane with Pods that run (the scheduler, kwok) and namespaces that get their
+/// `default` ServiceAccount (the controller manager), the product installed; returns it, a
+/// client that is the operator's ServiceAccount, and the admin's.
+async fn cluster() -> (ControlPlane, kube::Client, kube::Client) {
     let plane = ControlPlane::start_with(Options {
         nodes: true,
         controller_manager: true,
@@ -47,30 +38,33 @@ async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
     let operator_client = plane.install_default().await;
     plane.create_namespace("crawl").await;
     let admin = plane.client().await;
+    (plane, operator_client, admin)
+}
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut options = local_cluster(
-        dir.path(),
-        &dir.path().join("local"),
+/// Cluster mode's options with the `kubernetes` provider as config/manager ships it (Pods in
+/// egress-proxies), its files written into `dir`.
+fn kubernetes_cluster(dir: &std::path::Path) -> egress_proxies_operator::cluster::ClusterOptions {
+    let options = local_cluster(
+        dir,
+        &dir.join("local"),
         "kubernetes-provider-token-0123456789",
         ([127, 0, 0, 1], free_port()).into(),
         ([127, 0, 0, 1], free_port()).into(),
     );
-    // The provider as config/manager ships it: Pods in egress-proxies.
     std::fs::write(
-        dir.path().join("providers.yaml"),
+        dir.join("providers.yaml"),
         "providers:\n  - name: cluster\n    type: kubernetes\n    settings:\n      namespace: egress-proxies\n      \
          image: registry.example.com/squid:5.7\n      serviceType: ClusterIP\n",
     )
     .expect("providers config");
-    options.reconciler.timers.provisioning_timeout = Duration::from_secs(8);
-    options.reconciler.timers.poll = Duration::from_secs(1);
-    let operator = ClusterApp::start(operator_client, options);
+    options
+}
 
-    let proxies: Api<Proxy> = Api::namespaced(admin.clone(), "crawl");
+/// A Proxy `crawl/<name>` of that provider, probed through its Pod (which never answers).
+async fn create_pod_proxy(proxies: &Api<Proxy>, name: &str) {
     let proxy: Proxy = serde_json::from_value(json!({
         "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
-        "metadata": {"name": "pod-proxy", "namespace": "crawl"},
+        "metadata": {"name": name, "namespace": "crawl"},
         "spec": {
             "provider": "cluster",
             "health": {"url": "http://127.0.0.1:9/", "intervalSeconds": 2, "timeoutSeconds": 1},
@@ -81,11 +75,24 @@ async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
         .create(&PostParams::default(), &proxy)
         .await
         .expect("created");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
+    let (_plane, operator_client, admin) = cluster().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut options = kubernetes_cluster(dir.path());
+    options.reconciler.timers.provisioning_timeout = Duration::from_secs(8);
+    options.reconciler.timers.poll = Duration::from_secs(1);
+    let operator = ClusterApp::start(operator_client, options);
+
+    let proxies: Api<Proxy> = Api::namespaced(admin.clone(), "crawl");
+    create_pod_proxy(&proxies, "pod-proxy").await;
 
     let pods: Api<Pod> = Api::namespaced(admin.clone(), POD_NAMESPACE);
     let selector = ListParams::default().labels("crawl.example.com/provider-instance=cluster");
     // Accepted by the server, labelled as docs/providers-existing.md says, Running on kwok's node.
-    let first = eventually(Duration::from_secs(60), "a Running Squid Pod", async || {
+    let first = wait_until(Duration::from_secs(60), "a Running Squid Pod", async || {
         let list = pods.list(&selector).await.ok()?;
         let pod = list.items.into_iter().next()?;
         (pod.status.as_ref()?.phase.as_deref() == Some("Running")).then_some(pod)
@@ -111,7 +118,7 @@ async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
     pods.delete(&name, &DeleteParams::default())
         .await
         .expect("deleted");
-    let second_uid = eventually(Duration::from_secs(60), "the Pod made again", async || {
+    let second_uid = wait_until(Duration::from_secs(60), "the Pod made again", async || {
         let pod = pods.get_opt(&name).await.ok()??;
         let uid = pod.metadata.uid.clone()?;
         (uid != first_uid && pod.metadata.deletion_timestamp.is_none()).then_some(uid)
@@ -121,7 +128,7 @@ async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
     // The health check cannot pass through a kwok Pod: after the provisioning timeout the
     // instance is deleted and created afresh (reason ProvisioningTimedOut), as documented.
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), "crawl");
-    eventually(Duration::from_secs(90), "ProvisioningTimedOut", async || {
+    wait_until(Duration::from_secs(90), "ProvisioningTimedOut", async || {
         let list = events.list(&Default::default()).await.ok()?;
         list.items
             .iter()
@@ -129,7 +136,7 @@ async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
             .then_some(())
     })
     .await;
-    eventually(Duration::from_secs(60), "a replacement Pod", async || {
+    wait_until(Duration::from_secs(60), "a replacement Pod", async || {
         let pod = pods.get_opt(&name).await.ok()??;
         (pod.metadata.uid.as_deref() != Some(second_uid.as_str())
             && pod.metadata.deletion_timestamp.is_none())
@@ -148,7 +155,7 @@ async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
         .delete("pod-proxy", &DeleteParams::default())
         .await
         .expect("deleted");
-    eventually(
+    wait_until(
         Duration::from_secs(90),
         "the Proxy and its Pod gone",
         async || {
@@ -165,49 +172,20 @@ async fn squid_pods_are_made_again_replaced_on_timeout_and_removed() {
 /// orphan: orphan GC, past its grace, deletes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_orphaned_squid_pod_is_collected() {
-    let plane = ControlPlane::start_with(Options {
-        nodes: true,
-        controller_manager: true,
-        ..Options::default()
-    })
-    .await;
-    let operator_client = plane.install_default().await;
-    plane.create_namespace("crawl").await;
-    let admin = plane.client().await;
+    let (_plane, operator_client, admin) = cluster().await;
     let dir = tempfile::tempdir().expect("temp dir");
     let options = || {
-        let mut options = local_cluster(
-            dir.path(),
-            &dir.path().join("local"),
-            "kubernetes-provider-token-0123456789",
-            ([127, 0, 0, 1], free_port()).into(),
-            ([127, 0, 0, 1], free_port()).into(),
-        );
-        std::fs::write(
-            dir.path().join("providers.yaml"),
-            "providers:\n  - name: cluster\n    type: kubernetes\n    settings:\n      namespace: egress-proxies\n      \
-             image: registry.example.com/squid:5.7\n      serviceType: ClusterIP\n",
-        )
-        .expect("providers config");
+        let mut options = kubernetes_cluster(dir.path());
         options.gc_grace = Duration::from_secs(1);
         options.gc_interval = Duration::from_secs(1);
         options
     };
     let operator = ClusterApp::start(operator_client.clone(), options());
     let proxies: Api<Proxy> = Api::namespaced(admin.clone(), "crawl");
-    let proxy: Proxy = serde_json::from_value(json!({
-        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
-        "metadata": {"name": "orphan", "namespace": "crawl"},
-        "spec": {"provider": "cluster", "health": {"url": "http://127.0.0.1:9/", "intervalSeconds": 2, "timeoutSeconds": 1}},
-    }))
-    .expect("a valid Proxy");
-    proxies
-        .create(&PostParams::default(), &proxy)
-        .await
-        .expect("created");
+    create_pod_proxy(&proxies, "orphan").await;
     let pods: Api<Pod> = Api::namespaced(admin.clone(), POD_NAMESPACE);
     let selector = ListParams::default().labels("crawl.example.com/provider-instance=cluster");
-    let name = eventually(Duration::from_secs(60), "the Squid Pod", async || {
+    let name = wait_until(Duration::from_secs(60), "the Squid Pod", async || {
         let pod = pods.list(&selector).await.ok()?.items.into_iter().next()?;
         pod.metadata.name
     })
@@ -233,7 +211,7 @@ async fn an_orphaned_squid_pod_is_collected() {
     );
 
     let operator = ClusterApp::start(operator_client, options());
-    eventually(
+    wait_until(
         Duration::from_secs(90),
         "orphan GC to delete the Pod",
         async || pods.list(&selector).await.ok()?.items.is_empty().then_some(()),

@@ -13,7 +13,7 @@ mod support;
 use std::{
     path::{Path, PathBuf},
     process::Output,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use serde_json::Value;
@@ -21,7 +21,7 @@ use support::{
     Origin,
     cluster_app::{ClusterApp, local_cluster},
     control_plane::ControlPlane,
-    free_port,
+    free_port, wait_until,
 };
 use tokio::process::Command;
 
@@ -92,18 +92,6 @@ impl Kubectl {
             String::from_utf8_lossy(&output.stdout)
         );
         String::from_utf8_lossy(&output.stderr).into_owned()
-    }
-}
-
-/// Polls `check` (every 200 ms) until it yields a value or `within` passes.
-async fn eventually<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -247,7 +235,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     assert_eq!(out.trim(), format!("proxy.crawl.example.com/{name} created"));
 
     // `kubectl get proxies`: the CRD's printer columns, filled in as the operator goes.
-    let row = eventually(
+    let row = wait_until(
         Duration::from_secs(60),
         "kubectl get proxies to show it healthy",
         async || {
@@ -270,7 +258,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     assert_eq!(rows.len(), 1);
     // ProviderHealth, cluster-scoped: its printer columns include a JSONPath filter over the
     // conditions (`Available`) and a priority-1 column that only `-o wide` shows.
-    let rows = eventually(
+    let rows = wait_until(
         Duration::from_secs(30),
         "the local provider's health",
         async || {
@@ -324,7 +312,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
 
     // `describe`: the conditions from the status and the operator's Events (written through
     // events.k8s.io/v1, listed by describe through the core v1 API with field selectors).
-    let described = eventually(
+    let described = wait_until(
         Duration::from_secs(30),
         "describe to show the Events",
         async || {
@@ -400,7 +388,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
         .await;
     assert_eq!(out.trim(), format!("proxy.crawl.example.com/{name} patched"));
     let mut phases = Vec::new();
-    let replaced = eventually(
+    let replaced = wait_until(
         Duration::from_secs(90),
         "the replacement, through kubectl",
         async || {
@@ -429,7 +417,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     );
     assert!(refuses_connections(port), "the old Squid is gone");
     assert!(!refuses_connections(new_port), "the new Squid listens");
-    eventually(
+    wait_until(
         Duration::from_secs(30),
         "describe to show the SpecChanged Event",
         async || {

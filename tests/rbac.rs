@@ -22,7 +22,7 @@ use serde_json::json;
 use support::{
     Origin,
     cluster_app::local_proxy,
-    control_plane::{ControlPlane, OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT, Options},
+    control_plane::{ControlPlane, OPERATOR_NAMESPACE, Options},
     free_port,
     process::GroupChild,
     run_process::RunProcess,
@@ -121,9 +121,7 @@ async fn every_rule_of_the_shipped_rbac_is_needed_and_a_missing_one_is_named() {
     .await;
     plane.install_default().await;
     plane.create_namespace("crawl").await;
-    let kubeconfig = plane
-        .service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
-        .await;
+    let kubeconfig = plane.operator_kubeconfig().await;
     // Kills every Squid started under it on drop, also when the test fails half-way.
     let dir = support::standalone::Host::new();
     support::cluster_app::local_cluster(

@@ -10,7 +10,6 @@ mod http;
 mod support;
 
 use std::{
-    net::SocketAddr,
     path::Path,
     time::{Duration, Instant},
 };
@@ -25,39 +24,26 @@ use serde_json::json;
 use support::{
     Origin,
     cluster_app::local_proxy,
-    control_plane::{ControlPlane, OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT},
+    control_plane::{ControlPlane, OPERATOR_NAMESPACE},
     free_port,
-    process::GroupChild,
     run_process::RunProcess,
+    wait_until,
 };
 
 const TOKEN: &str = "real-cluster-token-0123456789abcdef";
 
 /// One replica: the operator binary's `run`, as the shipped ServiceAccount.
-struct Replica {
-    admin: SocketAddr,
-    discovery: SocketAddr,
-    child: GroupChild,
-}
+struct Replica(RunProcess);
 
 impl Replica {
     fn start(dir: &Path, kubeconfig: &Path, identity: &str) -> Self {
-        let RunProcess {
-            admin,
-            discovery,
-            child,
-        } = RunProcess::spawn(dir, kubeconfig, identity, &[]);
-        Self {
-            admin,
-            discovery,
-            child,
-        }
+        Self(RunProcess::spawn(dir, kubeconfig, identity, &[]))
     }
 
     /// The admin server answers /readyz with 200 (it is not up at all at first).
     async fn ready(&self) -> bool {
-        tokio::net::TcpStream::connect(self.admin).await.is_ok()
-            && http::get(self.admin, "/readyz").await.0 == StatusCode::OK
+        tokio::net::TcpStream::connect(self.0.admin).await.is_ok()
+            && http::get(self.0.admin, "/readyz").await.0 == StatusCode::OK
     }
 
     async fn call(
@@ -74,22 +60,11 @@ impl Replica {
             .header("content-type", "application/json")
             .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
             .unwrap();
-        let (code, text) = http::request(self.discovery, request).await;
+        let (code, text) = http::request(self.0.discovery, request).await;
         (
             code,
             serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)),
         )
-    }
-}
-
-async fn eventually<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -103,9 +78,7 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
     let mut plane = ControlPlane::start().await;
     plane.install_default().await;
     plane.create_namespace("crawl").await;
-    let kubeconfig = plane
-        .service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
-        .await;
+    let kubeconfig = plane.operator_kubeconfig().await;
     // Kills every Squid started under it on drop, also when the test fails half-way.
     let dir = support::standalone::Host::new();
     support::cluster_app::local_cluster(
@@ -119,7 +92,7 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
     let proxies: Api<Proxy> = Api::namespaced(admin.clone(), "crawl");
 
     let a = Replica::start(dir.path(), &kubeconfig, "replica-a");
-    eventually(Duration::from_secs(60), "replica-a leads", async || {
+    wait_until(Duration::from_secs(60), "replica-a leads", async || {
         a.ready().await.then_some(())
     })
     .await;
@@ -137,7 +110,7 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
         .create(&PostParams::default(), &proxy)
         .await
         .expect("created");
-    let healthy = eventually(Duration::from_secs(60), "squid-1 healthy", async || {
+    let healthy = wait_until(Duration::from_secs(60), "squid-1 healthy", async || {
         let p = proxies.get("squid-1").await.ok()?;
         (phase(&p) == Some("healthy")).then_some(p)
     })
@@ -156,7 +129,7 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
     // The checkpoint (ConfigMaps in the operator's namespace) holds the lease before the kill.
     let configmaps: Api<k8s_openapi::api::core::v1::ConfigMap> =
         Api::namespaced(admin.clone(), OPERATOR_NAMESPACE);
-    eventually(
+    wait_until(
         Duration::from_secs(30),
         "the lease in the checkpoint",
         async || {
@@ -177,7 +150,7 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
     // SIGKILL: no release of the leader Lease, no last checkpoint.
     let killed_at = Instant::now();
     drop(a);
-    eventually(Duration::from_secs(40), "replica-b leads", async || {
+    wait_until(Duration::from_secs(40), "replica-b leads", async || {
         b.ready().await.then_some(())
     })
     .await;
@@ -237,15 +210,15 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
     plane.restart_apiserver().await;
     let mut b = b;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    if let Some(status) = b.child.exited() {
-        let log = b.child.log();
+    if let Some(status) = b.0.child.exited() {
+        let log = b.0.child.log();
         assert!(
             log.contains("lost leadership: stopping so a restart rejoins as a follower"),
             "replica-b exited ({status}) without saying why:\n{log}"
         );
         println!("replica-b stepped down during the API server restart ({status}); restarting it");
         b = Replica::start(dir.path(), &kubeconfig, "replica-b-restarted");
-        eventually(
+        wait_until(
             Duration::from_secs(60),
             "the restarted replica leads",
             async || b.ready().await.then_some(()),
@@ -273,7 +246,7 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
             break;
         }
         if Instant::now() > deadline {
-            let log = b.child.log();
+            let log = b.0.child.log();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             panic!(
                 "squid-1 not replaced on port {new_port}: {status:#?}\nreplica-b:\n{}",
@@ -286,7 +259,7 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
         b.ready().await,
         "replica-b still leads after the API server restart"
     );
-    let log = b.child.log();
+    let log = b.0.child.log();
     assert!(!log.contains("Forbidden"), "the shipped RBAC was enough:\n{log}");
 
     // Deleting the object removes its Squid (nothing outlives the test).
@@ -294,7 +267,7 @@ async fn a_killed_leader_is_replaced_with_its_leases_and_no_duplicate_instance()
         .delete("squid-1", &Default::default())
         .await
         .expect("deleted");
-    eventually(Duration::from_secs(60), "squid-1 gone", async || {
+    wait_until(Duration::from_secs(60), "squid-1 gone", async || {
         proxies.get_opt("squid-1").await.ok()?.is_none().then_some(())
     })
     .await;

@@ -518,12 +518,16 @@ impl ControlPlane {
         self.operator_client().await
     }
 
-    /// A client that is the shipped ServiceAccount, `egress-proxies-system/egress-proxies-operator`.
+    /// A kubeconfig that is the shipped ServiceAccount,
+    /// `egress-proxies-system/egress-proxies-operator` (for the operator binary).
+    pub async fn operator_kubeconfig(&self) -> PathBuf {
+        self.service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
+            .await
+    }
+
+    /// A client that is the shipped ServiceAccount (for cluster mode in-process).
     pub async fn operator_client(&self) -> Client {
-        let kubeconfig = self
-            .service_account_kubeconfig(OPERATOR_NAMESPACE, OPERATOR_SERVICE_ACCOUNT)
-            .await;
-        client_from(&kubeconfig).await
+        client_from(&self.operator_kubeconfig().await).await
     }
 
     /// Installs the CRDs of `config/crd/bases/` and waits until the server serves them.
@@ -609,9 +613,7 @@ impl ControlPlane {
     /// Stops kube-apiserver (SIGTERM, as an upgrade or a crash-restart would) and starts it
     /// again on the same port and etcd; returns once it is ready.
     pub async fn restart_apiserver(&mut self) {
-        if let Some(mut apiserver) = self.apiserver.take() {
-            apiserver.terminate_async(Duration::from_secs(30)).await;
-        }
+        self.stop_apiserver().await;
         self.start_apiserver().await;
     }
 

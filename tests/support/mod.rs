@@ -48,6 +48,19 @@ pub async fn eventually(within: Duration, what: &str, mut check: impl FnMut() ->
     }
 }
 
+/// Polls `check` (every 100 ms) until it yields a value, which it returns, or fails the test
+/// naming `what` once `within` has passed.
+pub async fn wait_until<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// A real Squid on 127.0.0.1, killed (with its process group) on Drop.
 pub struct Squid {
     pub port: u16,
