@@ -185,6 +185,25 @@ enum Command {
     },
 }
 
+/// A Kubernetes UID (8-4-4-4-12 hex digits), so that a placeholder left in a manifest stops
+/// the operator instead of becoming an identity two clusters share.
+fn cluster_uid(value: &str) -> Result<String, String> {
+    let groups: Vec<&str> = value.trim().split('-').collect();
+    let shaped = groups.len() == 5
+        && groups
+            .iter()
+            .zip([8, 4, 4, 4, 12])
+            .all(|(group, len)| group.len() == len && group.chars().all(|c| c.is_ascii_hexdigit()));
+    if shaped {
+        Ok(value.trim().to_ascii_lowercase())
+    } else {
+        Err(format!(
+            "{value:?} is not a UID (8-4-4-4-12 hex digits); a cluster admin reads the cluster's with \
+             kubectl get namespace kube-system -o jsonpath='{{.metadata.uid}}'"
+        ))
+    }
+}
+
 /// The flags of `run` (cluster mode).
 #[derive(Args)]
 struct RunArgs {
@@ -220,6 +239,17 @@ struct RunArgs {
     /// backend its own.
     #[arg(long, env = "POD_NAMESPACE", default_value = "egress-proxies-operator")]
     installation_name: String,
+    /// The cluster's identity, stamped on every instance. By default it is read: the UID of the
+    /// kube-system namespace (needs get on namespaces/kube-system). An install that may not read
+    /// it (namespace-restricted, with its Role alone) passes that UID here, as a cluster admin
+    /// reads it: `kubectl get namespace kube-system -o jsonpath='{.metadata.uid}'`.
+    #[arg(long, value_name = "UID", env = "EPO_CLUSTER_ID", value_parser = cluster_uid)]
+    cluster_id: Option<String>,
+    /// Do not publish ProviderHealth objects (cluster-scoped, so a namespace-restricted install
+    /// with its Role alone may not write them). Provider health is still probed, holds
+    /// provisioning while a provider is down, and shows in metrics and the logs.
+    #[arg(long)]
+    no_provider_health_objects: bool,
     /// Admin server address (/healthz, /readyz, /metrics).
     #[arg(long, default_value = "0.0.0.0:8081")]
     admin_listen: std::net::SocketAddr,
@@ -262,6 +292,8 @@ impl RunArgs {
             system_namespace: self.system_namespace,
             identity: self.identity,
             installation_name: self.installation_name,
+            cluster_id: self.cluster_id,
+            provider_health_objects: !self.no_provider_health_objects,
             admin_listen: self.admin_listen,
             discovery_listen: self.discovery_listen,
             auth,

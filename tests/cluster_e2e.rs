@@ -1,6 +1,6 @@
 //! Cluster mode end to end in one process: `run_cluster` (leader election, controller, health
-//! engine, lease store with its ConfigMap checkpoint, discovery API, admin server) against the
-//! fake API server, with the `local` provider running real Squid. A Proxy object becomes
+//! engine, lease store with its ConfigMap checkpoint, discovery API, admin server) against a
+//! real kube-apiserver, with the `local` provider running real Squid. A Proxy object becomes
 //! Healthy, a crawler leases it and fetches through it, metrics show the lifecycle, and deleting
 //! the object removes its Squid.
 

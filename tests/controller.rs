@@ -1,13 +1,11 @@
 //! The cluster-mode controller against a real kube-apiserver and etcd (one control plane per
 //! test, `tests/support/control_plane.rs`), with the in-memory provider and scripted health:
-//! the whole reconcile pipeline through a real `kube::Client`. Only the test that needs an
-//! injected 409 runs against the in-process fake API server (a real one cannot be told to
-//! conflict on cue).
+//! the whole reconcile pipeline through a real `kube::Client`. Failures are real ones too: a
+//! conflict is a user's edit made while a create is in flight, a 410 is etcd compacted.
 
 mod support {
     pub mod control_plane;
     pub mod controller;
-    pub mod fake_apiserver;
     pub mod process;
     pub mod scripted;
 }
@@ -31,22 +29,14 @@ use serde_json::json;
 use support::{
     control_plane::{ControlPlane, RequestCounts},
     controller::{ControllerSetup, RunningController},
-    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
 
 const NS: &str = "crawl";
 const DEADLINE: Duration = Duration::from_secs(15);
 
-/// The API server a test's controller talks to.
-enum Server {
-    Real(Box<ControlPlane>),
-    /// For failures a real server cannot be told to make.
-    Fake(FakeApiServer),
-}
-
 struct World {
-    server: Server,
+    plane: Box<ControlPlane>,
     client: Client,
     provider: Arc<MemoryProvider>,
     health: Arc<ScriptedHealth>,
@@ -61,20 +51,8 @@ impl World {
         plane.install_crds().await;
         plane.create_namespace(NS).await;
         let client = plane.client().await;
-        Self::with(Server::Real(Box::new(plane)), client)
-    }
-
-    /// The in-process fake API server, for injected failures.
-    async fn fake() -> Self {
-        init_logs();
-        let server = FakeApiServer::start().await;
-        let client = server.client();
-        Self::with(Server::Fake(server), client)
-    }
-
-    fn with(server: Server, client: Client) -> Self {
         Self {
-            server,
+            plane: Box::new(plane),
             client,
             provider: Arc::new(MemoryProvider::new("mem")),
             health: ScriptedHealth::new(),
@@ -152,17 +130,7 @@ impl World {
     }
 
     fn plane(&self) -> &ControlPlane {
-        match &self.server {
-            Server::Real(plane) => plane,
-            Server::Fake(_) => panic!("this test needs the real control plane"),
-        }
-    }
-
-    fn fake_server(&self) -> &FakeApiServer {
-        match &self.server {
-            Server::Fake(server) => server,
-            Server::Real(_) => panic!("this test needs the fake API server"),
-        }
+        &self.plane
     }
 
     /// The API server's own request counters now.
@@ -511,9 +479,7 @@ async fn an_expired_watch_relists_and_converges() {
             .await
             .expect("created");
     }
-    let Server::Real(plane) = &mut world.server else {
-        unreachable!("World::new is real")
-    };
+    let plane = &mut world.plane;
     plane.stop_apiserver().await;
     plane.compact_etcd().await;
     plane.start_apiserver_again().await;
@@ -538,28 +504,149 @@ async fn an_expired_watch_relists_and_converges() {
     operator.stop().await;
 }
 
+/// The in-memory provider whose creates wait at a gate the test opens: what happens to a Proxy
+/// while its create is in flight.
+struct GatedProvider {
+    inner: Arc<MemoryProvider>,
+    /// A permit per create that reached the gate.
+    entered: tokio::sync::Semaphore,
+    gate: tokio::sync::Semaphore,
+}
+
+impl GatedProvider {
+    fn new(inner: Arc<MemoryProvider>) -> Self {
+        Self {
+            inner,
+            entered: tokio::sync::Semaphore::new(0),
+            gate: tokio::sync::Semaphore::new(0),
+        }
+    }
+
+    /// Waits until a create is at the gate.
+    async fn wait_entered(&self) {
+        tokio::time::timeout(DEADLINE, self.entered.acquire())
+            .await
+            .expect("a create reaches the provider")
+            .expect("open semaphore")
+            .forget();
+    }
+
+    /// Lets every create through from now on.
+    fn open(&self) {
+        self.gate.add_permits(tokio::sync::Semaphore::MAX_PERMITS / 2);
+    }
+}
+
+#[async_trait::async_trait]
+impl Provider for GatedProvider {
+    fn provider_type(&self) -> &'static str {
+        self.inner.provider_type()
+    }
+    fn instance(&self) -> &str {
+        self.inner.instance()
+    }
+    fn installation(&self) -> &egress_proxies_operator::provider::Installation {
+        self.inner.installation()
+    }
+    async fn create(
+        &self,
+        request: &InstanceRequest,
+    ) -> Result<egress_proxies_operator::provider::Instance, egress_proxies_operator::provider::ProviderError>
+    {
+        self.entered.add_permits(1);
+        drop(self.gate.acquire().await.expect("open semaphore"));
+        self.inner.create(request).await
+    }
+    async fn get(
+        &self,
+        name: &str,
+    ) -> Result<egress_proxies_operator::provider::Instance, egress_proxies_operator::provider::ProviderError>
+    {
+        self.inner.get(name).await
+    }
+    async fn delete(&self, name: &str) -> Result<(), egress_proxies_operator::provider::ProviderError> {
+        self.inner.delete(name).await
+    }
+    async fn list(
+        &self,
+    ) -> Result<
+        Vec<egress_proxies_operator::provider::Instance>,
+        egress_proxies_operator::provider::ProviderError,
+    > {
+        self.inner.list().await
+    }
+    async fn adopt(
+        &self,
+        name: &str,
+    ) -> Result<egress_proxies_operator::provider::Instance, egress_proxies_operator::provider::ProviderError>
+    {
+        self.inner.adopt(name).await
+    }
+    async fn probe(
+        &self,
+    ) -> Result<
+        egress_proxies_operator::provider::ProbeReport,
+        egress_proxies_operator::provider::ProviderError,
+    > {
+        self.inner.probe().await
+    }
+}
+
 #[tokio::test]
 async fn a_status_conflict_is_retried() {
-    let world = World::fake().await;
-    world.fake_server().fail_next(
-        RequestMatcher::any()
-            .verb(Verb::Update)
-            .resource("proxies")
-            .subresource("status"),
-        1,
-        409,
-    );
-    let operator = world.start().await;
+    // A real 409: the Proxy is labelled (as `kubectl label` would) while its create is in
+    // flight, so the status write that follows carries a resourceVersion that is no longer
+    // the object's.
+    let world = World::new().await;
+    let gated = Arc::new(GatedProvider::new(world.provider.clone()));
+    let operator = world
+        .start_with(|setup| {
+            let mut providers = ProviderRegistry::new();
+            providers.insert(gated.clone());
+            setup.deps.providers = providers;
+        })
+        .await;
+    let before = world.plane().settled_request_counts().await;
     world.create_proxy("web-6", json!({"provider": "mem"})).await;
-    world.wait_phase("web-6", "provisioning").await;
+    gated.wait_entered().await;
+    world
+        .proxies()
+        .patch(
+            "web-6",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"touched": "by-a-user"}}})),
+        )
+        .await
+        .expect("labelled");
+    gated.open();
+    world
+        .wait_for("web-6", "the instance recorded", |p| {
+            p.and_then(|p| p.status.as_ref())
+                .is_some_and(|s| s.provider_id.is_some())
+        })
+        .await;
     let conflicts = world
-        .fake_server()
-        .writes()
-        .iter()
-        .filter(|r| r.resource == "proxies" && r.subresource.as_deref() == Some("status") && r.code == 409)
-        .count();
-    assert_eq!(conflicts, 1, "the injected conflict was hit and then retried");
+        .plane()
+        .settled_request_counts()
+        .await
+        .with_code_since(&before, "proxies", "409");
+    assert!(
+        conflicts >= 1.0,
+        "the status write met a real conflict: {conflicts}"
+    );
     assert_eq!(world.provider.created_count(), 1, "the retry reused the instance");
+    let labels = world
+        .proxies()
+        .get("web-6")
+        .await
+        .expect("exists")
+        .metadata
+        .labels;
+    assert_eq!(
+        labels.unwrap_or_default().get("touched").map(String::as_str),
+        Some("by-a-user"),
+        "the user's label survives the operator's writes"
+    );
     operator.stop().await;
 }
 
@@ -694,6 +781,63 @@ async fn a_repeated_event_joins_the_first_ones_series() {
     assert_eq!(failed[0]["series"]["count"], 2, "{failed:#?}");
     assert!(failed[0]["series"]["lastObservedTime"].is_string(), "{failed:#?}");
     operator.stop().await;
+}
+
+#[tokio::test]
+async fn a_repeat_with_another_note_is_an_event_of_its_own_and_every_occurrence_is_kept() {
+    // events.k8s.io/v1 keeps an Event's note immutable: a repeat may add to the series only
+    // when it says the same thing.
+    use egress_proxies_operator::cluster::events::EventPublisher;
+    use kube::{
+        Resource,
+        runtime::events::{Event, EventType, Reporter},
+    };
+    let (_plane, client) = ControlPlane::with_crds(&[NS]).await;
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), NS);
+    let proxy: Proxy = serde_json::from_value(json!({
+        "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
+        "metadata": {"name": "noted", "namespace": NS},
+        "spec": {"provider": "mem"},
+    }))
+    .unwrap();
+    let proxy = proxies.create(&PostParams::default(), &proxy).await.unwrap();
+    let publisher = EventPublisher::new(
+        client.clone(),
+        Reporter {
+            controller: "egress-proxies-operator".into(),
+            instance: Some("test".into()),
+        },
+    );
+    let event = |note: &str| Event {
+        type_: EventType::Normal,
+        reason: "CredentialsUpdated".into(),
+        note: Some(note.into()),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    for note in ["healthy to healthy", "healthy to healthy", "degraded to degraded"] {
+        publisher
+            .publish(&event(note), &proxy.object_ref(&()))
+            .await
+            .unwrap_or_else(|e| panic!("publishing {note:?}: {e}"));
+    }
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(client, NS);
+    let mut seen: Vec<(String, i32)> = events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|e| (e.note.unwrap_or_default(), e.series.map_or(1, |s| s.count)))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("degraded to degraded".to_owned(), 1),
+            ("healthy to healthy".to_owned(), 2)
+        ]
+    );
 }
 
 /// The defaults scaled down 100x (10 s doubling to 5 min becomes 100 ms doubling to 3 s), so a

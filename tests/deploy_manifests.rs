@@ -23,6 +23,7 @@ fn rbac_has_no_wildcards_and_writes_only_where_needed() {
         "config/rbac/leader_election_role.yaml",
         "config/rbac/kubernetes_provider_role.yaml",
         "config/components/discovery-token-review/role.yaml",
+        "config/namespaced/rbac.yaml",
     ] {
         for doc in docs(file) {
             let provider_role = file.ends_with("kubernetes_provider_role.yaml");
@@ -115,6 +116,7 @@ fn kustomizations_reference_existing_files() {
         "config/rbac/kustomization.yaml",
         "config/manager/kustomization.yaml",
         "config/components/discovery-token-review/kustomization.yaml",
+        "config/namespaced/kustomization.yaml",
     ] {
         let dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(kustomization)

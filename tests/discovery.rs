@@ -1,7 +1,7 @@
 //! The discovery API over real sockets: the curl examples of docs/api.md run against a live
 //! server, keep-alive and graceful shutdown, authentication as `run` / `standalone` wire it
-//! (TokenReview against the fake API server, static tokens from a file or Secret rotated without
-//! a restart, the explicit opt-out), leases that survive a leader change, the JSON bodies of the
+//! (TokenReview against a real kube-apiserver with tokens from its TokenRequest API, frozen or
+//! stopped; static tokens from a file or Secret rotated without a restart; the explicit opt-out), leases that survive a leader change, the JSON bodies of the
 //! errors hyper answers by itself, every endpoint agreeing on a lease around its `expiresAt`,
 //! and the OpenAPI contract (drift against docs/openapi.json, every documented response checked
 //! against it).
@@ -35,7 +35,7 @@ use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, RequestMatcher, Verb};
+use support::control_plane::{ControlPlane, RequestCounts};
 use tokio::{net::TcpListener, sync::watch};
 
 const TOKEN: &str = "demo-token";
@@ -401,38 +401,71 @@ async fn get_with(
     (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
-/// Number of TokenReviews the fake API server answered.
-fn token_reviews(api: &FakeApiServer) -> usize {
-    api.requests()
-        .iter()
-        .filter(|r| r.resource == "tokenreviews" && r.verb == Verb::Create)
-        .count()
+/// TokenReviews the API server answered since `before` (by its own counters).
+async fn token_reviews_since(plane: &ControlPlane, before: &RequestCounts) -> f64 {
+    plane
+        .settled_request_counts()
+        .await
+        .since(before, "tokenreviews", &["POST"])
 }
 
 const AUDIENCE: &str = "egress-proxies-discovery";
 
+/// A control plane with namespaces `crawlers` and `other`, and ServiceAccount tokens from its
+/// TokenRequest API: `bot` and `new` (crawlers) and `x` (other) for the discovery API's
+/// audience, `lazy` (crawlers) for the API server's own audience only (what every pod gets by
+/// default).
+struct Tokens {
+    plane: ControlPlane,
+    bot: String,
+    new: String,
+    other: String,
+    default_audience: String,
+}
+
+impl Tokens {
+    async fn start() -> Self {
+        let plane = ControlPlane::start().await;
+        plane.create_namespace("crawlers").await;
+        plane.create_namespace("other").await;
+        let bot = plane.service_account_token("crawlers", "bot", &[AUDIENCE]).await;
+        let new = plane.service_account_token("crawlers", "new", &[AUDIENCE]).await;
+        let other = plane.service_account_token("other", "x", &[AUDIENCE]).await;
+        let default_audience = plane.service_account_token("crawlers", "lazy", &[]).await;
+        Self {
+            plane,
+            bot,
+            new,
+            other,
+            default_audience,
+        }
+    }
+}
+
 #[tokio::test]
-async fn token_review_against_the_fake_api_server() {
-    let api = FakeApiServer::start().await;
-    // Projected service-account tokens: two for the discovery API's audience, one for the API
-    // server's own audience only (what every pod gets by default).
-    api.add_token("sa-bot", "system:serviceaccount:crawlers:bot", &[AUDIENCE]);
-    api.add_token("sa-other", "system:serviceaccount:other:x", &[AUDIENCE]);
-    api.add_token("sa-default-audience", "system:serviceaccount:crawlers:lazy", &[]);
+async fn token_review_against_a_real_api_server() {
+    let Tokens {
+        mut plane,
+        bot,
+        new,
+        other,
+        default_audience,
+    } = Tokens::start().await;
     let auth = Arc::new(TokenReviewAuthenticator::new(
-        api.client(),
+        plane.client().await,
         vec![AUDIENCE.to_owned()],
         vec!["system:serviceaccount:crawlers:*".to_owned()],
     ));
+    let before = plane.settled_request_counts().await;
 
     // Valid, allowed subject.
     assert_eq!(
-        auth.authenticate("sa-bot").await.unwrap().name,
+        auth.authenticate(&bot).await.unwrap().name,
         "system:serviceaccount:crawlers:bot"
     );
     // Valid token, subject not allowed.
     assert_eq!(
-        auth.authenticate("sa-other").await,
+        auth.authenticate(&other).await,
         Err(AuthError::Forbidden("system:serviceaccount:other:x".into()))
     );
     // Invalid token.
@@ -442,23 +475,27 @@ async fn token_review_against_the_fake_api_server() {
     );
     // Valid token of an allowed subject, but not for this audience.
     assert_eq!(
-        auth.authenticate("sa-default-audience").await,
+        auth.authenticate(&default_audience).await,
         Err(AuthError::Unauthenticated)
     );
-    assert_eq!(token_reviews(&api), 4);
-    auth.authenticate("sa-bot").await.unwrap();
-    assert_eq!(token_reviews(&api), 4, "answers are cached");
+    assert_eq!(token_reviews_since(&plane, &before).await, 4.0);
+    auth.authenticate(&bot).await.unwrap();
+    assert_eq!(
+        token_reviews_since(&plane, &before).await,
+        4.0,
+        "answers are cached"
+    );
 
     let server = Server::start(demo_store(), auth.clone()).await;
     let mut c = connect(&server.url).await;
-    let (status, _) = get_with(&mut c, "/v1/proxies", Some("sa-bot")).await;
+    let (status, _) = get_with(&mut c, "/v1/proxies", Some(&bot)).await;
     assert_eq!(status, StatusCode::OK);
-    let (status, body) = get_with(&mut c, "/v1/proxies", Some("sa-other")).await;
+    let (status, body) = get_with(&mut c, "/v1/proxies", Some(&other)).await;
     assert_eq!(
         (status, body["error"]["code"].as_str()),
         (StatusCode::FORBIDDEN, Some("forbidden"))
     );
-    for token in ["garbage", "sa-default-audience"] {
+    for token in ["garbage", &default_audience] {
         let (status, body) = get_with(&mut c, "/v1/proxies", Some(token)).await;
         assert_eq!(
             (status, body["error"]["code"].as_str()),
@@ -467,56 +504,47 @@ async fn token_review_against_the_fake_api_server() {
         );
     }
 
-    // API server down (answers 500, then not at all): a token not cached gets 503
-    // auth_unavailable, never 401; a cached answer still serves.
-    api.add_token("sa-new", "system:serviceaccount:crawlers:new", &[AUDIENCE]);
-    api.fail_next(RequestMatcher::any().resource("tokenreviews"), 100, 500);
-    let (status, body) = get_with(&mut c, "/v1/proxies", Some("sa-new")).await;
+    // API server down (connections refused): a token not cached gets 503 auth_unavailable,
+    // never 401; a cached answer still serves.
+    plane.stop_apiserver().await;
+    let (status, body) = get_with(&mut c, "/v1/proxies", Some(&new)).await;
     assert_eq!(
         (status, body["error"]["code"].as_str()),
         (StatusCode::SERVICE_UNAVAILABLE, Some("auth_unavailable"))
     );
-    let (status, _) = get_with(&mut c, "/v1/proxies", Some("sa-bot")).await;
+    let (status, _) = get_with(&mut c, "/v1/proxies", Some(&bot)).await;
     assert_eq!(status, StatusCode::OK, "cached while the API server is down");
     // Back: the failure was not cached.
-    api.fail_next(RequestMatcher::any().resource("tokenreviews"), 0, 500);
-    let (status, _) = get_with(&mut c, "/v1/proxies", Some("sa-new")).await;
+    plane.start_apiserver_again().await;
+    let (status, _) = get_with(&mut c, "/v1/proxies", Some(&new)).await;
     assert_eq!(status, StatusCode::OK);
-    // Gone: connections refused.
-    drop(api);
-    let (status, body) = get_with(&mut c, "/v1/proxies", Some("sa-unknown")).await;
-    assert_eq!(
-        (status, body["error"]["code"].as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, Some("auth_unavailable"))
-    );
     server.shutdown().await;
 }
 
 #[tokio::test]
 async fn a_token_review_that_hangs_answers_503_within_the_timeout() {
-    let api = FakeApiServer::start().await;
-    api.add_token("sa-bot", "system:serviceaccount:crawlers:bot", &[AUDIENCE]);
-    api.set_latency(Duration::from_secs(30));
-    let auth = TokenReviewAuthenticator::new(api.client(), vec![AUDIENCE.to_owned()], vec![])
+    let Tokens { plane, bot, .. } = Tokens::start().await;
+    let auth = TokenReviewAuthenticator::new(plane.client().await, vec![AUDIENCE.to_owned()], vec![])
         .with_timeout(Duration::from_millis(300));
+    plane.freeze_apiserver();
     let asked = std::time::Instant::now();
-    let answer = tokio::time::timeout(Duration::from_secs(10), auth.authenticate("sa-bot"))
+    let answer = tokio::time::timeout(Duration::from_secs(10), auth.authenticate(&bot))
         .await
         .expect("the review gives up by itself");
+    let waited = asked.elapsed();
+    plane.thaw_apiserver();
     assert!(matches!(answer, Err(AuthError::Unavailable(_))), "{answer:?}");
-    assert!(asked.elapsed() < Duration::from_secs(5), "{:?}", asked.elapsed());
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
     // Not cached: once the API server answers again, the token works.
-    api.set_latency(Duration::ZERO);
     assert_eq!(
-        auth.authenticate("sa-bot").await.unwrap().name,
+        auth.authenticate(&bot).await.unwrap().name,
         "system:serviceaccount:crawlers:bot"
     );
 }
 
 #[tokio::test]
 async fn static_tokens_and_token_review_together() {
-    let api = FakeApiServer::start().await;
-    api.add_token("sa-bot", "system:serviceaccount:crawlers:bot", &[AUDIENCE]);
+    let Tokens { mut plane, bot, .. } = Tokens::start().await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("tokens"), format!("{TOKEN}\n")).unwrap();
     let options = DiscoveryAuthOptions {
@@ -524,14 +552,19 @@ async fn static_tokens_and_token_review_together() {
         token_review_audiences: vec![AUDIENCE.to_owned()],
         ..DiscoveryAuthOptions::default()
     };
-    let client = api.client();
+    let client = plane.client().await;
     let auth = discovery_authenticator(&options, Some((&client, "egress-proxies-system")))
         .await
         .unwrap();
+    let before = plane.settled_request_counts().await;
     assert_eq!(auth.authenticate(TOKEN).await.unwrap().name, "token-1");
-    assert_eq!(token_reviews(&api), 0, "a static token needs no TokenReview");
     assert_eq!(
-        auth.authenticate("sa-bot").await.unwrap().name,
+        token_reviews_since(&plane, &before).await,
+        0.0,
+        "a static token needs no TokenReview"
+    );
+    assert_eq!(
+        auth.authenticate(&bot).await.unwrap().name,
         "system:serviceaccount:crawlers:bot"
     );
     assert_eq!(
@@ -539,7 +572,7 @@ async fn static_tokens_and_token_review_together() {
         Err(AuthError::Unauthenticated)
     );
     // The API server down: static tokens still work, others are "unavailable", not "invalid".
-    drop(api);
+    plane.stop_apiserver().await;
     assert_eq!(auth.authenticate(TOKEN).await.unwrap().name, "token-1");
     assert!(matches!(
         auth.authenticate("unknown").await,
@@ -627,24 +660,31 @@ async fn rotating_the_token_file_takes_effect_without_a_restart() {
 
 #[tokio::test]
 async fn rotating_the_token_secret_takes_effect_without_a_restart() {
-    let api = FakeApiServer::start().await;
+    let plane = ControlPlane::start().await;
+    plane.create_namespace("egress-proxies-system").await;
+    let client = plane.client().await;
+    let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> =
+        kube::Api::namespaced(client.clone(), "egress-proxies-system");
     let secret = |tokens: &[(&str, &str)]| {
         let data: serde_json::Map<String, Value> = tokens
             .iter()
             .map(|(k, v)| ((*k).to_owned(), json!(base64(v))))
             .collect();
-        json!({
+        serde_json::from_value::<k8s_openapi::api::core::v1::Secret>(json!({
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": {"name": "discovery-tokens", "namespace": "egress-proxies-system"},
             "data": data,
-        })
+        }))
+        .expect("a Secret")
     };
-    api.put_json(
-        "secrets",
-        secret(&[("crawler-a", "token-a"), ("crawler-b", "token-b\n")]),
-    );
-    let client = api.client();
+    secrets
+        .create(
+            &kube::api::PostParams::default(),
+            &secret(&[("crawler-a", "token-a"), ("crawler-b", "token-b\n")]),
+        )
+        .await
+        .expect("Secret created");
     let options = DiscoveryAuthOptions {
         tokens_secret: Some("discovery-tokens".into()),
         reload_interval: Duration::from_millis(100),
@@ -656,10 +696,14 @@ async fn rotating_the_token_secret_takes_effect_without_a_restart() {
     assert_eq!(auth.authenticate("token-a").await.unwrap().name, "crawler-a");
     assert_eq!(auth.authenticate("token-b").await.unwrap().name, "crawler-b");
 
-    api.put_json(
-        "secrets",
-        secret(&[("crawler-a", "token-a2"), ("crawler-b", "token-b")]),
-    );
+    secrets
+        .replace(
+            "discovery-tokens",
+            &kube::api::PostParams::default(),
+            &secret(&[("crawler-a", "token-a2"), ("crawler-b", "token-b")]),
+        )
+        .await
+        .expect("Secret rotated");
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while auth.authenticate("token-a").await.is_ok() {
         assert!(

@@ -1,4 +1,4 @@
-//! Orphan GC on real backends, with the live owners read from the (fake) API server:
+//! Orphan GC on real backends, with the live owners read from a real kube-apiserver:
 //!
 //! - `kvm2` on a private libvirtd (real QEMU driver, guests that run firmware only): a true
 //!   orphan's domain and volumes go; an instance whose create is in flight, an instance whose
@@ -15,7 +15,7 @@
 #[allow(dead_code)]
 mod support {
     pub mod contract;
-    pub mod fake_apiserver;
+    pub mod control_plane;
     pub mod local;
     pub mod process;
 }
@@ -55,7 +55,7 @@ use libvirtd::PrivateLibvirtd;
 use serde_json::json;
 use support::{
     contract::plain_request,
-    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
+    control_plane::ControlPlane,
     local::{StateDir, eventually, free_port, kill, squids_under},
     process::GroupChild,
 };
@@ -63,8 +63,26 @@ use support::{
 const GRACE: Duration = Duration::from_secs(300);
 const DEADLINE: Duration = Duration::from_secs(30);
 
+/// A cluster: etcd and kube-apiserver with the CRDs and namespaces `crawl` and `other`, and an
+/// admin client.
+struct Cluster {
+    plane: ControlPlane,
+    client: kube::Client,
+}
+
+impl Cluster {
+    async fn start() -> Self {
+        let (plane, client) = ControlPlane::with_crds(&["crawl", "other"]).await;
+        Self { plane, client }
+    }
+
+    fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+}
+
 /// A Proxy object in the API server (nothing reconciles it here); returns its UID.
-async fn live_proxy(server: &FakeApiServer, namespace: &str, name: &str, provider: &str) -> String {
+async fn live_proxy(server: &Cluster, namespace: &str, name: &str, provider: &str) -> String {
     let proxy: Proxy = serde_json::from_value(json!({
         "apiVersion": "crawl.example.com/v1alpha1", "kind": "Proxy",
         "metadata": {"name": name, "namespace": namespace},
@@ -115,7 +133,7 @@ async fn gc_on_a_real_libvirt_driver_deletes_only_true_orphans() {
         settings(daemon.uri(), "epo", user_network(24400)),
     ));
     let kvm = KvmProvider::new("kvm-gc", settings(daemon.uri(), "epo", user_network(24500)));
-    let server = FakeApiServer::start().await;
+    let mut server = Cluster::start().await;
 
     let alive_uid = live_proxy(&server, "crawl", "alive", "kvm2-gc").await;
     let alive_request = owned_by(
@@ -166,11 +184,12 @@ async fn gc_on_a_real_libvirt_driver_deletes_only_true_orphans() {
     assert!(daemon.domains().contains(&orphan.id.native_id));
 
     // Without the truth about live Proxies nothing is judged.
-    server.fail_next(RequestMatcher::any().verb(Verb::List).resource("proxies"), 1, 500);
+    server.plane.stop_apiserver().await;
     assert_eq!(
         collect(&registry, &owners, &config(false), now).await,
         GcReport::default()
     );
+    server.plane.start_apiserver_again().await;
 
     let report = collect(&registry, &owners, &config(false), now).await;
     assert_eq!(report.collected, [id(&orphan)], "{report:?}");
@@ -230,7 +249,7 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
     let other_state = StateDir::new();
     let local = Arc::new(LocalProvider::new("local", state.settings()).expect("settings"));
     let other = LocalProvider::new("local-other", other_state.settings()).expect("settings");
-    let server = FakeApiServer::start().await;
+    let server = Cluster::start().await;
 
     let alive_owner = Owner {
         uid: live_proxy(&server, "crawl", "alive", "local").await,
@@ -331,8 +350,8 @@ struct SideBySide {
 }
 
 impl SideBySide {
-    fn new(prod: (Arc<dyn Provider>, &FakeApiServer), staging: (Arc<dyn Provider>, &FakeApiServer)) -> Self {
-        let half = |(provider, cluster): (Arc<dyn Provider>, &FakeApiServer)| {
+    fn new(prod: (Arc<dyn Provider>, &Cluster), staging: (Arc<dyn Provider>, &Cluster)) -> Self {
+        let half = |(provider, cluster): (Arc<dyn Provider>, &Cluster)| {
             let mut registry = ProviderRegistry::new();
             registry.insert(provider);
             (registry, KubeLiveOwners::new(cluster.client()))
@@ -382,10 +401,10 @@ async fn two_installations_on_one_libvirt_run_gc_side_by_side_and_touch_only_the
         Kvm2Provider::new("kvm2", settings(URI, POOL, Default::default()))
             .with_installation(staging_id.clone()),
     );
-    let prod_cluster = FakeApiServer::start().await;
-    let staging_cluster = FakeApiServer::start().await;
+    let prod_cluster = Cluster::start().await;
+    let staging_cluster = Cluster::start().await;
 
-    let live = async |server: &FakeApiServer, name: &str| Owner {
+    let live = async |server: &Cluster, name: &str| Owner {
         uid: live_proxy(server, "crawl", name, "kvm2").await,
         namespace: "crawl".into(),
         name: name.into(),
@@ -538,8 +557,8 @@ async fn two_installations_on_a_real_libvirtd_through_virsh_keep_apart_and_adopt
         )
     };
     let (prod, staging) = (kvm(&prod_id), kvm(&staging_id));
-    let prod_cluster = FakeApiServer::start().await;
-    let staging_cluster = FakeApiServer::start().await;
+    let prod_cluster = Cluster::start().await;
+    let staging_cluster = Cluster::start().await;
 
     let prod_orphan = prod.create(&request("p-orphan")).await.expect("create");
     let staging_orphan = staging.create(&request("s-orphan")).await.expect("create");
@@ -618,9 +637,9 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
     let staging = Arc::new(
         LocalProvider::for_installation(staging_id.clone(), "local", state.settings()).expect("settings"),
     );
-    let prod_cluster = FakeApiServer::start().await;
-    let staging_cluster = FakeApiServer::start().await;
-    let live = async |server: &FakeApiServer, name: &str| Owner {
+    let prod_cluster = Cluster::start().await;
+    let staging_cluster = Cluster::start().await;
+    let live = async |server: &Cluster, name: &str| Owner {
         uid: live_proxy(server, "crawl", name, "local").await,
         namespace: "crawl".into(),
         name: name.into(),
@@ -776,7 +795,7 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
 
 const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
 
-/// `egress-proxies-operator run` against the fake API server (the kubeconfig in `dir`), in
+/// `egress-proxies-operator run` against the API server of the kubeconfig in `dir`, in
 /// its own process group (killed on Drop), logging to `{run}.log`.
 struct Operator(GroupChild);
 
@@ -840,20 +859,10 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     assert!(gc_enabled(Some("crawl"), true));
     assert!(gc_enabled(None, false));
 
-    let server = FakeApiServer::start().await;
+    let server = Cluster::start().await;
     let state = StateDir::new();
     let dir = tempfile::tempdir().expect("temp dir");
-    std::fs::write(
-        dir.path().join("kubeconfig"),
-        format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n\
-             clusters:\n- name: fake\n  cluster:\n    server: {}\n\
-             contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n\
-             users:\n- name: fake\n  user: {{}}\n",
-            server.url()
-        ),
-    )
-    .expect("kubeconfig");
+    std::fs::copy(server.plane.admin_kubeconfig(), dir.path().join("kubeconfig")).expect("kubeconfig");
     std::fs::write(
         dir.path().join("providers.yaml"),
         format!(

@@ -1,6 +1,6 @@
-//! The cluster-mode lease checkpoint (ConfigMap parts per lease-store shard) against the fake
-//! API server with a real cluster's size limits: 100,000 active leases checkpoint and restore,
-//! only changed shards are written, and a save that fails is reported.
+//! The cluster-mode lease checkpoint (ConfigMap parts per lease-store shard) against a real
+//! kube-apiserver and etcd: 100,000 active leases checkpoint and restore, only changed shards are
+//! written, and a save that fails while the API server is down is reported and retried.
 
 mod support;
 
@@ -15,44 +15,65 @@ use egress_proxies_operator::{
 };
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::{
-    Api,
+    Api, Client,
     api::{ListParams, ObjectMeta, PostParams},
 };
-use support::{
-    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
-    leases::filled_store,
-};
+use support::{control_plane::ControlPlane, leases::filled_store};
 
-/// Checkpoint parts written so far, by name.
-fn part_writes(server: &FakeApiServer) -> Vec<String> {
-    server
-        .writes()
+/// The checkpoint's parts in `namespace`, by name, with their resourceVersions.
+async fn parts(client: &Client, namespace: &str) -> BTreeMap<String, String> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), namespace);
+    api.list(&ListParams::default().labels(&format!("{CHECKPOINT_LABEL}=egress-proxies-operator")))
+        .await
+        .expect("listing checkpoint parts")
+        .items
         .into_iter()
-        .filter(|r| r.resource == "configmaps")
-        .filter_map(|r| r.name)
+        .map(|cm| {
+            (
+                cm.metadata.name.unwrap_or_default(),
+                cm.metadata.resource_version.unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// Parts whose resourceVersion differs between two listings (written in between).
+fn changed(before: &BTreeMap<String, String>, after: &BTreeMap<String, String>) -> Vec<String> {
+    after
+        .iter()
+        .filter(|(name, version)| before.get(*name) != Some(version))
+        .map(|(name, _)| name.clone())
         .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_thousand_leases_checkpoint_in_parts_and_restore_on_a_new_leader() {
-    let server = FakeApiServer::start().await;
+    let plane = ControlPlane::start().await;
+    let client = plane.client().await;
+    let namespace = plane.namespace("checkpoint").await;
     let (store, _) = filled_store(100_000);
     assert_eq!(store.active_total(), 100_000);
 
-    let sink = ConfigMapCheckpoint::new(server.client(), "default");
+    let sink = ConfigMapCheckpoint::new(client.clone(), &namespace);
     let report = CheckpointReport::default();
+    let revision_before = plane.etcd_revision().await;
     CheckpointSaver::default()
         .save(&store, &sink, &report)
         .await
         .expect("every part fits a ConfigMap");
     let written = report.written();
-    let parts: Api<ConfigMap> = Api::namespaced(server.client(), "default");
-    let listed = parts
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+    let listed = api
         .list(&ListParams::default().labels(&format!("{CHECKPOINT_LABEL}=egress-proxies-operator")))
         .await
         .unwrap()
         .items;
     assert_eq!(written.objects, listed.len() as u64);
+    assert_eq!(
+        plane.etcd_revision().await - revision_before,
+        listed.len() as i64,
+        "one etcd write per part"
+    );
     assert!(
         listed.len() > store.shard_count(),
         "a 100k-lease shard needs more than one part: {} parts",
@@ -68,7 +89,7 @@ async fn hundred_thousand_leases_checkpoint_in_parts_and_restore_on_a_new_leader
     }
 
     // A new leader: a fresh process loads the parts and restores every lease.
-    let loaded = ConfigMapCheckpoint::new(server.client(), "default")
+    let loaded = ConfigMapCheckpoint::new(plane.client().await, &namespace)
         .load()
         .await
         .unwrap()
@@ -85,7 +106,7 @@ async fn hundred_thousand_leases_checkpoint_in_parts_and_restore_on_a_new_leader
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_single_configmap_layout_fails_at_scale() {
     // What cluster mode did before parts: every chunk a key of one ConfigMap.
-    let server = FakeApiServer::start().await;
+    let plane = ControlPlane::start().await;
     let (store, _) = filled_store(100_000);
     let data: BTreeMap<String, String> = encode_chunks(&store.checkpoint(), 256 * 1024)
         .unwrap()
@@ -101,11 +122,11 @@ async fn the_single_configmap_layout_fails_at_scale() {
         data: Some(data),
         ..ConfigMap::default()
     };
-    let api: Api<ConfigMap> = Api::namespaced(server.client(), "default");
+    let api: Api<ConfigMap> = Api::namespaced(plane.client().await, "default");
     match api.create(&PostParams::default(), &cm).await {
         Err(kube::Error::Api(status)) => assert!(
             status.code == 413 || status.code == 422,
-            "refused as a real API server refuses it: {status:?}"
+            "refused by the server: {status:?}"
         ),
         other => panic!("a {}-lease ConfigMap must not fit: {other:?}", 100_000),
     }
@@ -113,30 +134,41 @@ async fn the_single_configmap_layout_fails_at_scale() {
 
 #[tokio::test]
 async fn only_changed_shards_are_written() {
-    let server = FakeApiServer::start().await;
+    let plane = ControlPlane::start().await;
+    let client = plane.client().await;
+    let namespace = plane.namespace("checkpoint").await;
     let (store, held) = filled_store(2_000);
-    let sink = ConfigMapCheckpoint::new(server.client(), "default");
+    let sink = ConfigMapCheckpoint::new(client.clone(), &namespace);
     let report = CheckpointReport::default();
     let mut saver = CheckpointSaver::default();
     saver.save(&store, &sink, &report).await.unwrap();
-    let first = part_writes(&server);
+    let first = parts(&client, &namespace).await;
     assert_eq!(first.len(), store.shard_count(), "one part per shard: {first:?}");
 
     // Nothing changed: nothing is written.
-    server.clear_requests();
+    let requests = plane.request_counts().await;
     saver.save(&store, &sink, &report).await.unwrap();
-    assert_eq!(part_writes(&server), Vec::<String>::new());
+    assert_eq!(
+        plane.request_counts().await.writes_since(&requests, "configmaps"),
+        0.0
+    );
+    assert_eq!(parts(&client, &namespace).await, first);
 
     // One renewal: only its shard's part is written.
     let (id, token) = &held[7];
     store.renew(id, *token, None).unwrap();
+    let requests = plane.request_counts().await;
     saver.save(&store, &sink, &report).await.unwrap();
-    let renewed = part_writes(&server);
+    assert_eq!(
+        plane.request_counts().await.writes_since(&requests, "configmaps"),
+        1.0
+    );
+    let renewed = changed(&first, &parts(&client, &namespace).await);
     assert_eq!(renewed.len(), 1, "{renewed:?}");
-    assert!(first.contains(&renewed[0]));
+    assert!(first.contains_key(&renewed[0]));
 
     // And the renewal is in what a successor loads.
-    let loaded = ConfigMapCheckpoint::new(server.client(), "default")
+    let loaded = ConfigMapCheckpoint::new(client, &namespace)
         .load()
         .await
         .unwrap()
@@ -146,15 +178,23 @@ async fn only_changed_shards_are_written() {
 
 #[tokio::test]
 async fn a_checkpoint_that_cannot_be_written_is_reported_and_retried() {
-    let server = FakeApiServer::start().await;
-    let (store, _) = filled_store(500);
-    let sink = ConfigMapCheckpoint::new(server.client(), "default");
+    let mut plane = ControlPlane::start().await;
+    let client = plane.client().await;
+    let namespace = plane.namespace("checkpoint").await;
+    let (store, held) = filled_store(500);
+    let sink = ConfigMapCheckpoint::new(client.clone(), &namespace);
     let report = CheckpointReport::default();
     let mut health = report.subscribe();
     let mut saver = CheckpointSaver::default();
-    let patches = RequestMatcher::any().verb(Verb::Patch).resource("configmaps");
-    server.fail_next(patches.clone(), 1_000, 500);
+    saver.save(&store, &sink, &report).await.unwrap();
+    let saved = parts(&client, &namespace).await;
+    let objects_before = report.written().objects;
 
+    // Two leases renewed while the API server is down: the save fails and says so.
+    for (id, token) in &held[..2] {
+        store.renew(id, *token, None).unwrap();
+    }
+    plane.stop_apiserver().await;
     let error = saver.save(&store, &sink, &report).await.unwrap_err();
     assert!(error.to_string().contains("checkpoint backend"), "{error}");
     assert_eq!(report.failures(), 1);
@@ -162,30 +202,38 @@ async fn a_checkpoint_that_cannot_be_written_is_reported_and_retried() {
     let now = health.borrow_and_update().clone();
     assert!(now.failing.is_some(), "{now:?}");
     assert_eq!(now.consecutive_failures, 1);
-    assert_eq!(report.written().objects, 0);
-    let failed = part_writes(&server);
-    assert!(!failed.is_empty());
+    assert_eq!(report.written().objects, objects_before);
 
-    // The outage ends: the next save writes every shard that failed, though none changed since.
-    server.fail_next(patches, 0, 500);
+    // The outage ends: the next save writes the shards that failed, and only those.
+    plane.start_apiserver_again().await;
+    let requests = plane.request_counts().await;
     saver.save(&store, &sink, &report).await.unwrap();
     assert_eq!(report.failures(), 1);
     assert_eq!(report.health().failing, None);
-    assert_eq!(part_writes(&server)[failed.len()..], failed[..]);
-    assert_eq!(report.written().objects, failed.len() as u64);
+    let rewritten = changed(&saved, &parts(&client, &namespace).await);
+    assert!(
+        (1..=2).contains(&rewritten.len()),
+        "the renewed leases' shards: {rewritten:?}"
+    );
+    assert_eq!(
+        plane.request_counts().await.writes_since(&requests, "configmaps"),
+        rewritten.len() as f64
+    );
+    assert_eq!(report.written().objects, objects_before + rewritten.len() as u64);
     let loaded = sink.load().await.unwrap().unwrap();
     assert_eq!(loaded.lease_count(), 500);
+    assert_eq!(loaded.proxies, store.checkpoint().proxies);
 }
 
 #[tokio::test]
 async fn maintenance_reports_failures_until_saves_succeed() {
     // The loop cluster mode runs: its failures reach the report while it keeps serving.
-    let server = FakeApiServer::start().await;
+    let mut plane = ControlPlane::start().await;
+    let namespace = plane.namespace("checkpoint").await;
     let (store, _) = filled_store(100);
-    let sink = std::sync::Arc::new(ConfigMapCheckpoint::new(server.client(), "default"));
+    let sink = std::sync::Arc::new(ConfigMapCheckpoint::new(plane.client().await, &namespace));
     let report = CheckpointReport::default();
-    let patches = RequestMatcher::any().verb(Verb::Patch).resource("configmaps");
-    server.fail_next(patches.clone(), 1_000_000, 500);
+    plane.stop_apiserver().await;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(egress_proxies_operator::lease::checkpoint::maintenance(
         store.clone(),
@@ -207,12 +255,17 @@ async fn maintenance_reports_failures_until_saves_succeed() {
     .await
     .expect("failures are reported")
     .unwrap();
-    server.fail_next(patches, 0, 500);
-    tokio::time::timeout(Duration::from_secs(10), health.wait_for(|h| h.failing.is_none()))
+    plane.start_apiserver_again().await;
+    tokio::time::timeout(Duration::from_secs(30), health.wait_for(|h| h.failing.is_none()))
         .await
         .expect("a successful save clears the failure")
         .unwrap();
     assert!(report.failures() >= 2);
+    assert_eq!(
+        parts(&plane.client().await, &namespace).await.len(),
+        report.written().objects as usize,
+        "every shard written once the server is back"
+    );
     stop.send(()).unwrap();
     task.await.unwrap().unwrap();
 }

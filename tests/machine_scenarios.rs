@@ -44,6 +44,15 @@ async fn every_scenario_file_replays_as_its_snapshot_and_expectation() {
               prepend_module_to_snapshot => false },
             { insta::assert_snapshot!(format!("scenario__{stem}"), trail) }
         );
+        // Issue 24: no trail asks to look again at once.
+        for step in &replay.steps {
+            assert_ne!(
+                step.wake,
+                Some(std::time::Duration::ZERO),
+                "{stem}: a 0 s wake-up at +{}s\n{trail}",
+                step.at
+            );
+        }
         if let Some(end) = &scenario.expect.end {
             assert_eq!(replay.end().as_str(), end, "{stem}: end phase\n{trail}");
         }

@@ -137,14 +137,14 @@ fn unknown_state_and_event_name_the_row() {
 #[test]
 fn every_pair_is_covered_exactly_once() {
     let errors = errors_after(
-        "             health_passed, drain_complete, timer_expired, credentials_changed]\n    invalid: [instance_created,",
-        "             health_passed, drain_complete, credentials_changed]\n    invalid: [instance_created,",
+        "             health_passed, drain_complete, delete_due, timer_expired, credentials_changed]\n    invalid: [instance_created,",
+        "             health_passed, drain_complete, delete_due, credentials_changed]\n    invalid: [instance_created,",
     );
     assert_mentions(&errors, "state `pending` does not cover event `timer_expired`");
 
     let errors = errors_after(
-        "    ignore: [spec_observed, provider_available, health_failed, drain_complete]",
-        "    ignore: [spec_observed, provider_available, health_failed, drain_complete, health_passed]",
+        "    ignore: [spec_observed, provider_available, health_failed, drain_complete, delete_due]",
+        "    ignore: [spec_observed, provider_available, health_failed, drain_complete, delete_due, health_passed]",
     );
     assert_mentions(
         &errors,

@@ -1,5 +1,5 @@
-//! Metrics after a scripted lifecycle in cluster mode (`run_cluster` against the fake API
-//! server, the `local` provider running real Squid): a Proxy is created and becomes Healthy,
+//! Metrics after a scripted lifecycle in cluster mode (`run_cluster` against a real
+//! kube-apiserver, the `local` provider running real Squid): a Proxy is created and becomes Healthy,
 //! a lease is acquired and released, one acquisition is refused, the Proxy is deleted, and
 //! orphan GC removes a planted orphan (and leaves another installation's alone). Then the admin server's `/metrics`, scraped over HTTP,
 //! must show exactly the metric names docs/operations.md lists, with values that tell the
@@ -9,11 +9,12 @@
 mod support {
     pub mod cluster_app;
     pub mod contract;
-    pub mod fake_apiserver;
+    pub mod control_plane;
     pub mod http;
     pub mod local;
     pub mod operations_doc;
     pub mod origin;
+    pub mod process;
 }
 
 use std::{
@@ -38,7 +39,7 @@ use serde_json::json;
 use support::{
     cluster_app::{ClusterApp, installation, local_cluster, local_proxy},
     contract::plain_request,
-    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
+    control_plane::ControlPlane,
     http::{get, request},
     local::{StateDir, free_port, squids_under},
     operations_doc::documented_metrics,
@@ -100,8 +101,7 @@ fn exposed_names(text: &str) -> BTreeSet<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     let origin = OriginServer::start().await;
-    let server = FakeApiServer::start().await;
-    let client = server.client();
+    let (plane, client) = ControlPlane::with_crds(&["crawl"]).await;
     let state = StateDir::new();
     let dir = tempfile::tempdir().expect("temp dir");
 
@@ -156,7 +156,7 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         "squid-1",
         proxy_port,
         &origin.url("/health"),
-        1,
+        2,
         json!({"attributes": {"region": "eu"}}),
     );
     proxies
@@ -200,13 +200,12 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         "the admin server samples active leases at scrape"
     );
     let lease_id = lease["leaseId"].as_str().expect("lease id");
-    // The lease checkpoint cannot be written while the release changes the store: the
-    // operator says so on /readyz (still ready) and with an Event on its leader Lease.
-    let checkpoint_writes = RequestMatcher::any()
-        .verb(Verb::Patch)
-        .resource("configmaps")
-        .namespace("egress-proxies-system");
-    server.fail_next(checkpoint_writes.clone(), 1_000_000, 500);
+    // The lease checkpoint cannot be written (an admission policy refuses ConfigMap writes in
+    // the operator's namespace) while the release changes the store: the operator says so on
+    // /readyz (still ready) and with an Event on its leader Lease.
+    plane
+        .deny_configmap_writes("egress-proxies-system", "checkpoint writes refused by the test")
+        .await;
     let (code, released) = post(
         discovery,
         &format!("/v1/leases/{lease_id}/release"),
@@ -235,7 +234,7 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
             .then_some(())
     })
     .await;
-    server.fail_next(checkpoint_writes, 0, 500);
+    plane.allow_configmap_writes("egress-proxies-system").await;
     eventually("the checkpoint saved again", async || {
         let (code, body) = get(admin, "/readyz").await;
         (code == StatusCode::OK && body == "ready\n" && has_event("LeaseCheckpointRecovered").await)

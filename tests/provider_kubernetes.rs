@@ -3,10 +3,8 @@
 //! away once the "node" confirms): the provider contract suite, the objects it makes (labels,
 //! owner annotations, the Squid config), the endpoint per Service type (the server allocates
 //! cluster IPs and node ports), error categories, and isolation between provider instances,
-//! and between installations, sharing a namespace.
-//!
-//! The two tests that need a failure on cue (a 500 or 403 on one request, a Pod create that
-//! fails) run against the in-process fake API server, which can inject them.
+//! and between installations, sharing a namespace. Failures are real ones: a ServiceAccount
+//! without a Role (403), the API server stopped, a Pod create refused by an admission policy.
 
 #[allow(dead_code)]
 #[macro_use]
@@ -14,7 +12,6 @@ mod support {
     #[macro_use]
     pub mod contract;
     pub mod control_plane;
-    pub mod fake_apiserver;
     pub mod process;
 }
 
@@ -39,8 +36,7 @@ use kube::{
 };
 use support::{
     contract::{self, ContractBackend},
-    control_plane::{ControlPlane, Options},
-    fake_apiserver::{FakeApiServer, RequestMatcher, Verb},
+    control_plane::{ControlPlane, Options, client_from},
 };
 
 const NAMESPACE: &str = "proxies";
@@ -55,17 +51,10 @@ fn settings(service_type: ServiceType) -> KubernetesSettings {
     }
 }
 
-/// The API server the provider talks to.
-enum Server {
-    /// kube-apiserver, etcd, kube-scheduler and kwok (held: dropping it stops them).
-    Real(#[allow(dead_code)] Box<ControlPlane>),
-    /// For failures a real server cannot be told to make.
-    Fake(FakeApiServer),
-}
-
 /// An API server and the settings providers on it are opened with.
 pub struct KubernetesBackend {
-    server: Server,
+    /// kube-apiserver, etcd, kube-scheduler and kwok (dropping it stops them).
+    plane: Box<ControlPlane>,
     client: Client,
     settings: KubernetesSettings,
 }
@@ -95,26 +84,9 @@ impl KubernetesBackend {
         plane.create_namespace(NAMESPACE).await;
         let client = plane.client().await;
         Self {
-            server: Server::Real(Box::new(plane)),
+            plane: Box::new(plane),
             client,
             settings,
-        }
-    }
-
-    async fn fake() -> Self {
-        let server = FakeApiServer::start().await;
-        let client = server.client();
-        Self {
-            server: Server::Fake(server),
-            client,
-            settings: settings(ServiceType::ClusterIP),
-        }
-    }
-
-    fn fake_server(&self) -> &FakeApiServer {
-        match &self.server {
-            Server::Fake(server) => server,
-            Server::Real(_) => panic!("this test needs the fake API server"),
         }
     }
 
@@ -128,18 +100,12 @@ impl KubernetesBackend {
 
     /// The object as stored, as JSON.
     async fn object(&self, plural: &str, name: &str) -> Option<Value> {
-        if let Server::Fake(server) = &self.server {
-            return server.get_json(plural, Some(NAMESPACE), name);
-        }
         let object = self.api(plural).get_opt(name).await.expect("readable")?;
         Some(serde_json::to_value(object).expect("JSON"))
     }
 
     /// Every object of `plural` in the namespace, as JSON.
     async fn list(&self, plural: &str) -> Vec<Value> {
-        if let Server::Fake(server) = &self.server {
-            return server.list_json(plural, Some(NAMESPACE));
-        }
         self.api(plural)
             .list(&ListParams::default())
             .await
@@ -152,10 +118,6 @@ impl KubernetesBackend {
 
     /// Writes `object` back as an admin would: its metadata and spec, then its status.
     async fn put(&self, plural: &str, object: Value) {
-        if let Server::Fake(server) = &self.server {
-            server.put_json(plural, object);
-            return;
-        }
         let api = self.api(plural);
         let name = object["metadata"]["name"].as_str().expect("a name").to_owned();
         let dynamic: DynamicObject = serde_json::from_value(object.clone()).expect("an object");
@@ -559,27 +521,37 @@ async fn an_unreachable_api_server_is_unavailable_quickly() {
 
 #[tokio::test]
 async fn api_errors_map_to_categories_and_a_lost_get_is_not_not_found() {
-    let backend = KubernetesBackend::fake().await;
+    let mut backend = KubernetesBackend::start().await;
     let provider = backend.provider("cluster");
     let request = request("errors", 3128);
     provider.create(&request).await.expect("create");
 
-    // A 500 on the Pod read: doubt, never NotFound.
-    let pods = RequestMatcher::any().verb(Verb::Get).resource("pods");
-    backend.fake_server().fail_next(pods.clone(), 1, 500);
-    match provider.get(&request.name).await {
-        Err(ProviderError::Unavailable(_)) => {}
-        other => panic!("expected Unavailable on a 500, got {other:?}"),
-    }
-    // RBAC: a 403 is configuration, and says what permission is missing.
-    backend.fake_server().fail_next(pods, 1, 403);
-    match provider.get(&request.name).await {
+    // RBAC: a 403 is configuration, and says what permission is missing (a ServiceAccount
+    // with no Role at all).
+    let kubeconfig = backend
+        .plane
+        .service_account_kubeconfig(NAMESPACE, "no-rights")
+        .await;
+    let unprivileged = KubernetesProvider::new(
+        "cluster",
+        backend.settings.clone(),
+        client_from(&kubeconfig).await,
+    );
+    match unprivileged.get(&request.name).await {
         Err(ProviderError::Misconfigured(message)) => {
             assert!(message.contains("pods") && message.contains("get"), "{message}");
             assert!(message.contains(NAMESPACE), "{message}");
         }
         other => panic!("expected Misconfigured on a 403, got {other:?}"),
     }
+
+    // The API server away: doubt, never NotFound.
+    backend.plane.stop_apiserver().await;
+    match provider.get(&request.name).await {
+        Err(ProviderError::Unavailable(_)) => {}
+        other => panic!("expected Unavailable with the API server away, got {other:?}"),
+    }
+    backend.plane.start_apiserver_again().await;
     provider.delete(&request.name).await.expect("delete");
 }
 
@@ -723,14 +695,26 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
 
 #[tokio::test]
 async fn a_create_interrupted_before_the_pod_is_completed_by_the_next_create() {
-    let backend = KubernetesBackend::fake().await;
+    let backend = KubernetesBackend::start().await;
     let provider = backend.provider("cluster");
     let request = request("interrupted", 3128);
-    // The Pod create fails (the crash point): config and Service exist, no Pod.
+    // The Pod create fails (the crash point; here an admission policy refuses it): config and
+    // Service exist, no Pod.
+    let probe: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+        "metadata": {"name": "epo-admission-probe"},
+        "spec": {"containers": [{"name": "probe", "image": "probe"}]},
+    }))
+    .expect("a Pod");
     backend
-        .fake_server()
-        .fail_next(RequestMatcher::any().verb(Verb::Create).resource("pods"), 1, 500);
-    assert!(provider.create(&request).await.is_err());
+        .plane
+        .deny_writes(NAMESPACE, &["CREATE"], "pod creates refused by the test", &probe)
+        .await;
+    let refused = provider.create(&request).await;
+    assert!(
+        matches!(&refused, Err(e) if e.to_string().contains("pod creates refused by the test")),
+        "{refused:?}"
+    );
+    backend.plane.allow_writes(NAMESPACE, &probe).await;
     assert!(backend.object("configmaps", &request.name).await.is_some());
     assert!(backend.object("pods", &request.name).await.is_none());
     assert!(matches!(

@@ -1,11 +1,13 @@
 //! The provider-health monitor over a `kvm2` instance on a private libvirtd, publishing
-//! `ProviderHealth` objects to the fake API server, next to the cluster controller: when the
+//! `ProviderHealth` objects to a real kube-apiserver, next to the cluster controller: when the
 //! daemon goes away the object flips to unavailable with the reason, a new Proxy on it is held
 //! in `pending` saying why, and when the daemon comes back on the same socket the object flips
-//! back and the held Proxy is provisioned at once. Writes happen only on changes.
+//! back and the held Proxy is provisioned at once. Writes happen only on changes (counted by the
+//! API server itself).
 
 mod support {
-    pub mod fake_apiserver;
+    pub mod control_plane;
+    pub mod process;
 }
 #[path = "support/libvirt_requests.rs"]
 mod libvirt_requests;
@@ -36,7 +38,7 @@ use libvirt_requests::{settings, user_network};
 use libvirtd::PrivateLibvirtd;
 use prometheus_client::registry::Registry;
 use serde_json::json;
-use support::fake_apiserver::FakeApiServer;
+use support::control_plane::{ControlPlane, RequestCounts};
 use tokio::sync::{mpsc, oneshot, watch};
 
 const PROVIDER: &str = "kvm2-mon";
@@ -51,13 +53,10 @@ fn available(health: &ProviderHealth) -> Condition {
         .expect("an Available condition")
 }
 
-/// Successful writes to ProviderHealth objects so far.
-fn health_writes(server: &FakeApiServer) -> usize {
-    server
-        .writes()
-        .iter()
-        .filter(|r| r.resource == "providerhealths" && r.succeeded())
-        .count()
+/// Successful writes to ProviderHealth objects (and their status) since `start`.
+async fn health_writes(plane: &ControlPlane, start: &RequestCounts) -> usize {
+    let now = plane.settled_request_counts().await;
+    now.successful_writes_since(start, "providerhealths") as usize
 }
 
 fn gauge(registry: &Registry) -> String {
@@ -98,8 +97,8 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
         PROVIDER,
         settings(daemon.uri(), "epo", user_network(24600)),
     )));
-    let server = FakeApiServer::start().await;
-    let client = server.client();
+    let (plane, client) = ControlPlane::with_crds(&["crawl"]).await;
+    let start = plane.settled_request_counts().await;
     let healths: Api<ProviderHealth> = Api::all(client.clone());
 
     let mut registry = Registry::default();
@@ -133,10 +132,10 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
     let status = health.status.as_ref().expect("status");
     assert_eq!(status.provider_type.as_deref(), Some("kvm2"));
     assert!(status.message.as_deref().unwrap_or_default().contains("libvirt"));
-    let writes = health_writes(&server);
+    let writes = health_writes(&plane, &start).await;
     assert_eq!(writes, 2, "create, then its status");
     monitor.probe_all().await;
-    assert_eq!(health_writes(&server), writes, "no change, no write");
+    assert_eq!(health_writes(&plane, &start).await, writes, "no change, no write");
     assert!(gauge(&registry).ends_with(" 1"), "{}", gauge(&registry));
     assert!(flips.lock().unwrap().is_empty(), "the first probe is no flip");
 
@@ -153,9 +152,13 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
         "the reason names what is unreachable: {}",
         condition.message
     );
-    assert_eq!(health_writes(&server), writes + 1);
+    assert_eq!(health_writes(&plane, &start).await, writes + 1);
     monitor.probe_all().await;
-    assert_eq!(health_writes(&server), writes + 1, "still down, no write");
+    assert_eq!(
+        health_writes(&plane, &start).await,
+        writes + 1,
+        "still down, no write"
+    );
     assert!(gauge(&registry).ends_with(" 0"), "{}", gauge(&registry));
     assert_eq!(*flips.lock().unwrap(), [PROVIDER]);
     let down = availability.down_reason(PROVIDER).expect("down");
@@ -226,9 +229,9 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
         (condition.status.as_str(), condition.reason.as_str()),
         ("True", "ProbeSucceeded")
     );
-    assert_eq!(health_writes(&server), writes + 2);
+    assert_eq!(health_writes(&plane, &start).await, writes + 2);
     monitor.probe_all().await;
-    assert_eq!(health_writes(&server), writes + 2);
+    assert_eq!(health_writes(&plane, &start).await, writes + 2);
     assert_eq!(*flips.lock().unwrap(), [PROVIDER, PROVIDER]);
     assert_eq!(availability.down_reason(PROVIDER), None);
     let held = wait_for("the held Proxy provisioned", async || {

@@ -1,14 +1,15 @@
 //! Every lifecycle scenario of machines/scenarios/ replayed in both modes: the real reconciler
 //! with the scenario's scripted provider, health, leases and Secrets, and the Proxy object kept
 //! by the mode's own store and written through the mode's own backend: the embedded store with
-//! `StandaloneBackend`, and the fake API server with `KubeBackend` (finalizer patches with
+//! `StandaloneBackend`, and a real kube-apiserver with `KubeBackend` (finalizer patches with
 //! resourceVersions, status replaces, Events). Each step reads the Proxy back as the mode serves
 //! it. Each mode must plan the same effects and write the same statuses as the in-memory replay
 //! the snapshots show, and its audit trail (Events; the store's audit log) must hold every
 //! transition.
 
 mod support {
-    pub mod fake_apiserver;
+    pub mod control_plane;
+    pub mod process;
 }
 
 use std::{
@@ -38,7 +39,7 @@ use kube::{
     runtime::{events::Reporter, reflector},
 };
 use serde_json::json;
-use support::fake_apiserver::FakeApiServer;
+use support::control_plane::ControlPlane;
 
 fn scenario_files() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("machines/scenarios");
@@ -131,6 +132,21 @@ impl ProxyObjects for Embedded {
         })
     }
     async fn delete(&self) -> Result<(), BackendError> {
+        // As the runner does: a record without the finalizer goes at once.
+        let key = self.key();
+        if self
+            .records
+            .lock()
+            .unwrap()
+            .get(&key)
+            .is_some_and(|r| !r.finalizer)
+        {
+            self.records.lock().unwrap().remove(&key);
+            return self
+                .store
+                .remove(&key)
+                .map_err(|e| BackendError::Other(e.to_string()));
+        }
         self.edit(|record| {
             record.deleting = true;
             record.deletion_time = Some(EPOCH);
@@ -144,18 +160,37 @@ impl ProxyObjects for Embedded {
 
 // ---- cluster: the API server ----------------------------------------------------------------
 
-/// The Proxy as cluster mode keeps it: an object in the (fake) API server, read with a real
+/// The Proxy as cluster mode keeps it: an object in the API server, read with a real
 /// `kube::Client`, edited as `kubectl` would.
 struct ApiServer {
-    server: FakeApiServer,
     client: Client,
 }
 
 impl ApiServer {
-    async fn new() -> Self {
-        let server = FakeApiServer::start().await;
-        let client = server.client();
-        Self { server, client }
+    /// Namespace `sim` of the API server as a fresh scenario expects it: no Proxy (its
+    /// finalizer stripped if a scenario left one), no Events.
+    async fn cleared(client: &Client) -> Self {
+        let api = Self {
+            client: client.clone(),
+        };
+        if api.get().await.expect("reading the Proxy").is_some() {
+            let _ = api.strip_finalizers().await;
+            let _ = api.delete().await;
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while api.get().await.expect("reading the Proxy").is_some() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the last scenario's Proxy is not gone"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let events: Api<Event> = Api::namespaced(client.clone(), "sim");
+        events
+            .delete_collection(&DeleteParams::default(), &Default::default())
+            .await
+            .expect("deleting the last scenario's Events");
+        api
     }
 
     fn proxies(&self) -> Api<Proxy> {
@@ -324,11 +359,12 @@ async fn every_scenario_plans_and_writes_the_same_in_standalone_mode() {
 
 #[tokio::test]
 async fn every_scenario_plans_and_writes_the_same_in_cluster_mode() {
+    let (_plane, client) = ControlPlane::with_crds(&["sim"]).await;
     for path in scenario_files() {
         let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
         let scenario = Scenario::load(&path).unwrap_or_else(|e| panic!("{e}"));
         let reference = scenario.replay_in(&InMemory::default()).await.unwrap();
-        let api = ApiServer::new().await;
+        let api = ApiServer::cleared(&client).await;
         let replay = scenario
             .replay_in(&api)
             .await
@@ -342,6 +378,5 @@ async fn every_scenario_plans_and_writes_the_same_in_cluster_mode() {
             "{stem}: Events by reason\n{}",
             replay.render()
         );
-        drop(api.server);
     }
 }

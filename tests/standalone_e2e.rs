@@ -429,3 +429,82 @@ async fn rotated_credentials_reach_the_running_squid_without_a_replacement() {
     );
     stop(operator);
 }
+
+/// Issue 24, as it was found: one Proxy whose first create is rejected because its port is
+/// briefly taken (`--retry-initial 1 --retry-cap 3`); after the retry succeeds, the operator made
+/// about 250 reconciles a second until the Proxy was Healthy (a past `nextAttemptTime` requeued
+/// at 0 s). Here the instance then "boots" for 5 s (its health URL answers only after that), and
+/// the operator's own `epo_reconciles_total` stays at a handful from the first create to Healthy.
+#[tokio::test]
+async fn a_create_rejected_once_then_booting_takes_a_handful_of_reconciles() {
+    let host = Host::new();
+    let port = free_port();
+    let taken = std::net::TcpListener::bind(("127.0.0.1", port)).expect("take the port");
+    // The health URL: nothing listens there until the instance has "booted".
+    let health_port = free_port();
+    host.add_manifest(
+        "a",
+        &manifest("a", port, &format!("http://127.0.0.1:{health_port}/health")),
+    );
+    let operator = standalone::start_operator_with(
+        &host,
+        "operator.log",
+        &["--retry-initial", "1", "--retry-cap", "3"],
+    );
+    let key = egress_proxies_operator::effects::ProxyKey::new("default", "a");
+    let trail = || {
+        egress_proxies_operator::standalone::store::Store::read_only(&host.path().join("state"))
+            .ok()
+            .and_then(|store| store.audit(&key).ok())
+            .unwrap_or_default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !trail().iter().any(|l| l.entry.reason == "CreateRejected") {
+        assert!(Instant::now() < deadline, "the create was never rejected");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(taken);
+    while !trail().iter().any(|l| l.entry.reason == "InstanceCreated") {
+        assert!(Instant::now() < deadline, "the retry never created the instance");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Booting: probes fail for 5 s, then the health URL answers.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", health_port))
+        .await
+        .expect("health port");
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    while healthy_rows(&status(&host)) != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "never healthy: {}\n{}",
+            status(&host),
+            operator.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let metrics = metrics_when(&host, "reconciles", |m| m.contains("epo_reconciles_total{")).await;
+    let reconciles: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("epo_reconciles_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    // The rejected create, the retry 3 s later, a poll, the health verdicts (failing, passing).
+    assert!(
+        reconciles <= 12.0,
+        "{reconciles} reconciles from the first create to Healthy"
+    );
+    eprintln!("{reconciles} reconciles from the first create to Healthy");
+    stop(operator);
+}

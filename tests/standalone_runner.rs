@@ -342,3 +342,96 @@ async fn a_provider_that_fails_every_create_is_asked_with_backoff() {
     assert!(status.retry_attempts.unwrap_or(0) >= 4, "{status:?}");
     assert!(status.next_attempt_time.is_some(), "{status:?}");
 }
+
+/// Issue 24: a create that fails once and succeeds on its retry leaves a retry time in the past
+/// while the instance boots. The runner, on tokio's paused clock (the reconciler's clock follows
+/// it), must look again only at the booting state's poll (10 s), not at once over and over: 30
+/// simulated seconds of booting take a handful of reconciles (the failed create, the retry, two
+/// polls), where a 0 s wake-up spins at one instant until the bound below stops it.
+#[tokio::test(start_paused = true)]
+async fn a_create_that_succeeds_on_its_retry_does_not_storm_while_the_instance_boots() {
+    use egress_proxies_operator::{machine::Backoff, provider::InstanceState};
+    use tokio::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    let host = Host::new();
+    host.provider.fail_next_creates(1);
+    host.provider.start_instances_as(InstanceState::Starting);
+    let config = ReconcilerConfig {
+        backoff: Backoff {
+            initial: std::time::Duration::from_secs(1),
+            cap: std::time::Duration::from_secs(3),
+            jitter: 0.0,
+        },
+        ..ReconcilerConfig::default()
+    };
+    let start = Instant::now();
+    let epoch = jiff::Timestamp::constant(1_735_689_600, 0);
+    let mut runner = host
+        .open_with(&manifests, &state, config)
+        .with_clock(move || epoch.checked_add(Instant::now() - start).expect("in range"));
+    let a = key("default", "a");
+    // Runs the runner as `run` does, on simulated time, until `until`; stops early once it has
+    // made `bound` reconciles (a storm never lets simulated time move).
+    async fn run_until(runner: &mut Standalone, until: Instant, bound: u64) {
+        let before = runner.reconciles();
+        while Instant::now() < until && runner.reconciles() - before < bound {
+            let next = runner.step().await;
+            tokio::time::sleep_until(next.map_or(until, |at| at.min(until))).await;
+        }
+    }
+
+    run_until(&mut runner, start + Duration::from_secs(30), 200).await;
+    assert_eq!(phase(&state, &a).as_deref(), Some("provisioning"));
+    assert_eq!(host.provider.create_calls(), 2, "the failed create and its retry");
+    let booting = runner.reconciles();
+    assert!(
+        booting <= 5,
+        "{booting} reconciles in 30 s while the instance boots (the failed create, the retry \
+         and a poll every 10 s make 4)"
+    );
+
+    // Healthy: from now on only the resync (5 min) looks again.
+    host.provider
+        .set_state(&host.provider.names()[0], InstanceState::Running);
+    host.health.set(&a, HealthVerdict::Passing);
+    runner.trigger(a.clone());
+    run_until(&mut runner, start + Duration::from_secs(31), 200).await;
+    assert_eq!(phase(&state, &a).as_deref(), Some("healthy"));
+    let healthy_at = runner.reconciles();
+    run_until(&mut runner, start + Duration::from_secs(31 + 600), 200).await;
+    let resting = runner.reconciles() - healthy_at;
+    assert!(
+        resting <= 2,
+        "{resting} reconciles in 10 min at rest (the 5-minute resync makes 2)"
+    );
+}
+
+/// A Proxy that never got the finalizer (its provider is unknown: nothing was ever created) goes
+/// at once when its manifest is removed, as the API server deletes an object without finalizers;
+/// it used to be marked deleting and stay, its delete failing for want of the provider.
+#[tokio::test]
+async fn a_proxy_without_the_finalizer_goes_with_its_manifest() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(
+        manifests.join("typo.yaml"),
+        "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\nmetadata:\n  name: typo\nspec:\n  provider: lcoal\n",
+    )
+    .expect("write");
+    let host = Host::new();
+    let typo = key("default", "typo");
+    let mut runner = host.open(&manifests, &state);
+    step_until(&mut runner, || phase(&state, &typo).as_deref() == Some("pending")).await;
+    std::fs::remove_file(manifests.join("typo.yaml")).expect("rm");
+    runner.step().await;
+    assert!(
+        Store::read_only(&state).unwrap().get(&typo).unwrap().is_none(),
+        "the record is gone"
+    );
+    assert_eq!(host.provider.create_calls(), 0);
+}

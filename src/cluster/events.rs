@@ -1,7 +1,9 @@
 //! Publishes the audit trail as `events.k8s.io/v1` Events, with the series semantics of
 //! kube-runtime's `Recorder`: the first occurrence of an event (type, action, reason, regarding
-//! object) creates an Event; a repeat within six minutes patches that Event's `series` (count,
-//! last observed time, latest note) instead of creating another.
+//! object, note) creates an Event; a repeat within six minutes patches that Event's `series`
+//! (count, last observed time) instead of creating another. The note is part of what makes a
+//! repeat because events.k8s.io/v1 keeps an Event's note immutable: a patch that changed it
+//! would be refused (422) and the occurrence lost.
 //!
 //! Why not `Recorder` itself: it sweeps its whole cache on every publish and keeps every
 //! published Event object in it, so publishing is O(Events of the last six minutes) in time and
@@ -88,7 +90,6 @@ impl EventPublisher {
                 let name = self.event_name(regarding, created_ns);
                 let patch = json!({
                     "series": {"count": count, "lastObservedTime": MicroTime(now)},
-                    "note": event.note,
                 });
                 events
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -164,6 +165,7 @@ fn key_of(event: &Event, regarding: &ObjectReference) -> u64 {
     event.type_.hash(&mut hasher);
     event.action.hash(&mut hasher);
     event.reason.hash(&mut hasher);
+    event.note.hash(&mut hasher);
     for part in [
         &regarding.api_version,
         &regarding.kind,

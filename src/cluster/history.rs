@@ -4,8 +4,8 @@
 //!
 //! It reads only: the Events this controller published about Proxies
 //! (`regarding.kind=Proxy`, `reportingController` ours), at most [`MAX_PAGES`] pages. A repeat
-//! of an event within six minutes joined its first Event's series ([`super::events`]), so an
-//! Event gives one row: its latest note at its last observed time.
+//! of an event (same note) within six minutes joined its first Event's series
+//! ([`super::events`]), so an Event gives one row: its note at its last observed time.
 
 use k8s_openapi::api::events::v1::Event as K8sEvent;
 use kube::{Api, Client, api::ListParams};

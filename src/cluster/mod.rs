@@ -87,6 +87,12 @@ pub struct ClusterOptions {
     /// This installation's name in the cluster (the operator's namespace by default): with
     /// the cluster's identity, what every instance is stamped with and GC acts on.
     pub installation_name: String,
+    /// The cluster's identity as given (`--cluster-id`), for an install that may not read the
+    /// kube-system namespace (namespace-restricted with its Role alone); `None` reads it.
+    pub cluster_id: Option<String>,
+    /// Publish `ProviderHealth` objects (cluster-scoped). Off, provider health is still probed,
+    /// gates provisioning and shows in metrics, `/readyz` and the logs.
+    pub provider_health_objects: bool,
     /// Admin server (`/healthz`, `/readyz`, `/metrics`).
     pub admin_listen: SocketAddr,
     /// Discovery API.
@@ -110,10 +116,11 @@ pub async fn run_cluster(
     let stop = StopSignal::on(shutdown);
     // Serving /healthz while the identity is awaited: a replica waiting for RBAC is alive.
     let admin = start_admin(options.admin_listen, &metrics, &stop).await?;
-    let installation = Installation::new(
-        wait_for_cluster_identity(&client, &stop).await?,
-        &options.installation_name,
-    );
+    let cluster_id = match &options.cluster_id {
+        Some(id) => id.clone(),
+        None => wait_for_cluster_identity(&client, &stop).await?,
+    };
+    let installation = Installation::new(cluster_id, &options.installation_name);
     info!(installation = %installation, "installation identity");
     // kubernetes provider instances create their Pods through the operator's own client.
     let providers = ProviderRegistry::for_installation(&config, Some(client.clone()), &installation)?;
@@ -182,7 +189,11 @@ async fn act(
         readiness: discovery_ready,
         proxies: Arc::new(status_feed.clone()),
         status_page: StatusPageAt::Admin(replica.admin.status_page),
-        provider_health: Arc::new(KubeHealthSink::new(client.clone())),
+        provider_health: if options.provider_health_objects {
+            Arc::new(KubeHealthSink::new(client.clone()))
+        } else {
+            Arc::new(crate::monitor::LogSink)
+        },
         checkpoint: Some(checkpoint),
         journal: None,
         gc: gc_adapter(client, options),
@@ -428,7 +439,8 @@ pub async fn cluster_identity(client: &Client) -> Result<String, AppError> {
         .map_err(|err| {
             AppError::Startup(format!(
                 "reading the cluster identity (the kube-system namespace's UID) failed: {err} \
-                 (the operator needs get on namespaces, see config/rbac/role.yaml)"
+                 (the operator needs get on namespaces/kube-system, see config/rbac/role.yaml; \
+                 an install that may not read it passes the UID as --cluster-id, see config/namespaced)"
             ))
         })?;
     namespace

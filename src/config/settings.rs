@@ -16,6 +16,11 @@ pub enum ProviderSettings {
     Kubernetes(KubernetesSettings),
     /// Squid processes on this host.
     Local(LocalSettings),
+    /// Benchmarks only (the `bench-provider` cargo feature, off in every shipped build): the
+    /// in-memory provider, whose instances are map entries at `placement.address:port`, so a
+    /// benchmark can run the real binary over 10k proxies without 10k processes.
+    #[cfg(feature = "bench-provider")]
+    BenchMemory,
 }
 
 impl ProviderSettings {
@@ -27,6 +32,8 @@ impl ProviderSettings {
             "kvm2" => typed(settings).map(Self::Kvm2),
             "kubernetes" => typed(settings).map(Self::Kubernetes),
             "local" => typed(settings).map(Self::Local),
+            #[cfg(feature = "bench-provider")]
+            "bench-memory" => Ok(Self::BenchMemory),
             other => Err(format!(
                 "unknown type {other:?}; known types are {}",
                 super::PROVIDER_TYPES.join(", ")
@@ -41,6 +48,8 @@ impl ProviderSettings {
             Self::Kvm2(_) => "kvm2",
             Self::Kubernetes(_) => "kubernetes",
             Self::Local(_) => "local",
+            #[cfg(feature = "bench-provider")]
+            Self::BenchMemory => "bench-memory",
         }
     }
 }

@@ -264,3 +264,17 @@ fn kvm_settings_mistakes_name_the_field() {
     }
     assert!(mismatches.is_empty(), "{}", mismatches.join("\n"));
 }
+
+/// The benchmarks' in-memory provider exists only in builds with the `bench-provider` feature:
+/// a shipped build refuses a config that names it, so no production config selects it.
+#[cfg(not(feature = "bench-provider"))]
+#[test]
+fn the_benchmark_provider_is_unknown_to_a_shipped_build() {
+    let problems = problems("providers:\n  - name: bench\n    type: bench-memory\n");
+    assert_eq!(
+        problems,
+        [
+            r#"providers[0] ("bench"): unknown type "bench-memory"; known types are kvm, kvm2, kubernetes, local"#
+        ]
+    );
+}

@@ -22,6 +22,8 @@ struct Applied {
     running: Option<Credentials>,
     /// The provider cannot update in place: these wait for a new instance.
     replace_for: Option<Option<Credentials>>,
+    /// The last update failed with these (its retry backs off).
+    failed_for: Option<Option<Credentials>>,
 }
 
 /// The credentials book of one reconciler.
@@ -42,13 +44,33 @@ impl CredentialsBook {
             Applied {
                 running: credentials,
                 replace_for: None,
+                failed_for: None,
             },
         );
     }
 
     /// Only a new instance of `key` can carry `credentials`.
     pub fn replace_for(&self, key: &ProxyKey, credentials: Option<Credentials>) {
-        self.lock().entry(key.clone()).or_default().replace_for = Some(credentials);
+        let mut applied = self.lock();
+        let entry = applied.entry(key.clone()).or_default();
+        entry.replace_for = Some(credentials);
+        // The new instance will carry them: no update of the old one is pending any more.
+        entry.failed_for = None;
+    }
+
+    /// Giving the instance of `key` `credentials` failed (a retry is scheduled).
+    pub fn update_failed(&self, key: &ProxyKey, credentials: Option<Credentials>) {
+        self.lock().entry(key.clone()).or_default().failed_for = Some(credentials);
+    }
+
+    /// The Secret was rotated again since an update failed: the new credentials are a new
+    /// request, tried at once like a spec edit (and backing off on their own if they fail too),
+    /// rather than waiting silently behind the failed one's backoff.
+    pub fn rotated_since_failure(&self, key: &ProxyKey, desired: Option<&Credentials>) -> bool {
+        self.lock()
+            .get(key)
+            .and_then(|a| a.failed_for.as_ref())
+            .is_some_and(|failed| failed.as_ref() != desired)
     }
 
     /// The instance of `key` is gone.
@@ -87,6 +109,7 @@ impl CredentialsBook {
                     Applied {
                         running: desired.cloned(),
                         replace_for: None,
+                        failed_for: None,
                     },
                 );
                 (false, false)

@@ -10,7 +10,7 @@ use super::{
     ReconcileError,
     plan::Planned,
     reconciler::{Reconciler, Resolved},
-    status::Record,
+    status::{DeleteProgress, Record},
 };
 use crate::{
     api::Proxy,
@@ -80,8 +80,18 @@ impl<B: ProxyBackend> Reconciler<B> {
                 self.remove_finalizer(cx, object).await?;
                 Vec::new()
             }
-            Planned::CreateInstance => self.create_instance(cx, record).await,
-            Planned::DeleteInstance => self.delete_instance(cx, record).await,
+            // The attempt a retry time waited for runs now: the time is spent (a failure
+            // schedules the next one; the failures stay counted until a success clears them).
+            // A spent time left in the status would keep `nextAttemptTime` in the past for as
+            // long as the state lasts, and say a retry is pending when none is.
+            Planned::CreateInstance => {
+                record.next_attempt = None;
+                self.create_instance(cx, record).await
+            }
+            Planned::DeleteInstance => {
+                record.next_attempt = None;
+                self.delete_instance(cx, record).await
+            }
             Planned::EnableLeases => {
                 if let Some(target) = lease_target(cx, record, self.running_credentials(cx)) {
                     self.leases.upsert(target);
@@ -128,12 +138,19 @@ impl<B: ProxyBackend> Reconciler<B> {
                 record.next_attempt = Some(*next_attempt);
                 Vec::new()
             }
+            Planned::ScheduleCheck { next_check } => {
+                record.next_attempt = Some(*next_check);
+                Vec::new()
+            }
             Planned::ClearRetry => {
                 record.retry_attempts = 0;
                 record.next_attempt = None;
                 Vec::new()
             }
-            Planned::UpdateCredentials => self.update_credentials(cx).await,
+            Planned::UpdateCredentials => {
+                record.next_attempt = None;
+                self.update_credentials(cx).await
+            }
         })
     }
 
@@ -199,6 +216,10 @@ impl<B: ProxyBackend> Reconciler<B> {
             user_data: resolved.user_data.clone(),
             credentials: resolved.credentials.clone(),
         };
+        // Whether the instance is there already (an interrupted earlier create, a crash before
+        // the status write): the create then adopts it, and the trail must say so rather than
+        // read like a second create. A failed lookup says nothing; the create decides.
+        let existed = provider.get(cx.instance).await.is_ok();
         match provider.create(&request).await {
             // An instance that already existed (an interrupted earlier create) is ours only if it
             // was built from this spec; an old one is never adopted as current.
@@ -225,9 +246,17 @@ impl<B: ProxyBackend> Reconciler<B> {
                 record.point_at(&instance, Some(&resolved.hash));
                 // Provisioned=True is reported once this instance is seen running.
                 record.instance_running = false;
+                let built_from = short(record.spec_hash.as_deref().unwrap_or(&resolved.hash)).to_owned();
                 vec![Occurrence::new(
                     Event::InstanceCreated,
-                    format!("instance {}", instance.id),
+                    if existed {
+                        format!(
+                            "found the existing instance {} (built from spec hash {built_from}): adopted, none created",
+                            instance.id
+                        )
+                    } else {
+                        format!("instance {} (spec hash {built_from})", instance.id)
+                    },
                 )]
             }
             Err(err @ ProviderError::Unavailable(_)) => {
@@ -270,12 +299,17 @@ impl<B: ProxyBackend> Reconciler<B> {
                 self.replace_for_credentials(cx.key, desired);
                 Vec::new()
             }
-            Err(err) => vec![Occurrence::new(Event::CredentialsUpdateFailed, err.to_string())],
+            Err(err) => {
+                self.credentials_update_failed(cx.key, desired);
+                vec![Occurrence::new(Event::CredentialsUpdateFailed, err.to_string())]
+            }
         }
     }
 
     async fn delete_instance(&self, cx: &EffectContext<'_>, record: &mut Record) -> Vec<Occurrence> {
         let Some(provider) = cx.provider else {
+            // An attempt all the same: what follows is a retry, not a first delete.
+            record.delete_progress = record.delete_progress.max_with(DeleteProgress::Attempted);
             return vec![Occurrence::new(
                 Event::DeleteFailed,
                 format!(
@@ -289,16 +323,24 @@ impl<B: ProxyBackend> Reconciler<B> {
         };
         self.health.remove(cx.key);
         if let Err(err) = provider.delete(cx.instance).await {
+            record.delete_progress = record.delete_progress.max_with(DeleteProgress::Attempted);
             return vec![Occurrence::new(Event::DeleteFailed, err.to_string())];
         }
+        record.delete_progress = DeleteProgress::Accepted;
         // Only a truthful NotFound says it is gone; an instance still there is terminating.
         match provider.get(cx.instance).await {
             Err(ProviderError::NotFound(_)) => {
                 record.forget_instance();
                 self.forget_credentials(cx.key);
+                let next = match (record.state.phase(), cx.resolved) {
+                    (crate::machine::Phase::Replacing, Ok(resolved)) => {
+                        format!("; the new one is built from spec hash {}", short(&resolved.hash))
+                    }
+                    _ => String::new(),
+                };
                 vec![Occurrence::new(
                     Event::InstanceMissing,
-                    "deleted: the provider reports NotFound",
+                    format!("deleted: the provider reports NotFound{next}"),
                 )]
             }
             Ok(instance) => vec![Occurrence::new(

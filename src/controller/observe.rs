@@ -7,7 +7,10 @@
 
 use jiff::Timestamp;
 
-use super::{pool::PoolFacts, status::Record};
+use super::{
+    pool::PoolFacts,
+    status::{DeleteProgress, Record},
+};
 use crate::{
     effects::HealthVerdict,
     machine::{Fact, Facts, Phase, Timers, reason},
@@ -50,7 +53,9 @@ pub struct Observation {
     pub deletion_requested: bool,
     /// The operator's finalizer is on the Proxy.
     pub finalizer_present: bool,
-    /// `metadata.generation` differs from `status.observedGeneration`: the user edited the spec.
+    /// `metadata.generation` differs from `status.observedGeneration` (the user edited the
+    /// spec), or the credentials Secret was rotated again after an update failed: a new request
+    /// that may be tried before the old one's backoff passes.
     pub spec_edited: bool,
     /// The desired spec hash, or why the spec cannot be realised.
     pub desired_hash: Result<String, SpecProblem>,
@@ -108,6 +113,14 @@ pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers:
         (Fact::HealthFailing, o.health == HealthVerdict::Failing),
         (Fact::LeasesActive, o.active_leases > 0),
         (Fact::RetryDue, retry_due),
+        (
+            Fact::DeleteAttempted,
+            record.delete_progress != DeleteProgress::NotSent,
+        ),
+        (
+            Fact::DeleteAccepted,
+            record.delete_progress == DeleteProgress::Accepted,
+        ),
         (Fact::TimerExpired, timers.expired(&record.state, now)),
         (Fact::ReplacementBudgetLeft, o.pool.replacement_budget_left),
         (Fact::RemediationAllowed, o.pool.remediation_allowed),

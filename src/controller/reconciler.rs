@@ -12,7 +12,7 @@ use super::{
     credentials::CredentialsBook,
     execute::{EffectContext, ObjectWrites, Occurrence, lease_target, parse_endpoint, short},
     observe::{InstanceObservation, Observation, SpecProblem, applied_hash, facts, needs_instance},
-    plan::{Plan, PlanInput, Wake, next_wake, plan},
+    plan::{Plan, PlanInput, Wake, WakeWhy, next_wake, plan},
     pool::{Budgets, PoolFacts, Pools},
     spec_hash::{self, Comparison},
     status::{FINALIZER, Record},
@@ -28,7 +28,7 @@ use crate::{
     },
 };
 
-/// Rounds one reconcile may run before it yields (and requeues at once): each round changes the
+/// Rounds one reconcile may run before it yields (and requeues after the floor): each round changes the
 /// state or the record, so a handful always suffices; the bound only stops a bug from spinning.
 const MAX_ROUNDS: usize = 8;
 
@@ -50,6 +50,8 @@ pub struct ReconcileOutcome {
     pub requeue_after: Option<Duration>,
     /// Only the periodic resync is due (see [`Wake::resync_only`]).
     pub resync_only: bool,
+    /// What the Proxy waits for until then (see [`WakeWhy`]).
+    pub wake_why: Option<WakeWhy>,
     /// Transitions taken, in order.
     pub audit: Vec<AuditEntry>,
     /// The plan of each transition, in order (what the executors were asked to do).
@@ -207,8 +209,15 @@ impl<B: ProxyBackend> Reconciler<B> {
                 .as_ref()
                 .map_err(|_| problem_text.as_deref().unwrap_or_default()),
         };
+        // A Secret rotated again after a failed credentials update is a new request, like a spec
+        // edit: both count for the first round only (a retry they allowed that fails again
+        // backs off).
+        let rotated = resolved.as_ref().is_ok_and(|r| {
+            self.credentials
+                .rotated_since_failure(&key, r.credentials.as_ref())
+        });
         let mut spec_edited =
-            proxy.metadata.generation != previous.observed_generation && proxy.status.is_some();
+            (proxy.metadata.generation != previous.observed_generation && proxy.status.is_some()) || rotated;
 
         let mut audit = Vec::new();
         let mut plans = Vec::new();
@@ -309,15 +318,18 @@ impl<B: ProxyBackend> Reconciler<B> {
             }
         }
         let wake = if yielded {
-            Wake::after(Duration::ZERO)
+            Wake::unsettled(super::plan::floor(&self.config.timers))
         } else if held_by_budget {
-            Wake::after(self.config.timers.poll)
+            let every = self.config.timers.poll;
+            Wake::after(every, every, WakeWhy::BudgetHeld { every })
         } else {
             next_wake(&record, now, &self.config.timers, resolved.is_ok())
         };
+        debug!(proxy = %key, phase = %phase, after = ?wake.after, why = %wake.why, "next wake-up");
         Ok(ReconcileOutcome {
             requeue_after: wake.after,
             resync_only: wake.resync_only,
+            wake_why: Some(wake.why),
             audit,
             plans,
             proxy_writes,
@@ -439,6 +451,28 @@ impl<B: ProxyBackend> Reconciler<B> {
                     record.state.phase()
                 ))
             }
+            // The row says the provider came back; what the operator knows is that nothing
+            // reports it down any more (the monitor, this round's lookup), so it tries again.
+            Event::ProviderAvailable => {
+                Some("no check reports the provider down now (monitor, lookup): trying again".to_owned())
+            }
+            Event::InstanceMissing => {
+                let id = record.provider_id.as_deref().unwrap_or("of this Proxy");
+                Some(match (record.state.phase(), &observation.desired_hash) {
+                    (Phase::Replacing, Ok(desired)) => format!(
+                        "the old instance {id} is gone (the provider reports NotFound); the new one is \
+                         built from spec hash {}",
+                        short(desired)
+                    ),
+                    (Phase::Replacing, Err(_)) => {
+                        format!("the old instance {id} is gone (the provider reports NotFound)")
+                    }
+                    _ => format!(
+                        "instance {id} no longer exists (the provider reports NotFound): deleted \
+                         outside the operator, or lost with its host"
+                    ),
+                })
+            }
             Event::SpecHashChanged => {
                 let desired = observation.desired_hash.as_ref().ok()?;
                 let applied = match &observation.instance {
@@ -447,9 +481,11 @@ impl<B: ProxyBackend> Reconciler<B> {
                 }
                 .or_else(|| record.spec_hash.clone())?;
                 Some(if short(&applied) == short(desired) {
-                    "the proxy credentials changed and the provider cannot change a running \
-                     instance's: replacing it"
-                        .to_owned()
+                    format!(
+                        "the proxy credentials changed and the provider cannot change a running \
+                         instance's: replacing it (spec hash {} stays)",
+                        short(desired)
+                    )
                 } else {
                     format!("spec hash {} -> {}", short(&applied), short(desired))
                 })
@@ -510,6 +546,10 @@ impl<B: ProxyBackend> Reconciler<B> {
 
     pub(crate) fn replace_for_credentials(&self, key: &ProxyKey, credentials: Option<Credentials>) {
         self.credentials.replace_for(key, credentials);
+    }
+
+    pub(crate) fn credentials_update_failed(&self, key: &ProxyKey, credentials: Option<Credentials>) {
+        self.credentials.update_failed(key, credentials);
     }
 
     pub(crate) fn forget_credentials(&self, key: &ProxyKey) {

@@ -24,6 +24,50 @@ pub const SPEC_VALID: &str = "SpecValid";
 /// Present (True) while health-driven replacement of this proxy is paused by the pool's brake.
 pub const REMEDIATION_PAUSED: &str = "RemediationPaused";
 
+/// How far the delete of the current instance got since it began leaving (replacing or
+/// deleting). Kept in the status as the reason of `Provisioned=False`, so a restart does not
+/// mistake a retried delete for a first one, nor a delete never sent for one that got stuck.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeleteProgress {
+    /// No delete was sent yet (the drain may still run).
+    #[default]
+    NotSent,
+    /// Deletes were sent, and the provider accepted none (it failed, or was down).
+    Attempted,
+    /// The provider accepted a delete; the instance may still be terminating.
+    Accepted,
+}
+
+impl DeleteProgress {
+    /// The `Provisioned=False` reason in `phase` (replacing or deleting).
+    fn reason(self, phase: Phase) -> &'static str {
+        match (self, phase) {
+            (DeleteProgress::Accepted, _) => "DeleteAccepted",
+            (DeleteProgress::Attempted, _) => "DeleteAttempted",
+            (DeleteProgress::NotSent, Phase::Replacing) => "Replacing",
+            (DeleteProgress::NotSent, _) => "Deleting",
+        }
+    }
+
+    /// The further of the two (a failed retry does not undo an accepted delete).
+    pub fn max_with(self, other: DeleteProgress) -> DeleteProgress {
+        let rank = |p: DeleteProgress| match p {
+            DeleteProgress::NotSent => 0,
+            DeleteProgress::Attempted => 1,
+            DeleteProgress::Accepted => 2,
+        };
+        if rank(other) > rank(self) { other } else { self }
+    }
+
+    fn from_reason(reason: &str) -> DeleteProgress {
+        match reason {
+            "DeleteAccepted" => DeleteProgress::Accepted,
+            "DeleteAttempted" => DeleteProgress::Attempted,
+            _ => DeleteProgress::NotSent,
+        }
+    }
+}
+
 /// What one reconcile knows and changes about a Proxy's status: the machine state plus what the
 /// effects record. Built from the stored status, updated by the executors, written at the end.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,6 +94,8 @@ pub struct Record {
     pub next_attempt: Option<Timestamp>,
     /// When a health verdict last changed the status.
     pub last_health_check_time: Option<Timestamp>,
+    /// How far the delete of the current instance got (replacing and deleting only).
+    pub delete_progress: DeleteProgress,
 }
 
 impl Record {
@@ -68,6 +114,13 @@ impl Record {
         };
         let ready = find(&status.conditions, READY);
         let spec_valid = find(&status.conditions, SPEC_VALID);
+        let provisioned = find(&status.conditions, PROVISIONED);
+        let delete_progress = match state.phase() {
+            Phase::Replacing | Phase::Deleting => provisioned.map_or(DeleteProgress::NotSent, |c| {
+                DeleteProgress::from_reason(&c.reason)
+            }),
+            _ => DeleteProgress::NotSent,
+        };
         Ok(Record {
             state,
             ready_reason: ready.map_or_else(|| "Accepted".to_owned(), |c| c.reason.clone()),
@@ -78,10 +131,11 @@ impl Record {
             provider_id: status.provider_id.clone(),
             endpoint: status.endpoint.clone(),
             spec_hash: status.spec_hash.clone(),
-            instance_running: find(&status.conditions, PROVISIONED).is_some_and(|c| c.status == "True"),
+            instance_running: provisioned.is_some_and(|c| c.status == "True"),
             retry_attempts: status.retry_attempts.map_or(0, |n| u32::try_from(n).unwrap_or(0)),
             next_attempt: status.next_attempt_time.as_ref().map(|t| t.0),
             last_health_check_time: status.last_health_check_time.as_ref().map(|t| t.0),
+            delete_progress,
         })
     }
 
@@ -99,6 +153,7 @@ impl Record {
             retry_attempts: 0,
             next_attempt: None,
             last_health_check_time: None,
+            delete_progress: DeleteProgress::NotSent,
         }
     }
 
@@ -111,6 +166,7 @@ impl Record {
             .spec_hash
             .clone()
             .or_else(|| requested.map(str::to_owned));
+        self.delete_progress = DeleteProgress::NotSent;
     }
 
     /// Forget the current instance (it is gone).
@@ -119,6 +175,7 @@ impl Record {
         self.endpoint = None;
         self.spec_hash = None;
         self.instance_running = false;
+        self.delete_progress = DeleteProgress::NotSent;
     }
 
     /// The status this record stands for; conditions keep their transition times from
@@ -129,8 +186,8 @@ impl Record {
             Phase::Healthy | Phase::Degraded => ("True", "InstanceRunning"),
             Phase::Provisioning if self.instance_running => ("True", "InstanceRunning"),
             Phase::Provisioning => ("False", "InstanceStarting"),
-            Phase::Replacing => ("False", "Replacing"),
-            Phase::Deleting | Phase::Deleted => ("False", "Deleting"),
+            Phase::Replacing | Phase::Deleting => ("False", self.delete_progress.reason(phase)),
+            Phase::Deleted => ("False", "Deleting"),
             Phase::Pending => ("False", "NotProvisioned"),
         };
         let (healthy, healthy_reason) = match phase {
@@ -256,6 +313,26 @@ mod tests {
             Record::from_status(Some(&status), t(99)).expect("readable"),
             record
         );
+    }
+
+    #[test]
+    fn how_far_a_delete_got_survives_the_round_trip() {
+        for progress in [
+            DeleteProgress::NotSent,
+            DeleteProgress::Attempted,
+            DeleteProgress::Accepted,
+        ] {
+            for phase in [Phase::Replacing, Phase::Deleting] {
+                let mut record = Record::new(t(0));
+                record.state = State::new(phase, t(5));
+                record.delete_progress = progress;
+                let status = record.to_status(&ProxyStatus::default(), Some(1), t(6));
+                assert_eq!(
+                    Record::from_status(Some(&status), t(99)).expect("readable"),
+                    record
+                );
+            }
+        }
     }
 
     #[test]

@@ -526,19 +526,13 @@ fn apply(
             snapshot.last_error = Some(text);
         }
     }
-    let next = match snapshot.verdict {
-        Verdict::Unknown | Verdict::Failing
-            if snapshot.consecutive_successes >= target.success_threshold.max(1) =>
-        {
-            Verdict::Passing
-        }
-        Verdict::Unknown | Verdict::Passing
-            if snapshot.consecutive_failures >= target.failure_threshold.max(1) =>
-        {
-            Verdict::Failing
-        }
-        v => v,
-    };
+    let next = next_verdict(
+        snapshot.verdict,
+        snapshot.consecutive_successes,
+        snapshot.consecutive_failures,
+        target.success_threshold,
+        target.failure_threshold,
+    );
     let old = snapshot.verdict;
     (next != old).then(|| {
         snapshot.verdict = next;
@@ -546,6 +540,27 @@ fn apply(
         snapshot.recovered = old == Verdict::Failing && next == Verdict::Passing;
         (old, next)
     })
+}
+
+/// The verdict after a probe, from the one before and the consecutive passes and failures so
+/// far: `success_threshold` passes in a row make it `Passing`, `failure_threshold` failures in a
+/// row `Failing` (a threshold of 0 counts as 1). The scenario world applies the same rule.
+pub fn next_verdict(
+    verdict: Verdict,
+    consecutive_successes: u32,
+    consecutive_failures: u32,
+    success_threshold: u32,
+    failure_threshold: u32,
+) -> Verdict {
+    match verdict {
+        Verdict::Unknown | Verdict::Failing if consecutive_successes >= success_threshold.max(1) => {
+            Verdict::Passing
+        }
+        Verdict::Unknown | Verdict::Passing if consecutive_failures >= failure_threshold.max(1) => {
+            Verdict::Failing
+        }
+        v => v,
+    }
 }
 
 #[cfg(test)]

@@ -53,7 +53,13 @@ pub fn render_markdown() -> String {
          re-enters, which restarts the state's timer). Failed provider calls are counted in \
          `status.retryAttempts`; `schedule_retry` sets `status.nextAttemptTime` with an exponential \
          backoff (default 10 s doubling to 5 min, up to 10 % jitter; a rejected create waits the cap \
-         at once), and `retry_due` holds once that time has come or the user edited the spec. Pool \
+         at once), `schedule_check` sets it one first backoff step ahead without counting (a \
+         terminating instance is no failure), an attempt that runs clears it, and `retry_due` holds \
+         once that time has come, the user edited the spec, or the credentials Secret was rotated \
+         again after a failed update. How far the delete of a leaving instance got \
+         (`delete_attempted`, `delete_accepted`) is kept as the reason of `Provisioned=False`. After \
+         a reconcile the operator looks again at the nearest time ahead (a timer, a retry, the poll \
+         of a state that waits for the world, the resync), never sooner than 1 s. Pool \
          budgets (defaults: `maxUnavailable` 25 %, `maxUnhealthy` 40 %) are computed per provider \
          instance; see docs/operations.md for the flags."
     );

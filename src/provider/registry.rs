@@ -111,6 +111,10 @@ impl ProviderRegistry {
                 ProviderSettings::Kvm2(settings) => Arc::new(
                     Kvm2Provider::new(name, settings.clone()).with_installation(installation.clone()),
                 ),
+                #[cfg(feature = "bench-provider")]
+                ProviderSettings::BenchMemory => {
+                    Arc::new(super::memory::MemoryProvider::new(name).with_installation(installation.clone()))
+                }
                 ProviderSettings::Kubernetes(settings) => {
                     let Some(client) = &client else {
                         return Err(RegistryError::NoKubeClient {

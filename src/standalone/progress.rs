@@ -45,6 +45,15 @@ impl Progress {
         view.invalid_files = invalid_files;
     }
 
+    /// How many proxies are in `phase`.
+    pub fn count(&self, phase: &str) -> usize {
+        crate::sync::lock(&self.state)
+            .phases
+            .get(phase)
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// The summary line.
     pub fn line(&self) -> String {
         let view = crate::sync::lock(&self.state);

@@ -76,6 +76,7 @@ pub struct Standalone {
     failures: HashMap<ProxyKey, u32>,
     broken_files: usize,
     metrics: Option<Arc<Metrics>>,
+    reconciles: u64,
 }
 
 impl Standalone {
@@ -131,6 +132,7 @@ impl Standalone {
             failures: HashMap::new(),
             broken_files: 0,
             metrics: None,
+            reconciles: 0,
         })
     }
 
@@ -138,6 +140,20 @@ impl Standalone {
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
         self
+    }
+
+    /// Decide with `clock` instead of the system clock (tests and the rest benchmark run on
+    /// tokio's paused time and map it to a timestamp).
+    pub fn with_clock(self, clock: impl Fn() -> jiff::Timestamp + Send + Sync + 'static) -> Self {
+        Self {
+            reconciler: self.reconciler.with_clock(clock),
+            ..self
+        }
+    }
+
+    /// Reconciles run since the runner opened (what the rest benchmark and the storm tests count).
+    pub fn reconciles(&self) -> u64 {
+        self.reconciles
     }
 
     /// The progress view.
@@ -196,6 +212,7 @@ impl Standalone {
             return;
         };
         let started = std::time::Instant::now();
+        self.reconciles += 1;
         let result = self.reconciler.reconcile(&proxy).await;
         if let Some(metrics) = &self.metrics {
             metrics.observe_reconcile(started.elapsed(), result.as_ref().err().map(|e| e.category()));
@@ -277,17 +294,32 @@ impl Standalone {
                 }
             }
         }
+        let mut gone = Vec::new();
         for (key, record) in records.iter_mut() {
             let source_broken = desired
                 .broken_files
                 .iter()
                 .any(|f| f.display().to_string() == record.source);
             if !desired.proxies.contains_key(key) && !record.deleting && !source_broken {
+                if !record.finalizer {
+                    // As the API server does: an object without finalizers goes at once (the
+                    // operator never added one, so it never made an instance to clean up).
+                    gone.push(key.clone());
+                    continue;
+                }
                 record.deleting = true;
                 record.deletion_time = Some(now);
                 // As the API server does when it marks an object deleted.
                 record.generation += 1;
                 changed.push(key.clone());
+            }
+        }
+        for key in gone {
+            records.remove(&key);
+            self.due.remove(&key);
+            match self.store.remove(&key) {
+                Ok(()) => info!(proxy = %key, "proxy deleted (it had no finalizer)"),
+                Err(err) => warn!(proxy = %key, error = %err, "removing the record failed"),
             }
         }
         for key in changed {

@@ -87,6 +87,8 @@ pub fn local_cluster(
         system_namespace: "egress-proxies-system".into(),
         identity: "test-replica".into(),
         installation_name: INSTALLATION_NAME.into(),
+        cluster_id: None,
+        provider_health_objects: true,
         admin_listen: admin,
         discovery_listen: discovery,
         auth: DiscoveryAuthOptions::tokens_file(dir.join("tokens")),

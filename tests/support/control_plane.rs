@@ -28,7 +28,7 @@ use base64::Engine;
 use k8s_openapi::{
     api::{
         authentication::v1::TokenRequest,
-        core::v1::{Namespace, ServiceAccount},
+        core::v1::{ConfigMap, Namespace, ServiceAccount},
     },
     apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
 };
@@ -577,6 +577,19 @@ impl ControlPlane {
     /// A token for ServiceAccount `namespace/name` (TokenRequest, one hour), and a kubeconfig
     /// file that authenticates with it, written into this control plane's folder.
     pub async fn service_account_kubeconfig(&self, namespace: &str, name: &str) -> PathBuf {
+        let token = self.service_account_token(namespace, name, &[]).await;
+        let path = self.dir.path().join(format!("{namespace}-{name}.kubeconfig"));
+        std::fs::write(
+            &path,
+            kubeconfig_text(&self.url, &self.ca_pem, namespace, json!({"token": token})),
+        )
+        .expect("kubeconfig written");
+        path
+    }
+
+    /// A token of ServiceAccount `namespace/name` (created if missing) from the TokenRequest
+    /// API, valid for an hour, for `audiences` (none: the API server's own).
+    pub async fn service_account_token(&self, namespace: &str, name: &str, audiences: &[&str]) -> String {
         let accounts: Api<ServiceAccount> = Api::namespaced(self.client().await, namespace);
         if accounts
             .get_opt(name)
@@ -593,21 +606,42 @@ impl ControlPlane {
         }
         let request: TokenRequest = serde_json::from_value(json!({
             "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-            "spec": {"expirationSeconds": 3600},
+            "spec": {"expirationSeconds": 3600, "audiences": audiences},
         }))
         .expect("token request");
         let answer: TokenRequest = accounts
             .create_subresource("token", name, &PostParams::default(), &request)
             .await
             .expect("a ServiceAccount token");
-        let token = answer.status.expect("a token in the answer").token;
-        let path = self.dir.path().join(format!("{namespace}-{name}.kubeconfig"));
-        std::fs::write(
-            &path,
-            kubeconfig_text(&self.url, &self.ca_pem, namespace, json!({"token": token})),
-        )
-        .expect("kubeconfig written");
-        path
+        answer.status.expect("a token in the answer").token
+    }
+
+    /// Freezes kube-apiserver (SIGSTOP): connections stay open and nothing answers, as with a
+    /// server stuck in a long GC pause or behind a dead link, until [`Self::thaw_apiserver`].
+    pub fn freeze_apiserver(&self) {
+        self.signal_apiserver(libc::SIGSTOP);
+    }
+
+    /// Lets a frozen kube-apiserver run again (SIGCONT).
+    pub fn thaw_apiserver(&self) {
+        self.signal_apiserver(libc::SIGCONT);
+    }
+
+    fn signal_apiserver(&self, signal: libc::c_int) {
+        let pid = self
+            .apiserver
+            .as_ref()
+            .and_then(GroupChild::pid)
+            .expect("kube-apiserver running");
+        let pid = libc::pid_t::try_from(pid).expect("a pid fits pid_t");
+        // SAFETY: kill(2) on our own child's pid; no memory is shared.
+        let done = unsafe { libc::kill(pid, signal) };
+        assert_eq!(
+            done,
+            0,
+            "signalling kube-apiserver: {}",
+            std::io::Error::last_os_error()
+        );
     }
 
     /// Stops kube-apiserver (SIGTERM, as an upgrade or a crash-restart would) and starts it
@@ -669,6 +703,147 @@ impl ControlPlane {
         RequestCounts::parse(&text)
     }
 
+    /// Makes the API server refuse creates, updates (patches included) and deletes of
+    /// ConfigMaps in `namespace`, as a real admission policy would, with a message naming `why`,
+    /// until [`Self::allow_writes`]. Returns once a dry-run create is refused.
+    pub async fn deny_configmap_writes(&self, namespace: &str, why: &str) {
+        self.deny_writes(
+            namespace,
+            &["CREATE", "UPDATE", "DELETE"],
+            why,
+            &configmap_probe(),
+        )
+        .await;
+    }
+
+    /// Makes the API server refuse `operations` (`CREATE`, `UPDATE` (patches too), `DELETE`)
+    /// on objects of `probe`'s kind in `namespace`, with a message naming `why`: a
+    /// ValidatingAdmissionPolicy and its binding, the way a cluster's policy refuses writes.
+    /// Returns once a dry-run create of `probe` is refused (the policy is in force).
+    pub async fn deny_writes<K: Probe>(&self, namespace: &str, operations: &[&str], why: &str, probe: &K) {
+        let name = Self::policy_name::<K>(namespace);
+        let (group, version) = (K::group(&()).into_owned(), K::version(&()).into_owned());
+        let policy = json!({
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [{
+                    "apiGroups": [group], "apiVersions": [version],
+                    "operations": operations, "resources": [K::plural(&())],
+                }]},
+                "validations": [{"expression": "false", "message": why}],
+            },
+        });
+        let binding = json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {
+                "policyName": name,
+                "validationActions": ["Deny"],
+                "matchResources": {"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": namespace,
+                }}},
+            },
+        });
+        let path = self.dir.path().join(format!("{name}.yaml"));
+        let yaml = [policy, binding]
+            .iter()
+            .map(|object| serde_norway::to_string(object).expect("YAML"))
+            .collect::<Vec<_>>()
+            .join("---\n");
+        std::fs::write(&path, yaml).expect("policy file");
+        self.kubectl(&["apply", "-f", path.to_str().expect("a UTF-8 path")])
+            .await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match self.dry_run_create(namespace, probe).await {
+                Err(kube::Error::Api(status)) if status.message.contains(why) => return,
+                other => assert!(
+                    std::time::Instant::now() < deadline,
+                    "the admission policy not in force after 30 s: {other:?}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Lifts [`Self::deny_configmap_writes`].
+    pub async fn allow_configmap_writes(&self, namespace: &str) {
+        self.allow_writes(namespace, &configmap_probe()).await;
+    }
+
+    /// Lifts [`Self::deny_writes`]; returns once a dry-run create of `probe` is accepted.
+    pub async fn allow_writes<K: Probe>(&self, namespace: &str, probe: &K) {
+        let name = Self::policy_name::<K>(namespace);
+        self.kubectl(&[
+            "delete",
+            "validatingadmissionpolicybinding,validatingadmissionpolicy",
+            &name,
+        ])
+        .await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while let Err(error) = self.dry_run_create(namespace, probe).await {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the admission policy still in force after 30 s: {error}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// A dry-run create of `probe` in `namespace`: what admission says, nothing stored.
+    async fn dry_run_create<K: Probe>(&self, namespace: &str, probe: &K) -> Result<K, kube::Error> {
+        let dry_run = PostParams {
+            dry_run: true,
+            ..PostParams::default()
+        };
+        Api::<K>::namespaced(self.client().await, namespace)
+            .create(&dry_run, probe)
+            .await
+    }
+
+    fn policy_name<K: kube::Resource<DynamicType = ()>>(namespace: &str) -> String {
+        format!("epo-deny-{}-{namespace}", K::plural(&()))
+    }
+
+    /// Resident set of etcd and of kube-apiserver, in bytes (from `/proc/PID/status`).
+    pub fn resident_bytes(&self) -> (u64, u64) {
+        let rss = |child: Option<&GroupChild>| {
+            let pid = child.and_then(GroupChild::pid)?;
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()?
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+                .map(|kb| kb * 1024)
+        };
+        (
+            rss(Some(&self.etcd)).unwrap_or(0),
+            rss(self.apiserver.as_ref()).unwrap_or(0),
+        )
+    }
+
+    /// [`Self::request_counts`] once its write counts stop moving (two reads 200 ms apart agree).
+    /// The API server counts a request after its handler returns, which can be after the
+    /// client has read the answer: a count read right after a write may miss it.
+    pub async fn settled_request_counts(&self) -> RequestCounts {
+        let mut last = self.request_counts().await;
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let now = self.request_counts().await;
+            if now.writes() == last.writes() {
+                return now;
+            }
+            last = now;
+        }
+    }
+
     /// etcd's own metrics text (`/metrics` on its client port).
     pub async fn etcd_metrics(&self) -> String {
         etcd_get(&self.etcd_url, "/metrics").await
@@ -692,6 +867,32 @@ impl ControlPlane {
         out
     }
 }
+
+/// An object a dry-run create tries, to see whether an admission policy is in force.
+pub trait Probe:
+    kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+    + Clone
+    + serde::Serialize
+    + serde::de::DeserializeOwned
+    + std::fmt::Debug
+{
+}
+
+impl<K> Probe for K where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+{
+}
+
+fn configmap_probe() -> ConfigMap {
+    serde_json::from_value(json!({"metadata": {"name": "epo-admission-probe"}})).expect("a ConfigMap")
+}
+
+/// The verbs of `apiserver_request_total` that change objects.
+const WRITE_VERBS: &[&str] = &["POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION", "APPLY"];
 
 /// `apiserver_request_total` summed per (verb, resource, subresource, code).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -728,6 +929,15 @@ impl RequestCounts {
         Self(counts)
     }
 
+    /// The counts of writes only.
+    fn writes(&self) -> Vec<f64> {
+        self.0
+            .iter()
+            .filter(|((verb, ..), _)| WRITE_VERBS.contains(&verb.as_str()))
+            .map(|(_, count)| *count)
+            .collect()
+    }
+
     /// Requests counted in `self` and not in `before`, for `resource` and the verbs given.
     pub fn since(&self, before: &RequestCounts, resource: &str, verbs: &[&str]) -> f64 {
         self.0
@@ -746,9 +956,20 @@ impl RequestCounts {
             .sum()
     }
 
+    /// Writes to `resource` answered with a 2xx since `before`.
+    pub fn successful_writes_since(&self, before: &RequestCounts, resource: &str) -> f64 {
+        self.0
+            .iter()
+            .filter(|((verb, res, _, code), _)| {
+                res == resource && WRITE_VERBS.contains(&verb.as_str()) && code.starts_with('2')
+            })
+            .map(|(key, value)| value - before.0.get(key).copied().unwrap_or(0.0))
+            .sum()
+    }
+
     /// Writes (create, update, patch, delete) to `resource` since `before`.
     pub fn writes_since(&self, before: &RequestCounts, resource: &str) -> f64 {
-        self.since(before, resource, &["POST", "PUT", "PATCH", "DELETE", "APPLY"])
+        self.since(before, resource, WRITE_VERBS)
     }
 }
 

@@ -9,7 +9,6 @@
 
 pub mod cluster_app;
 pub mod control_plane;
-pub mod fake_apiserver;
 pub mod leases;
 pub mod process;
 pub mod run_process;

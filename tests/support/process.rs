@@ -49,6 +49,11 @@ impl GroupChild {
         }
     }
 
+    /// Its process id (while it runs).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Everything the child wrote so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -21,6 +21,11 @@ impl RunProcess {
     /// Starts `run` as replica `identity` with `dir`'s providers config, tokens and signing
     /// key, authenticating with `kubeconfig`, plus `extra` flags; logs to `dir/<identity>.log`.
     pub fn spawn(dir: &Path, kubeconfig: &Path, identity: &str, extra: &[&str]) -> Self {
+        Self::spawn_in(SYSTEM_NAMESPACE, dir, kubeconfig, identity, extra)
+    }
+
+    /// [`Self::spawn`] for a replica running in namespace `namespace` (its `POD_NAMESPACE`).
+    pub fn spawn_in(namespace: &str, dir: &Path, kubeconfig: &Path, identity: &str, extra: &[&str]) -> Self {
         let admin: SocketAddr = ([127, 0, 0, 1], free_port()).into();
         let discovery: SocketAddr = ([127, 0, 0, 1], free_port()).into();
         let mut command = Command::new(env!("CARGO_BIN_EXE_egress-proxies-operator"));
@@ -36,7 +41,7 @@ impl RunProcess {
             .arg(format!("--discovery-listen={discovery}"))
             .args(extra)
             .env("KUBECONFIG", kubeconfig)
-            .env("POD_NAMESPACE", SYSTEM_NAMESPACE)
+            .env("POD_NAMESPACE", namespace)
             .env("POD_NAME", identity)
             .env("RUST_LOG", "info");
         let child = GroupChild::spawn(&mut command, &dir.join(format!("{identity}.log")));

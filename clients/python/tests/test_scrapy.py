@@ -50,6 +50,7 @@ def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], si
         assert errors_expected or "ERROR" not in done.stderr, "the crawl logged errors"
         assert os.environ["EPO_PROXY_PASSWORD"] not in done.stderr, "the proxy password is in the crawl's log"
         result: Dict[str, Any] = json.loads(result_path.read_text())
+        result["log"] = done.stderr
         return result
 
     return run
@@ -215,3 +216,44 @@ def test_ban_codes_are_configurable(
     banned_proxy = next(p["proxy"] for p in pages if p["status"] == 404)
     all_proxies = {p.proxy.endpoint for p in client.list_proxies(selector)}
     assert drain(client, selector, "127.0.0.1") == all_proxies - {banned_proxy}
+
+
+def test_no_proxy_available_drops_the_request_with_one_line_and_no_traceback(crawl: Crawl, site: Site) -> None:
+    # Nothing matches the selector: the request waits EGRESS_PROXIES_MAX_WAIT, then is dropped.
+    result = crawl(
+        settings={
+            "EGRESS_PROXIES_SELECTOR": {"region": "nowhere"},
+            "EGRESS_PROXIES_MAX_WAIT": 1,
+            "EGRESS_PROXIES_GIVE_UP": 0,
+        },
+        start_urls=[site.url("/a")],
+    )
+    assert result["pages"] == []
+    stats = result["stats"]
+    assert stats.get("egress_proxies/no_proxy_available") == 1, stats
+    assert stats.get("finish_reason") == "finished", stats
+    log = result["log"]
+    assert "Traceback" not in log, log[-3000:]
+    assert [l for l in log.splitlines() if "no proxy available for 127.0.0.1" in l and "WARNING" in l], log[-3000:]
+
+
+def test_a_crawl_that_finds_no_proxy_for_long_enough_closes_itself(crawl: Crawl, site: Site) -> None:
+    # One request at a time, each waiting 1 s for a proxy that never comes: past
+    # EGRESS_PROXIES_GIVE_UP (1.5 s) the spider closes with one line instead of going on.
+    result = crawl(
+        settings={
+            "EGRESS_PROXIES_MODE": "request",
+            "EGRESS_PROXIES_SELECTOR": {"region": "nowhere"},
+            "EGRESS_PROXIES_MAX_WAIT": 1,
+            "EGRESS_PROXIES_GIVE_UP": 1.5,
+            "CONCURRENT_REQUESTS": 1,
+        },
+        start_urls=[site.url(p) for p in ("/a", "/b", "/c", "/slow", "/")],
+    )
+    stats = result["stats"]
+    assert stats.get("finish_reason") == "egress_proxies_unavailable", stats
+    assert 2 <= stats.get("egress_proxies/no_proxy_available", 0) < 5, stats
+    log = result["log"]
+    assert "Traceback" not in log, log[-3000:]
+    closing = [l for l in log.splitlines() if "closing the spider (EGRESS_PROXIES_GIVE_UP)" in l]
+    assert len(closing) == 1, log[-3000:]

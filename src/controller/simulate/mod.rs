@@ -9,13 +9,17 @@
 //! description: The provider fails two creates; the operator backs off, then provisions.
 //! config: {provisioning_timeout: 600}        # optional: timers in seconds, backoff, budgets
 //! start: {phase: healthy}                     # optional: default a new Proxy; a live phase
-//!                                             # starts with its instance running and passing
+//!                                             # starts with its instance running and passing;
+//!                                             # `provider: NAME` names an unknown provider
 //! steps:
 //!   - at: 0                                   # seconds since the start: the clock
 //!     fail: {create_instance: {times: 2, kind: transient, message: "disk full"}}
 //!   - {at: 10}                                # just time passing: the operator looks again
 //!   - {at: 30, world: {health: passing}}
 //!   - {at: 60, world: {spec: v2}, crash: true}  # effects run, the status write is lost
+//!   - {at: 70, world: {cloud_init: r2}}       # the Secret's content: a new hash, same object
+//!   - {at: 80, world: {probes: [pass, fail]}} # probe results, judged by the thresholds
+//!   - {at: 90, world: {edit: {max_concurrent: 3, failure_threshold: 1}}}  # never replaces
 //! ```
 //!
 //! Each step changes the world as it says (`world`), scripts failures of the next calls of an
@@ -24,6 +28,8 @@
 //! `crash: true` the operator dies after the effects and before the status write: the next step
 //! starts from the status as it was. The world (one provider, the health verdict, the leases, the
 //! pool) is in memory; the reconciler, the table, the planner and the status are the real ones.
+//! With `config: {follow_wakeups: true}` the replay also runs the reconciles the operator asks
+//! for between steps, as a runner would (`tests/machine_simulation.rs` relies on it).
 //!
 //! Files: [`scenario`] (the document and its checks), [`replay`] (the replay loop and the trail it
 //! renders), [`world`] (the scripted provider, health and leases), [`objects`] (where the Proxy
@@ -39,8 +45,8 @@ use std::path::{Path, PathBuf};
 use jiff::Timestamp;
 
 pub use objects::{InMemory, ProxyObjects};
-pub use replay::{Replay, ReplayedStep};
-pub use scenario::{Expect, Failure, PoolChange, Scenario, SimConfig, SimStep, Start, WorldChange};
+pub use replay::{MAX_WAKEUPS_PER_GAP, Replay, ReplayedStep, WorldView};
+pub use scenario::{Expect, Failure, PoolChange, Scenario, SimConfig, SimStep, SpecEdit, Start, WorldChange};
 
 /// The instant scenario time 0 maps to (any fixed instant would do; output shows offsets).
 pub const EPOCH: Timestamp = Timestamp::constant(1_735_689_600, 0); // 2025-01-01T00:00:00Z

@@ -12,7 +12,7 @@ use crate::{
     api::ProxyStatus,
     controller::{
         ProviderAvailability, Reconciler,
-        plan::{Plan, Planned},
+        plan::{Plan, Planned, WakeWhy},
         spec_hash,
         status::{FINALIZER, PROVISIONED, READY, REMEDIATION_PAUSED, Record, SPEC_VALID},
     },
@@ -53,6 +53,11 @@ impl Scenario {
             message: format!("the Proxy's store failed: {err}"),
         };
         let mut proxy = sim_proxy();
+        if let Some(provider) = &self.start.provider {
+            proxy.spec.provider = provider.clone();
+        }
+        // The thresholds probes are judged by until the health engine is given the check.
+        world.set_check(proxy.spec.health.clone());
         let mut deleted_at_start = false;
         if let Some(phase) = self.start.phase.as_deref().and_then(Phase::from_name) {
             let mut record = Record::new(EPOCH);
@@ -76,18 +81,22 @@ impl Scenario {
         }
         let mut steps = Vec::new();
         let mut status = proxy.status.clone();
-        for step in &self.steps {
-            let at = EPOCH
-                .checked_add(jiff::SignedDuration::from_secs(
-                    i64::try_from(step.at).unwrap_or(i64::MAX),
-                ))
-                .unwrap_or(Timestamp::MAX);
-            let (changes, edits) = world.apply(step, at, reconciler.pools());
+        'steps: for (index, step) in self.steps.iter().enumerate() {
+            let (changes, edits) = world.apply(step, at_time(step.at), reconciler.pools());
             if edits.new_spec
                 && let Some(mut current) = objects.get().await.map_err(|e| step_failed(step.at, e))?
             {
                 // A new port stands for any change of what runs (placement, cloud-init, port).
                 current.spec.port += 1;
+                objects
+                    .edit_spec(&current.spec)
+                    .await
+                    .map_err(|e| step_failed(step.at, e))?;
+            }
+            if let Some(edit) = &edits.spec_edit
+                && let Some(mut current) = objects.get().await.map_err(|e| step_failed(step.at, e))?
+            {
+                edit.apply_to(&mut current.spec);
                 objects
                     .edit_spec(&current.spec)
                     .await
@@ -115,43 +124,80 @@ impl Scenario {
                 steps.push(ReplayedStep {
                     at: step.at,
                     changes,
+                    targets: None,
                     crashed: false,
                     audit: Vec::new(),
                     plans: Vec::new(),
                     written: None,
                     phase: Phase::Deleted,
                     wake: None,
+                    wake_why: None,
+                    woke: false,
+                    world: world.snapshot(false),
                 });
                 break;
             };
-            world.set_crashing(step.crash);
-            let outcome = reconciler
-                .reconcile(&current)
-                .await
-                .map_err(|err| ScenarioError::Reconcile {
-                    name: self.name.clone(),
-                    at: step.at,
-                    message: err.to_string(),
-                })?;
-            let written = world.take_written();
-            match objects.get().await.map_err(|e| step_failed(step.at, e))? {
-                Some(stored) => status = stored.status,
-                // Gone (deleted): its last status is the last one written.
-                None if !step.crash => status = written.clone().or(status),
-                None => {}
-            }
-            steps.push(ReplayedStep {
-                at: step.at,
-                changes,
-                crashed: step.crash,
-                audit: outcome.audit,
-                plans: outcome.plans,
-                written,
-                phase: outcome.phase.unwrap_or(Phase::INITIAL),
-                wake: outcome.requeue_after,
-            });
-            if outcome.phase == Some(Phase::Deleted) {
-                break;
+            // The step's reconcile, then (with `follow_wakeups`) the ones the operator asks for
+            // before the next step, as a runner would run them.
+            let gap_end = self
+                .steps
+                .get(index + 1)
+                .map_or(step.at.saturating_add(REST_AFTER), |next| next.at);
+            let (mut at, mut changes, mut crash, mut current) = (step.at, changes, step.crash, current);
+            let mut woken = 0;
+            loop {
+                world.set_crashing(crash);
+                let outcome =
+                    reconciler
+                        .reconcile(&current)
+                        .await
+                        .map_err(|err| ScenarioError::Reconcile {
+                            name: self.name.clone(),
+                            at,
+                            message: err.to_string(),
+                        })?;
+                let written = world.take_written();
+                let stored = objects.get().await.map_err(|e| step_failed(at, e))?;
+                match &stored {
+                    Some(stored) => status = stored.status.clone(),
+                    // Gone (deleted): its last status is the last one written.
+                    None if !crash => status = written.clone().or(status),
+                    None => {}
+                }
+                // What an edit of attributes, limits or health settings reached (no transition
+                // shows it: it is upkeep, not a lifecycle step).
+                let targets = (woken == 0 && step.world.edit.is_some()).then(|| world.targets());
+                steps.push(ReplayedStep {
+                    at,
+                    changes,
+                    targets,
+                    crashed: crash,
+                    audit: outcome.audit,
+                    plans: outcome.plans,
+                    written,
+                    phase: outcome.phase.unwrap_or(Phase::INITIAL),
+                    wake: outcome.requeue_after,
+                    wake_why: outcome.wake_why,
+                    woke: woken > 0,
+                    world: world.snapshot(stored.is_some()),
+                });
+                if outcome.phase == Some(Phase::Deleted) {
+                    break 'steps;
+                }
+                let (true, Some(after), Some(next)) =
+                    (self.config.follow_wakeups, outcome.requeue_after, stored)
+                else {
+                    break;
+                };
+                // Whole seconds, rounded up: a runner never wakes earlier than asked.
+                let after = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+                woken += 1;
+                if at + after >= gap_end || woken > MAX_WAKEUPS_PER_GAP {
+                    break;
+                }
+                at += after;
+                world.set_now(at_time(at));
+                (changes, crash, current) = (vec!["wakes up".to_owned()], false, next);
             }
         }
         Ok(Replay {
@@ -164,6 +210,37 @@ impl Scenario {
     }
 }
 
+/// With `follow_wakeups`, how long after the last step the operator is followed.
+const REST_AFTER: u64 = 600;
+
+/// With `follow_wakeups`, the most wake-ups followed between two steps: a wake-up loop that
+/// does not let time pass stops here (and shows as that many reconciles at one instant).
+pub const MAX_WAKEUPS_PER_GAP: u32 = 1000;
+
+/// Scenario second `at` as an instant.
+fn at_time(at: u64) -> Timestamp {
+    EPOCH
+        .checked_add(jiff::SignedDuration::from_secs(
+            i64::try_from(at).unwrap_or(i64::MAX),
+        ))
+        .unwrap_or(Timestamp::MAX)
+}
+
+/// What the scripted world looked like after a reconcile (what invariants are checked against).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorldView {
+    /// The provider has an instance for the Proxy.
+    pub instance: bool,
+    /// The lease store admits new leases on the proxy.
+    pub leases_admitted: bool,
+    /// Active leases.
+    pub leases_active: usize,
+    /// The health verdict is passing.
+    pub health_passing: bool,
+    /// The Proxy object still exists (its finalizer holds it, or it is not deleted).
+    pub object: bool,
+}
+
 /// What one step did.
 #[derive(Clone, Debug)]
 pub struct ReplayedStep {
@@ -171,6 +248,9 @@ pub struct ReplayedStep {
     pub at: u64,
     /// The world changes and failures of the step, as text.
     pub changes: Vec<String>,
+    /// After an edit of attributes, lease limits or health settings: what the lease store and
+    /// the health engine were given.
+    pub targets: Option<String>,
     /// The status write was lost to a crash.
     pub crashed: bool,
     /// The transitions.
@@ -183,6 +263,12 @@ pub struct ReplayedStep {
     pub phase: Phase,
     /// When the reconciler asked to look again.
     pub wake: Option<Duration>,
+    /// What it waits for until then.
+    pub wake_why: Option<WakeWhy>,
+    /// A reconcile the operator asked for (`follow_wakeups`), not a scripted step.
+    pub woke: bool,
+    /// The world after the reconcile.
+    pub world: WorldView,
 }
 
 /// A replayed scenario.
@@ -262,6 +348,9 @@ impl Replay {
             if let Some(status) = &step.written {
                 out.push_str(&format!("      status written: {}\n", summary(status)));
             }
+            if let Some(targets) = &step.targets {
+                out.push_str(&format!("      {targets}\n"));
+            }
             let wake = match step.wake {
                 Some(d) => format!(
                     "looks again in {}",
@@ -269,6 +358,12 @@ impl Replay {
                         .trim_start_matches('+')
                 ),
                 None => "waits for a change".to_owned(),
+            };
+            let wake = match (&step.wake_why, step.wake) {
+                (Some(why), Some(_)) => format!("{wake} ({})", why.describe(offset)),
+                // It says itself what it waits for.
+                (Some(why), None) => why.describe(offset),
+                (None, _) => wake,
             };
             let crash = if step.crashed {
                 "  CRASH: the status write is lost"

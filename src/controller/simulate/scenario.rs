@@ -70,6 +70,10 @@ pub struct SimConfig {
     /// it only a new instance carries new ones (like the VM providers).
     #[serde(default)]
     pub credentials_in_place: bool,
+    /// Between steps (and for ten minutes after the last) the operator also reconciles when it
+    /// asked to, as a runner would: each such reconcile is a step of its own ("wakes up").
+    #[serde(default)]
+    pub follow_wakeups: bool,
 }
 
 /// The start of a scenario.
@@ -81,6 +85,9 @@ pub struct Start {
     /// Active leases at the start.
     #[serde(default)]
     pub leases: usize,
+    /// The provider instance the Proxy names (default `sim`, the one configured); any other
+    /// name is unknown to the operator, as a typo or a provider removed from the config is.
+    pub provider: Option<String>,
 }
 
 /// One step.
@@ -119,6 +126,16 @@ pub struct WorldChange {
     pub deleted: bool,
     /// The proxy credentials Secret is rotated (the label stands for the new password).
     pub credentials: Option<String>,
+    /// The cloud-init Secret's content is rotated (the label stands for the new content): the
+    /// spec hash changes, the Proxy object (its generation) does not.
+    pub cloud_init: Option<String>,
+    /// Health probes through the proxy, in order (`pass` or `fail`): the verdict follows the
+    /// Proxy's success and failure thresholds, as the health engine's does.
+    #[serde(default)]
+    pub probes: Vec<String>,
+    /// A user's edit of what never changes the instance: attributes, lease limits, health
+    /// settings (the generation moves, the spec hash does not).
+    pub edit: Option<SpecEdit>,
     /// `running`, `starting` or `vanished` (deleted behind the operator's back).
     pub instance: Option<String>,
     /// Someone removed the finalizer.
@@ -126,6 +143,48 @@ pub struct WorldChange {
     pub finalizer_removed: bool,
     /// The rest of the pool: `{size: 19, degraded: 8, unavailable: 0}` (members besides this one).
     pub pool: Option<PoolChange>,
+}
+
+/// An edit of the Proxy's attributes, lease limits or health settings.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SpecEdit {
+    /// The attributes, replaced as a whole.
+    pub attributes: Option<BTreeMap<String, String>>,
+    /// `lease.maxConcurrent`.
+    pub max_concurrent: Option<i32>,
+    /// `lease.cooldownSeconds`.
+    pub cooldown_seconds: Option<i32>,
+    /// `health.successThreshold`.
+    pub success_threshold: Option<i32>,
+    /// `health.failureThreshold`.
+    pub failure_threshold: Option<i32>,
+    /// `health.intervalSeconds`.
+    pub interval_seconds: Option<i32>,
+}
+
+impl SpecEdit {
+    /// Applies the edit to `spec`.
+    pub fn apply_to(&self, spec: &mut crate::api::ProxySpec) {
+        if let Some(attributes) = &self.attributes {
+            spec.attributes = attributes.clone().into();
+        }
+        if let Some(n) = self.max_concurrent {
+            spec.lease.max_concurrent = n;
+        }
+        if let Some(n) = self.cooldown_seconds {
+            spec.lease.cooldown_seconds = n;
+        }
+        if let Some(n) = self.success_threshold {
+            spec.health.success_threshold = n;
+        }
+        if let Some(n) = self.failure_threshold {
+            spec.health.failure_threshold = n;
+        }
+        if let Some(n) = self.interval_seconds {
+            spec.health.interval_seconds = n;
+        }
+    }
 }
 
 /// The other members of the Proxy's pool.
@@ -229,6 +288,20 @@ impl Scenario {
                 }
             }
             let world = &step.world;
+            if let Some(bad) = world
+                .probes
+                .iter()
+                .find(|p| !matches!(p.as_str(), "pass" | "fail"))
+            {
+                return Err(invalid(format!(
+                    "step {n}: world.probes `{bad}`; use pass or fail"
+                )));
+            }
+            if world.health.is_some() && !world.probes.is_empty() {
+                return Err(invalid(format!(
+                    "step {n}: world.health and world.probes both set the verdict; use one"
+                )));
+            }
             for (field, value, allowed) in [
                 ("health", &world.health, &["passing", "failing", "unknown"][..]),
                 ("provider", &world.provider, &["up", "down"][..]),

@@ -53,6 +53,16 @@ struct WorldState {
     failures: HashMap<&'static str, Failure>,
     written: Option<ProxyStatus>,
     creates: u32,
+    admitted: bool,
+    /// The cloud-init Secret's content label (`None`: the initial content).
+    cloud_init: Option<String>,
+    /// Consecutive probe results, for the thresholds.
+    successes: u32,
+    probe_failures: u32,
+    /// The health check the health engine was last given (its thresholds decide the verdict).
+    check: Option<crate::api::HealthCheck>,
+    /// What the lease store was last given: attributes, maxConcurrent, cooldown.
+    lease_target: Option<(String, i32, i32)>,
 }
 
 impl Default for WorldState {
@@ -73,6 +83,12 @@ impl Default for WorldState {
             failures: HashMap::new(),
             written: None,
             creates: 0,
+            admitted: false,
+            cloud_init: None,
+            successes: 0,
+            probe_failures: 0,
+            check: None,
+            lease_target: None,
         }
     }
 }
@@ -112,6 +128,52 @@ impl World {
         }
     }
 
+    /// The health check probes are judged by (until the health engine is given one).
+    pub(super) fn set_check(&self, check: crate::api::HealthCheck) {
+        self.lock().check = Some(check);
+    }
+
+    /// The clock moves to `at` (the operator wakes up by itself; nothing else changes).
+    pub(super) fn set_now(&self, at: Timestamp) {
+        self.lock().now = at;
+    }
+
+    /// What the invariants are checked against, after a reconcile.
+    pub(super) fn snapshot(&self, object: bool) -> super::replay::WorldView {
+        let w = self.lock();
+        super::replay::WorldView {
+            instance: w.instance.is_some(),
+            leases_admitted: w.admitted,
+            leases_active: w.leases,
+            health_passing: w.health == HealthVerdict::Passing
+                && w.instance.as_ref().is_some_and(|i| i.running),
+            object,
+        }
+    }
+
+    /// What the lease store and the health engine were last given, as text for the trail.
+    pub(super) fn targets(&self) -> String {
+        let w = self.lock();
+        let leases = w.lease_target.as_ref().map_or_else(
+            || "lease store: not registered".to_owned(),
+            |(attributes, max, cooldown)| {
+                format!(
+                    "lease store: attributes {{{attributes}}}, maxConcurrent {max}, cooldown {cooldown} s"
+                )
+            },
+        );
+        let health = w.check.as_ref().map_or_else(
+            || "health engine: not probing".to_owned(),
+            |c| {
+                format!(
+                    "health engine: every {} s, {} passes to pass, {} failures to fail",
+                    c.interval_seconds, c.success_threshold, c.failure_threshold
+                )
+            },
+        );
+        format!("{leases}; {health}")
+    }
+
     /// Whether this step's reconcile dies before its status write.
     pub(super) fn set_crashing(&self, crashing: bool) {
         self.lock().crashing = crashing;
@@ -141,6 +203,8 @@ impl World {
                 "failing" => HealthVerdict::Failing,
                 _ => HealthVerdict::Unknown,
             };
+            // A verdict set outright starts the probe counts afresh.
+            (w.successes, w.probe_failures) = (0, 0);
             changes.push(format!("health {health}"));
         }
         if let Some(provider) = &change.provider {
@@ -172,10 +236,50 @@ impl World {
             w.credentials = credentials.clone();
             changes.push(format!("credentials rotated to {credentials}"));
         }
+        if let Some(content) = &change.cloud_init {
+            w.cloud_init = Some(content.clone());
+            changes.push(format!("cloud-init Secret rotated to {content}"));
+        }
+        if !change.probes.is_empty() {
+            let (success_threshold, failure_threshold) = w.check.as_ref().map_or((1, 1), |c| {
+                (
+                    u32::try_from(c.success_threshold).unwrap_or(1),
+                    u32::try_from(c.failure_threshold).unwrap_or(1),
+                )
+            });
+            for probe in &change.probes {
+                if probe == "pass" {
+                    (w.successes, w.probe_failures) = (w.successes + 1, 0);
+                } else {
+                    (w.successes, w.probe_failures) = (0, w.probe_failures + 1);
+                }
+                w.health = crate::health::next_verdict(
+                    w.health,
+                    w.successes,
+                    w.probe_failures,
+                    success_threshold,
+                    failure_threshold,
+                );
+            }
+            changes.push(format!(
+                "probes {} (thresholds: {success_threshold} to pass, {failure_threshold} to fail): verdict {}",
+                change.probes.join(", "),
+                match w.health {
+                    HealthVerdict::Passing => "passing",
+                    HealthVerdict::Failing => "failing",
+                    HealthVerdict::Unknown => "unknown",
+                }
+            ));
+        }
+        if let Some(edit) = &change.edit {
+            edits.spec_edit = Some(edit.clone());
+            changes.push("attributes, lease limits or health settings edited".to_owned());
+        }
         match change.instance.as_deref() {
             Some("vanished") => {
                 w.instance = None;
                 w.health = HealthVerdict::Unknown;
+                (w.successes, w.probe_failures) = (0, 0);
                 changes.push("instance vanished".to_owned());
             }
             Some(state @ ("running" | "starting")) => {
@@ -248,6 +352,7 @@ impl World {
 #[derive(Debug, Default)]
 pub(super) struct ObjectEdits {
     pub(super) new_spec: bool,
+    pub(super) spec_edit: Option<super::SpecEdit>,
     pub(super) delete: bool,
     pub(super) strip_finalizers: bool,
 }
@@ -263,9 +368,11 @@ pub(super) struct ScriptedBackend<B> {
 #[async_trait]
 impl<B: ProxyBackend> ProxyBackend for ScriptedBackend<B> {
     async fn cloud_init(&self, _: &str, _: &SecretKeyRef) -> Result<UserData, SecretError> {
-        match &self.world.lock().spec_problem {
-            Some(problem) => Err(SecretError::NotUsable(problem.clone())),
-            None => Ok(UserData(USER_DATA.to_owned())),
+        let w = self.world.lock();
+        match (&w.spec_problem, &w.cloud_init) {
+            (Some(problem), _) => Err(SecretError::NotUsable(problem.clone())),
+            (None, None) => Ok(UserData(USER_DATA.to_owned())),
+            (None, Some(content)) => Ok(UserData(format!("{USER_DATA}\n# {content}"))),
         }
     }
     async fn credentials(&self, _: &str, _: &str) -> Result<Credentials, SecretError> {
@@ -381,6 +488,9 @@ impl Provider for SimProvider {
             return Err(err);
         }
         let mut w = self.0.lock();
+        if w.provider_down {
+            return Err(ProviderError::Unavailable("the provider is down".to_owned()));
+        }
         if w.slow_delete {
             if let Some(instance) = &mut w.instance {
                 instance.running = false;
@@ -405,8 +515,21 @@ impl Provider for SimProvider {
 pub(super) struct SimLeases(pub(super) Arc<World>);
 
 impl LeaseControl for SimLeases {
-    fn upsert(&self, _: LeaseTarget) {}
-    fn set_admission(&self, _: &ProxyKey, _: bool) {}
+    fn upsert(&self, target: LeaseTarget) {
+        let attributes: Vec<String> = target
+            .attributes
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        self.0.lock().lease_target = Some((
+            attributes.join(","),
+            target.policy.max_concurrent,
+            target.policy.cooldown_seconds,
+        ));
+    }
+    fn set_admission(&self, _: &ProxyKey, open: bool) {
+        self.0.lock().admitted = open;
+    }
     fn drain(&self, _: &ProxyKey) -> DrainStatus {
         match self.0.lock().leases {
             0 => DrainStatus::Drained,
@@ -416,7 +539,9 @@ impl LeaseControl for SimLeases {
     fn revoke_all(&self, _: &ProxyKey) -> usize {
         std::mem::take(&mut self.0.lock().leases)
     }
-    fn remove(&self, _: &ProxyKey) {}
+    fn remove(&self, _: &ProxyKey) {
+        self.0.lock().admitted = false;
+    }
     fn active(&self, _: &ProxyKey) -> usize {
         self.0.lock().leases
     }
@@ -425,7 +550,9 @@ impl LeaseControl for SimLeases {
 pub(super) struct SimHealth(pub(super) Arc<World>);
 
 impl HealthControl for SimHealth {
-    fn upsert(&self, _: HealthTarget) {}
+    fn upsert(&self, target: HealthTarget) {
+        self.0.lock().check = Some(target.check);
+    }
     fn remove(&self, _: &ProxyKey) {}
     fn verdict(&self, _: &ProxyKey) -> HealthVerdict {
         let w = self.0.lock();

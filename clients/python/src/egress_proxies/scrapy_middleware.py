@@ -27,7 +27,12 @@ does not start, rather than crawl from this host's own address):
     lease TTL in seconds (default: the server's, 60); leases are renewed in the background.
 ``EGRESS_PROXIES_MAX_WAIT``
     how long an acquire waits while no proxy is available (default 30 s); after that the
-    request fails with :class:`~egress_proxies.client.NoProxyAvailable`.
+    request is dropped (``IgnoreRequest``, counted in ``egress_proxies/no_proxy_available``,
+    logged once per domain as a warning, no traceback).
+``EGRESS_PROXIES_GIVE_UP``
+    when no request of the crawl has found a proxy for this many seconds (default 300; 0 never),
+    close the spider (reason ``egress_proxies_unavailable``) with one warning line, rather than
+    let it wait and drop requests for ever.
 ``EGRESS_PROXIES_HOLDER``
     the lease holder (default: ``scrapy/<spider name>``).
 ``EGRESS_PROXIES_IDLE_RELEASE``
@@ -43,7 +48,8 @@ a leased proxy, as does a ``proxy`` set by someone else. The middleware sets
 
 Stats: ``egress_proxies/acquired``, ``egress_proxies/released/<outcome>``,
 ``egress_proxies/idle_released`` (of those, domain leases released for being idle),
-``egress_proxies/renewals``, ``egress_proxies/lost`` (leases the server dropped before release).
+``egress_proxies/renewals``, ``egress_proxies/lost`` (leases the server dropped before release),
+``egress_proxies/no_proxy_available`` (requests dropped for want of a proxy).
 """
 
 from __future__ import annotations
@@ -54,14 +60,14 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from scrapy import Request, Spider, signals
 from scrapy.crawler import Crawler
-from scrapy.exceptions import NotConfigured
+from scrapy.exceptions import IgnoreRequest, NotConfigured
 from scrapy.http import Response
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet import defer, task, threads
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
-from .client import DiscoveryClient, Lease, Outcome
+from .client import DiscoveryClient, Lease, NoProxyAvailable, Outcome
 
 __all__ = ["EgressProxiesMiddleware"]
 
@@ -96,6 +102,7 @@ class EgressProxiesMiddleware:
         ttl_seconds: Optional[int] = None,
         idle_release: float = 30.0,
         threads_max: int = 4,
+        give_up: float = 300.0,
     ) -> None:
         if mode not in ("domain", "request"):
             raise ValueError(f"EGRESS_PROXIES_MODE must be 'domain' or 'request', not {mode!r}")
@@ -107,6 +114,11 @@ class EgressProxiesMiddleware:
         self.ban_codes = set(ban_codes if ban_codes is not None else (403, 429))
         self.ttl_seconds = ttl_seconds
         self.idle_release = idle_release
+        self.give_up = give_up
+        # Since when no acquire has succeeded while some failed for want of a proxy.
+        self._unavailable_since: Optional[float] = None
+        self._unavailable_domains: Set[str] = set()
+        self._closing = False
         self._held: Dict[_Key, _Held] = {}
         self._acquiring: Dict[_Key, List[defer.Deferred[Any]]] = {}
         self._releases: Set[defer.Deferred[Any]] = set()
@@ -151,6 +163,7 @@ class EgressProxiesMiddleware:
             ttl_seconds=ttl or None,
             idle_release=settings.getfloat("EGRESS_PROXIES_IDLE_RELEASE", 30.0),
             threads_max=settings.getint("EGRESS_PROXIES_THREADS", 4),
+            give_up=settings.getfloat("EGRESS_PROXIES_GIVE_UP", 300.0),
         )
         crawler.signals.connect(middleware.spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(middleware.spider_closed, signal=signals.spider_closed)
@@ -193,6 +206,7 @@ class EgressProxiesMiddleware:
         if self.mode == "request":
             acquired = self._acquire_in_turn(domain, session)
             acquired.addCallback(self._route, request)
+            acquired.addErrback(self._unavailable, domain, spider)
             return acquired
         key = (domain, session)
         held = self._held.get(key)
@@ -203,6 +217,7 @@ class EgressProxiesMiddleware:
             self._drop(key, "ok")
         waiting: defer.Deferred[Any] = defer.Deferred()
         waiting.addCallback(lambda held: self._use(key, held, request))
+        waiting.addErrback(self._unavailable, domain, spider)
         waiters = self._acquiring.get(key)
         if waiters is not None:  # another request of this domain is acquiring: share it
             waiters.append(waiting)
@@ -240,12 +255,39 @@ class EgressProxiesMiddleware:
         return after
 
     def _acquire(self, domain: str, session: Optional[str]) -> Lease:
-        return self.client.acquire(
+        lease = self.client.acquire(
             self.selector or None,
             target_domain=domain or None,
             session_key=session,
             ttl_seconds=self.ttl_seconds,
         )
+        self._unavailable_since = None
+        return lease
+
+    def _unavailable(self, failure: Failure, domain: str, spider: Spider) -> None:
+        """A request that found no proxy within ``EGRESS_PROXIES_MAX_WAIT``: dropped with one
+        warning per domain (no traceback); past ``EGRESS_PROXIES_GIVE_UP`` the spider closes."""
+        failure.trap(NoProxyAvailable)
+        self.stats.inc_value("egress_proxies/no_proxy_available")
+        now = time.monotonic()
+        if self._unavailable_since is None:
+            self._unavailable_since = now
+        if domain not in self._unavailable_domains:
+            self._unavailable_domains.add(domain)
+            spider.logger.warning(
+                "no proxy available for %s (selector %s): dropping its requests until one is; %s",
+                domain or "(no host)",
+                self.selector or "{}",
+                failure.value,
+            )
+        if self.give_up > 0 and now - self._unavailable_since >= self.give_up and not self._closing:
+            self._closing = True
+            spider.logger.warning(
+                "no proxy available for %.0f s: closing the spider (EGRESS_PROXIES_GIVE_UP)",
+                now - self._unavailable_since,
+            )
+            self.crawler.engine.close_spider(spider, "egress_proxies_unavailable")
+        raise IgnoreRequest(f"no proxy available for {domain}")
 
     def _acquired(self, result: Any, key: _Key) -> None:
         waiters = self._acquiring.pop(key, [])
