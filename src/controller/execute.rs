@@ -7,18 +7,16 @@
 use tracing::debug;
 
 use super::{
-    ReconcileError,
+    credentials::CredentialsBook,
+    error::ReconcileError,
+    observe::{Subject, short},
     plan::Planned,
-    reconciler::{Reconciler, Resolved},
     status::{DeleteProgress, Record},
 };
 use crate::{
-    api::Proxy,
-    effects::{LeaseTarget, ProxyBackend, ProxyKey},
-    machine::{AuditEntry, Event},
-    provider::{
-        Credentials, CredentialsUpdate, Endpoint, InstanceRequest, Owner, ProviderError, SharedProvider,
-    },
+    effects::{HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyBackend},
+    machine::{AuditEntry, Event, Phase},
+    provider::{Credentials, CredentialsUpdate, InstanceRequest, ProviderError},
 };
 
 /// An event raised by an executor (or derived), with what caused it.
@@ -50,34 +48,33 @@ pub(crate) struct ObjectWrites {
     pub writes: usize,
 }
 
-/// The per-reconcile inputs of the executors.
-pub(crate) struct EffectContext<'a> {
-    pub proxy: &'a Proxy,
-    pub key: &'a ProxyKey,
-    pub instance: &'a str,
-    pub owner: &'a Owner,
-    pub provider_name: &'a str,
-    pub provider: Option<&'a SharedProvider>,
-    pub resolved: Result<&'a Resolved, &'a str>,
+/// The reconciler's write side, borrowed for one reconcile: one function per effect, all acting
+/// on the same [`Subject`].
+pub(crate) struct Executors<'a, B> {
+    pub backend: &'a B,
+    pub leases: &'a dyn LeaseControl,
+    pub health: &'a dyn HealthControl,
+    pub credentials: &'a CredentialsBook,
+    pub subject: Subject<'a>,
 }
 
-impl<B: ProxyBackend> Reconciler<B> {
+impl<B: ProxyBackend> Executors<'_, B> {
     /// Carries out one planned effect; returns the events it raised.
-    pub(crate) async fn execute(
+    pub async fn execute(
         &self,
         effect: &Planned,
-        cx: &EffectContext<'_>,
         record: &mut Record,
         object: &mut ObjectWrites,
         entry: &AuditEntry,
     ) -> Result<Vec<Occurrence>, ReconcileError> {
+        let key = self.subject.key;
         Ok(match effect {
             Planned::AddFinalizer => {
-                self.add_finalizer(cx, object).await?;
+                self.add_finalizer(object).await?;
                 Vec::new()
             }
             Planned::RemoveFinalizer => {
-                self.remove_finalizer(cx, object).await?;
+                self.remove_finalizer(object).await?;
                 Vec::new()
             }
             // The attempt a retry time waited for runs now: the time is spent (a failure
@@ -86,32 +83,32 @@ impl<B: ProxyBackend> Reconciler<B> {
             // long as the state lasts, and say a retry is pending when none is.
             Planned::CreateInstance => {
                 record.next_attempt = None;
-                self.create_instance(cx, record).await
+                self.create_instance(record).await
             }
             Planned::DeleteInstance => {
                 record.next_attempt = None;
-                self.delete_instance(cx, record).await
+                self.delete_instance(record).await
             }
             Planned::EnableLeases => {
-                if let Some(target) = lease_target(cx, record, self.running_credentials(cx)) {
+                if let Some(target) = self.lease_target(record, self.running_credentials()) {
                     self.leases.upsert(target);
                 }
-                self.leases.set_admission(cx.key, true);
+                self.leases.set_admission(key, true);
                 Vec::new()
             }
             Planned::DisableLeases => {
-                self.leases.set_admission(cx.key, false);
+                self.leases.set_admission(key, false);
                 Vec::new()
             }
             Planned::DrainLeases => {
                 // Whether the drain is complete is a fact (`leases_active`) the next round reads.
-                self.leases.drain(cx.key);
+                self.leases.drain(key);
                 Vec::new()
             }
             Planned::RevokeLeases => {
-                let revoked = self.leases.revoke_all(cx.key);
+                let revoked = self.leases.revoke_all(key);
                 if revoked > 0 {
-                    debug!(proxy = %cx.key, revoked, "revoked leases");
+                    debug!(proxy = %key, revoked, "revoked leases");
                 }
                 Vec::new()
             }
@@ -124,9 +121,9 @@ impl<B: ProxyBackend> Reconciler<B> {
                 Vec::new()
             }
             Planned::RecordEvent { message, .. } => {
-                if let Err(err) = self.backend.record(cx.proxy, entry, message).await {
+                if let Err(err) = self.backend.record(self.subject.proxy, entry, message).await {
                     // The audit trail in the cluster is best effort: the status is authoritative.
-                    tracing::warn!(proxy = %cx.key, error = %err, "recording an event failed");
+                    tracing::warn!(proxy = %key, error = %err, "recording an event failed");
                 }
                 Vec::new()
             }
@@ -149,18 +146,14 @@ impl<B: ProxyBackend> Reconciler<B> {
             }
             Planned::UpdateCredentials => {
                 record.next_attempt = None;
-                self.update_credentials(cx).await
+                self.update_credentials().await
             }
         })
     }
 
-    async fn add_finalizer(
-        &self,
-        cx: &EffectContext<'_>,
-        object: &mut ObjectWrites,
-    ) -> Result<(), ReconcileError> {
+    async fn add_finalizer(&self, object: &mut ObjectWrites) -> Result<(), ReconcileError> {
         if !object.finalizer {
-            if let Some(version) = self.backend.add_finalizer(cx.proxy).await? {
+            if let Some(version) = self.backend.add_finalizer(self.subject.proxy).await? {
                 object.resource_version = Some(version);
             }
             object.finalizer = true;
@@ -169,29 +162,27 @@ impl<B: ProxyBackend> Reconciler<B> {
         Ok(())
     }
 
-    async fn remove_finalizer(
-        &self,
-        cx: &EffectContext<'_>,
-        object: &mut ObjectWrites,
-    ) -> Result<(), ReconcileError> {
-        self.leases.remove(cx.key);
-        self.health.remove(cx.key);
-        self.forget_credentials(cx.key);
+    async fn remove_finalizer(&self, object: &mut ObjectWrites) -> Result<(), ReconcileError> {
+        let key = self.subject.key;
+        self.leases.remove(key);
+        self.health.remove(key);
+        self.credentials.forget(key);
         if object.finalizer {
-            self.backend.remove_finalizer(cx.proxy).await?;
+            self.backend.remove_finalizer(self.subject.proxy).await?;
             object.finalizer = false;
             object.writes += 1;
         }
         Ok(())
     }
 
-    async fn create_instance(&self, cx: &EffectContext<'_>, record: &mut Record) -> Vec<Occurrence> {
+    async fn create_instance(&self, record: &mut Record) -> Vec<Occurrence> {
+        let cx = &self.subject;
         let (provider, resolved) = match (cx.provider, cx.resolved) {
             (Some(provider), Ok(resolved)) => (provider, resolved),
             (_, Err(problem)) => {
                 return vec![Occurrence::new(
                     Event::CreateRejected,
-                    format!("the spec cannot be realised: {problem}"),
+                    format!("the spec cannot be realised: {}", problem.text()),
                 )];
             }
             (None, Ok(_)) => {
@@ -241,7 +232,7 @@ impl<B: ProxyBackend> Reconciler<B> {
                 )]
             }
             Ok(instance) => {
-                self.set_running_credentials(cx.key, resolved.credentials.clone());
+                self.credentials.set_running(cx.key, resolved.credentials.clone());
                 // What it was built from (an older encoding of the same spec stays as stamped).
                 record.point_at(&instance, Some(&resolved.hash));
                 // Provisioned=True is reported once this instance is seen running.
@@ -272,16 +263,17 @@ impl<B: ProxyBackend> Reconciler<B> {
     }
 
     /// Gives the running instance the Secret's credentials; see [`crate::provider::Provider::update_credentials`].
-    async fn update_credentials(&self, cx: &EffectContext<'_>) -> Vec<Occurrence> {
+    async fn update_credentials(&self) -> Vec<Occurrence> {
+        let cx = &self.subject;
         let (Some(provider), Ok(resolved)) = (cx.provider, cx.resolved) else {
             // Raised only with a valid spec (`spec_valid` is one of its facts).
             return Vec::new();
         };
         let desired = resolved.credentials.clone();
-        let known = self.credentials_known(cx.key);
+        let known = self.credentials.known(cx.key);
         match provider.update_credentials(cx.instance, desired.as_ref()).await {
             Ok(CredentialsUpdate::Applied) => {
-                self.set_running_credentials(cx.key, desired);
+                self.credentials.set_running(cx.key, desired);
                 vec![Occurrence::new(
                     Event::CredentialsUpdated,
                     "the instance accepts the new credentials",
@@ -290,23 +282,24 @@ impl<B: ProxyBackend> Reconciler<B> {
             // After a restart this process does not know what the instance runs: it keeps what
             // it has (the old behaviour) rather than replace every such instance on every start.
             Ok(CredentialsUpdate::Unsupported) if !known => {
-                self.set_running_credentials(cx.key, desired);
+                self.credentials.set_running(cx.key, desired);
                 Vec::new()
             }
             // Only a new instance can carry them: `spec_changed` now holds, and the
             // replacement goes through the pool's budget like a spec change.
             Ok(CredentialsUpdate::Unsupported) => {
-                self.replace_for_credentials(cx.key, desired);
+                self.credentials.replace_for(cx.key, desired);
                 Vec::new()
             }
             Err(err) => {
-                self.credentials_update_failed(cx.key, desired);
+                self.credentials.update_failed(cx.key, desired);
                 vec![Occurrence::new(Event::CredentialsUpdateFailed, err.to_string())]
             }
         }
     }
 
-    async fn delete_instance(&self, cx: &EffectContext<'_>, record: &mut Record) -> Vec<Occurrence> {
+    async fn delete_instance(&self, record: &mut Record) -> Vec<Occurrence> {
+        let cx = &self.subject;
         let Some(provider) = cx.provider else {
             // An attempt all the same: what follows is a retry, not a first delete.
             record.delete_progress = record.delete_progress.max_with(DeleteProgress::Attempted);
@@ -331,9 +324,9 @@ impl<B: ProxyBackend> Reconciler<B> {
         match provider.get(cx.instance).await {
             Err(ProviderError::NotFound(_)) => {
                 record.forget_instance();
-                self.forget_credentials(cx.key);
+                self.credentials.forget(cx.key);
                 let next = match (record.state.phase(), cx.resolved) {
-                    (crate::machine::Phase::Replacing, Ok(resolved)) => {
+                    (Phase::Replacing, Ok(resolved)) => {
                         format!("; the new one is built from spec hash {}", short(&resolved.hash))
                     }
                     _ => String::new(),
@@ -356,35 +349,61 @@ impl<B: ProxyBackend> Reconciler<B> {
             )],
         }
     }
-}
 
-/// The first 12 hex digits of a hash (enough to tell two apart in a message).
-pub(crate) fn short(hash: &str) -> &str {
-    let hex = hash.rsplit(':').next().unwrap_or(hash);
-    &hex[..hex.len().min(12)]
-}
+    /// What leases and probes of the Proxy use: the credentials its instance accepts.
+    fn running_credentials(&self) -> Option<Credentials> {
+        let desired = self
+            .subject
+            .resolved
+            .as_ref()
+            .ok()
+            .and_then(|r| r.credentials.as_ref());
+        self.credentials.running_or(self.subject.key, desired)
+    }
 
-/// What the lease store needs for this proxy, once it has an endpoint.
-pub(crate) fn lease_target(
-    cx: &EffectContext<'_>,
-    record: &Record,
-    credentials: Option<Credentials>,
-) -> Option<LeaseTarget> {
-    Some(LeaseTarget {
-        key: cx.key.clone(),
-        endpoint: parse_endpoint(record.endpoint.as_deref()?)?,
-        attributes: cx.proxy.spec.attributes.clone(),
-        policy: cx.proxy.spec.lease.clone(),
-        credentials,
-    })
-}
+    /// What the lease store needs for this proxy, once it has an endpoint.
+    fn lease_target(&self, record: &Record, credentials: Option<Credentials>) -> Option<LeaseTarget> {
+        Some(LeaseTarget {
+            key: self.subject.key.clone(),
+            endpoint: record.endpoint.clone()?,
+            attributes: self.subject.proxy.spec.attributes.clone(),
+            policy: self.subject.proxy.spec.lease.clone(),
+            credentials,
+        })
+    }
 
-/// `host:port` or `[v6]:port` back into an [`Endpoint`].
-pub(crate) fn parse_endpoint(endpoint: &str) -> Option<Endpoint> {
-    let (host, port) = endpoint.rsplit_once(':')?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    Some(Endpoint {
-        host: host.to_owned(),
-        port: port.parse().ok()?,
-    })
+    /// Health probing and lease registration are in-memory: after a restart (or a spec edit of
+    /// attributes, limits or health settings) they are brought in line with the persisted state
+    /// here. This is upkeep of the executors' own state, not a transition: it never changes the
+    /// phase or the status.
+    pub fn sync_targets(&self, record: &Record) {
+        let key = self.subject.key;
+        let phase = record.state.phase();
+        let live = matches!(phase, Phase::Provisioning | Phase::Healthy | Phase::Degraded);
+        match (live, &record.endpoint) {
+            (true, Some(endpoint)) => {
+                // Probes and leases use what the instance accepts, not what the Secret says.
+                let credentials = self.running_credentials();
+                self.health.upsert(HealthTarget {
+                    key: key.clone(),
+                    endpoint: endpoint.clone(),
+                    check: self.subject.proxy.spec.health.clone(),
+                    credentials: credentials.clone(),
+                });
+                if let Some(target) = self.lease_target(record, credentials) {
+                    self.leases.upsert(target);
+                }
+                // Leasable only once *this process* has seen the proxy pass a probe: after a
+                // restart the persisted `healthy` may describe an instance that died meanwhile.
+                let verified = self.health.verdict(key) == HealthVerdict::Passing;
+                self.leases
+                    .set_admission(key, phase == Phase::Healthy && verified);
+            }
+            _ if phase == Phase::Pending => {
+                self.health.remove(key);
+                self.leases.set_admission(key, false);
+            }
+            _ => {}
+        }
+    }
 }

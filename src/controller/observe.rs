@@ -1,21 +1,227 @@
-//! **observe**: what the world says about one Proxy, and the table's facts that follow.
+//! **resolve** and **observe**: every read of one reconcile, and the table's facts that follow.
 //!
-//! [`Observation`] is what the reconciler gathered (client required: Secrets, the provider's
-//! `get`, the health verdict, the leases, the pool); [`facts`] turns it, the record written so far
-//! and the clock into the table's [`Facts`] (no client required). Level-triggered: facts come from
+//! [`Observer::resolve`] reads the Secrets the spec references and hashes the spec, once per
+//! reconcile; [`Observer::observe`] gathers, every round, what the world says (the provider's
+//! `get`, its availability, the health verdict, the leases, the credentials book, the pool's
+//! budgets) into an [`Observation`]. All the reconcile's reads are here; [`facts`] then turns an
+//! observation, the record written so far and the clock into the table's [`Facts`] (no client
+//! required), and [`cause_of`] says what caused a derived event. Level-triggered: facts come from
 //! comparing the world with the record, never from what woke the reconciler.
 
 use jiff::Timestamp;
+use tracing::debug;
 
 use super::{
-    pool::PoolFacts,
+    availability::ProviderAvailability,
+    credentials::CredentialsBook,
+    error::ReconcileError,
+    pool::{Budgets, PoolFacts, Pools},
+    spec_hash::{self, Comparison},
     status::{DeleteProgress, Record},
 };
 use crate::{
-    effects::HealthVerdict,
-    machine::{Fact, Facts, Phase, Timers, reason},
-    provider::{Instance, InstanceState},
+    api::Proxy,
+    effects::{HealthControl, HealthVerdict, LeaseControl, ProxyBackend, ProxyKey, SecretError},
+    machine::{Event, Fact, Facts, Phase, Timers, reason},
+    provider::{
+        Credentials, Instance, InstanceState, Owner, ProviderError, SharedProvider, UnknownProvider, UserData,
+    },
 };
+
+/// What the spec resolves to: its hash and the Secrets' content.
+pub(crate) struct Resolved {
+    pub hash: String,
+    pub user_data: Option<UserData>,
+    pub credentials: Option<Credentials>,
+}
+
+/// The reconciler's read side, borrowed for one reconcile.
+pub(crate) struct Observer<'a, B> {
+    pub backend: &'a B,
+    pub availability: &'a ProviderAvailability,
+    pub health: &'a dyn HealthControl,
+    pub leases: &'a dyn LeaseControl,
+    pub credentials: &'a CredentialsBook,
+    pub pools: &'a Pools,
+    pub timers: &'a Timers,
+    pub budgets: &'a Budgets,
+}
+
+/// The Proxy one reconcile is about, and what its spec resolved to: what observers and
+/// executors both read.
+pub(crate) struct Subject<'a> {
+    pub proxy: &'a Proxy,
+    pub key: &'a ProxyKey,
+    /// The provider's name of its instance.
+    pub instance: &'a str,
+    pub owner: &'a Owner,
+    pub provider_name: &'a str,
+    pub provider: Option<&'a SharedProvider>,
+    pub resolved: &'a Result<Resolved, SpecProblem>,
+}
+
+impl<B: ProxyBackend> Observer<'_, B> {
+    /// Reads the Secrets the spec references and computes the spec hash. A spec the user must
+    /// fix is `Ok(Err(problem))`; a read that may work next time is an error.
+    pub async fn resolve(
+        &self,
+        proxy: &Proxy,
+        key: &ProxyKey,
+        provider: Result<&SharedProvider, &UnknownProvider>,
+    ) -> Result<Result<Resolved, SpecProblem>, ReconcileError> {
+        if let Err(unknown) = provider {
+            return Ok(Err(SpecProblem {
+                reason: "UnknownProvider",
+                message: unknown.to_string(),
+            }));
+        }
+        let user_data = match &proxy.spec.cloud_init {
+            None => None,
+            Some(cloud_init) => {
+                let read = self
+                    .backend
+                    .cloud_init(key.namespace(), &cloud_init.secret_ref)
+                    .await;
+                match secret_value(read, "CloudInitSecretUnusable")? {
+                    Ok(data) => Some(data),
+                    Err(problem) => return Ok(Err(problem)),
+                }
+            }
+        };
+        let credentials = match &proxy.spec.auth {
+            None => None,
+            Some(auth) => {
+                let read = self
+                    .backend
+                    .credentials(key.namespace(), &auth.secret_ref.name)
+                    .await;
+                match secret_value(read, "CredentialsSecretUnusable")? {
+                    Ok(credentials) => Some(credentials),
+                    Err(problem) => return Ok(Err(problem)),
+                }
+            }
+        };
+        let hash = spec_hash::for_spec(&proxy.spec, user_data.as_ref().map(|d| d.0.as_str()));
+        Ok(Ok(Resolved {
+            hash,
+            user_data,
+            credentials,
+        }))
+    }
+
+    /// A Secret rotated again after a failed credentials update is a new request, like a spec
+    /// edit.
+    pub fn rotated_since_failure(&self, subject: &Subject<'_>) -> bool {
+        subject.resolved.as_ref().is_ok_and(|r| {
+            self.credentials
+                .rotated_since_failure(subject.key, r.credentials.as_ref())
+        })
+    }
+
+    /// One look at the world for `subject`, as `record` stands.
+    pub async fn observe(
+        &self,
+        subject: &Subject<'_>,
+        record: &Record,
+        spec_edited: bool,
+        finalizer_present: bool,
+        now: Timestamp,
+    ) -> Observation {
+        let Subject {
+            proxy, key, resolved, ..
+        } = subject;
+        let mut provider_down = subject
+            .provider
+            .and_then(|_| self.availability.down_reason(subject.provider_name));
+        let instance = match subject.provider {
+            Some(provider) if needs_instance(record.state.phase()) => {
+                look_up(provider, subject.instance, key, &mut provider_down).await
+            }
+            _ => InstanceObservation::NotChecked,
+        };
+        // Compared only against a spec that resolves: an unreadable Secret says nothing about
+        // which credentials are wanted.
+        let in_place = subject.provider.is_some_and(|p| p.updates_credentials_in_place());
+        let (credentials_changed, credentials_need_replacement) = match resolved {
+            Ok(resolved) => self
+                .credentials
+                .compare(key, resolved.credentials.as_ref(), in_place),
+            Err(_) => (false, false),
+        };
+        let spec_changed = match (resolved, applied_hash(&instance, record)) {
+            (Ok(resolved), Some(applied)) => {
+                let user_data = resolved.user_data.as_ref().map(|d| d.0.as_str());
+                match spec_hash::compare(applied, &proxy.spec, user_data) {
+                    Comparison::Same => false,
+                    Comparison::Changed => true,
+                    // Written by a newer operator (a downgrade), or not a hash: replacing every
+                    // instance on that guess would be worse than keeping them.
+                    Comparison::Unknown => {
+                        debug!(proxy = %key, applied, "spec hash of an unknown encoding: not treated as a change");
+                        false
+                    }
+                }
+            }
+            _ => false,
+        };
+        // An instance that cannot take new credentials in place is replaced like a changed spec.
+        let spec_changed = spec_changed || (credentials_need_replacement && resolved.is_ok());
+        // The budgets matter (and a replacement slot is reserved) only where a replacement is
+        // about to be decided: a changed spec, or a degraded proxy whose timer ran out (the
+        // facts `spec_changed` and `timer_expired` the table reads).
+        let phase = record.state.phase();
+        let replacing_soon =
+            spec_changed || (phase == Phase::Degraded && self.timers.expired(&record.state, now));
+        Observation {
+            deletion_requested: proxy.metadata.deletion_timestamp.is_some(),
+            finalizer_present,
+            spec_edited,
+            desired_hash: resolved.as_ref().map(|r| r.hash.clone()).map_err(Clone::clone),
+            spec_changed,
+            credentials_changed,
+            provider_down,
+            instance,
+            health: self.health.verdict(key),
+            active_leases: self.leases.active(key),
+            pool: self
+                .pools
+                .facts(key, subject.provider_name, phase, self.budgets, replacing_soon),
+        }
+    }
+}
+
+async fn look_up(
+    provider: &SharedProvider,
+    instance: &str,
+    key: &ProxyKey,
+    provider_down: &mut Option<String>,
+) -> InstanceObservation {
+    match provider.get(instance).await {
+        Ok(found) => InstanceObservation::Present(Box::new(found)),
+        Err(ProviderError::NotFound(_)) => InstanceObservation::Missing,
+        Err(ProviderError::Unavailable(reason)) => {
+            provider_down.get_or_insert(reason);
+            InstanceObservation::Unknown
+        }
+        Err(other) => {
+            debug!(proxy = %key, error = %other, "instance lookup failed");
+            InstanceObservation::Unknown
+        }
+    }
+}
+
+/// A referenced Secret's value. A Secret the user must fix becomes a [`SpecProblem`] with
+/// `reason`; anything else stays an error, retried with back-off.
+fn secret_value<T>(
+    read: Result<T, SecretError>,
+    reason: &'static str,
+) -> Result<Result<T, SpecProblem>, ReconcileError> {
+    match read {
+        Ok(value) => Ok(Ok(value)),
+        Err(SecretError::NotUsable(message)) => Ok(Err(SpecProblem { reason, message })),
+        Err(transient) => Err(ReconcileError::Secret(transient)),
+    }
+}
 
 /// A user error that keeps the Proxy from being realised (the user must change something).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -143,4 +349,70 @@ pub fn applied_hash<'a>(instance: &'a InstanceObservation, record: &'a Record) -
 /// Phases in which the instance's existence decides events (elsewhere no instance is expected).
 pub fn needs_instance(phase: Phase) -> bool {
     !matches!(phase, Phase::Pending | Phase::Deleted)
+}
+
+/// What caused a derived event, when more than its name says.
+pub fn cause_of(event: Event, observation: &Observation, record: &Record, timers: &Timers) -> Option<String> {
+    match event {
+        Event::SpecInvalid => observation.desired_hash.as_ref().err().map(SpecProblem::text),
+        Event::ProviderUnavailable => observation
+            .provider_down
+            .as_ref()
+            .map(|reason| format!("provider unavailable: {reason}")),
+        Event::TimerExpired => {
+            let timer = record.state.phase().timer()?;
+            Some(format!(
+                "{} ({} s) ran out in {}",
+                timer.as_str(),
+                timers.duration(timer).as_secs(),
+                record.state.phase()
+            ))
+        }
+        // The row says the provider came back; what the operator knows is that nothing
+        // reports it down any more (the monitor, this round's lookup), so it tries again.
+        Event::ProviderAvailable => {
+            Some("no check reports the provider down now (monitor, lookup): trying again".to_owned())
+        }
+        Event::InstanceMissing => {
+            let id = record.provider_id.as_deref().unwrap_or("of this Proxy");
+            Some(match (record.state.phase(), &observation.desired_hash) {
+                (Phase::Replacing, Ok(desired)) => format!(
+                    "the old instance {id} is gone (the provider reports NotFound); the new one is \
+                     built from spec hash {}",
+                    short(desired)
+                ),
+                (Phase::Replacing, Err(_)) => {
+                    format!("the old instance {id} is gone (the provider reports NotFound)")
+                }
+                _ => format!(
+                    "instance {id} no longer exists (the provider reports NotFound): deleted \
+                     outside the operator, or lost with its host"
+                ),
+            })
+        }
+        Event::SpecHashChanged => {
+            let desired = observation.desired_hash.as_ref().ok()?;
+            let applied = match &observation.instance {
+                InstanceObservation::Present(instance) => instance.spec_hash.clone(),
+                _ => None,
+            }
+            .or_else(|| record.spec_hash.clone())?;
+            Some(if short(&applied) == short(desired) {
+                format!(
+                    "the proxy credentials changed and the provider cannot change a running \
+                     instance's: replacing it (spec hash {} stays)",
+                    short(desired)
+                )
+            } else {
+                format!("spec hash {} -> {}", short(&applied), short(desired))
+            })
+        }
+        _ => None,
+    }
+}
+
+/// The first 12 hex digits of a hash (enough to tell two apart in a message).
+pub(crate) fn short(hash: &str) -> &str {
+    let hex = hash.rsplit(':').next().unwrap_or(hash);
+    &hex[..hex.len().min(12)]
 }

@@ -8,6 +8,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use crate::{
     api::ProxyStatus,
     machine::{Phase, State, reason},
+    provider::Endpoint,
 };
 
 /// The operator's finalizer on Proxies.
@@ -82,8 +83,8 @@ pub struct Record {
     pub spec_problem: Option<String>,
     /// Provider ID of the current instance.
     pub provider_id: Option<String>,
-    /// `host:port` of the current instance.
-    pub endpoint: Option<String>,
+    /// Where the current instance is reached (`status.endpoint` as text).
+    pub endpoint: Option<Endpoint>,
     /// Spec hash the current instance was built from.
     pub spec_hash: Option<String>,
     /// `Provisioned=True` was reported (the instance was seen running).
@@ -129,7 +130,8 @@ impl Record {
                 .filter(|c| c.status == "False")
                 .map(|c| c.message.clone()),
             provider_id: status.provider_id.clone(),
-            endpoint: status.endpoint.clone(),
+            // Written by `to_status` from an `Endpoint`; text that is not one names no endpoint.
+            endpoint: status.endpoint.as_deref().and_then(|e| e.parse().ok()),
             spec_hash: status.spec_hash.clone(),
             instance_running: provisioned.is_some_and(|c| c.status == "True"),
             retry_attempts: status.retry_attempts.map_or(0, |n| u32::try_from(n).unwrap_or(0)),
@@ -161,7 +163,7 @@ impl Record {
     /// (its own stamp, else `requested`, the hash it was created for).
     pub fn point_at(&mut self, instance: &crate::provider::Instance, requested: Option<&str>) {
         self.provider_id = Some(instance.id.to_string());
-        self.endpoint = instance.endpoint.as_ref().map(ToString::to_string);
+        self.endpoint = instance.endpoint.clone();
         self.spec_hash = instance
             .spec_hash
             .clone()
@@ -228,7 +230,7 @@ impl Record {
             observed_generation: generation,
             spec_hash: self.spec_hash.clone(),
             provider_id: self.provider_id.clone(),
-            endpoint: self.endpoint.clone(),
+            endpoint: self.endpoint.as_ref().map(ToString::to_string),
             last_health_check_time: self.last_health_check_time.map(Time),
         }
     }

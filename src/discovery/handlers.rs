@@ -16,7 +16,6 @@ use super::{
     AcquireBody, AcquireResponse, AuthError, ErrorBody, Identity, ListResponse, ProxyJson, ReleaseBody,
     ReleaseResponse, RenewBody, RenewResponse, StateInner, StatusBody,
     metrics::CodeLabels,
-    openapi,
     router::{ApiError, json, json_bytes},
     wire::{self, RequestBody},
 };
@@ -116,21 +115,6 @@ pub(super) fn metrics(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError>
         HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
     );
     Ok(response)
-}
-
-/// This contract (OpenAPI 3.1). Needs no token.
-#[utoipa::path(
-    get,
-    path = "/v1/openapi.json",
-    tag = "operations",
-    responses((status = 200, description = "The OpenAPI document", body = Object)),
-)]
-pub(super) fn openapi_json() -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(openapi::served()));
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
 }
 
 pub(super) fn check_ready(s: &StateInner) -> Result<(), ApiError> {

@@ -47,10 +47,11 @@ pub use wire::{
 
 use crate::lease::{LeaseStore, journal::Journal, token::LeaseSigner};
 use handlers::{
-    acquire, authenticate, check_journal, check_ready, healthz, list, metrics, openapi_json, read_request,
-    readyz, release, renew,
+    acquire, authenticate, check_journal, check_ready, healthz, list, metrics, read_request, readyz, release,
+    renew,
 };
 use metrics::ResultLabels;
+use openapi::openapi_json;
 use router::{ApiError, OTHER_ROUTE, Route, route};
 
 // One readiness for the replica: the admin endpoint's, whose checkpoint detail this API ignores.

@@ -6,6 +6,11 @@
 use std::sync::OnceLock;
 
 use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{
+    Response,
+    header::{self, HeaderValue},
+};
 use utoipa::{
     Modify, OpenApi,
     openapi::{
@@ -39,7 +44,7 @@ pub(crate) const BEARER: &str = "bearer";
         super::handlers::healthz,
         super::handlers::readyz,
         super::handlers::metrics,
-        super::handlers::openapi_json,
+        openapi_json,
         super::handlers::list,
         super::handlers::acquire,
         super::handlers::renew,
@@ -128,4 +133,19 @@ pub fn json() -> String {
 pub(crate) fn served() -> Bytes {
     static JSON: OnceLock<Bytes> = OnceLock::new();
     JSON.get_or_init(|| Bytes::from(json())).clone()
+}
+
+/// This contract (OpenAPI 3.1). Needs no token.
+#[utoipa::path(
+    get,
+    path = "/v1/openapi.json",
+    tag = "operations",
+    responses((status = 200, description = "The OpenAPI document", body = Object)),
+)]
+pub(super) fn openapi_json() -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(served()));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
 }

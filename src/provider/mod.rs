@@ -275,6 +275,32 @@ impl fmt::Display for Endpoint {
     }
 }
 
+/// An `Endpoint` as [`Display`](fmt::Display) writes it (`host:port`, `[v6]:port`), read back.
+impl std::str::FromStr for Endpoint {
+    type Err = EndpointParseError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let bad = || EndpointParseError(text.to_owned());
+        let (host, port) = text.rsplit_once(':').ok_or_else(bad)?;
+        let host = match host.strip_prefix('[') {
+            Some(bracketed) => bracketed.strip_suffix(']').ok_or_else(bad)?,
+            None => host,
+        };
+        if host.is_empty() {
+            return Err(bad());
+        }
+        Ok(Endpoint {
+            host: host.to_owned(),
+            port: port.parse().map_err(|_| bad())?,
+        })
+    }
+}
+
+/// Text that is not `host:port` or `[v6]:port` with a port in 0..=65535.
+#[derive(Debug, thiserror::Error)]
+#[error("endpoint {0:?} is not host:port or [v6]:port")]
+pub struct EndpointParseError(String);
+
 /// What the backend says the instance is doing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum InstanceState {

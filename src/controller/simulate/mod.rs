@@ -45,8 +45,9 @@ use std::path::{Path, PathBuf};
 use jiff::Timestamp;
 
 pub use objects::{InMemory, ProxyObjects};
-pub use replay::{MAX_WAKEUPS_PER_GAP, Replay, ReplayedStep, WorldView};
+pub use replay::{MAX_WAKEUPS_PER_GAP, Replay, ReplayedStep};
 pub use scenario::{Expect, Failure, PoolChange, Scenario, SimConfig, SimStep, SpecEdit, Start, WorldChange};
+pub use world::WorldView;
 
 /// The instant scenario time 0 maps to (any fixed instant would do; output shows offsets).
 pub const EPOCH: Timestamp = Timestamp::constant(1_735_689_600, 0); // 2025-01-01T00:00:00Z

@@ -6,7 +6,9 @@ use std::{sync::Arc, time::Duration};
 use jiff::Timestamp;
 
 use super::objects::{InMemory, ProxyObjects, sim_proxy};
-use super::world::{INSTANCE, ScriptedBackend, SimHealth, SimLeases, SimProvider, USER_DATA, World};
+use super::world::{
+    INSTANCE, ScriptedBackend, SimHealth, SimLeases, SimProvider, USER_DATA, World, WorldView,
+};
 use super::{EPOCH, PROVIDER, Scenario, ScenarioError};
 use crate::{
     api::ProxyStatus,
@@ -18,7 +20,7 @@ use crate::{
     },
     effects::BackendError,
     machine::{AuditEntry, Phase, audit},
-    provider::{Installation, ProviderRegistry},
+    provider::{Endpoint, Installation, ProviderRegistry},
 };
 
 impl Scenario {
@@ -68,7 +70,10 @@ impl Scenario {
             if live {
                 record.spec_hash = hash;
                 record.provider_id = Some(format!("sim/{PROVIDER}/{INSTANCE}"));
-                record.endpoint = Some("127.0.0.1:3128".to_owned());
+                record.endpoint = Some(Endpoint {
+                    host: "127.0.0.1".to_owned(),
+                    port: 3128,
+                });
                 record.instance_running = true;
                 proxy.metadata.finalizers = Some(vec![FINALIZER.to_owned()]);
             }
@@ -224,21 +229,6 @@ fn at_time(at: u64) -> Timestamp {
             i64::try_from(at).unwrap_or(i64::MAX),
         ))
         .unwrap_or(Timestamp::MAX)
-}
-
-/// What the scripted world looked like after a reconcile (what invariants are checked against).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct WorldView {
-    /// The provider has an instance for the Proxy.
-    pub instance: bool,
-    /// The lease store admits new leases on the proxy.
-    pub leases_admitted: bool,
-    /// Active leases.
-    pub leases_active: usize,
-    /// The health verdict is passing.
-    pub health_passing: bool,
-    /// The Proxy object still exists (its finalizer holds it, or it is not deleted).
-    pub object: bool,
 }
 
 /// What one step did.

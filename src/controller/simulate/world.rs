@@ -26,6 +26,21 @@ use crate::{
 };
 
 pub(super) const INSTANCE: &str = "epo-sim-proxy";
+/// What the scripted world looked like after a reconcile (what invariants are checked against).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorldView {
+    /// The provider has an instance for the Proxy.
+    pub instance: bool,
+    /// The lease store admits new leases on the proxy.
+    pub leases_admitted: bool,
+    /// Active leases.
+    pub leases_active: usize,
+    /// The health verdict is passing.
+    pub health_passing: bool,
+    /// The Proxy object still exists (its finalizer holds it, or it is not deleted).
+    pub object: bool,
+}
+
 /// The cloud-init content of the scenario Proxy's Secret (it only feeds the spec hash).
 pub(super) const USER_DATA: &str = "#cloud-config";
 
@@ -139,9 +154,9 @@ impl World {
     }
 
     /// What the invariants are checked against, after a reconcile.
-    pub(super) fn snapshot(&self, object: bool) -> super::replay::WorldView {
+    pub(super) fn snapshot(&self, object: bool) -> WorldView {
         let w = self.lock();
-        super::replay::WorldView {
+        WorldView {
             instance: w.instance.is_some(),
             leases_admitted: w.admitted,
             leases_active: w.leases,
