@@ -81,6 +81,23 @@ struct Progress {
     plans: Vec<Plan>,
 }
 
+impl Progress {
+    /// Nothing done yet: the record as the Proxy's status has it.
+    fn start(proxy: &Proxy, now: Timestamp) -> Result<Self, ReconcileError> {
+        Ok(Progress {
+            record: Record::from_status(proxy.status.as_ref(), now)
+                .map_err(ReconcileError::UnreadableStatus)?,
+            object: ObjectWrites {
+                finalizer: proxy.finalizers().iter().any(|f| f == FINALIZER),
+                resource_version: None,
+                writes: 0,
+            },
+            audit: Vec::new(),
+            plans: Vec::new(),
+        })
+    }
+}
+
 impl<B: ProxyBackend> Reconciler<B> {
     /// A reconciler over `backend` and `providers`.
     pub fn new(
@@ -153,36 +170,19 @@ impl<B: ProxyBackend> Reconciler<B> {
     async fn reconcile_steps(&self, proxy: &Proxy) -> Result<ReconcileOutcome, ReconcileError> {
         let now = (self.clock)();
         let (key, instance, owner) = identify(proxy)?;
-        let record =
-            Record::from_status(proxy.status.as_ref(), now).map_err(ReconcileError::UnreadableStatus)?;
-        let mut progress = Progress {
-            record,
-            object: ObjectWrites {
-                finalizer: proxy.finalizers().iter().any(|f| f == FINALIZER),
-                resource_version: None,
-                writes: 0,
-            },
-            audit: Vec::new(),
-            plans: Vec::new(),
-        };
+        let mut progress = Progress::start(proxy, now)?;
         let observer = self.observer();
         let provider = self.providers.get(&proxy.spec.provider);
         let resolved = observer.resolve(proxy, &key, provider.as_ref().copied()).await?;
-        let executors = Executors {
-            backend: &self.backend,
-            leases: &*self.leases,
-            health: &*self.health,
-            credentials: &self.credentials,
-            subject: Subject {
-                proxy,
-                key: &key,
-                instance: &instance,
-                owner: &owner,
-                provider_name: &proxy.spec.provider,
-                provider: provider.as_ref().ok().copied(),
-                resolved: &resolved,
-            },
-        };
+        let executors = self.executors(Subject {
+            proxy,
+            key: &key,
+            instance: &instance,
+            owner: &owner,
+            provider_name: &proxy.spec.provider,
+            provider: provider.as_ref().ok().copied(),
+            resolved: &resolved,
+        });
         let subject = &executors.subject;
         // A spec edit, or a Secret rotated again after a failed update, is a new request for
         // the first round only: a retry it allowed that fails again backs off.
@@ -232,6 +232,17 @@ impl<B: ProxyBackend> Reconciler<B> {
             pools: &self.pools,
             timers: &self.config.timers,
             budgets: &self.config.budgets,
+        }
+    }
+
+    /// The write side of this reconciler, acting on `subject`.
+    fn executors<'a>(&'a self, subject: Subject<'a>) -> Executors<'a, B> {
+        Executors {
+            backend: &self.backend,
+            leases: &*self.leases,
+            health: &*self.health,
+            credentials: &self.credentials,
+            subject,
         }
     }
 
