@@ -1,6 +1,8 @@
 //! The endpoints: operations (`/healthz`, `/readyz`, `/metrics`, the OpenAPI document) and
 //! the lease API (list, acquire, renew, release), with the checks they share (authentication,
-//! readiness, the lease journal, JSON bodies, signed lease IDs).
+//! readiness, the lease journal, JSON bodies, signed lease IDs). The lease operations themselves,
+//! durable ones included, are [`crate::lease::DurableLeases`]'s: a handler parses, calls one and
+//! answers.
 
 use std::time::Duration;
 
@@ -20,10 +22,8 @@ use super::{
     wire::{self, RequestBody},
 };
 use crate::lease::{
-    AcquireRequest, Granted, LeaseError, LeaseStore, Outcome, Selector,
-    checkpoint::BanCheckpoint,
-    journal::{Journal, JournalError, Record},
-    rfc3339,
+    AcquireRequest, Acquired, DurableError, DurableLeases, LeaseClaim, LeaseError, Selector,
+    journal::JournalError, rfc3339,
 };
 
 /// What every endpoint that needs a token may answer before it reads the request (documents
@@ -138,10 +138,15 @@ pub(super) fn check_ready(s: &StateInner) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The lease operations of this API: durable first when a journal is set.
+pub(super) fn leases(s: &StateInner) -> DurableLeases<'_> {
+    DurableLeases::new(&s.deps.store, s.journal.get())
+}
+
 /// Refuses lease operations while the journal cannot make them durable.
 pub(super) fn check_journal(s: &StateInner) -> Result<(), ApiError> {
-    match s.journal.get().and_then(Journal::failing) {
-        Some(why) => Err(journal_unavailable(&JournalError::Failing(why))),
+    match leases(s).failing() {
+        Some(error) => Err(journal_unavailable(&error)),
         None => Ok(()),
     }
 }
@@ -155,15 +160,12 @@ pub(super) fn journal_unavailable(error: &JournalError) -> ApiError {
     .retry(Duration::from_secs(1))
 }
 
-/// Appends `record` to the journal, if any, and waits until it is durable.
-pub(super) async fn commit(s: &StateInner, record: impl FnOnce() -> Record) -> Result<(), ApiError> {
-    match s.journal.get() {
-        Some(journal) => journal
-            .append(&record())
-            .wait()
-            .await
-            .map_err(|e| journal_unavailable(&e)),
-        None => Ok(()),
+impl From<DurableError> for ApiError {
+    fn from(error: DurableError) -> Self {
+        match error {
+            DurableError::Lease(refused) => refused.into(),
+            DurableError::Journal(error) => journal_unavailable(&error),
+        }
     }
 }
 
@@ -337,50 +339,28 @@ pub(super) async fn acquire(
         session_key: req.session_key.as_deref(),
         request_id: req.request_id.as_deref(),
     };
-    let Granted { lease, repeat_of } = match s.deps.store.acquire_granted_at(&request, now) {
-        Ok(granted) => granted,
-        Err(e) => {
+    let Acquired {
+        lease,
+        claim,
+        repeated,
+    } = match leases(s).acquire(&request, now).await {
+        Ok(acquired) => acquired,
+        Err(DurableError::Lease(refused)) => {
             s.deps
                 .metrics
                 .refused
-                .get_or_create(&CodeLabels { code: e.code() })
+                .get_or_create(&CodeLabels { code: refused.code() })
                 .inc();
-            return Err(e.into());
+            return Err(refused.into());
         }
+        Err(not_durable) => return Err(not_durable.into()),
     };
-    let repeated = repeat_of.is_some();
-    let claim = repeat_of.unwrap_or_else(|| {
-        lease.claim(
-            &req.holder,
-            req.target_domain.as_deref(),
-            req.session_key.as_deref(),
-        )
-    });
     if repeated {
         // Granted (and made durable) by an earlier acquire with this request ID.
         tracing::debug!(proxy = %lease.id.key, holder = %req.holder, caller = %identity.name, "lease answered again for its request ID");
     } else {
         s.deps.metrics.acquired.inc();
         tracing::debug!(proxy = %lease.id.key, holder = %req.holder, caller = %identity.name, "lease granted");
-        let request_id = req.request_id.as_deref();
-        if let Err(error) = commit(s, || {
-            Record::acquired(&lease, &claim, request_id, s.deps.store.config().session_idle_ttl)
-        })
-        .await
-        {
-            // Not durable, so not granted: free the slot (nobody was told its token).
-            let _ = s
-                .deps
-                .store
-                .release_at(&lease.id, lease.fencing_token, Outcome::Error, None, now);
-            if let Some(request_id) = request_id {
-                s.deps.store.forget_request(&req.holder, request_id);
-            }
-            return Err(error);
-        }
-        if let Some(request_id) = request_id {
-            s.deps.store.confirm_request(&req.holder, request_id);
-        }
     }
     let lease_id = s.deps.signer.sign(&claim);
     let body = AcquireResponse {
@@ -398,33 +378,10 @@ pub(super) async fn acquire(
     Ok(json_bytes(StatusCode::CREATED, bytes))
 }
 
-pub(super) fn verify(s: &StateInner, id: &str) -> Result<crate::lease::LeaseClaim, ApiError> {
+/// What the lease ID `id` says, if this API signed it.
+pub(super) fn verify(s: &StateInner, id: &str) -> Result<LeaseClaim, ApiError> {
     // An ID this key did not sign is simply unknown.
     s.deps.signer.verify(id).map_err(|_| LeaseError::NotFound.into())
-}
-
-/// Runs `op`; if the store has no record of the lease, takes it back from its signed claim
-/// (a lease the last checkpoint missed) and runs `op` again.
-pub(super) fn with_claim<T>(
-    s: &StateInner,
-    id: &str,
-    token: u64,
-    now: u64,
-    op: impl Fn(&crate::lease::LeaseClaim) -> Result<T, LeaseError>,
-) -> Result<T, ApiError> {
-    let claim = verify(s, id)?;
-    match op(&claim) {
-        Err(LeaseError::NotFound) => {
-            s.deps.store.reinstate_at(&claim, token, now)?;
-            if let Some(journal) = s.journal.get() {
-                // The operation's own record follows: its commit makes this one durable too.
-                drop(journal.append(&Record::reinstated(&claim, token)));
-            }
-            tracing::info!(proxy = %claim.id.key, "lease reinstated from its signed ID");
-            Ok(op(&claim)?)
-        }
-        other => Ok(other?),
-    }
 }
 
 /// Extends a lease from now and issues a new fencing token.
@@ -449,20 +406,9 @@ pub(super) async fn renew(
     req: RenewBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
+    let claim = verify(s, id)?;
     let ttl = req.ttl_seconds.map(Duration::from_secs);
-    let (renewed, lease) = with_claim(s, id, req.fencing_token, now, |claim| {
-        s.deps
-            .store
-            .renew_at(&claim.id, req.fencing_token, ttl, now)
-            .map(|r| (r, claim.id.clone()))
-    })?;
-    commit(s, || Record::Renew {
-        key: lease.key,
-        first_token: lease.first_token,
-        token: renewed.fencing_token,
-        expires_at_ms: renewed.expires_at_ms,
-    })
-    .await?;
+    let renewed = leases(s).renew(&claim, req.fencing_token, ttl, now).await?;
     Ok(json(
         StatusCode::OK,
         &RenewResponse {
@@ -495,35 +441,11 @@ pub(super) async fn release(
     req: ReleaseBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    let (lease, own_domain) = with_claim(s, id, req.fencing_token, now, |claim| {
-        s.deps
-            .store
-            .release_at(
-                &claim.id,
-                req.fencing_token,
-                req.outcome,
-                req.target_domain.as_deref(),
-                now,
-            )
-            .map(|()| (claim.id.clone(), claim.target_domain.clone()))
-    })?;
-    commit(s, || {
-        let ban = (req.outcome == Outcome::Banned)
-            // The store took the lease's own domain when the release named none.
-            .then(|| req.target_domain.clone().or(own_domain))
-            .flatten()
-            .map(|domain| BanCheckpoint {
-                domain: LeaseStore::normalize_domain(&domain),
-                until_ms: now + s.deps.store.config().ban_cooldown.as_millis() as u64,
-            });
-        Record::Release {
-            cooldown_until_ms: s.deps.store.cooldown_until(&lease.key, now),
-            key: lease.key,
-            first_token: lease.first_token,
-            ban,
-        }
-    })
-    .await?;
+    let claim = verify(s, id)?;
+    let domain = req.target_domain.as_deref();
+    leases(s)
+        .release(&claim, req.fencing_token, req.outcome, domain, now)
+        .await?;
     s.deps
         .metrics
         .released

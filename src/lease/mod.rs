@@ -23,7 +23,7 @@
 //!   [`LeaseStoreConfig::ban_cooldown`]. Requests without a target domain ignore domain bans.
 //! - **Choice.** Among eligible proxies, the least recently used one (acquired or released the
 //!   longest ago). The store is split into shards, each with its own lock and LRU lists; a
-//!   thread's acquires start in one shard for 64 acquires, then in the next, round robin
+//!   thread's acquires start in one shard for 4,096 acquires (`store::select::BURST`), then in the next, round robin
 //!   (concurrent threads split the shards between them, so no shard's data moves between cores
 //!   on every call), so the choice is LRU within a shard and close to LRU overall. `shards: 1`
 //!   makes it strict. A selector with several terms gets a list of its
@@ -57,6 +57,7 @@
 pub mod checkpoint;
 mod clock;
 mod control;
+mod durable;
 pub mod journal;
 mod selector;
 mod store;
@@ -70,6 +71,7 @@ use std::{fmt, sync::Arc, time::Duration};
 pub use crate::api::{MalformedProxyKey, ProxyKey};
 pub use checkpoint::maintenance;
 pub use clock::{Clock, rfc3339};
+pub use durable::{Acquired, DurableError, DurableLeases};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
 pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
 
@@ -351,6 +353,15 @@ pub struct Renewed {
     pub fencing_token: u64,
     /// The new expiry (ms since the epoch).
     pub expires_at_ms: u64,
+}
+
+/// What a release changed besides ending the lease (what the journal records of it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Released {
+    /// The domain ban a `banned` outcome started.
+    pub ban: Option<checkpoint::BanCheckpoint>,
+    /// When the proxy's cooldown ends, if it is resting now.
+    pub cooldown_until_ms: Option<u64>,
 }
 
 /// Everything a signed lease ID says about its lease: enough to take it back after a restart

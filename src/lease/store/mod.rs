@@ -42,7 +42,7 @@ use self::{
 };
 use super::{
     Admission, DrainStatus, LeaseError, LeaseId, LeaseStoreConfig, LeaseTarget, Outcome, ProxyInfo, ProxyKey,
-    Renewed, selector::Interner,
+    Released, Renewed, checkpoint::BanCheckpoint, selector::Interner,
 };
 use crate::sync::{lock, read, write};
 
@@ -432,11 +432,12 @@ impl LeaseStore {
         token: u64,
         outcome: Outcome,
         target_domain: Option<&str>,
-    ) -> Result<(), LeaseError> {
+    ) -> Result<Released, LeaseError> {
         self.release_at(id, token, outcome, target_domain, self.now())
     }
 
-    /// [`LeaseStore::release`] at `now` ([`LeaseStore::now_ms`]).
+    /// [`LeaseStore::release`] at `now` ([`LeaseStore::now_ms`]); returns the ban and cooldown
+    /// it started.
     pub fn release_at(
         &self,
         id: &LeaseId,
@@ -444,7 +445,7 @@ impl LeaseStore {
         outcome: Outcome,
         target_domain: Option<&str>,
         now: u64,
-    ) -> Result<(), LeaseError> {
+    ) -> Result<Released, LeaseError> {
         let ban_ms = self.inner.config.ban_cooldown.as_millis() as u64;
         self.with_lease(id, now, |shard, slot, idx| {
             Self::check_token(shard, slot, idx, token)?;
@@ -459,15 +460,23 @@ impl LeaseStore {
                 Outcome::Ok | Outcome::Error => None,
             };
             p.leases.swap_remove(idx);
-            if let Some(domain) = ban {
+            let ban = ban.map(|domain| {
                 p.bans.retain(|(d, until)| *until > now && **d != *domain);
-                p.bans.push((domain.into(), now + ban_ms));
-            }
+                p.bans.push((domain.as_str().into(), now + ban_ms));
+                BanCheckpoint {
+                    domain,
+                    until_ms: now + ban_ms,
+                }
+            });
             shard.active -= 1;
             shard.dirty = true;
             shard.start_cooldown(slot, now, now);
             shard.relink(slot, now, true);
-            Ok(())
+            let cooling_until = shard.proxy(slot).cooling_until;
+            Ok(Released {
+                ban,
+                cooldown_until_ms: (cooling_until > now).then_some(cooling_until),
+            })
         })
     }
 

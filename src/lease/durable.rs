@@ -1,0 +1,302 @@
+//! The lease operations as crawlers see them: a change to the store that, when a journal is
+//! set, is durable before it is answered.
+//!
+//! Each operation asks the store for the change ([`LeaseStore`] returns what it changed: the
+//! lease granted, the token and expiry renewed, the ban and cooldown a release started),
+//! journals that change and awaits its commit; a grant that cannot be made durable is undone
+//! (nobody was told its token), a confirmed one marks its request ID answered. A renew or
+//! release of a lease the store does not know (one the last checkpoint missed) first takes it
+//! back from its signed claim. The discovery API parses a request, calls one of these and
+//! answers; it neither journals nor undoes.
+
+use std::time::Duration;
+
+use super::{
+    AcquireRequest, Granted, Lease, LeaseClaim, LeaseError, LeaseStore, Outcome, Renewed,
+    journal::{Journal, JournalError, Record},
+};
+
+/// A lease operation failed: refused by the store, or not made durable.
+#[derive(Debug, thiserror::Error)]
+pub enum DurableError {
+    /// The store refused it (nothing changed).
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    /// The change could not be made durable; an acquire was undone, a renew or release stands
+    /// in memory and is journalled again by the next checkpoint.
+    #[error("the lease operation could not be made durable: {0}")]
+    Journal(#[from] JournalError),
+}
+
+/// A lease granted (or answered again for its request ID).
+#[derive(Debug)]
+pub struct Acquired {
+    /// The lease.
+    pub lease: Lease,
+    /// What its ID says, as granted.
+    pub claim: LeaseClaim,
+    /// An earlier acquire with the same request ID granted it (and made it durable).
+    pub repeated: bool,
+}
+
+/// The store and, in standalone mode, the journal that makes its changes durable.
+#[derive(Clone, Copy)]
+pub struct DurableLeases<'a> {
+    store: &'a LeaseStore,
+    journal: Option<&'a Journal>,
+}
+
+impl<'a> DurableLeases<'a> {
+    /// Operations on `store`, journalled to `journal` when there is one.
+    pub fn new(store: &'a LeaseStore, journal: Option<&'a Journal>) -> Self {
+        Self { store, journal }
+    }
+
+    /// Why the journal cannot make operations durable now, if it cannot: callers refuse
+    /// before changing anything.
+    pub fn failing(&self) -> Option<JournalError> {
+        self.journal?.failing().map(JournalError::Failing)
+    }
+
+    /// Grants a lease for `request`, durable before it returns.
+    pub async fn acquire(&self, request: &AcquireRequest<'_>, now: u64) -> Result<Acquired, DurableError> {
+        let Granted { lease, repeat_of } = self.store.acquire_granted_at(request, now)?;
+        if let Some(claim) = repeat_of {
+            return Ok(Acquired {
+                lease,
+                claim,
+                repeated: true,
+            });
+        }
+        let claim = lease.claim(request.holder, request.target_domain, request.session_key);
+        let idle = self.store.config().session_idle_ttl;
+        let committed = self
+            .commit(|| Record::acquired(&lease, &claim, request.request_id, idle))
+            .await;
+        if let Err(error) = committed {
+            // Not durable, so not granted: free the slot (nobody was told its token).
+            let _ = self
+                .store
+                .release_at(&lease.id, lease.fencing_token, Outcome::Error, None, now);
+            if let Some(request_id) = request.request_id {
+                self.store.forget_request(request.holder, request_id);
+            }
+            return Err(error.into());
+        }
+        if let Some(request_id) = request.request_id {
+            self.store.confirm_request(request.holder, request_id);
+        }
+        Ok(Acquired {
+            lease,
+            claim,
+            repeated: false,
+        })
+    }
+
+    /// Extends the lease `claim` names from `now` and issues a new token.
+    pub async fn renew(
+        &self,
+        claim: &LeaseClaim,
+        token: u64,
+        ttl: Option<Duration>,
+        now: u64,
+    ) -> Result<Renewed, DurableError> {
+        let renewed = self.with_claim(claim, token, now, |store| {
+            store.renew_at(&claim.id, token, ttl, now)
+        })?;
+        self.commit(|| Record::Renew {
+            key: claim.id.key.clone(),
+            first_token: claim.id.first_token,
+            token: renewed.fencing_token,
+            expires_at_ms: renewed.expires_at_ms,
+        })
+        .await?;
+        Ok(renewed)
+    }
+
+    /// Ends the lease `claim` names with `outcome`; a ban applies to `target_domain`, else to
+    /// the lease's own.
+    pub async fn release(
+        &self,
+        claim: &LeaseClaim,
+        token: u64,
+        outcome: Outcome,
+        target_domain: Option<&str>,
+        now: u64,
+    ) -> Result<(), DurableError> {
+        let released = self.with_claim(claim, token, now, |store| {
+            store.release_at(&claim.id, token, outcome, target_domain, now)
+        })?;
+        self.commit(|| Record::Release {
+            key: claim.id.key.clone(),
+            first_token: claim.id.first_token,
+            cooldown_until_ms: released.cooldown_until_ms,
+            ban: released.ban,
+        })
+        .await?;
+        Ok(())
+    }
+
+    /// Runs `op`; if the store has no record of the lease, takes it back from its signed
+    /// claim (a lease the last checkpoint missed) and runs `op` again.
+    fn with_claim<T>(
+        &self,
+        claim: &LeaseClaim,
+        token: u64,
+        now: u64,
+        op: impl Fn(&LeaseStore) -> Result<T, LeaseError>,
+    ) -> Result<T, LeaseError> {
+        match op(self.store) {
+            Err(LeaseError::NotFound) => {
+                self.store.reinstate_at(claim, token, now)?;
+                if let Some(journal) = self.journal {
+                    // The operation's own record follows: its commit makes this one durable too.
+                    drop(journal.append(&Record::reinstated(claim, token)));
+                }
+                tracing::info!(proxy = %claim.id.key, "lease reinstated from its signed ID");
+                op(self.store)
+            }
+            other => other,
+        }
+    }
+
+    /// Appends `record` to the journal, if any, and waits until it is durable.
+    async fn commit(&self, record: impl FnOnce() -> Record) -> Result<(), JournalError> {
+        match self.journal {
+            Some(journal) => journal.append(&record()).wait().await,
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{
+        api::LeasePolicy,
+        lease::{
+            Admission, Clock, LeaseStoreConfig, LeaseTarget, ProxyKey, Selector,
+            checkpoint::BanCheckpoint,
+            journal::{JournalConfig, JournalMetrics, SEGMENT_PREFIX, recover},
+        },
+        provider::Endpoint,
+    };
+
+    const T0: u64 = 1_780_000_000_000;
+
+    /// A store with one open proxy `crawl/a` that rests `cooldown` seconds after a release.
+    fn store(cooldown: i32) -> LeaseStore {
+        let store = LeaseStore::new(LeaseStoreConfig {
+            shards: 1,
+            ban_cooldown: Duration::from_secs(600),
+            session_idle_ttl: Duration::from_secs(60),
+            restore_grace: Duration::from_secs(60),
+            unconfirmed_grace: Duration::from_secs(30),
+            clock: Clock::manual(T0),
+        });
+        let key = ProxyKey::new("crawl", "a");
+        store.upsert_proxy(LeaseTarget {
+            key: key.clone(),
+            endpoint: Endpoint {
+                host: "127.0.0.1".into(),
+                port: 3128,
+            },
+            attributes: Default::default(),
+            policy: LeasePolicy {
+                max_concurrent: 1,
+                cooldown_seconds: cooldown,
+                max_ttl_seconds: 600,
+            },
+            credentials: None,
+        });
+        store.set_admission(&key, Admission::Open).unwrap();
+        store
+    }
+
+    fn journal(dir: &std::path::Path) -> Journal {
+        Journal::start(JournalConfig::new(dir), 1, JournalMetrics::default()).unwrap()
+    }
+
+    /// The ban and cooldown in the journal are the ones the store started (the domain as the
+    /// store keeps it: the lease's own, lowercase, without its final dot).
+    #[tokio::test]
+    async fn a_release_journals_the_ban_and_cooldown_the_store_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = journal(dir.path());
+        let store = store(5);
+        let leases = DurableLeases::new(&store, Some(&journal));
+        let all = store.compile(&Selector::default());
+        let request = AcquireRequest {
+            selector: &all,
+            holder: "c1",
+            ttl: Duration::from_secs(60),
+            target_domain: Some("Shop.Example."),
+            session_key: None,
+            request_id: None,
+        };
+        let acquired = leases.acquire(&request, T0).await.unwrap();
+        assert!(!acquired.repeated);
+        leases
+            .release(
+                &acquired.claim,
+                acquired.lease.fencing_token,
+                Outcome::Banned,
+                None,
+                T0 + 1_000,
+            )
+            .await
+            .unwrap();
+        journal.close();
+        let recovered = recover(dir.path(), None).unwrap().checkpoint;
+        let proxy = &recovered.proxies[0];
+        assert!(proxy.leases.is_empty());
+        assert_eq!(
+            proxy.bans,
+            vec![BanCheckpoint {
+                domain: "shop.example".to_owned(),
+                until_ms: T0 + 1_000 + 600_000,
+            }]
+        );
+        assert_eq!(proxy.cooldown_until_ms, Some(T0 + 1_000 + 5_000));
+    }
+
+    /// An acquire the journal cannot make durable is undone: its slot is free again and its
+    /// request ID forgotten, so asking again is a new grant, not an answer about a lease
+    /// nobody was told of.
+    #[tokio::test]
+    async fn an_acquire_that_cannot_be_made_durable_is_undone() {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = journal(dir.path());
+        let through = journal.rotate().await.unwrap();
+        // The next segment is a full disk.
+        std::os::unix::fs::symlink(
+            "/dev/full",
+            dir.path().join(format!("{SEGMENT_PREFIX}{:020}", through + 1)),
+        )
+        .unwrap();
+        let store = store(0);
+        let all = store.compile(&Selector::default());
+        let request = AcquireRequest {
+            selector: &all,
+            holder: "c1",
+            ttl: Duration::from_secs(60),
+            target_domain: None,
+            session_key: None,
+            request_id: Some("req-1"),
+        };
+        let refused = DurableLeases::new(&store, Some(&journal))
+            .acquire(&request, T0)
+            .await
+            .unwrap_err();
+        assert!(matches!(refused, DurableError::Journal(_)), "{refused}");
+        assert_eq!(store.active_leases(&ProxyKey::new("crawl", "a")), 0);
+        let again = DurableLeases::new(&store, None)
+            .acquire(&request, T0)
+            .await
+            .unwrap();
+        assert!(!again.repeated, "the undone grant was answered again");
+        journal.close();
+    }
+}
