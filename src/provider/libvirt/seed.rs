@@ -4,9 +4,9 @@
 //! `user-data` is a MIME multi-part message, which cloud-init reads part by part: first the
 //! Proxy's own user-data (from its Secret, untouched), then ours, a cloud-config that writes
 //! Squid's config and password file (both from [`crate::provider::squid`]) for the Proxy's
-//! port and credentials. Ours carries a `merge_how` that appends
-//! lists and keeps the user's keys, so the user's `write_files`, `runcmd` and settings survive
-//! and ours is added (our `squid.conf` is written last, so it wins over a user's copy).
+//! port and credentials. Ours carries a `merge_how` that appends lists and keeps the user's
+//! keys, so the user's `write_files`, `runcmd` and settings survive and ours is added (our
+//! `squid.conf` is written last, so it wins over a user's copy).
 //!
 //! `meta-data`'s `instance-id` includes the spec hash: a replacement instance is a new
 //! instance to cloud-init, which then runs its per-instance modules again.

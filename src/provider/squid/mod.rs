@@ -45,7 +45,8 @@ pub mod debian {
 }
 
 /// Why a request cannot be turned into a Squid config and password file. Every message says
-/// what to change; none contains the password (nor the user name, which is half a secret).
+/// what to change; none contains the password, nor more of the user name (half a secret) than
+/// the one character at fault.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SquidError {
     /// The user name is empty.
