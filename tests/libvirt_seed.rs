@@ -11,13 +11,18 @@ use std::{
     process::{Command, Stdio},
 };
 
-use egress_proxies_operator::provider::libvirt::seed::{
-    SQUID_CONF_PATH, SQUID_PASSWD_PATH, proxy_cloud_config,
+use egress_proxies_operator::provider::{
+    libvirt::seed::proxy_cloud_config,
+    squid::{
+        Prepared,
+        debian::{CONF_PATH as SQUID_CONF_PATH, PASSWD_PATH as SQUID_PASSWD_PATH},
+    },
 };
 
 /// The `write_files` of our cloud-config part, as (path, content).
 fn written_files(request: &egress_proxies_operator::provider::InstanceRequest) -> Vec<(String, String)> {
-    let config = proxy_cloud_config(request);
+    let prepared = Prepared::for_request(request).expect("a request Squid can carry");
+    let config = proxy_cloud_config(request, &prepared);
     let value: serde_json::Value =
         serde_norway::from_str(config.strip_prefix("#cloud-config\n").expect("header")).expect("YAML");
     value["write_files"]

@@ -20,6 +20,7 @@ use egress_proxies_operator::{
         InstanceState, Provider, ProviderError,
         kvm2::Kvm2Provider,
         libvirt::{KVM_NAMESPACE, KVM2_NAMESPACE},
+        squid::USER_NAME_RULE,
     },
 };
 use libvirt_requests::{request, request_for, settings, user_network};
@@ -240,6 +241,37 @@ async fn missing_pool_base_image_or_network_is_misconfigured_and_leaves_nothing(
             "no volume left"
         );
     }
+}
+
+#[tokio::test]
+async fn a_user_name_squid_cannot_carry_is_rejected_before_any_volume_or_domain() {
+    let connection = test_driver();
+    let provider = provider();
+    let mut req = request("bad-user");
+    let credentials = req.credentials.as_mut().expect("the fixture has credentials");
+    credentials.username = "crawler\nhttp_access allow all".into();
+    match provider.create(&req).await {
+        // The Proxy's problem: the controller waits for it to change instead of retrying.
+        Err(err @ ProviderError::Rejected(_)) => {
+            let message = err.to_string();
+            assert!(
+                message.contains("character 8 of the proxy user name is '\\n'"),
+                "{message}"
+            );
+            assert!(message.contains(USER_NAME_RULE), "{message}");
+            assert!(!message.contains("not-in-logs"), "no password in {message}");
+            assert!(!err.is_transient());
+        }
+        other => panic!("expected Rejected, got {other:?}"),
+    }
+    assert!(
+        connection.lookup_domain_by_name(&req.name).is_err(),
+        "no domain made"
+    );
+    assert!(
+        volumes(&connection).iter().all(|v| !v.starts_with(&req.name)),
+        "no disk or seed volume made"
+    );
 }
 
 #[tokio::test]

@@ -27,6 +27,7 @@ pub mod local;
 pub mod locks;
 pub mod memory;
 mod registry;
+pub mod squid;
 
 /// The `kvm` provider type: libvirt VMs through `virsh` ([`libvirt::virsh`]).
 pub mod kvm {

@@ -255,6 +255,9 @@ impl Provider for KubernetesProvider {
                 self.instance
             )));
         }
+        // Rendered before any call: a request Squid cannot carry is refused before the API
+        // server hears of it.
+        let objects = self.objects(request, jiff::Timestamp::now())?;
         // The fast path of a repeated create: the Pod exists, nothing else to make.
         if let Some(pod) = self.pod_of(&request.name).await? {
             self.installation
@@ -262,27 +265,17 @@ impl Provider for KubernetesProvider {
             let service = self.service_of(&request.name).await?;
             return Ok(self.instance_of(&pod, service.as_ref()));
         }
-        let meta = self.metadata(request, jiff::Timestamp::now());
         // Config first, Pod last: a crash in between leaves objects that a repeated create
         // completes (AlreadyExists counts as made) and delete removes, never a Pod without
         // its config.
-        self.create_object(
-            &self.config_maps,
-            Kind::ConfigMap,
-            &self.config_map(request, meta.clone()),
-        )
-        .await?;
-        if let Some(secret) = Self::secret(request, meta.clone()) {
-            self.create_object(&self.secrets, Kind::Secret, &secret).await?;
-        }
-        self.create_object(
-            &self.services,
-            Kind::Service,
-            &self.service(request, meta.clone()),
-        )
-        .await?;
-        self.create_object(&self.pods, Kind::Pod, &self.pod(request, meta))
+        self.create_object(&self.config_maps, Kind::ConfigMap, &objects.config_map)
             .await?;
+        if let Some(secret) = &objects.secret {
+            self.create_object(&self.secrets, Kind::Secret, secret).await?;
+        }
+        self.create_object(&self.services, Kind::Service, &objects.service)
+            .await?;
+        self.create_object(&self.pods, Kind::Pod, &objects.pod).await?;
         // Read back: a concurrent create may have won, and its Pod (its creation time) is
         // the instance.
         self.get(&request.name).await
@@ -451,6 +444,106 @@ impl KubeFailure {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{
+        api::Placement,
+        provider::{
+            Credentials, Owner,
+            squid::{SquidError, USER_NAME_RULE},
+        },
+    };
+
+    /// A provider whose client points at a port nothing listens on: any API call it made
+    /// would fail as `Unavailable`, so another outcome shows none was made.
+    fn offline_provider() -> KubernetesProvider {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().expect("uri"));
+        let client = Client::try_from(config).expect("client");
+        let settings = KubernetesSettings {
+            namespace: "proxies".to_owned(),
+            image: "ubuntu/squid:5.7-22.04_beta".to_owned(),
+            service_type: ServiceType::ClusterIP,
+            node_address: None,
+            timeout_seconds: 1,
+        };
+        KubernetesProvider::new("cluster", settings, client)
+    }
+
+    fn request(username: &str) -> InstanceRequest {
+        InstanceRequest {
+            name: "epo-crawl-web-1-0a1b2c3d".to_owned(),
+            owner: Owner {
+                uid: "uid".to_owned(),
+                namespace: "crawl".to_owned(),
+                name: "web-1".to_owned(),
+            },
+            spec_hash: "hash".to_owned(),
+            placement: Placement::default(),
+            port: 3128,
+            user_data: None,
+            credentials: Some(Credentials {
+                username: username.to_owned(),
+                password: "s3cret-canary".to_owned(),
+            }),
+        }
+    }
+
+    #[tokio::test]
+    async fn objects_carry_the_squid_config_and_a_hashed_password() {
+        let provider = offline_provider();
+        let objects = provider
+            .objects(&request("crawler"), jiff::Timestamp::UNIX_EPOCH)
+            .expect("valid request");
+        let conf = &objects.config_map.data.as_ref().expect("data")["squid.conf"];
+        assert!(conf.lines().any(|l| l == "http_port 3128"), "{conf}");
+        assert!(
+            conf.contains("auth_param basic program /usr/lib/squid/basic_ncsa_auth /etc/squid/passwd\n"),
+            "{conf}"
+        );
+        let secret = objects.secret.expect("a Secret with credentials");
+        let passwd = &secret.string_data.as_ref().expect("string data")["passwd"];
+        assert!(passwd.starts_with("crawler:$6$"), "{passwd}");
+        assert!(!passwd.contains("canary") && !conf.contains("canary"));
+        assert_eq!(
+            objects.pod.metadata.name.as_deref(),
+            Some("epo-crawl-web-1-0a1b2c3d")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_user_name_squid_cannot_carry_produces_no_object() {
+        let provider = offline_provider();
+        for (username, expected) in [
+            (
+                "a:b",
+                SquidError::UserNameCharacter {
+                    position: 2,
+                    character: ':',
+                },
+            ),
+            ("", SquidError::EmptyUserName),
+        ] {
+            let outcome = provider.objects(&request(username), jiff::Timestamp::UNIX_EPOCH);
+            assert!(
+                matches!(&outcome, Err(err) if *err == expected),
+                "{username:?}: {:?}",
+                outcome.err()
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn create_refuses_a_bad_user_name_before_calling_the_api_server() {
+        let provider = offline_provider();
+        match provider.create(&request("crawler\r")).await {
+            // Not Unavailable: the API server (here: nothing) was never asked.
+            Err(err @ ProviderError::Rejected(_)) => {
+                let message = err.to_string();
+                assert!(message.contains(USER_NAME_RULE), "{message}");
+                assert!(!message.contains("canary"), "{message}");
+                assert!(!err.is_transient());
+            }
+            other => panic!("expected Rejected, got {other:?}"),
+        }
+    }
 
     fn forbidden(message: &str) -> String {
         let mut status = kube::core::Status::failure(message, "Forbidden");

@@ -1,9 +1,11 @@
 //! The objects of one `kubernetes` instance: the labels and owner annotations every object
-//! carries, the ConfigMap, Secret, Service and Pod rendered from an [`InstanceRequest`], and
-//! the [`Instance`] read back from a Pod and its Service. Pure: no API calls (those are
-//! [`super`]'s).
+//! carries, the ConfigMap, Secret, Service and Pod rendered from an [`InstanceRequest`]
+//! ([`KubernetesProvider::objects`], which refuses a request Squid cannot carry before any
+//! object exists), and the [`Instance`] read back from a Pod and its Service. Pure: no API
+//! calls (those are [`super`]'s). The Squid config and password file are
+//! [`crate::provider::squid`]'s.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, path::Path};
 
 use k8s_openapi::{
     api::core::v1::{
@@ -18,10 +20,7 @@ use crate::{
     config::ServiceType,
     provider::{
         Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProviderId,
-        libvirt::{
-            crypt,
-            seed::{SQUID_CONF_PATH, SQUID_PASSWD_PATH, squid_conf},
-        },
+        squid::{Auth, Conf, Listen, Prepared, SquidError, debian},
     },
 };
 
@@ -65,7 +64,34 @@ const PASSWD_KEY: &str = "passwd";
 /// Name of the Squid container and the Service port.
 const CONTAINER: &str = "squid";
 
+/// Everything one instance is made of, rendered and not yet sent.
+pub(super) struct Objects {
+    pub(super) config_map: ConfigMap,
+    /// Only with credentials.
+    pub(super) secret: Option<Secret>,
+    pub(super) service: Service,
+    pub(super) pod: Pod,
+}
+
 impl KubernetesProvider {
+    /// The objects of `request`'s instance, created at `created_at`; a request Squid cannot
+    /// carry (a user name against [`crate::provider::squid::USER_NAME_RULE`]) is refused here,
+    /// so no ConfigMap, Secret or Pod of it ever reaches the API server.
+    pub(super) fn objects(
+        &self,
+        request: &InstanceRequest,
+        created_at: jiff::Timestamp,
+    ) -> Result<Objects, SquidError> {
+        let prepared = Prepared::for_request(request)?;
+        let meta = self.metadata(request, created_at);
+        Ok(Objects {
+            config_map: self.config_map(request, &prepared, meta.clone()),
+            secret: Self::secret(&prepared, meta.clone()),
+            service: self.service(request, meta.clone()),
+            pod: self.pod(request, meta),
+        })
+    }
+
     /// Name, labels and owner annotations every object of `request` carries.
     pub(super) fn metadata(&self, request: &InstanceRequest, created_at: jiff::Timestamp) -> ObjectMeta {
         let labels = BTreeMap::from([
@@ -100,13 +126,25 @@ impl KubernetesProvider {
         }
     }
 
-    pub(super) fn config_map(&self, request: &InstanceRequest, meta: ObjectMeta) -> ConfigMap {
-        let conf = squid_conf(
-            &request.name,
-            request.port,
-            request.credentials.is_some(),
-            request.placement.outgoing_address.as_deref(),
-        );
+    fn config_map(&self, request: &InstanceRequest, prepared: &Prepared, meta: ObjectMeta) -> ConfigMap {
+        // The image's Debian layout and defaults, as in a VM guest.
+        let conf = Conf {
+            header: "Written by egress-proxies-operator into this ConfigMap; replaced with the instance.",
+            name: &request.name,
+            listen: Listen::Port(request.port),
+            outgoing: prepared.outgoing,
+            auth: prepared.password_line.is_some().then_some(Auth {
+                helper: Path::new(debian::AUTH_HELPER),
+                passwords: Path::new(debian::PASSWD_PATH),
+                updated_in_place: false,
+            }),
+            own_files: None,
+            fast_shutdown: false,
+            anonymous: false,
+            effective_user: None,
+            extra: &[],
+        }
+        .render();
         ConfigMap {
             metadata: meta,
             data: Some(BTreeMap::from([(CONF_KEY.to_owned(), conf)])),
@@ -114,13 +152,8 @@ impl KubernetesProvider {
         }
     }
 
-    pub(super) fn secret(request: &InstanceRequest, meta: ObjectMeta) -> Option<Secret> {
-        let credentials = request.credentials.as_ref()?;
-        let passwd = format!(
-            "{}:{}\n",
-            credentials.username,
-            crypt::sha512_crypt(&credentials.password)
-        );
+    fn secret(prepared: &Prepared, meta: ObjectMeta) -> Option<Secret> {
+        let passwd = prepared.password_line.clone()?;
         Some(Secret {
             metadata: meta,
             string_data: Some(BTreeMap::from([(PASSWD_KEY.to_owned(), passwd)])),
@@ -128,7 +161,7 @@ impl KubernetesProvider {
         })
     }
 
-    pub(super) fn service(&self, request: &InstanceRequest, meta: ObjectMeta) -> Service {
+    fn service(&self, request: &InstanceRequest, meta: ObjectMeta) -> Service {
         let selector = BTreeMap::from([
             (MANAGED_BY_LABEL.to_owned(), MANAGED_BY.to_owned()),
             (INSTANCE_LABEL.to_owned(), request.name.clone()),
@@ -156,7 +189,7 @@ impl KubernetesProvider {
         }
     }
 
-    pub(super) fn pod(&self, request: &InstanceRequest, meta: ObjectMeta) -> Pod {
+    fn pod(&self, request: &InstanceRequest, meta: ObjectMeta) -> Pod {
         let port = i32::from(request.port);
         let mut volumes = vec![Volume {
             name: "config".to_owned(),
@@ -175,7 +208,7 @@ impl KubernetesProvider {
         // rest of /etc/squid (mime.conf, error pages) as the image has it.
         let mut mounts = vec![VolumeMount {
             name: "config".to_owned(),
-            mount_path: SQUID_CONF_PATH.to_owned(),
+            mount_path: debian::CONF_PATH.to_owned(),
             sub_path: Some(CONF_KEY.to_owned()),
             read_only: Some(true),
             ..VolumeMount::default()
@@ -194,7 +227,7 @@ impl KubernetesProvider {
             });
             mounts.push(VolumeMount {
                 name: "auth".to_owned(),
-                mount_path: SQUID_PASSWD_PATH.to_owned(),
+                mount_path: debian::PASSWD_PATH.to_owned(),
                 sub_path: Some(PASSWD_KEY.to_owned()),
                 read_only: Some(true),
                 ..VolumeMount::default()

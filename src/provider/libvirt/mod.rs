@@ -10,7 +10,6 @@
 //! [`KVM_NAMESPACE`]) and the provider type in every volume name: neither sees, adopts or
 //! deletes the other's domains or volumes.
 
-pub(crate) mod crypt;
 pub mod driver;
 pub mod native;
 pub mod seed;

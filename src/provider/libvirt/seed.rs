@@ -3,32 +3,27 @@
 //!
 //! `user-data` is a MIME multi-part message, which cloud-init reads part by part: first the
 //! Proxy's own user-data (from its Secret, untouched), then ours, a cloud-config that writes
-//! Squid's config for the Proxy's port and credentials. Ours carries a `merge_how` that appends
-//! lists and keeps the user's keys, so the user's `write_files`, `runcmd` and settings survive
-//! and ours is added (our `squid.conf` is written last, so it wins over a user's copy).
+//! Squid's config and password file (both from [`crate::provider::squid`]) for the Proxy's
+//! port and credentials. Ours carries a `merge_how` that appends lists and keeps the user's
+//! keys, so the user's `write_files`, `runcmd` and settings survive and ours is added (our
+//! `squid.conf` is written last, so it wins over a user's copy).
 //!
 //! `meta-data`'s `instance-id` includes the spec hash: a replacement instance is a new
 //! instance to cloud-init, which then runs its per-instance modules again.
 
 use std::{path::Path, time::Duration};
 
+use base64::Engine as _;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use super::crypt;
-use crate::provider::InstanceRequest;
+use crate::provider::{
+    InstanceRequest,
+    squid::{Auth, Conf, Listen, Prepared, SquidError, debian},
+};
 
 /// Volume label NoCloud looks for.
 pub const SEED_LABEL: &str = "cidata";
-
-/// Where the guest's Squid reads its config.
-pub const SQUID_CONF_PATH: &str = "/etc/squid/squid.conf";
-
-/// Where the guest's Squid reads its basic-auth passwords.
-pub const SQUID_PASSWD_PATH: &str = "/etc/squid/passwd";
-
-/// Debian's path of Squid's basic-auth helper for htpasswd-style files.
-const BASIC_AUTH_HELPER: &str = "/usr/lib/squid/basic_ncsa_auth";
 
 /// The two files of a NoCloud seed. `Debug` is redacted: user-data holds secrets.
 #[derive(Clone, PartialEq, Eq)]
@@ -62,27 +57,21 @@ pub enum SeedError {
         /// Its error output (file names and options only; never the seed's content).
         stderr: String,
     },
-    /// The proxy credentials cannot be written to Squid's password file.
-    #[error("proxy credentials: {0}")]
-    Credentials(&'static str),
+    /// The request cannot be written into Squid's config or password file.
+    #[error(transparent)]
+    Squid(#[from] SquidError),
     /// `genisoimage` did not finish in time.
     #[error("genisoimage did not finish within {0:?}")]
     Timeout(Duration),
 }
 
 impl Seed {
-    /// The seed for `request`'s instance.
+    /// The seed for `request`'s instance. A request Squid cannot carry (a user name against
+    /// [`crate::provider::squid::USER_NAME_RULE`]) is refused here, before anything is written.
     pub fn for_request(request: &InstanceRequest) -> Result<Self, SeedError> {
-        if let Some(credentials) = &request.credentials {
-            let username = &credentials.username;
-            if username.is_empty() || username.contains([':', '\n', '\r']) {
-                return Err(SeedError::Credentials(
-                    "the user name must be non-empty, without ':' or line breaks",
-                ));
-            }
-        }
+        let prepared = Prepared::for_request(request)?;
         Ok(Self {
-            user_data: user_data(request),
+            user_data: user_data(request, &prepared),
             meta_data: meta_data(&request.name, &request.spec_hash),
         })
     }
@@ -138,55 +127,43 @@ pub fn meta_data(name: &str, spec_hash: &str) -> String {
     format!("instance-id: {name}-{hash}\nlocal-hostname: {name}\n")
 }
 
-/// Squid's config for the proxy `name` on `port`, requiring basic auth when `authenticated`.
-pub fn squid_conf(name: &str, port: u16, authenticated: bool, outgoing_address: Option<&str>) -> String {
-    let mut conf = format!(
-        "# Written by egress-proxies-operator through cloud-init; replaced with the instance.\n\
-         http_port {port}\n\
-         # Without a fixed host name Squid stalls on DNS lookups that cannot succeed offline.\n\
-         visible_hostname {name}\n\
-         cache deny all\n\
-         http_access deny manager\n"
-    );
-    if let Some(address) = outgoing_address {
-        conf.push_str(&format!("tcp_outgoing_address {address}\n"));
+/// The guest's `squid.conf`: Debian's layout and defaults, listening on the Proxy's port.
+pub fn squid_conf(request: &InstanceRequest, prepared: &Prepared) -> String {
+    Conf {
+        header: "Written by egress-proxies-operator through cloud-init; replaced with the instance.",
+        name: &request.name,
+        listen: Listen::Port(request.port),
+        outgoing: prepared.outgoing,
+        auth: prepared.password_line.is_some().then_some(Auth {
+            helper: Path::new(debian::AUTH_HELPER),
+            passwords: Path::new(debian::PASSWD_PATH),
+            updated_in_place: false,
+        }),
+        own_files: None,
+        fast_shutdown: false,
+        anonymous: false,
+        effective_user: None,
+        extra: &[],
     }
-    if authenticated {
-        conf.push_str(&format!(
-            "auth_param basic program {BASIC_AUTH_HELPER} {SQUID_PASSWD_PATH}\n\
-             auth_param basic realm egress-proxy\n\
-             acl authenticated proxy_auth REQUIRED\n\
-             http_access allow authenticated\n"
-        ));
-    } else {
-        conf.push_str("http_access allow all\n");
-    }
-    conf.push_str("http_access deny all\n");
-    conf
+    .render()
 }
 
 /// Our cloud-config part: Squid's config (and password file), a managed `/etc/hosts`, and a
 /// merge rule that keeps what the user's part says.
-pub fn proxy_cloud_config(request: &InstanceRequest) -> String {
-    let conf = squid_conf(
-        &request.name,
-        request.port,
-        request.credentials.is_some(),
-        request.placement.outgoing_address.as_deref(),
-    );
+pub fn proxy_cloud_config(request: &InstanceRequest, prepared: &Prepared) -> String {
     let mut files = vec![json!({
-        "path": SQUID_CONF_PATH,
+        "path": debian::CONF_PATH,
         "owner": "root:root",
         "permissions": "0644",
-        "content": conf,
+        "content": squid_conf(request, prepared),
     })];
-    if let Some(credentials) = &request.credentials {
+    if let Some(line) = &prepared.password_line {
         files.push(json!({
-            "path": SQUID_PASSWD_PATH,
+            "path": debian::PASSWD_PATH,
             // `proxy` is a Debian base system group; Squid's helpers run as it.
             "owner": "root:proxy",
             "permissions": "0640",
-            "content": format!("{}:{}\n", credentials.username, crypt::sha512_crypt(&credentials.password)),
+            "content": line,
         }));
     }
     let config = json!({
@@ -203,8 +180,8 @@ pub fn proxy_cloud_config(request: &InstanceRequest) -> String {
 }
 
 /// The merged user-data: a MIME multi-part with the user's part (if any) and ours.
-pub fn user_data(request: &InstanceRequest) -> String {
-    let ours = proxy_cloud_config(request);
+pub fn user_data(request: &InstanceRequest, prepared: &Prepared) -> String {
+    let ours = proxy_cloud_config(request, prepared);
     let users = request.user_data.as_ref().map(|data| data.0.as_str());
     // A boundary derived from the content cannot occur in it.
     let digest = Sha256::digest(format!("{}\0{ours}", users.unwrap_or_default()).as_bytes());
@@ -229,7 +206,7 @@ pub fn user_data(request: &InstanceRequest) -> String {
                  Content-Transfer-Encoding: base64\r\n\
                  Content-Disposition: attachment; filename=\"user-data\"\r\n\r\n",
             );
-            message.push_str(&crypt::base64_mime(users.as_bytes()));
+            message.push_str(&base64_mime(users.as_bytes()));
             message.push_str("\r\n");
         }
     }
@@ -238,7 +215,7 @@ pub fn user_data(request: &InstanceRequest) -> String {
          Content-Transfer-Encoding: base64\r\n\
          Content-Disposition: attachment; filename=\"egress-proxy.cfg\"\r\n\r\n"
     ));
-    message.push_str(&crypt::base64_mime(ours.as_bytes()));
+    message.push_str(&base64_mime(ours.as_bytes()));
     message.push_str(&format!("\r\n--{boundary}--\r\n"));
     message
 }
@@ -250,4 +227,16 @@ fn is_mime(text: &str) -> bool {
         .unwrap_or_default()
         .to_ascii_lowercase();
     head.starts_with("content-type:") || head.starts_with("mime-version:")
+}
+
+/// Standard base64 (RFC 4648, padded) in lines of 76 characters, as MIME wants.
+pub(super) fn base64_mime(data: &[u8]) -> String {
+    let encoded = base64::engine::general_purpose::STANDARD.encode(data);
+    // Base64 is ASCII: cutting it at any byte leaves whole characters.
+    encoded
+        .as_bytes()
+        .chunks(76)
+        .map(String::from_utf8_lossy)
+        .collect::<Vec<_>>()
+        .join("\r\n")
 }

@@ -156,11 +156,13 @@ pub fn discovery_port(
         .then(|| stamp.as_ref().map_or(0, |stamp| stamp.port))
 }
 
-/// A seed that cannot be built, as a provider error: missing tools and unusable credentials
-/// are configuration problems, the rest backend failures.
+/// A seed that cannot be built, as a provider error: a missing tool is a configuration
+/// problem, a request Squid cannot carry is the Proxy's (as on every provider, see
+/// [`crate::provider::squid::SquidError`]), the rest backend failures.
 pub fn seed_error(err: SeedError) -> ProviderError {
     match err {
-        SeedError::ToolMissing | SeedError::Credentials(_) => ProviderError::Misconfigured(err.to_string()),
+        SeedError::ToolMissing => ProviderError::Misconfigured(err.to_string()),
+        SeedError::Squid(err) => err.into(),
         other => ProviderError::Backend(other.to_string()),
     }
 }

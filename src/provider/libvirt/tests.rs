@@ -4,11 +4,16 @@ use std::{
     path::PathBuf,
 };
 
+use base64::Engine as _;
+
 use super::{seed::*, *};
 use crate::{
     api::Placement,
     config::{DomainType, KvmSettings},
-    provider::{Credentials, UserData},
+    provider::{
+        Credentials, UserData,
+        squid::{SquidError, USER_NAME_RULE, debian},
+    },
 };
 
 pub(super) fn settings(network: NetworkSettings, boot: BootSettings) -> KvmSettings {
@@ -498,22 +503,24 @@ fn mime_parts(message: &str) -> Vec<(String, String)> {
 }
 
 fn decode_base64(text: &str) -> Vec<u8> {
-    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let values: Vec<u32> = text
-        .bytes()
-        .filter(|b| !b.is_ascii_whitespace() && *b != b'=')
-        .map(|b| ALPHABET.iter().position(|a| *a == b).expect("base64 character") as u32)
-        .collect();
-    let mut out = Vec::new();
-    for chunk in values.chunks(4) {
-        let mut value = 0u32;
-        for (i, v) in chunk.iter().enumerate() {
-            value |= v << (18 - 6 * i);
-        }
-        let bytes = [(value >> 16) as u8, (value >> 8) as u8, value as u8];
-        out.extend_from_slice(&bytes[..chunk.len() - 1]);
-    }
-    out
+    let joined: String = text.split_whitespace().collect();
+    base64::engine::general_purpose::STANDARD
+        .decode(joined)
+        .expect("base64")
+}
+
+#[test]
+fn mime_base64_pads_and_wraps_at_76_characters() {
+    assert_eq!(base64_mime(b""), "");
+    assert_eq!(base64_mime(b"f"), "Zg==");
+    assert_eq!(base64_mime(b"fo"), "Zm8=");
+    assert_eq!(base64_mime(b"foo"), "Zm9v");
+    let long = base64_mime(&[0u8; 120]);
+    let lines: Vec<&str> = long.split("\r\n").collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0].len(), 76);
+    assert_eq!(lines[2], "AAAAAAAA");
+    assert_eq!(decode_base64(&long), [0u8; 120]);
 }
 
 #[test]
@@ -547,7 +554,7 @@ fn user_data_keeps_the_users_part_and_adds_the_proxy_config() {
     assert_eq!(config["manage_etc_hosts"], true);
     assert_eq!(config["merge_how"][0]["settings"][0], "append");
     let files = config["write_files"].as_array().expect("files");
-    assert_eq!(files[0]["path"], SQUID_CONF_PATH);
+    assert_eq!(files[0]["path"], debian::CONF_PATH);
     let conf = files[0]["content"].as_str().expect("conf");
     assert!(conf.contains("http_port 3128\n"), "{conf}");
     assert!(
@@ -556,7 +563,7 @@ fn user_data_keeps_the_users_part_and_adds_the_proxy_config() {
     );
     assert!(conf.contains("tcp_outgoing_address 192.0.2.9\n"), "{conf}");
     assert!(conf.contains("acl authenticated proxy_auth REQUIRED\n"), "{conf}");
-    assert_eq!(files[1]["path"], SQUID_PASSWD_PATH);
+    assert_eq!(files[1]["path"], debian::PASSWD_PATH);
     assert_eq!(files[1]["owner"], "root:proxy");
     let passwd = files[1]["content"].as_str().expect("passwd");
     assert!(passwd.starts_with("crawler:$6$"), "{passwd}");
@@ -593,13 +600,30 @@ fn meta_data_instance_id_changes_with_the_spec_hash() {
 }
 
 #[test]
-fn credentials_that_cannot_be_written_are_refused() {
+fn credentials_squid_cannot_carry_are_refused_before_a_seed_exists() {
     let mut req = request();
     req.credentials = Some(Credentials {
         username: "a:b".into(),
         password: "x".into(),
     });
-    assert!(matches!(Seed::for_request(&req), Err(SeedError::Credentials(_))));
+    let err = Seed::for_request(&req).expect_err("refused");
+    assert!(
+        matches!(
+            err,
+            SeedError::Squid(SquidError::UserNameCharacter {
+                position: 2,
+                character: ':'
+            })
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains(USER_NAME_RULE), "{err}");
+    // The Proxy's problem, not the provider's: no retry until the Proxy changes.
+    let provider_error = steps::seed_error(err);
+    assert!(
+        matches!(provider_error, ProviderError::Rejected(_)),
+        "{provider_error:?}"
+    );
 }
 
 #[test]

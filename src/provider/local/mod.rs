@@ -28,7 +28,6 @@
 
 mod config;
 mod process;
-mod squid_config;
 mod state;
 mod supervisor;
 mod table;
@@ -54,7 +53,9 @@ use self::{
 };
 use super::{
     Credentials, CredentialsUpdate, Installation, Instance, InstanceRequest, InstanceState, ProbeReport,
-    Provider, ProviderError, locks::NameLocks,
+    Provider, ProviderError,
+    locks::NameLocks,
+    squid::{self, Prepared},
 };
 use crate::{
     config::{LocalSettings, is_dns_label},
@@ -205,6 +206,9 @@ impl Provider for LocalProvider {
                 "instance name {name:?} is not a DNS label"
             )));
         }
+        // Before the folder is looked at: a request Squid cannot carry is refused whether or not
+        // an instance of that name exists, and never reaches a file.
+        let prepared = Prepared::for_request(request)?;
         let _guard = inner.locks.lock(name).await;
         let dir = inner.dir(name);
         if dir.root().exists() {
@@ -229,7 +233,7 @@ impl Provider for LocalProvider {
                 return inner.read_instance(name).await;
             }
         }
-        inner.create_new(request, &dir).await
+        inner.create_new(request, prepared, &dir).await
     }
 
     async fn get(&self, name: &str) -> Result<Instance, ProviderError> {
@@ -359,8 +363,7 @@ impl Provider for LocalProvider {
         if !record.authenticated {
             return Ok(CredentialsUpdate::Unsupported);
         }
-        let line = squid_config::password_line(credentials)
-            .map_err(|err| ProviderError::Rejected(err.to_string()))?;
+        let line = squid::password_line(credentials)?;
         let passwords = dir.passwords_file();
         state::write_atomic(&passwords, line.as_bytes(), 0o640).map_err(|err| {
             ProviderError::Backend(format!("cannot write the password file of {name}: {err}"))

@@ -11,14 +11,16 @@ use std::{
 
 use super::{
     Inner, PROVIDER_TYPE,
-    config::{Plan, check_reachable_by, plan},
+    config::{Plan, check_reachable_by, plan, squid_conf},
     process,
-    squid_config::SquidConfig,
     state::{self, InstanceDir, OWNER_RECORD_VERSION, OwnerRecord, ProcessRecord, TEMP_PREFIX, TRASH_PREFIX},
 };
 use crate::{
     config::is_dns_label,
-    provider::{Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProviderError, ProviderId},
+    provider::{
+        Endpoint, Installation, Instance, InstanceRequest, InstanceState, ProviderError, ProviderId,
+        squid::Prepared,
+    },
 };
 
 /// Temporary folders older than this are leftovers of a crashed create.
@@ -178,10 +180,11 @@ impl Inner {
     pub(super) async fn create_new(
         &self,
         request: &InstanceRequest,
+        prepared: Prepared,
         dir: &InstanceDir,
     ) -> Result<Instance, ProviderError> {
         let name = request.name.as_str();
-        let plan = plan(request, self.bind_address)?;
+        let plan = plan(request, prepared, self.bind_address)?;
         process::check_listen(plan.listen)?;
         if let Some(outgoing) = plan.outgoing {
             process::check_outgoing(outgoing)?;
@@ -257,20 +260,13 @@ impl Inner {
                     .map_err(|err| backend("password file owner", err))?;
             }
         }
-        let config = SquidConfig {
-            name: &request.name,
-            listen: plan.listen,
-            outgoing: plan.outgoing,
+        let config = squid_conf(
+            &request.name,
+            plan,
             dir,
-            auth_helper: plan
-                .password_line
-                .is_some()
-                .then_some(self.settings.auth_helper_path.as_path()),
-            access_log: self.settings.access_log,
-            effective_user: self.squid_user.as_ref().map(|u| u.name.as_str()),
-            extra: &self.settings.extra_config,
-        }
-        .render();
+            &self.settings,
+            self.squid_user.as_ref().map(|u| u.name.as_str()),
+        );
         state::write_atomic(&temp.config_file(), config.as_bytes(), 0o644)
             .map_err(|err| backend("squid.conf", err))?;
         process::parse_config(&self.settings.squid_path, &temp.config_file()).await

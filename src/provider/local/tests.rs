@@ -1,35 +1,29 @@
 use std::{
-    io::Write,
     net::{IpAddr, SocketAddr},
     path::{Path, PathBuf},
-    process::{Command, Stdio},
     time::Duration,
 };
 
-use sha_crypt::{PasswordHash, PasswordVerifier, ShaCrypt};
-
 use super::{
+    config::{Plan, squid_conf},
     process::{argv_runs_config, parse_problems},
-    squid_config::{CredentialsError, SquidConfig, password_line},
     state::{InstanceDir, OwnerRecord},
     *,
 };
-use crate::provider::{Credentials, Installation, Owner};
+use crate::{
+    api::Placement,
+    provider::{Credentials, Installation, Owner, squid::USER_NAME_RULE},
+};
 
 fn dir() -> InstanceDir {
     InstanceDir::at(PathBuf::from("/var/lib/epo/local/epo-crawl-web-1-0a1b2c3d"))
 }
 
-fn config<'a>(dir: &'a InstanceDir, extra: &'a [String]) -> SquidConfig<'a> {
-    SquidConfig {
-        name: "epo-crawl-web-1-0a1b2c3d",
+fn plan(password_line: Option<&str>) -> Plan {
+    Plan {
         listen: "127.0.0.1:3128".parse().expect("addr"),
         outgoing: None,
-        dir,
-        auth_helper: None,
-        access_log: true,
-        effective_user: None,
-        extra,
+        password_line: password_line.map(str::to_owned),
     }
 }
 
@@ -39,8 +33,8 @@ fn lines(conf: &str) -> Vec<&str> {
 
 #[test]
 fn config_without_credentials_listens_on_the_placement_address_and_allows_all() {
-    let dir = dir();
-    let conf = config(&dir, &[]).render();
+    let settings = LocalSettings::new("/var/lib/epo/local");
+    let conf = squid_conf("epo-crawl-web-1-0a1b2c3d", &plan(None), &dir(), &settings, None);
     let lines = lines(&conf);
     for expected in [
         "http_port 127.0.0.1:3128",
@@ -48,8 +42,12 @@ fn config_without_credentials_listens_on_the_placement_address_and_allows_all() 
         "pid_filename /var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/run/squid.pid",
         "cache_log /var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/run/cache.log",
         "access_log stdio:/var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/run/access.log",
+        "coredump_dir /var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/run",
         "shutdown_lifetime 1 seconds",
+        "forwarded_for delete",
+        "via off",
         "cache deny all",
+        "http_access deny manager",
         "http_access allow all",
     ] {
         assert!(lines.contains(&expected), "missing {expected:?} in\n{conf}");
@@ -70,15 +68,15 @@ fn config_without_credentials_listens_on_the_placement_address_and_allows_all() 
 }
 
 #[test]
-fn config_with_credentials_requires_them_and_denies_everyone_else() {
-    let dir = dir();
-    let extra = vec!["acl crawlers src 10.0.0.0/8".to_owned()];
-    let mut config = config(&dir, &extra);
-    config.auth_helper = Some(Path::new("/usr/lib/squid/basic_ncsa_auth"));
-    config.outgoing = Some("192.0.2.7".parse().expect("ip"));
-    config.effective_user = Some("proxy");
-    config.access_log = false;
-    let conf = config.render();
+fn config_with_credentials_uses_the_settings_helper_and_the_instances_password_file() {
+    let settings = LocalSettings {
+        access_log: false,
+        extra_config: vec!["acl crawlers src 10.0.0.0/8".to_owned()],
+        ..LocalSettings::new("/var/lib/epo/local")
+    };
+    let mut plan = plan(Some("crawler:$6$x$y\n"));
+    plan.outgoing = Some("192.0.2.7".parse().expect("ip"));
+    let conf = squid_conf("epo-a", &plan, &dir(), &settings, Some("proxy"));
     let lines = lines(&conf);
     let position = |line: &str| {
         lines
@@ -86,9 +84,12 @@ fn config_with_credentials_requires_them_and_denies_everyone_else() {
             .position(|l| *l == line)
             .unwrap_or_else(|| panic!("missing {line:?} in\n{conf}"))
     };
-    position(
-        "auth_param basic program /usr/lib/squid/basic_ncsa_auth /var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/passwords",
-    );
+    position(&format!(
+        "auth_param basic program {} /var/lib/epo/local/epo-crawl-web-1-0a1b2c3d/passwords",
+        settings.auth_helper_path.display()
+    ));
+    // The password file is rewritten in place: old credentials must stop working soon.
+    position("auth_param basic credentialsttl 1 minute");
     position("tcp_outgoing_address 192.0.2.7");
     position("cache_effective_user proxy");
     position("access_log none");
@@ -103,80 +104,72 @@ fn config_with_credentials_requires_them_and_denies_everyone_else() {
 
 #[test]
 fn config_brackets_ipv6_listen_addresses() {
-    let dir = dir();
-    let mut config = config(&dir, &[]);
-    config.listen = SocketAddr::new("::1".parse::<IpAddr>().expect("ip"), 3128);
-    assert!(config.render().contains("\nhttp_port [::1]:3128\n"));
+    let settings = LocalSettings::new("/var/lib/epo/local");
+    let mut plan = plan(None);
+    plan.listen = SocketAddr::new("::1".parse::<IpAddr>().expect("ip"), 3128);
+    assert!(squid_conf("epo-a", &plan, &dir(), &settings, None).contains("\nhttp_port [::1]:3128\n"));
 }
 
-fn credentials(username: &str, password: &str) -> Credentials {
-    Credentials {
-        username: username.into(),
-        password: password.into(),
+fn request_with_user(username: &str) -> InstanceRequest {
+    InstanceRequest {
+        name: "epo-crawl-web-1-0a1b2c3d".into(),
+        owner: Owner {
+            uid: "uid".into(),
+            namespace: "crawl".into(),
+            name: "web-1".into(),
+        },
+        spec_hash: "hash".into(),
+        placement: Placement::default(),
+        port: 3128,
+        user_data: None,
+        credentials: Some(Credentials {
+            username: username.into(),
+            password: "canary-secret".into(),
+        }),
     }
 }
 
-#[test]
-fn password_lines_are_sha512_crypt_and_verify() {
-    let line = password_line(&credentials("crawler", "s3cret: with spaces")).expect("valid");
-    let (user, hash) = line.trim_end().split_once(':').expect("user:hash");
-    assert_eq!(user, "crawler");
-    assert!(hash.starts_with("$6$"), "{hash}");
-    let hash = PasswordHash::new(hash).expect("modular crypt format");
-    ShaCrypt::default()
-        .verify_password(b"s3cret: with spaces", &hash)
-        .expect("the password verifies");
-    assert!(ShaCrypt::default().verify_password(b"wrong", &hash).is_err());
-    // Salted: the same password never gives the same line twice.
-    assert_ne!(
-        line,
-        password_line(&credentials("crawler", "s3cret: with spaces")).expect("valid")
+/// Every file under `root`, relative.
+fn files_under(root: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(folder) = pending.pop() {
+        for entry in fs::read_dir(&folder).expect("read_dir").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path.clone());
+            }
+            found.push(path.strip_prefix(root).expect("under root").to_path_buf());
+        }
+    }
+    found
+}
+
+#[tokio::test]
+async fn a_user_name_squid_cannot_carry_is_refused_before_any_file_is_written() {
+    let state = tempfile::tempdir().expect("temp");
+    let provider = LocalProvider::new("local", LocalSettings::new(state.path())).expect("provider");
+    for username in ["a:b", "", "#crawler", "crawler\n"] {
+        match provider.create(&request_with_user(username)).await {
+            // The Proxy's credentials are at fault: rejected, and not retried until they change.
+            Err(err @ ProviderError::Rejected(_)) => {
+                let message = err.to_string();
+                assert!(message.contains(USER_NAME_RULE), "{username:?}: {message}");
+                assert!(!message.contains("canary"), "{username:?}: {message}");
+                assert!(!err.is_transient());
+            }
+            other => panic!("{username:?}: expected Rejected, got {other:?}"),
+        }
+        assert_eq!(files_under(state.path()), Vec::<PathBuf>::new(), "{username:?}");
+    }
+    // Refused as well when a folder of that name is in the way (the check comes first).
+    fs::create_dir(state.path().join("epo-crawl-web-1-0a1b2c3d")).expect("folder");
+    let outcome = provider.create(&request_with_user("a b")).await;
+    assert!(matches!(outcome, Err(ProviderError::Rejected(_))), "{outcome:?}");
+    assert_eq!(
+        files_under(state.path()),
+        [PathBuf::from("epo-crawl-web-1-0a1b2c3d")]
     );
-}
-
-#[test]
-fn password_lines_are_accepted_by_squids_helper() {
-    let helper = Path::new("/usr/lib/squid/basic_ncsa_auth");
-    assert!(helper.exists(), "the squid package provides {}", helper.display());
-    let file = tempfile::NamedTempFile::new().expect("temp file");
-    std::fs::write(
-        file.path(),
-        password_line(&credentials("crawler", "pa55word-longer-than-8")).expect("valid"),
-    )
-    .expect("write");
-    let mut child = Command::new(helper)
-        .arg(file.path())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("helper runs");
-    // The helper reads `user password` lines (URL-escaped) and answers OK or ERR per line.
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(b"crawler pa55word-longer-than-8\ncrawler wrong\nnobody pa55word-longer-than-8\n")
-        .expect("write");
-    let output = child.wait_with_output().expect("helper exits at end of input");
-    let answers: Vec<String> = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(|l| l.split_whitespace().next().unwrap_or_default().to_owned())
-        .collect();
-    assert_eq!(answers, ["OK", "ERR", "ERR"]);
-}
-
-#[test]
-fn credentials_the_file_cannot_carry_are_refused_without_echoing_them() {
-    for (user, password, expected) in [
-        ("", "p", CredentialsError::BadUserName),
-        ("a:b", "p", CredentialsError::BadUserName),
-        ("a b", "p", CredentialsError::BadUserName),
-        ("crawler", "line\nbreak-canary", CredentialsError::BadPassword),
-    ] {
-        let err = password_line(&credentials(user, password)).expect_err("refused");
-        assert_eq!(err, expected);
-        assert!(!err.to_string().contains("canary"));
-    }
 }
 
 #[test]
