@@ -182,11 +182,12 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
     assert!(output.contains(" passed"), "{output}");
     assert!(!output.contains(" skipped"), "every Python test ran: {output}");
     // The operator's own counts agree: no lease left behind, and the outcomes the client and
-    // the middleware reported (two bans: the 403 site, the 404 with configured ban codes; two
-    // errors: the client's context manager left by an exception, a download timeout in Scrapy).
+    // the middleware reported (three bans: the 403 site, the ban mid-crawl whose page was sent
+    // again, the 404 with configured ban codes; two errors: the client's context manager left
+    // by an exception, a download timeout in Scrapy).
     let expected = [
         "epo_discovery_leases_active 0",
-        r#"epo_discovery_leases_released_total{code="banned"} 2"#,
+        r#"epo_discovery_leases_released_total{code="banned"} 3"#,
         r#"epo_discovery_leases_released_total{code="error"} 2"#,
     ];
     metrics_when(&host, "the Python tests' leases", |t| {

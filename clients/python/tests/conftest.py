@@ -190,7 +190,9 @@ BANNING_HOST = "localhost"
 class Site:
     """A small site on 127.0.0.1, port 0: linked pages, ``/slow`` answering after a while, and
     every page on the host name ``localhost`` (the same server) answering 403, as a site that
-    bans the proxy would. Records ``(host name, path)`` of every request it answers."""
+    bans the proxy would, but for ``/many`` there, which links to ``ONCE_PAGES`` pages
+    ``/once/<n>`` of which only the ``BAN_AT``-th request answers 403 (a ban mid-crawl).
+    Records ``(host name, path)`` of every request it answers."""
 
     PAGES: Dict[str, List[str]] = {
         "/": ["/a", "/b", "/slow", f"http://{BANNING_HOST}:{{port}}/"],
@@ -200,15 +202,29 @@ class Site:
         "/slow": ["/c"],
     }
     SLOW_SECONDS = 2.5
+    ONCE_PAGES = 200
+    BAN_AT = 50
 
     def __init__(self) -> None:
         self.served: List[Tuple[str, str]] = []
+        self.once_requests = 0
+        self.lock = threading.Lock()
         site = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
                 site.served.append((host, self.path))
+                if host == BANNING_HOST and self.path == "/many":
+                    anchors = "".join(f'<a href="/once/{n}">{n}</a>' for n in range(site.ONCE_PAGES))
+                    self._answer(200, f"<html><body>{anchors}</body></html>")
+                    return
+                if host == BANNING_HOST and self.path.startswith("/once/"):
+                    with site.lock:
+                        site.once_requests += 1
+                        banned = site.once_requests == site.BAN_AT
+                    self._answer(403 if banned else 200, "<html><body>once</body></html>")
+                    return
                 if host == BANNING_HOST:
                     self._answer(403, "<html><body>banned</body></html>")
                     return

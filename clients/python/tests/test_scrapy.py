@@ -88,8 +88,9 @@ def drain(client: DiscoveryClient, selector: Dict[str, str], domain: str) -> Set
 def test_domain_mode_bans_the_proxy_for_the_banning_domain_only(
     crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site, access_logs: AccessLogs
 ) -> None:
-    # TTL 2 s and a page that takes 2.5 s: the domain's lease lives on renewals alone.
-    result = crawl(settings={"EGRESS_PROXIES_TTL": 2})
+    # TTL 2 s and a page that takes 2.5 s: the domain's lease lives on renewals alone. The
+    # banning host bans every proxy: no ban retries, so one ban is all this crawl makes.
+    result = crawl(settings={"EGRESS_PROXIES_TTL": 2, "EGRESS_PROXIES_BAN_RETRIES": 0})
     pages, stats = result["pages"], result["stats"]
 
     by_host: Dict[str, List[Dict[str, Any]]] = {}
@@ -117,6 +118,64 @@ def test_domain_mode_bans_the_proxy_for_the_banning_domain_only(
     all_proxies = {p.proxy.endpoint for p in client.list_proxies(selector)}
     assert drain(client, selector, BANNING_HOST) == all_proxies - {banned_proxy}
     assert drain(client, selector, "127.0.0.1") == all_proxies
+
+
+def test_a_ban_mid_crawl_loses_no_page(crawl: Crawl, selector: Dict[str, str], client: DiscoveryClient, site: Site) -> None:
+    # The banning host's /many and its 200 pages: the site bans the crawl's proxy at the 50th,
+    # and that page is sent again through another proxy (at least two are left for the host:
+    # the test above banned one of the three).
+    result = crawl(start_urls=[site.url("/many", host=BANNING_HOST)])
+    pages, stats = result["pages"], result["stats"]
+    expected = [site.url("/many", host=BANNING_HOST)]
+    expected += [site.url(f"/once/{n}", host=BANNING_HOST) for n in range(Site.ONCE_PAGES)]
+    assert sorted(p["url"] for p in pages) == sorted(expected)
+    assert len(pages) == 1 + Site.ONCE_PAGES
+    assert [p for p in pages if p["status"] != 200] == [], "a banned page reached the spider"
+    assert stats.get("egress_proxies/ban_retries") == 1, stats
+    assert "egress_proxies/ban_retries_exhausted" not in stats, stats
+    assert stats.get("egress_proxies/released/banned") == 1, stats
+    # The page banned once was fetched again, through a proxy other than the banned one.
+    served = Counter(path for host, path in site.served if host == BANNING_HOST)
+    again = [path for path, count in served.items() if count == 2]
+    assert len(again) == 1 and again[0].startswith("/once/"), served
+    proxies = {p["proxy"] for p in pages if p["url"].endswith(again[0])}
+    assert len(proxies) == 1, pages
+    assert_no_active_lease(client, selector)
+
+
+def test_ban_retries_are_bounded_counted_and_routed_afresh() -> None:
+    # Without a crawl: every proxy left would be banned for the host for the rest of the suite.
+    from types import SimpleNamespace
+
+    from scrapy import Request, Spider
+    from scrapy.utils.test import get_crawler
+
+    from egress_proxies.scrapy_middleware import EgressProxiesMiddleware
+
+    crawler = get_crawler(
+        settings_dict={"EGRESS_PROXIES_URL": "http://127.0.0.1:9", "EGRESS_PROXIES_TOKEN": "t", "EGRESS_PROXIES_BAN_RETRIES": 2}
+    )
+    middleware = EgressProxiesMiddleware.from_crawler(crawler)
+    spider = Spider(name="bans")
+    lease: Any = SimpleNamespace(proxy=SimpleNamespace(key="crawl/a"))
+    request = Request(
+        "http://shop.example/p",
+        meta={"egress_proxies_lease": lease, "proxy": "http://u:p@127.0.0.1:3128", "_egress_proxies_key": ("shop.example", None)},
+    )
+    sent = []
+    current: Optional[Request] = request
+    while current is not None:
+        current = middleware._send_again(current, lease, 403, spider)
+        if current is not None:
+            sent.append(current)
+    assert len(sent) == 2
+    for n, again in enumerate(sent, start=1):
+        assert again.dont_filter, "the scheduler's duplicate filter would drop it"
+        assert again.meta["egress_proxies_ban_retries"] == n
+        assert not {"proxy", "egress_proxies_lease", "_egress_proxies_key"} & set(again.meta), again.meta
+    assert crawler.stats.get_value("egress_proxies/ban_retries") == 2
+    assert crawler.stats.get_value("egress_proxies/ban_retries_exhausted") == 1
+    middleware.client.close()
 
 
 @pytest.mark.parametrize("session", [None, "login-1"], ids=["per-request", "sticky-session"])
@@ -201,7 +260,12 @@ def test_ban_codes_are_configurable(
 ) -> None:
     # Last in this suite: it bans a proxy for 127.0.0.1 for the store's ban cooldown (30 min).
     result = crawl(
-        settings={"EGRESS_PROXIES_MODE": "request", "EGRESS_PROXIES_BAN_CODES": [404], "CONCURRENT_REQUESTS": 1},
+        settings={
+            "EGRESS_PROXIES_MODE": "request",
+            "EGRESS_PROXIES_BAN_CODES": [404],
+            "EGRESS_PROXIES_BAN_RETRIES": 0,
+            "CONCURRENT_REQUESTS": 1,
+        },
         start_urls=[site.url("/missing"), site.url("/c", host=BANNING_HOST)],
     )
     pages, stats = result["pages"], result["stats"]

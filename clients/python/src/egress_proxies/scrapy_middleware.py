@@ -23,6 +23,13 @@ does not start, rather than crawl from this host's own address):
 ``EGRESS_PROXIES_BAN_CODES``
     response statuses reported as a ban of the proxy for the request's domain (default
     ``[403, 429]``).
+``EGRESS_PROXIES_BAN_RETRIES``
+    how many times a request answered with a ban code is sent again, each time through
+    another proxy (default 2; 0 hands the ban response to the spider at once). The proxy
+    that was banned is skipped for that domain, so the page is not lost with it; past the
+    bound the last ban response goes on to the spider. This runs before Scrapy's own
+    ``RetryMiddleware``, so a ban code that is also in ``RETRY_HTTP_CODES`` (429 is) is not
+    retried twice.
 ``EGRESS_PROXIES_TTL``
     lease TTL in seconds (default: the server's, 60); leases are renewed in the background.
 ``EGRESS_PROXIES_MAX_WAIT``
@@ -49,14 +56,16 @@ a leased proxy, as does a ``proxy`` set by someone else. The middleware sets
 Stats: ``egress_proxies/acquired``, ``egress_proxies/released/<outcome>``,
 ``egress_proxies/idle_released`` (of those, domain leases released for being idle),
 ``egress_proxies/renewals``, ``egress_proxies/lost`` (leases the server dropped before release),
-``egress_proxies/no_proxy_available`` (requests dropped for want of a proxy).
+``egress_proxies/no_proxy_available`` (requests dropped for want of a proxy),
+``egress_proxies/ban_retries`` (requests sent again after a ban) and
+``egress_proxies/ban_retries_exhausted`` (ban responses passed on past the bound).
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from scrapy import Request, Spider, signals
 from scrapy.crawler import Crawler
@@ -74,6 +83,9 @@ __all__ = ["EgressProxiesMiddleware"]
 LEASE_META = "egress_proxies_lease"
 SESSION_META = "egress_proxies_session"
 SKIP_META = "egress_proxies_skip"
+BAN_RETRIES_META = "egress_proxies_ban_retries"
+# What routing put on a request; a copy sent again must be routed afresh.
+_ROUTING_META = (LEASE_META, "proxy", "_egress_proxies_key", "_egress_proxies_pending")
 
 # Domain mode's leases are keyed by (domain, session).
 _Key = Tuple[str, Optional[str]]
@@ -103,6 +115,7 @@ class EgressProxiesMiddleware:
         idle_release: float = 30.0,
         threads_max: int = 4,
         give_up: float = 300.0,
+        ban_retries: int = 2,
     ) -> None:
         if mode not in ("domain", "request"):
             raise ValueError(f"EGRESS_PROXIES_MODE must be 'domain' or 'request', not {mode!r}")
@@ -115,6 +128,7 @@ class EgressProxiesMiddleware:
         self.ttl_seconds = ttl_seconds
         self.idle_release = idle_release
         self.give_up = give_up
+        self.ban_retries = max(ban_retries, 0)
         # Since when no acquire has succeeded while some failed for want of a proxy.
         self._unavailable_since: Optional[float] = None
         self._unavailable_domains: Set[str] = set()
@@ -164,6 +178,7 @@ class EgressProxiesMiddleware:
             idle_release=settings.getfloat("EGRESS_PROXIES_IDLE_RELEASE", 30.0),
             threads_max=settings.getint("EGRESS_PROXIES_THREADS", 4),
             give_up=settings.getfloat("EGRESS_PROXIES_GIVE_UP", 300.0),
+            ban_retries=settings.getint("EGRESS_PROXIES_BAN_RETRIES", 2),
         )
         crawler.signals.connect(middleware.spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(middleware.spider_closed, signal=signals.spider_closed)
@@ -226,12 +241,40 @@ class EgressProxiesMiddleware:
         self._acquire_in_turn(domain, session).addBoth(self._acquired, key)
         return waiting
 
-    def process_response(self, request: Request, response: Response, spider: Spider) -> Response:
+    def process_response(self, request: Request, response: Response, spider: Spider) -> Union[Request, Response]:
         lease = self._lease_of(request)
-        if lease is not None:
-            outcome: Outcome = "banned" if response.status in self.ban_codes else "ok"
-            self._done(request, lease, outcome)
+        if lease is None:
+            return response
+        banned = response.status in self.ban_codes
+        self._done(request, lease, "banned" if banned else "ok")
+        if banned:
+            again = self._send_again(request, lease, response.status, spider)
+            if again is not None:
+                return again
         return response
+
+    def _send_again(self, request: Request, lease: Lease, status: int, spider: Spider) -> Optional[Request]:
+        """A copy of ``request`` to route through another proxy after a ban, within
+        ``EGRESS_PROXIES_BAN_RETRIES``; ``None`` past it."""
+        tries = int(request.meta.get(BAN_RETRIES_META, 0))
+        if tries >= self.ban_retries:
+            if self.ban_retries > 0:
+                self.stats.inc_value("egress_proxies/ban_retries_exhausted")
+            return None
+        again = request.replace(dont_filter=True)
+        for key in _ROUTING_META:
+            again.meta.pop(key, None)
+        again.meta[BAN_RETRIES_META] = tries + 1
+        self.stats.inc_value("egress_proxies/ban_retries")
+        spider.logger.info(
+            "%s answered %d through %s (a ban): sending it again through another proxy (%d of %d)",
+            request.url,
+            status,
+            lease.proxy.key,
+            tries + 1,
+            self.ban_retries,
+        )
+        return again
 
     def process_exception(self, request: Request, exception: BaseException, spider: Spider) -> None:
         lease = self._lease_of(request)
