@@ -258,7 +258,28 @@ pub struct Conf<'a> {
     pub extra: &'a [String],
 }
 
-impl Conf<'_> {
+impl<'a> Conf<'a> {
+    /// Debian's layout and defaults, as a VM guest and the Squid image have them: instance
+    /// `name` listening on `port`, with basic auth when `prepared` has a password file.
+    pub fn debian(header: &'a str, name: &'a str, port: u16, prepared: &Prepared) -> Self {
+        Conf {
+            header,
+            name,
+            listen: Listen::Port(port),
+            outgoing: prepared.outgoing,
+            auth: prepared.password_line.is_some().then_some(Auth {
+                helper: Path::new(debian::AUTH_HELPER),
+                passwords: Path::new(debian::PASSWD_PATH),
+                updated_in_place: false,
+            }),
+            own_files: None,
+            fast_shutdown: false,
+            anonymous: false,
+            effective_user: None,
+            extra: &[],
+        }
+    }
+
     /// The `squid.conf` text.
     pub fn render(&self) -> String {
         let mut conf = String::new();
