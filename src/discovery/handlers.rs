@@ -399,6 +399,8 @@ pub(super) async fn acquire(
         }
     }
     let lease_id = s.deps.signer.sign(&claim);
+    // The verdict renewals and releases compare instead of the HMAC (`lease::token::IdTag`).
+    s.deps.store.tag_lease(&lease.id, s.deps.signer.id_tag(&lease_id));
     let body = AcquireResponse {
         lease_id,
         fencing_token: lease.fencing_token,
@@ -429,15 +431,28 @@ pub(super) fn with_claim<T>(
     op: impl Fn(&crate::lease::LeaseClaim) -> Result<T, LeaseError>,
 ) -> Result<T, ApiError> {
     let claim = verify(s, id)?;
-    match op(&claim) {
+    let result = with_verified_claim(s, &claim, token, now, op)?;
+    // Verified in full once: later calls with this ID compare its digest instead.
+    s.deps.store.tag_lease(&claim.id, s.deps.signer.id_tag(id));
+    Ok(result)
+}
+
+fn with_verified_claim<T>(
+    s: &StateInner,
+    claim: &crate::lease::LeaseClaim,
+    token: u64,
+    now: u64,
+    op: impl Fn(&crate::lease::LeaseClaim) -> Result<T, LeaseError>,
+) -> Result<T, ApiError> {
+    match op(claim) {
         Err(LeaseError::NotFound) => {
-            s.deps.store.reinstate_at(&claim, token, now)?;
+            s.deps.store.reinstate_at(claim, token, now)?;
             if let Some(journal) = s.journal.get() {
                 // The operation's own record follows: its commit makes this one durable too.
-                drop(journal.append(&Record::reinstated(&claim, token)));
+                drop(journal.append(&Record::reinstated(claim, token)));
             }
             tracing::info!(proxy = %claim.id.key, "lease reinstated from its signed ID");
-            Ok(op(&claim)?)
+            Ok(op(claim)?)
         }
         other => Ok(other?),
     }
@@ -466,12 +481,17 @@ pub(super) async fn renew(
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     let ttl = req.ttl_seconds.map(Duration::from_secs);
-    let (renewed, lease) = with_claim(s, id, req.fencing_token, now, |claim| {
-        s.deps
-            .store
-            .renew_at(&claim.id, req.fencing_token, ttl, now)
-            .map(|r| (r, claim.id.clone()))
-    })?;
+    let cached = (s.deps.signer.presented(id))
+        .and_then(|p| s.deps.store.renew_presented_at(&p, req.fencing_token, ttl, now));
+    let (renewed, lease) = match cached {
+        Some(result) => result?,
+        None => with_claim(s, id, req.fencing_token, now, |claim| {
+            s.deps
+                .store
+                .renew_at(&claim.id, req.fencing_token, ttl, now)
+                .map(|r| (r, claim.id.clone()))
+        })?,
+    };
     commit(s, || Record::Renew {
         key: lease.key,
         first_token: lease.first_token,
@@ -511,18 +531,18 @@ pub(super) async fn release(
     req: ReleaseBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    let (lease, own_domain) = with_claim(s, id, req.fencing_token, now, |claim| {
-        s.deps
-            .store
-            .release_at(
-                &claim.id,
-                req.fencing_token,
-                req.outcome,
-                req.target_domain.as_deref(),
-                now,
-            )
-            .map(|()| (claim.id.clone(), claim.target_domain.clone()))
-    })?;
+    let domain = req.target_domain.as_deref();
+    let cached = (s.deps.signer.presented(id))
+        .and_then(|p| (s.deps.store).release_presented_at(&p, req.fencing_token, req.outcome, domain, now));
+    let (own_domain, lease) = match cached {
+        Some(result) => result?,
+        None => with_claim(s, id, req.fencing_token, now, |claim| {
+            s.deps
+                .store
+                .release_at(&claim.id, req.fencing_token, req.outcome, domain, now)
+                .map(|()| (claim.target_domain.clone(), claim.id.clone()))
+        })?,
+    };
     commit(s, || {
         let ban = (req.outcome == Outcome::Banned)
             // The store took the lease's own domain when the release named none.

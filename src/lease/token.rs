@@ -6,11 +6,17 @@
 //! slot hint that spares a lookup), the tag is the first 16 bytes of HMAC-SHA256 over it. An ID
 //! whose tag does not verify is treated as unknown. The key is at least 32 random bytes; every
 //! replica must share it (a Secret in cluster mode, a 0600 file in standalone mode).
+//!
+//! Renewals and releases of a lease this process issued skip the HMAC: the store keeps a
+//! keyed digest of the issued ID with the lease ([`IdTag`], a cached verdict) and compares the
+//! presented ID's digest with it ([`LeaseSigner::presented`]); see [`IdTag`] for why that is as
+//! strong as verifying the HMAC again.
 
-use std::{io::Write, path::Path};
+use std::{hash::BuildHasher, io::Write, path::Path};
 
 use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
 use ring::hmac;
+use subtle::ConstantTimeEq;
 
 use super::{LeaseClaim, LeaseHint, LeaseId, ProxyKey};
 
@@ -44,9 +50,61 @@ pub enum TokenError {
     },
 }
 
+/// Bytes of an ID's fixed-size head: format, hint (shard, slot, generation), first token.
+const HEAD_LEN: usize = 1 + 2 + 4 + 4 + 8;
+/// The head rounded up to whole base64 groups (3 bytes, 4 characters): what is decoded of a
+/// presented ID (every ID is longer: the payload goes on with times and strings).
+const HEAD_GROUPS_LEN: usize = HEAD_LEN.div_ceil(3) * 3;
+const HEAD_CHARS: usize = HEAD_GROUPS_LEN / 3 * 4;
+
+/// The verdict this process caches with a lease it issued: a 128-bit keyed digest of the lease
+/// ID exactly as it was handed out (two domain-separated SipHash-1-3 values under a key drawn
+/// from the OS's random source when the signer is made, never leaving the process, like
+/// `discovery::auth::digest`).
+///
+/// Why comparing it is as strong as verifying the HMAC again: the fast path accepts a presented
+/// ID only if its digest equals the one kept with the lease its head names. The kept digest is
+/// of the ID this process signed for that lease, which verifies under the HMAC key. A different
+/// string passes only if it collides with that ID under a key the caller cannot know; the digest
+/// is a pseudo-random function of the ID under that key, so that takes about 2^128 guesses, and a
+/// refused guess tells nothing about the next (the comparison is constant-time, and the digest
+/// itself says nothing about the ID). Whoever presents the issued ID itself holds what the HMAC
+/// check would accept anyway. So the fast path accepts no ID the full verification refuses, and
+/// every ID it does not accept (a forged or altered one, an unknown lease, a lease restored from a
+/// checkpoint, which keeps no IDs) goes through the full verification as before. Each lease's
+/// later operations still present its latest fencing token: the digest says which lease, never
+/// that the caller may act on it.
+#[derive(Clone, Copy)]
+pub struct IdTag([u8; 16]);
+
+impl IdTag {
+    /// Constant-time equality (no early exit on the first differing byte).
+    #[inline]
+    pub fn matches(&self, other: &IdTag) -> bool {
+        self.0.ct_eq(&other.0).into()
+    }
+}
+
+impl std::fmt::Debug for IdTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IdTag(<redacted>)")
+    }
+}
+
+/// A lease ID as a renewal or release presents it, before any verification: the lease its head
+/// names and its digest, to be compared with the verdict the store keeps ([`IdTag`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PresentedId {
+    pub(crate) hint: LeaseHint,
+    pub(crate) first_token: u64,
+    pub(crate) tag: IdTag,
+}
+
 /// Signs and verifies lease IDs with one HMAC-SHA256 key. `Debug` shows no key material.
 pub struct LeaseSigner {
     key: hmac::Key,
+    /// The key of [`IdTag`]s: process-random, so tags mean nothing outside this process.
+    tag_key: std::hash::RandomState,
 }
 
 impl std::fmt::Debug for LeaseSigner {
@@ -63,6 +121,47 @@ impl LeaseSigner {
         }
         Ok(Self {
             key: hmac::Key::new(hmac::HMAC_SHA256, secret),
+            tag_key: std::hash::RandomState::new(),
+        })
+    }
+
+    /// The verdict to keep with a lease whose ID this process just issued ([`IdTag`]).
+    pub fn id_tag(&self, id: &str) -> IdTag {
+        let half = |domain: u8| self.tag_key.hash_one((domain, id.as_bytes()));
+        let mut out = [0u8; 16];
+        out[..8].copy_from_slice(&half(0).to_le_bytes());
+        out[8..].copy_from_slice(&half(1).to_le_bytes());
+        IdTag(out)
+    }
+
+    /// The lease an ID's head names and the ID's digest, without verifying anything (so
+    /// without the HMAC): `None` if it is not even shaped like a lease ID. The store accepts it
+    /// only if the digest matches the one it kept ([`IdTag`]); otherwise call [`Self::verify`].
+    pub fn presented(&self, id: &str) -> Option<PresentedId> {
+        if id.len() > MAX_ID_LEN || id.len() < HEAD_CHARS {
+            return None;
+        }
+        let mut head = [0u8; HEAD_GROUPS_LEN];
+        let n = URL_SAFE_NO_PAD
+            .decode_slice(&id.as_bytes()[..HEAD_CHARS], &mut head)
+            .ok()?;
+        if n != HEAD_GROUPS_LEN {
+            return None;
+        }
+        let mut r = Reader(&head);
+        if r.take(1)? != [FORMAT] {
+            return None;
+        }
+        let hint = LeaseHint {
+            shard: r.u16()?,
+            slot: r.u32()?,
+            generation: r.u32()?,
+        };
+        let first_token = r.u64()?;
+        Some(PresentedId {
+            hint,
+            first_token,
+            tag: self.id_tag(id),
         })
     }
 
@@ -138,15 +237,11 @@ impl LeaseSigner {
         let (payload, tag) = raw.split_at(raw.len() - TAG_LEN);
         let expected = hmac::sign(&self.key, payload);
         // Constant-time comparison of the truncated tag.
-        if !constant_time_eq(&expected.as_ref()[..TAG_LEN], tag) {
+        if !bool::from(expected.as_ref()[..TAG_LEN].ct_eq(tag)) {
             return Err(TokenError::BadSignature);
         }
         decode_claim(payload).ok_or(TokenError::Malformed)
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn put_str(buf: &mut Vec<u8>, s: Option<&str>) {
