@@ -34,7 +34,7 @@ use crate::sync::lock;
 /// The delta file is folded into a new snapshot once appending would take it past the
 /// snapshot's size or this, whichever is larger (small snapshots are not rewritten every few
 /// saves).
-pub(crate) const FOLD_MIN_BYTES: u64 = 256 * 1024;
+pub const FOLD_MIN_BYTES: u64 = 256 * 1024;
 const FRAME_HEADER: usize = 8;
 /// No frame comes near this; a larger length is a corrupt frame.
 const MAX_FRAME: usize = 256 << 20;
@@ -76,6 +76,8 @@ struct Appender {
 pub struct FileCheckpoint {
     path: PathBuf,
     appender: Arc<Mutex<Appender>>,
+    /// [`FOLD_MIN_BYTES`] unless set otherwise.
+    fold_min_bytes: u64,
 }
 
 fn frame(payload: &[u8]) -> Vec<u8> {
@@ -134,7 +136,15 @@ impl FileCheckpoint {
         Self {
             path: path.into(),
             appender: Arc::default(),
+            fold_min_bytes: FOLD_MIN_BYTES,
         }
+    }
+
+    /// Folds the deltas into a new snapshot once they would pass the snapshot's size or
+    /// `bytes` (default [`FOLD_MIN_BYTES`]): tests fold often with a small one.
+    pub fn with_fold_min_bytes(mut self, bytes: u64) -> Self {
+        self.fold_min_bytes = bytes;
+        self
     }
 
     /// The snapshot file.
@@ -275,7 +285,9 @@ impl CheckpointStore for FileCheckpoint {
         let len = framed.len() as u64;
         {
             let appender = lock(&self.appender);
-            if appender.file.is_none() || appender.bytes + len > appender.snapshot_bytes.max(FOLD_MIN_BYTES) {
+            if appender.file.is_none()
+                || appender.bytes + len > appender.snapshot_bytes.max(self.fold_min_bytes)
+            {
                 return Ok(None);
             }
         }

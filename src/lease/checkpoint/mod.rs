@@ -23,7 +23,7 @@ use super::ProxyKey;
 
 mod file;
 mod upkeep;
-pub use file::FileCheckpoint;
+pub use file::{FOLD_MIN_BYTES, FileCheckpoint};
 pub use upkeep::{CheckpointHealth, CheckpointReport, CheckpointSaver, MaintenanceConfig, maintenance};
 
 /// A snapshot of the lease store's durable state.

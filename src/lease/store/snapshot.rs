@@ -117,8 +117,17 @@ impl LeaseStore {
     }
 
     /// Whether anything changed since the last checkpoint took the changes (clears nothing).
+    /// Settles every shard first, so expiries that are due count as changes whether or not the
+    /// reaper has run since.
     pub fn has_changes(&self) -> bool {
-        self.inner.shards.iter().any(|shard| lock(&shard.0).dirty)
+        let now = self.now();
+        let mut changed = false;
+        for shard in self.inner.shards.iter() {
+            let mut shard = lock(&shard.0);
+            shard.settle(now);
+            changed |= shard.dirty;
+        }
+        changed
     }
 
     /// The store shards changed since the last call (and clears their marks): what a sharded
@@ -154,12 +163,12 @@ impl LeaseStore {
             let mut shard = lock(&shard.0);
             let mark = out.token_hwm.entry(shard.id).or_insert(0);
             *mark = (*mark).max((shard.seq << SHARD_BITS) | shard.id as u64);
-            if !shard.dirty {
+            // Expiries that are due start their rests (and mark their proxies) first, in every
+            // shard (a heap peek where none is due).
+            shard.settle(now);
+            if !std::mem::take(&mut shard.dirty) {
                 continue;
             }
-            // Expiries that are due start their rests (and mark their proxies) first.
-            shard.settle(now);
-            shard.dirty = false;
             // Removals first: a key removed and added again since is written after as it is now.
             out.removed.append(&mut shard.removed);
             for slot in std::mem::take(&mut shard.changed) {
