@@ -399,8 +399,8 @@ pub(super) async fn acquire(
         }
     }
     let lease_id = s.deps.signer.sign(&claim);
-    // The verdict renewals and releases compare instead of the HMAC (`lease::token::IdTag`).
-    s.deps.store.tag_lease(&lease.id, s.deps.signer.id_tag(&lease_id));
+    // What renewals and releases compare instead of the HMAC (`lease::token::IssuedId`).
+    s.deps.store.keep_issued_id(&lease.id, &lease_id);
     let body = AcquireResponse {
         lease_id,
         fencing_token: lease.fencing_token,
@@ -432,8 +432,8 @@ pub(super) fn with_claim<T>(
 ) -> Result<T, ApiError> {
     let claim = verify(s, id)?;
     let result = with_verified_claim(s, &claim, token, now, op)?;
-    // Verified in full once: later calls with this ID compare its digest instead.
-    s.deps.store.tag_lease(&claim.id, s.deps.signer.id_tag(id));
+    // Verified in full once: later calls with this ID compare it with the kept one instead.
+    s.deps.store.keep_issued_id(&claim.id, id);
     Ok(result)
 }
 

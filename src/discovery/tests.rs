@@ -722,13 +722,13 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
     journal.close();
 }
 
-/// Renewals and releases of a lease this process issued compare the ID's digest with the one
-/// kept with the lease instead of verifying the HMAC (`lease::token::IdTag`); they must refuse
+/// Renewals and releases of a lease this process issued compare the ID with the one kept with
+/// the lease instead of verifying the HMAC (`lease::token::IssuedId`); they must refuse
 /// exactly what the full verification refuses: altered and forged IDs are unknown, stale tokens
 /// are stale, and a lease restored from a checkpoint (which keeps no IDs) is still recognised by
 /// its signed ID.
 #[tokio::test]
-async fn lease_ids_are_checked_by_their_kept_digest_and_in_full_without_one() {
+async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without_it() {
     let h = harness(1, 2);
     let a = h
         .acquire(json!({"holder": "c1", "targetDomain": "shop.example"}))

@@ -1627,3 +1627,31 @@ async fn a_crash_in_a_checkpoint_save_reads_back_as_the_save_before_or_after() {
         "{torn_checked} deltas, {folds_checked} folds"
     );
 }
+
+/// The kept ID matches itself only: any one byte changed anywhere (in the words compared eight
+/// bytes at a time or in the tail), a byte dropped or added, is another ID.
+#[test]
+fn an_issued_id_matches_only_itself() {
+    let id = LeaseSigner::new(&[9u8; 32]).unwrap().sign(&LeaseClaim {
+        id: LeaseId {
+            key: key("a"),
+            first_token: 77,
+            hint: LeaseHint::default(),
+        },
+        holder: "crawler-1".into(),
+        acquired_at_ms: T0,
+        expires_at_ms: T0 + 60_000,
+        target_domain: Some("shop.example".into()),
+        session_key: None,
+    });
+    let kept = token::IssuedId::new(&id);
+    assert!(kept.matches(id.as_bytes()));
+    for i in 0..id.len() {
+        let mut other = id.clone().into_bytes();
+        other[i] ^= 1;
+        assert!(!kept.matches(&other), "byte {i} of {}", id.len());
+    }
+    assert!(!kept.matches(&id.as_bytes()[..id.len() - 1]));
+    assert!(!kept.matches(format!("{id}A").as_bytes()));
+    assert!(!kept.matches(b""));
+}

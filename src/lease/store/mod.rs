@@ -44,7 +44,7 @@ use super::{
     Admission, DrainStatus, LeaseError, LeaseId, LeaseStoreConfig, LeaseTarget, Outcome, ProxyInfo, ProxyKey,
     Renewed,
     selector::Interner,
-    token::{IdTag, PresentedId},
+    token::{IssuedId, PresentedId},
 };
 use crate::sync::{lock, read, write};
 
@@ -526,13 +526,13 @@ impl LeaseStore {
         Ok(())
     }
 
-    /// Runs `f` on the lease a presented ID names if the store keeps that ID's verdict (it issued
-    /// the ID: [`IdTag`]) and the presented ID's digest matches it; `None` otherwise (no such
-    /// lease, one restored without its ID, or a different ID): then the ID must be verified in
-    /// full and the operation run by [`LeaseId`]. Also returns the lease's ID.
+    /// Runs `f` on the lease a presented ID names if the presented ID is the one the store kept
+    /// for it ([`IssuedId`]); `None` otherwise (no such lease, one restored without its ID, or a
+    /// different ID): then the ID must be verified in full and the operation run by [`LeaseId`].
+    /// Also returns the lease's ID.
     fn with_presented<R>(
         &self,
-        presented: &PresentedId,
+        presented: &PresentedId<'_>,
         now: u64,
         f: impl FnOnce(&mut Shard, u32, usize) -> Result<R, LeaseError>,
     ) -> Option<Result<(R, LeaseId), LeaseError>> {
@@ -548,11 +548,15 @@ impl LeaseStore {
             .leases
             .iter()
             .position(|l| l.first_token == presented.first_token)?;
-        if !p.leases[idx].id_tag?.matches(&presented.tag) {
+        if !p.leases[idx]
+            .issued_id
+            .as_ref()?
+            .matches(presented.text.as_bytes())
+        {
             return None;
         }
-        // The digest matched: the ID is the one issued for this lease, so its key is the
-        // proxy's (no need to compare the key the slot hint was checked against otherwise).
+        // The ID is the one issued for this lease, so its key is the proxy's (no need to
+        // compare the key the slot hint is checked against otherwise).
         let id = LeaseId {
             key: p.key.clone(),
             first_token: presented.first_token,
@@ -561,20 +565,20 @@ impl LeaseStore {
         Some(f(&mut shard, hint.slot, idx).map(|r| (r, id)))
     }
 
-    /// Keeps `tag` as the verdict for the lease `id` names ([`IdTag`]): call it with the digest
-    /// of the ID just issued for it, or just verified in full.
-    pub fn tag_lease(&self, id: &LeaseId, tag: IdTag) {
+    /// Keeps `text` as the verdict for the lease `id` names ([`IssuedId`]): call it with the
+    /// ID just issued for it, or just verified in full.
+    pub fn keep_issued_id(&self, id: &LeaseId, text: &str) {
         let _ = self.with_lease(id, self.now(), |shard, slot, idx| {
-            shard.proxy_mut(slot).leases[idx].id_tag = Some(tag);
+            shard.proxy_mut(slot).leases[idx].issued_id = Some(IssuedId::new(text));
             Ok(())
         });
     }
 
-    /// [`LeaseStore::renew_at`] by a presented lease ID whose verdict the store keeps; `None`:
-    /// it keeps none for that ID (verify it in full, then call [`LeaseStore::renew_at`]).
+    /// [`LeaseStore::renew_at`] by a presented lease ID the store kept; `None`: it keeps none
+    /// for that ID (verify it in full, then call [`LeaseStore::renew_at`]).
     pub fn renew_presented_at(
         &self,
-        presented: &PresentedId,
+        presented: &PresentedId<'_>,
         token: u64,
         ttl: Option<Duration>,
         now: u64,
@@ -587,12 +591,12 @@ impl LeaseStore {
         })
     }
 
-    /// [`LeaseStore::release_at`] by a presented lease ID whose verdict the store keeps, also
-    /// returning the lease's own target domain; `None`: it keeps none for that ID (verify it in
+    /// [`LeaseStore::release_at`] by a presented lease ID the store kept, also returning the
+    /// lease's own target domain; `None`: it keeps none for that ID (verify it in
     /// full, then call [`LeaseStore::release_at`]).
     pub fn release_presented_at(
         &self,
-        presented: &PresentedId,
+        presented: &PresentedId<'_>,
         token: u64,
         outcome: Outcome,
         target_domain: Option<&str>,

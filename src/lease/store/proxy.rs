@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::lease::{LeaseTarget, ProxyInfo, ProxyKey, token::IdTag};
+use crate::lease::{LeaseTarget, ProxyInfo, ProxyKey, token::IssuedId};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum AdmissionState {
@@ -60,10 +60,10 @@ pub(super) struct LeaseRecord {
     /// Loaded from a checkpoint and not touched since: the holder may hold a newer token
     /// (a renewal the checkpoint missed), so a higher presented token is taken as current.
     pub(super) restored: bool,
-    /// The digest of the lease ID this process issued for it (a cached verdict: renewals and
-    /// releases presenting that ID skip the HMAC). `None` for leases restored or reinstated
-    /// until their ID has been verified once in full.
-    pub(super) id_tag: Option<IdTag>,
+    /// The lease ID this process issued for it (a cached verdict: renewals and releases
+    /// presenting that very ID skip the HMAC). `None` for leases restored or reinstated until
+    /// their ID has been verified once in full.
+    pub(super) issued_id: Option<IssuedId>,
 }
 
 #[derive(Debug)]

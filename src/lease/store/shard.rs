@@ -339,7 +339,7 @@ impl Shard {
             session_key: req.session_key.map(Into::into),
             request_id: req.request_id.map(Into::into),
             restored: false,
-            id_tag: None,
+            issued_id: None,
         });
         let proxy = p
             .info

@@ -92,7 +92,7 @@ impl LeaseStore {
             session_key: claim.session_key.as_deref().map(Into::into),
             request_id: None,
             restored: false,
-            id_tag: None,
+            issued_id: None,
         });
         shard.reinstated.insert(first, claim.expires_at_ms);
         shard.observe_token(token);
@@ -354,7 +354,7 @@ impl LeaseStore {
                     session_key: l.session_key.as_deref().map(Into::into),
                     request_id: l.request_id.as_deref().map(Into::into),
                     restored: true,
-                    id_tag: None,
+                    issued_id: None,
                 });
                 added += 1;
             }
