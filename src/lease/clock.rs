@@ -117,11 +117,11 @@ pub fn rfc3339(ms: u64) -> String {
         m if m % 10 == 0 => 22,
         _ => 23,
     };
-    let mut text = String::with_capacity(end + 1);
-    // Only ASCII digits and separators were written.
-    text.extend(out[..end].iter().map(|b| *b as char));
-    text.push('Z');
-    text
+    let mut text = Vec::with_capacity(end + 1);
+    text.extend_from_slice(&out[..end]);
+    text.push(b'Z');
+    // Only ASCII digits and separators were written: the check always passes.
+    String::from_utf8(text).unwrap_or_default()
 }
 
 /// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar (Howard
