@@ -164,6 +164,10 @@ pub struct CheckpointSaver {
     whole: bool,
     /// Write at the next save even if nothing changed (a delta store: an empty delta).
     flush: bool,
+    /// A whole document went out through this saver: deltas have a base. Until then (at
+    /// start, when every restored proxy counts as changed) a delta would be taken only to be
+    /// refused.
+    based: bool,
 }
 
 impl CheckpointSaver {
@@ -215,7 +219,7 @@ impl CheckpointSaver {
             report.outcome(&result);
             return result;
         }
-        if sink.deltas() && !self.whole {
+        if sink.deltas() && self.based && !self.whole {
             if !self.flush && !store.has_changes() {
                 return Ok(());
             }
@@ -251,6 +255,7 @@ impl CheckpointSaver {
             report.wrote(written);
             self.whole = false;
             self.flush = false;
+            self.based = true;
         });
         report.outcome(&result);
         result
