@@ -435,3 +435,114 @@ async fn a_proxy_without_the_finalizer_goes_with_its_manifest() {
     );
     assert_eq!(host.provider.create_calls(), 0);
 }
+
+/// Proxies per phase as the state folder holds them.
+fn phases_in(state: &Path) -> std::collections::BTreeMap<String, usize> {
+    let mut counts = std::collections::BTreeMap::new();
+    for (_, record) in Store::read_only(state).expect("state").list().expect("readable") {
+        let phase = record
+            .status
+            .and_then(|s| s.phase)
+            .unwrap_or_else(|| "pending".to_owned());
+        *counts.entry(phase).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// The progress line's counts follow every change (creation, health, deletion, a restart)
+/// while each step reads only the records that may have changed: a step with nothing due
+/// reads none, a step that reconciles one Proxy reads one, however many there are.
+#[tokio::test]
+async fn the_progress_counts_follow_changes_reading_only_what_changed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    const N: u32 = 12;
+    for i in 0..N {
+        std::fs::write(
+            manifests.join(format!("p{i}.yaml")),
+            manifest(&format!("p{i}"), 4000 + i),
+        )
+        .expect("write");
+    }
+    let host = Host::new();
+    let keys: Vec<ProxyKey> = (0..N).map(|i| key("default", &format!("p{i}"))).collect();
+    let counts_agree = |runner: &Standalone| {
+        let want = phases_in(&state);
+        for (phase, n) in &want {
+            assert_eq!(
+                runner.progress().count(phase),
+                *n,
+                "{phase}: {}",
+                runner.progress().line()
+            );
+        }
+        assert_eq!(want.values().sum::<usize>(), N as usize);
+    };
+
+    let mut runner = host.open(&manifests, &state);
+    step_until(&mut runner, || {
+        keys.iter()
+            .all(|k| phase(&state, k).as_deref() == Some("provisioning"))
+    })
+    .await;
+    counts_agree(&runner);
+    for k in &keys {
+        host.health.set(k, HealthVerdict::Passing);
+        runner.trigger(k.clone());
+    }
+    step_until(&mut runner, || {
+        keys.iter()
+            .all(|k| phase(&state, k).as_deref() == Some("healthy"))
+    })
+    .await;
+    counts_agree(&runner);
+    assert_eq!(runner.progress().count("healthy"), N as usize);
+
+    // Nothing due: nothing read. One Proxy triggered: one read, and its new phase counted.
+    let reads = runner.phase_reads();
+    runner.step().await;
+    assert_eq!(runner.phase_reads(), reads);
+    host.health.set(&keys[3], HealthVerdict::Failing);
+    runner.trigger(keys[3].clone());
+    runner.step().await;
+    assert_eq!(runner.phase_reads(), reads + 1);
+    counts_agree(&runner);
+    assert_eq!(
+        runner.progress().count("healthy"),
+        N as usize - 1,
+        "{}",
+        runner.progress().line()
+    );
+
+    // A removed manifest: its deletion is counted until its record goes.
+    std::fs::remove_file(manifests.join("p5.yaml")).expect("rm");
+    step_until(&mut runner, || {
+        Store::read_only(&state).unwrap().get(&keys[5]).unwrap().is_none()
+    })
+    .await;
+    let left = phases_in(&state);
+    for (phase, n) in &left {
+        assert_eq!(
+            runner.progress().count(phase),
+            *n,
+            "{phase}: {}",
+            runner.progress().line()
+        );
+    }
+    assert_eq!(left.values().sum::<usize>(), N as usize - 1);
+
+    // A restart counts the records it loads once.
+    drop(runner);
+    let runner = host.open(&manifests, &state);
+    let mut runner = runner;
+    runner.step().await;
+    for (phase, n) in &phases_in(&state) {
+        assert_eq!(
+            runner.progress().count(phase),
+            *n,
+            "{phase}: {}",
+            runner.progress().line()
+        );
+    }
+}

@@ -22,8 +22,7 @@ use super::{
     wire::{self, RequestBody},
 };
 use crate::lease::{
-    AcquireRequest, Acquired, DurableError, DurableLeases, LeaseClaim, LeaseError, Selector,
-    journal::JournalError, rfc3339,
+    AcquireRequest, Acquired, DurableError, DurableLeases, Selector, journal::JournalError, rfc3339,
 };
 
 /// What every endpoint that needs a token may answer before it reads the request (documents
@@ -140,7 +139,7 @@ pub(super) fn check_ready(s: &StateInner) -> Result<(), ApiError> {
 
 /// The lease operations of this API: durable first when a journal is set.
 pub(super) fn leases(s: &StateInner) -> DurableLeases<'_> {
-    DurableLeases::new(&s.deps.store, s.journal.get())
+    DurableLeases::new(&s.deps.store, &s.deps.signer, s.journal.get())
 }
 
 /// Refuses lease operations while the journal cannot make them durable.
@@ -342,6 +341,7 @@ pub(super) async fn acquire(
     let Acquired {
         lease,
         claim,
+        lease_id,
         repeated,
     } = match leases(s).acquire(&request, now).await {
         Ok(acquired) => acquired,
@@ -362,7 +362,6 @@ pub(super) async fn acquire(
         s.deps.metrics.acquired.inc();
         tracing::debug!(proxy = %lease.id.key, holder = %req.holder, caller = %identity.name, "lease granted");
     }
-    let lease_id = s.deps.signer.sign(&claim);
     let body = AcquireResponse {
         lease_id,
         fencing_token: lease.fencing_token,
@@ -376,12 +375,6 @@ pub(super) async fn acquire(
     let mut bytes = Vec::with_capacity(512);
     body.write_json(wire::proxy_json(&lease.proxy), &mut bytes);
     Ok(json_bytes(StatusCode::CREATED, bytes))
-}
-
-/// What the lease ID `id` says, if this API signed it.
-pub(super) fn verify(s: &StateInner, id: &str) -> Result<LeaseClaim, ApiError> {
-    // An ID this key did not sign is simply unknown.
-    s.deps.signer.verify(id).map_err(|_| LeaseError::NotFound.into())
 }
 
 /// Extends a lease from now and issues a new fencing token.
@@ -406,9 +399,8 @@ pub(super) async fn renew(
     req: RenewBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    let claim = verify(s, id)?;
     let ttl = req.ttl_seconds.map(Duration::from_secs);
-    let renewed = leases(s).renew(&claim, req.fencing_token, ttl, now).await?;
+    let renewed = leases(s).renew(id, req.fencing_token, ttl, now).await?;
     Ok(json(
         StatusCode::OK,
         &RenewResponse {
@@ -441,10 +433,9 @@ pub(super) async fn release(
     req: ReleaseBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
-    let claim = verify(s, id)?;
     let domain = req.target_domain.as_deref();
     leases(s)
-        .release(&claim, req.fencing_token, req.outcome, domain, now)
+        .release(id, req.fencing_token, req.outcome, domain, now)
         .await?;
     s.deps
         .metrics

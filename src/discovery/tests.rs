@@ -721,3 +721,131 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
     assert_eq!(again.status, StatusCode::CREATED, "{}", again.text);
     journal.close();
 }
+
+/// Renewals and releases of a lease this process issued compare the ID with the one kept with
+/// the lease instead of verifying the HMAC (`lease::token::IssuedId`); they must refuse
+/// exactly what the full verification refuses: altered and forged IDs are unknown, stale tokens
+/// are stale, and a lease restored from a checkpoint (which keeps no IDs) is still recognised by
+/// its signed ID.
+#[tokio::test]
+async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without_it() {
+    let h = harness(1, 2);
+    let a = h
+        .acquire(json!({"holder": "c1", "targetDomain": "shop.example"}))
+        .await;
+    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
+    let id = a.body["leaseId"].as_str().unwrap().to_owned();
+    let mut token = a.body["fencingToken"].as_u64().unwrap();
+    let renew = async |id: &str, token: u64| {
+        h.call(
+            "POST",
+            &format!("/v1/leases/{id}/renew"),
+            Some(json!({"fencingToken": token})),
+        )
+        .await
+    };
+
+    // Every character altered (in the head that names the lease, in the claim, in the tag),
+    // one dropped, one added: unknown, and the lease itself is untouched.
+    let mut altered: Vec<String> = (0..id.len())
+        .map(|i| {
+            let mut bytes = id.clone().into_bytes();
+            bytes[i] = if bytes[i] == b'A' { b'B' } else { b'A' };
+            String::from_utf8(bytes).unwrap()
+        })
+        .collect();
+    altered.push(id[..id.len() - 1].to_owned());
+    altered.push(format!("{id}A"));
+    // The same claim signed with another key: the head names the very lease, the rest differs.
+    let claim = h.state.inner.deps.signer.verify(&id).unwrap();
+    altered.push(LeaseSigner::new(&[7u8; 32]).unwrap().sign(&claim));
+    for other in &altered {
+        let r = renew(other, token).await;
+        assert_eq!(
+            (r.status, code(&r)),
+            (StatusCode::NOT_FOUND, "lease_not_found"),
+            "{other}: {}",
+            r.text
+        );
+    }
+    assert_eq!(h.state.store().active_leases(&claim.id.key), 1);
+
+    // The issued ID is fenced like any: the current token renews, an older one is stale.
+    let r = renew(&id, token).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    let stale = token;
+    token = r.body["fencingToken"].as_u64().unwrap();
+    let r = renew(&id, stale).await;
+    assert_eq!(
+        (r.status, code(&r)),
+        (StatusCode::CONFLICT, "stale_token"),
+        "{}",
+        r.text
+    );
+    let release = async |id: &str, token: u64| {
+        h.call(
+            "POST",
+            &format!("/v1/leases/{id}/release"),
+            Some(json!({"fencingToken": token, "outcome": "ok"})),
+        )
+        .await
+    };
+    let r = release(&id, stale).await;
+    assert_eq!(
+        (r.status, code(&r)),
+        (StatusCode::CONFLICT, "stale_token"),
+        "{}",
+        r.text
+    );
+
+    // A restart: the lease comes back from a checkpoint, without its ID. The ID is verified in
+    // full, then renewed and released; altered IDs are still unknown there.
+    let restarted = harness(1, 2);
+    restarted.state.store().restore(&h.state.store().checkpoint());
+    let token_here = token;
+    let renew_there = async |id: &str, token: u64| {
+        restarted
+            .call(
+                "POST",
+                &format!("/v1/leases/{id}/renew"),
+                Some(json!({"fencingToken": token})),
+            )
+            .await
+    };
+    for other in altered.iter().step_by(7) {
+        let r = renew_there(other, token).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{other}: {}", r.text);
+    }
+    let r = renew_there(&id, token).await;
+    assert_eq!(r.status, StatusCode::OK, "restored lease: {}", r.text);
+    let r2 = renew_there(&id, token).await;
+    assert_eq!(
+        (r2.status, code(&r2)),
+        (StatusCode::CONFLICT, "stale_token"),
+        "{}",
+        r2.text
+    );
+    token = r.body["fencingToken"].as_u64().unwrap();
+    for other in altered.iter().step_by(5) {
+        let r = renew_there(other, token).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{other}: {}", r.text);
+    }
+    let r = restarted
+        .call(
+            "POST",
+            &format!("/v1/leases/{id}/release"),
+            Some(json!({"fencingToken": token, "outcome": "ok"})),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(restarted.state.store().active_leases(&claim.id.key), 0);
+
+    // And in the first process the lease is released once, by its issued ID only.
+    assert_eq!(
+        release(&altered[3], token_here).await.status,
+        StatusCode::NOT_FOUND
+    );
+    let r = release(&id, token_here).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+    assert_eq!(release(&id, token_here).await.status, StatusCode::NOT_FOUND);
+}

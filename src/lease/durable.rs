@@ -4,16 +4,19 @@
 //! Each operation asks the store for the change ([`LeaseStore`] returns what it changed: the
 //! lease granted, the token and expiry renewed, the ban and cooldown a release started),
 //! journals that change and awaits its commit; a grant that cannot be made durable is undone
-//! (nobody was told its token), a confirmed one marks its request ID answered. A renew or
-//! release of a lease the store does not know (one the last checkpoint missed) first takes it
-//! back from its signed claim. The discovery API parses a request, calls one of these and
-//! answers; it neither journals nor undoes.
+//! (nobody was told its token), a confirmed one marks its request ID answered and is signed
+//! into its lease ID. A renew or release presents that ID: the store compares it with the one
+//! it kept ([`super::token::IssuedId`]), and only an ID it kept none for is verified in full;
+//! a lease the store does not know (one the last checkpoint missed) is then taken back from
+//! its signed claim. The discovery API parses a request, calls one of these and answers; it
+//! neither signs, journals nor undoes.
 
 use std::time::Duration;
 
 use super::{
-    AcquireRequest, Granted, Lease, LeaseClaim, LeaseError, LeaseStore, Outcome, Renewed,
+    AcquireRequest, Granted, Lease, LeaseClaim, LeaseError, LeaseStore, Outcome, Released, Renewed,
     journal::{Journal, JournalError, Record},
+    token::LeaseSigner,
 };
 
 /// A lease operation failed: refused by the store, or not made durable.
@@ -35,21 +38,30 @@ pub struct Acquired {
     pub lease: Lease,
     /// What its ID says, as granted.
     pub claim: LeaseClaim,
+    /// Its ID, signed.
+    pub lease_id: String,
     /// An earlier acquire with the same request ID granted it (and made it durable).
     pub repeated: bool,
 }
 
-/// The store and, in standalone mode, the journal that makes its changes durable.
+/// The store, the key its lease IDs are signed with and, in standalone mode, the journal that
+/// makes its changes durable.
 #[derive(Clone, Copy)]
 pub struct DurableLeases<'a> {
     store: &'a LeaseStore,
+    signer: &'a LeaseSigner,
     journal: Option<&'a Journal>,
 }
 
 impl<'a> DurableLeases<'a> {
-    /// Operations on `store`, journalled to `journal` when there is one.
-    pub fn new(store: &'a LeaseStore, journal: Option<&'a Journal>) -> Self {
-        Self { store, journal }
+    /// Operations on `store` with IDs signed by `signer`, journalled to `journal` when there is
+    /// one.
+    pub fn new(store: &'a LeaseStore, signer: &'a LeaseSigner, journal: Option<&'a Journal>) -> Self {
+        Self {
+            store,
+            signer,
+            journal,
+        }
     }
 
     /// Why the journal cannot make operations durable now, if it cannot: callers refuse
@@ -62,11 +74,7 @@ impl<'a> DurableLeases<'a> {
     pub async fn acquire(&self, request: &AcquireRequest<'_>, now: u64) -> Result<Acquired, DurableError> {
         let Granted { lease, repeat_of } = self.store.acquire_granted_at(request, now)?;
         if let Some(claim) = repeat_of {
-            return Ok(Acquired {
-                lease,
-                claim,
-                repeated: true,
-            });
+            return Ok(self.issue(lease, claim, true));
         }
         let claim = lease.claim(request.holder, request.target_domain, request.session_key);
         let idle = self.store.config().session_idle_ttl;
@@ -86,27 +94,48 @@ impl<'a> DurableLeases<'a> {
         if let Some(request_id) = request.request_id {
             self.store.confirm_request(request.holder, request_id);
         }
-        Ok(Acquired {
-            lease,
-            claim,
-            repeated: false,
-        })
+        Ok(self.issue(lease, claim, false))
     }
 
-    /// Extends the lease `claim` names from `now` and issues a new token.
+    /// Signs `claim` into the lease's ID and keeps the ID as the store's verdict on it.
+    fn issue(&self, lease: Lease, claim: LeaseClaim, repeated: bool) -> Acquired {
+        let lease_id = self.signer.sign(&claim);
+        self.store.keep_issued_id(&lease.id, &lease_id);
+        Acquired {
+            lease,
+            claim,
+            lease_id,
+            repeated,
+        }
+    }
+
+    /// Extends the lease the ID `id` names from `now` and issues a new token.
     pub async fn renew(
         &self,
-        claim: &LeaseClaim,
+        id: &str,
         token: u64,
         ttl: Option<Duration>,
         now: u64,
     ) -> Result<Renewed, DurableError> {
-        let renewed = self.with_claim(claim, token, now, |store| {
-            store.renew_at(&claim.id, token, ttl, now)
-        })?;
+        let kept = self
+            .signer
+            .presented(id)
+            .and_then(|presented| self.store.renew_presented_at(&presented, token, ttl, now));
+        let (renewed, lease) = match kept {
+            Some(result) => result?,
+            None => {
+                let claim = self.verify(id)?;
+                let renewed = self.with_claim(&claim, token, now, |store| {
+                    store.renew_at(&claim.id, token, ttl, now)
+                })?;
+                // Verified in full once: later calls with this ID compare it with the kept one.
+                self.store.keep_issued_id(&claim.id, id);
+                (renewed, claim.id)
+            }
+        };
         self.commit(|| Record::Renew {
-            key: claim.id.key.clone(),
-            first_token: claim.id.first_token,
+            key: lease.key,
+            first_token: lease.first_token,
             token: renewed.fencing_token,
             expires_at_ms: renewed.expires_at_ms,
         })
@@ -114,27 +143,44 @@ impl<'a> DurableLeases<'a> {
         Ok(renewed)
     }
 
-    /// Ends the lease `claim` names with `outcome`; a ban applies to `target_domain`, else to
-    /// the lease's own.
+    /// Ends the lease the ID `id` names with `outcome`; a ban applies to `target_domain`, else
+    /// to the lease's own. Returns the ban and cooldown it started.
     pub async fn release(
         &self,
-        claim: &LeaseClaim,
+        id: &str,
         token: u64,
         outcome: Outcome,
         target_domain: Option<&str>,
         now: u64,
-    ) -> Result<(), DurableError> {
-        let released = self.with_claim(claim, token, now, |store| {
-            store.release_at(&claim.id, token, outcome, target_domain, now)
-        })?;
+    ) -> Result<Released, DurableError> {
+        let kept = self.signer.presented(id).and_then(|presented| {
+            self.store
+                .release_presented_at(&presented, token, outcome, target_domain, now)
+        });
+        let (released, lease) = match kept {
+            Some(result) => result?,
+            None => {
+                let claim = self.verify(id)?;
+                let released = self.with_claim(&claim, token, now, |store| {
+                    store.release_at(&claim.id, token, outcome, target_domain, now)
+                })?;
+                (released, claim.id)
+            }
+        };
         self.commit(|| Record::Release {
-            key: claim.id.key.clone(),
-            first_token: claim.id.first_token,
+            key: lease.key,
+            first_token: lease.first_token,
             cooldown_until_ms: released.cooldown_until_ms,
-            ban: released.ban,
+            ban: released.ban.clone(),
         })
         .await?;
-        Ok(())
+        Ok(released)
+    }
+
+    /// What the lease ID `id` says, if this key signed it; an ID it did not sign is simply
+    /// unknown.
+    fn verify(&self, id: &str) -> Result<LeaseClaim, LeaseError> {
+        self.signer.verify(id).map_err(|_| LeaseError::NotFound)
     }
 
     /// Runs `op`; if the store has no record of the lease, takes it back from its signed
@@ -215,6 +261,10 @@ mod tests {
         store
     }
 
+    fn signer() -> LeaseSigner {
+        LeaseSigner::new(&LeaseSigner::generate_secret()).unwrap()
+    }
+
     fn journal(dir: &std::path::Path) -> Journal {
         Journal::start(JournalConfig::new(dir), 1, JournalMetrics::default()).unwrap()
     }
@@ -226,7 +276,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let journal = journal(dir.path());
         let store = store(5);
-        let leases = DurableLeases::new(&store, Some(&journal));
+        let signer = signer();
+        let leases = DurableLeases::new(&store, &signer, Some(&journal));
         let all = store.compile(&Selector::default());
         let request = AcquireRequest {
             selector: &all,
@@ -240,7 +291,7 @@ mod tests {
         assert!(!acquired.repeated);
         leases
             .release(
-                &acquired.claim,
+                &acquired.lease_id,
                 acquired.lease.fencing_token,
                 Outcome::Banned,
                 None,
@@ -286,13 +337,14 @@ mod tests {
             session_key: None,
             request_id: Some("req-1"),
         };
-        let refused = DurableLeases::new(&store, Some(&journal))
+        let signer = signer();
+        let refused = DurableLeases::new(&store, &signer, Some(&journal))
             .acquire(&request, T0)
             .await
             .unwrap_err();
         assert!(matches!(refused, DurableError::Journal(_)), "{refused}");
         assert_eq!(store.active_leases(&ProxyKey::new("crawl", "a")), 0);
-        let again = DurableLeases::new(&store, None)
+        let again = DurableLeases::new(&store, &signer, None)
             .acquire(&request, T0)
             .await
             .unwrap();

@@ -46,9 +46,10 @@
 //! answered: the discovery API appends what changed to the [`journal`] and awaits its group
 //! commit; the journal is compacted into the checkpoint file and replayed onto it at start.
 //! Otherwise (cluster mode, or `--no-durable-leases`):
-//! mutations mark their shard dirty; [`maintenance`] periodically snapshots dirty stores into a
-//! [`checkpoint::Checkpoint`] and hands it to a [`checkpoint::CheckpointStore`] (a file in
-//! standalone mode, Kubernetes objects in cluster mode), off the hot path. On start,
+//! mutations mark their proxy changed (and its shard dirty); [`maintenance`] periodically saves
+//! what changed to a [`checkpoint::CheckpointStore`]: in standalone mode a delta of the changed
+//! proxies appended after a snapshot file ([`checkpoint::FileCheckpoint`]), in cluster mode the
+//! dirty shards' parts in Kubernetes objects, off the hot path. On start,
 //! [`LeaseStore::restore`] loads it. Leases issued after the last checkpoint are not lost either:
 //! lease IDs are signed ([`token::LeaseSigner`]) and carry what the store needs to take a lease
 //! back ([`LeaseStore::reinstate`]) when its holder next renews or releases it. The windows in

@@ -1348,3 +1348,310 @@ async fn request_ids_survive_a_checkpoint_and_its_restore() {
 fn all_of(store: &LeaseStore) -> CompiledSelector {
     sel(store, "")
 }
+
+/// What a restore takes from a checkpoint at `now`: leases, bans, cooldowns and bindings that
+/// have not ended, and only proxies with something left worth keeping (as
+/// [`LeaseStore::checkpoint`] writes them).
+fn as_restored(cp: &checkpoint::Checkpoint, now: u64) -> String {
+    use checkpoint::CheckpointAdmission;
+    let mut proxies = Vec::new();
+    for p in &cp.proxies {
+        let mut p = p.clone();
+        p.leases.retain(|l| l.expires_at_ms > now);
+        p.bans.retain(|b| b.until_ms > now);
+        p.cooldown_until_ms = p.cooldown_until_ms.filter(|until| *until > now);
+        let empty = p.leases.is_empty()
+            && p.bans.is_empty()
+            && p.cooldown_until_ms.is_none()
+            && p.revoked_below == 0
+            && p.admission == CheckpointAdmission::Closed;
+        if !empty {
+            p.leases.sort_by_key(|l| l.first_token);
+            p.bans.sort_by(|a, b| a.domain.cmp(&b.domain));
+            proxies.push(p);
+        }
+    }
+    proxies.sort_by(|a, b| a.key.cmp(&b.key));
+    let mut sessions: Vec<_> = cp
+        .sessions
+        .iter()
+        .filter(|s| s.expires_at_ms > now)
+        .cloned()
+        .collect();
+    sessions.sort_by(|a, b| a.session_key.cmp(&b.session_key));
+    format!("{:?}\n{proxies:#?}\n{sessions:#?}", cp.token_hwm)
+}
+
+/// `want == got`, showing the first lines that differ.
+fn assert_same(got: &str, want: &str, context: &str) {
+    if got == want {
+        return;
+    }
+    let (g, w): (Vec<_>, Vec<_>) = (got.lines().collect(), want.lines().collect());
+    let at = g
+        .iter()
+        .zip(&w)
+        .position(|(a, b)| a != b)
+        .unwrap_or(g.len().min(w.len()));
+    let from = at.saturating_sub(12);
+    panic!(
+        "{context}: differs at line {at}\n--- got\n{}\n--- want\n{}",
+        g[from..(at + 12).min(g.len())].join("\n"),
+        w[from..(at + 12).min(w.len())].join("\n")
+    );
+}
+
+/// Random lease traffic on `store` (30 proxies a..): acquires (some with a domain or a sticky
+/// session), renewals, releases (some banned), expiries, revocations, drains, closings and
+/// removals.
+fn churn(store: &LeaseStore, clock: &Clock, rng: &mut fastrand::Rng, held: &mut Vec<Lease>, steps: usize) {
+    let all = sel(store, "");
+    for _ in 0..steps {
+        match rng.u8(..20) {
+            0..=6 => {
+                let domain = rng.bool().then_some("shop.example");
+                let session = ["s1", "s2", "s3"][rng.usize(..3)];
+                if let Ok(lease) = acquire_with(store, &all, domain, rng.bool().then_some(session)) {
+                    held.push(lease);
+                }
+            }
+            7..=9 if !held.is_empty() => {
+                let i = rng.usize(..held.len());
+                if let Ok(r) = store.renew(&held[i].id, held[i].fencing_token, None) {
+                    held[i].fencing_token = r.fencing_token;
+                }
+            }
+            10..=12 if !held.is_empty() => {
+                let lease = held.swap_remove(rng.usize(..held.len()));
+                let outcome = if rng.bool() { Outcome::Banned } else { Outcome::Ok };
+                let _ = store.release(&lease.id, lease.fencing_token, outcome, Some("news.example"));
+            }
+            13 => clock.advance(Duration::from_secs(rng.u64(1..90))),
+            14 => {
+                store.revoke_all(&key(&format!("p{}", rng.usize(..30))));
+            }
+            15 => {
+                store.drain(&key(&format!("p{}", rng.usize(..30))));
+            }
+            16 => {
+                let _ = store.set_admission(&key(&format!("p{}", rng.usize(..30))), Admission::Closed);
+            }
+            17 => {
+                let name = format!("p{}", rng.usize(..30));
+                store.remove_proxy(&key(&name));
+                if rng.bool() {
+                    add_open(store, target(&name, &[], 2, 20));
+                }
+            }
+            _ => {
+                let _ = store.set_admission(&key(&format!("p{}", rng.usize(..30))), Admission::Open);
+            }
+        }
+    }
+}
+
+/// The standalone checkpoint writes a snapshot, then only deltas of what changed, folded into
+/// a new snapshot when they outgrow it; read back at any save, it is what a whole checkpoint of
+/// the store would have been.
+#[tokio::test]
+async fn delta_checkpoints_read_back_as_the_whole_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("leases.checkpoint");
+    let file = FileCheckpoint::new(&path).with_fold_min_bytes(4096);
+    let (store, clock) = store(4);
+    for i in 0..30 {
+        add_open(&store, target(&format!("p{i}"), &[], 2, 20));
+    }
+    let report = checkpoint::CheckpointReport::default();
+    let mut saver = checkpoint::CheckpointSaver::default();
+    let mut rng = fastrand::Rng::with_seed(25);
+    let mut held = Vec::new();
+    let (mut folds, mut deltas) = (0, 0);
+    let mut snapshot = Vec::new();
+    for round in 0..200 {
+        let steps = rng.usize(0..6);
+        churn(&store, &clock, &mut rng, &mut held, steps);
+        let delta_len = std::fs::metadata(FileCheckpoint::delta_path(&path)).map_or(0, |m| m.len());
+        saver.save(&store, &file, &report).await.unwrap();
+        let now = clock.now_ms();
+        let back = FileCheckpoint::read(&path).unwrap().unwrap();
+        assert_same(
+            &as_restored(&back, now),
+            &as_restored(&store.checkpoint(), now),
+            &format!("round {round}"),
+        );
+        let written = std::fs::read(&path).unwrap();
+        if written != snapshot {
+            folds += 1;
+            snapshot = written;
+        } else if std::fs::metadata(FileCheckpoint::delta_path(&path))
+            .unwrap()
+            .len()
+            > delta_len
+        {
+            deltas += 1;
+        }
+    }
+    assert!(folds >= 3 && deltas >= 100, "{folds} snapshots, {deltas} deltas");
+}
+
+/// Bytes a delta checkpoint writes, and the proxies it names, for 10 changes among `proxies`
+/// proxies that are otherwise left alone.
+async fn delta_cost(proxies: usize) -> (u64, usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = FileCheckpoint::new(dir.path().join("leases.checkpoint"));
+    let (store, _clock) = store(16);
+    for i in 0..proxies {
+        add_open(&store, target(&format!("p{i:06}"), &[], 1, 0));
+    }
+    // Every proxy has state worth keeping (open), so the snapshot names them all.
+    let report = checkpoint::CheckpointReport::default();
+    let mut saver = checkpoint::CheckpointSaver::default();
+    saver.save(&store, &file, &report).await.unwrap();
+    let all = sel(&store, "");
+    let changes = || {
+        for _ in 0..10 {
+            acquire(&store, &all).unwrap();
+        }
+    };
+    changes();
+    let before = report.written();
+    saver.save(&store, &file, &report).await.unwrap();
+    let bytes = report.written().bytes - before.bytes;
+    changes();
+    let named = store.checkpoint_delta().proxies.len();
+    (bytes, named)
+}
+
+/// A save after a few changes writes those (a delta naming them) however many proxies did not
+/// change: the same bytes for 1,000 and 30,000 proxies.
+#[tokio::test]
+async fn a_checkpoint_writes_what_changed_not_the_whole_store() {
+    let (small_bytes, small_named) = delta_cost(1_000).await;
+    let (large_bytes, large_named) = delta_cost(30_000).await;
+    assert_eq!((small_named, large_named), (10, 10));
+    assert!(small_bytes < 4_000, "{small_bytes} bytes for 10 changes");
+    assert!(
+        small_bytes.abs_diff(large_bytes) * 20 < small_bytes,
+        "1k proxies: {small_bytes} bytes, 30k: {large_bytes} bytes"
+    );
+}
+
+/// A crash at any point of a save leaves a checkpoint that reads back as a state the store was
+/// in at a save: a torn delta frame is ignored from there, a fold cut off after its snapshot
+/// ignores the old delta file (the snapshot holds it all), temporary files are never read.
+#[tokio::test]
+async fn a_crash_in_a_checkpoint_save_reads_back_as_the_save_before_or_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("leases.checkpoint");
+    let delta_path = FileCheckpoint::delta_path(&path);
+    let file = FileCheckpoint::new(&path).with_fold_min_bytes(8192);
+    let (store, clock) = store(4);
+    for i in 0..30 {
+        add_open(&store, target(&format!("p{i}"), &[], 2, 20));
+    }
+    let report = checkpoint::CheckpointReport::default();
+    let mut saver = checkpoint::CheckpointSaver::default();
+    let mut rng = fastrand::Rng::with_seed(18);
+    let mut held = Vec::new();
+    saver.save(&store, &file, &report).await.unwrap();
+    let mut states = vec![store.checkpoint()];
+    let (mut torn_checked, mut folds_checked) = (0, 0);
+    for _ in 0..150 {
+        let steps = 1 + rng.usize(0..5);
+        churn(&store, &clock, &mut rng, &mut held, steps);
+        let snapshot_before = std::fs::read(&path).unwrap();
+        let delta_before = std::fs::read(&delta_path).unwrap();
+        saver.save(&store, &file, &report).await.unwrap();
+        let now = clock.now_ms();
+        states.push(store.checkpoint());
+        let (before, after) = (
+            as_restored(&states[states.len() - 2], now),
+            as_restored(&states[states.len() - 1], now),
+        );
+        let delta_after = std::fs::read(&delta_path).unwrap();
+        let read_as = |snapshot: &[u8], delta: &[u8]| {
+            std::fs::write(&path, snapshot).unwrap();
+            std::fs::write(&delta_path, delta).unwrap();
+            as_restored(&FileCheckpoint::read(&path).unwrap().unwrap(), now)
+        };
+        let snapshot_after = std::fs::read(&path).unwrap();
+        if snapshot_after == snapshot_before && delta_after == delta_before {
+            // Nothing changed, nothing written.
+            assert_same(&before, &after, "an unchanged store");
+        } else if snapshot_after == snapshot_before {
+            // A delta was appended: cut anywhere in it, the file reads as the save before.
+            assert!(delta_after.starts_with(&delta_before));
+            for cut in [
+                delta_before.len() + 1,
+                delta_before.len() + 8,
+                delta_after.len() - 1,
+            ] {
+                assert_same(
+                    &read_as(&snapshot_after, &delta_after[..cut]),
+                    &before,
+                    "torn delta",
+                );
+            }
+            torn_checked += 1;
+        } else {
+            // A fold: the new snapshot with the old delta file (a crash before its
+            // replacement) or with a half-written new one reads as the new state.
+            assert_same(
+                &read_as(&snapshot_after, &delta_before),
+                &after,
+                "fold, old delta file",
+            );
+            assert_same(
+                &read_as(&snapshot_after, &delta_after[..4]),
+                &after,
+                "fold, torn header",
+            );
+            // Before its rename, the new snapshot is a temporary file nobody reads.
+            std::fs::write(dir.path().join("leases.checkpoint.tmp"), b"{torn").unwrap();
+            assert_same(
+                &read_as(&snapshot_before, &delta_before),
+                &before,
+                "fold before its rename",
+            );
+            folds_checked += 1;
+        }
+        // Put the real files back for the next save.
+        std::fs::write(&path, &snapshot_after).unwrap();
+        std::fs::write(&delta_path, &delta_after).unwrap();
+        let back = as_restored(&FileCheckpoint::read(&path).unwrap().unwrap(), now);
+        assert_same(&back, &after, "after the save");
+    }
+    assert!(
+        torn_checked >= 50 && folds_checked >= 2,
+        "{torn_checked} deltas, {folds_checked} folds"
+    );
+}
+
+/// The kept ID matches itself only: any one byte changed anywhere (in the words compared eight
+/// bytes at a time or in the tail), a byte dropped or added, is another ID.
+#[test]
+fn an_issued_id_matches_only_itself() {
+    let id = LeaseSigner::new(&[9u8; 32]).unwrap().sign(&LeaseClaim {
+        id: LeaseId {
+            key: key("a"),
+            first_token: 77,
+            hint: LeaseHint::default(),
+        },
+        holder: "crawler-1".into(),
+        acquired_at_ms: T0,
+        expires_at_ms: T0 + 60_000,
+        target_domain: Some("shop.example".into()),
+        session_key: None,
+    });
+    let kept = token::IssuedId::new(&id);
+    assert!(kept.matches(id.as_bytes()));
+    for i in 0..id.len() {
+        let mut other = id.clone().into_bytes();
+        other[i] ^= 1;
+        assert!(!kept.matches(&other), "byte {i} of {}", id.len());
+    }
+    assert!(!kept.matches(&id.as_bytes()[..id.len() - 1]));
+    assert!(!kept.matches(format!("{id}A").as_bytes()));
+    assert!(!kept.matches(b""));
+}

@@ -8,7 +8,7 @@
 //! core's services (it is handed their executors in [`StandaloneDeps`]).
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{HashMap, HashSet},
     path::{Path, PathBuf},
     sync::{Arc, Mutex, RwLock},
     time::Duration,
@@ -30,7 +30,7 @@ use crate::{
     check::Checker,
     controller::{
         ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
-        status::{FINALIZER, count_phases, phase_of},
+        status::{FINALIZER, PhaseTally, phase_of},
     },
     effects::{HealthControl, LeaseControl, ProxyKey},
     provider::ProviderRegistry,
@@ -77,6 +77,16 @@ pub struct Standalone {
     broken_files: usize,
     metrics: Option<Arc<Metrics>>,
     reconciles: u64,
+    /// Proxies per phase for the progress line and metrics, kept up to date from `touched`.
+    tally: PhaseTally<ProxyKey>,
+    /// Proxies whose record may have changed since the progress was last updated: those
+    /// reconciled (only a Proxy's own reconcile writes its status) and those the folder added,
+    /// changed or removed.
+    touched: HashSet<ProxyKey>,
+    /// The progress line and metrics need setting (counts or broken files changed).
+    progress_stale: bool,
+    /// Records read to keep the phase counts ([`Self::phase_reads`]).
+    phase_reads: u64,
 }
 
 impl Standalone {
@@ -99,6 +109,10 @@ impl Standalone {
         let now = Instant::now();
         let due = loaded.keys().map(|k| (k.clone(), now)).collect();
         info!(records = loaded.len(), state = %state.display(), "state loaded");
+        let mut tally = PhaseTally::default();
+        for (key, record) in &loaded {
+            tally.note(key, record.status.as_ref());
+        }
         let records: Records = Arc::new(Mutex::new(loaded));
         let secrets: Secrets = Arc::new(RwLock::new(HashMap::new()));
         let progress = Arc::new(Progress::default());
@@ -133,6 +147,10 @@ impl Standalone {
             broken_files: 0,
             metrics: None,
             reconciles: 0,
+            tally,
+            touched: HashSet::new(),
+            progress_stale: true,
+            phase_reads: 0,
         })
     }
 
@@ -149,6 +167,12 @@ impl Standalone {
             reconciler: self.reconciler.with_clock(clock),
             ..self
         }
+    }
+
+    /// Records read so far to keep the progress line's phase counts: those that may have
+    /// changed, never all of them at every step.
+    pub fn phase_reads(&self) -> u64 {
+        self.phase_reads
     }
 
     /// Reconciles run since the runner opened (what the rest benchmark and the storm tests count).
@@ -213,6 +237,7 @@ impl Standalone {
         };
         let started = std::time::Instant::now();
         self.reconciles += 1;
+        self.touched.insert(key.clone());
         let result = self.reconciler.reconcile(&proxy).await;
         if let Some(metrics) = &self.metrics {
             metrics.observe_reconcile(started.elapsed(), result.as_ref().err().map(|e| e.category()));
@@ -316,6 +341,7 @@ impl Standalone {
         }
         for key in gone {
             records.remove(&key);
+            self.touched.insert(key.clone());
             self.due.remove(&key);
             match self.store.remove(&key) {
                 Ok(()) => info!(proxy = %key, "proxy deleted (it had no finalizer)"),
@@ -323,6 +349,7 @@ impl Standalone {
             }
         }
         for key in changed {
+            self.touched.insert(key.clone());
             if let Some(record) = records.get(&key)
                 && let Err(err) = self.store.save(&key, record)
             {
@@ -331,7 +358,10 @@ impl Standalone {
             self.due.insert(key, Instant::now());
         }
         drop(records);
-        self.broken_files = desired.broken_files.len();
+        if self.broken_files != desired.broken_files.len() {
+            self.broken_files = desired.broken_files.len();
+            self.progress_stale = true;
+        }
     }
 
     /// The Proxy object the reconciler sees, as the API server would serve it.
@@ -340,13 +370,23 @@ impl Standalone {
         proxy_of(key, records.get(key)?)
     }
 
-    fn phase_counts(&self) -> BTreeMap<String, usize> {
-        let records = crate::sync::lock(&self.records);
-        count_phases(records.values().map(|r| r.status.as_ref()))
-    }
-
-    fn update_progress(&self) {
-        let counts = self.phase_counts();
+    /// Brings the phase counts up to date with the records touched since the last call (not
+    /// every record: this runs at every step) and hands them on if they changed.
+    fn update_progress(&mut self) {
+        if !self.touched.is_empty() {
+            let records = crate::sync::lock(&self.records);
+            for key in self.touched.drain() {
+                self.phase_reads += 1;
+                self.progress_stale |= match records.get(&key) {
+                    Some(record) => self.tally.note(&key, record.status.as_ref()),
+                    None => self.tally.forget(&key),
+                };
+            }
+        }
+        if !std::mem::take(&mut self.progress_stale) {
+            return;
+        }
+        let counts = self.tally.counts().clone();
         if let Some(metrics) = &self.metrics {
             metrics.set_phase_counts(&counts);
         }

@@ -3,7 +3,9 @@
 //!
 //! A [`Checkpoint`] is a versioned JSON document. Standalone mode keeps it in one file
 //! ([`FileCheckpoint`]: write to a temporary file, fsync, rename over the old one, fsync the
-//! folder, so a crash leaves the old or the new checkpoint, never a torn one). Cluster mode keeps
+//! folder, so a crash leaves the old or the new checkpoint, never a torn one), followed by a
+//! delta file of what changed since ([`CheckpointDelta`]s, one appended per save), folded into a
+//! new snapshot once it outgrows the snapshot, so a save costs what changed, not the whole store. Cluster mode keeps
 //! it in Kubernetes objects, one part per lease-store shard ([`CheckpointStore::per_shard`],
 //! [`LeaseStore::checkpoint_shards`](super::LeaseStore::checkpoint_shards), joined by [`Checkpoint::merge`]), so a change rewrites
 //! only its shard; [`encode_chunks`] splits a part into JSON documents below a size limit (one
@@ -12,18 +14,16 @@
 //! failures (metrics, a health channel for `/readyz` and Events). Checkpoints hold no secrets:
 //! no credentials, no signing key, no lease IDs (an ID is only valid with the key's signature).
 
-use std::{
-    collections::BTreeMap,
-    io::Write,
-    path::{Path, PathBuf},
-};
+use std::{collections::BTreeMap, path::PathBuf};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
 use super::ProxyKey;
 
+mod file;
 mod upkeep;
+pub use file::{FOLD_MIN_BYTES, FileCheckpoint};
 pub use upkeep::{CheckpointHealth, CheckpointReport, CheckpointSaver, MaintenanceConfig, maintenance};
 
 /// A snapshot of the lease store's durable state.
@@ -92,6 +92,75 @@ impl Checkpoint {
     /// Number of active leases in the checkpoint.
     pub fn lease_count(&self) -> usize {
         self.proxies.iter().map(|p| p.leases.len()).sum()
+    }
+
+    /// Applies deltas taken after this checkpoint ([`LeaseStore::checkpoint_delta`](super::LeaseStore::checkpoint_delta)), oldest first:
+    /// each names every proxy and binding that changed since the one before, as it then was.
+    pub fn apply_deltas(&mut self, deltas: impl IntoIterator<Item = CheckpointDelta>) {
+        let mut deltas = deltas.into_iter().peekable();
+        if deltas.peek().is_none() {
+            return;
+        }
+        let mut proxies: BTreeMap<ProxyKey, ProxyCheckpoint> = std::mem::take(&mut self.proxies)
+            .into_iter()
+            .map(|p| (p.key.clone(), p))
+            .collect();
+        let mut sessions: BTreeMap<String, SessionCheckpoint> = std::mem::take(&mut self.sessions)
+            .into_iter()
+            .map(|s| (s.session_key.clone(), s))
+            .collect();
+        for delta in deltas {
+            self.saved_at_ms = self.saved_at_ms.max(delta.saved_at_ms);
+            for (shard, hwm) in delta.token_hwm {
+                let have = self.token_hwm.entry(shard).or_insert(0);
+                *have = (*have).max(hwm);
+            }
+            for key in &delta.removed {
+                proxies.remove(key);
+            }
+            for p in delta.proxies {
+                proxies.insert(p.key.clone(), p);
+            }
+            for s in delta.sessions {
+                sessions.insert(s.session_key.clone(), s);
+            }
+            if delta.journal_seq.is_some() {
+                self.journal_seq = delta.journal_seq;
+            }
+        }
+        self.proxies = proxies.into_values().collect();
+        self.sessions = sessions.into_values().collect();
+    }
+}
+
+/// What changed in the lease store since the checkpoint before
+/// ([`LeaseStore::checkpoint_delta`](super::LeaseStore::checkpoint_delta)): one frame of
+/// [`FileCheckpoint`]'s delta file.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CheckpointDelta {
+    /// When it was taken (ms since the epoch).
+    pub saved_at_ms: u64,
+    /// Highest fencing token issued per shard number when it was taken.
+    pub token_hwm: BTreeMap<u16, u64>,
+    /// Proxies removed, or with nothing worth keeping any more (applied before `proxies`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<ProxyKey>,
+    /// Proxies whose state changed, as it now is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub proxies: Vec<ProxyCheckpoint>,
+    /// Sticky-session bindings made or extended.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sessions: Vec<SessionCheckpoint>,
+    /// As [`Checkpoint::journal_seq`]: the last journal record the state holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub journal_seq: Option<u64>,
+}
+
+impl CheckpointDelta {
+    /// Whether it names no proxy and no binding (it may still move the token marks).
+    pub fn is_empty(&self) -> bool {
+        self.removed.is_empty() && self.proxies.is_empty() && self.sessions.is_empty()
     }
 }
 
@@ -233,6 +302,17 @@ pub trait CheckpointStore: Send + Sync {
     fn per_shard(&self) -> bool {
         false
     }
+    /// Whether [`CheckpointSaver`] may save with [`Self::save_delta`], only what changed.
+    fn deltas(&self) -> bool {
+        false
+    }
+    /// Appends what changed since the last save to the latest checkpoint; `Ok(None)`: write
+    /// a whole checkpoint with [`Self::save`] instead (no base to append to yet, or the deltas
+    /// outgrew the base: time to fold them into it).
+    async fn save_delta(&self, delta: &CheckpointDelta) -> Result<Option<Written>, CheckpointError> {
+        let _ = delta;
+        Ok(None)
+    }
     /// Replaces store shard `shard`'s part (made by [`LeaseStore::checkpoint_shards`](super::LeaseStore::checkpoint_shards)).
     async fn save_shard(&self, shard: usize, part: &Checkpoint) -> Result<Written, CheckpointError> {
         let _ = (shard, part);
@@ -337,69 +417,4 @@ pub fn decode_chunks<S: AsRef<str>>(chunks: &[S]) -> Result<Option<Checkpoint>, 
         }
     }
     Ok(out)
-}
-
-/// Standalone mode's checkpoint: one JSON file, replaced atomically.
-#[derive(Clone, Debug)]
-pub struct FileCheckpoint {
-    path: PathBuf,
-}
-
-impl FileCheckpoint {
-    /// Checkpoints kept at `path` (its folder must exist).
-    pub fn new(path: impl Into<PathBuf>) -> Self {
-        Self { path: path.into() }
-    }
-
-    /// The file.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-        let dir = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let tmp = path.with_extension("tmp");
-        {
-            let mut file = std::fs::File::create(&tmp)?;
-            file.write_all(bytes)?;
-            file.sync_all()?;
-        }
-        std::fs::rename(&tmp, path)?;
-        // The rename is durable only once the folder is synced.
-        std::fs::File::open(dir)?.sync_all()
-    }
-}
-
-#[async_trait]
-impl CheckpointStore for FileCheckpoint {
-    async fn load(&self) -> Result<Option<Checkpoint>, CheckpointError> {
-        match tokio::fs::read(&self.path).await {
-            Ok(bytes) => decode(&bytes).map(Some),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(CheckpointError::Io {
-                path: self.path.clone(),
-                source,
-            }),
-        }
-    }
-
-    async fn save(&self, checkpoint: &Checkpoint) -> Result<Written, CheckpointError> {
-        let bytes = encode(checkpoint);
-        let written = Written {
-            objects: 1,
-            bytes: bytes.len() as u64,
-        };
-        let path = self.path.clone();
-        tokio::task::spawn_blocking(move || Self::write_atomically(&path, &bytes))
-            .await
-            .map_err(|e| CheckpointError::Backend(format!("writer task failed: {e}")))?
-            .map_err(|source| CheckpointError::Io {
-                path: self.path.clone(),
-                source,
-            })?;
-        Ok(written)
-    }
 }

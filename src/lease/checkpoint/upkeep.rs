@@ -152,27 +152,40 @@ impl CheckpointReport {
 }
 
 /// Saves what changed since its last successful save: one part per changed store shard for
-/// a per-shard store, else the whole document. A part that fails stays pending and goes out
-/// with the next save. [`maintenance`] calls it every checkpoint interval; benchmarks and tests
-/// drive it directly.
+/// a per-shard store; for a store that takes deltas ([`CheckpointStore::deltas`]), a
+/// [`CheckpointDelta`](super::CheckpointDelta) of the proxies that changed, or the whole document
+/// when the store asks for one (its first save, or to fold its deltas); else the whole document.
+/// A part that fails stays pending and goes out with the next save; a delta that fails makes the
+/// next save a whole document (the changes it took are in no other). [`maintenance`] calls it
+/// every checkpoint interval; benchmarks and tests drive it directly.
 #[derive(Debug, Default)]
 pub struct CheckpointSaver {
     shards: BTreeSet<usize>,
     whole: bool,
+    /// Write at the next save even if nothing changed (a delta store: an empty delta).
+    flush: bool,
+    /// A whole document went out through this saver: deltas have a base. Until then (at
+    /// start, when every restored proxy counts as changed) a delta would be taken only to be
+    /// refused.
+    based: bool,
 }
 
 impl CheckpointSaver {
-    /// Makes the next save write (the whole document for a one-document store) even if
-    /// nothing changed.
+    /// Makes the next save write the whole document even if nothing changed.
     pub fn force(&mut self) {
         self.whole = true;
     }
 
-    /// Whether the next [`Self::save`] to a one-document store writes (takes the store's
-    /// dirty marks, like that save would).
+    /// Makes the next save write even if nothing changed: a delta (possibly naming nothing)
+    /// to a store that takes deltas, else the whole document. E.g. to stamp a new journal
+    /// sequence number on the checkpoint.
+    pub fn flush(&mut self) {
+        self.flush = true;
+    }
+
+    /// Whether the next [`Self::save`] to a one-document store writes (clears no marks).
     pub fn pending(&mut self, store: &LeaseStore) -> bool {
-        self.whole |= store.take_dirty();
-        self.whole
+        self.whole || self.flush || store.has_changes()
     }
 
     /// Saves what changed to `sink`, counting and reporting to `report`.
@@ -204,23 +217,48 @@ impl CheckpointSaver {
                 }
             }
             report.outcome(&result);
-            result
-        } else {
-            self.whole |= store.take_dirty();
-            if !self.whole {
+            return result;
+        }
+        if sink.deltas() && self.based && !self.whole {
+            if !self.flush && !store.has_changes() {
                 return Ok(());
             }
-            let checkpoint = {
-                let store = store.clone();
-                off_the_serving_threads(move || store.checkpoint()).await?
-            };
-            let result = sink.save(&checkpoint).await.map(|written| {
-                report.wrote(written);
-                self.whole = false;
-            });
-            report.outcome(&result);
-            result
+            // Reads only what changed: cheap enough for this task, no blocking-pool round trip.
+            let delta = store.checkpoint_delta();
+            match sink.save_delta(&delta).await {
+                Ok(Some(written)) => {
+                    report.wrote(written);
+                    self.flush = false;
+                    report.outcome(&Ok(()));
+                    return Ok(());
+                }
+                // The store wants the whole document: its first, or a fold.
+                Ok(None) => self.whole = true,
+                Err(error) => {
+                    self.whole = true;
+                    let result = Err(error);
+                    report.outcome(&result);
+                    return result;
+                }
+            }
         }
+        // Taken before the snapshot is read: what changes meanwhile is noted again.
+        self.whole |= store.take_dirty() || self.flush;
+        if !self.whole {
+            return Ok(());
+        }
+        let checkpoint = {
+            let store = store.clone();
+            off_the_serving_threads(move || store.checkpoint()).await?
+        };
+        let result = sink.save(&checkpoint).await.map(|written| {
+            report.wrote(written);
+            self.whole = false;
+            self.flush = false;
+            self.based = true;
+        });
+        report.outcome(&result);
+        result
     }
 }
 

@@ -15,8 +15,8 @@ use super::{
 use crate::lease::{
     LeaseStore, MAX_SHARDS, ProxyKey,
     checkpoint::{
-        Checkpoint, CheckpointAdmission, CheckpointReport, CheckpointSaver, FileCheckpoint, LeaseCheckpoint,
-        ProxyCheckpoint, SessionCheckpoint,
+        Checkpoint, CheckpointAdmission, CheckpointDelta, CheckpointReport, CheckpointSaver, FileCheckpoint,
+        LeaseCheckpoint, ProxyCheckpoint, SessionCheckpoint,
     },
 };
 
@@ -81,9 +81,7 @@ pub fn recover(dir: &Path, snapshot: Option<Checkpoint>) -> Result<Recovered, Jo
 /// `checkpoint` with the journal replayed onto it, read-only (for `status`, while the operator
 /// may run). Unreadable parts count as no leases; leases past their expiry are not counted.
 pub fn active_leases_by_proxy(state: &Path, checkpoint: &Path) -> BTreeMap<String, u32> {
-    let snapshot = std::fs::read(checkpoint)
-        .ok()
-        .and_then(|bytes| crate::lease::checkpoint::decode(&bytes).ok());
+    let snapshot = FileCheckpoint::read(checkpoint).ok().flatten();
     let Ok(recovered) = recover(state, snapshot) else {
         return BTreeMap::new();
     };
@@ -275,7 +273,9 @@ pub async fn compaction(
             _ = tick.tick() => false,
         };
         if last || journal.last_appended() > compacted {
-            saver.force();
+            // The checkpoint must name the new last record even if the store's changes were
+            // all in the last one: an empty delta does.
+            saver.flush();
         }
         if saver.pending(&store) {
             let through = journal.last_appended();
@@ -326,6 +326,21 @@ impl crate::lease::checkpoint::CheckpointStore for Sequenced<'_> {
             ..checkpoint.clone()
         };
         self.file.save(&stamped).await
+    }
+
+    fn deltas(&self) -> bool {
+        true
+    }
+
+    async fn save_delta(
+        &self,
+        delta: &CheckpointDelta,
+    ) -> Result<Option<crate::lease::checkpoint::Written>, crate::lease::checkpoint::CheckpointError> {
+        let stamped = CheckpointDelta {
+            journal_seq: Some(self.journal_seq),
+            ..delta.clone()
+        };
+        self.file.save_delta(&stamped).await
     }
 }
 

@@ -42,7 +42,10 @@ use self::{
 };
 use super::{
     Admission, DrainStatus, LeaseError, LeaseId, LeaseStoreConfig, LeaseTarget, Outcome, ProxyInfo, ProxyKey,
-    Released, Renewed, checkpoint::BanCheckpoint, selector::Interner,
+    Released, Renewed,
+    checkpoint::BanCheckpoint,
+    selector::Interner,
+    token::{IssuedId, PresentedId},
 };
 use crate::sync::{lock, read, write};
 
@@ -74,10 +77,38 @@ struct Padded<T>(T);
 struct Binding {
     key: ProxyKey,
     expires_at: u64,
+    /// In its session shard's `changed` list.
+    changed: bool,
 }
 
-/// Sticky-session bindings of one session shard.
-type SessionMap = HashMap<Box<str>, Binding>;
+/// Sticky-session bindings of one session shard, and those changed since the last checkpoint
+/// took them (each once: its `changed` flag).
+#[derive(Default)]
+struct SessionMap {
+    map: HashMap<Box<str>, Binding>,
+    changed: Vec<Box<str>>,
+}
+
+impl SessionMap {
+    /// Notes that the binding of `session` changed (the next delta checkpoint writes it).
+    fn mark(&mut self, session: &str) {
+        if let Some(binding) = self.map.get_mut(session)
+            && !binding.changed
+        {
+            binding.changed = true;
+            self.changed.push(session.into());
+        }
+    }
+
+    /// Forgets the changes noted since the last checkpoint.
+    fn clear_changes(&mut self) {
+        for session in std::mem::take(&mut self.changed) {
+            if let Some(binding) = self.map.get_mut(&session) {
+                binding.changed = false;
+            }
+        }
+    }
+}
 struct Inner {
     shards: Box<[Padded<Mutex<Shard>>]>,
     /// Per shard, the thread that last started acquires in it ([`select::owner_word`]): read and
@@ -134,7 +165,7 @@ impl LeaseStore {
             })
             .collect();
         let sessions: Vec<_> = (0..SESSION_SHARDS)
-            .map(|_| Padded(Mutex::new(HashMap::new())))
+            .map(|_| Padded(Mutex::new(SessionMap::default())))
             .collect();
         Self {
             inner: Arc::new(Inner {
@@ -200,7 +231,7 @@ impl LeaseStore {
         p.info = Some(info);
         p.parked_until = 0;
         p.apply_policy(&target);
-        shard.dirty = true;
+        shard.mark(slot);
         shard.relink(slot, now, false);
     }
 
@@ -217,7 +248,7 @@ impl LeaseStore {
             Admission::Open => AdmissionState::Open,
             Admission::Closed => AdmissionState::Closed,
         };
-        shard.dirty = true;
+        shard.mark(slot);
         shard.relink(slot, now, false);
         Ok(())
     }
@@ -234,7 +265,7 @@ impl LeaseStore {
         let p = shard.proxy_mut(slot);
         if p.admission != AdmissionState::Draining {
             p.admission = AdmissionState::Draining;
-            shard.dirty = true;
+            shard.mark(slot);
         }
         shard.relink(slot, now, false);
         match shard.proxy(slot).leases.len() {
@@ -257,7 +288,7 @@ impl LeaseStore {
         p.leases.clear();
         p.revoked_below = below;
         shard.active -= revoked;
-        shard.dirty = true;
+        shard.mark(slot);
         shard.relink(slot, now, false);
         revoked
     }
@@ -402,25 +433,36 @@ impl LeaseStore {
             return Err(LeaseError::Invalid("ttl must be positive".into()));
         }
         self.with_lease(id, now, |shard, slot, idx| {
-            Self::check_token(shard, slot, idx, token)?;
-            if shard.proxy(slot).admission == AdmissionState::Draining {
-                return Err(LeaseError::Draining);
-            }
-            let new_token = shard.next_token(now);
-            let p = shard.proxy_mut(slot);
-            let max_ttl = p.max_ttl_ms;
-            let rec = &mut p.leases[idx];
-            let ttl_ms = ttl.map_or(rec.ttl_ms, |t| t.as_millis() as u64);
-            rec.token = new_token;
-            rec.restored = false;
-            rec.expires_at = now + ttl_ms.min(max_ttl);
-            let expires_at_ms = rec.expires_at;
-            shard.dirty = true;
-            shard.schedule_expiry(slot, expires_at_ms);
-            Ok(Renewed {
-                fencing_token: new_token,
-                expires_at_ms,
-            })
+            Self::renew_in(shard, slot, idx, token, ttl, now)
+        })
+    }
+
+    fn renew_in(
+        shard: &mut Shard,
+        slot: u32,
+        idx: usize,
+        token: u64,
+        ttl: Option<Duration>,
+        now: u64,
+    ) -> Result<Renewed, LeaseError> {
+        Self::check_token(shard, slot, idx, token)?;
+        if shard.proxy(slot).admission == AdmissionState::Draining {
+            return Err(LeaseError::Draining);
+        }
+        let new_token = shard.next_token(now);
+        let p = shard.proxy_mut(slot);
+        let max_ttl = p.max_ttl_ms;
+        let rec = &mut p.leases[idx];
+        let ttl_ms = ttl.map_or(rec.ttl_ms, |t| t.as_millis() as u64);
+        rec.token = new_token;
+        rec.restored = false;
+        rec.expires_at = now + ttl_ms.min(max_ttl);
+        let expires_at_ms = rec.expires_at;
+        shard.mark(slot);
+        shard.schedule_expiry(slot, expires_at_ms);
+        Ok(Renewed {
+            fencing_token: new_token,
+            expires_at_ms,
         })
     }
 
@@ -448,35 +490,130 @@ impl LeaseStore {
     ) -> Result<Released, LeaseError> {
         let ban_ms = self.inner.config.ban_cooldown.as_millis() as u64;
         self.with_lease(id, now, |shard, slot, idx| {
-            Self::check_token(shard, slot, idx, token)?;
-            let p = shard.proxy_mut(slot);
-            let ban = match outcome {
-                Outcome::Banned => Some(
-                    target_domain
-                        .map(normalize_domain)
-                        .or_else(|| p.leases[idx].target_domain.as_deref().map(normalize_domain))
-                        .ok_or(LeaseError::BanNeedsDomain)?,
-                ),
-                Outcome::Ok | Outcome::Error => None,
-            };
-            p.leases.swap_remove(idx);
-            let ban = ban.map(|domain| {
-                p.bans.retain(|(d, until)| *until > now && **d != *domain);
-                p.bans.push((domain.as_str().into(), now + ban_ms));
-                BanCheckpoint {
-                    domain,
-                    until_ms: now + ban_ms,
-                }
-            });
-            shard.active -= 1;
-            shard.dirty = true;
-            shard.start_cooldown(slot, now, now);
-            shard.relink(slot, now, true);
-            let cooling_until = shard.proxy(slot).cooling_until;
-            Ok(Released {
-                ban,
-                cooldown_until_ms: (cooling_until > now).then_some(cooling_until),
-            })
+            Self::release_in(shard, slot, idx, token, outcome, target_domain, ban_ms, now)
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn release_in(
+        shard: &mut Shard,
+        slot: u32,
+        idx: usize,
+        token: u64,
+        outcome: Outcome,
+        target_domain: Option<&str>,
+        ban_ms: u64,
+        now: u64,
+    ) -> Result<Released, LeaseError> {
+        Self::check_token(shard, slot, idx, token)?;
+        let p = shard.proxy_mut(slot);
+        let ban = match outcome {
+            Outcome::Banned => Some(
+                target_domain
+                    .map(normalize_domain)
+                    .or_else(|| p.leases[idx].target_domain.as_deref().map(normalize_domain))
+                    .ok_or(LeaseError::BanNeedsDomain)?,
+            ),
+            Outcome::Ok | Outcome::Error => None,
+        };
+        p.leases.swap_remove(idx);
+        let ban = ban.map(|domain| {
+            p.bans.retain(|(d, until)| *until > now && **d != *domain);
+            p.bans.push((domain.as_str().into(), now + ban_ms));
+            BanCheckpoint {
+                domain,
+                until_ms: now + ban_ms,
+            }
+        });
+        shard.active -= 1;
+        shard.mark(slot);
+        shard.start_cooldown(slot, now, now);
+        shard.relink(slot, now, true);
+        let cooling_until = shard.proxy(slot).cooling_until;
+        Ok(Released {
+            ban,
+            cooldown_until_ms: (cooling_until > now).then_some(cooling_until),
+        })
+    }
+
+    /// Runs `f` on the lease a presented ID names if the presented ID is the one the store kept
+    /// for it ([`IssuedId`]); `None` otherwise (no such lease, one restored without its ID, or a
+    /// different ID): then the ID must be verified in full and the operation run by [`LeaseId`].
+    /// Also returns the lease's ID.
+    fn with_presented<R>(
+        &self,
+        presented: &PresentedId<'_>,
+        now: u64,
+        f: impl FnOnce(&mut Shard, u32, usize) -> Result<R, LeaseError>,
+    ) -> Option<Result<(R, LeaseId), LeaseError>> {
+        let hint = presented.hint;
+        let mut shard = lock(&self.inner.shards.get(hint.shard as usize)?.0);
+        shard.settle(now);
+        let s = shard.slots.get(hint.slot as usize)?;
+        if s.generation != hint.generation {
+            return None;
+        }
+        let p = s.proxy.as_ref()?;
+        let idx = p
+            .leases
+            .iter()
+            .position(|l| l.first_token == presented.first_token)?;
+        if !p.leases[idx]
+            .issued_id
+            .as_ref()?
+            .matches(presented.text.as_bytes())
+        {
+            return None;
+        }
+        // The ID is the one issued for this lease, so its key is the proxy's (no need to
+        // compare the key the slot hint is checked against otherwise).
+        let id = LeaseId {
+            key: p.key.clone(),
+            first_token: presented.first_token,
+            hint,
+        };
+        Some(f(&mut shard, hint.slot, idx).map(|r| (r, id)))
+    }
+
+    /// Keeps `text` as the verdict for the lease `id` names ([`IssuedId`]): call it with the
+    /// ID just issued for it, or just verified in full.
+    pub fn keep_issued_id(&self, id: &LeaseId, text: &str) {
+        let _ = self.with_lease(id, self.now(), |shard, slot, idx| {
+            shard.proxy_mut(slot).leases[idx].issued_id = Some(IssuedId::new(text));
+            Ok(())
+        });
+    }
+
+    /// [`LeaseStore::renew_at`] by a presented lease ID the store kept; `None`: it keeps none
+    /// for that ID (verify it in full, then call [`LeaseStore::renew_at`]).
+    pub fn renew_presented_at(
+        &self,
+        presented: &PresentedId<'_>,
+        token: u64,
+        ttl: Option<Duration>,
+        now: u64,
+    ) -> Option<Result<(Renewed, LeaseId), LeaseError>> {
+        if ttl.is_some_and(|t| t.is_zero()) {
+            return Some(Err(LeaseError::Invalid("ttl must be positive".into())));
+        }
+        self.with_presented(presented, now, |shard, slot, idx| {
+            Self::renew_in(shard, slot, idx, token, ttl, now)
+        })
+    }
+
+    /// [`LeaseStore::release_at`] by a presented lease ID the store kept; `None`: it keeps none
+    /// for that ID (verify it in full, then call [`LeaseStore::release_at`]).
+    pub fn release_presented_at(
+        &self,
+        presented: &PresentedId<'_>,
+        token: u64,
+        outcome: Outcome,
+        target_domain: Option<&str>,
+        now: u64,
+    ) -> Option<Result<(Released, LeaseId), LeaseError>> {
+        let ban_ms = self.inner.config.ban_cooldown.as_millis() as u64;
+        self.with_presented(presented, now, |shard, slot, idx| {
+            Self::release_in(shard, slot, idx, token, outcome, target_domain, ban_ms, now)
         })
     }
 
@@ -501,7 +638,7 @@ impl LeaseStore {
             shard.reinstated.retain(|_, until| *until > now);
         }
         for sessions in self.inner.sessions.iter() {
-            lock(&sessions.0).retain(|_, b| b.expires_at > now);
+            lock(&sessions.0).map.retain(|_, b| b.expires_at > now);
         }
         expired
     }

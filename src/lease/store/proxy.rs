@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use crate::lease::{LeaseTarget, ProxyInfo, ProxyKey};
+use crate::lease::{LeaseTarget, ProxyInfo, ProxyKey, token::IssuedId};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum AdmissionState {
@@ -60,6 +60,10 @@ pub(super) struct LeaseRecord {
     /// Loaded from a checkpoint and not touched since: the holder may hold a newer token
     /// (a renewal the checkpoint missed), so a higher presented token is taken as current.
     pub(super) restored: bool,
+    /// The lease ID this process issued for it (a cached verdict: renewals and releases
+    /// presenting that very ID skip the HMAC). `None` for leases restored or reinstated until
+    /// their ID has been verified once in full.
+    pub(super) issued_id: Option<IssuedId>,
 }
 
 #[derive(Debug)]
@@ -83,6 +87,9 @@ pub(super) struct ProxyState {
     /// When its entry in the shard's expiry heap is due (0: none); never after its earliest
     /// lease expiry, so [`super::shard::Shard::settle`] sees every expiry on time.
     pub(super) check_at: u64,
+    /// In its shard's list of proxies changed since the last checkpoint
+    /// ([`super::shard::Shard::mark`]).
+    pub(super) changed: bool,
 }
 
 impl ProxyState {
@@ -102,6 +109,7 @@ impl ProxyState {
             revoked_below: 0,
             parked_until: 0,
             check_at: 0,
+            changed: false,
         }
     }
 

@@ -417,7 +417,7 @@ impl LeaseStore {
         let idle = self.inner.config.session_idle_ttl.as_millis() as u64;
         // Lock order: session shard, then proxy shard.
         let mut sessions = lock(&self.inner.sessions[self.session_shard(session)].0);
-        if let Some(binding) = sessions.get_mut(session)
+        if let Some(binding) = sessions.map.get_mut(session)
             && binding.expires_at > now
         {
             let mut shard = self.shard_for(&binding.key);
@@ -433,18 +433,21 @@ impl LeaseStore {
                 if eligible {
                     let lease = shard.grant(slot, req, domain, ttl_ms, now);
                     binding.expires_at = lease.expires_at_ms + idle;
+                    sessions.mark(session);
                     return Ok(lease);
                 }
             }
         }
         let lease = self.acquire_any(req, domain, ttl_ms, now)?;
-        sessions.insert(
+        sessions.map.insert(
             session.into(),
             Binding {
                 key: lease.id.key.clone(),
                 expires_at: lease.expires_at_ms + idle,
+                changed: false,
             },
         );
+        sessions.mark(session);
         Ok(lease)
     }
 

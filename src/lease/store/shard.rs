@@ -59,6 +59,11 @@ pub(super) struct Shard {
     pub(super) seq: u64,
     pub(super) active: usize,
     pub(super) dirty: bool,
+    /// Slots whose proxies changed since the last checkpoint took them (each once: its
+    /// `changed` flag), so a delta checkpoint reads only those ([`Shard::mark`]).
+    pub(super) changed: Vec<u32>,
+    /// Proxies removed since the last checkpoint took them.
+    pub(super) removed: Vec<ProxyKey>,
     /// First tokens of leases taken back from claims, until their claimed expiry: a claim is
     /// honoured once.
     pub(super) reinstated: HashMap<u64, u64>,
@@ -110,8 +115,34 @@ impl Shard {
             seq: 0,
             active: 0,
             dirty: false,
+            changed: Vec::new(),
+            removed: Vec::new(),
             reinstated: HashMap::new(),
         }
+    }
+
+    /// Notes that `slot`'s durable state changed: the shard is dirty and the next delta
+    /// checkpoint writes this proxy.
+    #[inline]
+    pub(super) fn mark(&mut self, slot: u32) {
+        self.dirty = true;
+        let p = self.proxy_mut(slot);
+        if !p.changed {
+            p.changed = true;
+            self.changed.push(slot);
+        }
+    }
+
+    /// Forgets the changes noted since the last checkpoint (one that wrote everything took
+    /// them); returns whether there were any.
+    pub(super) fn clear_changes(&mut self) -> bool {
+        for slot in std::mem::take(&mut self.changed) {
+            if let Some(p) = self.slots[slot as usize].proxy.as_mut() {
+                p.changed = false;
+            }
+        }
+        self.removed.clear();
+        std::mem::take(&mut self.dirty)
     }
 
     #[inline]
@@ -308,6 +339,7 @@ impl Shard {
             session_key: req.session_key.map(Into::into),
             request_id: req.request_id.map(Into::into),
             restored: false,
+            issued_id: None,
         });
         let proxy = p
             .info
@@ -315,7 +347,7 @@ impl Shard {
             .expect("only configured proxies are eligible for a grant");
         let key = p.key.clone();
         self.active += 1;
-        self.dirty = true;
+        self.mark(slot);
         self.schedule_expiry(slot, expires_at);
         self.relink(slot, now, true);
         Lease {
@@ -363,7 +395,7 @@ impl Shard {
         let next = p.leases.iter().map(|l| l.expires_at).min();
         if expired > 0 {
             self.active -= expired;
-            self.dirty = true;
+            self.mark(slot);
             self.start_cooldown(slot, last_end, now);
             self.relink(slot, now, false);
         }
@@ -381,6 +413,7 @@ impl Shard {
         if let Some(p) = s.proxy.take() {
             self.active -= p.leases.len();
             self.by_key.remove(&p.key);
+            self.removed.push(p.key);
         }
         s.generation = s.generation.wrapping_add(1);
         self.free.push(slot);

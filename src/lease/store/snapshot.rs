@@ -14,8 +14,8 @@ use crate::{
     lease::{
         LeaseClaim, LeaseError,
         checkpoint::{
-            BanCheckpoint, Checkpoint, CheckpointAdmission, LeaseCheckpoint, ProxyCheckpoint,
-            SessionCheckpoint,
+            BanCheckpoint, Checkpoint, CheckpointAdmission, CheckpointDelta, LeaseCheckpoint,
+            ProxyCheckpoint, SessionCheckpoint,
         },
     },
     sync::{lock, read, write},
@@ -92,24 +92,42 @@ impl LeaseStore {
             session_key: claim.session_key.as_deref().map(Into::into),
             request_id: None,
             restored: false,
+            issued_id: None,
         });
         shard.reinstated.insert(first, claim.expires_at_ms);
         shard.observe_token(token);
         shard.active += 1;
-        shard.dirty = true;
+        shard.mark(slot);
         shard.schedule_expiry(slot, claim.expires_at_ms);
         shard.relink(slot, now, false);
         Ok(())
     }
 
-    /// Whether anything changed since the last call (and clears the marks).
+    /// Whether anything changed since the last call (and clears the marks, and the changes a
+    /// delta checkpoint would have taken: the caller writes everything).
     pub fn take_dirty(&self) -> bool {
         let mut dirty = false;
         for shard in self.inner.shards.iter() {
-            let mut shard = lock(&shard.0);
-            dirty |= std::mem::take(&mut shard.dirty);
+            dirty |= lock(&shard.0).clear_changes();
+        }
+        for sessions in self.inner.sessions.iter() {
+            lock(&sessions.0).clear_changes();
         }
         dirty
+    }
+
+    /// Whether anything changed since the last checkpoint took the changes (clears nothing).
+    /// Settles every shard first, so expiries that are due count as changes whether or not the
+    /// reaper has run since.
+    pub fn has_changes(&self) -> bool {
+        let now = self.now();
+        let mut changed = false;
+        for shard in self.inner.shards.iter() {
+            let mut shard = lock(&shard.0);
+            shard.settle(now);
+            changed |= shard.dirty;
+        }
+        changed
     }
 
     /// The store shards changed since the last call (and clears their marks): what a sharded
@@ -117,11 +135,73 @@ impl LeaseStore {
     pub fn take_dirty_shards(&self) -> Vec<usize> {
         let mut dirty = Vec::new();
         for (i, shard) in self.inner.shards.iter().enumerate() {
-            if std::mem::take(&mut lock(&shard.0).dirty) {
+            if lock(&shard.0).clear_changes() {
                 dirty.push(i);
             }
         }
+        for sessions in self.inner.sessions.iter() {
+            lock(&sessions.0).clear_changes();
+        }
         dirty
+    }
+
+    /// What changed since the last checkpoint took the changes (and takes them): the current
+    /// durable state of each proxy changed since (or its removal), the sticky-session bindings
+    /// made or extended since, and the token high-water marks. Reads only what changed (each
+    /// shard keeps a list of its changed slots), so its cost does not grow with the proxies
+    /// that did not change. Applied in order onto the checkpoint it follows
+    /// ([`Checkpoint::apply_deltas`]), the deltas give what [`Self::checkpoint`] would have.
+    pub fn checkpoint_delta(&self) -> CheckpointDelta {
+        let now = self.now();
+        let mut out = CheckpointDelta {
+            saved_at_ms: now,
+            ..CheckpointDelta::default()
+        };
+        out.token_hwm
+            .extend(read(&self.inner.restore).hwm.iter().map(|(k, v)| (*k, *v)));
+        for shard in self.inner.shards.iter() {
+            let mut shard = lock(&shard.0);
+            let mark = out.token_hwm.entry(shard.id).or_insert(0);
+            *mark = (*mark).max((shard.seq << SHARD_BITS) | shard.id as u64);
+            // Expiries that are due start their rests (and mark their proxies) first, in every
+            // shard (a heap peek where none is due).
+            shard.settle(now);
+            if !std::mem::take(&mut shard.dirty) {
+                continue;
+            }
+            // Removals first: a key removed and added again since is written after as it is now.
+            out.removed.append(&mut shard.removed);
+            for slot in std::mem::take(&mut shard.changed) {
+                let Some(p) = shard.slots[slot as usize].proxy.as_mut() else {
+                    continue; // removed since (in `removed`), slot not reused
+                };
+                if !std::mem::take(&mut p.changed) {
+                    continue; // listed twice (emptied and reused), written at its first entry
+                }
+                match proxy_checkpoint(p, now) {
+                    Some(pc) => out.proxies.push(pc),
+                    // Nothing worth keeping any more: whatever an earlier checkpoint kept goes.
+                    None => out.removed.push(p.key.clone()),
+                }
+            }
+        }
+        for sessions in self.inner.sessions.iter() {
+            let mut sessions = lock(&sessions.0);
+            let sessions = &mut *sessions;
+            for session in std::mem::take(&mut sessions.changed) {
+                let Some(b) = sessions.map.get_mut(&session) else {
+                    continue; // lapsed and reaped: restore drops the old binding as lapsed too
+                };
+                if std::mem::take(&mut b.changed) && b.expires_at > now {
+                    out.sessions.push(SessionCheckpoint {
+                        session_key: session.into(),
+                        proxy: b.key.clone(),
+                        expires_at_ms: b.expires_at,
+                    });
+                }
+            }
+        }
+        out
     }
 
     /// Number of store shards.
@@ -197,7 +277,7 @@ impl LeaseStore {
             parts.push(cp);
         }
         for sessions in self.inner.sessions.iter() {
-            for (k, b) in lock(&sessions.0).iter() {
+            for (k, b) in lock(&sessions.0).map.iter() {
                 if b.expires_at <= now {
                     continue;
                 }
@@ -274,6 +354,7 @@ impl LeaseStore {
                     session_key: l.session_key.as_deref().map(Into::into),
                     request_id: l.request_id.as_deref().map(Into::into),
                     restored: true,
+                    issued_id: None,
                 });
                 added += 1;
             }
@@ -283,7 +364,7 @@ impl LeaseStore {
                 shard.cooling.push(Reverse((until, slot, generation)));
             }
             shard.active += added;
-            shard.dirty = true;
+            shard.mark(slot);
             if let Some(next) = shard.proxy(slot).leases.iter().map(|l| l.expires_at).min() {
                 shard.schedule_expiry(slot, next);
             }
@@ -291,10 +372,14 @@ impl LeaseStore {
         }
         for sc in cp.sessions.iter().filter(|s| s.expires_at_ms > now) {
             let mut sessions = lock(&self.inner.sessions[self.session_shard(&sc.session_key)].0);
-            sessions.entry(sc.session_key.as_str().into()).or_insert(Binding {
-                key: sc.proxy.clone(),
-                expires_at: sc.expires_at_ms,
-            });
+            sessions
+                .map
+                .entry(sc.session_key.as_str().into())
+                .or_insert(Binding {
+                    key: sc.proxy.clone(),
+                    expires_at: sc.expires_at_ms,
+                    changed: false,
+                });
         }
         // After the shard locks are released: request shards come first in the lock order.
         for pc in &cp.proxies {
