@@ -269,7 +269,9 @@ fn decode_with_path<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, A
     path = "/v1/proxies",
     tag = "leases",
     params(("selector" = Option<String>, Query,
-        description = "`key=value[,key=value...]`, at most 32 terms and 2048 bytes; absent: every proxy")),
+        description = "`key=value[,key=value...]`, at most 32 terms and 2048 bytes; absent: every proxy"),
+        ("targetDomain" = Option<String>, Query,
+        description = "List as a crawler of this domain sees it: a proxy banned for it is `banned`")),
     responses(
         (status = 200, description = "The matching proxies and how each stands", body = ListResponse),
         (status = 400, description = "`malformed_request`: bad selector or unknown query parameter", body = ErrorBody),
@@ -285,9 +287,14 @@ pub(super) fn list(
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     let mut selector = Selector::default();
+    let mut target_domain = None;
     for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
         match &*k {
             "selector" => selector = Selector::parse(&v).map_err(|e| ApiError::bad_request(e.to_string()))?,
+            "targetDomain" => {
+                wire::check_domain(&v).map_err(ApiError::bad_request)?;
+                target_domain = Some(v.into_owned());
+            }
             other => {
                 return Err(ApiError::bad_request(format!(
                     "unknown query parameter {other:?}"
@@ -296,7 +303,7 @@ pub(super) fn list(
         }
     }
     let compiled = s.deps.store.compile(&selector);
-    let views = s.deps.store.list_at(&compiled, now);
+    let views = s.deps.store.list_for(&compiled, target_domain.as_deref(), now);
     let proxies = views.iter().map(ProxyJson::from_view).collect();
     Ok(json(StatusCode::OK, &ListResponse { proxies }))
 }

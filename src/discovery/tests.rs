@@ -307,6 +307,14 @@ async fn documented_error_statuses() {
         ),
         (
             "GET",
+            "/v1/proxies?targetDomain=not%20a%20host",
+            Some(TOKEN),
+            String::new(),
+            StatusCode::BAD_REQUEST,
+            "malformed_request",
+        ),
+        (
+            "GET",
             "/v1/proxies?colour=red",
             Some(TOKEN),
             String::new(),
@@ -848,4 +856,59 @@ async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without
     let r = release(&id, token_here).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(release(&id, token_here).await.status, StatusCode::NOT_FOUND);
+}
+
+/// A listing shows each proxy's active bans per domain, and one for a `targetDomain` shows a
+/// proxy banned for it as `banned` (and for another domain as it stands).
+#[tokio::test]
+async fn listings_show_bans_and_what_a_crawler_of_a_domain_can_lease() {
+    let h = harness(2, 1);
+    let acquired = h
+        .acquire(json!({"holder": "c1", "targetDomain": "Shop.Example."}))
+        .await;
+    assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
+    let id = acquired.body["leaseId"].as_str().unwrap();
+    let banned_key = acquired.body["proxy"]["key"].as_str().unwrap().to_owned();
+    let released = h
+        .call(
+            "POST",
+            &format!("/v1/leases/{id}/release"),
+            Some(json!({"fencingToken": acquired.body["fencingToken"], "outcome": "banned"})),
+        )
+        .await;
+    assert_eq!(released.status, StatusCode::OK, "{}", released.text);
+
+    let by_key = |list: &Answer| -> BTreeMap<String, Value> {
+        list.body["proxies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p["key"].as_str().unwrap().to_owned(), p.clone()))
+            .collect()
+    };
+    let all = h.call("GET", "/v1/proxies", None).await;
+    assert_eq!(all.status, StatusCode::OK, "{}", all.text);
+    for (key, proxy) in by_key(&all) {
+        assert_eq!(proxy["availability"], "available", "{key}: no domain asked");
+        let bans = proxy["bans"].as_array().unwrap();
+        if key == banned_key {
+            assert_eq!(bans.len(), 1, "{proxy}");
+            assert_eq!(bans[0]["domain"], "shop.example");
+            let until = bans[0]["until"].as_str().unwrap();
+            assert!(until.parse::<jiff::Timestamp>().is_ok(), "{until}");
+        } else {
+            assert!(bans.is_empty(), "{proxy}");
+        }
+    }
+    let shop = h.call("GET", "/v1/proxies?targetDomain=SHOP.example", None).await;
+    for (key, proxy) in by_key(&shop) {
+        let want = if key == banned_key { "banned" } else { "available" };
+        assert_eq!(proxy["availability"], want, "{key}");
+    }
+    let other = h
+        .call("GET", "/v1/proxies?targetDomain=other.example", None)
+        .await;
+    for (key, proxy) in by_key(&other) {
+        assert_eq!(proxy["availability"], "available", "{key}");
+    }
 }

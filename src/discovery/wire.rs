@@ -75,6 +75,15 @@ fn chars_within(s: &str, max: usize) -> bool {
     !s.is_empty() && (s.len() <= max || (s.len() <= 4 * max && s.chars().count() <= max))
 }
 
+/// A `targetDomain` query parameter, checked as the request bodies' are.
+pub(crate) fn check_domain(d: &str) -> Result<(), String> {
+    if valid_domain(d) {
+        Ok(())
+    } else {
+        Err("targetDomain must be a host name".to_owned())
+    }
+}
+
 fn valid_domain(d: &str) -> bool {
     !d.is_empty()
         && d.len() <= MAX_DOMAIN_LEN
@@ -169,10 +178,7 @@ pub struct ReleaseBody {
 
 impl RequestBody for ReleaseBody {
     fn validate(&self) -> Result<(), String> {
-        match &self.target_domain {
-            Some(d) if !valid_domain(d) => Err("targetDomain must be a host name".to_owned()),
-            _ => Ok(()),
-        }
+        self.target_domain.as_deref().map_or(Ok(()), check_domain)
     }
 }
 
@@ -203,6 +209,20 @@ pub struct ProxyJson<'a> {
     /// In listings: end of its cooldown (RFC 3339), while it rests.
     #[schema(format = DateTime)]
     pub cooldown_until: Option<String>,
+    /// In listings: its active per-domain bans, by domain (a banned proxy is skipped for that
+    /// domain only).
+    pub bans: Option<Vec<BanJson>>,
+}
+
+/// A proxy's ban for one target domain.
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BanJson {
+    /// The domain (lowercase, without a final dot).
+    pub domain: String,
+    /// When the ban ends (RFC 3339).
+    #[schema(format = DateTime)]
+    pub until: String,
 }
 
 impl<'a> ProxyJson<'a> {
@@ -218,6 +238,7 @@ impl<'a> ProxyJson<'a> {
             active_leases: None,
             max_concurrent: None,
             cooldown_until: None,
+            bans: None,
         }
     }
 
@@ -228,6 +249,14 @@ impl<'a> ProxyJson<'a> {
             active_leases: Some(view.active_leases),
             max_concurrent: Some(view.max_concurrent),
             cooldown_until: view.cooldown_until_ms.map(rfc3339),
+            bans: Some(
+                (view.bans.iter())
+                    .map(|(domain, until)| BanJson {
+                        domain: domain.clone(),
+                        until: rfc3339(*until),
+                    })
+                    .collect(),
+            ),
             ..Self::from_info(&view.info)
         }
     }

@@ -393,6 +393,9 @@ pub enum Availability {
     Busy,
     /// Resting after a release.
     CoolingDown,
+    /// Banned for the domain the listing asked about (`targetDomain`); other domains may
+    /// still lease it.
+    Banned,
     /// Not taking new leases (not healthy).
     Closed,
     /// Being drained.
@@ -412,6 +415,8 @@ pub struct ProxyView {
     pub max_concurrent: u32,
     /// End of its cooldown, if resting.
     pub cooldown_until_ms: Option<u64>,
+    /// Its active bans: (domain, end in ms since the epoch), by domain.
+    pub bans: Vec<(String, u64)>,
 }
 
 /// Why a store operation was refused. [`LeaseError::code`] is the stable API code.

@@ -160,6 +160,7 @@ fn leases(html: &mut String, row: &ProxyRow) {
         Availability::Available => ("available", "available"),
         Availability::Busy => ("busy", "all slots taken"),
         Availability::CoolingDown => ("cooling-down", "cooling down"),
+        Availability::Banned => ("banned", "banned for the domain"),
         Availability::Closed => ("closed", "closed"),
         Availability::Draining => ("draining", "draining"),
     };

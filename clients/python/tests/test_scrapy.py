@@ -114,7 +114,11 @@ def test_domain_mode_bans_the_proxy_for_the_banning_domain_only(
     # No lease left behind.
     assert_no_active_lease(client, selector)
 
-    # The ban holds for the banning domain only.
+    # The ban holds for the banning domain only, and listings say so.
+    listed = {p.proxy.endpoint: p for p in client.list_proxies(selector, target_domain=BANNING_HOST)}
+    assert listed[banned_proxy].availability == "banned", listed
+    assert set(listed[banned_proxy].bans) == {BANNING_HOST}, listed
+    assert [p for e, p in listed.items() if e != banned_proxy and p.availability == "banned"] == [], listed
     all_proxies = {p.proxy.endpoint for p in client.list_proxies(selector)}
     assert drain(client, selector, BANNING_HOST) == all_proxies - {banned_proxy}
     assert drain(client, selector, "127.0.0.1") == all_proxies

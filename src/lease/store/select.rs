@@ -458,6 +458,18 @@ impl LeaseStore {
 
     /// [`LeaseStore::list`] at `now` ([`LeaseStore::now_ms`]).
     pub fn list_at(&self, selector: &CompiledSelector, now: u64) -> Vec<ProxyView> {
+        self.list_for(selector, None, now)
+    }
+
+    /// [`LeaseStore::list_at`] as a crawler of `target_domain` sees it: a proxy banned for that
+    /// domain (and otherwise free) is [`Availability::Banned`].
+    pub fn list_for(
+        &self,
+        selector: &CompiledSelector,
+        target_domain: Option<&str>,
+        now: u64,
+    ) -> Vec<ProxyView> {
+        let domain = target_domain.map(normalize_domain);
         let mut out = Vec::new();
         for shard in self.inner.shards.iter() {
             let mut shard = lock(&shard.0);
@@ -469,10 +481,19 @@ impl LeaseStore {
                     continue;
                 }
                 let active = p.leases.iter().filter(|l| l.expires_at > now).count();
+                let mut bans: Vec<(String, u64)> = (p.bans.iter())
+                    .filter(|(_, until)| *until > now)
+                    .map(|(d, until)| (d.to_string(), *until))
+                    .collect();
+                bans.sort();
+                let banned = domain
+                    .as_deref()
+                    .is_some_and(|domain| bans.iter().any(|(d, _)| d == domain));
                 let availability = match p.admission {
                     AdmissionState::Closed => Availability::Closed,
                     AdmissionState::Draining => Availability::Draining,
                     AdmissionState::Open if active as u32 >= p.max_concurrent => Availability::Busy,
+                    AdmissionState::Open if banned => Availability::Banned,
                     AdmissionState::Open if p.cooling_until > now => Availability::CoolingDown,
                     AdmissionState::Open => Availability::Available,
                 };
@@ -482,6 +503,7 @@ impl LeaseStore {
                     active_leases: active,
                     max_concurrent: p.max_concurrent,
                     cooldown_until_ms: (p.cooling_until > now).then_some(p.cooling_until),
+                    bans,
                 });
             }
         }

@@ -112,9 +112,12 @@ class ProxyStatus:
 
     proxy: Proxy
     availability: str
-    """``available``, ``busy``, ``coolingDown``, ``closed`` or ``draining``."""
+    """``available``, ``busy``, ``coolingDown``, ``banned`` (for the listing's target
+    domain), ``closed`` or ``draining``."""
     active_leases: int
     max_concurrent: int
+    bans: Dict[str, datetime]
+    """Active bans: when each banned domain's ban ends."""
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "ProxyStatus":
@@ -123,6 +126,7 @@ class ProxyStatus:
             availability=body["availability"],
             active_leases=int(body["activeLeases"]),
             max_concurrent=int(body["maxConcurrent"]),
+            bans={ban["domain"]: _parse_time(ban["until"]) for ban in body.get("bans") or []},
         )
 
 
@@ -210,12 +214,19 @@ class DiscoveryClient:
 
     # -- API calls ------------------------------------------------------------------------
 
-    def list_proxies(self, selector: Optional[Mapping[str, str]] = None) -> List[ProxyStatus]:
-        """``GET /v1/proxies``: proxies whose attributes match every ``selector`` term."""
+    def list_proxies(
+        self, selector: Optional[Mapping[str, str]] = None, *, target_domain: Optional[str] = None
+    ) -> List[ProxyStatus]:
+        """``GET /v1/proxies``: proxies whose attributes match every ``selector`` term; with
+        ``target_domain``, as a crawler of that domain sees them (``banned`` for it)."""
         path = "/v1/proxies"
+        query: Dict[str, str] = {}
         if selector:
-            terms = ",".join(f"{k}={v}" for k, v in selector.items())
-            path += "?" + urllib.parse.urlencode({"selector": terms})
+            query["selector"] = ",".join(f"{k}={v}" for k, v in selector.items())
+        if target_domain:
+            query["targetDomain"] = target_domain
+        if query:
+            path += "?" + urllib.parse.urlencode(query)
         _, body, _ = self._call("GET", path)
         return [ProxyStatus.from_json(p) for p in body["proxies"]]
 
