@@ -15,14 +15,17 @@ use hyper::{
 };
 
 use super::{
-    AcquireBody, AcquireResponse, AuthError, ErrorBody, Identity, ListResponse, ProxyJson, ReleaseBody,
-    ReleaseResponse, RenewBody, RenewResponse, StateInner, StatusBody,
+    AcquireBody, AcquireResponse, AuthError, ErrorBody, Identity, LeaseJson, LeasesResponse, ListResponse,
+    ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StateInner, StatusBody,
     metrics::CodeLabels,
     router::{ApiError, json, json_bytes},
     wire::{self, RequestBody},
 };
-use crate::lease::{
-    AcquireRequest, Acquired, DurableError, DurableLeases, Selector, journal::JournalError, rfc3339,
+use crate::{
+    api::ProxyKey,
+    lease::{
+        AcquireRequest, Acquired, DurableError, DurableLeases, Selector, journal::JournalError, rfc3339,
+    },
 };
 
 /// What every endpoint that needs a token may answer before it reads the request (documents
@@ -306,6 +309,91 @@ pub(super) fn list(
     let views = s.deps.store.list_for(&compiled, target_domain.as_deref(), now);
     let proxies = views.iter().map(ProxyJson::from_view).collect();
     Ok(json(StatusCode::OK, &ListResponse { proxies }))
+}
+
+/// Lists active leases (never their IDs or tokens), by proxy key then age, a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/leases",
+    tag = "leases",
+    params(
+        ("proxy" = Option<String>, Query, description = "Only the leases on this proxy (`namespace/name`)"),
+        ("holder" = Option<String>, Query, description = "Only the leases this holder holds"),
+        ("limit" = Option<usize>, Query, minimum = 1, maximum = 1000,
+            description = "Leases per page (default 100)"),
+        ("after" = Option<String>, Query, description = "The `next` of the previous page"),
+    ),
+    responses(
+        (status = 200, description = "A page of active leases", body = LeasesResponse),
+        (status = 400, description = "`malformed_request`: a bad parameter or an unknown one", body = ErrorBody),
+        AuthErrors,
+        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+    ),
+    security(("bearer" = [])),
+)]
+pub(super) fn leases_list(
+    s: &StateInner,
+    parts: &hyper::http::request::Parts,
+    now: u64,
+) -> Result<Response<Full<Bytes>>, ApiError> {
+    let (mut proxy, mut holder, mut after) = (None, None, None);
+    let mut limit = wire::DEFAULT_LEASES_PAGE;
+    for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
+        match &*k {
+            "proxy" => {
+                let key = v
+                    .parse::<ProxyKey>()
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+                proxy = Some(key);
+            }
+            "holder" => holder = Some(v.into_owned()),
+            "limit" => {
+                limit = v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=wire::MAX_LEASES_PAGE).contains(n))
+                    .ok_or_else(|| {
+                        ApiError::bad_request(format!("limit must be 1-{}", wire::MAX_LEASES_PAGE))
+                    })?;
+            }
+            "after" => after = Some(parse_cursor(&v)?),
+            other => {
+                return Err(ApiError::bad_request(format!(
+                    "unknown query parameter {other:?}"
+                )));
+            }
+        }
+    }
+    let all = s.deps.store.leases_at(proxy.as_ref(), holder.as_deref(), now);
+    // The cursor is the last lease of the previous page: a lease that ended since is skipped,
+    // none is listed twice.
+    let start = after.map_or(0, |(key, token)| {
+        all.partition_point(|l| (&l.key, l.first_token) <= (&key, token))
+    });
+    let page = &all[start..all.len().min(start + limit)];
+    let next = (start + page.len() < all.len())
+        .then(|| page.last().map(|l| format!("{}#{}", l.key, l.first_token)))
+        .flatten();
+    let leases = page
+        .iter()
+        .map(|l| LeaseJson {
+            proxy: l.key.to_string(),
+            holder: l.holder.clone(),
+            acquired_at: rfc3339(l.acquired_at_ms),
+            expires_at: rfc3339(l.expires_at_ms),
+            target_domain: l.target_domain.clone(),
+            session_key: l.session_key.clone(),
+        })
+        .collect();
+    Ok(json(StatusCode::OK, &LeasesResponse { leases, next }))
+}
+
+/// A `GET /v1/leases` cursor: `namespace/name#firstToken`.
+fn parse_cursor(text: &str) -> Result<(ProxyKey, u64), ApiError> {
+    let bad = || ApiError::bad_request("after must be the next of a previous page");
+    let (key, token) = text.rsplit_once('#').ok_or_else(bad)?;
+    Ok((key.parse().map_err(|_| bad())?, token.parse().map_err(|_| bad())?))
 }
 
 /// Acquires a lease on the least recently used eligible proxy (or the session's).

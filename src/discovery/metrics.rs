@@ -42,8 +42,8 @@ pub struct CodeLabels {
 type HistogramFamily = Family<RouteLabels, Histogram, fn() -> Histogram>;
 
 /// Every route label, in [`crate::discovery`]'s route index order.
-pub(crate) const ROUTES: [&str; 10] = [
-    "healthz", "readyz", "metrics", "openapi", "list", "acquire", "renew", "release", "other", "ui",
+pub(crate) const ROUTES: [&str; 11] = [
+    "healthz", "readyz", "metrics", "openapi", "list", "acquire", "renew", "release", "other", "ui", "leases",
 ];
 
 /// A route's `ok` counter and duration histogram, resolved from their families on first use:

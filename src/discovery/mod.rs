@@ -41,14 +41,14 @@ pub use auth::{
 };
 pub use metrics::DiscoveryMetrics;
 pub use wire::{
-    AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
-    ReleaseResponse, RenewBody, RenewResponse, RequestBody, StatusBody,
+    AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse,
+    ListResponse, ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, RequestBody, StatusBody,
 };
 
 use crate::lease::{LeaseStore, journal::Journal, token::LeaseSigner};
 use handlers::{
-    acquire, authenticate, check_journal, check_ready, healthz, list, metrics, read_request, readyz, release,
-    renew,
+    acquire, authenticate, check_journal, check_ready, healthz, leases_list, list, metrics, read_request,
+    readyz, release, renew,
 };
 use metrics::ResultLabels;
 use openapi::openapi_json;
@@ -247,12 +247,13 @@ where
     }
     let identity = authenticate(s, parts).await?;
     check_ready(s)?;
-    if !matches!(route, Route::List) {
+    if !matches!(route, Route::List | Route::Leases) {
         check_journal(s)?;
     }
     // One instant per request: every store decision and every time in the answer is about it.
     match route {
         Route::List => list(s, parts, s.deps.store.now_ms()),
+        Route::Leases => leases_list(s, parts, s.deps.store.now_ms()),
         Route::Acquire => {
             let req: AcquireBody = read_request(s, parts, body).await?;
             acquire(s, &identity, req, s.deps.store.now_ms()).await

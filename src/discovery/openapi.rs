@@ -20,8 +20,8 @@ use utoipa::{
 };
 
 use super::wire::{
-    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, ListResponse, ProxyJson, ReleaseBody,
-    ReleaseResponse, RenewBody, RenewResponse, StatusBody,
+    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse, ListResponse, ProxyJson,
+    ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StatusBody,
 };
 use crate::lease::{Availability, Outcome};
 
@@ -46,6 +46,7 @@ pub(crate) const BEARER: &str = "bearer";
         super::handlers::metrics,
         openapi_json,
         super::handlers::list,
+        super::handlers::leases_list,
         super::handlers::acquire,
         super::handlers::renew,
         super::handlers::release,
@@ -58,6 +59,8 @@ pub(crate) const BEARER: &str = "bearer";
         RenewResponse,
         ReleaseResponse,
         ListResponse,
+        LeasesResponse,
+        LeaseJson,
         ProxyJson,
         StatusBody,
         ErrorBody,

@@ -21,6 +21,7 @@ pub(super) enum Route<'a> {
     OpenApi,
     Ui,
     List,
+    Leases,
     Acquire,
     Renew(&'a str),
     Release(&'a str),
@@ -42,6 +43,7 @@ impl Route<'_> {
             Route::Renew(_) => 6,
             Route::Release(_) => 7,
             Route::Ui => 9,
+            Route::Leases => 10,
         }
     }
 }
@@ -159,7 +161,8 @@ pub(super) fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, Api
         "/v1/openapi.json" => only("GET", &Method::GET, Route::OpenApi),
         "/ui" => only("GET", &Method::GET, Route::Ui),
         "/v1/proxies" => only("GET", &Method::GET, Route::List),
-        "/v1/leases" => only("POST", &Method::POST, Route::Acquire),
+        "/v1/leases" if method == Method::GET => Ok(Route::Leases),
+        "/v1/leases" => only("GET, POST", &Method::POST, Route::Acquire),
         _ => {
             let not_found = || ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint");
             let rest = path.strip_prefix("/v1/leases/").ok_or_else(not_found)?;

@@ -258,7 +258,7 @@ async fn documented_error_statuses() {
             "unauthorized",
         ),
         (
-            "GET",
+            "DELETE",
             "/v1/leases",
             Some(TOKEN),
             String::new(),
@@ -911,4 +911,100 @@ async fn listings_show_bans_and_what_a_crawler_of_a_domain_can_lease() {
     for (key, proxy) in by_key(&other) {
         assert_eq!(proxy["availability"], "available", "{key}");
     }
+}
+
+/// `GET /v1/leases` lists active leases a page at a time (none twice, none lost to a lease that
+/// ends between pages), filters by proxy and holder, and never shows an ID or a token.
+#[tokio::test]
+async fn leases_are_listed_a_page_at_a_time_without_ids_or_tokens() {
+    let h = harness(3, 2);
+    let mut granted = Vec::new();
+    for holder in ["a", "b", "a", "b", "a"] {
+        let acquired = h.acquire(json!({"holder": holder})).await;
+        assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
+        granted.push(acquired);
+    }
+    let mut listed = Vec::new();
+    let mut path = "/v1/leases?limit=2".to_owned();
+    loop {
+        let page = h.call("GET", &path, None).await;
+        assert_eq!(page.status, StatusCode::OK, "{}", page.text);
+        for secret in ["leaseId", "fencingToken", "proxyUrl"] {
+            assert!(!page.text.contains(secret), "{secret} in {}", page.text);
+        }
+        let leases = page.body["leases"].as_array().unwrap();
+        assert!(leases.len() <= 2);
+        listed.extend(leases.iter().cloned());
+        if listed.len() == 2 {
+            // A lease listed on the first page ends: the next page goes on after it.
+            let first = &granted[0];
+            let id = first.body["leaseId"].as_str().unwrap();
+            let released = h
+                .call(
+                    "POST",
+                    &format!("/v1/leases/{id}/release"),
+                    Some(json!({"fencingToken": first.body["fencingToken"], "outcome": "ok"})),
+                )
+                .await;
+            assert_eq!(released.status, StatusCode::OK, "{}", released.text);
+        }
+        match page.body["next"].as_str() {
+            Some(next) => {
+                path = format!(
+                    "/v1/leases?limit=2&after={}",
+                    form_urlencoded::byte_serialize(next.as_bytes()).collect::<String>()
+                )
+            }
+            None => break,
+        }
+    }
+    let keys: Vec<(String, String)> = listed
+        .iter()
+        .map(|l| {
+            (
+                l["proxy"].as_str().unwrap().to_owned(),
+                l["acquiredAt"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let mut sorted = keys.clone();
+    sorted.sort();
+    assert_eq!(keys, sorted, "by proxy key");
+    let first_released = granted[0].body["proxy"]["key"].as_str().unwrap();
+    // Five granted, one released after the first page: four or five listed, and no lease twice.
+    assert!(listed.len() == 5 || listed.len() == 4, "{listed:?}");
+    assert!(listed.iter().any(|l| l["proxy"] == first_released));
+
+    let a = h.call("GET", "/v1/leases?holder=a", None).await;
+    let a_leases = a.body["leases"].as_array().unwrap();
+    assert!(a_leases.iter().all(|l| l["holder"] == "a"), "{}", a.text);
+    assert_eq!(a_leases.len(), 2, "one of a's three was released: {}", a.text);
+    assert!(a.body.get("next").is_none(), "{}", a.text);
+
+    let on_p1 = h.call("GET", "/v1/leases?proxy=crawl/p1", None).await;
+    let p1 = on_p1.body["leases"].as_array().unwrap();
+    assert!(
+        !p1.is_empty() && p1.iter().all(|l| l["proxy"] == "crawl/p1"),
+        "{}",
+        on_p1.text
+    );
+
+    for bad in [
+        "/v1/leases?limit=0",
+        "/v1/leases?limit=1001",
+        "/v1/leases?proxy=nokey",
+        "/v1/leases?after=garbage",
+        "/v1/leases?colour=red",
+    ] {
+        let refused = h.call("GET", bad, None).await;
+        assert_eq!(
+            (refused.status, code(&refused)),
+            (StatusCode::BAD_REQUEST, "malformed_request"),
+            "{bad}: {}",
+            refused.text
+        );
+    }
+    let wrong = h.call("PUT", "/v1/leases", None).await;
+    assert_eq!(wrong.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(wrong.headers["allow"], "GET, POST");
 }

@@ -262,6 +262,44 @@ impl<'a> ProxyJson<'a> {
     }
 }
 
+/// Leases one `GET /v1/leases` page holds at the most, and when `limit` names none.
+pub const MAX_LEASES_PAGE: usize = 1000;
+/// See [`MAX_LEASES_PAGE`].
+pub const DEFAULT_LEASES_PAGE: usize = 100;
+
+/// A lease in `GET /v1/leases` (never its ID or token: those are its holder's).
+#[serde_with::skip_serializing_none]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schema(as = LeaseInfo)]
+pub struct LeaseJson {
+    /// The proxy it is on (`namespace/name`).
+    pub proxy: String,
+    /// Who holds it.
+    pub holder: String,
+    /// When it was granted (RFC 3339).
+    #[schema(format = DateTime)]
+    pub acquired_at: String,
+    /// When it ends unless renewed (RFC 3339).
+    #[schema(format = DateTime)]
+    pub expires_at: String,
+    /// The domain it was acquired for.
+    pub target_domain: Option<String>,
+    /// Its sticky-session key.
+    pub session_key: Option<String>,
+}
+
+/// `GET /v1/leases`.
+#[serde_with::skip_serializing_none]
+#[derive(Clone, Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeasesResponse {
+    /// Active leases, by proxy key then age.
+    pub leases: Vec<LeaseJson>,
+    /// The `after` of the next page; absent on the last page.
+    pub next: Option<String>,
+}
+
 /// `GET /v1/proxies`.
 #[derive(Clone, Debug, Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]

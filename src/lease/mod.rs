@@ -419,6 +419,25 @@ pub struct ProxyView {
     pub bans: Vec<(String, u64)>,
 }
 
+/// A lease as the lease listing shows it: no ID and no token (those are the holder's).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseView {
+    /// The proxy it is on.
+    pub key: ProxyKey,
+    /// The first fencing token issued for it (with the key, what tells it apart).
+    pub first_token: u64,
+    /// Who holds it.
+    pub holder: String,
+    /// When it was granted (ms since the epoch).
+    pub acquired_at_ms: u64,
+    /// When it ends unless renewed (ms since the epoch).
+    pub expires_at_ms: u64,
+    /// The domain it was acquired for.
+    pub target_domain: Option<String>,
+    /// Its sticky-session key.
+    pub session_key: Option<String>,
+}
+
 /// Why a store operation was refused. [`LeaseError::code`] is the stable API code.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LeaseError {

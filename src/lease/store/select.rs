@@ -19,9 +19,10 @@ use super::{
     shard::{Link, ListHead, Shard, link_of},
 };
 use crate::{
+    api::ProxyKey,
     lease::{
-        AcquireRequest, Availability, CompiledSelector, Granted, Lease, LeaseError, ProxyView, Selector,
-        selector::is_sorted_subset,
+        AcquireRequest, Availability, CompiledSelector, Granted, Lease, LeaseError, LeaseView, ProxyView,
+        Selector, selector::is_sorted_subset,
     },
     sync::{lock, read, write},
 };
@@ -459,6 +460,44 @@ impl LeaseStore {
     /// [`LeaseStore::list`] at `now` ([`LeaseStore::now_ms`]).
     pub fn list_at(&self, selector: &CompiledSelector, now: u64) -> Vec<ProxyView> {
         self.list_for(selector, None, now)
+    }
+
+    /// Active leases at `now`, on the one proxy `key` if given, held by `holder` if given, by
+    /// proxy key then first token. O(leases): a listing for
+    /// people and tools, not a hot path.
+    pub fn leases_at(&self, key: Option<&ProxyKey>, holder: Option<&str>, now: u64) -> Vec<LeaseView> {
+        let mut out = Vec::new();
+        let indices: Vec<usize> = match key {
+            Some(key) => vec![self.shard_index(key)],
+            None => (0..self.inner.shards.len()).collect(),
+        };
+        // One shard locked at a time, as every other operation does.
+        for index in indices {
+            let mut shard = lock(&self.inner.shards[index].0);
+            shard.settle(now);
+            for slot in shard.slots.iter() {
+                let Some(p) = slot.proxy.as_ref() else { continue };
+                if key.is_some_and(|k| *k != p.key) {
+                    continue;
+                }
+                for l in p.leases.iter().filter(|l| l.expires_at > now) {
+                    if holder.is_some_and(|h| h != l.holder.as_str()) {
+                        continue;
+                    }
+                    out.push(LeaseView {
+                        key: p.key.clone(),
+                        first_token: l.first_token,
+                        holder: l.holder.as_str().to_owned(),
+                        acquired_at_ms: l.acquired_at,
+                        expires_at_ms: l.expires_at,
+                        target_domain: l.target_domain.as_deref().map(str::to_owned),
+                        session_key: l.session_key.as_deref().map(str::to_owned),
+                    });
+                }
+            }
+        }
+        out.sort_by(|a, b| (&a.key, a.first_token).cmp(&(&b.key, b.first_token)));
+        out
     }
 
     /// [`LeaseStore::list_at`] as a crawler of `target_domain` sees it: a proxy banned for that
