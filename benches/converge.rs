@@ -57,9 +57,10 @@ use std::{
 use control_plane::{ControlPlane, RequestCounts};
 use egress_proxies_operator::{
     api::Proxy,
+    api::ProxyKey,
     cluster::{ClusterDeps, run_controller},
     controller::{ProviderAvailability, ReconcilerConfig},
-    effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey},
+    effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget},
     provider::{Instance, Provider, ProviderRegistry, memory::MemoryProvider},
     telemetry::Metrics,
 };

@@ -19,8 +19,9 @@ use std::{
 };
 
 use egress_proxies_operator::{
+    api::ProxyKey,
     controller::{ProviderAvailability, ReconcilerConfig},
-    effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey},
+    effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget},
     provider::{ProviderRegistry, memory::MemoryProvider},
     standalone::{Standalone, StandaloneDeps},
 };

@@ -9,8 +9,9 @@ mod support {
 use std::{path::Path, sync::Arc};
 
 use egress_proxies_operator::{
+    api::ProxyKey,
     controller::{ProviderAvailability, ReconcilerConfig},
-    effects::{HealthVerdict, ProxyKey},
+    effects::HealthVerdict,
     provider::{ProviderRegistry, memory::MemoryProvider},
     standalone::{Standalone, StandaloneDeps, store::Store},
 };

@@ -40,9 +40,10 @@ use tracing::{info, warn};
 
 use super::{KubeBackend, events, resync, triggers};
 use crate::{
+    api::ProxyKey,
     api::{CLOUD_INIT_SECRET_LABEL, Proxy},
     controller::{ProviderAvailability, ReconcileError, Reconciler, ReconcilerConfig, error_backoff},
-    effects::{HealthControl, LeaseControl, ProxyKey},
+    effects::{HealthControl, LeaseControl},
     provider::ProviderRegistry,
     telemetry::Metrics,
 };

@@ -14,7 +14,8 @@ use super::{
 };
 use crate::{
     api::Proxy,
-    effects::{LeaseTarget, ProxyBackend, ProxyKey},
+    api::ProxyKey,
+    effects::{LeaseTarget, ProxyBackend},
     machine::{AuditEntry, Event},
     provider::{
         Credentials, CredentialsUpdate, Endpoint, InstanceRequest, Owner, ProviderError, SharedProvider,

@@ -18,10 +18,8 @@ use super::{
     status::{FINALIZER, Record},
 };
 use crate::{
-    api::Proxy,
-    effects::{
-        HealthControl, HealthTarget, HealthVerdict, LeaseControl, ProxyBackend, ProxyKey, SecretError,
-    },
+    api::{Proxy, ProxyKey},
+    effects::{HealthControl, HealthTarget, HealthVerdict, LeaseControl, ProxyBackend, SecretError},
     machine::{AuditEntry, Backoff, Event, Fact, Outcome, Phase, Timers, decide, derive},
     provider::{
         Credentials, Owner, ProviderError, ProviderRegistry, SharedProvider, UserData, instance_name,

@@ -14,15 +14,14 @@ use async_trait::async_trait;
 // The key, the health verdict, the lease target and the drain status are the API's, the health
 // engine's and the lease store's own types, re-exported because the executors' interfaces speak
 // in them (the verdict under a name that says whose it is).
-pub use crate::{
-    api::ProxyKey,
-    health::Verdict as HealthVerdict,
-    lease::{DrainStatus, LeaseTarget},
-};
 use crate::{
-    api::{HealthCheck, Proxy, ProxyStatus, SecretKeyRef},
+    api::{HealthCheck, Proxy, ProxyKey, ProxyStatus, SecretKeyRef},
     machine::AuditEntry,
     provider::{Credentials, Endpoint, UserData},
+};
+pub use crate::{
+    health::Verdict as HealthVerdict,
+    lease::{DrainStatus, LeaseTarget},
 };
 
 /// Why a referenced Secret can't be used: a user error reported on the Proxy.

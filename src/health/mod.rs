@@ -45,8 +45,8 @@ use tokio::{
 };
 use tokio_rustls::rustls;
 
-pub use crate::lease::ProxyKey;
 use crate::{
+    api::ProxyKey,
     provider::{Credentials, Endpoint},
     telemetry::{ProbeMetrics, ProbeResult},
 };

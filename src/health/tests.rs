@@ -85,7 +85,7 @@ async fn the_health_executor_interface_maps_targets_and_verdicts() {
         ..HealthConfig::default()
     })
     .unwrap();
-    let key = effects::ProxyKey::new("ns", "p");
+    let key = crate::api::ProxyKey::new("ns", "p");
     let control: &dyn HealthControl = &handle;
     assert_eq!(control.verdict(&key), effects::HealthVerdict::Unknown);
     control.upsert(effects::HealthTarget {

@@ -67,14 +67,13 @@ mod tests;
 
 use std::{fmt, sync::Arc, time::Duration};
 
-pub use crate::api::{MalformedProxyKey, ProxyKey};
 pub use checkpoint::maintenance;
 pub use clock::{Clock, rfc3339};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
 pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
 
 use crate::{
-    api::{Attributes, LeasePolicy},
+    api::{Attributes, LeasePolicy, ProxyKey},
     provider::{Credentials, Endpoint},
 };
 

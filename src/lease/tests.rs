@@ -770,7 +770,7 @@ fn proxy_urls_carry_credentials_only_where_asked() {
 fn the_lease_executor_interface_drives_the_store() {
     use crate::effects::{self, LeaseControl};
     let (store, _) = store(2);
-    let key = effects::ProxyKey::new("crawl", "a");
+    let key = crate::api::ProxyKey::new("crawl", "a");
     let control: &dyn LeaseControl = &store;
     control.upsert(effects::LeaseTarget {
         key: key.clone(),

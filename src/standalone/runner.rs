@@ -26,13 +26,14 @@ use super::{
 };
 
 use crate::{
+    api::ProxyKey,
     api::{Proxy, ProxySpec},
     check::Checker,
     controller::{
         ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
         status::{FINALIZER, count_phases, phase_of},
     },
-    effects::{HealthControl, LeaseControl, ProxyKey},
+    effects::{HealthControl, LeaseControl},
     provider::ProviderRegistry,
     telemetry::Metrics,
 };

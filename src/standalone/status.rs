@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use jiff::Timestamp;
 
 use super::store::{ReadOnlyStore, StoreError};
-use crate::effects::ProxyKey;
+use crate::api::ProxyKey;
 
 /// A table of every proxy; `leases` gives the active leases of a proxy.
 pub fn render_table(

@@ -372,7 +372,7 @@ impl StatusPage {
         let proxies = states
             .into_iter()
             .map(|state| {
-                let key = crate::lease::ProxyKey::new(&state.namespace, &state.name);
+                let key = crate::api::ProxyKey::new(&state.namespace, &state.name);
                 ProxyRow {
                     leases: leases.remove(&(state.namespace.clone(), state.name.clone())),
                     health: self.inputs.health.snapshot(&key),

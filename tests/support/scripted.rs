@@ -9,8 +9,9 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use egress_proxies_operator::effects::{
-    DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey,
+use egress_proxies_operator::{
+    api::ProxyKey,
+    effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget},
 };
 
 pub fn key(namespace: &str, name: &str) -> ProxyKey {

@@ -12,11 +12,11 @@ use jiff::Timestamp;
 
 use super::{EPOCH, Failure, PROVIDER, SimConfig, SimStep};
 use crate::{
-    api::{Proxy, ProxyStatus, SecretKeyRef},
+    api::{Proxy, ProxyKey, ProxyStatus, SecretKeyRef},
     controller::pool::Pools,
     effects::{
         BackendError, DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget,
-        ProxyBackend, ProxyKey, SecretError,
+        ProxyBackend, SecretError,
     },
     machine::{AuditEntry, Phase},
     provider::{
