@@ -2,7 +2,10 @@
 
 use std::sync::Arc;
 
-use crate::lease::{LeaseTarget, ProxyInfo, ProxyKey};
+use crate::{
+    api::ProxyKey,
+    lease::{LeaseTarget, ProxyInfo},
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum AdmissionState {
