@@ -40,10 +40,10 @@ use tracing::{info, warn};
 
 use super::{KubeBackend, events, resync, triggers};
 use crate::{
-    api::ProxyKey,
-    api::{CLOUD_INIT_SECRET_LABEL, Proxy},
+    api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyKey},
     controller::{ProviderAvailability, ReconcileError, Reconciler, ReconcilerConfig, error_backoff},
-    effects::{HealthControl, LeaseControl},
+    health::HealthControl,
+    lease::LeaseControl,
     provider::ProviderRegistry,
     telemetry::Metrics,
 };

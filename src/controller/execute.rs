@@ -13,9 +13,9 @@ use super::{
     status::{DeleteProgress, Record},
 };
 use crate::{
-    api::Proxy,
-    api::ProxyKey,
-    effects::{LeaseTarget, ProxyBackend},
+    api::{Proxy, ProxyKey},
+    effects::ProxyBackend,
+    lease::LeaseTarget,
     machine::{AuditEntry, Event},
     provider::{
         Credentials, CredentialsUpdate, Endpoint, InstanceRequest, Owner, ProviderError, SharedProvider,

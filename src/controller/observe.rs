@@ -12,7 +12,7 @@ use super::{
     status::{DeleteProgress, Record},
 };
 use crate::{
-    effects::HealthVerdict,
+    health::Verdict as HealthVerdict,
     machine::{Fact, Facts, Phase, Timers, reason},
     provider::{Instance, InstanceState},
 };

@@ -19,7 +19,9 @@ use super::{
 };
 use crate::{
     api::{Proxy, ProxyKey},
-    effects::{HealthControl, HealthTarget, HealthVerdict, LeaseControl, ProxyBackend, SecretError},
+    effects::{ProxyBackend, SecretError},
+    health::{HealthControl, HealthTarget, Verdict as HealthVerdict},
+    lease::LeaseControl,
     machine::{AuditEntry, Backoff, Event, Fact, Outcome, Phase, Timers, decide, derive},
     provider::{
         Credentials, Owner, ProviderError, ProviderRegistry, SharedProvider, UserData, instance_name,
@@ -570,12 +572,12 @@ impl<B: ProxyBackend> Reconciler<B> {
             (true, Some(endpoint)) => {
                 // Probes and leases use what the instance accepts, not what the Secret says.
                 let credentials = self.running_credentials(cx);
-                self.health.upsert(HealthTarget {
-                    key: cx.key.clone(),
+                self.health.upsert(HealthTarget::from_check(
+                    cx.key.clone(),
                     endpoint,
-                    check: cx.proxy.spec.health.clone(),
-                    credentials: credentials.clone(),
-                });
+                    &cx.proxy.spec.health,
+                    credentials.clone(),
+                ));
                 if let Some(target) = lease_target(cx, record, credentials) {
                     self.leases.upsert(target);
                 }

@@ -50,6 +50,7 @@ use crate::{
     provider::{Credentials, Endpoint},
     telemetry::{ProbeMetrics, ProbeResult},
 };
+pub use control::HealthControl;
 pub use probe::ProbeError;
 
 /// Longest `last_error` kept, in bytes.

@@ -69,6 +69,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 pub use checkpoint::maintenance;
 pub use clock::{Clock, rfc3339};
+pub use control::LeaseControl;
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
 pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
 

@@ -33,7 +33,8 @@ use crate::{
         ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
         status::{FINALIZER, count_phases, phase_of},
     },
-    effects::{HealthControl, LeaseControl},
+    health::HealthControl,
+    lease::LeaseControl,
     provider::ProviderRegistry,
     telemetry::Metrics,
 };

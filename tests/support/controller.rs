@@ -13,7 +13,8 @@ use egress_proxies_operator::{
     api::ProxyKey,
     cluster::{ClusterDeps, run_controller},
     controller::{ProviderAvailability, ReconcilerConfig},
-    effects::{HealthControl, LeaseControl},
+    health::HealthControl,
+    lease::LeaseControl,
     provider::ProviderRegistry,
     telemetry::Metrics,
 };
