@@ -11,7 +11,6 @@
 //! The page is authenticated like the discovery API: `Authorization: Bearer <token>`, or HTTP
 //! Basic with the token as the password (what a browser can send; a 401 asks for it).
 
-pub mod cluster;
 mod render;
 
 use std::{
@@ -19,6 +18,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use async_trait::async_trait;
 use base64::Engine as _;
 use bytes::Bytes;
 use http_body_util::Full;
@@ -35,7 +35,10 @@ use crate::{
     health::{HealthEvent, HealthHandle, HealthSnapshot, Verdict},
     lease::{LeaseStore, ProxyView, Selector},
     machine::audit::AuditEntry,
+    telemetry::admin::Page,
 };
+
+pub use render::age;
 
 /// How many audit entries per proxy the page shows (and cluster mode keeps in memory).
 pub const AUDIT_ENTRIES_SHOWN: usize = 8;
@@ -394,10 +397,13 @@ impl StatusPage {
             proxies,
         })
     }
+}
 
+#[async_trait]
+impl Page for StatusPage {
     /// Answers `GET /ui` with these request headers: the page, or 401 (with a Basic challenge
     /// a browser answers), 403, or 503 when the caller cannot be checked or the view not taken.
-    pub async fn respond(&self, headers: &HeaderMap) -> Response<Full<Bytes>> {
+    async fn respond(&self, headers: &HeaderMap) -> Response<Full<Bytes>> {
         if self.inputs.auth.anonymous().is_none() {
             let Some(token) = presented_token(headers) else {
                 return challenge(
