@@ -19,7 +19,6 @@ use std::{
 };
 
 use async_trait::async_trait;
-use base64::Engine as _;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{
@@ -31,7 +30,7 @@ use jiff::Timestamp;
 use crate::{
     api::ProxyStatus,
     controller::ProviderAvailability,
-    discovery::auth::{AuthError, Authenticator},
+    discovery::auth::{AuthError, Authenticator, Presented, presented},
     health::{HealthEvent, HealthHandle, HealthSnapshot, Verdict},
     lease::{LeaseStore, ProxyView, Selector},
     machine::audit::AuditEntry,
@@ -440,21 +439,12 @@ impl Page for StatusPage {
     }
 }
 
-/// The token of a Bearer header, or the password of a Basic one.
+/// The token of a Bearer header, or the password of a Basic one (what a browser sends).
 fn presented_token(headers: &HeaderMap) -> Option<String> {
-    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, rest) = value.split_once(' ')?;
-    if scheme.eq_ignore_ascii_case("bearer") {
-        return Some(rest.trim().to_owned());
+    match presented(headers) {
+        Presented::Bearer(token) | Presented::BasicPassword(token) => Some(token),
+        Presented::Nothing | Presented::Unusable => None,
     }
-    if scheme.eq_ignore_ascii_case("basic") {
-        let decoded = base64::engine::general_purpose::STANDARD
-            .decode(rest.trim())
-            .ok()?;
-        let decoded = String::from_utf8(decoded).ok()?;
-        return decoded.split_once(':').map(|(_, password)| password.to_owned());
-    }
-    None
 }
 
 fn challenge(message: &str) -> Response<Full<Bytes>> {
