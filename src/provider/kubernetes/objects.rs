@@ -5,7 +5,7 @@
 //! calls (those are [`super`]'s). The Squid config and password file are
 //! [`crate::provider::squid`]'s.
 
-use std::{collections::BTreeMap, path::Path};
+use std::collections::BTreeMap;
 
 use k8s_openapi::{
     api::core::v1::{
@@ -20,7 +20,7 @@ use crate::{
     config::ServiceType,
     provider::{
         Endpoint, Installation, Instance, InstanceRequest, InstanceState, Owner, ProviderId,
-        squid::{Auth, Conf, Listen, Prepared, SquidError, debian},
+        squid::{Conf, Prepared, SquidError, debian},
     },
 };
 
@@ -128,22 +128,13 @@ impl KubernetesProvider {
 
     fn config_map(&self, request: &InstanceRequest, prepared: &Prepared, meta: ObjectMeta) -> ConfigMap {
         // The image's Debian layout and defaults, as in a VM guest.
-        let conf = Conf {
-            header: "Written by egress-proxies-operator into this ConfigMap; replaced with the instance.",
-            name: &request.name,
-            listen: Listen::Port(request.port),
-            outgoing: prepared.outgoing,
-            auth: prepared.password_line.is_some().then_some(Auth {
-                helper: Path::new(debian::AUTH_HELPER),
-                passwords: Path::new(debian::PASSWD_PATH),
-                updated_in_place: false,
-            }),
-            own_files: None,
-            fast_shutdown: false,
-            anonymous: false,
-            effective_user: None,
-            extra: &[],
-        }
+        let conf = Conf::debian(
+            "Written by egress-proxies-operator into this ConfigMap; replaced with the instance.",
+            &request.name,
+            request.port,
+            prepared.outgoing,
+            prepared.password_line.is_some(),
+        )
         .render();
         ConfigMap {
             metadata: meta,

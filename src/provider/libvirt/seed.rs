@@ -19,7 +19,7 @@ use sha2::{Digest, Sha256};
 
 use crate::provider::{
     InstanceRequest,
-    squid::{Auth, Conf, Listen, Prepared, SquidError, debian},
+    squid::{Conf, Prepared, SquidError, debian},
 };
 
 /// Volume label NoCloud looks for.
@@ -129,22 +129,13 @@ pub fn meta_data(name: &str, spec_hash: &str) -> String {
 
 /// The guest's `squid.conf`: Debian's layout and defaults, listening on the Proxy's port.
 pub fn squid_conf(request: &InstanceRequest, prepared: &Prepared) -> String {
-    Conf {
-        header: "Written by egress-proxies-operator through cloud-init; replaced with the instance.",
-        name: &request.name,
-        listen: Listen::Port(request.port),
-        outgoing: prepared.outgoing,
-        auth: prepared.password_line.is_some().then_some(Auth {
-            helper: Path::new(debian::AUTH_HELPER),
-            passwords: Path::new(debian::PASSWD_PATH),
-            updated_in_place: false,
-        }),
-        own_files: None,
-        fast_shutdown: false,
-        anonymous: false,
-        effective_user: None,
-        extra: &[],
-    }
+    Conf::debian(
+        "Written by egress-proxies-operator through cloud-init; replaced with the instance.",
+        &request.name,
+        request.port,
+        prepared.outgoing,
+        prepared.password_line.is_some(),
+    )
     .render()
 }
 

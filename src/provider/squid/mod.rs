@@ -258,7 +258,29 @@ pub struct Conf<'a> {
     pub extra: &'a [String],
 }
 
-impl Conf<'_> {
+impl<'a> Conf<'a> {
+    /// The config of a machine that runs one Squid (a VM guest, a Pod): Debian's layout and
+    /// the distribution's defaults, listening on `port`, with basic authentication against
+    /// [`debian::PASSWD_PATH`] when `auth`.
+    pub fn debian(header: &'a str, name: &'a str, port: u16, outgoing: Option<IpAddr>, auth: bool) -> Self {
+        Self {
+            header,
+            name,
+            listen: Listen::Port(port),
+            outgoing,
+            auth: auth.then_some(Auth {
+                helper: Path::new(debian::AUTH_HELPER),
+                passwords: Path::new(debian::PASSWD_PATH),
+                updated_in_place: false,
+            }),
+            own_files: None,
+            fast_shutdown: false,
+            anonymous: false,
+            effective_user: None,
+            extra: &[],
+        }
+    }
+
     /// The `squid.conf` text.
     pub fn render(&self) -> String {
         let mut conf = String::new();
