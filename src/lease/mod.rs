@@ -6,7 +6,8 @@
 //! controller feeds it proxies ([`LeaseStore::upsert_proxy`]) and the lifecycle engine's effects
 //! ([`LeaseStore::set_admission`], [`LeaseStore::drain`], [`LeaseStore::revoke_all`]); the
 //! discovery API calls [`LeaseStore::acquire`], [`LeaseStore::renew`], [`LeaseStore::release`]
-//! and [`LeaseStore::list`].
+//! and [`LeaseStore::list`]. It owns the lease executor's interface, [`LeaseControl`], which
+//! the store implements and the reconciler calls.
 //!
 //! # Rules
 //! - **Admission.** A proxy starts `Closed`; only `Open` proxies (the engine opens Healthy
