@@ -57,9 +57,11 @@ use std::{
 use control_plane::{ControlPlane, RequestCounts};
 use egress_proxies_operator::{
     api::Proxy,
+    api::ProxyKey,
     cluster::{ClusterDeps, run_controller},
     controller::{ProviderAvailability, ReconcilerConfig},
-    effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey},
+    health::{HealthControl, HealthTarget, Verdict},
+    lease::{DrainStatus, LeaseControl, LeaseTarget},
     provider::{Instance, Provider, ProviderRegistry, memory::MemoryProvider},
     telemetry::Metrics,
 };
@@ -139,11 +141,11 @@ impl HealthControl for InstantHealth {
     fn remove(&self, key: &ProxyKey) {
         self.passing.lock().unwrap().remove(key);
     }
-    fn verdict(&self, key: &ProxyKey) -> HealthVerdict {
+    fn verdict(&self, key: &ProxyKey) -> Verdict {
         if self.passing.lock().unwrap().contains(key) {
-            HealthVerdict::Passing
+            Verdict::Passing
         } else {
-            HealthVerdict::Unknown
+            Verdict::Unknown
         }
     }
 }

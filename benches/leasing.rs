@@ -15,9 +15,10 @@ use std::{
 
 use bytes::Bytes;
 use egress_proxies_operator::{
+    api::ProxyKey,
     discovery,
     health::{HealthConfig, HealthEngine, HealthTarget},
-    lease::{AcquireRequest, CompiledSelector, LeaseStore, Outcome, ProxyKey, Selector},
+    lease::{AcquireRequest, CompiledSelector, LeaseStore, Outcome, Selector},
     provider::Endpoint,
 };
 use http_body_util::{BodyExt, Full};

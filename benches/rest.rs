@@ -19,8 +19,10 @@ use std::{
 };
 
 use egress_proxies_operator::{
+    api::ProxyKey,
     controller::{ProviderAvailability, ReconcilerConfig},
-    effects::{DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey},
+    health::{HealthControl, HealthTarget, Verdict},
+    lease::{DrainStatus, LeaseControl, LeaseTarget},
     provider::{ProviderRegistry, memory::MemoryProvider},
     standalone::{Standalone, StandaloneDeps},
 };
@@ -37,11 +39,11 @@ impl HealthControl for PassingHealth {
     fn remove(&self, key: &ProxyKey) {
         egress_proxies_operator::sync::lock(&self.0).remove(key);
     }
-    fn verdict(&self, key: &ProxyKey) -> HealthVerdict {
+    fn verdict(&self, key: &ProxyKey) -> Verdict {
         if egress_proxies_operator::sync::lock(&self.0).contains(key) {
-            HealthVerdict::Passing
+            Verdict::Passing
         } else {
-            HealthVerdict::Unknown
+            Verdict::Unknown
         }
     }
 }

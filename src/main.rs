@@ -502,14 +502,14 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             match audit {
                 Some(proxy) => {
                     let (namespace, name) = proxy.split_once('/').unwrap_or(("default", proxy.as_str()));
-                    let key = egress_proxies_operator::effects::ProxyKey::new(namespace, name);
+                    let key = egress_proxies_operator::api::ProxyKey::new(namespace, name);
                     print!("{}", status::render_audit(&store, &key)?);
                 }
                 None => {
                     let checkpoint = state.join(standalone::mode::LEASE_CHECKPOINT_FILE);
                     let leases =
                         egress_proxies_operator::lease::journal::active_leases_by_proxy(&state, &checkpoint);
-                    let count = |key: &egress_proxies_operator::effects::ProxyKey| {
+                    let count = |key: &egress_proxies_operator::api::ProxyKey| {
                         leases.get(key.as_str()).copied().unwrap_or(0)
                     };
                     print!(

@@ -14,7 +14,7 @@ use std::{sync::Arc, time::Duration};
 
 use egress_proxies_operator::{
     api::{Proxy, ProxyStatus},
-    effects::HealthVerdict,
+    health::Verdict,
     provider::{
         InstanceRequest, InstanceState, Owner, Provider, ProviderRegistry, instance_name,
         memory::MemoryProvider,
@@ -175,8 +175,8 @@ fn condition<'a>(
         .unwrap_or_else(|| panic!("no {type_} condition"))
 }
 
-fn passing() -> HealthVerdict {
-    HealthVerdict::Passing
+fn passing() -> Verdict {
+    Verdict::Passing
 }
 
 async fn make_healthy(world: &World, operator: &RunningController, name: &str) -> Proxy {
@@ -381,13 +381,8 @@ async fn changing_attributes_never_replaces_the_instance() {
     );
     assert_eq!(target.policy.max_concurrent, 5);
     assert_eq!(
-        world
-            .health
-            .target(&key(NS, "web-2"))
-            .expect("probed")
-            .check
-            .interval_seconds,
-        10
+        world.health.target(&key(NS, "web-2")).expect("probed").interval,
+        Duration::from_secs(10)
     );
     operator.stop().await;
 }
@@ -760,10 +755,10 @@ async fn a_repeated_event_joins_the_first_ones_series() {
     make_healthy(&world, &operator, "flappy").await;
     let k = key(NS, "flappy");
     for _ in 0..2 {
-        world.health.set(&k, HealthVerdict::Failing);
+        world.health.set(&k, Verdict::Failing);
         operator.trigger(k.clone()).await;
         world.wait_phase("flappy", "degraded").await;
-        world.health.set(&k, HealthVerdict::Passing);
+        world.health.set(&k, Verdict::Passing);
         operator.trigger(k.clone()).await;
         world.wait_phase("flappy", "healthy").await;
     }
@@ -988,7 +983,7 @@ async fn a_pool_wide_health_failure_replaces_none_while_the_brake_holds() {
     }
     drive_to_healthy(&world, &operator, &names, None).await;
     for name in &names {
-        world.health.set(&key(NS, name), HealthVerdict::Failing);
+        world.health.set(&key(NS, name), Verdict::Failing);
         operator.trigger(key(NS, name)).await;
     }
     for name in &names {

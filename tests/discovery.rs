@@ -16,14 +16,14 @@ use std::{
 
 use bytes::Bytes;
 use egress_proxies_operator::{
-    api::LeasePolicy,
+    api::{LeasePolicy, ProxyKey},
     app::{DiscoveryAuthOptions, TOKEN_RELOAD_INTERVAL, discovery_authenticator},
     discovery::{
         self, Authenticator, DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness,
         StaticTokens, TokenReviewAuthenticator, auth::AuthError,
     },
     lease::{
-        AcquireRequest, Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, ProxyKey, Selector,
+        AcquireRequest, Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, Selector,
         checkpoint::{decode_chunks, encode_chunks},
         journal::{Journal, JournalConfig, JournalMetrics, SEGMENT_PREFIX},
         token::LeaseSigner,

@@ -7,8 +7,8 @@ mod support;
 use std::{net::IpAddr, time::Duration};
 
 use egress_proxies_operator::{
+    api::ProxyKey,
     health::{HealthConfig, HealthEngine, HealthEvent, HealthHandle, HealthTarget, Verdict},
-    lease::ProxyKey,
     provider::{Credentials, Endpoint},
 };
 use support::{Origin, Squid, eventually};

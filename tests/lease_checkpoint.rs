@@ -278,9 +278,9 @@ async fn maintenance_reports_failures_until_saves_succeed() {
 
 #[test]
 fn parts_written_at_different_times_merge_to_the_newest_state() {
-    use egress_proxies_operator::lease::{
-        ProxyKey,
-        checkpoint::{Checkpoint, CheckpointAdmission, ProxyCheckpoint, SessionCheckpoint},
+    use egress_proxies_operator::{
+        api::ProxyKey,
+        lease::checkpoint::{Checkpoint, CheckpointAdmission, ProxyCheckpoint, SessionCheckpoint},
     };
     let proxy = |name: &str, admission| ProxyCheckpoint {
         key: ProxyKey::new("ns", name),

@@ -20,10 +20,11 @@ use std::{
 
 use async_trait::async_trait;
 use egress_proxies_operator::{
+    api::ProxyKey,
     api::{Proxy, ProxySpec},
     cluster::{KubeBackend, events::EventPublisher},
     controller::simulate::{self, EPOCH, InMemory, ProxyObjects, Replay, Scenario},
-    effects::{BackendError, ProxyKey},
+    effects::BackendError,
     machine::{AuditEntry, EffectKind},
     standalone::{
         StandaloneBackend,

@@ -17,7 +17,7 @@ use std::{
 
 use egress_proxies_operator::{
     api::Proxy,
-    effects::HealthVerdict,
+    health::Verdict,
     provider::{ProviderRegistry, memory::MemoryProvider},
 };
 use k8s_openapi::api::core::v1::Secret;
@@ -106,7 +106,7 @@ async fn canary_secrets_stay_out_of_logs_status_and_events() {
     loop {
         let phase = proxies.get("secretive").await.ok().and_then(|p| p.status?.phase);
         if phase.as_deref() == Some("provisioning") && !passed {
-            health.set(&key("crawl", "secretive"), HealthVerdict::Passing);
+            health.set(&key("crawl", "secretive"), Verdict::Passing);
             controller.trigger(key("crawl", "secretive")).await;
             passed = true;
         }

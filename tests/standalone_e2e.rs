@@ -451,7 +451,7 @@ async fn a_create_rejected_once_then_booting_takes_a_handful_of_reconciles() {
         "operator.log",
         &["--retry-initial", "1", "--retry-cap", "3"],
     );
-    let key = egress_proxies_operator::effects::ProxyKey::new("default", "a");
+    let key = egress_proxies_operator::api::ProxyKey::new("default", "a");
     let trail = || {
         egress_proxies_operator::standalone::store::Store::read_only(&host.path().join("state"))
             .ok()

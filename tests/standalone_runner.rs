@@ -9,8 +9,9 @@ mod support {
 use std::{path::Path, sync::Arc};
 
 use egress_proxies_operator::{
+    api::ProxyKey,
     controller::{ProviderAvailability, ReconcilerConfig},
-    effects::{HealthVerdict, ProxyKey},
+    health::Verdict,
     provider::{ProviderRegistry, memory::MemoryProvider},
     standalone::{Standalone, StandaloneDeps, store::Store},
 };
@@ -106,7 +107,7 @@ async fn folder_changes_drive_the_lifecycle_and_restarts_are_safe() {
     assert_eq!(host.provider.created_count(), 2);
 
     for k in [&a, &b] {
-        host.health.set(k, HealthVerdict::Passing);
+        host.health.set(k, Verdict::Passing);
         runner.trigger(k.clone());
     }
     step_until(&mut runner, || {
@@ -214,7 +215,7 @@ async fn rotating_a_referenced_secret_replaces_its_proxy_without_waiting_for_the
     })
     .await;
     for k in [&a, &b] {
-        host.health.set(k, HealthVerdict::Passing);
+        host.health.set(k, Verdict::Passing);
         runner.trigger(k.clone());
     }
     step_until(&mut runner, || {
@@ -397,7 +398,7 @@ async fn a_create_that_succeeds_on_its_retry_does_not_storm_while_the_instance_b
     // Healthy: from now on only the resync (5 min) looks again.
     host.provider
         .set_state(&host.provider.names()[0], InstanceState::Running);
-    host.health.set(&a, HealthVerdict::Passing);
+    host.health.set(&a, Verdict::Passing);
     runner.trigger(a.clone());
     run_until(&mut runner, start + Duration::from_secs(31), 200).await;
     assert_eq!(phase(&state, &a).as_deref(), Some("healthy"));
@@ -488,7 +489,7 @@ async fn the_progress_counts_follow_changes_reading_only_what_changed() {
     .await;
     counts_agree(&runner);
     for k in &keys {
-        host.health.set(k, HealthVerdict::Passing);
+        host.health.set(k, Verdict::Passing);
         runner.trigger(k.clone());
     }
     step_until(&mut runner, || {
@@ -503,7 +504,7 @@ async fn the_progress_counts_follow_changes_reading_only_what_changed() {
     let reads = runner.phase_reads();
     runner.step().await;
     assert_eq!(runner.phase_reads(), reads);
-    host.health.set(&keys[3], HealthVerdict::Failing);
+    host.health.set(&keys[3], Verdict::Failing);
     runner.trigger(keys[3].clone());
     runner.step().await;
     assert_eq!(runner.phase_reads(), reads + 1);

@@ -25,7 +25,7 @@ use std::{
 
 use egress_proxies_operator::{
     api::Proxy,
-    effects::HealthVerdict,
+    health::Verdict,
     provider::{ProviderRegistry, memory::MemoryProvider},
     telemetry::tracing_setup::{OtlpSettings, otel_layer, otlp_tracer_provider},
 };
@@ -461,7 +461,7 @@ async fn cluster_mode_reconciles_are_spans_under_the_controllers_own() {
     let mut providers = ProviderRegistry::new();
     providers.insert(Arc::new(MemoryProvider::new("mem")));
     let health = ScriptedHealth::new();
-    health.set(&key("crawl", "spanned"), HealthVerdict::Passing);
+    health.set(&key("crawl", "spanned"), Verdict::Passing);
     let mut setup = ControllerSetup::new(client.clone(), providers, ScriptedLeases::new(), health.clone());
     setup.deps.identity = "tracing-test".into();
     let controller = setup.start().await;

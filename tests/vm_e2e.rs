@@ -56,7 +56,7 @@ use std::{
 };
 
 use egress_proxies_operator::{
-    effects::ProxyKey,
+    api::ProxyKey,
     provider::libvirt::seed,
     standalone::store::{ProxyRecord, Store},
 };

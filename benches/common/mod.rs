@@ -7,8 +7,9 @@ use std::{collections::BTreeMap, convert::Infallible, sync::Arc};
 use bytes::Bytes;
 use egress_proxies_operator::{
     api::LeasePolicy,
+    api::ProxyKey,
     discovery::{DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness, StaticTokens},
-    lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, ProxyKey, token::LeaseSigner},
+    lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, token::LeaseSigner},
     provider::Endpoint,
 };
 use http_body_util::{BodyExt, Full};

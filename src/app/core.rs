@@ -11,12 +11,12 @@ use tracing::warn;
 
 use super::AppError;
 use crate::{
+    api::ProxyKey,
     controller::ProviderAvailability,
     discovery::{
         self, DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness,
         auth::Authenticator,
     },
-    effects::ProxyKey,
     gc::{self, GcConfig, LiveOwners},
     health::{HealthConfig, HealthEngine, HealthHandle},
     lease::{

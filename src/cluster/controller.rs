@@ -40,9 +40,10 @@ use tracing::{info, warn};
 
 use super::{KubeBackend, events, resync, triggers};
 use crate::{
-    api::{CLOUD_INIT_SECRET_LABEL, Proxy},
+    api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyKey},
     controller::{ProviderAvailability, ReconcileError, Reconciler, ReconcilerConfig, error_backoff},
-    effects::{HealthControl, LeaseControl, ProxyKey},
+    health::HealthControl,
+    lease::LeaseControl,
     provider::ProviderRegistry,
     telemetry::Metrics,
 };
@@ -75,7 +76,7 @@ pub struct ClusterDeps {
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// The status page's view of the Proxies and their audit, if it is served.
-    pub status_feed: Option<crate::ui::cluster::ClusterFeed>,
+    pub status_feed: Option<crate::cluster::ui::ClusterFeed>,
     /// Names of providers whose availability flipped (e.g. from the provider-health monitor):
     /// their Proxies are reconciled now rather than at their next requeue.
     pub provider_flips: Option<mpsc::UnboundedReceiver<String>>,
@@ -112,7 +113,7 @@ struct Context {
     pools_seeded: std::sync::atomic::AtomicBool,
     failures: Mutex<HashMap<ObjectRef<Proxy>, u32>>,
     metrics: Arc<Metrics>,
-    status_feed: Option<crate::ui::cluster::ClusterFeed>,
+    status_feed: Option<crate::cluster::ui::ClusterFeed>,
 }
 
 /// Runs the controller until `shutdown` resolves; `ready` turns true once the caches are synced.

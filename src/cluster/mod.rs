@@ -2,7 +2,7 @@
 //! only while this replica leads, the core ([`crate::app::start_core`]) over this mode's
 //! adapters — lease checkpoints in ConfigMaps ([`checkpoint`]), `ProviderHealth` objects
 //! ([`health_sink`]), live owners from the API server ([`owners`]), the status page fed from
-//! the controller's cache — and the controller ([`controller`]: kube-runtime wiring, its
+//! the controller's cache ([`ui`]) — and the controller ([`controller`]: kube-runtime wiring, its
 //! backend for finalizers, status and Events ([`backend`], [`events`]), the resync sweep
 //! ([`resync`]) and the triggers it reads from its reflectors ([`triggers`])). Losing the lease
 //! stops acting: [`run_cluster`] returns an error and the process exits, so Kubernetes restarts
@@ -23,6 +23,7 @@ pub mod leader;
 pub mod owners;
 pub mod resync;
 pub mod triggers;
+pub mod ui;
 
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
@@ -37,6 +38,7 @@ pub use controller::{CONTROLLER_NAME, ClusterDeps, run_controller};
 pub use health_sink::KubeHealthSink;
 use leader::{LeaderElector, LeaderTimings, Leadership};
 pub use owners::KubeLiveOwners;
+use ui::ClusterFeed;
 
 use crate::{
     app::{
@@ -54,7 +56,6 @@ use crate::{
     },
     provider::{Installation, ProviderRegistry},
     telemetry::admin::{self, StatusPageSlot, serve_admin_with_ui},
-    ui::cluster::ClusterFeed,
 };
 
 /// Name of the Lease used for leader election (and the prefix of the lease checkpoint's

@@ -6,7 +6,7 @@ use futures::{Stream, StreamExt, stream};
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::mpsc;
 
-use crate::{api::Proxy, effects::ProxyKey};
+use crate::{api::Proxy, api::ProxyKey};
 
 /// The cached Proxies placed on `provider`.
 pub fn proxies_on(proxies: &Store<Proxy>, provider: &str) -> Vec<ObjectRef<Proxy>> {

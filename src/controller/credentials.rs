@@ -14,7 +14,7 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use crate::{effects::ProxyKey, provider::Credentials};
+use crate::{api::ProxyKey, provider::Credentials};
 
 #[derive(Clone, Debug, Default)]
 struct Applied {

@@ -14,7 +14,9 @@ use super::{
     status::{DeleteProgress, Record},
 };
 use crate::{
-    effects::{HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyBackend},
+    effects::ProxyBackend,
+    health::{HealthControl, HealthTarget, Verdict as HealthVerdict},
+    lease::{LeaseControl, LeaseTarget},
     machine::{AuditEntry, Event, Phase},
     provider::{Credentials, CredentialsUpdate, InstanceRequest, ProviderError},
 };
@@ -384,12 +386,12 @@ impl<B: ProxyBackend> Executors<'_, B> {
             (true, Some(endpoint)) => {
                 // Probes and leases use what the instance accepts, not what the Secret says.
                 let credentials = self.running_credentials();
-                self.health.upsert(HealthTarget {
-                    key: key.clone(),
-                    endpoint: endpoint.clone(),
-                    check: self.subject.proxy.spec.health.clone(),
-                    credentials: credentials.clone(),
-                });
+                self.health.upsert(HealthTarget::from_check(
+                    key.clone(),
+                    endpoint.clone(),
+                    &self.subject.proxy.spec.health,
+                    credentials.clone(),
+                ));
                 if let Some(target) = self.lease_target(record, credentials) {
                     self.leases.upsert(target);
                 }

@@ -20,8 +20,10 @@ use super::{
     status::{DeleteProgress, Record},
 };
 use crate::{
-    api::Proxy,
-    effects::{HealthControl, HealthVerdict, LeaseControl, ProxyBackend, ProxyKey, SecretError},
+    api::{Proxy, ProxyKey},
+    effects::{ProxyBackend, SecretError},
+    health::{HealthControl, Verdict as HealthVerdict},
+    lease::LeaseControl,
     machine::{Event, Fact, Facts, Phase, Timers, reason},
     provider::{
         Credentials, Instance, InstanceState, Owner, ProviderError, SharedProvider, UnknownProvider, UserData,

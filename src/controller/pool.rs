@@ -21,7 +21,7 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use crate::{effects::ProxyKey, machine::Phase};
+use crate::{api::ProxyKey, machine::Phase};
 
 /// The pool limits, in percent of the pool's size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -19,8 +19,10 @@ use super::{
     status::{FINALIZER, Record},
 };
 use crate::{
-    api::Proxy,
-    effects::{HealthControl, LeaseControl, ProxyBackend, ProxyKey},
+    api::{Proxy, ProxyKey},
+    effects::ProxyBackend,
+    health::HealthControl,
+    lease::LeaseControl,
     machine::{AuditEntry, Backoff, Event, Fact, Facts, Outcome, Phase, Timers, decide, derive},
     provider::{Owner, ProviderRegistry, instance_name},
 };

@@ -408,6 +408,12 @@ mod tests {
 
     use crate::machine::test_time as t;
 
+    /// `record` written as the status of generation `generation`, then read back.
+    fn read_back(record: &Record, generation: i64) -> Record {
+        let status = record.to_status(&ProxyStatus::default(), Some(generation), t(6));
+        Record::from_status(Some(&status), t(99)).expect("readable")
+    }
+
     #[test]
     fn a_record_survives_the_round_trip_through_the_status() {
         let mut record = Record::new(t(0));
@@ -418,11 +424,7 @@ mod tests {
         record.retry_attempts = 2;
         record.next_attempt = Some(t(30));
         record.instance_running = true;
-        let status = record.to_status(&ProxyStatus::default(), Some(3), t(6));
-        assert_eq!(
-            Record::from_status(Some(&status), t(99)).expect("readable"),
-            record
-        );
+        assert_eq!(read_back(&record, 3), record);
     }
 
     #[test]
@@ -436,11 +438,7 @@ mod tests {
                 let mut record = Record::new(t(0));
                 record.state = State::new(phase, t(5));
                 record.delete_progress = progress;
-                let status = record.to_status(&ProxyStatus::default(), Some(1), t(6));
-                assert_eq!(
-                    Record::from_status(Some(&status), t(99)).expect("readable"),
-                    record
-                );
+                assert_eq!(read_back(&record, 1), record);
             }
         }
     }

@@ -10,6 +10,10 @@
 //!   token digest. An authenticated user outside the allowed subjects is refused with 403.
 //! - [`AnyOf`]: several of these, the first that knows the token decides.
 //! - [`NoAuthentication`]: the explicit opt-out; every request is let in without a token.
+//!
+//! [`presented`] is the one reader of a request's `Authorization` header, for the API (which
+//! takes a Bearer token) and the status page (which also takes the token as a Basic password,
+//! what a browser can send).
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -22,6 +26,8 @@ use std::{
 };
 
 use async_trait::async_trait;
+use base64::Engine as _;
+use hyper::{HeaderMap, header};
 use k8s_openapi::api::{
     authentication::v1::{TokenReview, TokenReviewSpec},
     core::v1::Secret,
@@ -60,6 +66,44 @@ pub trait Authenticator: Send + Sync {
     fn anonymous(&self) -> Option<Identity> {
         None
     }
+}
+
+/// What a request presents in its `Authorization` header. The scheme is matched without regard
+/// to case (RFC 9110, section 11.1) and the credentials are trimmed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Presented {
+    /// No `Authorization` header.
+    Nothing,
+    /// `Bearer <token>` (the token may be empty).
+    Bearer(String),
+    /// `Basic <base64 of user:password>`: the password (the user name is not looked at: the
+    /// token is the password).
+    BasicPassword(String),
+    /// Another scheme, or a value that can't be read (not visible ASCII, bad base64, no colon).
+    Unusable,
+}
+
+/// Reads the `Authorization` header of a request.
+pub fn presented(headers: &HeaderMap) -> Presented {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return Presented::Nothing;
+    };
+    let Some((scheme, credentials)) = value.to_str().ok().and_then(|v| v.split_once(' ')) else {
+        return Presented::Unusable;
+    };
+    let credentials = credentials.trim();
+    if scheme.eq_ignore_ascii_case("bearer") {
+        return Presented::Bearer(credentials.to_owned());
+    }
+    if scheme.eq_ignore_ascii_case("basic") {
+        let password = base64::engine::general_purpose::STANDARD
+            .decode(credentials)
+            .ok()
+            .and_then(|decoded| String::from_utf8(decoded).ok())
+            .and_then(|decoded| decoded.split_once(':').map(|(_, password)| password.to_owned()));
+        return password.map_or(Presented::Unusable, Presented::BasicPassword);
+    }
+    Presented::Unusable
 }
 
 /// What tokens are looked up (and TokenReview answers cached) by: a 128-bit keyed hash, two
@@ -538,6 +582,33 @@ impl Authenticator for TokenReviewAuthenticator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_authorization_header_is_read_once_for_every_scheme() {
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::AUTHORIZATION, value.parse().expect("header"));
+            presented(&headers)
+        };
+        let bearer = |t: &str| Presented::Bearer(t.to_owned());
+        assert_eq!(presented(&HeaderMap::new()), Presented::Nothing);
+        assert_eq!(with("Bearer abc"), bearer("abc"));
+        assert_eq!(with("bearer  abc "), bearer("abc"));
+        assert_eq!(
+            with("BEARER abc"),
+            bearer("abc"),
+            "the scheme is case-insensitive"
+        );
+        assert_eq!(with("Bearer "), bearer(""));
+        assert_eq!(with("Bearer"), Presented::Unusable);
+        // "ui:tok:en": the password may hold a colon; the user name is not looked at.
+        assert_eq!(
+            with("Basic dWk6dG9rOmVu"),
+            Presented::BasicPassword("tok:en".to_owned())
+        );
+        assert_eq!(with("Basic !!!"), Presented::Unusable);
+        assert_eq!(with("Digest x"), Presented::Unusable);
+    }
 
     fn name(tokens: &StaticTokens, token: &str) -> Option<String> {
         tokens.by_digest.get(&digest(token)).cloned()

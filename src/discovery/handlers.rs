@@ -23,6 +23,7 @@ use super::{
 };
 use crate::{
     api::ProxyKey,
+    discovery::auth::{Presented, presented},
     lease::{
         AcquireRequest, Acquired, DurableError, DurableLeases, Selector, journal::JournalError, rfc3339,
     },
@@ -183,18 +184,15 @@ pub(super) async fn authenticate(
         e.allow = None;
         e
     };
-    let value = parts
-        .headers
-        .get(header::AUTHORIZATION)
-        .ok_or_else(|| unauthenticated("missing Authorization: Bearer token"))?;
-    let token = value
-        .to_str()
-        .ok()
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .ok_or_else(|| unauthenticated("Authorization must be: Bearer <token>"))?;
-    s.deps.auth.authenticate(token).await.map_err(|e| match e {
+    let token = match presented(&parts.headers) {
+        Presented::Nothing => return Err(unauthenticated("missing Authorization: Bearer token")),
+        Presented::Bearer(token) if !token.is_empty() => token,
+        // The API takes a Bearer token only; the Basic password is the status page's.
+        Presented::Bearer(_) | Presented::BasicPassword(_) | Presented::Unusable => {
+            return Err(unauthenticated("Authorization must be: Bearer <token>"));
+        }
+    };
+    s.deps.auth.authenticate(&token).await.map_err(|e| match e {
         AuthError::Unauthenticated => unauthenticated("invalid bearer token"),
         AuthError::Forbidden(_) => ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()),
         AuthError::Unavailable(_) => {

@@ -45,7 +45,10 @@ pub use wire::{
     ListResponse, ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, RequestBody, StatusBody,
 };
 
-use crate::lease::{LeaseStore, journal::Journal, token::LeaseSigner};
+use crate::{
+    lease::{LeaseStore, journal::Journal, token::LeaseSigner},
+    telemetry::admin::Page,
+};
 use handlers::{
     acquire, authenticate, check_journal, check_ready, healthz, leases_list, list, metrics, read_request,
     readyz, release, renew,
@@ -99,7 +102,7 @@ pub struct DiscoveryDeps {
 
 struct StateInner {
     deps: DiscoveryDeps,
-    ui: std::sync::OnceLock<Arc<crate::ui::StatusPage>>,
+    ui: std::sync::OnceLock<Arc<dyn Page>>,
     journal: std::sync::OnceLock<Journal>,
 }
 
@@ -123,7 +126,7 @@ impl DiscoveryState {
     }
 
     /// Serves the status page at `GET /ui` (standalone mode; once).
-    pub fn set_status_page(&self, page: Arc<crate::ui::StatusPage>) {
+    pub fn set_status_page(&self, page: Arc<dyn Page>) {
         let _ = self.inner.ui.set(page);
     }
 

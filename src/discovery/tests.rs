@@ -13,7 +13,8 @@ use tokio::sync::watch;
 use super::*;
 use crate::{
     api::LeasePolicy,
-    lease::{Admission, LeaseError, LeaseStoreConfig, LeaseTarget, ProxyKey},
+    api::ProxyKey,
+    lease::{Admission, LeaseError, LeaseStoreConfig, LeaseTarget},
     provider::{Credentials, Endpoint},
 };
 

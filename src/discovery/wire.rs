@@ -514,7 +514,8 @@ mod fast_json_tests {
     use super::*;
     use crate::{
         api::LeasePolicy,
-        lease::{LeaseTarget, Outcome, ProxyKey},
+        api::ProxyKey,
+        lease::{LeaseTarget, Outcome},
         provider::Endpoint,
     };
 

@@ -1,28 +1,19 @@
-//! The executors' interfaces: each kind of side effect the engine asks for is carried out by one
-//! of these, idempotently, so a crash between any two effects is safe on restart.
+//! The mode-specific executor's interface: [`ProxyBackend`] carries out the writes the engine
+//! asks of a mode (finalizer, status, audit records) and reads the Secrets a Proxy references,
+//! idempotently, so a crash between any two effects is safe on restart. Cluster mode implements
+//! it with the Kubernetes API, standalone mode with its embedded store.
 //!
-//! - [`ProxyBackend`]: the mode-specific writes (finalizer, status, events) and reads of
-//!   referenced Secrets. Cluster mode implements it with the Kubernetes API, standalone mode with
-//!   its embedded store.
-//! - [`LeaseControl`]: admission, drain and revocation of leases on one proxy.
-//! - [`HealthControl`]: which proxies the health engine probes, and its verdicts.
-//!
-//! Provider effects go through [`crate::provider::Provider`] directly.
+//! The other executors' interfaces live with what carries them out, so that neither names the
+//! controller: [`crate::lease::LeaseControl`] (admission, drain and revocation of leases) with
+//! the lease store, [`crate::health::HealthControl`] (what is probed, and the verdicts) with the
+//! health engine. Provider effects go through [`crate::provider::Provider`] directly.
 
 use async_trait::async_trait;
 
-// The key, the health verdict, the lease target and the drain status are the API's, the health
-// engine's and the lease store's own types, re-exported because the executors' interfaces speak
-// in them (the verdict under a name that says whose it is).
-pub use crate::{
-    api::ProxyKey,
-    health::Verdict as HealthVerdict,
-    lease::{DrainStatus, LeaseTarget},
-};
 use crate::{
-    api::{HealthCheck, Proxy, ProxyStatus, SecretKeyRef},
+    api::{Proxy, ProxyStatus, SecretKeyRef},
     machine::AuditEntry,
-    provider::{Credentials, Endpoint, UserData},
+    provider::{Credentials, UserData},
 };
 
 /// Why a referenced Secret can't be used: a user error reported on the Proxy.
@@ -83,43 +74,4 @@ pub trait ProxyBackend: Send + Sync {
     async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError>;
     /// Records one transition of the audit trail (a Kubernetes Event in cluster mode).
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError>;
-}
-
-/// The lease executor's interface.
-pub trait LeaseControl: Send + Sync {
-    /// Registers or updates a proxy (attributes and limits change in place; leases stay).
-    fn upsert(&self, target: LeaseTarget);
-    /// Opens (`true`) or closes admission of new leases.
-    fn set_admission(&self, key: &ProxyKey, open: bool);
-    /// Closes admission and reports whether leases remain.
-    fn drain(&self, key: &ProxyKey) -> DrainStatus;
-    /// Revokes every lease on the proxy; returns how many.
-    fn revoke_all(&self, key: &ProxyKey) -> usize;
-    /// Forgets the proxy.
-    fn remove(&self, key: &ProxyKey);
-    /// Leases held on the proxy.
-    fn active(&self, key: &ProxyKey) -> usize;
-}
-
-/// What the health engine probes for one proxy.
-#[derive(Clone, Debug, PartialEq)]
-pub struct HealthTarget {
-    /// The proxy.
-    pub key: ProxyKey,
-    /// The proxy's endpoint (probes go through it).
-    pub endpoint: Endpoint,
-    /// The check.
-    pub check: HealthCheck,
-    /// Credentials the proxy requires.
-    pub credentials: Option<Credentials>,
-}
-
-/// The health engine's interface.
-pub trait HealthControl: Send + Sync {
-    /// Probe this target (upserting the same target keeps the counters).
-    fn upsert(&self, target: HealthTarget);
-    /// Stop probing the proxy and forget its verdict.
-    fn remove(&self, key: &ProxyKey);
-    /// The current verdict.
-    fn verdict(&self, key: &ProxyKey) -> HealthVerdict;
 }

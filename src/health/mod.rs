@@ -1,8 +1,9 @@
 //! The health engine: probes every proxy by fetching its health URL **through** it, keeps a
 //! [`HealthSnapshot`] per proxy, and tells the controller when a threshold is crossed.
 //!
-//! It owns the probe schedule, the probes and the snapshots; it writes no status (the
-//! reconciler does, from [`HealthEvent`]s and snapshots).
+//! It owns the probe schedule, the probes and the snapshots, and the health executor's
+//! interface, [`HealthControl`], which the engine implements and the reconciler calls; it
+//! writes no status (the reconciler does, from [`HealthEvent`]s and snapshots).
 //!
 //! - **Schedule.** Each proxy is probed on its own interval, ±10 % jitter. A new proxy is probed
 //!   at once: a running instance must not wait a random part of its first interval to become
@@ -45,11 +46,12 @@ use tokio::{
 };
 use tokio_rustls::rustls;
 
-pub use crate::lease::ProxyKey;
 use crate::{
+    api::ProxyKey,
     provider::{Credentials, Endpoint},
     telemetry::{ProbeMetrics, ProbeResult},
 };
+pub use control::HealthControl;
 pub use probe::ProbeError;
 
 /// Longest `last_error` kept, in bytes.

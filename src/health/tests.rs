@@ -79,22 +79,21 @@ fn errors_are_bounded() {
 
 #[tokio::test]
 async fn the_health_executor_interface_maps_targets_and_verdicts() {
-    use crate::effects::{self, HealthControl};
     let (handle, _events) = HealthEngine::start(HealthConfig {
         tls_roots: Some(Arc::new(rustls::RootCertStore::empty())),
         ..HealthConfig::default()
     })
     .unwrap();
-    let key = effects::ProxyKey::new("ns", "p");
+    let key = ProxyKey::new("ns", "p");
     let control: &dyn HealthControl = &handle;
-    assert_eq!(control.verdict(&key), effects::HealthVerdict::Unknown);
-    control.upsert(effects::HealthTarget {
-        key: key.clone(),
-        endpoint: Endpoint {
+    assert_eq!(control.verdict(&key), Verdict::Unknown);
+    let target = HealthTarget::from_check(
+        key.clone(),
+        Endpoint {
             host: "127.0.0.1".into(),
             port: 9,
         },
-        check: crate::api::HealthCheck {
+        &crate::api::HealthCheck {
             url: "http://127.0.0.1/".into(),
             interval_seconds: 3600,
             timeout_seconds: 1,
@@ -102,12 +101,17 @@ async fn the_health_executor_interface_maps_targets_and_verdicts() {
             success_threshold: 1,
             expected_egress_address: Some("192.0.2.1".into()),
         },
-        credentials: None,
-    });
+        None,
+    );
+    assert_eq!(target.interval, Duration::from_secs(3600));
+    assert_eq!(target.timeout, Duration::from_secs(1));
+    assert_eq!((target.failure_threshold, target.success_threshold), (2, 1));
+    assert_eq!(target.expected_egress, Some("192.0.2.1".parse().unwrap()));
+    control.upsert(target);
     assert_eq!(handle.len(), 1);
     let snapshot = handle.snapshot(&ProxyKey::new("ns", "p")).unwrap();
     assert_eq!(snapshot.verdict, Verdict::Unknown);
-    assert_eq!(control.verdict(&key), effects::HealthVerdict::Unknown);
+    assert_eq!(control.verdict(&key), Verdict::Unknown);
     control.remove(&key);
     assert!(handle.is_empty());
 }

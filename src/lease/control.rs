@@ -1,10 +1,27 @@
-//! The lease executor's interface ([`effects::LeaseControl`]) on the lease store, so the
-//! reconciler's lease effects (enable, disable, drain, revoke) go straight to it.
+//! The lease executor's interface, [`LeaseControl`], owned here with the store that carries it
+//! out, and its implementation on the [`LeaseStore`], so the reconciler's lease effects (enable,
+//! disable, drain, revoke) go straight to it. The lease store names nothing of the controller.
 
-use super::{Admission, DrainStatus, LeaseStore, LeaseTarget, ProxyKey};
-use crate::effects;
+use super::{Admission, DrainStatus, LeaseStore, LeaseTarget};
+use crate::api::ProxyKey;
 
-impl effects::LeaseControl for LeaseStore {
+/// The lease executor's interface.
+pub trait LeaseControl: Send + Sync {
+    /// Registers or updates a proxy (attributes and limits change in place; leases stay).
+    fn upsert(&self, target: LeaseTarget);
+    /// Opens (`true`) or closes admission of new leases.
+    fn set_admission(&self, key: &ProxyKey, open: bool);
+    /// Closes admission and reports whether leases remain.
+    fn drain(&self, key: &ProxyKey) -> DrainStatus;
+    /// Revokes every lease on the proxy; returns how many.
+    fn revoke_all(&self, key: &ProxyKey) -> usize;
+    /// Forgets the proxy.
+    fn remove(&self, key: &ProxyKey);
+    /// Leases held on the proxy.
+    fn active(&self, key: &ProxyKey) -> usize;
+}
+
+impl LeaseControl for LeaseStore {
     fn upsert(&self, target: LeaseTarget) {
         self.upsert_proxy(target);
     }

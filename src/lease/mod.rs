@@ -6,7 +6,8 @@
 //! controller feeds it proxies ([`LeaseStore::upsert_proxy`]) and the lifecycle engine's effects
 //! ([`LeaseStore::set_admission`], [`LeaseStore::drain`], [`LeaseStore::revoke_all`]); the
 //! discovery API calls [`LeaseStore::acquire`], [`LeaseStore::renew`], [`LeaseStore::release`]
-//! and [`LeaseStore::list`].
+//! and [`LeaseStore::list`]. It owns the lease executor's interface, [`LeaseControl`], which
+//! the store implements and the reconciler calls.
 //!
 //! # Rules
 //! - **Admission.** A proxy starts `Closed`; only `Open` proxies (the engine opens Healthy
@@ -69,15 +70,15 @@ mod tests;
 
 use std::{fmt, sync::Arc, time::Duration};
 
-pub use crate::api::{MalformedProxyKey, ProxyKey};
 pub use checkpoint::maintenance;
 pub use clock::{Clock, rfc3339};
+pub use control::LeaseControl;
 pub use durable::{Acquired, DurableError, DurableLeases};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
 pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
 
 use crate::{
-    api::{Attributes, LeasePolicy},
+    api::{Attributes, LeasePolicy, ProxyKey},
     provider::{Credentials, Endpoint},
 };
 

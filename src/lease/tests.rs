@@ -768,11 +768,10 @@ fn proxy_urls_carry_credentials_only_where_asked() {
 
 #[test]
 fn the_lease_executor_interface_drives_the_store() {
-    use crate::effects::{self, LeaseControl};
     let (store, _) = store(2);
-    let key = effects::ProxyKey::new("crawl", "a");
+    let key = ProxyKey::new("crawl", "a");
     let control: &dyn LeaseControl = &store;
-    control.upsert(effects::LeaseTarget {
+    control.upsert(LeaseTarget {
         key: key.clone(),
         endpoint: Endpoint {
             host: "127.0.0.1".into(),
@@ -792,9 +791,9 @@ fn the_lease_executor_interface_drives_the_store() {
     let lease = acquire(&store, &eu).unwrap();
     assert_eq!(lease.id.key, ProxyKey::new("crawl", "a"));
     assert_eq!(control.active(&key), 1);
-    assert_eq!(control.drain(&key), effects::DrainStatus::Pending { active: 1 });
+    assert_eq!(control.drain(&key), DrainStatus::Pending { active: 1 });
     assert_eq!(control.revoke_all(&key), 1);
-    assert_eq!(control.drain(&key), effects::DrainStatus::Drained);
+    assert_eq!(control.drain(&key), DrainStatus::Drained);
     control.remove(&key);
     assert_eq!(store.proxy_count(), 0);
     // Unknown proxies are no error for the executor.

@@ -462,3 +462,51 @@ pub type SharedProvider = Arc<dyn Provider>;
 
 #[cfg(test)]
 mod tests;
+
+/// What the providers' unit tests share: the request of one Proxy, and the check that a user
+/// name Squid cannot carry is refused for good, by the rule, and without the password.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::{Credentials, Instance, InstanceRequest, Owner, ProviderError};
+    use crate::{api::Placement, provider::squid::USER_NAME_RULE};
+
+    /// The request for `crawl/web-1`'s instance, with these credentials.
+    pub(crate) fn request(credentials: Option<Credentials>) -> InstanceRequest {
+        InstanceRequest {
+            name: "epo-crawl-web-1-0a1b2c3d".into(),
+            owner: Owner {
+                uid: "uid".into(),
+                namespace: "crawl".into(),
+                name: "web-1".into(),
+            },
+            spec_hash: "hash".into(),
+            placement: Placement::default(),
+            port: 3128,
+            user_data: None,
+            credentials,
+        }
+    }
+
+    /// A request with the user name `username` and a password no message may contain.
+    pub(crate) fn request_with_user(username: &str) -> InstanceRequest {
+        request(Some(Credentials {
+            username: username.into(),
+            password: "canary-secret".into(),
+        }))
+    }
+
+    /// `outcome` of a create for [`request_with_user`] refuses the user name: `Rejected` (the
+    /// Proxy's credentials are at fault: not retried until they change), stating the rule, and
+    /// naming no part of the password. `what` says which case failed.
+    pub(crate) fn assert_user_name_refused(outcome: Result<Instance, ProviderError>, what: &str) {
+        match outcome {
+            Err(err @ ProviderError::Rejected(_)) => {
+                let message = err.to_string();
+                assert!(message.contains(USER_NAME_RULE), "{what}: {message}");
+                assert!(!message.contains("canary"), "{what}: {message}");
+                assert!(!err.is_transient());
+            }
+            other => panic!("{what}: expected Rejected, got {other:?}"),
+        }
+    }
+}

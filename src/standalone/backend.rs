@@ -18,9 +18,10 @@ use super::{
     store::{AuditLine, ProxyRecord, Store},
 };
 use crate::{
+    api::ProxyKey,
     api::{CLOUD_INIT_SECRET_LABEL, Proxy, ProxyStatus, SecretKeyRef},
     controller::secrets::{credentials_of, user_data_of},
-    effects::{BackendError, ProxyBackend, ProxyKey, SecretError},
+    effects::{BackendError, ProxyBackend, SecretError},
     machine::AuditEntry,
     provider::{Credentials, UserData},
 };

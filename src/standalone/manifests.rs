@@ -13,9 +13,9 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::{
+    api::ProxyKey,
     api::ProxySpec,
     check::{Checker, Problem, Report},
-    effects::ProxyKey,
 };
 
 /// Namespace of manifests that name none.

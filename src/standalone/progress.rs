@@ -7,7 +7,7 @@ use std::{
     sync::Mutex,
 };
 
-use crate::{effects::ProxyKey, machine::AuditEntry};
+use crate::{api::ProxyKey, machine::AuditEntry};
 
 /// How many recent transitions the summary shows.
 const RECENT: usize = 3;

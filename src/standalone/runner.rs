@@ -26,13 +26,15 @@ use super::{
 };
 
 use crate::{
+    api::ProxyKey,
     api::{Proxy, ProxySpec},
     check::Checker,
     controller::{
         ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
         status::{FINALIZER, PhaseTally, phase_of},
     },
-    effects::{HealthControl, LeaseControl, ProxyKey},
+    health::HealthControl,
+    lease::LeaseControl,
     provider::ProviderRegistry,
     telemetry::Metrics,
 };

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use jiff::Timestamp;
 
 use super::store::{ReadOnlyStore, StoreError};
-use crate::effects::ProxyKey;
+use crate::{api::ProxyKey, ui::age};
 
 /// A table of every proxy; `leases` gives the active leases of a proxy.
 pub fn render_table(
@@ -74,17 +74,6 @@ pub fn render_audit(store: &ReadOnlyStore, key: &ProxyKey) -> Result<String, Sto
     Ok(out)
 }
 
-/// `kubectl`'s age format: the largest unit or two.
-pub fn age(now: Timestamp, since: Timestamp) -> String {
-    let secs = now.duration_since(since).as_secs().max(0);
-    match secs {
-        0..=119 => format!("{secs}s"),
-        120..=7199 => format!("{}m", secs / 60),
-        7200..=172_799 => format!("{}h", secs / 3600),
-        _ => format!("{}d", secs / 86_400),
-    }
-}
-
 fn align(rows: &[[String; 7]]) -> String {
     let mut widths = [0usize; 7];
     for row in rows {
@@ -102,19 +91,4 @@ fn align(rows: &[[String; 7]]) -> String {
         let _ = writeln!(out, "{}", cells.join("   ").trim_end());
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ages_read_like_kubectl() {
-        let t0 = Timestamp::UNIX_EPOCH;
-        let at = |s: i64| Timestamp::from_second(s).unwrap();
-        assert_eq!(age(at(42), t0), "42s");
-        assert_eq!(age(at(600), t0), "10m");
-        assert_eq!(age(at(3 * 3600), t0), "3h");
-        assert_eq!(age(at(5 * 86_400), t0), "5d");
-    }
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::store::{ReadOnlyStore, Store};
 use crate::{
-    effects::ProxyKey,
+    api::ProxyKey,
     ui::{AuditRow, ProxySource, ProxyState, UiError},
 };
 

@@ -1,7 +1,10 @@
 //! The admin server: `/healthz` (the process is alive), `/readyz` (caches synced and leadership
 //! known: only the leader is ready, so a Service sends discovery traffic to it), `/metrics`,
-//! and the status page `/ui` ([`crate::ui`]) once this replica leads. Only `/ui` is
-//! authenticated (with the discovery API's tokens): the rest is for probes and Prometheus.
+//! and a page at `/ui` (the status page) once this replica leads. Only `/ui` is authenticated
+//! (with the discovery API's tokens): the rest is for probes and Prometheus.
+//!
+//! It owns [`Page`], the interface through which it and the discovery API serve that page, so
+//! that neither names what renders it: the renderer implements `Page` and is handed in.
 
 use std::{
     convert::Infallible,
@@ -9,17 +12,17 @@ use std::{
     sync::{Arc, OnceLock},
 };
 
+use async_trait::async_trait;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{
-    Method, Request, Response, StatusCode, body::Incoming, server::conn::http1, service::service_fn,
+    HeaderMap, Method, Request, Response, StatusCode, body::Incoming, server::conn::http1,
+    service::service_fn,
 };
 use hyper_util::rt::TokioIo;
 use prometheus_client::registry::Registry;
 use tokio::{net::TcpListener, sync::watch};
 use tracing::{debug, warn};
-
-use crate::ui::StatusPage;
 
 /// What `/readyz` reports, on the admin port and (caches and leadership only) on the discovery API.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -40,9 +43,17 @@ impl Readiness {
     }
 }
 
+/// A page served at `GET /ui`, by the admin server and by the discovery API.
+#[async_trait]
+pub trait Page: Send + Sync {
+    /// The answer to a `GET /ui` with these request headers: the page authenticates the caller
+    /// itself (a browser answers a Basic challenge, which the servers know nothing of).
+    async fn respond(&self, headers: &HeaderMap) -> Response<Full<Bytes>>;
+}
+
 /// Where the status page appears once the replica leads (a follower has no leases or health
 /// to show: `/ui` answers 503 until then).
-pub type StatusPageSlot = Arc<OnceLock<Arc<StatusPage>>>;
+pub type StatusPageSlot = Arc<OnceLock<Arc<dyn Page>>>;
 
 /// Serves the admin endpoints on `listener` until `shutdown` resolves.
 pub async fn serve_admin(

@@ -11,7 +11,6 @@
 //! The page is authenticated like the discovery API: `Authorization: Bearer <token>`, or HTTP
 //! Basic with the token as the password (what a browser can send; a 401 asks for it).
 
-pub mod cluster;
 mod render;
 
 use std::{
@@ -19,7 +18,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use base64::Engine as _;
+use async_trait::async_trait;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{
@@ -31,11 +30,14 @@ use jiff::Timestamp;
 use crate::{
     api::ProxyStatus,
     controller::ProviderAvailability,
-    discovery::auth::{AuthError, Authenticator},
+    discovery::auth::{AuthError, Authenticator, Presented, presented},
     health::{HealthEvent, HealthHandle, HealthSnapshot, Verdict},
     lease::{LeaseStore, ProxyView, Selector},
     machine::audit::AuditEntry,
+    telemetry::admin::Page,
 };
+
+pub use render::age;
 
 /// How many audit entries per proxy the page shows (and cluster mode keeps in memory).
 pub const AUDIT_ENTRIES_SHOWN: usize = 8;
@@ -372,7 +374,7 @@ impl StatusPage {
         let proxies = states
             .into_iter()
             .map(|state| {
-                let key = crate::lease::ProxyKey::new(&state.namespace, &state.name);
+                let key = crate::api::ProxyKey::new(&state.namespace, &state.name);
                 ProxyRow {
                     leases: leases.remove(&(state.namespace.clone(), state.name.clone())),
                     health: self.inputs.health.snapshot(&key),
@@ -394,10 +396,13 @@ impl StatusPage {
             proxies,
         })
     }
+}
 
+#[async_trait]
+impl Page for StatusPage {
     /// Answers `GET /ui` with these request headers: the page, or 401 (with a Basic challenge
     /// a browser answers), 403, or 503 when the caller cannot be checked or the view not taken.
-    pub async fn respond(&self, headers: &HeaderMap) -> Response<Full<Bytes>> {
+    async fn respond(&self, headers: &HeaderMap) -> Response<Full<Bytes>> {
         if self.inputs.auth.anonymous().is_none() {
             let Some(token) = presented_token(headers) else {
                 return challenge(
@@ -434,21 +439,12 @@ impl StatusPage {
     }
 }
 
-/// The token of a Bearer header, or the password of a Basic one.
+/// The token of a Bearer header, or the password of a Basic one (what a browser sends).
 fn presented_token(headers: &HeaderMap) -> Option<String> {
-    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, rest) = value.split_once(' ')?;
-    if scheme.eq_ignore_ascii_case("bearer") {
-        return Some(rest.trim().to_owned());
+    match presented(headers) {
+        Presented::Bearer(token) | Presented::BasicPassword(token) => Some(token),
+        Presented::Nothing | Presented::Unusable => None,
     }
-    if scheme.eq_ignore_ascii_case("basic") {
-        let decoded = base64::engine::general_purpose::STANDARD
-            .decode(rest.trim())
-            .ok()?;
-        let decoded = String::from_utf8(decoded).ok()?;
-        return decoded.split_once(':').map(|(_, password)| password.to_owned());
-    }
-    None
 }
 
 fn challenge(message: &str) -> Response<Full<Bytes>> {

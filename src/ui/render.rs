@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use jiff::Timestamp;
 
 use super::{ProxyRow, StatusView};
-use crate::{health::Verdict, lease::Availability, standalone::status::age};
+use crate::{health::Verdict, lease::Availability};
 
 /// Escapes text for HTML element content and quoted attribute values (HTML5 knows XML's five
 /// entities).
@@ -30,6 +30,18 @@ details{margin:.3em 0}summary{cursor:pointer}
 .audit td{font-size:.92em}
 .history{margin-top:.2em;font-size:.85em;color:#5b6475}.history .badge{font-weight:400}
 ";
+
+/// How long ago `since` was, as `kubectl` shows an age: in its largest unit (`42s`, `10m`,
+/// `3h`, `5d`). The page and standalone mode's `status` table read alike.
+pub fn age(now: Timestamp, since: Timestamp) -> String {
+    let secs = now.duration_since(since).as_secs().max(0);
+    match secs {
+        0..=119 => format!("{secs}s"),
+        120..=7199 => format!("{}m", secs / 60),
+        7200..=172_799 => format!("{}h", secs / 3600),
+        _ => format!("{}d", secs / 86_400),
+    }
+}
 
 /// The whole page.
 pub fn page(view: &StatusView) -> String {

@@ -11,6 +11,16 @@ fn every_html_special_character_is_escaped() {
 }
 
 #[test]
+fn ages_read_like_kubectl() {
+    let t0 = Timestamp::UNIX_EPOCH;
+    let at = |s: i64| Timestamp::from_second(s).unwrap();
+    assert_eq!(age(at(42), t0), "42s");
+    assert_eq!(age(at(600), t0), "10m");
+    assert_eq!(age(at(3 * 3600), t0), "3h");
+    assert_eq!(age(at(5 * 86_400), t0), "5d");
+}
+
+#[test]
 fn a_token_comes_from_bearer_or_the_basic_password() {
     let with = |value: &str| {
         let mut headers = HeaderMap::new();

@@ -10,9 +10,11 @@
 use std::{sync::Arc, time::Duration};
 
 use egress_proxies_operator::{
+    api::ProxyKey,
     cluster::{ClusterDeps, run_controller},
     controller::{ProviderAvailability, ReconcilerConfig},
-    effects::{HealthControl, LeaseControl, ProxyKey},
+    health::HealthControl,
+    lease::LeaseControl,
     provider::ProviderRegistry,
     telemetry::Metrics,
 };

@@ -4,10 +4,8 @@
 use std::{collections::BTreeMap, time::Duration};
 
 use egress_proxies_operator::{
-    api::LeasePolicy,
-    lease::{
-        AcquireRequest, Admission, LeaseId, LeaseStore, LeaseStoreConfig, LeaseTarget, ProxyKey, Selector,
-    },
+    api::{LeasePolicy, ProxyKey},
+    lease::{AcquireRequest, Admission, LeaseId, LeaseStore, LeaseStoreConfig, LeaseTarget, Selector},
     provider::Endpoint,
 };
 

@@ -9,8 +9,10 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use egress_proxies_operator::effects::{
-    DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget, ProxyKey,
+use egress_proxies_operator::{
+    api::ProxyKey,
+    health::{HealthControl, HealthTarget, Verdict},
+    lease::{DrainStatus, LeaseControl, LeaseTarget},
 };
 
 pub fn key(namespace: &str, name: &str) -> ProxyKey {
@@ -20,7 +22,7 @@ pub fn key(namespace: &str, name: &str) -> ProxyKey {
 /// Health verdicts set by the test.
 #[derive(Default)]
 pub struct ScriptedHealth {
-    verdicts: Mutex<HashMap<ProxyKey, HealthVerdict>>,
+    verdicts: Mutex<HashMap<ProxyKey, Verdict>>,
     targets: Mutex<HashMap<ProxyKey, HealthTarget>>,
 }
 
@@ -30,7 +32,7 @@ impl ScriptedHealth {
     }
 
     /// The verdict the controller will observe for `key`.
-    pub fn set(&self, key: &ProxyKey, verdict: HealthVerdict) {
+    pub fn set(&self, key: &ProxyKey, verdict: Verdict) {
         self.verdicts.lock().unwrap().insert(key.clone(), verdict);
     }
 
@@ -50,13 +52,13 @@ impl HealthControl for ScriptedHealth {
         self.verdicts.lock().unwrap().remove(key);
     }
 
-    fn verdict(&self, key: &ProxyKey) -> HealthVerdict {
+    fn verdict(&self, key: &ProxyKey) -> Verdict {
         self.verdicts
             .lock()
             .unwrap()
             .get(key)
             .copied()
-            .unwrap_or(HealthVerdict::Unknown)
+            .unwrap_or(Verdict::Unknown)
     }
 }
 

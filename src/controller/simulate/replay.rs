@@ -59,7 +59,7 @@ impl Scenario {
             proxy.spec.provider = provider.clone();
         }
         // The thresholds probes are judged by until the health engine is given the check.
-        world.set_check(proxy.spec.health.clone());
+        world.set_check(&proxy.spec.health);
         let mut deleted_at_start = false;
         if let Some(phase) = self.start.phase.as_deref().and_then(Phase::from_name) {
             let mut record = Record::new(EPOCH);

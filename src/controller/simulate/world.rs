@@ -12,12 +12,11 @@ use jiff::Timestamp;
 
 use super::{EPOCH, Failure, PROVIDER, SimConfig, SimStep};
 use crate::{
-    api::{Proxy, ProxyStatus, SecretKeyRef},
+    api::{Proxy, ProxyKey, ProxyStatus, SecretKeyRef},
     controller::pool::Pools,
-    effects::{
-        BackendError, DrainStatus, HealthControl, HealthTarget, HealthVerdict, LeaseControl, LeaseTarget,
-        ProxyBackend, ProxyKey, SecretError,
-    },
+    effects::{BackendError, ProxyBackend, SecretError},
+    health::{HealthControl, HealthTarget, Verdict},
+    lease::{DrainStatus, LeaseControl, LeaseTarget},
     machine::{AuditEntry, Phase},
     provider::{
         Credentials, CredentialsUpdate, Endpoint, Installation, Instance, InstanceRequest, InstanceState,
@@ -60,7 +59,7 @@ struct WorldState {
     slow_delete: bool,
     credentials_in_place: bool,
     credentials: String,
-    health: HealthVerdict,
+    health: Verdict,
     leases: usize,
     provider_down: bool,
     /// This step's reconcile dies before its status write.
@@ -74,8 +73,8 @@ struct WorldState {
     /// Consecutive probe results, for the thresholds.
     successes: u32,
     probe_failures: u32,
-    /// The health check the health engine was last given (its thresholds decide the verdict).
-    check: Option<crate::api::HealthCheck>,
+    /// How the health engine was last told to judge probes (its thresholds decide the verdict).
+    check: Option<Judging>,
     /// What the lease store was last given: attributes, maxConcurrent, cooldown.
     lease_target: Option<(String, i32, i32)>,
 }
@@ -91,7 +90,7 @@ impl Default for WorldState {
             slow_delete: false,
             credentials_in_place: false,
             credentials: "v1".to_owned(),
-            health: HealthVerdict::Unknown,
+            health: Verdict::Unknown,
             leases: 0,
             provider_down: false,
             crashing: false,
@@ -137,15 +136,20 @@ impl World {
             w.instance = Some(SimInstance { spec, running: true });
         }
         match phase {
-            Phase::Healthy => w.health = HealthVerdict::Passing,
-            Phase::Degraded => w.health = HealthVerdict::Failing,
+            Phase::Healthy => w.health = Verdict::Passing,
+            Phase::Degraded => w.health = Verdict::Failing,
             _ => {}
         }
     }
 
     /// The health check probes are judged by (until the health engine is given one).
-    pub(super) fn set_check(&self, check: crate::api::HealthCheck) {
-        self.lock().check = Some(check);
+    pub(super) fn set_check(&self, check: &crate::api::HealthCheck) {
+        let threshold = |n: i32| u32::try_from(n).unwrap_or(1);
+        self.lock().check = Some(Judging {
+            interval_seconds: i64::from(check.interval_seconds),
+            success_threshold: threshold(check.success_threshold),
+            failure_threshold: threshold(check.failure_threshold),
+        });
     }
 
     /// The clock moves to `at` (the operator wakes up by itself; nothing else changes).
@@ -160,8 +164,7 @@ impl World {
             instance: w.instance.is_some(),
             leases_admitted: w.admitted,
             leases_active: w.leases,
-            health_passing: w.health == HealthVerdict::Passing
-                && w.instance.as_ref().is_some_and(|i| i.running),
+            health_passing: w.health == Verdict::Passing && w.instance.as_ref().is_some_and(|i| i.running),
             object,
         }
     }
@@ -214,9 +217,9 @@ impl World {
         let change = &step.world;
         if let Some(health) = &change.health {
             w.health = match health.as_str() {
-                "passing" => HealthVerdict::Passing,
-                "failing" => HealthVerdict::Failing,
-                _ => HealthVerdict::Unknown,
+                "passing" => Verdict::Passing,
+                "failing" => Verdict::Failing,
+                _ => Verdict::Unknown,
             };
             // A verdict set outright starts the probe counts afresh.
             (w.successes, w.probe_failures) = (0, 0);
@@ -256,12 +259,10 @@ impl World {
             changes.push(format!("cloud-init Secret rotated to {content}"));
         }
         if !change.probes.is_empty() {
-            let (success_threshold, failure_threshold) = w.check.as_ref().map_or((1, 1), |c| {
-                (
-                    u32::try_from(c.success_threshold).unwrap_or(1),
-                    u32::try_from(c.failure_threshold).unwrap_or(1),
-                )
-            });
+            let (success_threshold, failure_threshold) = w
+                .check
+                .as_ref()
+                .map_or((1, 1), |c| (c.success_threshold, c.failure_threshold));
             for probe in &change.probes {
                 if probe == "pass" {
                     (w.successes, w.probe_failures) = (w.successes + 1, 0);
@@ -280,9 +281,9 @@ impl World {
                 "probes {} (thresholds: {success_threshold} to pass, {failure_threshold} to fail): verdict {}",
                 change.probes.join(", "),
                 match w.health {
-                    HealthVerdict::Passing => "passing",
-                    HealthVerdict::Failing => "failing",
-                    HealthVerdict::Unknown => "unknown",
+                    Verdict::Passing => "passing",
+                    Verdict::Failing => "failing",
+                    Verdict::Unknown => "unknown",
                 }
             ));
         }
@@ -293,7 +294,7 @@ impl World {
         match change.instance.as_deref() {
             Some("vanished") => {
                 w.instance = None;
-                w.health = HealthVerdict::Unknown;
+                w.health = Verdict::Unknown;
                 (w.successes, w.probe_failures) = (0, 0);
                 changes.push("instance vanished".to_owned());
             }
@@ -513,7 +514,7 @@ impl Provider for SimProvider {
         } else {
             w.instance = None;
         }
-        w.health = HealthVerdict::Unknown;
+        w.health = Verdict::Unknown;
         Ok(())
     }
     async fn list(&self) -> Result<Vec<Instance>, ProviderError> {
@@ -562,19 +563,32 @@ impl LeaseControl for SimLeases {
     }
 }
 
+/// What the simulated health engine judges probes by: the part of a health target the trail
+/// shows and the verdict depends on.
+#[derive(Debug)]
+struct Judging {
+    interval_seconds: i64,
+    success_threshold: u32,
+    failure_threshold: u32,
+}
+
 pub(super) struct SimHealth(pub(super) Arc<World>);
 
 impl HealthControl for SimHealth {
     fn upsert(&self, target: HealthTarget) {
-        self.0.lock().check = Some(target.check);
+        self.0.lock().check = Some(Judging {
+            interval_seconds: i64::try_from(target.interval.as_secs()).unwrap_or(i64::MAX),
+            success_threshold: target.success_threshold,
+            failure_threshold: target.failure_threshold,
+        });
     }
     fn remove(&self, _: &ProxyKey) {}
-    fn verdict(&self, _: &ProxyKey) -> HealthVerdict {
+    fn verdict(&self, _: &ProxyKey) -> Verdict {
         let w = self.0.lock();
         if w.instance.as_ref().is_some_and(|i| i.running) {
             w.health
         } else {
-            HealthVerdict::Unknown
+            Verdict::Unknown
         }
     }
 }

@@ -2,7 +2,10 @@
 
 use std::sync::Arc;
 
-use crate::lease::{LeaseTarget, ProxyInfo, ProxyKey, token::IssuedId};
+use crate::{
+    api::ProxyKey,
+    lease::{LeaseTarget, ProxyInfo, token::IssuedId},
+};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum AdmissionState {

@@ -14,7 +14,8 @@ use std::{collections::HashMap, hash::BuildHasher};
 
 use super::LeaseStore;
 use crate::{
-    lease::{AcquireRequest, Granted, Lease, LeaseClaim, LeaseError, LeaseHint, LeaseId, ProxyKey},
+    api::ProxyKey,
+    lease::{AcquireRequest, Granted, Lease, LeaseClaim, LeaseError, LeaseHint, LeaseId},
     sync::lock,
 };
 

@@ -10,7 +10,10 @@ use super::{
     COMBINATION_BASE, NIL, SEQ_PER_MS, SHARD_BITS,
     proxy::{LeaseRecord, ProxyState, SmallStr},
 };
-use crate::lease::{AcquireRequest, Lease, LeaseHint, LeaseId, ProxyKey};
+use crate::{
+    api::ProxyKey,
+    lease::{AcquireRequest, Lease, LeaseHint, LeaseId},
+};
 /// A proxy's membership in one LRU list.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Link {

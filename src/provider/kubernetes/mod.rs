@@ -444,12 +444,9 @@ impl KubeFailure {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        api::Placement,
-        provider::{
-            Credentials, Owner,
-            squid::{SquidError, USER_NAME_RULE},
-        },
+    use crate::provider::{
+        fixtures::{assert_user_name_refused, request_with_user as request},
+        squid::SquidError,
     };
 
     /// A provider whose client points at a port nothing listens on: any API call it made
@@ -465,25 +462,6 @@ mod tests {
             timeout_seconds: 1,
         };
         KubernetesProvider::new("cluster", settings, client)
-    }
-
-    fn request(username: &str) -> InstanceRequest {
-        InstanceRequest {
-            name: "epo-crawl-web-1-0a1b2c3d".to_owned(),
-            owner: Owner {
-                uid: "uid".to_owned(),
-                namespace: "crawl".to_owned(),
-                name: "web-1".to_owned(),
-            },
-            spec_hash: "hash".to_owned(),
-            placement: Placement::default(),
-            port: 3128,
-            user_data: None,
-            credentials: Some(Credentials {
-                username: username.to_owned(),
-                password: "s3cret-canary".to_owned(),
-            }),
-        }
     }
 
     #[tokio::test]
@@ -533,16 +511,8 @@ mod tests {
     #[tokio::test]
     async fn create_refuses_a_bad_user_name_before_calling_the_api_server() {
         let provider = offline_provider();
-        match provider.create(&request("crawler\r")).await {
-            // Not Unavailable: the API server (here: nothing) was never asked.
-            Err(err @ ProviderError::Rejected(_)) => {
-                let message = err.to_string();
-                assert!(message.contains(USER_NAME_RULE), "{message}");
-                assert!(!message.contains("canary"), "{message}");
-                assert!(!err.is_transient());
-            }
-            other => panic!("expected Rejected, got {other:?}"),
-        }
+        // Not Unavailable: the API server (here: nothing) was never asked.
+        assert_user_name_refused(provider.create(&request("crawler\r")).await, "crawler\\r");
     }
 
     fn forbidden(message: &str) -> String {

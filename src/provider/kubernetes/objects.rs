@@ -128,8 +128,14 @@ impl KubernetesProvider {
 
     fn config_map(&self, request: &InstanceRequest, prepared: &Prepared, meta: ObjectMeta) -> ConfigMap {
         // The image's Debian layout and defaults, as in a VM guest.
-        let header = "Written by egress-proxies-operator into this ConfigMap; replaced with the instance.";
-        let conf = Conf::debian(header, &request.name, request.port, prepared).render();
+        let conf = Conf::debian(
+            "Written by egress-proxies-operator into this ConfigMap; replaced with the instance.",
+            &request.name,
+            request.port,
+            prepared.outgoing,
+            prepared.password_line.is_some(),
+        )
+        .render();
         ConfigMap {
             metadata: meta,
             data: Some(BTreeMap::from([(CONF_KEY.to_owned(), conf)])),

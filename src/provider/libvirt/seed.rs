@@ -129,8 +129,14 @@ pub fn meta_data(name: &str, spec_hash: &str) -> String {
 
 /// The guest's `squid.conf`: Debian's layout and defaults, listening on the Proxy's port.
 pub fn squid_conf(request: &InstanceRequest, prepared: &Prepared) -> String {
-    let header = "Written by egress-proxies-operator through cloud-init; replaced with the instance.";
-    Conf::debian(header, &request.name, request.port, prepared).render()
+    Conf::debian(
+        "Written by egress-proxies-operator through cloud-init; replaced with the instance.",
+        &request.name,
+        request.port,
+        prepared.outgoing,
+        prepared.password_line.is_some(),
+    )
+    .render()
 }
 
 /// Our cloud-config part: Squid's config (and password file), a managed `/etc/hosts`, and a

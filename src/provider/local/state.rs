@@ -49,37 +49,46 @@ impl InstanceDir {
     pub(super) fn root(&self) -> &Path {
         &self.root
     }
-    pub(super) fn owner_file(&self) -> PathBuf {
-        self.root.join("owner.json")
-    }
-    pub(super) fn config_file(&self) -> PathBuf {
-        self.root.join("squid.conf")
-    }
-    pub(super) fn passwords_file(&self) -> PathBuf {
-        self.root.join("passwords")
-    }
-    pub(super) fn process_file(&self) -> PathBuf {
-        self.root.join("process.json")
-    }
-    pub(super) fn deleting_marker(&self) -> PathBuf {
-        self.root.join("deleting")
-    }
-    pub(super) fn run_dir(&self) -> PathBuf {
-        self.root.join("run")
-    }
-    pub(super) fn squid_pid_file(&self) -> PathBuf {
-        self.run_dir().join("squid.pid")
-    }
-    pub(super) fn cache_log(&self) -> PathBuf {
-        self.run_dir().join("cache.log")
-    }
-    pub(super) fn access_log(&self) -> PathBuf {
-        self.run_dir().join("access.log")
-    }
-    pub(super) fn output_file(&self) -> PathBuf {
-        self.run_dir().join("squid.out")
-    }
+}
 
+/// The files of an instance folder, one method each: `method => "path below the folder"`.
+macro_rules! instance_files {
+    ($($(#[$doc:meta])* $method:ident => $path:literal;)*) => {
+        impl InstanceDir {
+            $(
+                $(#[$doc])*
+                pub(super) fn $method(&self) -> PathBuf {
+                    self.root.join($path)
+                }
+            )*
+        }
+    };
+}
+
+instance_files! {
+    /// Who owns the instance (orphan GC reads it).
+    owner_file => "owner.json";
+    /// Squid's config.
+    config_file => "squid.conf";
+    /// The basic-auth password file.
+    passwords_file => "passwords";
+    /// The running Squid's process record.
+    process_file => "process.json";
+    /// Present once a delete has begun.
+    deleting_marker => "deleting";
+    /// Squid's own run-time files.
+    run_dir => "run";
+    /// Squid's pid file.
+    squid_pid_file => "run/squid.pid";
+    /// Squid's `cache_log`.
+    cache_log => "run/cache.log";
+    /// Squid's `access_log`.
+    access_log => "run/access.log";
+    /// Squid's standard output and error.
+    output_file => "run/squid.out";
+}
+
+impl InstanceDir {
     /// Whether a delete of this instance has begun.
     pub(super) fn is_deleting(&self) -> bool {
         self.deleting_marker().exists()

@@ -10,9 +10,9 @@ use super::{
     state::{InstanceDir, OwnerRecord},
     *,
 };
-use crate::{
-    api::Placement,
-    provider::{Credentials, Installation, Owner, squid::USER_NAME_RULE},
+use crate::provider::{
+    Installation, Owner,
+    fixtures::{assert_user_name_refused, request_with_user},
 };
 
 fn dir() -> InstanceDir {
@@ -110,25 +110,6 @@ fn config_brackets_ipv6_listen_addresses() {
     assert!(squid_conf("epo-a", &plan, &dir(), &settings, None).contains("\nhttp_port [::1]:3128\n"));
 }
 
-fn request_with_user(username: &str) -> InstanceRequest {
-    InstanceRequest {
-        name: "epo-crawl-web-1-0a1b2c3d".into(),
-        owner: Owner {
-            uid: "uid".into(),
-            namespace: "crawl".into(),
-            name: "web-1".into(),
-        },
-        spec_hash: "hash".into(),
-        placement: Placement::default(),
-        port: 3128,
-        user_data: None,
-        credentials: Some(Credentials {
-            username: username.into(),
-            password: "canary-secret".into(),
-        }),
-    }
-}
-
 /// Every file under `root`, relative.
 fn files_under(root: &Path) -> Vec<PathBuf> {
     let mut found = Vec::new();
@@ -150,16 +131,10 @@ async fn a_user_name_squid_cannot_carry_is_refused_before_any_file_is_written() 
     let state = tempfile::tempdir().expect("temp");
     let provider = LocalProvider::new("local", LocalSettings::new(state.path())).expect("provider");
     for username in ["a:b", "", "#crawler", "crawler\n"] {
-        match provider.create(&request_with_user(username)).await {
-            // The Proxy's credentials are at fault: rejected, and not retried until they change.
-            Err(err @ ProviderError::Rejected(_)) => {
-                let message = err.to_string();
-                assert!(message.contains(USER_NAME_RULE), "{username:?}: {message}");
-                assert!(!message.contains("canary"), "{username:?}: {message}");
-                assert!(!err.is_transient());
-            }
-            other => panic!("{username:?}: expected Rejected, got {other:?}"),
-        }
+        assert_user_name_refused(
+            provider.create(&request_with_user(username)).await,
+            &format!("{username:?}"),
+        );
         assert_eq!(files_under(state.path()), Vec::<PathBuf>::new(), "{username:?}");
     }
     // Refused as well when a folder of that name is in the way (the check comes first).

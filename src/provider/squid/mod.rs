@@ -259,15 +259,16 @@ pub struct Conf<'a> {
 }
 
 impl<'a> Conf<'a> {
-    /// Debian's layout and defaults, as a VM guest and the Squid image have them: instance
-    /// `name` listening on `port`, with basic auth when `prepared` has a password file.
-    pub fn debian(header: &'a str, name: &'a str, port: u16, prepared: &Prepared) -> Self {
-        Conf {
+    /// The config of a machine that runs one Squid (a VM guest, a Pod): Debian's layout and
+    /// the distribution's defaults, listening on `port`, with basic authentication against
+    /// [`debian::PASSWD_PATH`] when `auth`.
+    pub fn debian(header: &'a str, name: &'a str, port: u16, outgoing: Option<IpAddr>, auth: bool) -> Self {
+        Self {
             header,
             name,
             listen: Listen::Port(port),
-            outgoing: prepared.outgoing,
-            auth: prepared.password_line.is_some().then_some(Auth {
+            outgoing,
+            auth: auth.then_some(Auth {
                 helper: Path::new(debian::AUTH_HELPER),
                 passwords: Path::new(debian::PASSWD_PATH),
                 updated_in_place: false,

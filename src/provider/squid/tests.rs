@@ -8,10 +8,7 @@ use std::{
 use sha_crypt::{PasswordHash, PasswordVerifier, ShaCrypt};
 
 use super::*;
-use crate::{
-    api::Placement,
-    provider::{Owner, ProviderError},
-};
+use crate::provider::{ProviderError, fixtures::request};
 
 fn credentials(username: &str, password: &str) -> Credentials {
     Credentials {
@@ -20,40 +17,9 @@ fn credentials(username: &str, password: &str) -> Credentials {
     }
 }
 
-fn request(credentials: Option<Credentials>) -> InstanceRequest {
-    InstanceRequest {
-        name: "epo-crawl-web-1-0a1b2c3d".into(),
-        owner: Owner {
-            uid: "uid".into(),
-            namespace: "crawl".into(),
-            name: "web-1".into(),
-        },
-        spec_hash: "hash".into(),
-        placement: Placement::default(),
-        port: 3128,
-        user_data: None,
-        credentials,
-    }
-}
-
 /// The config a VM guest or a Pod gets: Debian's paths, the distribution's defaults.
 fn machine_conf(auth: bool) -> Conf<'static> {
-    Conf {
-        header: "Written by a test.",
-        name: "epo-crawl-web-1-0a1b2c3d",
-        listen: Listen::Port(3128),
-        outgoing: None,
-        auth: auth.then_some(Auth {
-            helper: Path::new(debian::AUTH_HELPER),
-            passwords: Path::new(debian::PASSWD_PATH),
-            updated_in_place: false,
-        }),
-        own_files: None,
-        fast_shutdown: false,
-        anonymous: false,
-        effective_user: None,
-        extra: &[],
-    }
+    Conf::debian("Written by a test.", "epo-crawl-web-1-0a1b2c3d", 3128, None, auth)
 }
 
 /// The directives of `conf`, comments left out.

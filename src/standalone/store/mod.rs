@@ -14,7 +14,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::{api::ProxyStatus, effects::ProxyKey, machine::AuditEntry};
+use crate::{api::ProxyKey, api::ProxyStatus, machine::AuditEntry};
 
 /// A store failure.
 #[derive(Debug, thiserror::Error)]

@@ -1,4 +1,4 @@
-//! Cluster mode's part of the status page: the Proxies from the controller's reflector cache
+//! Cluster mode's part of the status page ([`crate::ui`]): the Proxies from the controller's reflector cache
 //! (no extra watch) and the last audit entries per Proxy, recorded in memory as the controller
 //! reconciles (cluster mode's audit otherwise lives only in Events and logs).
 
@@ -6,8 +6,11 @@ use std::sync::{Arc, OnceLock};
 
 use kube::{ResourceExt, runtime::reflector};
 
-use super::{AuditLog, AuditRow, ProxySource, ProxyState, UiError};
-use crate::{api::Proxy, machine::audit::AuditEntry};
+use crate::{
+    api::Proxy,
+    machine::audit::AuditEntry,
+    ui::{AuditLog, AuditRow, ProxySource, ProxyState, UiError},
+};
 
 /// What the controller shares with the page; cheap to clone.
 #[derive(Clone, Default)]
