@@ -156,16 +156,7 @@ impl LeaseSigner {
         if n != HEAD_GROUPS_LEN {
             return None;
         }
-        let mut r = Reader(&head);
-        if r.take(1)? != [FORMAT] {
-            return None;
-        }
-        let hint = LeaseHint {
-            shard: r.u16()?,
-            slot: r.u32()?,
-            generation: r.u32()?,
-        };
-        let first_token = r.u64()?;
+        let (hint, first_token) = read_head(&mut Reader(&head))?;
         Some(PresentedId {
             hint,
             first_token,
@@ -297,8 +288,8 @@ impl<'a> Reader<'a> {
     }
 }
 
-fn decode_claim(payload: &[u8]) -> Option<LeaseClaim> {
-    let mut r = Reader(payload);
+/// The head every lease ID starts with: the format, where the lease sits, its first token.
+fn read_head(r: &mut Reader<'_>) -> Option<(LeaseHint, u64)> {
     if r.take(1)? != [FORMAT] {
         return None;
     }
@@ -307,7 +298,12 @@ fn decode_claim(payload: &[u8]) -> Option<LeaseClaim> {
         slot: r.u32()?,
         generation: r.u32()?,
     };
-    let first_token = r.u64()?;
+    Some((hint, r.u64()?))
+}
+
+fn decode_claim(payload: &[u8]) -> Option<LeaseClaim> {
+    let mut r = Reader(payload);
+    let (hint, first_token) = read_head(&mut r)?;
     let acquired_at_ms = r.u64()?;
     let expires_at_ms = r.u64()?;
     let key: ProxyKey = r.str()??.parse().ok()?;
