@@ -111,11 +111,7 @@ impl RequestBody for AcquireBody {
             return Err(format!("holder must be 1-{MAX_HOLDER_LEN} printable characters"));
         }
         valid_ttl(self.ttl_seconds)?;
-        if let Some(d) = &self.target_domain
-            && !valid_domain(d)
-        {
-            return Err("targetDomain must be a host name".to_owned());
-        }
+        self.target_domain.as_deref().map_or(Ok(()), check_domain)?;
         if let Some(k) = &self.session_key
             && (!chars_within(k, MAX_SESSION_KEY_LEN) || !printable(k))
         {
