@@ -88,6 +88,36 @@ impl Harness {
         self.call("POST", "/v1/leases", Some(body)).await
     }
 
+    /// `POST /v1/leases` with `body`, which must grant a lease.
+    async fn granted(&self, body: Value) -> Answer {
+        let answer = self.acquire(body).await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.text);
+        answer
+    }
+
+    /// `POST /v1/leases/{id}/renew` with `body`.
+    async fn renew(&self, id: &str, body: Value) -> Answer {
+        self.call("POST", &format!("/v1/leases/{id}/renew"), Some(body))
+            .await
+    }
+
+    /// `POST /v1/leases/{id}/release` with `body`.
+    async fn release(&self, id: &str, body: Value) -> Answer {
+        self.call("POST", &format!("/v1/leases/{id}/release"), Some(body))
+            .await
+    }
+
+    /// Releases the lease an acquire `granted` with its fencing token and `outcome`, which must
+    /// succeed.
+    async fn released(&self, granted: &Answer, outcome: &str) {
+        let id = granted.body["leaseId"].as_str().unwrap();
+        let token = &granted.body["fencingToken"];
+        let answer = self
+            .release(id, json!({"fencingToken": token, "outcome": outcome}))
+            .await;
+        assert_eq!(answer.status, StatusCode::OK, "{}", answer.text);
+    }
+
     async fn call(&self, method: &str, path: &str, body: Option<Value>) -> Answer {
         let bytes = body.map(|b| b.to_string()).unwrap_or_default();
         self.raw(method, path, Some(TOKEN), Bytes::from(bytes)).await
@@ -126,9 +156,8 @@ fn code(a: &Answer) -> &str {
 async fn lease_lifecycle_over_the_router() {
     let h = harness(2, 1);
     let a = h
-        .acquire(json!({"selector": {"region": "eu"}, "holder": "crawler-7", "ttlSeconds": 30}))
+        .granted(json!({"selector": {"region": "eu"}, "holder": "crawler-7", "ttlSeconds": 30}))
         .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
     assert_eq!(a.body["proxy"]["key"], "crawl/p0");
     assert_eq!(a.body["proxyUrl"], "http://crawler:pw@127.0.0.1:3128");
     assert_eq!(a.body["ttlSeconds"], 30);
@@ -161,19 +190,14 @@ async fn lease_lifecycle_over_the_router() {
     assert!(busy.headers.contains_key("retry-after"));
 
     let rel = h
-        .call(
-            "POST",
-            &format!("/v1/leases/{id}/release"),
-            Some(json!({"fencingToken": new_token, "outcome": "banned", "targetDomain": "shop.example"})),
+        .release(
+            &id,
+            json!({"fencingToken": new_token, "outcome": "banned", "targetDomain": "shop.example"}),
         )
         .await;
     assert_eq!(rel.status, StatusCode::OK, "{}", rel.text);
     let again = h
-        .call(
-            "POST",
-            &format!("/v1/leases/{id}/release"),
-            Some(json!({"fencingToken": new_token, "outcome": "ok"})),
-        )
+        .release(&id, json!({"fencingToken": new_token, "outcome": "ok"}))
         .await;
     assert_eq!(
         (again.status, code(&again)),
@@ -587,10 +611,8 @@ fn journaled_harness(proxies: usize) -> (Harness, Journal, tempfile::TempDir) {
 async fn an_acquire_repeated_with_its_request_id_gets_the_same_lease_across_a_restart() {
     let (h, journal, dir) = journaled_harness(2);
     let body = json!({"holder": "c1", "requestId": "0b7f6e3c-req", "targetDomain": "Shop.Example"});
-    let first = h.acquire(body.clone()).await;
-    assert_eq!(first.status, StatusCode::CREATED, "{}", first.text);
-    let again = h.acquire(body.clone()).await;
-    assert_eq!(again.status, StatusCode::CREATED, "{}", again.text);
+    let first = h.granted(body.clone()).await;
+    let again = h.granted(body.clone()).await;
     for field in [
         "leaseId",
         "fencingToken",
@@ -657,9 +679,8 @@ async fn an_acquire_repeated_with_its_request_id_gets_the_same_lease_across_a_re
 async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
     let (h, journal, dir) = journaled_harness(1);
     let acquired = h
-        .acquire(json!({"holder": "c1", "targetDomain": "Shop.Example"}))
+        .granted(json!({"holder": "c1", "targetDomain": "Shop.Example"}))
         .await;
-    assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
     let released = h
         .call(
             "POST",
@@ -685,8 +706,7 @@ async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
 async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_failed_sync_is_a_503() {
     use crate::lease::journal::SEGMENT_PREFIX;
     let (h, journal, dir) = journaled_harness(2);
-    let acquired = h.acquire(json!({"holder": "c1"})).await;
-    assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
+    let acquired = h.granted(json!({"holder": "c1"})).await;
     let renewed = h
         .call(
             "POST",
@@ -726,8 +746,7 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let again = h.acquire(json!({"holder": "c3"})).await;
-    assert_eq!(again.status, StatusCode::CREATED, "{}", again.text);
+    h.granted(json!({"holder": "c3"})).await;
     journal.close();
 }
 
@@ -740,19 +759,11 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
 async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without_it() {
     let h = harness(1, 2);
     let a = h
-        .acquire(json!({"holder": "c1", "targetDomain": "shop.example"}))
+        .granted(json!({"holder": "c1", "targetDomain": "shop.example"}))
         .await;
-    assert_eq!(a.status, StatusCode::CREATED, "{}", a.text);
     let id = a.body["leaseId"].as_str().unwrap().to_owned();
     let mut token = a.body["fencingToken"].as_u64().unwrap();
-    let renew = async |id: &str, token: u64| {
-        h.call(
-            "POST",
-            &format!("/v1/leases/{id}/renew"),
-            Some(json!({"fencingToken": token})),
-        )
-        .await
-    };
+    let renew = async |id: &str, token: u64| h.renew(id, json!({"fencingToken": token})).await;
 
     // Every character altered (in the head that names the lease, in the claim, in the tag),
     // one dropped, one added: unknown, and the lease itself is untouched.
@@ -792,12 +803,8 @@ async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without
         r.text
     );
     let release = async |id: &str, token: u64| {
-        h.call(
-            "POST",
-            &format!("/v1/leases/{id}/release"),
-            Some(json!({"fencingToken": token, "outcome": "ok"})),
-        )
-        .await
+        h.release(id, json!({"fencingToken": token, "outcome": "ok"}))
+            .await
     };
     let r = release(&id, stale).await;
     assert_eq!(
@@ -812,15 +819,7 @@ async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without
     let restarted = harness(1, 2);
     restarted.state.store().restore(&h.state.store().checkpoint());
     let token_here = token;
-    let renew_there = async |id: &str, token: u64| {
-        restarted
-            .call(
-                "POST",
-                &format!("/v1/leases/{id}/renew"),
-                Some(json!({"fencingToken": token})),
-            )
-            .await
-    };
+    let renew_there = async |id: &str, token: u64| restarted.renew(id, json!({"fencingToken": token})).await;
     for other in altered.iter().step_by(7) {
         let r = renew_there(other, token).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND, "{other}: {}", r.text);
@@ -840,11 +839,7 @@ async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without
         assert_eq!(r.status, StatusCode::NOT_FOUND, "{other}: {}", r.text);
     }
     let r = restarted
-        .call(
-            "POST",
-            &format!("/v1/leases/{id}/release"),
-            Some(json!({"fencingToken": token, "outcome": "ok"})),
-        )
+        .release(&id, json!({"fencingToken": token, "outcome": "ok"}))
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
     assert_eq!(restarted.state.store().active_leases(&claim.id.key), 0);
@@ -865,19 +860,10 @@ async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without
 async fn listings_show_bans_and_what_a_crawler_of_a_domain_can_lease() {
     let h = harness(2, 1);
     let acquired = h
-        .acquire(json!({"holder": "c1", "targetDomain": "Shop.Example."}))
+        .granted(json!({"holder": "c1", "targetDomain": "Shop.Example."}))
         .await;
-    assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
-    let id = acquired.body["leaseId"].as_str().unwrap();
     let banned_key = acquired.body["proxy"]["key"].as_str().unwrap().to_owned();
-    let released = h
-        .call(
-            "POST",
-            &format!("/v1/leases/{id}/release"),
-            Some(json!({"fencingToken": acquired.body["fencingToken"], "outcome": "banned"})),
-        )
-        .await;
-    assert_eq!(released.status, StatusCode::OK, "{}", released.text);
+    h.released(&acquired, "banned").await;
 
     let by_key = |list: &Answer| -> BTreeMap<String, Value> {
         list.body["proxies"]
@@ -921,8 +907,7 @@ async fn leases_are_listed_a_page_at_a_time_without_ids_or_tokens() {
     let h = harness(3, 2);
     let mut granted = Vec::new();
     for holder in ["a", "b", "a", "b", "a"] {
-        let acquired = h.acquire(json!({"holder": holder})).await;
-        assert_eq!(acquired.status, StatusCode::CREATED, "{}", acquired.text);
+        let acquired = h.granted(json!({"holder": holder})).await;
         granted.push(acquired);
     }
     let mut listed = Vec::new();
@@ -938,16 +923,7 @@ async fn leases_are_listed_a_page_at_a_time_without_ids_or_tokens() {
         listed.extend(leases.iter().cloned());
         if listed.len() == 2 {
             // A lease listed on the first page ends: the next page goes on after it.
-            let first = &granted[0];
-            let id = first.body["leaseId"].as_str().unwrap();
-            let released = h
-                .call(
-                    "POST",
-                    &format!("/v1/leases/{id}/release"),
-                    Some(json!({"fencingToken": first.body["fencingToken"], "outcome": "ok"})),
-                )
-                .await;
-            assert_eq!(released.status, StatusCode::OK, "{}", released.text);
+            h.released(&granted[0], "ok").await;
         }
         match page.body["next"].as_str() {
             Some(next) => {

@@ -1449,41 +1449,67 @@ fn churn(store: &LeaseStore, clock: &Clock, rng: &mut fastrand::Rng, held: &mut 
     }
 }
 
+/// 30 open proxies with two slots each, saved to a checkpoint file in a fresh directory, to be
+/// churned at random (`rng`, `held`) between saves.
+struct Churned {
+    dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    file: FileCheckpoint,
+    store: LeaseStore,
+    clock: Clock,
+    report: checkpoint::CheckpointReport,
+    saver: checkpoint::CheckpointSaver,
+    rng: fastrand::Rng,
+    held: Vec<Lease>,
+}
+
+/// [`Churned`] whose file folds deltas into a snapshot past `fold_min_bytes`, with `seed`.
+fn churned(fold_min_bytes: u64, seed: u64) -> Churned {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("leases.checkpoint");
+    let file = FileCheckpoint::new(&path).with_fold_min_bytes(fold_min_bytes);
+    let (store, clock) = store(4);
+    for i in 0..30 {
+        add_open(&store, target(&format!("p{i}"), &[], 2, 20));
+    }
+    Churned {
+        dir,
+        path,
+        file,
+        store,
+        clock,
+        report: checkpoint::CheckpointReport::default(),
+        saver: checkpoint::CheckpointSaver::default(),
+        rng: fastrand::Rng::with_seed(seed),
+        held: Vec::new(),
+    }
+}
+
 /// The standalone checkpoint writes a snapshot, then only deltas of what changed, folded into
 /// a new snapshot when they outgrow it; read back at any save, it is what a whole checkpoint of
 /// the store would have been.
 #[tokio::test]
 async fn delta_checkpoints_read_back_as_the_whole_store() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("leases.checkpoint");
-    let file = FileCheckpoint::new(&path).with_fold_min_bytes(4096);
-    let (store, clock) = store(4);
-    for i in 0..30 {
-        add_open(&store, target(&format!("p{i}"), &[], 2, 20));
-    }
-    let report = checkpoint::CheckpointReport::default();
-    let mut saver = checkpoint::CheckpointSaver::default();
-    let mut rng = fastrand::Rng::with_seed(25);
-    let mut held = Vec::new();
+    let mut c = churned(4096, 25);
     let (mut folds, mut deltas) = (0, 0);
     let mut snapshot = Vec::new();
     for round in 0..200 {
-        let steps = rng.usize(0..6);
-        churn(&store, &clock, &mut rng, &mut held, steps);
-        let delta_len = std::fs::metadata(FileCheckpoint::delta_path(&path)).map_or(0, |m| m.len());
-        saver.save(&store, &file, &report).await.unwrap();
-        let now = clock.now_ms();
-        let back = FileCheckpoint::read(&path).unwrap().unwrap();
+        let steps = c.rng.usize(0..6);
+        churn(&c.store, &c.clock, &mut c.rng, &mut c.held, steps);
+        let delta_len = std::fs::metadata(FileCheckpoint::delta_path(&c.path)).map_or(0, |m| m.len());
+        c.saver.save(&c.store, &c.file, &c.report).await.unwrap();
+        let now = c.clock.now_ms();
+        let back = FileCheckpoint::read(&c.path).unwrap().unwrap();
         assert_same(
             &as_restored(&back, now),
-            &as_restored(&store.checkpoint(), now),
+            &as_restored(&c.store.checkpoint(), now),
             &format!("round {round}"),
         );
-        let written = std::fs::read(&path).unwrap();
+        let written = std::fs::read(&c.path).unwrap();
         if written != snapshot {
             folds += 1;
             snapshot = written;
-        } else if std::fs::metadata(FileCheckpoint::delta_path(&path))
+        } else if std::fs::metadata(FileCheckpoint::delta_path(&c.path))
             .unwrap()
             .len()
             > delta_len
@@ -1541,40 +1567,30 @@ async fn a_checkpoint_writes_what_changed_not_the_whole_store() {
 /// ignores the old delta file (the snapshot holds it all), temporary files are never read.
 #[tokio::test]
 async fn a_crash_in_a_checkpoint_save_reads_back_as_the_save_before_or_after() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("leases.checkpoint");
-    let delta_path = FileCheckpoint::delta_path(&path);
-    let file = FileCheckpoint::new(&path).with_fold_min_bytes(8192);
-    let (store, clock) = store(4);
-    for i in 0..30 {
-        add_open(&store, target(&format!("p{i}"), &[], 2, 20));
-    }
-    let report = checkpoint::CheckpointReport::default();
-    let mut saver = checkpoint::CheckpointSaver::default();
-    let mut rng = fastrand::Rng::with_seed(18);
-    let mut held = Vec::new();
-    saver.save(&store, &file, &report).await.unwrap();
-    let mut states = vec![store.checkpoint()];
+    let mut c = churned(8192, 18);
+    let delta_path = FileCheckpoint::delta_path(&c.path);
+    c.saver.save(&c.store, &c.file, &c.report).await.unwrap();
+    let mut states = vec![c.store.checkpoint()];
     let (mut torn_checked, mut folds_checked) = (0, 0);
     for _ in 0..150 {
-        let steps = 1 + rng.usize(0..5);
-        churn(&store, &clock, &mut rng, &mut held, steps);
-        let snapshot_before = std::fs::read(&path).unwrap();
+        let steps = 1 + c.rng.usize(0..5);
+        churn(&c.store, &c.clock, &mut c.rng, &mut c.held, steps);
+        let snapshot_before = std::fs::read(&c.path).unwrap();
         let delta_before = std::fs::read(&delta_path).unwrap();
-        saver.save(&store, &file, &report).await.unwrap();
-        let now = clock.now_ms();
-        states.push(store.checkpoint());
+        c.saver.save(&c.store, &c.file, &c.report).await.unwrap();
+        let now = c.clock.now_ms();
+        states.push(c.store.checkpoint());
         let (before, after) = (
             as_restored(&states[states.len() - 2], now),
             as_restored(&states[states.len() - 1], now),
         );
         let delta_after = std::fs::read(&delta_path).unwrap();
         let read_as = |snapshot: &[u8], delta: &[u8]| {
-            std::fs::write(&path, snapshot).unwrap();
+            std::fs::write(&c.path, snapshot).unwrap();
             std::fs::write(&delta_path, delta).unwrap();
-            as_restored(&FileCheckpoint::read(&path).unwrap().unwrap(), now)
+            as_restored(&FileCheckpoint::read(&c.path).unwrap().unwrap(), now)
         };
-        let snapshot_after = std::fs::read(&path).unwrap();
+        let snapshot_after = std::fs::read(&c.path).unwrap();
         if snapshot_after == snapshot_before && delta_after == delta_before {
             // Nothing changed, nothing written.
             assert_same(&before, &after, "an unchanged store");
@@ -1607,7 +1623,7 @@ async fn a_crash_in_a_checkpoint_save_reads_back_as_the_save_before_or_after() {
                 "fold, torn header",
             );
             // Before its rename, the new snapshot is a temporary file nobody reads.
-            std::fs::write(dir.path().join("leases.checkpoint.tmp"), b"{torn").unwrap();
+            std::fs::write(c.dir.path().join("leases.checkpoint.tmp"), b"{torn").unwrap();
             assert_same(
                 &read_as(&snapshot_before, &delta_before),
                 &before,
@@ -1616,9 +1632,9 @@ async fn a_crash_in_a_checkpoint_save_reads_back_as_the_save_before_or_after() {
             folds_checked += 1;
         }
         // Put the real files back for the next save.
-        std::fs::write(&path, &snapshot_after).unwrap();
+        std::fs::write(&c.path, &snapshot_after).unwrap();
         std::fs::write(&delta_path, &delta_after).unwrap();
-        let back = as_restored(&FileCheckpoint::read(&path).unwrap().unwrap(), now);
+        let back = as_restored(&FileCheckpoint::read(&c.path).unwrap().unwrap(), now);
         assert_same(&back, &after, "after the save");
     }
     assert!(

@@ -69,19 +69,30 @@ pub(super) struct LeaseRecord {
     pub(super) issued_id: Option<IssuedId>,
 }
 
+/// One proxy as the store holds it: its lease limits, admission, cooldown, bans and leases.
 #[derive(Debug)]
 pub(super) struct ProxyState {
+    /// The proxy.
     pub(super) key: ProxyKey,
     /// `None` while only restored from a checkpoint and not configured again yet.
     pub(super) info: Option<Arc<ProxyInfo>>,
+    /// Its attributes as interned `key=value` ids, sorted (what selectors match).
     pub(super) pairs: Vec<u32>,
+    /// Leases it may hold at once.
     pub(super) max_concurrent: u32,
+    /// Rest after each release.
     pub(super) cooldown_ms: u64,
+    /// Longest TTL a holder may ask for.
     pub(super) max_ttl_ms: u64,
+    /// Whether it takes new leases and renewals.
     pub(super) admission: AdmissionState,
+    /// End of its cooldown (0 or past: not resting).
     pub(super) cooling_until: u64,
+    /// Per-domain bans: (domain, end), expired ones dropped lazily.
     pub(super) bans: Vec<(Box<str>, u64)>,
+    /// Its active leases.
     pub(super) leases: Vec<LeaseRecord>,
+    /// In its shard's list of eligible proxies (open, a free slot, not resting).
     pub(super) linked: bool,
     /// Leases whose first token is below this were revoked: never reinstated.
     pub(super) revoked_below: u64,
