@@ -217,7 +217,10 @@ pub async fn start_core(
         leases: leases.clone(),
         health: health.clone(),
         availability: availability.clone(),
-        providers: providers.iter().map(|(name, _)| name.to_owned()).collect(),
+        providers: providers
+            .iter()
+            .map(|(name, provider)| (name.to_owned(), provider.clone()))
+            .collect(),
         auth: auth.clone(),
     }));
     let health_log = page.health_log();

@@ -244,7 +244,7 @@ where
             let page =
                 s.ui.get()
                     .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint"))?;
-            return Ok(page.respond(&parts.headers).await);
+            return Ok(page.respond(&parts.headers, parts.uri.query()).await);
         }
         _ => {}
     }

@@ -437,6 +437,14 @@ pub struct LeaseView {
     pub target_domain: Option<String>,
     /// Its sticky-session key.
     pub session_key: Option<String>,
+    /// The last [`LeaseView::ID_TAIL`] characters of the lease ID this process issued for it
+    /// (`None`: restored from a checkpoint, which keeps no IDs). Never the whole ID.
+    pub id_tail: Option<String>,
+}
+
+impl LeaseView {
+    /// How many characters of a lease ID [`LeaseView::id_tail`] keeps.
+    pub const ID_TAIL: usize = 8;
 }
 
 /// Why a store operation was refused. [`LeaseError::code`] is the stable API code.

@@ -105,6 +105,16 @@ impl IssuedId {
     }
 }
 
+impl IssuedId {
+    /// The ID's last `n` characters, to tell a lease apart on the status page: they are tag
+    /// bytes (a lease ID ends with its HMAC tag), different for every lease, and too few to
+    /// present (the whole ID is needed) or to forge the rest of the tag from.
+    pub fn tail(&self, n: usize) -> String {
+        // The ID is base64url, i.e. ASCII: any byte offset is a character boundary.
+        String::from_utf8_lossy(&self.0[self.0.len().saturating_sub(n)..]).into_owned()
+    }
+}
+
 impl std::fmt::Debug for IssuedId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("IssuedId(<redacted>)")

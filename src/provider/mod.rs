@@ -441,6 +441,12 @@ pub trait Provider: Send + Sync {
         Ok(CredentialsUpdate::Unsupported)
     }
 
+    /// What this provider's own process supervision has done for the instance named `name`
+    /// (restarts of a dead process); `None` for backends without one (the default).
+    fn supervision_of(&self, _name: &str) -> Option<local::SupervisionStatus> {
+        None
+    }
+
     /// The ID the instance named `name` has (or would have) on this provider.
     fn id_for(&self, name: &str) -> ProviderId {
         ProviderId::new(self.provider_type(), self.instance(), name)

@@ -46,9 +46,10 @@ impl Readiness {
 /// A page served at `GET /ui`, by the admin server and by the discovery API.
 #[async_trait]
 pub trait Page: Send + Sync {
-    /// The answer to a `GET /ui` with these request headers: the page authenticates the caller
-    /// itself (a browser answers a Basic challenge, which the servers know nothing of).
-    async fn respond(&self, headers: &HeaderMap) -> Response<Full<Bytes>>;
+    /// The answer to a `GET /ui` with these request headers and query string (paging and
+    /// filters): the page authenticates the caller itself (a browser answers a Basic
+    /// challenge, which the servers know nothing of).
+    async fn respond(&self, headers: &HeaderMap, query: Option<&str>) -> Response<Full<Bytes>>;
 }
 
 /// Where the status page appears once the replica leads (a follower has no leases or health
@@ -95,7 +96,7 @@ pub async fn serve_admin_with_ui(
                 async move {
                     if request.method() == Method::GET && request.uri().path() == "/ui" {
                         return Ok::<_, Infallible>(match ui.get() {
-                            Some(page) => page.respond(request.headers()).await,
+                            Some(page) => page.respond(request.headers(), request.uri().query()).await,
                             None => text(StatusCode::SERVICE_UNAVAILABLE, "not the leader\n"),
                         });
                     }

@@ -1,12 +1,16 @@
 //! The status page, `GET /ui`: one read-only, server-rendered HTML page (inline CSS, no
-//! script, no external asset) of the proxies (phase, provider, endpoint, health, leases), the
-//! provider instances' health and the last audit entries per proxy.
+//! script, no external asset) of the proxies (phase, provider, endpoint, attributes, health,
+//! slots, lease holders, per-domain bans, restarts of a supervised local process), the provider
+//! instances' health and the last audit entries per proxy. It reloads itself with a meta refresh
+//! (the same URL, query string included) and shows one page of proxies at a time, filtered by
+//! phase or text ([`PageQuery`]), so it stays small and fast at 10,000 proxies.
 //!
 //! The page is mode-free: each mode implements [`ProxySource`] (the Proxies' status and audit:
 //! the embedded store in standalone mode, the controller's cache and an in-memory audit log in
 //! cluster mode), and [`StatusPage`] adds what both modes share (the lease store, the health
-//! engine, provider availability). Every string is HTML-escaped (names and messages are user
-//! input) and nothing carries credentials: endpoints are `host:port`, never proxy URLs.
+//! engine, provider availability and process supervision). Every string is HTML-escaped (names
+//! and messages are user input) and nothing carries credentials: endpoints are `host:port`,
+//! never proxy URLs, and a lease shows the last characters of its ID only.
 //!
 //! The page is authenticated like the discovery API: `Authorization: Bearer <token>`, or HTTP
 //! Basic with the token as the password (what a browser can send; a 401 asks for it).
@@ -28,12 +32,13 @@ use hyper::{
 use jiff::Timestamp;
 
 use crate::{
-    api::ProxyStatus,
+    api::{Attributes, ProxyKey, ProxyStatus},
     controller::ProviderAvailability,
     discovery::auth::{AuthError, Authenticator, Presented, presented},
     health::{HealthEvent, HealthHandle, HealthSnapshot, Verdict},
-    lease::{LeaseStore, ProxyView, Selector},
+    lease::{Availability, LeaseStore, ProxyView, Selector},
     machine::audit::AuditEntry,
+    provider::{ProviderId, SharedProvider, local::SupervisionStatus},
     telemetry::admin::Page,
 };
 
@@ -69,6 +74,8 @@ pub struct ProxyState {
     pub ready: Option<(String, String)>,
     /// When the Proxy was created.
     pub created: Option<Timestamp>,
+    /// `status.providerId` (`type/instance/native-id`): where process restarts are looked up.
+    pub provider_id: Option<String>,
 }
 
 impl ProxyState {
@@ -95,6 +102,7 @@ impl ProxyState {
             endpoint: status.and_then(|s| s.endpoint.clone()),
             ready,
             created,
+            provider_id: status.and_then(|s| s.provider_id.clone()),
         }
     }
 }
@@ -286,8 +294,18 @@ pub struct StatusView {
     pub now: Timestamp,
     /// Provider instances.
     pub providers: Vec<ProviderRow>,
-    /// Proxies, by namespace and name.
+    /// The proxies of the page asked for, by namespace and name.
     pub proxies: Vec<ProxyRow>,
+    /// Every proxy, before the filters.
+    pub total: usize,
+    /// The proxies the filters let through (all pages).
+    pub matched: usize,
+    /// Every proxy's phase, counted (before the filters).
+    pub phases: BTreeMap<String, usize>,
+    /// Active leases on every proxy.
+    pub active_leases: usize,
+    /// What was asked for; `page` is the one shown (at most the last).
+    pub query: PageQuery,
 }
 
 /// One proxy with everything the page shows of it.
@@ -295,8 +313,16 @@ pub struct StatusView {
 pub struct ProxyRow {
     /// From the mode.
     pub state: ProxyState,
+    /// Its attributes (what selectors match), by key; empty when not in rotation.
+    pub attributes: Vec<(String, String)>,
     /// From the lease store (`None`: not in rotation yet).
-    pub leases: Option<ProxyView>,
+    pub leases: Option<LeaseRow>,
+    /// What the provider's process supervision did (`None`: the provider has none, e.g. VMs
+    /// and pods, whose restarts their hypervisor or kubelet count).
+    pub process: Option<ProcessRow>,
+    /// Requests and errors through the proxy. Nothing measures them yet (a later gateway
+    /// does): always `None` until then, shown as "not measured", never as a made-up zero.
+    pub traffic: Option<Traffic>,
     /// From the health engine (`None`: not probed).
     pub health: Option<HealthSnapshot>,
     /// The last verdict changes, oldest first.
@@ -305,14 +331,211 @@ pub struct ProxyRow {
     pub audit: Vec<AuditRow>,
 }
 
+/// A proxy's standing in the lease store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseRow {
+    /// How it stands for new leases (for a crawler naming no domain).
+    pub availability: Availability,
+    /// Active leases.
+    pub active: usize,
+    /// Its `maxConcurrent`.
+    pub max_concurrent: u32,
+    /// End of its cooldown, if resting.
+    pub cooldown_until: Option<Timestamp>,
+    /// Active bans: domain and end, by domain.
+    pub bans: Vec<(String, Timestamp)>,
+    /// Who holds its leases, by first token.
+    pub holders: Vec<HolderRow>,
+}
+
+/// One active lease as the page shows it: no whole ID, no fencing token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HolderRow {
+    /// The holder the crawler named.
+    pub holder: String,
+    /// The last characters of the lease ID (`None`: restored from a checkpoint, which keeps
+    /// no IDs).
+    pub id_tail: Option<String>,
+    /// When it was granted.
+    pub acquired: Timestamp,
+    /// When it ends unless renewed.
+    pub expires: Timestamp,
+    /// The domain it was acquired for.
+    pub target_domain: Option<String>,
+}
+
+/// What process supervision (the `local` provider's) did for a proxy's instance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessRow {
+    /// Restarts of a dead process since this operator process started supervising.
+    pub restarts: u64,
+    /// When the last restart happened.
+    pub last_restart: Option<Timestamp>,
+    /// Why the last restart attempt failed, if it did.
+    pub last_error: Option<String>,
+}
+
+impl From<SupervisionStatus> for ProcessRow {
+    fn from(s: SupervisionStatus) -> Self {
+        Self {
+            restarts: s.restarts,
+            last_restart: s.last_restart_at,
+            last_error: s.last_error,
+        }
+    }
+}
+
+/// Requests and errors through one proxy (reserved: nothing measures them yet).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Traffic {
+    /// Requests sent through the proxy.
+    pub requests: u64,
+    /// Of those, failed ones.
+    pub errors: u64,
+}
+
+/// What a request asks of the page: `?page=`, `?limit=`, `?phase=`, `?q=`, `?refresh=`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageQuery {
+    /// The page of proxies, from 1.
+    pub page: usize,
+    /// Proxies per page.
+    pub limit: usize,
+    /// Only proxies in this phase (`deleting` for those being deleted).
+    pub phase: Option<String>,
+    /// Only proxies whose `namespace/name`, provider, endpoint or an attribute `key=value`
+    /// contains this text (case-insensitive).
+    pub q: Option<String>,
+    /// Seconds between reloads; 0: none.
+    pub refresh: u32,
+}
+
+impl PageQuery {
+    /// Proxies per page unless `limit` says otherwise.
+    pub const DEFAULT_LIMIT: usize = 50;
+    /// The most proxies one page shows.
+    pub const MAX_LIMIT: usize = 500;
+    /// Seconds between reloads unless `refresh` says otherwise.
+    pub const DEFAULT_REFRESH: u32 = 10;
+    /// The shortest reload interval accepted (each reload renders a page).
+    pub const MIN_REFRESH: u32 = 2;
+
+    /// The query of a request's query string.
+    pub fn parse(query: Option<&str>) -> Result<Self, QueryError> {
+        let mut out = Self::default();
+        for (key, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            let number = |max: u64| {
+                value.parse::<u64>().ok().filter(|n| *n <= max).ok_or_else(|| {
+                    QueryError(format!("{key} must be a whole number up to {max}, not {value:?}"))
+                })
+            };
+            match &*key {
+                "page" => {
+                    out.page = usize::try_from(number(1_000_000)?).unwrap_or(1).max(1);
+                }
+                "limit" => {
+                    let limit = number(Self::MAX_LIMIT as u64)?;
+                    if limit == 0 {
+                        return Err(QueryError(format!("limit must be 1-{}", Self::MAX_LIMIT)));
+                    }
+                    out.limit = usize::try_from(limit).unwrap_or(Self::DEFAULT_LIMIT);
+                }
+                "phase" => out.phase = Some(value.into_owned()).filter(|p| !p.is_empty()),
+                "q" => out.q = Some(value.trim().to_owned()).filter(|q| !q.is_empty()),
+                "refresh" => {
+                    let secs = u32::try_from(number(3600)?).unwrap_or(Self::DEFAULT_REFRESH);
+                    if secs != 0 && secs < Self::MIN_REFRESH {
+                        return Err(QueryError(format!(
+                            "refresh must be 0 (off) or {}-3600 seconds",
+                            Self::MIN_REFRESH
+                        )));
+                    }
+                    out.refresh = secs;
+                }
+                other => {
+                    return Err(QueryError(format!(
+                        "unknown query parameter {other:?}: the page knows page, limit, phase, q and refresh"
+                    )));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// This query's string with `page` changed (what a pagination link points at): only the
+    /// parameters that differ from the defaults.
+    pub fn with_page(&self, page: usize) -> String {
+        let mut out = form_urlencoded::Serializer::new(String::new());
+        if page != 1 {
+            out.append_pair("page", &page.to_string());
+        }
+        if self.limit != Self::DEFAULT_LIMIT {
+            out.append_pair("limit", &self.limit.to_string());
+        }
+        if let Some(phase) = &self.phase {
+            out.append_pair("phase", phase);
+        }
+        if let Some(q) = &self.q {
+            out.append_pair("q", q);
+        }
+        if self.refresh != Self::DEFAULT_REFRESH {
+            out.append_pair("refresh", &self.refresh.to_string());
+        }
+        let query = out.finish();
+        if query.is_empty() {
+            "?".to_owned()
+        } else {
+            format!("?{query}")
+        }
+    }
+
+    fn admits(&self, state: &ProxyState, attributes: Option<&Attributes>) -> bool {
+        if let Some(phase) = &self.phase {
+            let shown = if state.deleting {
+                "deleting"
+            } else {
+                state.phase.as_str()
+            };
+            if shown != phase {
+                return false;
+            }
+        }
+        let Some(q) = &self.q else { return true };
+        let q = q.to_lowercase();
+        let has = |text: &str| text.to_lowercase().contains(&q);
+        has(&format!("{}/{}", state.namespace, state.name))
+            || has(&state.provider)
+            || state.endpoint.as_deref().is_some_and(has)
+            || attributes.is_some_and(|attributes| attributes.iter().any(|(k, v)| has(&format!("{k}={v}"))))
+    }
+}
+
+impl Default for PageQuery {
+    fn default() -> Self {
+        Self {
+            page: 1,
+            limit: Self::DEFAULT_LIMIT,
+            phase: None,
+            q: None,
+            refresh: Self::DEFAULT_REFRESH,
+        }
+    }
+}
+
+/// A query string the page does not understand (answered 400, saying what to fix).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct QueryError(String);
+
 /// What the status page reads: a mode's [`ProxySource`] and the parts both modes share.
 pub struct PageInputs {
     pub source: Arc<dyn ProxySource>,
     pub leases: LeaseStore,
     pub health: HealthHandle,
     pub availability: ProviderAvailability,
-    /// The configured provider instance names.
-    pub providers: Vec<String>,
+    /// The configured provider instances, by name (their process supervision, if any, is
+    /// shown per proxy).
+    pub providers: Vec<(String, SharedProvider)>,
     /// The discovery API's: the page admits the same callers.
     pub auth: Arc<dyn Authenticator>,
 }
@@ -321,6 +544,11 @@ pub struct PageInputs {
 pub struct StatusPage {
     inputs: PageInputs,
     health_log: HealthLog,
+}
+
+/// Milliseconds since the epoch as a timestamp (the lease store's clock).
+fn at_ms(ms: u64) -> Timestamp {
+    Timestamp::from_millisecond(i64::try_from(ms).unwrap_or(i64::MAX)).unwrap_or(Timestamp::MAX)
 }
 
 impl StatusPage {
@@ -336,47 +564,103 @@ impl StatusPage {
         self.health_log.clone()
     }
 
-    /// Gathers what the page shows, now.
-    pub fn view(&self) -> Result<StatusView, UiError> {
+    /// Gathers what the page shows for `query`, now. Work per proxy outside the page is a
+    /// filter test and a count; leases, health, audit and supervision are read for the page's
+    /// proxies only.
+    pub fn view(&self, query: &PageQuery) -> Result<StatusView, UiError> {
         let mut states = self.inputs.source.proxies()?;
         states.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        let selector = self.inputs.leases.compile(&Selector::default());
-        let mut leases: BTreeMap<(String, String), ProxyView> = self
-            .inputs
-            .leases
-            .list(&selector)
+        let store = &self.inputs.leases;
+        let now_ms = store.now_ms();
+        let selector = store.compile(&Selector::default());
+        let mut leases: HashMap<ProxyKey, ProxyView> = store
+            .list_at(&selector, now_ms)
             .into_iter()
-            .map(|view| {
-                let key = (
-                    view.info.key.namespace().to_owned(),
-                    view.info.key.name().to_owned(),
-                );
-                (key, view)
-            })
+            .map(|view| (view.info.key.clone(), view))
             .collect();
         let mut per_provider: BTreeMap<&str, usize> = BTreeMap::new();
+        let mut phases: BTreeMap<String, usize> = BTreeMap::new();
         for state in &states {
             *per_provider.entry(state.provider.as_str()).or_default() += 1;
+            let phase = if state.deleting {
+                "deleting"
+            } else {
+                state.phase.as_str()
+            };
+            if let Some(n) = phases.get_mut(phase) {
+                *n += 1;
+            } else {
+                phases.insert(phase.to_owned(), 1);
+            }
         }
         let providers = self
             .inputs
             .providers
             .iter()
-            .map(|name| ProviderRow {
+            .map(|(name, _)| ProviderRow {
                 name: name.clone(),
                 down_reason: self.inputs.availability.down_reason(name),
                 proxies: per_provider.get(name.as_str()).copied().unwrap_or(0),
             })
             .collect();
         // Verdict changes of Proxies that are gone are dropped here, so the log stays bounded.
+        let present: std::collections::HashSet<(&str, &str)> = states
+            .iter()
+            .map(|s| (s.namespace.as_str(), s.name.as_str()))
+            .collect();
         self.health_log
-            .retain(|namespace, name| states.iter().any(|s| s.namespace == namespace && s.name == name));
-        let proxies = states
+            .retain(|namespace, name| present.contains(&(namespace, name)));
+        drop(present);
+        let total = states.len();
+        let active_leases = leases.values().map(|l| l.active_leases).sum();
+        let mut matched = Vec::new();
+        for state in states {
+            let key = ProxyKey::new(&state.namespace, &state.name);
+            let attributes = leases.get(&key).map(|l| &l.info.attributes);
+            if query.admits(&state, attributes) {
+                matched.push((key, state));
+            }
+        }
+        let pages = matched.len().div_ceil(query.limit).max(1);
+        let mut query = query.clone();
+        query.page = query.page.min(pages);
+        let matched_count = matched.len();
+        let proxies = matched
             .into_iter()
-            .map(|state| {
-                let key = crate::api::ProxyKey::new(&state.namespace, &state.name);
+            .skip((query.page - 1) * query.limit)
+            .take(query.limit)
+            .map(|(key, state)| {
+                let view = leases.remove(&key);
+                let attributes = view.as_ref().map_or_else(Vec::new, |v| {
+                    v.info
+                        .attributes
+                        .iter()
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .collect()
+                });
+                let leases = view.map(|v| LeaseRow {
+                    availability: v.availability,
+                    active: v.active_leases,
+                    max_concurrent: v.max_concurrent,
+                    cooldown_until: v.cooldown_until_ms.map(at_ms),
+                    bans: v.bans.into_iter().map(|(d, until)| (d, at_ms(until))).collect(),
+                    holders: store
+                        .leases_at(Some(&key), None, now_ms)
+                        .into_iter()
+                        .map(|l| HolderRow {
+                            holder: l.holder,
+                            id_tail: l.id_tail,
+                            acquired: at_ms(l.acquired_at_ms),
+                            expires: at_ms(l.expires_at_ms),
+                            target_domain: l.target_domain,
+                        })
+                        .collect(),
+                });
                 ProxyRow {
-                    leases: leases.remove(&(state.namespace.clone(), state.name.clone())),
+                    attributes,
+                    leases,
+                    process: self.process(&state),
+                    traffic: None,
                     health: self.inputs.health.snapshot(&key),
                     health_history: self
                         .health_log
@@ -394,7 +678,35 @@ impl StatusPage {
             now: Timestamp::now(),
             providers,
             proxies,
+            total,
+            matched: matched_count,
+            phases,
+            active_leases,
+            query,
         })
+    }
+
+    /// What the proxy's provider's process supervision did for its instance, if it has one.
+    fn process(&self, state: &ProxyState) -> Option<ProcessRow> {
+        let id: ProviderId = state.provider_id.as_deref()?.parse().ok()?;
+        let (_, provider) = self
+            .inputs
+            .providers
+            .iter()
+            .find(|(name, _)| *name == id.instance)?;
+        // A provider with supervision reports every instance it knows, restarted or not.
+        if provider.provider_type() != id.provider_type {
+            return None;
+        }
+        match provider.supervision_of(&id.native_id) {
+            Some(status) => Some(status.into()),
+            None if provider.provider_type() == crate::provider::local::PROVIDER_TYPE => Some(ProcessRow {
+                restarts: 0,
+                last_restart: None,
+                last_error: None,
+            }),
+            None => None,
+        }
     }
 }
 
@@ -402,7 +714,7 @@ impl StatusPage {
 impl Page for StatusPage {
     /// Answers `GET /ui` with these request headers: the page, or 401 (with a Basic challenge
     /// a browser answers), 403, or 503 when the caller cannot be checked or the view not taken.
-    async fn respond(&self, headers: &HeaderMap) -> Response<Full<Bytes>> {
+    async fn respond(&self, headers: &HeaderMap, query: Option<&str>) -> Response<Full<Bytes>> {
         if self.inputs.auth.anonymous().is_none() {
             let Some(token) = presented_token(headers) else {
                 return challenge(
@@ -418,9 +730,13 @@ impl Page for StatusPage {
                 }
             }
         }
-        match self.view() {
+        let query = match PageQuery::parse(query) {
+            Ok(query) => query,
+            Err(err) => return bad_query(&err),
+        };
+        match self.view(&query) {
             Ok(view) => {
-                let mut response = Response::new(Full::new(Bytes::from(render::page(&view))));
+                let mut response = Response::new(Full::new(Bytes::from(render(&view))));
                 let headers = response.headers_mut();
                 headers.insert(
                     header::CONTENT_TYPE,
@@ -437,6 +753,23 @@ impl Page for StatusPage {
             Err(err) => plain(StatusCode::SERVICE_UNAVAILABLE, &format!("{err}\n")),
         }
     }
+}
+
+/// The HTML of a view (what `GET /ui` answers; public for the benchmark and the screenshot
+/// test, which render fixed views).
+pub fn render(view: &StatusView) -> String {
+    render::page(view)
+}
+
+/// 400 with the API's error body: what in the query string to fix.
+fn bad_query(err: &QueryError) -> Response<Full<Bytes>> {
+    let body = serde_json::json!({"error": {"code": "malformed_request", "message": err.to_string()}});
+    let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
+    *response.status_mut() = StatusCode::BAD_REQUEST;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
 }
 
 /// The token of a Bearer header, or the password of a Basic one (what a browser sends).

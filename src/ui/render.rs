@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use jiff::Timestamp;
 
-use super::{ProxyRow, StatusView};
+use super::{PageQuery, ProxyRow, StatusView};
 use crate::{health::Verdict, lease::Availability};
 
 /// Escapes text for HTML element content and quoted attribute values (HTML5 knows XML's five
@@ -29,6 +29,12 @@ code{font:13px 'DejaVu Sans Mono',monospace}
 details{margin:.3em 0}summary{cursor:pointer}
 .audit td{font-size:.92em}
 .history{margin-top:.2em;font-size:.85em;color:#5b6475}.history .badge{font-weight:400}
+.banned{background:#fbd9d6;color:#8c1d13}.restarted{color:#8c1d13}
+.attributes{margin-top:.2em}.attr{display:inline-block;font:12px 'DejaVu Sans Mono',monospace;background:#e8ecf6;color:#2b3a67;border-radius:.3em;padding:0 .35em;margin:.1em 0}
+ul.bans,ul.holders{list-style:none;margin:.3em 0 0;padding:0;font-size:.9em}
+.process{font-size:.88em;margin-top:.2em}
+.filters{margin:.2em 0 .5em}.filters input{width:16em}.pages{margin:.3em 0 .6em;color:#5b6475}
+a{color:#1f4fa8}
 ";
 
 /// How long ago `since` was, as `kubectl` shows an age: in its largest unit (`42s`, `10m`,
@@ -43,15 +49,54 @@ pub fn age(now: Timestamp, since: Timestamp) -> String {
     }
 }
 
+/// A timestamp as the page shows one (UTC, to the second).
+fn clock(at: Timestamp) -> String {
+    at.strftime("%H:%M:%S").to_string()
+}
+
+/// How long until `until`, in an age's units (`0s` once past).
+fn left(now: Timestamp, until: Timestamp) -> String {
+    age(until, now.min(until))
+}
+
 /// The whole page.
 pub fn page(view: &StatusView) -> String {
-    let mut html = String::with_capacity(8 * 1024);
+    let mut html = String::with_capacity(16 * 1024 + view.proxies.len() * 2048);
+    html.push_str("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">");
+    // Reloads the same URL, query string included: the page keeps its filters and page.
+    if view.query.refresh > 0 {
+        let _ = write!(
+            html,
+            "<meta http-equiv=\"refresh\" content=\"{}\">",
+            view.query.refresh
+        );
+    }
+    let refresh = if view.query.refresh > 0 {
+        format!(
+            "reloads every {} s (<a href=\"{}\">stop</a>)",
+            view.query.refresh,
+            esc(&PageQuery {
+                refresh: 0,
+                ..view.query.clone()
+            }
+            .with_page(view.query.page))
+        )
+    } else {
+        format!(
+            "not reloading (<a href=\"{}\">reload every {} s</a>)",
+            esc(&PageQuery {
+                refresh: PageQuery::DEFAULT_REFRESH,
+                ..view.query.clone()
+            }
+            .with_page(view.query.page)),
+            PageQuery::DEFAULT_REFRESH
+        )
+    };
     let _ = write!(
         html,
-        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">\
-         <title>egress-proxies-operator status</title><style>{STYLE}</style></head><body>\
+        "<title>egress-proxies-operator status</title><style>{STYLE}</style></head><body>\
          <h1>egress-proxies-operator</h1>\
-         <div class=\"meta\">{} mode · taken <span id=\"taken\">{}</span> · reload the page to refresh</div>",
+         <div class=\"meta\">{} mode · taken <span id=\"taken\">{}</span> · <span id=\"refresh\">{refresh}</span></div>",
         esc(view.mode),
         esc(&view.now.strftime("%Y-%m-%d %H:%M:%S UTC").to_string()),
     );
@@ -64,24 +109,34 @@ pub fn page(view: &StatusView) -> String {
 }
 
 fn summary(html: &mut String, view: &StatusView) {
-    let mut phases = std::collections::BTreeMap::<&str, usize>::new();
-    for row in &view.proxies {
-        *phases.entry(row.state.phase.as_str()).or_default() += 1;
-    }
-    let leases: usize = view
-        .proxies
-        .iter()
-        .filter_map(|row| row.leases.as_ref())
-        .map(|l| l.active_leases)
-        .sum();
     html.push_str("<div class=\"summary\" id=\"summary\">");
-    let _ = write!(html, "<span><b>{}</b> proxies</span>", view.proxies.len());
-    for (phase, n) in phases {
-        let _ = write!(html, "<span><b>{n}</b> {}</span>", esc(phase));
+    let _ = write!(
+        html,
+        "<span><a href=\"{}\"><b>{}</b> proxies</a></span>",
+        esc(&PageQuery {
+            phase: None,
+            q: None,
+            ..view.query.clone()
+        }
+        .with_page(1)),
+        view.total
+    );
+    for (phase, n) in &view.phases {
+        let _ = write!(
+            html,
+            "<span><a href=\"{}\"><b>{n}</b> {}</a></span>",
+            esc(&PageQuery {
+                phase: Some(phase.clone()),
+                ..view.query.clone()
+            }
+            .with_page(1)),
+            esc(phase)
+        );
     }
     let _ = write!(
         html,
-        "<span><b id=\"active-leases\">{leases}</b> active leases</span></div>"
+        "<span><b id=\"active-leases\">{}</b> active leases</span></div>",
+        view.active_leases
     );
 }
 
@@ -111,10 +166,87 @@ fn providers(html: &mut String, view: &StatusView) {
     html.push_str("</tbody></table>");
 }
 
+/// The filter form and the page links (plain GET: no script).
+fn navigation(html: &mut String, view: &StatusView) {
+    let q = &view.query;
+    html.push_str("<form class=\"filters\" method=\"get\" action=\"\"><label>phase <select name=\"phase\"><option value=\"\">any</option>");
+    let mut phases: Vec<&str> = view.phases.keys().map(String::as_str).collect();
+    if let Some(phase) = q.phase.as_deref()
+        && !phases.contains(&phase)
+    {
+        phases.push(phase);
+    }
+    for phase in phases {
+        let _ = write!(
+            html,
+            "<option{}>{}</option>",
+            if q.phase.as_deref() == Some(phase) {
+                " selected"
+            } else {
+                ""
+            },
+            esc(phase)
+        );
+    }
+    let _ = write!(
+        html,
+        "</select></label> <label>text <input name=\"q\" value=\"{}\" placeholder=\"name, endpoint, key=value\"></label>",
+        esc(q.q.as_deref().unwrap_or(""))
+    );
+    if q.limit != PageQuery::DEFAULT_LIMIT {
+        let _ = write!(
+            html,
+            "<input type=\"hidden\" name=\"limit\" value=\"{}\">",
+            q.limit
+        );
+    }
+    if q.refresh != PageQuery::DEFAULT_REFRESH {
+        let _ = write!(
+            html,
+            "<input type=\"hidden\" name=\"refresh\" value=\"{}\">",
+            q.refresh
+        );
+    }
+    html.push_str(" <button>filter</button></form>");
+    let pages = view.matched.div_ceil(q.limit).max(1);
+    let first = (q.page - 1) * q.limit;
+    let _ = write!(
+        html,
+        "<div class=\"pages\" id=\"pages\">proxies {}–{} of <b id=\"matched\">{}</b>{} · page {} of {}",
+        if view.proxies.is_empty() { 0 } else { first + 1 },
+        first + view.proxies.len(),
+        view.matched,
+        if view.matched == view.total {
+            String::new()
+        } else {
+            format!(" matching (of {})", view.total)
+        },
+        q.page,
+        pages
+    );
+    for (label, page, rel) in [
+        ("first", 1, "first"),
+        ("previous", q.page.saturating_sub(1), "prev"),
+        ("next", q.page + 1, "next"),
+        ("last", pages, "last"),
+    ] {
+        if (1..=pages).contains(&page) && page != q.page {
+            let _ = write!(
+                html,
+                " · <a rel=\"{rel}\" href=\"{}\">{label}</a>",
+                esc(&q.with_page(page))
+            );
+        }
+    }
+    html.push_str("</div>");
+}
+
 fn proxies(html: &mut String, view: &StatusView) {
+    html.push_str("<h2>Proxies</h2>");
+    navigation(html, view);
     html.push_str(
-        "<h2>Proxies</h2><table id=\"proxies\"><thead><tr><th>proxy</th><th>phase</th><th>provider</th>\
-         <th>endpoint</th><th>leases</th><th>health</th><th>ready</th><th>age</th></tr></thead><tbody>",
+        "<table id=\"proxies\"><thead><tr><th>proxy</th><th>phase</th><th>provider</th>\
+         <th>endpoint</th><th>leases</th><th>health</th><th>ready</th><th>traffic</th><th>age</th></tr></thead><tbody>",
     );
     for row in &view.proxies {
         let s = &row.state;
@@ -127,18 +259,38 @@ fn proxies(html: &mut String, view: &StatusView) {
         let _ = write!(
             html,
             "<tr class=\"proxy\" data-proxy=\"{ns}/{name}\" data-phase=\"{phase}\">\
-             <td class=\"nowrap\"><span class=\"muted\">{ns}/</span><b>{name}</b></td>\
-             <td><span class=\"badge {phase_class}\">{phase_text}</span></td>\
-             <td><code>{provider}</code></td><td><code class=\"endpoint\">{endpoint}</code></td>",
+             <td class=\"nowrap\"><span class=\"muted\">{ns}/</span><b>{name}</b>",
             ns = esc(&s.namespace),
             name = esc(&s.name),
             phase = esc(&s.phase),
+        );
+        if !row.attributes.is_empty() {
+            html.push_str("<div class=\"attributes\">");
+            for (key, value) in &row.attributes {
+                let _ = write!(
+                    html,
+                    "<span class=\"attr\" data-attr=\"{k}\">{k}={v}</span> ",
+                    k = esc(key),
+                    v = esc(value)
+                );
+            }
+            html.push_str("</div>");
+        }
+        let _ = write!(
+            html,
+            "</td><td><span class=\"badge {phase_class}\">{phase_text}</span></td>\
+             <td><code>{provider}</code>",
             phase_class = esc(phase_class),
             phase_text = esc(&phase_text),
             provider = esc(&s.provider),
-            endpoint = esc(s.endpoint.as_deref().unwrap_or("-")),
         );
-        leases(html, row);
+        process(html, row, view.now);
+        let _ = write!(
+            html,
+            "</td><td><code class=\"endpoint\">{}</code></td>",
+            esc(s.endpoint.as_deref().unwrap_or("-"))
+        );
+        leases(html, row, view.now);
         health(html, row, view.now);
         match &s.ready {
             Some((reason, message)) => {
@@ -151,6 +303,16 @@ fn proxies(html: &mut String, view: &StatusView) {
             }
             None => html.push_str("<td class=\"muted\">-</td>"),
         }
+        match row.traffic {
+            Some(t) => {
+                let _ = write!(
+                    html,
+                    "<td class=\"traffic\">{} requests<br>{} errors</td>",
+                    t.requests, t.errors
+                );
+            }
+            None => html.push_str("<td class=\"traffic muted\">not measured</td>"),
+        }
         let _ = write!(
             html,
             "<td>{}</td></tr>",
@@ -158,12 +320,30 @@ fn proxies(html: &mut String, view: &StatusView) {
         );
     }
     if view.proxies.is_empty() {
-        html.push_str("<tr><td colspan=\"8\" class=\"muted\">no proxies</td></tr>");
+        html.push_str("<tr><td colspan=\"9\" class=\"muted\">no proxies</td></tr>");
     }
     html.push_str("</tbody></table>");
 }
 
-fn leases(html: &mut String, row: &ProxyRow) {
+/// The local process behind a proxy: how often supervision restarted it.
+fn process(html: &mut String, row: &ProxyRow, now: Timestamp) {
+    let Some(p) = &row.process else { return };
+    let class = if p.restarts > 0 { "restarted" } else { "muted" };
+    let _ = write!(
+        html,
+        "<div class=\"process {class}\">process restarts: <b class=\"restarts\">{}</b>",
+        p.restarts
+    );
+    if let Some(at) = p.last_restart {
+        let _ = write!(html, ", last {} ({} ago)", esc(&clock(at)), esc(&age(now, at)));
+    }
+    if let Some(error) = &p.last_error {
+        let _ = write!(html, "<br><span class=\"err\">{}</span>", esc(error));
+    }
+    html.push_str("</div>");
+}
+
+fn leases(html: &mut String, row: &ProxyRow, now: Timestamp) {
     let Some(l) = &row.leases else {
         html.push_str("<td class=\"muted\">not in rotation</td>");
         return;
@@ -178,9 +358,56 @@ fn leases(html: &mut String, row: &ProxyRow) {
     };
     let _ = write!(
         html,
-        "<td><span class=\"leases\"><b>{}</b> / {}</span> slots <span class=\"badge {class}\">{word}</span></td>",
-        l.active_leases, l.max_concurrent
+        "<td><span class=\"leases\"><b>{}</b> / {}</span> slots <span class=\"badge {class}\">{word}</span>",
+        l.active, l.max_concurrent
     );
+    if let Some(until) = l.cooldown_until {
+        let _ = write!(
+            html,
+            "<div class=\"muted\">cooling down until {} ({} left)</div>",
+            esc(&clock(until)),
+            esc(&left(now, until))
+        );
+    }
+    if !l.bans.is_empty() {
+        html.push_str("<ul class=\"bans\">");
+        for (domain, until) in &l.bans {
+            let _ = write!(
+                html,
+                "<li class=\"ban\" data-domain=\"{d}\"><span class=\"badge banned\">banned</span> for <b>{d}</b> until {} ({} left)</li>",
+                esc(&clock(*until)),
+                esc(&left(now, *until)),
+                d = esc(domain),
+            );
+        }
+        html.push_str("</ul>");
+    }
+    if !l.holders.is_empty() {
+        html.push_str("<ul class=\"holders\">");
+        for h in &l.holders {
+            let id = h
+                .id_tail
+                .as_deref()
+                .map_or_else(|| "(ID not kept)".to_owned(), |tail| format!("…{tail}"));
+            let _ = write!(
+                html,
+                "<li class=\"holder\"><b>{}</b> <code class=\"lease-id\">{}</code>",
+                esc(&h.holder),
+                esc(&id)
+            );
+            if let Some(domain) = &h.target_domain {
+                let _ = write!(html, " for {}", esc(domain));
+            }
+            let _ = write!(
+                html,
+                " <span class=\"muted\">since {}, ends in {}</span></li>",
+                esc(&age(now, h.acquired)),
+                esc(&left(now, h.expires))
+            );
+        }
+        html.push_str("</ul>");
+    }
+    html.push_str("</td>");
 }
 
 fn health(html: &mut String, row: &ProxyRow, now: Timestamp) {
@@ -239,7 +466,7 @@ fn verdict(verdict: Verdict) -> (&'static str, &'static str) {
 fn audit(html: &mut String, view: &StatusView) {
     let _ = write!(
         html,
-        "<h2>Recent lifecycle (last {} transitions per proxy)</h2>",
+        "<h2>Recent lifecycle (last {} transitions per proxy on this page)</h2>",
         super::AUDIT_ENTRIES_SHOWN
     );
     for row in &view.proxies {

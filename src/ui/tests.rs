@@ -1,6 +1,7 @@
 use hyper::HeaderMap;
 
 use super::{render::esc, *};
+use crate::lease::Availability;
 
 #[test]
 fn every_html_special_character_is_escaped() {
@@ -94,8 +95,29 @@ fn user_input_on_the_page_is_escaped_and_every_section_renders() {
                 endpoint: Some("10.0.0.7:3128".to_owned()),
                 ready: Some(("HealthCheckFailed".to_owned(), hostile.to_owned())),
                 created: Some(Timestamp::from_second(400).expect("time")),
+                provider_id: None,
             },
-            leases: None,
+            attributes: vec![("pool".to_owned(), hostile.to_owned())],
+            leases: Some(LeaseRow {
+                availability: Availability::Available,
+                active: 1,
+                max_concurrent: 2,
+                cooldown_until: None,
+                bans: vec![(hostile.to_owned(), Timestamp::from_second(1_600).expect("time"))],
+                holders: vec![HolderRow {
+                    holder: hostile.to_owned(),
+                    id_tail: Some("abcd1234".to_owned()),
+                    acquired: Timestamp::from_second(940).expect("time"),
+                    expires: Timestamp::from_second(1_300).expect("time"),
+                    target_domain: Some(hostile.to_owned()),
+                }],
+            }),
+            process: Some(ProcessRow {
+                restarts: 2,
+                last_restart: Some(Timestamp::from_second(880).expect("time")),
+                last_error: Some(hostile.to_owned()),
+            }),
+            traffic: None,
             health: None,
             health_history: vec![HealthChange {
                 at: Timestamp::from_second(900).expect("time"),
@@ -109,6 +131,11 @@ fn user_input_on_the_page_is_escaped_and_every_section_renders() {
                 message: hostile.to_owned(),
             }],
         }],
+        total: 1,
+        matched: 1,
+        phases: BTreeMap::from([("deleting".to_owned(), 1)]),
+        active_leases: 1,
+        query: PageQuery::default(),
     };
     let html = render::page(&view);
     assert!(!html.contains("<script"), "{html}");
@@ -118,11 +145,187 @@ fn user_input_on_the_page_is_escaped_and_every_section_renders() {
         "degraded (deleting)",
         "10.0.0.7:3128",
         "unavailable",
-        "not in rotation",
+        "pool=&lt;script&gt;",
+        "1</b> / 2</span> slots",
+        "…abcd1234",
+        "until 00:26:40 (10m left)",
+        "process restarts: <b class=\"restarts\">2</b>, last 00:14:40 (2m ago)",
+        "not measured",
+        "<meta http-equiv=\"refresh\" content=\"10\">",
         "not probed",
         "healthy --health_failed--&gt; degraded",
         "10m",
     ] {
         assert!(html.contains(shown), "{shown} missing: {html}");
     }
+}
+
+#[test]
+fn the_query_string_pages_filters_and_says_what_is_wrong() {
+    assert_eq!(PageQuery::parse(None).expect("empty"), PageQuery::default());
+    let q = PageQuery::parse(Some("page=3&limit=20&phase=healthy&q=pool%3Dui&refresh=0")).expect("valid");
+    assert_eq!(
+        (q.page, q.limit, q.phase.as_deref(), q.q.as_deref(), q.refresh),
+        (3, 20, Some("healthy"), Some("pool=ui"), 0)
+    );
+    // Links keep the filters and change the page only.
+    assert_eq!(
+        q.with_page(4),
+        "?page=4&limit=20&phase=healthy&q=pool%3Dui&refresh=0"
+    );
+    assert_eq!(PageQuery::default().with_page(1), "?");
+    for (bad, says) in [
+        ("page=x", "page must be a whole number"),
+        ("limit=0", "limit must be 1-500"),
+        ("limit=501", "limit must be a whole number up to 500"),
+        ("refresh=1", "refresh must be 0 (off) or 2-3600"),
+        ("sort=name", "unknown query parameter \"sort\""),
+    ] {
+        let err = PageQuery::parse(Some(bad)).expect_err(bad).to_string();
+        assert!(err.contains(says), "{bad}: {err}");
+    }
+}
+
+/// A source of `n` healthy proxies `web-0000`.. (half in pool `a`, half in `b`) and one
+/// provisioning one.
+struct Fixed(Vec<ProxyState>);
+
+impl ProxySource for Fixed {
+    fn proxies(&self) -> Result<Vec<ProxyState>, UiError> {
+        Ok(self.0.clone())
+    }
+    fn audit(&self, _: &str, _: &str, _: usize) -> Vec<AuditRow> {
+        Vec::new()
+    }
+    fn mode(&self) -> &'static str {
+        "standalone"
+    }
+}
+
+#[tokio::test]
+async fn the_view_reads_holders_bans_and_attributes_from_the_store_for_one_page() {
+    use crate::{
+        api::LeasePolicy,
+        lease::{AcquireRequest, Admission, LeaseStoreConfig, LeaseTarget, Outcome},
+        provider::Endpoint,
+    };
+    let leases = LeaseStore::new(LeaseStoreConfig::default());
+    let mut states = Vec::new();
+    for i in 0..120 {
+        let name = format!("web-{i:04}");
+        let key = ProxyKey::new("crawl", &name);
+        leases.upsert_proxy(LeaseTarget {
+            key: key.clone(),
+            endpoint: Endpoint {
+                host: "127.0.0.1".into(),
+                port: 3000 + i,
+            },
+            attributes: [("pool".to_owned(), if i % 2 == 0 { "a" } else { "b" }.to_owned())]
+                .into_iter()
+                .chain((i == 0).then(|| ("tier".to_owned(), "gold".to_owned())))
+                .collect(),
+            policy: LeasePolicy {
+                max_concurrent: 2,
+                cooldown_seconds: 0,
+                max_ttl_seconds: 600,
+            },
+            credentials: None,
+        });
+        leases.set_admission(&key, Admission::Open).expect("open");
+        states.push(ProxyState {
+            namespace: "crawl".to_owned(),
+            name,
+            provider: "local".to_owned(),
+            phase: if i == 7 { "provisioning" } else { "healthy" }.to_owned(),
+            endpoint: Some(format!("127.0.0.1:{}", 3000 + i)),
+            ..ProxyState::default()
+        });
+    }
+    // Two leases on web-0000: one released banned for shop.example, one held (its ID kept).
+    let only = leases.compile(&Selector::parse("tier=gold").expect("selector"));
+    let acquire = |holder: &str, domain: Option<&str>| {
+        leases
+            .acquire(&AcquireRequest {
+                selector: &only,
+                holder,
+                ttl: std::time::Duration::from_secs(300),
+                target_domain: domain,
+                session_key: None,
+                request_id: None,
+            })
+            .expect("acquire")
+    };
+    let banned = acquire("crawler-a", Some("shop.example"));
+    assert_eq!(banned.id.key.name(), "web-0000");
+    leases
+        .release(&banned.id, banned.fencing_token, Outcome::Banned, None)
+        .expect("release");
+    let held = acquire("crawler-b", Some("news.example"));
+    let whole_id = "AAAAwhole-lease-id-never-shown-0123456789abcdef";
+    leases.keep_issued_id(&held.id, whole_id);
+
+    let (health, _events) =
+        crate::health::HealthEngine::start(crate::health::HealthConfig::default()).expect("health engine");
+    let page = StatusPage::new(PageInputs {
+        source: Arc::new(Fixed(states)),
+        leases,
+        health,
+        availability: ProviderAvailability::default(),
+        providers: Vec::new(),
+        auth: Arc::new(crate::discovery::auth::NoAuthentication),
+    });
+    let view = page.view(&PageQuery::default()).expect("view");
+    assert_eq!((view.total, view.matched, view.proxies.len()), (120, 120, 50));
+    assert_eq!(view.phases.get("healthy"), Some(&119));
+    assert_eq!(view.active_leases, 1);
+    let first = &view.proxies[0];
+    assert_eq!(
+        first.attributes,
+        [
+            ("pool".to_owned(), "a".to_owned()),
+            ("tier".to_owned(), "gold".to_owned())
+        ]
+    );
+    let l = first.leases.as_ref().expect("in rotation");
+    assert_eq!(l.bans.len(), 1);
+    assert_eq!(l.bans[0].0, "shop.example");
+    assert!(l.bans[0].1 > view.now, "the ban ends later");
+    assert_eq!(l.holders.len(), 1);
+    assert_eq!(l.holders[0].holder, "crawler-b");
+    assert_eq!(l.holders[0].id_tail.as_deref(), Some("89abcdef"));
+    let html = render::page(&view);
+    assert!(!html.contains(whole_id), "the whole lease ID is on the page");
+    assert!(html.contains("…89abcdef"), "{html}");
+    let token = format!(">{}<", held.fencing_token);
+    assert!(!html.contains(&token), "a fencing token on the page");
+
+    // The last page; a filter by phase; a filter by attribute text.
+    let last = page
+        .view(&PageQuery {
+            page: 9,
+            ..PageQuery::default()
+        })
+        .expect("view");
+    assert_eq!((last.query.page, last.proxies.len()), (3, 20));
+    assert_eq!(last.proxies[0].state.name, "web-0100");
+    let html = render::page(&last);
+    assert!(html.contains("rel=\"prev\" href=\"?page=2\""), "{html}");
+    assert!(!html.contains("rel=\"next\""), "{html}");
+    let provisioning = page
+        .view(&PageQuery {
+            phase: Some("provisioning".to_owned()),
+            ..PageQuery::default()
+        })
+        .expect("view");
+    assert_eq!(provisioning.matched, 1);
+    assert_eq!(provisioning.proxies[0].state.name, "web-0007");
+    let pool_b = page
+        .view(&PageQuery {
+            q: Some("POOL=b".to_owned()),
+            limit: 500,
+            ..PageQuery::default()
+        })
+        .expect("view");
+    assert_eq!(pool_b.matched, 60);
+    assert!(pool_b.proxies.iter().all(|p| p.attributes[0].1 == "b"));
 }

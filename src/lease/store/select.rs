@@ -492,6 +492,7 @@ impl LeaseStore {
                         expires_at_ms: l.expires_at,
                         target_domain: l.target_domain.as_deref().map(str::to_owned),
                         session_key: l.session_key.as_deref().map(str::to_owned),
+                        id_tail: l.issued_id.as_ref().map(|id| id.tail(LeaseView::ID_TAIL)),
                     });
                 }
             }

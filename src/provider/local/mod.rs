@@ -139,6 +139,7 @@ impl LocalProvider {
             .get(name)
             .map(|s| SupervisionStatus {
                 restarts: s.restarts,
+                last_restart_at: s.last_restart_at,
                 consecutive_attempts: s.attempts,
                 last_error: s.last_error.clone(),
                 next_attempt_in: s.next_attempt.map(|at| at.saturating_duration_since(now)),
@@ -375,6 +376,10 @@ impl Provider for LocalProvider {
         }
         tracing::info!(instance = %inner.instance, name, "proxy credentials updated in place");
         Ok(CredentialsUpdate::Applied)
+    }
+
+    fn supervision_of(&self, name: &str) -> Option<SupervisionStatus> {
+        self.supervision(name)
     }
 
     async fn probe(&self) -> Result<ProbeReport, ProviderError> {

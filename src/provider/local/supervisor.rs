@@ -48,8 +48,10 @@ pub fn restart_backoff(attempt: u32) -> Duration {
 /// What supervision has done for one instance (for diagnostics and tests).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SupervisionStatus {
-    /// Restarts that started a Squid.
+    /// Restarts that started a Squid (since this process started supervising).
     pub restarts: u64,
+    /// When the last of them happened (wall clock, for the status page).
+    pub last_restart_at: Option<jiff::Timestamp>,
     /// Restart attempts since the instance last stayed up for [`STABLE_AFTER`].
     pub consecutive_attempts: u32,
     /// Why the last attempt failed, if it did.
@@ -61,6 +63,7 @@ pub struct SupervisionStatus {
 #[derive(Default)]
 pub(super) struct Supervision {
     pub(super) restarts: u64,
+    pub(super) last_restart_at: Option<jiff::Timestamp>,
     pub(super) attempts: u32,
     pub(super) last_attempt: Option<Instant>,
     pub(super) next_attempt: Option<Instant>,
@@ -285,6 +288,7 @@ impl Inner {
         match result {
             Ok(pid) => {
                 s.restarts += 1;
+                s.last_restart_at = Some(jiff::Timestamp::now());
                 s.last_error = None;
                 tracing::warn!(instance = %self.instance, name, pid, attempt = s.attempts, "restarted dead squid");
             }
