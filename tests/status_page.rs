@@ -17,14 +17,25 @@ mod blocking_http;
 mod support;
 
 use std::{
-    net::SocketAddr,
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener},
     path::Path,
     process::Command,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use blocking_http::{base64, request};
-use egress_proxies_operator::api::Proxy;
+use egress_proxies_operator::{
+    api::Proxy,
+    health::{HealthSnapshot, Verdict},
+    lease::Availability,
+    ui,
+};
+use jiff::Timestamp;
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, api::PostParams};
 use support::{
@@ -42,7 +53,13 @@ const CANARY_PASSWORD: &str = "ui-canary-pw-5f2c91";
 fn chromium(profile: &Path, args: &[&str], url: &str) -> String {
     let output = Command::new("timeout")
         .args(["90", "chromium", "--headless", "--no-sandbox", "--disable-gpu"])
-        .args(["--no-first-run", "--disable-dev-shm-usage", "--hide-scrollbars"])
+        .args([
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+        ])
+        .args(["--disable-component-update", "--disable-sync"])
+        .args(["--disable-dev-shm-usage", "--hide-scrollbars"])
         .arg(format!("--user-data-dir={}", profile.display()))
         .args(args)
         .arg(url)
@@ -474,4 +491,360 @@ async fn the_cluster_status_page_shows_the_trail_across_a_leader_change() {
         assert!(audit.contains(expected), "{expected:?} not in {audit}");
     }
     second.stop().await;
+}
+
+/// The golden screenshot: `tests/fixtures/status_page.png`.
+const GOLDEN: &str = "tests/fixtures/status_page.png";
+/// A pixel differs when one of its channels differs by more than this (anti-aliasing noise).
+const CHANNEL_TOLERANCE: u8 = 40;
+/// The share of differing pixels allowed (0.5 %): a changed word or row moves far more.
+const PIXEL_TOLERANCE: f64 = 0.005;
+
+/// A fixed view of the page: a fixed clock and fixed proxies, so every age and time is the same
+/// on every run. It shows every part: attributes, slots, holders with lease-ID tails, bans,
+/// process restarts, health with history, a down provider, pagination and the audit trail.
+fn fixed_view() -> ui::StatusView {
+    let at = |s: &str| s.parse::<Timestamp>().expect("timestamp");
+    let now = at("2026-12-04T12:00:00Z");
+    let state = |name: &str, phase: &str, port: u16, ready: (&str, &str)| ui::ProxyState {
+        namespace: "crawl".to_owned(),
+        name: name.to_owned(),
+        provider: "local".to_owned(),
+        phase: phase.to_owned(),
+        deleting: false,
+        endpoint: Some(format!("127.0.0.1:{port}")),
+        ready: Some((ready.0.to_owned(), ready.1.to_owned())),
+        created: Some(at("2026-12-04T09:12:00Z")),
+        provider_id: Some(format!("local/local/epo-crawl-{name}-0a1b2c3d")),
+    };
+    let attributes = |pairs: &[(&str, &str)]| {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect::<Vec<_>>()
+    };
+    let passing = |since: &str| HealthSnapshot {
+        verdict: Verdict::Passing,
+        consecutive_successes: 42,
+        last_latency: Some(Duration::from_millis(12)),
+        last_probe_at: Some(at("2026-12-04T11:59:48Z")),
+        verdict_since: Some(at(since)),
+        probes: 44,
+        ..HealthSnapshot::default()
+    };
+    let audit = |reason: &str, arrow: &str, when: &str| ui::AuditRow {
+        at: at(when),
+        arrow: arrow.to_owned(),
+        reason: reason.to_owned(),
+        message: String::new(),
+    };
+    let trail = vec![
+        audit(
+            "ProvisioningStarted",
+            "pending --spec_observed--> provisioning",
+            "2026-12-04T09:12:01Z",
+        ),
+        audit(
+            "InstanceCreated",
+            "provisioning --instance_created--> provisioning",
+            "2026-12-04T09:12:02Z",
+        ),
+        audit(
+            "Healthy",
+            "provisioning --health_passed--> healthy",
+            "2026-12-04T09:12:05Z",
+        ),
+    ];
+    let web_1 = ui::ProxyRow {
+        state: state("web-1", "healthy", 31281, ("Healthy", "health checks pass")),
+        attributes: attributes(&[("pool", "retail"), ("region", "eu-west")]),
+        leases: Some(ui::LeaseRow {
+            availability: Availability::Available,
+            active: 2,
+            max_concurrent: 4,
+            cooldown_until: None,
+            bans: vec![("shop.example".to_owned(), at("2026-12-04T12:25:00Z"))],
+            holders: vec![
+                ui::HolderRow {
+                    holder: "crawler-a".to_owned(),
+                    id_tail: Some("Q2x9fTbA".to_owned()),
+                    acquired: at("2026-12-04T11:58:00Z"),
+                    expires: at("2026-12-04T12:03:00Z"),
+                    target_domain: Some("news.example".to_owned()),
+                },
+                ui::HolderRow {
+                    holder: "crawler-b".to_owned(),
+                    id_tail: Some("u7RkP0zc".to_owned()),
+                    acquired: at("2026-12-04T11:59:30Z"),
+                    expires: at("2026-12-04T12:04:30Z"),
+                    target_domain: None,
+                },
+            ],
+        }),
+        process: Some(ui::ProcessRow {
+            restarts: 0,
+            last_restart: None,
+            last_error: None,
+        }),
+        traffic: None,
+        health: Some(passing("2026-12-04T09:12:05Z")),
+        health_history: vec![ui::HealthChange {
+            at: at("2026-12-04T09:12:05Z"),
+            verdict: Verdict::Passing,
+            error: None,
+        }],
+        audit: trail.clone(),
+    };
+    let web_2 = ui::ProxyRow {
+        state: state("web-2", "healthy", 31282, ("Healthy", "health checks pass")),
+        attributes: attributes(&[("pool", "retail"), ("region", "us-east")]),
+        leases: Some(ui::LeaseRow {
+            availability: Availability::CoolingDown,
+            active: 0,
+            max_concurrent: 1,
+            cooldown_until: Some(at("2026-12-04T12:00:20Z")),
+            bans: Vec::new(),
+            holders: Vec::new(),
+        }),
+        process: Some(ui::ProcessRow {
+            restarts: 2,
+            last_restart: Some(at("2026-12-04T11:57:00Z")),
+            last_error: None,
+        }),
+        traffic: None,
+        health: Some(HealthSnapshot {
+            recovered: true,
+            ..passing("2026-12-04T11:57:10Z")
+        }),
+        health_history: vec![
+            ui::HealthChange {
+                at: at("2026-12-04T11:56:55Z"),
+                verdict: Verdict::Failing,
+                error: Some("connection refused".to_owned()),
+            },
+            ui::HealthChange {
+                at: at("2026-12-04T11:57:10Z"),
+                verdict: Verdict::Passing,
+                error: None,
+            },
+        ],
+        audit: trail.clone(),
+    };
+    let web_3 = ui::ProxyRow {
+        state: state(
+            "web-3",
+            "provisioning",
+            31283,
+            ("HealthCheckFailed", "probe answered 500 Internal Server Error"),
+        ),
+        attributes: Vec::new(),
+        leases: None,
+        process: Some(ui::ProcessRow {
+            restarts: 0,
+            last_restart: None,
+            last_error: None,
+        }),
+        traffic: None,
+        health: Some(HealthSnapshot {
+            verdict: Verdict::Failing,
+            consecutive_failures: 5,
+            last_error: Some("probe answered 500 Internal Server Error".to_owned()),
+            last_probe_at: Some(at("2026-12-04T11:59:55Z")),
+            verdict_since: Some(at("2026-12-04T11:58:00Z")),
+            probes: 5,
+            ..HealthSnapshot::default()
+        }),
+        health_history: Vec::new(),
+        audit: trail[..2].to_vec(),
+    };
+    ui::StatusView {
+        mode: "standalone",
+        now,
+        providers: vec![
+            ui::ProviderRow {
+                name: "local".to_owned(),
+                down_reason: None,
+                proxies: 240,
+            },
+            ui::ProviderRow {
+                name: "kvm".to_owned(),
+                down_reason: Some("connecting to qemu:///system: no such file".to_owned()),
+                proxies: 0,
+            },
+        ],
+        proxies: vec![web_1, web_2, web_3],
+        // Page 2 of a filtered pool, three per page: every pagination link shows.
+        total: 240,
+        matched: 12,
+        phases: [("healthy".to_owned(), 231), ("provisioning".to_owned(), 9)]
+            .into_iter()
+            .collect(),
+        active_leases: 57,
+        query: ui::PageQuery {
+            page: 2,
+            limit: 3,
+            q: Some("pool=retail".to_owned()),
+            ..ui::PageQuery::default()
+        },
+    }
+}
+
+/// Serves `html` to every request on 127.0.0.1 (a port of its own) until dropped.
+struct FixedServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FixedServer {
+    fn start(html: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                if stopped.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(mut stream) = stream else { continue };
+                // The request head (the page is the same for every request).
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                    head.push(byte[0]);
+                }
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/html; charset=utf-8\r\nContent-Length: {}\r\n\
+                     Connection: close\r\n\r\n{html}",
+                    html.len()
+                );
+            }
+        });
+        Self {
+            addr,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for FixedServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wakes the accept loop, which then sees the flag.
+        let _ = std::net::TcpStream::connect(self.addr);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// RGBA pixels and size of a PNG.
+fn decode(png_bytes: &[u8]) -> (u32, u32, Vec<u8>) {
+    let mut decoder = png::Decoder::new(std::io::Cursor::new(png_bytes));
+    decoder.set_transformations(png::Transformations::normalize_to_color8());
+    let mut reader = decoder.read_info().expect("a PNG");
+    let mut buffer = vec![0; reader.output_buffer_size().expect("size")];
+    let info = reader.next_frame(&mut buffer).expect("PNG pixels");
+    let pixels = &buffer[..info.buffer_size()];
+    let rgba = match info.color_type {
+        png::ColorType::Rgba => pixels.to_vec(),
+        png::ColorType::Rgb => pixels
+            .chunks_exact(3)
+            .flat_map(|p| [p[0], p[1], p[2], 255])
+            .collect(),
+        png::ColorType::GrayscaleAlpha => pixels
+            .chunks_exact(2)
+            .flat_map(|p| [p[0], p[0], p[0], p[1]])
+            .collect(),
+        png::ColorType::Grayscale => pixels.iter().flat_map(|&g| [g, g, g, 255]).collect(),
+        png::ColorType::Indexed => unreachable!("normalize_to_color8 expands palettes"),
+    };
+    (info.width, info.height, rgba)
+}
+
+/// The share of pixels that differ by more than [`CHANNEL_TOLERANCE`] in a channel.
+fn differing_share(a: &[u8], b: &[u8]) -> f64 {
+    let differing = a
+        .chunks_exact(4)
+        .zip(b.chunks_exact(4))
+        .filter(|(p, q)| {
+            p.iter()
+                .zip(q.iter())
+                .any(|(x, y)| x.abs_diff(*y) > CHANNEL_TOLERANCE)
+        })
+        .count();
+    differing as f64 / (a.len() / 4) as f64
+}
+
+/// Headless Chromium renders the page of a fixed view; the screenshot must match the committed
+/// golden image within a small tolerance. `EPO_UPDATE_SCREENSHOTS=1` writes a new golden image
+/// instead (look at it before committing it).
+#[test]
+fn the_status_page_screenshot_matches_the_golden_image() {
+    let html = ui::render(&fixed_view());
+    let server = FixedServer::start(html);
+    let profile = tempfile::tempdir().expect("chromium profile");
+    let shot = profile.path().join("shot.png");
+    chromium(
+        profile.path(),
+        &[
+            &format!("--screenshot={}", shot.display()),
+            "--window-size=1400,1000",
+            "--force-device-scale-factor=1",
+            "--font-render-hinting=none",
+        ],
+        &format!("http://{}/ui", server.addr),
+    );
+    drop(server);
+    let actual = std::fs::read(&shot).expect("the screenshot was written");
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join(GOLDEN);
+    if std::env::var_os("EPO_UPDATE_SCREENSHOTS").is_some() {
+        std::fs::write(&golden, &actual).expect("writing the golden image");
+        return;
+    }
+    let expected = std::fs::read(&golden)
+        .unwrap_or_else(|e| panic!("{GOLDEN}: {e} (EPO_UPDATE_SCREENSHOTS=1 writes it)"));
+    let (w, h, got) = decode(&actual);
+    let (gw, gh, want) = decode(&expected);
+    let keep = || {
+        let copy = std::env::temp_dir().join("status_page.actual.png");
+        let _ = std::fs::write(&copy, &actual);
+        copy
+    };
+    assert_eq!(
+        (w, h),
+        (gw, gh),
+        "screenshot size differs from {GOLDEN}; this run's is in {}",
+        keep().display()
+    );
+    let share = differing_share(&got, &want);
+    assert!(
+        share <= PIXEL_TOLERANCE,
+        "{:.2} % of the pixels differ from {GOLDEN} (at most {:.2} % may): this run's screenshot \
+         is in {}; if the change is intended, EPO_UPDATE_SCREENSHOTS=1 regenerates the golden image",
+        share * 100.0,
+        PIXEL_TOLERANCE * 100.0,
+        keep().display()
+    );
+}
+
+/// The comparison can fail: a page with one proxy's phase changed is far from the golden view.
+#[test]
+fn the_screenshot_comparison_sees_a_changed_pixel_region() {
+    let base = vec![255u8; 100 * 100 * 4];
+    let mut changed = base.clone();
+    // One 10x10 block (1 % of the pixels) turned black.
+    for y in 0..10 {
+        for x in 0..10 {
+            let i = (y * 100 + x) * 4;
+            changed[i..i + 3].copy_from_slice(&[0, 0, 0]);
+        }
+    }
+    assert!(differing_share(&base, &changed) > PIXEL_TOLERANCE);
+    // Anti-aliasing noise within the channel tolerance is not a difference.
+    let noisy: Vec<u8> = base.iter().map(|v| v - CHANNEL_TOLERANCE).collect();
+    assert_eq!(differing_share(&base, &noisy), 0.0);
 }
