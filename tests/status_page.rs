@@ -1,15 +1,22 @@
 //! The status page (`GET /ui`) in a real browser: standalone mode as a user runs it (the real
-//! binary, real Squids from the `local` provider, one with proxy credentials from a Secret), a
-//! lease taken over the discovery API, then headless Chromium (Debian's `chromium`) loads the
-//! page with the discovery token as the Basic password, dumps its DOM and takes a screenshot.
-//! The DOM must show the proxies' names, phases, endpoints, lease counts, provider health and
-//! audit reasons, and neither the credentials' canary password nor the token; the screenshot
-//! must be a real PNG. Without credentials the page asks for them (401 with a Basic challenge).
+//! binary, real Squids from the `local` provider, one with proxy credentials from a Secret),
+//! leases taken over the discovery API, one released `banned` for a domain, one Squid killed
+//! with SIGKILL and restarted by the local provider's supervision; then headless Chromium
+//! (Debian's `chromium`) loads the page with the discovery token as the Basic password, dumps
+//! its DOM and takes a screenshot. The DOM must show the proxies' names, phases, endpoints,
+//! attributes, lease counts and holders (with lease-ID tails, never whole IDs), the ban and its
+//! end, the restart, provider health and audit reasons, and neither the credentials' canary
+//! password nor the token; paging and filters work over HTTP, and a bad query string gets a 400.
+//! Without credentials the page asks for them (401 with a Basic challenge).
 //!
 //! The same page in cluster mode (on the admin port, against a real kube-apiserver and etcd)
 //! shows the same things from the controller's cache and its in-memory audit.
 //!
-//! `EPO_UI_SCREENSHOT=FILE` keeps a copy of the screenshot (to look at it).
+//! The golden screenshot: Chromium renders the page of a fixed view (fixed clock and proxies)
+//! served from a loopback socket, and the PNG must match `tests/fixtures/status_page.png` within
+//! a small tolerance; `EPO_UPDATE_SCREENSHOTS=1` writes a new one.
+//!
+//! `EPO_UI_SCREENSHOT=FILE` keeps a copy of the real run's screenshot (to look at it).
 //! Needs `chromium` and `squid` (scripts/test.sh installs them).
 
 #[path = "support/blocking_http.rs"]
@@ -48,6 +55,9 @@ use support::{
 
 /// The proxy credentials' password: it must never reach the page.
 const CANARY_PASSWORD: &str = "ui-canary-pw-5f2c91";
+
+/// How the page shows one restart of a proxy's Squid.
+const RESTARTED_ONCE: &str = "process restarts: <b class=\"restarts\">1</b>, last ";
 
 /// Runs Chromium headless on `url` with `args`; returns its stdout. Killed after 90 s.
 fn chromium(profile: &Path, args: &[&str], url: &str) -> String {
@@ -171,12 +181,72 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     }
 
     // Two leases on web-1 (whose URL carries the password: the page must not).
+    let mut lease_ids = Vec::new();
     for holder in ["crawler-a", "crawler-b"] {
         let lease = acquire(api, &token, r#"{"slot":"one"}"#, holder);
         assert!(
             lease.contains(CANARY_PASSWORD),
             "the lease itself carries the credentials"
         );
+        lease_ids.push((holder, field(&lease, "leaseId")));
+    }
+    // web-2 banned for shop.example through the release API.
+    let lease = acquire_for(
+        api,
+        &token,
+        r#"{"slot":"two"}"#,
+        "crawler-c",
+        Some("shop.example"),
+    );
+    let released = request(
+        api,
+        "POST",
+        &format!("/v1/leases/{}/release", field(&lease, "leaseId")),
+        &[
+            ("Authorization", format!("Bearer {token}")),
+            ("Content-Type", "application/json".to_owned()),
+        ],
+        &format!(
+            r#"{{"fencingToken":{},"outcome":"banned"}}"#,
+            field(&lease, "fencingToken")
+        ),
+    )
+    .expect("release");
+    assert_eq!(released.status, 200, "{}", released.body);
+    // web-3's Squid killed (-9): the local provider's supervision restarts it, and the page
+    // counts the restart.
+    let web_3_dir = std::fs::read_dir(host.path().join("local"))
+        .expect("the local provider's state folder")
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().contains("-web-3-"))
+        })
+        .expect("web-3's instance folder");
+    let before = standalone::squids(&web_3_dir);
+    assert_eq!(before.len(), 1, "{before:?}");
+    let killed = Command::new("kill")
+        .args(["-KILL", &before[0].to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let page = ui_page(api, &token);
+        let restarted =
+            page.status == 200 && row(&page.body, "data-proxy=\"default/web-3\"").contains(RESTARTED_ONCE);
+        if restarted {
+            let now = standalone::squids(&web_3_dir);
+            assert!(now.len() == 1 && now != before, "a new Squid: {now:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "web-3's restart never shown:\n{}",
+            page.body
+        );
+        std::thread::sleep(Duration::from_millis(200));
     }
 
     // No credentials, or wrong ones: a Basic challenge, and nothing of the page.
@@ -210,6 +280,57 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     let text = visible_text(&dom);
 
     assert!(text.contains("standalone mode"), "{text}");
+    // Attributes, holders (lease-ID tails only), the ban and process restarts.
+    let cells = visible_text(row(&dom, "data-proxy=\"default/web-1\""));
+    assert!(cells.contains("pool=ui") && cells.contains("slot=one"), "{cells}");
+    for (holder, id) in &lease_ids {
+        let tail = &id[id.len() - 8..];
+        assert!(cells.contains(&format!("{holder} …{tail}")), "{holder}: {cells}");
+        assert!(!dom.contains(id.as_str()), "a whole lease ID reached the page");
+    }
+    assert!(cells.contains("process restarts: 0"), "{cells}");
+    assert!(
+        !cells.contains("process restarts: 0 , last"),
+        "never restarted: {cells}"
+    );
+    let cells = visible_text(row(&dom, "data-proxy=\"default/web-2\""));
+    assert!(cells.contains("slot=two"), "{cells}");
+    assert!(
+        cells.contains("banned for shop.example until "),
+        "the ban and its end: {cells}"
+    );
+    let web_3 = row(&dom, "data-proxy=\"default/web-3\"");
+    assert!(web_3.contains(RESTARTED_ONCE), "{web_3}");
+    let cells = visible_text(web_3);
+    assert!(cells.contains("process restarts: 1 , last "), "{cells}");
+    assert!(cells.contains("not measured"), "traffic: {cells}");
+    // The page reloads itself (same URL, so filters stay).
+    assert!(
+        page.body.contains("<meta http-equiv=\"refresh\" content=\"10\">"),
+        "{}",
+        page.body
+    );
+    // Filtering and paging over HTTP, and a bad query string gets a 400 that says why.
+    let filtered = ui_query(api, &token, "phase=provisioning");
+    assert_eq!(filtered.status, 200);
+    assert!(filtered.body.contains("data-proxy=\"default/web-3\""));
+    assert!(!filtered.body.contains("data-proxy=\"default/web-1\""));
+    let paged = ui_query(api, &token, "limit=1&page=2");
+    assert!(
+        paged.body.contains("data-proxy=\"default/web-2\""),
+        "{}",
+        paged.body
+    );
+    assert!(!paged.body.contains("data-proxy=\"default/web-1\""));
+    assert!(
+        paged.body.contains("rel=\"next\" href=\"?page=3&amp;limit=1\""),
+        "{}",
+        paged.body
+    );
+    let bad = ui_query(api, &token, "limit=0");
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    assert!(bad.body.contains("limit must be 1-500"), "{}", bad.body);
+
     for (name, port, leases) in [("web-1", port_1, "2 / 3"), ("web-2", port_2, "0 / 1")] {
         let proxy = row(&dom, &format!("data-proxy=\"default/{name}\""));
         assert!(proxy.contains("data-phase=\"healthy\""), "{proxy}");
@@ -285,8 +406,30 @@ fn ui_page(api: SocketAddr, token: &str) -> blocking_http::Response {
     request(api, "GET", "/ui", &bearer, "").expect("GET /ui")
 }
 
+/// `GET /ui?query` with `token` as a bearer token.
+fn ui_query(api: SocketAddr, token: &str, query: &str) -> blocking_http::Response {
+    let bearer = [("Authorization", format!("Bearer {token}"))];
+    request(api, "GET", &format!("/ui?{query}"), &bearer, "").expect("GET /ui")
+}
+
+/// A top-level field of a JSON body, as text (strings unquoted).
+fn field(body: &str, name: &str) -> String {
+    let json: serde_json::Value = serde_json::from_str(body).expect("JSON");
+    match &json[name] {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => panic!("no {name} in {body}"),
+        other => other.to_string(),
+    }
+}
+
 /// Acquires a lease on the proxies matching `selector` (`{"key":"value"}`) for `holder`.
 fn acquire(api: SocketAddr, token: &str, selector: &str, holder: &str) -> String {
+    acquire_for(api, token, selector, holder, None)
+}
+
+/// [`acquire`] for `domain`, if given.
+fn acquire_for(api: SocketAddr, token: &str, selector: &str, holder: &str, domain: Option<&str>) -> String {
+    let domain = domain.map_or_else(String::new, |d| format!(r#","targetDomain":"{d}""#));
     let lease = request(
         api,
         "POST",
@@ -295,7 +438,7 @@ fn acquire(api: SocketAddr, token: &str, selector: &str, holder: &str) -> String
             ("Authorization", format!("Bearer {token}")),
             ("Content-Type", "application/json".to_owned()),
         ],
-        &format!(r#"{{"selector":{selector},"holder":"{holder}","ttlSeconds":300}}"#),
+        &format!(r#"{{"selector":{selector},"holder":"{holder}","ttlSeconds":300{domain}}}"#),
     )
     .expect("acquire");
     assert_eq!(lease.status, 201, "{}", lease.body);
