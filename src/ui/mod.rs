@@ -572,12 +572,18 @@ impl StatusPage {
         states.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
         let store = &self.inputs.leases;
         let now_ms = store.now_ms();
-        let selector = store.compile(&Selector::default());
-        let mut leases: HashMap<ProxyKey, ProxyView> = store
-            .list_at(&selector, now_ms)
-            .into_iter()
-            .map(|view| (view.info.key.clone(), view))
-            .collect();
+        // Every proxy's attributes only when a text filter must look at them; otherwise the
+        // store is read for the page's proxies alone.
+        let mut leases: HashMap<ProxyKey, ProxyView> = if query.q.is_some() {
+            let selector = store.compile(&Selector::default());
+            store
+                .list_at(&selector, now_ms)
+                .into_iter()
+                .map(|view| (view.info.key.clone(), view))
+                .collect()
+        } else {
+            HashMap::new()
+        };
         let mut per_provider: BTreeMap<&str, usize> = BTreeMap::new();
         let mut phases: BTreeMap<String, usize> = BTreeMap::new();
         for state in &states {
@@ -612,15 +618,21 @@ impl StatusPage {
             .retain(|namespace, name| present.contains(&(namespace, name)));
         drop(present);
         let total = states.len();
-        let active_leases = leases.values().map(|l| l.active_leases).sum();
-        let mut matched = Vec::new();
-        for state in states {
-            let key = ProxyKey::new(&state.namespace, &state.name);
-            let attributes = leases.get(&key).map(|l| &l.info.attributes);
-            if query.admits(&state, attributes) {
-                matched.push((key, state));
-            }
-        }
+        let active_leases = store.active_total();
+        let matched: Vec<ProxyState> = if query.q.is_some() {
+            states
+                .into_iter()
+                .filter(|state| {
+                    let key = ProxyKey::new(&state.namespace, &state.name);
+                    query.admits(state, leases.get(&key).map(|l| &l.info.attributes))
+                })
+                .collect()
+        } else {
+            states
+                .into_iter()
+                .filter(|state| query.admits(state, None))
+                .collect()
+        };
         let pages = matched.len().div_ceil(query.limit).max(1);
         let mut query = query.clone();
         query.page = query.page.min(pages);
@@ -629,8 +641,9 @@ impl StatusPage {
             .into_iter()
             .skip((query.page - 1) * query.limit)
             .take(query.limit)
-            .map(|(key, state)| {
-                let view = leases.remove(&key);
+            .map(|state| {
+                let key = ProxyKey::new(&state.namespace, &state.name);
+                let view = leases.remove(&key).or_else(|| store.view_at(&key, now_ms));
                 let attributes = view.as_ref().map_or_else(Vec::new, |v| {
                     v.info
                         .attributes

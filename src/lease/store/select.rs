@@ -15,7 +15,7 @@ use std::{
 use super::{
     Binding, COMBINATION_BASE, DEFAULT_RETRY, LeaseStore, MAX_INDEXED_COMBINATIONS, NIL, SESSION_SHARDS,
     normalize_domain,
-    proxy::AdmissionState,
+    proxy::{AdmissionState, ProxyState},
     shard::{Link, ListHead, Shard, link_of},
 };
 use crate::{
@@ -516,38 +516,51 @@ impl LeaseStore {
             shard.settle(now);
             for slot in shard.slots.iter() {
                 let Some(p) = slot.proxy.as_ref() else { continue };
-                let Some(info) = p.info.as_ref() else { continue };
                 if !selector.matches(&p.pairs) {
                     continue;
                 }
-                let active = p.leases.iter().filter(|l| l.expires_at > now).count();
-                let mut bans: Vec<(String, u64)> = (p.bans.iter())
-                    .filter(|(_, until)| *until > now)
-                    .map(|(d, until)| (d.to_string(), *until))
-                    .collect();
-                bans.sort();
-                let banned = domain
-                    .as_deref()
-                    .is_some_and(|domain| bans.iter().any(|(d, _)| d == domain));
-                let availability = match p.admission {
-                    AdmissionState::Closed => Availability::Closed,
-                    AdmissionState::Draining => Availability::Draining,
-                    AdmissionState::Open if active as u32 >= p.max_concurrent => Availability::Busy,
-                    AdmissionState::Open if banned => Availability::Banned,
-                    AdmissionState::Open if p.cooling_until > now => Availability::CoolingDown,
-                    AdmissionState::Open => Availability::Available,
-                };
-                out.push(ProxyView {
-                    info: info.clone(),
-                    availability,
-                    active_leases: active,
-                    max_concurrent: p.max_concurrent,
-                    cooldown_until_ms: (p.cooling_until > now).then_some(p.cooling_until),
-                    bans,
-                });
+                out.extend(view_of(p, domain.as_deref(), now));
             }
         }
         out.sort_by(|a, b| a.info.key.cmp(&b.info.key));
         out
     }
+
+    /// The one proxy `key` as [`LeaseStore::list_at`] shows it (`None`: not in the store):
+    /// one shard locked, for pages that show a few proxies of many.
+    pub fn view_at(&self, key: &ProxyKey, now: u64) -> Option<ProxyView> {
+        let mut shard = self.shard_for(key);
+        shard.settle(now);
+        let slot = *shard.by_key.get(key)?;
+        view_of(shard.proxy(slot), None, now)
+    }
+}
+
+/// A proxy as listings show it, for a crawler of `domain` (normalized) if given; `None` for a
+/// slot without its info yet.
+fn view_of(p: &ProxyState, domain: Option<&str>, now: u64) -> Option<ProxyView> {
+    let info = p.info.as_ref()?;
+    let active = p.leases.iter().filter(|l| l.expires_at > now).count();
+    let mut bans: Vec<(String, u64)> = (p.bans.iter())
+        .filter(|(_, until)| *until > now)
+        .map(|(d, until)| (d.to_string(), *until))
+        .collect();
+    bans.sort();
+    let banned = domain.is_some_and(|domain| bans.iter().any(|(d, _)| d == domain));
+    let availability = match p.admission {
+        AdmissionState::Closed => Availability::Closed,
+        AdmissionState::Draining => Availability::Draining,
+        AdmissionState::Open if active as u32 >= p.max_concurrent => Availability::Busy,
+        AdmissionState::Open if banned => Availability::Banned,
+        AdmissionState::Open if p.cooling_until > now => Availability::CoolingDown,
+        AdmissionState::Open => Availability::Available,
+    };
+    Some(ProxyView {
+        info: info.clone(),
+        availability,
+        active_leases: active,
+        max_concurrent: p.max_concurrent,
+        cooldown_until_ms: (p.cooling_until > now).then_some(p.cooling_until),
+        bans,
+    })
 }
