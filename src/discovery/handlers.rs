@@ -371,21 +371,21 @@ pub(super) fn leases_list(
     // The cursor is the last lease of the previous page: a lease that ended since is skipped,
     // none is listed twice.
     let start = after.map_or(0, |(key, token)| {
-        all.partition_point(|l| (&l.key, l.first_token) <= (&key, token))
+        all.partition_point(|l| (&l.claim.id.key, l.claim.id.first_token) <= (&key, token))
     });
     let page = &all[start..all.len().min(start + limit)];
     let next = (start + page.len() < all.len())
-        .then(|| page.last().map(|l| format!("{}#{}", l.key, l.first_token)))
+        .then(|| (page.last()).map(|l| format!("{}#{}", l.claim.id.key, l.claim.id.first_token)))
         .flatten();
     let leases = page
         .iter()
         .map(|l| LeaseJson {
-            proxy: l.key.to_string(),
-            holder: l.holder.clone(),
-            acquired_at: rfc3339(l.acquired_at_ms),
+            proxy: l.claim.id.key.to_string(),
+            holder: l.claim.holder.clone(),
+            acquired_at: rfc3339(l.claim.acquired_at_ms),
             expires_at: rfc3339(l.expires_at_ms),
-            target_domain: l.target_domain.clone(),
-            session_key: l.session_key.clone(),
+            target_domain: l.claim.target_domain.clone(),
+            session_key: l.claim.session_key.clone(),
         })
         .collect();
     Ok(json(StatusCode::OK, &LeasesResponse { leases, next }))

@@ -420,23 +420,14 @@ pub struct ProxyView {
     pub bans: Vec<(String, u64)>,
 }
 
-/// A lease as the lease listing shows it: no ID and no token (those are the holder's).
+/// A lease as the lease listing shows it: what its ID says and when it ends now, but neither
+/// its signed ID nor its token (those are the holder's).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseView {
-    /// The proxy it is on.
-    pub key: ProxyKey,
-    /// The first fencing token issued for it (with the key, what tells it apart).
-    pub first_token: u64,
-    /// Who holds it.
-    pub holder: String,
-    /// When it was granted (ms since the epoch).
-    pub acquired_at_ms: u64,
+    /// What it was granted as (its `expires_at_ms` is the first expiry).
+    pub claim: LeaseClaim,
     /// When it ends unless renewed (ms since the epoch).
     pub expires_at_ms: u64,
-    /// The domain it was acquired for.
-    pub target_domain: Option<String>,
-    /// Its sticky-session key.
-    pub session_key: Option<String>,
 }
 
 /// Why a store operation was refused. [`LeaseError::code`] is the stable API code.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::{
     api::ProxyKey,
-    lease::{LeaseTarget, ProxyInfo, token::IssuedId},
+    lease::{LeaseClaim, LeaseHint, LeaseId, LeaseTarget, ProxyInfo, token::IssuedId},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,6 +104,25 @@ pub(super) struct ProxyState {
     /// In its shard's list of proxies changed since the last checkpoint
     /// ([`super::shard::Shard::mark`]).
     pub(super) changed: bool,
+}
+
+impl LeaseRecord {
+    /// What this lease's ID says: it as granted on `key`, kept at `hint` (its first expiry is
+    /// the grant's TTL, capped, from the grant).
+    pub(super) fn claim(&self, key: &ProxyKey, hint: LeaseHint) -> LeaseClaim {
+        LeaseClaim {
+            id: LeaseId {
+                key: key.clone(),
+                first_token: self.first_token,
+                hint,
+            },
+            holder: self.holder.as_str().to_owned(),
+            acquired_at_ms: self.acquired_at,
+            expires_at_ms: self.acquired_at + self.ttl_ms,
+            target_domain: self.target_domain.as_deref().map(str::to_owned),
+            session_key: self.session_key.as_deref().map(str::to_owned),
+        }
+    }
 }
 
 impl ProxyState {

@@ -475,7 +475,7 @@ impl LeaseStore {
         for index in indices {
             let mut shard = lock(&self.inner.shards[index].0);
             shard.settle(now);
-            for slot in shard.slots.iter() {
+            for (slot_index, slot) in (0u32..).zip(shard.slots.iter()) {
                 let Some(p) = slot.proxy.as_ref() else { continue };
                 if key.is_some_and(|k| *k != p.key) {
                     continue;
@@ -485,18 +485,15 @@ impl LeaseStore {
                         continue;
                     }
                     out.push(LeaseView {
-                        key: p.key.clone(),
-                        first_token: l.first_token,
-                        holder: l.holder.as_str().to_owned(),
-                        acquired_at_ms: l.acquired_at,
+                        claim: l.claim(&p.key, shard.hint(slot_index)),
                         expires_at_ms: l.expires_at,
-                        target_domain: l.target_domain.as_deref().map(str::to_owned),
-                        session_key: l.session_key.as_deref().map(str::to_owned),
                     });
                 }
             }
         }
-        out.sort_by(|a, b| (&a.key, a.first_token).cmp(&(&b.key, b.first_token)));
+        out.sort_by(|a, b| {
+            (&a.claim.id.key, a.claim.id.first_token).cmp(&(&b.claim.id.key, b.claim.id.first_token))
+        });
         out
     }
 
