@@ -27,7 +27,6 @@ pub use file::{FOLD_MIN_BYTES, FileCheckpoint};
 pub use upkeep::{CheckpointHealth, CheckpointReport, CheckpointSaver, MaintenanceConfig, maintenance};
 
 /// A snapshot of the lease store's durable state.
-#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Checkpoint {
@@ -45,6 +44,7 @@ pub struct Checkpoint {
     pub sessions: Vec<SessionCheckpoint>,
     /// The last lease journal record this snapshot holds (standalone mode with durability,
     /// [`super::journal`]): replay skips it and every earlier one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journal_seq: Option<u64>,
 }
 
@@ -136,7 +136,6 @@ impl Checkpoint {
 /// What changed in the lease store since the checkpoint before
 /// ([`LeaseStore::checkpoint_delta`](super::LeaseStore::checkpoint_delta)): one frame of
 /// [`FileCheckpoint`]'s delta file.
-#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CheckpointDelta {
@@ -154,6 +153,7 @@ pub struct CheckpointDelta {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sessions: Vec<SessionCheckpoint>,
     /// As [`Checkpoint::journal_seq`]: the last journal record the state holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub journal_seq: Option<u64>,
 }
 
@@ -177,7 +177,6 @@ pub enum CheckpointAdmission {
 }
 
 /// One proxy's durable lease state.
-#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ProxyCheckpoint {
@@ -186,6 +185,7 @@ pub struct ProxyCheckpoint {
     /// Its admission.
     pub admission: CheckpointAdmission,
     /// End of its cooldown, if resting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cooldown_until_ms: Option<u64>,
     /// Leases with a lower first token were revoked.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -213,7 +213,6 @@ pub struct BanCheckpoint {
 }
 
 /// One active lease.
-#[serde_with::skip_serializing_none]
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeaseCheckpoint {
@@ -230,10 +229,13 @@ pub struct LeaseCheckpoint {
     /// TTL a renewal extends by when the holder names none.
     pub ttl_ms: u64,
     /// Target domain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_domain: Option<String>,
     /// Sticky-session key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session_key: Option<String>,
     /// The request ID it was granted for (an acquire repeating it gets this lease again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request_id: Option<String>,
 }
 
