@@ -646,6 +646,58 @@ fn signer_rejects_tampered_foreign_and_garbage_ids() {
     ));
 }
 
+/// IDs signed with HMAC-SHA256 (format 1, before issue 25) still verify, so leases granted
+/// before an upgrade are recognised after it; the format byte binds the MAC (an ID cannot be
+/// passed off as the other format), and an unknown format is refused.
+#[test]
+fn lease_ids_of_the_hmac_format_still_verify_and_formats_do_not_mix() {
+    use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+    let secret = [7u8; 32];
+    let signer = LeaseSigner::new(&secret).unwrap();
+    let (store, _) = store(2);
+    add_open(&store, target("a", &[], 1, 0));
+    let claim = acquire(&store, &sel(&store, ""))
+        .unwrap()
+        .claim("crawler", Some("shop.example"), None);
+    let new = URL_SAFE_NO_PAD.decode(signer.sign(&claim)).unwrap();
+    assert_eq!(new[0], 2, "new IDs are format 2 (BLAKE3)");
+    let payload = &new[..new.len() - 16];
+    let with_format = |format: u8, hmac_tag: bool| {
+        let mut bytes = payload.to_vec();
+        bytes[0] = format;
+        let tag: Vec<u8> = if hmac_tag {
+            let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &secret);
+            ring::hmac::sign(&key, &bytes).as_ref()[..16].to_vec()
+        } else {
+            let key = blake3::derive_key("egress-proxies-operator 2026-12-04 lease ID tag", &secret);
+            blake3::keyed_hash(&key, &bytes).as_bytes()[..16].to_vec()
+        };
+        bytes.extend_from_slice(&tag);
+        URL_SAFE_NO_PAD.encode(bytes)
+    };
+    assert_eq!(
+        signer.verify(&with_format(1, true)).unwrap(),
+        claim,
+        "format 1, HMAC"
+    );
+    assert_eq!(
+        signer.verify(&with_format(2, false)).unwrap(),
+        claim,
+        "format 2, BLAKE3"
+    );
+    assert!(matches!(
+        signer.verify(&with_format(1, false)),
+        Err(TokenError::BadSignature)
+    ));
+    assert!(matches!(
+        signer.verify(&with_format(2, true)),
+        Err(TokenError::BadSignature)
+    ));
+    assert!(signer.verify(&with_format(3, false)).is_err());
+    assert!(signer.presented(&with_format(3, false)).is_none());
+    assert!(signer.presented(&with_format(1, true)).is_some());
+}
+
 #[test]
 fn signer_key_file_is_created_once_and_private() {
     let dir = tempfile::tempdir().unwrap();
