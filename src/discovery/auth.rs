@@ -692,7 +692,10 @@ mod tests {
         assert_eq!(with("Basic !!!"), ProxyPresented::Unusable);
         // Authorization is not Proxy-Authorization.
         let mut headers = HeaderMap::new();
-        headers.insert(header::AUTHORIZATION, "Basic dWk6dG9rOmVu".parse().expect("header"));
+        headers.insert(
+            header::AUTHORIZATION,
+            "Basic dWk6dG9rOmVu".parse().expect("header"),
+        );
         assert_eq!(proxy_presented(&headers), ProxyPresented::Nothing);
     }
 

@@ -146,7 +146,10 @@ where
             debug!(%error, "upstream connection ended with an error");
         }
     });
-    sender.send_request(request).await.map_err(UpstreamError::Exchange)
+    sender
+        .send_request(request)
+        .await
+        .map_err(UpstreamError::Exchange)
 }
 
 /// The client's copy of an upstream answer, with `body` as its body.

@@ -25,7 +25,9 @@ use tracing::{debug, warn};
 use super::{GatewayConfig, GatewayDeps, user::UserName};
 use crate::{
     api::ProxyKey,
-    lease::{AcquireRequest, Acquired, DurableError, DurableLeases, LeaseError, Outcome, ProxyInfo, Selector},
+    lease::{
+        AcquireRequest, Acquired, DurableError, DurableLeases, LeaseError, Outcome, ProxyInfo, Selector,
+    },
     sync::lock,
 };
 
@@ -153,7 +155,11 @@ impl Held {
 
     /// A lease for one request of `who` to `domain`: the session's (taken or renewed as
     /// needed), or one of its own.
-    pub(super) async fn take(self: &Arc<Self>, who: &UserName, domain: Option<&str>) -> Result<Lent, DurableError> {
+    pub(super) async fn take(
+        self: &Arc<Self>,
+        who: &UserName,
+        domain: Option<&str>,
+    ) -> Result<Lent, DurableError> {
         match &who.session {
             Some(session) => self.take_session(who, session, domain).await,
             None => self.take_loose(who, domain, None).await,
@@ -195,7 +201,11 @@ impl Held {
         session_key: &str,
         domain: Option<&str>,
     ) -> Result<Lent, DurableError> {
-        let key = (who.holder.clone(), session_key.to_owned(), domain.map(str::to_owned));
+        let key = (
+            who.holder.clone(),
+            session_key.to_owned(),
+            domain.map(str::to_owned),
+        );
         loop {
             let session = lock(&self.sessions)
                 .entry(key.clone())
@@ -276,9 +286,8 @@ impl Held {
             session_key,
             request_id: None,
         };
-        let Acquired {
-            lease, lease_id, ..
-        } = self.leases().acquire(&request, self.deps.store.now_ms()).await?;
+        let Acquired { lease, lease_id, .. } =
+            self.leases().acquire(&request, self.deps.store.now_ms()).await?;
         debug!(proxy = %lease.proxy.key, holder = %who.holder, "gateway lease granted");
         Ok(HeldLease {
             lease_id,

@@ -363,10 +363,7 @@ impl Gateway {
         };
         warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
         // Taken while the dead one is still held, so the store chooses another if it can.
-        let second = self
-            .held
-            .take_loose(&who, domain, Some(&lent.proxy().key))
-            .await;
+        let second = self.held.take_loose(&who, domain, Some(&lent.proxy().key)).await;
         let first = Refusal::upstream(lent.proxy(), &error);
         lent.end(Outcome::Error).await;
         let Ok(second) = second else {
@@ -418,7 +415,11 @@ impl Gateway {
 
     /// `CONNECT host:port`: a tunnel through the leased proxy, spliced both ways; the lease is
     /// held until either side closes.
-    async fn tunnel(&self, mut request: Request<Incoming>, who: &UserName) -> Result<Response<GatewayBody>, Refusal> {
+    async fn tunnel(
+        &self,
+        mut request: Request<Incoming>,
+        who: &UserName,
+    ) -> Result<Response<GatewayBody>, Refusal> {
         let Some(authority) = request.uri().authority().cloned() else {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };
@@ -496,9 +497,9 @@ impl Gateway {
         };
         if auth.anonymous().is_none() {
             auth.authenticate(&password).await.map_err(|e| match e {
-                AuthError::Unauthenticated => Refusal::credentials(
-                    "invalid token: the proxy password must be a discovery API token",
-                ),
+                AuthError::Unauthenticated => {
+                    Refusal::credentials("invalid token: the proxy password must be a discovery API token")
+                }
                 AuthError::Forbidden(_) => Refusal::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()),
                 AuthError::Unavailable(_) => {
                     let mut refusal =
@@ -508,7 +509,8 @@ impl Gateway {
                 }
             })?;
         }
-        UserName::parse(&user).map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "bad_user_name", e.to_string()))
+        UserName::parse(&user)
+            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "bad_user_name", e.to_string()))
     }
 }
 

@@ -55,9 +55,16 @@ mod tests {
     fn by_default_403_and_429_ban_and_nothing_else_does() {
         let rules = Rules::default();
         assert_eq!(rules.judge(StatusCode::FORBIDDEN), Some(Action::BanForDomain));
-        assert_eq!(rules.judge(StatusCode::TOO_MANY_REQUESTS), Some(Action::BanForDomain));
+        assert_eq!(
+            rules.judge(StatusCode::TOO_MANY_REQUESTS),
+            Some(Action::BanForDomain)
+        );
         for status in [200, 301, 404, 500, 503] {
-            assert_eq!(rules.judge(StatusCode::from_u16(status).unwrap()), None, "{status}");
+            assert_eq!(
+                rules.judge(StatusCode::from_u16(status).unwrap()),
+                None,
+                "{status}"
+            );
         }
     }
 }

@@ -139,7 +139,11 @@ mod tests {
         assert!(err("c;session").contains("must be KEY=VALUE"));
         assert!(err("c;colour=red").contains("the options are session=KEY and attr.NAME=VALUE"));
         assert!(err("c;session=a;session=b").contains("twice"));
-        assert!(err("c;session=").contains("session must be"), "{}", err("c;session="));
+        assert!(
+            err("c;session=").contains("session must be"),
+            "{}",
+            err("c;session=")
+        );
         assert!(err(&"h".repeat(129)).contains("holder must be"));
     }
 }

@@ -1,0 +1,533 @@
+//! The gateway end to end, as a crawler uses it: the real binary in standalone mode with
+//! `--gateway-listen`, three real Squids through the local provider, each with its own
+//! outgoing address (127.0.0.2-4) so the origin can tell which one a request came through, and
+//! the real `curl` as the client.
+//!
+//! - a plain `curl -x http://HOLDER:TOKEN@gateway URL` fetch goes through a leased Squid (its
+//!   access log has the URL) and leaves no lease behind;
+//! - a session key sticks to one Squid; a target that answers 403 to that Squid bans it for the
+//!   domain (`GET /v1/proxies` shows the ban) and the session moves to another;
+//! - `CONNECT` (curl's `--proxytunnel`) splices a tunnel through a Squid;
+//! - missing credentials, a bad token and a bad user name get 407/400 answers that say what to fix;
+//! - a client that goes away mid-answer, and an idle session, leave no lease behind.
+
+mod support;
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use support::{
+    free_port,
+    process::GroupChild,
+    standalone::{self, Answer, Host, healthy_rows, start_operator_with, try_api, wait_status},
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+
+/// The outgoing address of each Squid, by proxy name.
+const SQUIDS: [(&str, &str); 3] = [("a", "127.0.0.2"), ("b", "127.0.0.3"), ("c", "127.0.0.4")];
+
+/// An origin on 127.0.0.1: `/health` is always 200; `/slow` sends its head and part of its
+/// body, then waits; every other path answers 200 naming the address it came from, or 403 when
+/// that address is the one [`Origin::refuse`] named.
+struct Origin {
+    addr: SocketAddr,
+    refused: Arc<Mutex<Option<IpAddr>>>,
+    seen: Arc<Mutex<Vec<(String, IpAddr)>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Origin {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind origin");
+        let addr = listener.local_addr().expect("origin address");
+        let refused: Arc<Mutex<Option<IpAddr>>> = Arc::default();
+        let seen: Arc<Mutex<Vec<(String, IpAddr)>>> = Arc::default();
+        let (refusing, seeing) = (refused.clone(), seen.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((stream, peer)) = listener.accept().await {
+                let (refusing, seeing) = (refusing.clone(), seeing.clone());
+                tokio::spawn(serve_origin(stream, peer.ip(), refusing, seeing));
+            }
+        });
+        Self {
+            addr,
+            refused,
+            seen,
+            task,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Answers 403 to requests from `ip` from now on.
+    fn refuse(&self, ip: IpAddr) {
+        *self.refused.lock().expect("not poisoned") = Some(ip);
+    }
+
+    /// The addresses requests for `path` came from, in order.
+    fn peers_of(&self, path: &str) -> Vec<IpAddr> {
+        self.seen
+            .lock()
+            .expect("not poisoned")
+            .iter()
+            .filter(|(p, _)| p == path)
+            .map(|(_, ip)| *ip)
+            .collect()
+    }
+}
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve_origin(
+    mut stream: TcpStream,
+    peer: IpAddr,
+    refused: Arc<Mutex<Option<IpAddr>>>,
+    seen: Arc<Mutex<Vec<(String, IpAddr)>>>,
+) {
+    // Keep-alive: Squid may send several requests on one connection.
+    loop {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match stream.read(&mut byte).await {
+                Ok(1) => head.push(byte[0]),
+                _ => return,
+            }
+        }
+        let head = String::from_utf8_lossy(&head).into_owned();
+        let path = head.split_whitespace().nth(1).unwrap_or("?").to_owned();
+        if path != "/health" {
+            seen.lock().expect("not poisoned").push((path.clone(), peer));
+        }
+        if path == "/slow" {
+            let _ = stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\nfirst bytes")
+                .await;
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            return;
+        }
+        let refuse = path != "/health" && *refused.lock().expect("not poisoned") == Some(peer);
+        let (status, body) = if refuse {
+            ("403 Forbidden", format!("no entry for {peer}"))
+        } else {
+            ("200 OK", format!("hello {path} from {peer}"))
+        };
+        let response = format!(
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        if stream.write_all(response.as_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The operator with three healthy Squids and the gateway.
+struct Setup {
+    host: Host,
+    operator: GroupChild,
+    origin: Origin,
+    gateway: u16,
+}
+
+impl Setup {
+    async fn start(extra: &[&str]) -> Self {
+        let origin = Origin::start().await;
+        let host = Host::new();
+        for (name, outgoing) in SQUIDS {
+            let manifest = standalone::manifest(
+                name,
+                free_port(),
+                &origin.url("/health"),
+                &[("pool", "gw")],
+                &[("maxConcurrent", 1)],
+            )
+            .replace(
+                "    address: 127.0.0.1\n",
+                &format!("    address: 127.0.0.1\n    outgoingAddress: {outgoing}\n"),
+            );
+            host.add_manifest(name, &manifest);
+        }
+        let gateway = free_port();
+        let listen = format!("127.0.0.1:{gateway}");
+        let mut args = vec!["--gateway-listen", listen.as_str()];
+        args.extend_from_slice(extra);
+        let operator = start_operator_with(&host, "operator.log", &args);
+        wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
+        Self {
+            host,
+            operator,
+            origin,
+            gateway,
+        }
+    }
+
+    /// `curl` through the gateway as `user` with the discovery token as the password, plus
+    /// `args`; returns (status code, body, the response headers).
+    async fn curl(&self, user: &str, url: &str, args: &[&str]) -> (u16, String, String) {
+        self.curl_with(&format!("{user}:{}", self.host.token()), url, args)
+            .await
+    }
+
+    async fn curl_with(&self, credentials: &str, url: &str, args: &[&str]) -> (u16, String, String) {
+        let headers = self.host.path().join(format!("headers-{}", fastrand_suffix()));
+        let proxy = format!("http://127.0.0.1:{}", self.gateway);
+        let output = tokio::process::Command::new("curl")
+            .args(["-sS", "--max-time", "20", "-x", &proxy, "-U", credentials])
+            .args([
+                "-D",
+                headers.to_str().expect("utf-8 path"),
+                "-w",
+                "\n%{http_code}",
+            ])
+            .args(args)
+            .arg(url)
+            .env_remove("http_proxy")
+            .env_remove("HTTP_PROXY")
+            .env_remove("no_proxy")
+            .env_remove("NO_PROXY")
+            .output()
+            .await
+            .expect("curl runs");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let (body, code) = stdout.rsplit_once('\n').unwrap_or(("", &stdout));
+        let code = code.trim().parse().unwrap_or_else(|_| {
+            panic!(
+                "curl gave no status: {stdout:?} {}",
+                String::from_utf8_lossy(&output.stderr)
+            )
+        });
+        let head = std::fs::read_to_string(&headers).unwrap_or_default();
+        (code, body.to_owned(), head)
+    }
+
+    /// A discovery API GET.
+    async fn api_get(&self, path: &str) -> Value {
+        match try_api(
+            self.host.api_port,
+            &self.host.token(),
+            "GET",
+            path,
+            "",
+            Duration::from_secs(10),
+        )
+        .await
+        {
+            Answer::Got(status, body) if status.is_success() => body,
+            other => panic!("GET {path}: {other:?}"),
+        }
+    }
+
+    /// Active leases, as `GET /v1/leases` lists them.
+    async fn leases(&self) -> Vec<Value> {
+        self.api_get("/v1/leases")
+            .await
+            .get("leases")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Polls until no lease is active (within `within`).
+    async fn no_leases_within(&self, within: Duration, what: &str) {
+        let deadline = Instant::now() + within;
+        loop {
+            let leases = self.leases().await;
+            if leases.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: leases still active after {within:?}: {leases:?}\n{}",
+                self.operator.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Squid's access log of the proxy whose outgoing address is `ip`.
+    fn access_log_of(&self, ip: IpAddr) -> String {
+        let name = SQUIDS
+            .iter()
+            .find(|(_, out)| out.parse::<IpAddr>().ok() == Some(ip))
+            .map(|(name, _)| *name)
+            .expect("one of ours");
+        let port = self.port_of(name);
+        let (_, log) = self
+            .host
+            .access_logs()
+            .into_iter()
+            .find(|(listen, _)| listen.ends_with(&format!(":{port}")))
+            .expect("the proxy's access log");
+        std::fs::read_to_string(log).unwrap_or_default()
+    }
+
+    /// The port proxy `name` listens on, from its manifest.
+    fn port_of(&self, name: &str) -> u16 {
+        let manifest = std::fs::read_to_string(self.host.path().join(format!("manifests/{name}.yaml")))
+            .expect("manifest");
+        manifest
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("port: "))
+            .and_then(|p| p.parse().ok())
+            .expect("a port")
+    }
+
+    /// Waits until the access log of `ip`'s Squid mentions `needle` (Squid writes it after
+    /// the answer).
+    async fn access_log_shows(&self, ip: IpAddr, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.access_log_of(ip);
+            if log.contains(needle) {
+                return log;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the access log of the Squid on {ip} never showed {needle}:\n{log}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// Basic credentials, base64-encoded.
+fn basic_credentials(pair: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(pair)
+}
+
+/// A unique file-name suffix.
+fn fastrand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The address the origin saw in a body `hello PATH from IP`.
+fn from_ip(body: &str) -> IpAddr {
+    body.rsplit(' ')
+        .next()
+        .and_then(|ip| ip.parse().ok())
+        .unwrap_or_else(|| panic!("not an origin answer: {body:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_fetches_through_a_leased_squid_and_leaves_no_lease() {
+    let setup = Setup::start(&[]).await;
+    let url = setup.origin.url("/plain");
+    let (code, body, head) = setup.curl("crawler-1", &url, &[]).await;
+    assert_eq!(code, 200, "{body}\n{head}");
+    let ip = from_ip(&body);
+    assert!(
+        SQUIDS
+            .iter()
+            .any(|(_, out)| out.parse::<IpAddr>().ok() == Some(ip)),
+        "the origin saw one of the Squids' outgoing addresses: {body}"
+    );
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("via: 1.1 egress-proxies-gateway"),
+        "the gateway adds its Via: {head}"
+    );
+    let log = setup.access_log_shows(ip, "/plain").await;
+    assert!(log.contains(&url), "Squid logged the request: {log}");
+    // A request without a session holds its lease only while it runs.
+    setup
+        .no_leases_within(Duration::from_secs(5), "after a plain fetch")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_sticks_to_one_squid_until_a_403_bans_it_for_the_domain() {
+    let setup = Setup::start(&[]).await;
+    let user = "crawler-2;session=s1";
+    let url = setup.origin.url("/sticky");
+    for _ in 0..5 {
+        let (code, body, _) = setup.curl(user, &url, &[]).await;
+        assert_eq!(code, 200, "{body}");
+    }
+    let peers = setup.origin.peers_of("/sticky");
+    let first = peers[0];
+    assert!(
+        peers.iter().all(|ip| *ip == first),
+        "one session, one Squid: {peers:?}"
+    );
+    // The session holds its lease between requests, and GET /v1/leases shows it.
+    let leases = setup.leases().await;
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_eq!(leases[0]["sessionKey"], "s1", "{leases:?}");
+    assert_eq!(leases[0]["holder"], "crawler-2", "{leases:?}");
+    let banned_proxy = leases[0]["proxy"].as_str().expect("proxy").to_owned();
+
+    // The target turns that Squid away: the answer reaches the client, the proxy is banned
+    // for the domain, and the session's next request goes through another Squid.
+    setup.origin.refuse(first);
+    let (code, body, _) = setup.curl(user, &url, &[]).await;
+    assert_eq!(code, 403, "{body}");
+    let proxies = setup.api_get("/v1/proxies?targetDomain=127.0.0.1").await;
+    let banned: Vec<&Value> = proxies["proxies"]
+        .as_array()
+        .expect("proxies")
+        .iter()
+        .filter(|p| p["availability"] == "banned")
+        .collect();
+    assert_eq!(banned.len(), 1, "{proxies}");
+    assert_eq!(banned[0]["key"], banned_proxy.as_str(), "{proxies}");
+    assert_eq!(banned[0]["bans"][0]["domain"], "127.0.0.1", "{proxies}");
+    for _ in 0..3 {
+        let (code, body, _) = setup.curl(user, &url, &[]).await;
+        assert_eq!(code, 200, "{body}");
+    }
+    let after: Vec<IpAddr> = setup.origin.peers_of("/sticky")[6..].to_vec();
+    assert!(
+        after.iter().all(|ip| *ip == after[0] && *ip != first),
+        "the session moved to one other Squid and stays there: {after:?} (banned: {first})"
+    );
+    let leases = setup.leases().await;
+    assert_eq!(leases.len(), 1, "{leases:?}");
+    assert_ne!(leases[0]["proxy"], banned_proxy.as_str(), "{leases:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_opens_a_tunnel_through_a_squid() {
+    let setup = Setup::start(&[]).await;
+    let url = setup.origin.url("/tunnelled");
+    // --proxytunnel: curl sends CONNECT 127.0.0.1:PORT, then its request inside the tunnel.
+    let (code, body, head) = setup.curl("crawler-3", &url, &["--proxytunnel"]).await;
+    assert_eq!(code, 200, "{body}\n{head}");
+    assert!(head.contains("200"), "the CONNECT was answered 200 first: {head}");
+    let ip = from_ip(&body);
+    // Squid logs a tunnel once it closes.
+    setup
+        .access_log_shows(ip, &format!("CONNECT {}", setup.origin.addr))
+        .await;
+    setup
+        .no_leases_within(Duration::from_secs(5), "after the tunnel closed")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_credentials_get_answers_that_say_what_to_fix() {
+    let setup = Setup::start(&[]).await;
+    let url = setup.origin.url("/refused");
+    let token = setup.host.token();
+
+    // No credentials: 407 with the challenge.
+    let proxy = format!("http://127.0.0.1:{}", setup.gateway);
+    let output = tokio::process::Command::new("curl")
+        .args(["-sS", "-i", "--max-time", "20", "-x", &proxy, &url])
+        .env_remove("http_proxy")
+        .output()
+        .await
+        .expect("curl runs");
+    let answer = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 407"), "{answer}");
+    assert!(
+        answer.contains("proxy-authenticate: Basic realm=\"egress-proxies\""),
+        "{answer}"
+    );
+    assert!(answer.contains("the password a discovery API token"), "{answer}");
+
+    // A wrong token: 407.
+    let (code, body, head) = setup.curl_with("crawler-4:not-a-token", &url, &[]).await;
+    assert_eq!(code, 407, "{body}");
+    assert!(body.contains("invalid token"), "{body}");
+    assert!(head.contains("Basic realm=\"egress-proxies\""), "{head}");
+
+    // A user name the gateway can't read: 400 naming the fix.
+    let (code, body, _) = setup
+        .curl_with(&format!("crawler-4;colour=red:{token}"), &url, &[])
+        .await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("bad_user_name"), "{body}");
+    assert!(
+        body.contains("the options are session=KEY and attr.NAME=VALUE"),
+        "{body}"
+    );
+    let (code, body, _) = setup.curl_with(&format!(":{token}"), &url, &[]).await;
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("give the holder"), "{body}");
+
+    // An origin-form request is no proxy request.
+    let mut stream = TcpStream::connect(("127.0.0.1", setup.gateway))
+        .await
+        .expect("connect");
+    let basic = basic_credentials(format!("crawler-4:{token}").as_bytes());
+    stream
+        .write_all(
+            format!("GET /x HTTP/1.1\r\nHost: a\r\nProxy-Authorization: Basic {basic}\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .expect("send");
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).await.expect("read");
+    assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
+    assert!(raw.contains("absolute form"), "{raw}");
+
+    // Nothing reached the origin, and nothing is leased.
+    assert!(setup.origin.peers_of("/refused").is_empty());
+    assert!(setup.leases().await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_lease_outlives_its_client() {
+    let setup = Setup::start(&["--gateway-session-idle-seconds", "1"]).await;
+    let token = setup.host.token();
+
+    // A client that reads the head of a long answer and goes away.
+    let mut stream = TcpStream::connect(("127.0.0.1", setup.gateway))
+        .await
+        .expect("connect");
+    let basic = basic_credentials(format!("crawler-5:{token}").as_bytes());
+    let url = setup.origin.url("/slow");
+    stream
+        .write_all(
+            format!(
+                "GET {url} HTTP/1.1\r\nHost: {}\r\nProxy-Authorization: Basic {basic}\r\n\r\n",
+                setup.origin.addr
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send");
+    let mut buf = vec![0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("first bytes") {
+        let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut buf))
+            .await
+            .expect("the head arrives")
+            .expect("read");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(setup.leases().await.len(), 1, "the slow answer holds its lease");
+    drop(stream);
+    setup
+        .no_leases_within(Duration::from_secs(5), "after the client went away mid-answer")
+        .await;
+
+    // A session's lease outlives its requests by the idle bound (1 s), not more.
+    let (code, body, _) = setup
+        .curl("crawler-5;session=idle", &setup.origin.url("/once"), &[])
+        .await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(setup.leases().await.len(), 1, "the session keeps its lease");
+    setup
+        .no_leases_within(Duration::from_secs(5), "after the session went idle")
+        .await;
+}
