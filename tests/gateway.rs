@@ -531,3 +531,126 @@ async fn no_lease_outlives_its_client() {
         .no_leases_within(Duration::from_secs(5), "after the session went idle")
         .await;
 }
+
+/// One exchange with the gateway at `gateway` on a fresh connection: `method url` with
+/// `user:tok` credentials; returns the raw answer.
+async fn raw_request(gateway: SocketAddr, method: &str, url: &str, user: &str) -> String {
+    let mut stream = TcpStream::connect(gateway).await.expect("connect");
+    let basic = basic_credentials(format!("{user}:tok").as_bytes());
+    let host = url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    stream
+        .write_all(
+            format!(
+                "{method} {url} HTTP/1.1\r\nHost: {host}\r\nProxy-Authorization: Basic {basic}\r\n\
+                 Content-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send");
+    let mut raw = String::new();
+    tokio::time::timeout(Duration::from_secs(20), stream.read_to_string(&mut raw))
+        .await
+        .expect("answered within 20 s")
+        .expect("read");
+    raw
+}
+
+/// A dead upstream (its port refuses connections): a GET is retried once on another proxy, a
+/// POST is not and gets a 502 naming the proxy and the cause. In process, over a store of
+/// one strict LRU shard, so the dead proxy is the first choice each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
+    use egress_proxies_operator::{
+        api::{LeasePolicy, ProxyKey},
+        discovery::StaticTokens,
+        gateway::{self, Gateway, GatewayConfig, GatewayDeps},
+        lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, token::LeaseSigner},
+        provider::Endpoint,
+        telemetry::admin::Readiness,
+    };
+
+    let origin = Origin::start().await;
+    let squid = support::Squid::start().await;
+    let store = LeaseStore::new(LeaseStoreConfig {
+        shards: 1,
+        ..LeaseStoreConfig::default()
+    });
+    for (name, port) in [("dead", free_port()), ("live", squid.port)] {
+        let key = ProxyKey::new("crawl", name);
+        store.upsert_proxy(LeaseTarget {
+            key: key.clone(),
+            endpoint: Endpoint {
+                host: "127.0.0.1".into(),
+                port,
+            },
+            attributes: Default::default(),
+            policy: LeasePolicy {
+                max_concurrent: 1,
+                cooldown_seconds: 0,
+                max_ttl_seconds: 600,
+            },
+            credentials: None,
+        });
+        store.set_admission(&key, Admission::Open).expect("known proxy");
+    }
+    let (_ready, readiness) = tokio::sync::watch::channel(Readiness {
+        caches_synced: true,
+        leader: true,
+        checkpoint_failing: false,
+    });
+    let deps = GatewayDeps {
+        store: store.clone(),
+        signer: LeaseSigner::new(&LeaseSigner::generate_secret()).expect("signer"),
+        journal: None,
+        auth: Arc::new(StaticTokens::parse("tok\n")),
+        readiness,
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(gateway::serve(
+        listener,
+        Gateway::new(deps, GatewayConfig::default()),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+
+    // Whichever proxy the first GET takes, the dead one is the least recently used one for
+    // the other: without the retry one of the two would fail.
+    for _ in 0..2 {
+        let answer = raw_request(addr, "GET", &origin.url("/retried"), "crawler-6").await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.contains("hello /retried from 127.0.0.1"), "{answer}");
+    }
+    assert_eq!(origin.peers_of("/retried").len(), 2);
+    let log = squid.dir().join("access.log");
+    support::eventually(Duration::from_secs(10), "the live Squid logs both GETs", || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .matches("/retried")
+            .count()
+            == 2
+    })
+    .await;
+    assert_eq!(store.active_total(), 0, "every lease was given back");
+
+    // The dead proxy is the least recently used again: a POST goes there and is not retried.
+    let answer = raw_request(addr, "POST", &origin.url("/posted"), "crawler-6").await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("upstream_failed"), "{answer}");
+    assert!(
+        answer.contains("crawl/dead") && answer.contains("Connection refused"),
+        "the answer names the proxy and the cause: {answer}"
+    );
+    assert!(origin.peers_of("/posted").is_empty());
+    assert_eq!(store.active_total(), 0);
+
+    let _ = stop.send(());
+    serving.await.expect("joined").expect("served");
+}

@@ -4,7 +4,7 @@
 //! - A request without a session takes a lease of its own and ends it when its answer is
 //!   sent (or its tunnel closes, or its client goes away): a [`Lent`] whose Drop releases it.
 //! - A request with a session key uses the session's lease: one per (holder, session key,
-//!   target host), taken with the session key (so the store's sticky binding applies), renewed
+//!   target host, selector), taken with the session key (so the store's sticky binding applies), renewed
 //!   while used, ended when its proxy is banned for the domain, dies or stops taking leases,
 //!   and released by [`Held::upkeep`] once idle for [`GatewayConfig::session_idle`].
 //!
@@ -12,7 +12,7 @@
 //! its proxy), and releases every held lease when the gateway stops.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -53,9 +53,9 @@ struct Session {
     closed: std::sync::atomic::AtomicBool,
 }
 
-/// (holder, session key, target host): a session sticks per target host, whose bans it
-/// follows.
-type SessionKey = (String, String, Option<String>);
+/// (holder, session key, target host, selector): a session sticks per target host, whose bans
+/// it follows, and per selector, which its proxy must match.
+type SessionKey = (String, String, Option<String>, BTreeMap<String, String>);
 
 /// What the gateway holds.
 pub(super) struct Held {
@@ -205,6 +205,7 @@ impl Held {
             who.holder.clone(),
             session_key.to_owned(),
             domain.map(str::to_owned),
+            who.selector.clone(),
         );
         loop {
             let session = lock(&self.sessions)
