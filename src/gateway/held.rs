@@ -373,7 +373,7 @@ impl Held {
             };
             let in_use = session.uses.load(Ordering::Acquire) > 0;
             let idle_since = session.last_used_ms.load(Ordering::Acquire);
-            if !in_use && (all || now.saturating_sub(idle_since) >= idle) {
+            if all || (!in_use && now.saturating_sub(idle_since) >= idle) {
                 if let Some(lease) = slot.take() {
                     debug!(proxy = %lease.proxy.key, "idle gateway session released");
                     self.release(&lease, Outcome::Ok).await;

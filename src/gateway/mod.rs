@@ -364,9 +364,10 @@ impl Gateway {
         warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
         // Taken while the dead one is still held, so the store chooses another if it can.
         let second = self.held.take_loose(&who, domain, Some(&lent.proxy().key)).await;
-        let first = Refusal::upstream(lent.proxy(), &error);
+        let mut first = Refusal::upstream(lent.proxy(), &error);
         lent.end(Outcome::Error).await;
         let Ok(second) = second else {
+            first.message.push_str("; no other proxy was free to try");
             return Err(first);
         };
         let upstream = forward::upstream_request(&parts, Full::new(body), second.proxy());
