@@ -654,3 +654,83 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
     let _ = stop.send(());
     serving.await.expect("joined").expect("served");
 }
+
+/// Python's `requests` and Scrapy's own `HttpProxyMiddleware` use the gateway unchanged: the
+/// proxy URL with `HOLDER;session=KEY` as the user and the token as the password. Debian's
+/// `python3-scrapy` and `python3-requests` (scripts/lib/install.sh), as tests/python_client.rs
+/// uses them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_requests_and_scrapy_use_it_unchanged() {
+    let setup = Setup::start(&[]).await;
+    let proxy = |session: &str| {
+        format!(
+            "http://crawler-7;session={session}:{}@127.0.0.1:{}",
+            setup.host.token(),
+            setup.gateway
+        )
+    };
+    let script = setup.host.path().join("clients.py");
+    std::fs::write(
+        &script,
+        r#"
+import sys
+import requests
+import scrapy
+from scrapy.crawler import CrawlerProcess
+
+requests_proxy, scrapy_proxy, origin = sys.argv[1:4]
+for _ in range(3):
+    answer = requests.get(origin + "/py-requests", proxies={"http": requests_proxy}, timeout=20)
+    print("requests", answer.status_code, answer.text)
+
+class Through(scrapy.Spider):
+    name = "through"
+
+    def start_requests(self):
+        for _ in range(3):
+            yield scrapy.Request(origin + "/py-scrapy", meta={"proxy": scrapy_proxy}, dont_filter=True)
+
+    def parse(self, response):
+        print("scrapy", response.status, response.text, flush=True)
+
+process = CrawlerProcess({"LOG_LEVEL": "ERROR", "CONCURRENT_REQUESTS": 1, "TELNETCONSOLE_ENABLED": False})
+process.crawl(Through)
+process.start()
+"#,
+    )
+    .expect("script");
+    let python = std::env::var("EPO_PYTHON").unwrap_or_else(|_| "/usr/bin/python3".to_owned());
+    let output = tokio::process::Command::new(python)
+        .arg(&script)
+        .args([proxy("r1"), proxy("s1"), setup.origin.url("")])
+        .env_remove("http_proxy")
+        .env_remove("HTTP_PROXY")
+        .output()
+        .await
+        .expect("python runs (apt-get install python3-scrapy python3-requests)");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    for client in ["requests", "scrapy"] {
+        let answers: Vec<&str> = stdout.lines().filter(|l| l.starts_with(client)).collect();
+        assert_eq!(answers.len(), 3, "{stdout}\n{stderr}");
+        assert!(
+            answers
+                .iter()
+                .all(|a| a.starts_with(&format!("{client} 200 hello"))),
+            "{stdout}"
+        );
+        let peers = setup.origin.peers_of(&format!("/py-{client}"));
+        assert_eq!(peers.len(), 3, "{peers:?}");
+        assert!(
+            peers.iter().all(|ip| *ip == peers[0]),
+            "{client}: one session, one Squid: {peers:?}"
+        );
+    }
+    let holders: Vec<Value> = setup.leases().await.iter().map(|l| l["holder"].clone()).collect();
+    assert_eq!(
+        holders,
+        ["crawler-7", "crawler-7"],
+        "two sessions hold a lease each"
+    );
+}
