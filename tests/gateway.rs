@@ -135,10 +135,11 @@ async fn serve_origin(
     }
 }
 
-/// The operator with three healthy Squids and the gateway.
+/// The operator with three healthy Squids and the gateway. Fields drop in order: the operator
+/// first, so its supervisor restarts no Squid that the host's Drop then kills.
 struct Setup {
-    host: Host,
     operator: GroupChild,
+    host: Host,
     origin: Origin,
     gateway: u16,
 }
@@ -168,8 +169,8 @@ impl Setup {
         let operator = start_operator_with(&host, "operator.log", &args);
         wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
         Self {
-            host,
             operator,
+            host,
             origin,
             gateway,
         }
@@ -183,35 +184,7 @@ impl Setup {
     }
 
     async fn curl_with(&self, credentials: &str, url: &str, args: &[&str]) -> (u16, String, String) {
-        let headers = self.host.path().join(format!("headers-{}", fastrand_suffix()));
-        let proxy = format!("http://127.0.0.1:{}", self.gateway);
-        let output = tokio::process::Command::new("curl")
-            .args(["-sS", "--max-time", "20", "-x", &proxy, "-U", credentials])
-            .args([
-                "-D",
-                headers.to_str().expect("utf-8 path"),
-                "-w",
-                "\n%{http_code}",
-            ])
-            .args(args)
-            .arg(url)
-            .env_remove("http_proxy")
-            .env_remove("HTTP_PROXY")
-            .env_remove("no_proxy")
-            .env_remove("NO_PROXY")
-            .output()
-            .await
-            .expect("curl runs");
-        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        let (body, code) = stdout.rsplit_once('\n').unwrap_or(("", &stdout));
-        let code = code.trim().parse().unwrap_or_else(|_| {
-            panic!(
-                "curl gave no status: {stdout:?} {}",
-                String::from_utf8_lossy(&output.stderr)
-            )
-        });
-        let head = std::fs::read_to_string(&headers).unwrap_or_default();
-        (code, body.to_owned(), head)
+        curl_through(self.host.path(), self.gateway, credentials, url, args).await
     }
 
     /// A discovery API GET.
@@ -304,6 +277,46 @@ impl Setup {
     }
 }
 
+/// `curl` through the gateway on `gateway` with `credentials` (`user:password`), plus `args`;
+/// returns (status code, body, the response headers). Scratch files go to `dir`.
+async fn curl_through(
+    dir: &std::path::Path,
+    gateway: u16,
+    credentials: &str,
+    url: &str,
+    args: &[&str],
+) -> (u16, String, String) {
+    let headers = dir.join(format!("headers-{}", fastrand_suffix()));
+    let proxy = format!("http://127.0.0.1:{gateway}");
+    let output = tokio::process::Command::new("curl")
+        .args(["-sS", "--max-time", "20", "-x", &proxy, "-U", credentials])
+        .args([
+            "-D",
+            headers.to_str().expect("utf-8 path"),
+            "-w",
+            "\n%{http_code}",
+        ])
+        .args(args)
+        .arg(url)
+        .env_remove("http_proxy")
+        .env_remove("HTTP_PROXY")
+        .env_remove("no_proxy")
+        .env_remove("NO_PROXY")
+        .output()
+        .await
+        .expect("curl runs");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let (body, code) = stdout.rsplit_once('\n').unwrap_or(("", &stdout));
+    let code = code.trim().parse().unwrap_or_else(|_| {
+        panic!(
+            "curl gave no status: {stdout:?} {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    let head = std::fs::read_to_string(&headers).unwrap_or_default();
+    (code, body.to_owned(), head)
+}
+
 /// Basic credentials, base64-encoded.
 fn basic_credentials(pair: &[u8]) -> String {
     use base64::Engine as _;
@@ -344,7 +357,11 @@ async fn curl_fetches_through_a_leased_squid_and_leaves_no_lease() {
         "the gateway adds its Via: {head}"
     );
     let log = setup.access_log_shows(ip, "/plain").await;
-    assert!(log.contains(&url), "Squid logged the request: {log}");
+    let logged: Vec<&str> = log.lines().filter(|l| l.contains("/plain")).collect();
+    assert!(
+        logged.iter().any(|l| l.contains(&format!("GET {url}"))),
+        "Squid logged the request: {logged:?} (url {url})"
+    );
     // A request without a session holds its lease only while it runs.
     setup
         .no_leases_within(Duration::from_secs(5), "after a plain fetch")
@@ -624,6 +641,12 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
     // Whichever proxy the first GET takes, the dead one is the least recently used one for
     // the other: without the retry one of the two would fail.
     for _ in 0..2 {
+        // The last answer's lease goes back once its body is done, a moment after the client
+        // has it: wait, so that the live proxy is free again.
+        support::eventually(Duration::from_secs(5), "every lease given back", || {
+            store.active_total() == 0
+        })
+        .await;
         let answer = raw_request(addr, "GET", &origin.url("/retried"), "crawler-6").await;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(answer.contains("hello /retried from 127.0.0.1"), "{answer}");
@@ -638,9 +661,12 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
             == 2
     })
     .await;
-    assert_eq!(store.active_total(), 0, "every lease was given back");
 
     // The dead proxy is the least recently used again: a POST goes there and is not retried.
+    support::eventually(Duration::from_secs(5), "every lease given back", || {
+        store.active_total() == 0
+    })
+    .await;
     let answer = raw_request(addr, "POST", &origin.url("/posted"), "crawler-6").await;
     assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
     assert!(answer.contains("upstream_failed"), "{answer}");
@@ -733,4 +759,89 @@ process.start()
         ["crawler-7", "crawler-7"],
         "two sessions hold a lease each"
     );
+}
+
+/// Cluster mode serves the gateway too (the same core): against a real kube-apiserver, with a
+/// Proxy object of the `local` provider, `curl -x` through the gateway reaches the origin
+/// through that Squid once the replica leads, and leaves no lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_mode_serves_the_gateway_too() {
+    use egress_proxies_operator::api::Proxy;
+    use kube::{Api, api::PostParams};
+    use support::{
+        cluster_app::{ClusterApp, local_cluster, local_proxy},
+        control_plane::ControlPlane,
+        wait_until,
+    };
+
+    /// Kills the Squids the local provider started under the folder, whatever the outcome.
+    struct Squids(std::path::PathBuf);
+    impl Drop for Squids {
+        fn drop(&mut self) {
+            for pid in standalone::squids(&self.0) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
+    }
+
+    let origin = Origin::start().await;
+    let plane = ControlPlane::start().await;
+    let operator_client = plane.install_default().await;
+    plane.create_namespace("crawl").await;
+    let client = plane.client().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let _squids = Squids(dir.path().to_owned());
+    let token = "gateway-token-0123456789abcdef";
+    let (admin, discovery, gateway, proxy_port) = (free_port(), free_port(), free_port(), free_port());
+    let mut options = local_cluster(
+        dir.path(),
+        &dir.path().join("local"),
+        token,
+        ([127, 0, 0, 1], admin).into(),
+        ([127, 0, 0, 1], discovery).into(),
+    );
+    options.gateway_listen = Some(([127, 0, 0, 1], gateway).into());
+    let operator = ClusterApp::start(operator_client, options);
+
+    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
+    let proxy = local_proxy(
+        "squid-1",
+        proxy_port,
+        &origin.url("/health"),
+        2,
+        serde_json::json!({}),
+    );
+    proxies
+        .create(&PostParams::default(), &proxy)
+        .await
+        .expect("created");
+    let credentials = format!("crawler-8:{token}");
+    // 503 `not_ready` until the replica leads and the Proxy is healthy and open.
+    let body = wait_until(Duration::from_secs(90), "the gateway forwards", async || {
+        let (code, body, _) =
+            curl_through(dir.path(), gateway, &credentials, &origin.url("/cluster"), &[]).await;
+        (code == 200).then_some(body)
+    })
+    .await;
+    assert_eq!(body, "hello /cluster from 127.0.0.1");
+    let leases = wait_until(Duration::from_secs(10), "no lease left", async || match try_api(
+        discovery,
+        token,
+        "GET",
+        "/v1/leases",
+        "",
+        Duration::from_secs(10),
+    )
+    .await
+    {
+        Answer::Got(status, body) if status.is_success() && body["leases"] == serde_json::json!([]) => {
+            Some(body)
+        }
+        _ => None,
+    })
+    .await;
+    assert_eq!(leases["leases"], serde_json::json!([]));
+    operator.stop().await;
 }
