@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, combinators::BoxBody};
+use http_body_util::{BodyExt, Empty, combinators::UnsyncBoxBody};
 use hyper::{
     HeaderMap, Request, Response, StatusCode, Version,
     body::{Body, Incoming},
@@ -21,7 +21,7 @@ use crate::lease::ProxyInfo;
 pub(super) const VIA: &str = "1.1 egress-proxies-gateway";
 
 /// What the gateway's answers carry.
-pub(super) type GatewayBody = BoxBody<Bytes, hyper::Error>;
+pub(super) type GatewayBody = UnsyncBoxBody<Bytes, hyper::Error>;
 
 /// Why an upstream proxy gave no answer.
 #[derive(Debug, thiserror::Error)]
@@ -172,5 +172,5 @@ pub(super) fn tunnel_open() -> Response<GatewayBody> {
 
 /// An empty body.
 pub(super) fn empty() -> GatewayBody {
-    Empty::new().map_err(|never| match never {}).boxed()
+    Empty::new().map_err(|never| match never {}).boxed_unsync()
 }

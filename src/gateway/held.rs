@@ -87,6 +87,14 @@ impl Lent {
         &self.proxy
     }
 
+    /// The request is done and went well: a lease of its own goes back now (`ok`); a
+    /// session keeps its lease (Drop lets the session go).
+    pub(super) async fn give_back(self) {
+        if matches!(self.kind, Kind::Loose(_)) {
+            self.end(Outcome::Ok).await;
+        }
+    }
+
     /// Ends the lease now with `outcome` (a ban is for the lease's target domain); a session
     /// loses it, so its next request takes another.
     pub(super) async fn end(mut self, outcome: Outcome) {

@@ -239,7 +239,7 @@ impl Refusal {
         let mut response = Response::new(
             Full::new(Bytes::from(body.to_string()))
                 .map_err(|never| match never {})
-                .boxed(),
+                .boxed_unsync(),
         );
         *response.status_mut() = self.status;
         let headers = response.headers_mut();
@@ -399,17 +399,14 @@ impl Gateway {
                 lent.end(Outcome::Banned).await;
                 let client = forward::client_response(&response, ());
                 let (parts, ()) = client.into_parts();
-                Response::from_parts(parts, response.into_body().boxed())
+                Response::from_parts(parts, response.into_body().boxed_unsync())
             }
             _ => {
                 let client = forward::client_response(&response, ());
                 let (parts, ()) = client.into_parts();
                 // The lease is given back when the answer's body is done or dropped.
-                let body = Guarded {
-                    inner: response.into_body(),
-                    _lent: lent,
-                };
-                Response::from_parts(parts, body.boxed())
+                let body = Guarded::new(response.into_body(), lent);
+                Response::from_parts(parts, body.boxed_unsync())
             }
         }
     }
@@ -441,11 +438,8 @@ impl Gateway {
             // The proxy's own refusal (not the target's): passed on, and no ban.
             let client = forward::client_response(&response, ());
             let (parts, ()) = client.into_parts();
-            let body = Guarded {
-                inner: response.into_body(),
-                _lent: lent,
-            };
-            return Ok(Response::from_parts(parts, body.boxed()));
+            let body = Guarded::new(response.into_body(), lent);
+            return Ok(Response::from_parts(parts, body.boxed_unsync()));
         }
         let client_side = hyper::upgrade::on(&mut request);
         let upstream_side = match hyper::upgrade::on(response).await {
@@ -515,10 +509,27 @@ impl Gateway {
     }
 }
 
-/// An upstream answer's body that gives its lease back when done or dropped.
+/// An upstream answer's body that gives its lease back when done or dropped. When done, the
+/// last frame waits until the lease is back (durable too): a client that sends its next
+/// request as soon as it has this answer finds the proxy free again.
 struct Guarded {
     inner: Incoming,
-    _lent: Lent,
+    lent: Option<Lent>,
+    /// The lease being given back, and the frame that waits for it (`None`: the end).
+    ending: Option<(GivingBack, Option<Frame<Bytes>>)>,
+}
+
+/// A lease being given back.
+type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl Guarded {
+    fn new(inner: Incoming, lent: Lent) -> Self {
+        Self {
+            inner,
+            lent: Some(lent),
+            ending: None,
+        }
+    }
 }
 
 impl Body for Guarded {
@@ -529,11 +540,34 @@ impl Body for Guarded {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        let this = &mut *self;
+        loop {
+            if let Some((giving_back, last)) = &mut this.ending {
+                std::task::ready!(giving_back.as_mut().poll(cx));
+                let last = last.take();
+                this.ending = None;
+                if let Some(frame) = last {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                return Poll::Ready(None);
+            }
+            let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
+            let last = match polled {
+                Some(Ok(frame)) if this.inner.is_end_stream() => Some(frame),
+                None => None,
+                // A frame before the last, or an error (the body is dropped then, and the
+                // lease goes back from Drop).
+                other => return Poll::Ready(other),
+            };
+            match this.lent.take() {
+                Some(lent) => this.ending = Some((Box::pin(lent.give_back()), last)),
+                None => return Poll::Ready(last.map(Ok)),
+            }
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.lent.is_none() && self.ending.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
