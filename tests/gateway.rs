@@ -577,11 +577,12 @@ async fn raw_request(gateway: SocketAddr, method: &str, url: &str, user: &str) -
     raw
 }
 
-/// A dead upstream (its port refuses connections): a GET is retried once on another proxy, a
-/// POST is not and gets a 502 naming the proxy and the cause. In process, over a store of
-/// one strict LRU shard, so the dead proxy is the first choice each time.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
+mod in_process {
+    //! The gateway in this process over a store of one strict-LRU shard (proxies chosen in
+    //! the order given, first), without a journal, the token `tok`.
+
+    use std::{net::SocketAddr, sync::Arc};
+
     use egress_proxies_operator::{
         api::{LeasePolicy, ProxyKey},
         discovery::StaticTokens,
@@ -590,53 +591,77 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
         provider::Endpoint,
         telemetry::admin::Readiness,
     };
+    use tokio::net::TcpListener;
 
+    /// The running gateway; stops when dropped.
+    pub struct InProcess {
+        pub store: LeaseStore,
+        pub addr: SocketAddr,
+        _stop: tokio::sync::oneshot::Sender<()>,
+    }
+
+    /// The gateway over open proxies `crawl/NAME` on 127.0.0.1:PORT, one slot each.
+    pub async fn start(proxies: &[(&str, u16)]) -> InProcess {
+        let store = LeaseStore::new(LeaseStoreConfig {
+            shards: 1,
+            ..LeaseStoreConfig::default()
+        });
+        for (name, port) in proxies {
+            let key = ProxyKey::new("crawl", name);
+            store.upsert_proxy(LeaseTarget {
+                key: key.clone(),
+                endpoint: Endpoint {
+                    host: "127.0.0.1".into(),
+                    port: *port,
+                },
+                attributes: Default::default(),
+                policy: LeasePolicy {
+                    max_concurrent: 1,
+                    cooldown_seconds: 0,
+                    max_ttl_seconds: 600,
+                },
+                credentials: None,
+            });
+            store.set_admission(&key, Admission::Open).expect("known proxy");
+        }
+        let (_ready, readiness) = tokio::sync::watch::channel(Readiness {
+            caches_synced: true,
+            leader: true,
+            checkpoint_failing: false,
+        });
+        let deps = GatewayDeps {
+            store: store.clone(),
+            signer: LeaseSigner::new(&LeaseSigner::generate_secret()).expect("signer"),
+            journal: None,
+            auth: Arc::new(StaticTokens::parse("tok\n")),
+            readiness,
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(gateway::serve(
+            listener,
+            Gateway::new(deps, GatewayConfig::default()),
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        InProcess {
+            store,
+            addr,
+            _stop: stop,
+        }
+    }
+}
+
+/// A dead upstream (its port refuses connections): a GET is retried once on another proxy, a
+/// POST is not and gets a 502 naming the proxy and the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
     let origin = Origin::start().await;
     let squid = support::Squid::start().await;
-    let store = LeaseStore::new(LeaseStoreConfig {
-        shards: 1,
-        ..LeaseStoreConfig::default()
-    });
-    for (name, port) in [("dead", free_port()), ("live", squid.port)] {
-        let key = ProxyKey::new("crawl", name);
-        store.upsert_proxy(LeaseTarget {
-            key: key.clone(),
-            endpoint: Endpoint {
-                host: "127.0.0.1".into(),
-                port,
-            },
-            attributes: Default::default(),
-            policy: LeasePolicy {
-                max_concurrent: 1,
-                cooldown_seconds: 0,
-                max_ttl_seconds: 600,
-            },
-            credentials: None,
-        });
-        store.set_admission(&key, Admission::Open).expect("known proxy");
-    }
-    let (_ready, readiness) = tokio::sync::watch::channel(Readiness {
-        caches_synced: true,
-        leader: true,
-        checkpoint_failing: false,
-    });
-    let deps = GatewayDeps {
-        store: store.clone(),
-        signer: LeaseSigner::new(&LeaseSigner::generate_secret()).expect("signer"),
-        journal: None,
-        auth: Arc::new(StaticTokens::parse("tok\n")),
-        readiness,
-    };
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("address");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(gateway::serve(
-        listener,
-        Gateway::new(deps, GatewayConfig::default()),
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    let gateway = in_process::start(&[("dead", free_port()), ("live", squid.port)]).await;
+    let (store, addr) = (&gateway.store, gateway.addr);
 
     // Whichever proxy the first GET takes, the dead one is the least recently used one for
     // the other: without the retry one of the two would fail.
@@ -670,9 +695,6 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
     );
     assert!(origin.peers_of("/posted").is_empty());
     assert_eq!(store.active_total(), 0);
-
-    let _ = stop.send(());
-    serving.await.expect("joined").expect("served");
 }
 
 /// Python's `requests` and Scrapy's own `HttpProxyMiddleware` use the gateway unchanged: the
@@ -838,4 +860,36 @@ async fn cluster_mode_serves_the_gateway_too() {
     .await;
     assert_eq!(leases["leases"], serde_json::json!([]));
     operator.stop().await;
+}
+
+/// A 403 the upstream Squid made itself (its access rules deny the path; it marks the page
+/// with `X-Squid-Error`) is the proxy's answer and bans nothing; a 403 from the target bans
+/// the proxy for the target's domain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_targets_403_bans() {
+    let origin = Origin::start().await;
+    let squid = support::Squid::start().await;
+    let gateway = in_process::start(&[("only", squid.port)]).await;
+    let banned = || {
+        let store = &gateway.store;
+        let all = store.compile(&Default::default());
+        store
+            .list_for(&all, Some("127.0.0.1"), store.now_ms())
+            .iter()
+            .any(|view| !view.bans.is_empty())
+    };
+
+    // support::Squid denies paths starting with /forbidden.
+    let answer = raw_request(gateway.addr, "GET", &origin.url("/forbidden"), "crawler-9").await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.to_ascii_lowercase().contains("x-squid-error"), "{answer}");
+    assert!(!banned(), "Squid's own refusal banned the proxy");
+    assert!(origin.peers_of("/forbidden").is_empty());
+
+    origin.refuse("127.0.0.1".parse().expect("an address"));
+    let answer = raw_request(gateway.addr, "GET", &origin.url("/refused"), "crawler-9").await;
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(answer.contains("no entry for 127.0.0.1"), "{answer}");
+    assert!(banned(), "the target's refusal bans the proxy for 127.0.0.1");
+    assert_eq!(gateway.store.active_total(), 0);
 }

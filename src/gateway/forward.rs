@@ -174,3 +174,36 @@ pub(super) fn tunnel_open() -> Response<GatewayBody> {
 pub(super) fn empty() -> GatewayBody {
     Empty::new().map_err(|never| match never {}).boxed_unsync()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_stay_behind_and_one_via_is_added() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "keep-alive, x-hop"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+            ("proxy-authorization", "Basic Y3Jhd2xlcjp0b2tlbg=="),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("upgrade", "h2c"),
+            ("x-hop", "named by Connection"),
+            ("accept", "text/html"),
+            ("via", "1.1 earlier-proxy"),
+        ] {
+            headers.append(name, HeaderValue::from_static(value));
+        }
+        let forwarded = end_to_end(&headers);
+        let names: Vec<&str> = forwarded.keys().map(|n| n.as_str()).collect();
+        assert_eq!(names, ["accept", "via"], "{forwarded:?}");
+        let via: Vec<&str> = forwarded
+            .get_all(header::VIA)
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(via, ["1.1 earlier-proxy", VIA]);
+    }
+}

@@ -55,6 +55,9 @@ use crate::{
 /// The realm of the gateway's `Proxy-Authenticate` challenge.
 pub const REALM: &str = "egress-proxies";
 
+/// The header Squid puts on the error pages it makes itself.
+const SQUID_ERROR: &str = "x-squid-error";
+
 /// Largest body of a GET or HEAD the gateway keeps to send again on another proxy.
 const MAX_RETRY_BODY: usize = 64 * 1024;
 
@@ -388,7 +391,13 @@ impl Gateway {
         response: Response<Incoming>,
         domain: Option<&str>,
     ) -> Response<GatewayBody> {
-        match self.config.rules.judge(response.status()) {
+        // Squid marks the error pages it makes itself: those are the proxy's answer (access
+        // denied, target unreachable), not the target's, and say nothing of a ban.
+        let from_the_proxy = response.headers().contains_key(SQUID_ERROR);
+        let action = (!from_the_proxy)
+            .then(|| self.config.rules.judge(response.status()))
+            .flatten();
+        match action {
             Some(Action::BanForDomain) if domain.is_some() => {
                 info!(
                     proxy = %lent.proxy().key,
