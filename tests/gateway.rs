@@ -356,12 +356,8 @@ async fn curl_fetches_through_a_leased_squid_and_leaves_no_lease() {
             .contains("via: 1.1 egress-proxies-gateway"),
         "the gateway adds its Via: {head}"
     );
-    let log = setup.access_log_shows(ip, "/plain").await;
-    let logged: Vec<&str> = log.lines().filter(|l| l.contains("/plain")).collect();
-    assert!(
-        logged.iter().any(|l| l.contains(&format!("GET {url}"))),
-        "Squid logged the request: {logged:?} (url {url})"
-    );
+    // Squid logs the request once it is done ("text/plain" is in health-check lines too).
+    setup.access_log_shows(ip, &format!("GET {url} ")).await;
     // A request without a session holds its lease only while it runs.
     setup
         .no_leases_within(Duration::from_secs(5), "after a plain fetch")
