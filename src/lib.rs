@@ -12,6 +12,7 @@ pub mod config;
 pub mod controller;
 pub mod discovery;
 pub mod effects;
+pub mod gateway;
 pub mod gc;
 pub mod health;
 pub mod lease;

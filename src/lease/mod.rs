@@ -209,6 +209,9 @@ pub struct ProxyInfo {
     pub attributes: Attributes,
     url_with_credentials: String,
     url: String,
+    /// `Basic <base64 of user:password>` when it takes credentials: what a client that
+    /// forwards through it on a holder's behalf sends as `Proxy-Authorization`.
+    proxy_authorization: Option<String>,
     /// Its JSON as every lease answer shows it, rendered by the discovery API on first use
     /// (an info is immutable: a changed proxy gets a new one).
     rendered: std::sync::OnceLock<Box<str>>,
@@ -241,6 +244,11 @@ impl ProxyInfo {
             ),
             None => url.clone(),
         };
+        let proxy_authorization = target.credentials.as_ref().map(|c| {
+            use base64::Engine as _;
+            let pair = format!("{}:{}", c.username, c.password);
+            format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair))
+        });
         Self {
             key: target.key.clone(),
             endpoint: target.endpoint.clone(),
@@ -248,6 +256,7 @@ impl ProxyInfo {
             attributes: target.attributes.clone(),
             url_with_credentials,
             url,
+            proxy_authorization,
             rendered: std::sync::OnceLock::new(),
         }
     }
@@ -265,6 +274,12 @@ impl ProxyInfo {
     /// `http://user:password@host:port` (or the plain URL): only for the lease holder.
     pub fn url_with_credentials(&self) -> &str {
         &self.url_with_credentials
+    }
+
+    /// The `Proxy-Authorization` value its credentials make (`None`: it takes none): only for
+    /// the lease holder.
+    pub fn proxy_authorization(&self) -> Option<&str> {
+        self.proxy_authorization.as_deref()
     }
 }
 

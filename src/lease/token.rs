@@ -139,6 +139,7 @@ pub struct PresentedId<'a> {
 
 /// Signs lease IDs (format 2) and verifies them (formats 1 and 2) with keys from one secret.
 /// `Debug` shows no key material.
+#[derive(Clone)]
 pub struct LeaseSigner {
     hmac: hmac::Key,
     blake3: [u8; 32],

@@ -330,6 +330,17 @@ impl LeaseStore {
         normalize_domain(domain)
     }
 
+    /// Whether `key` takes new leases now (known, open, not draining): what a holder that
+    /// keeps one lease across many uses checks before each use (the proxy may have turned
+    /// unhealthy since, which closes it but lets its leases run on).
+    pub fn admits(&self, key: &ProxyKey) -> bool {
+        let shard = self.shard_for(key);
+        shard.by_key.get(key).is_some_and(|slot| {
+            let p = shard.proxy(*slot);
+            p.info.is_some() && p.admission == AdmissionState::Open
+        })
+    }
+
     /// Active (unexpired) leases on a proxy; 0 if unknown.
     pub fn active_leases(&self, key: &ProxyKey) -> usize {
         self.count_leases(key, self.now(), |_| true)
