@@ -18,6 +18,7 @@ pub mod health;
 pub mod lease;
 pub mod machine;
 pub mod monitor;
+pub mod net;
 pub mod provider;
 pub mod standalone;
 pub mod sync;
