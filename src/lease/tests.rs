@@ -1722,3 +1722,35 @@ fn an_issued_id_matches_only_itself() {
     assert!(!kept.matches(format!("{id}A").as_bytes()));
     assert!(!kept.matches(b""));
 }
+
+/// A small pool spread over many shards (a proxy or none a shard, as three local Squids in the
+/// default 16 shards are) rotates: acquire-and-release in a loop from one thread uses every
+/// proxy in turn, not the first free one each time (what a crawler leasing per request, and
+/// the gateway without a session, rely on).
+#[test]
+fn a_small_pool_over_many_shards_rotates_through_its_proxies() {
+    let (store, _) = store(16);
+    for name in ["a", "b", "c"] {
+        add_open(&store, target(name, &[], 1, 0));
+    }
+    let all = sel(&store, "");
+    let mut uses = std::collections::BTreeMap::<String, usize>::new();
+    let mut order = Vec::new();
+    for _ in 0..9 {
+        let lease = acquire(&store, &all).unwrap();
+        order.push(lease.id.key.to_string());
+        *uses.entry(lease.id.key.to_string()).or_default() += 1;
+        store
+            .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+            .unwrap();
+    }
+    assert_eq!(
+        uses.values().copied().collect::<Vec<_>>(),
+        vec![3, 3, 3],
+        "{order:?}"
+    );
+    assert!(
+        order.windows(2).all(|w| w[0] != w[1]),
+        "the same proxy twice in a row: {order:?}"
+    );
+}

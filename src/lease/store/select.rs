@@ -309,10 +309,17 @@ impl LeaseStore {
             // Shards another thread holds right now are skipped at first (and this thread's
             // cursor moves past them), and visited last, waiting for their lock then.
             let mut busy: u64 = 0;
-            let visit = |shard: &mut Shard, soonest: &mut Option<u64>| {
+            let visit = |shard: &mut Shard, index: usize, soonest: &mut Option<u64>| {
                 shard.settle(now);
                 if let Some(slot) = shard.pick(req.selector, domain, now) {
-                    return Some(shard.grant(slot, req, domain, ttl_ms, now));
+                    let lease = shard.grant(slot, req, domain, ttl_ms, now);
+                    // A shard with no other eligible proxy would hand out this one again: the
+                    // next acquire starts after it, so a small pool (a proxy or two a shard)
+                    // rotates through its proxies instead of reusing the first free one.
+                    if shard.lists[0].len <= 1 {
+                        Self::start_after(index, n);
+                    }
+                    return Some(lease);
                 }
                 if let Some(at) = shard.next_chance(req.selector, domain, now) {
                     *soonest = Some(soonest.map_or(at, |s| s.min(at)));
@@ -332,12 +339,12 @@ impl LeaseStore {
                         continue;
                     }
                 };
-                if let Some(lease) = visit(&mut shard, &mut soonest) {
+                if let Some(lease) = visit(&mut shard, index, &mut soonest) {
                     return Ok(lease);
                 }
             }
             for index in (0..n).filter(|i| busy & (1 << i) != 0) {
-                if let Some(lease) = visit(&mut lock(&self.inner.shards[index].0), &mut soonest) {
+                if let Some(lease) = visit(&mut lock(&self.inner.shards[index].0), index, &mut soonest) {
                     return Ok(lease);
                 }
             }
@@ -397,6 +404,18 @@ impl LeaseStore {
             let cursor = c.get();
             c.set(Cursor {
                 position: cursor.position.wrapping_add(ring_step(n)),
+                taken: 0,
+                ..cursor
+            })
+        });
+    }
+
+    /// Moves the calling thread's cursor to the shard after `index`; its next acquire claims it.
+    pub(super) fn start_after(index: usize, n: usize) {
+        CURSOR.with(|c| {
+            let cursor = c.get();
+            c.set(Cursor {
+                position: ring_step(n).wrapping_mul(((index + 1) % n) as u32),
                 taken: 0,
                 ..cursor
             })
