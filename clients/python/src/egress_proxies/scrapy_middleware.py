@@ -103,7 +103,7 @@ from scrapy import Request, Spider, signals
 from scrapy.crawler import Crawler
 from scrapy.exceptions import IgnoreRequest, NotConfigured
 from scrapy.http import Response
-from scrapy.utils.defer import maybe_deferred_to_future
+from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet import defer, task, threads
 from twisted.python.failure import Failure
@@ -504,8 +504,18 @@ class EgressProxiesMiddleware:
                 "no proxy available for %.0f s: closing the spider (EGRESS_PROXIES_GIVE_UP)",
                 now - self._unavailable_since,
             )
-            self.crawler.engine.close_spider(spider, "egress_proxies_unavailable")
+            self._close_spider(spider, "egress_proxies_unavailable")
         raise IgnoreRequest(f"no proxy available for {domain}")
+
+    def _close_spider(self, spider: Spider, reason: str) -> None:
+        engine = self.crawler.engine
+        close_async = getattr(engine, "close_spider_async", None)
+        if close_async is None:  # before Scrapy 2.14
+            engine.close_spider(spider, reason)
+            return
+        # Scrapy 2.14+ deprecates close_spider(); the coroutine runs on whichever reactor.
+        closing = deferred_from_coro(close_async(reason=reason))
+        closing.addErrback(lambda failure: spider.logger.warning("closing the spider failed: %s", failure.value))
 
     def _banned_everywhere(self, err: _BannedEverywhere, spider: Spider) -> None:
         self.stats.inc_value("egress_proxies/banned_everywhere")
