@@ -396,13 +396,13 @@ fn renewals_say_when_the_proxy_left_rotation() {
     assert!(!renewed.out_of_rotation);
     // A proxy that was never open (as after a restart, until its first probe) is not out of
     // rotation: that says nothing about the instance.
-    let (store, _) = store(2);
-    store.upsert_proxy(target("b", &[], 1, 0));
-    store.set_admission(&key("b"), Admission::Closed).unwrap();
-    store.set_admission(&key("b"), Admission::Open).unwrap();
-    let lease = acquire(&store, &sel(&store, "")).unwrap();
+    let (fresh, _) = self::store(2);
+    fresh.upsert_proxy(target("b", &[], 1, 0));
+    fresh.set_admission(&key("b"), Admission::Closed).unwrap();
+    fresh.set_admission(&key("b"), Admission::Open).unwrap();
+    let lease = acquire(&fresh, &sel(&fresh, "")).unwrap();
     assert!(
-        !store
+        !fresh
             .renew(&lease.id, lease.fencing_token, None)
             .unwrap()
             .out_of_rotation
