@@ -208,7 +208,7 @@ class Site:
     # ``/paced`` links to as many pages ``/paced/<n>``, each answering after a while: a crawl
     # long enough to freeze its proxy in the middle of.
     PACED_PAGES = 60
-    PACED_SECONDS = 0.25
+    PACED_SECONDS = 0.1
 
     def __init__(self) -> None:
         self.served: List[Tuple[str, str]] = []

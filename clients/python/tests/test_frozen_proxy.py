@@ -22,11 +22,12 @@ from conftest import Site
 from test_scrapy import CRAWL
 
 # The operator's detection time in this suite (2 s interval x 2 failures + 1 s timeout, plus
-# a probe's phase), the middleware's renew interval in these crawls, and slack for a loaded
-# machine. Scrapy's DOWNLOAD_TIMEOUT in the frozen crawl is far above it.
+# a probe's phase), the middleware's renew interval in these crawls, and slack for the rest of
+# the crawl (about 3 s of pages) and a loaded machine. Scrapy's DOWNLOAD_TIMEOUT in the frozen
+# crawl is far above the sum: a crawl that waited for it would fail the bound.
 DETECTION_SECONDS = 7.0
 RENEW_INTERVAL = 1.0
-SLACK_SECONDS = 8.0
+SLACK_SECONDS = 10.0
 DOWNLOAD_TIMEOUT = 120
 
 
@@ -145,7 +146,7 @@ def test_a_proxy_frozen_mid_crawl_loses_no_page_and_costs_no_download_timeout(
     assert "Traceback" not in log_text and "ERROR" not in log_text, log_text[-5000:]
     assert "py.warnings" not in log_text and "Warning:" not in log_text, log_text[-5000:]
     assert len([l for l in log_text.splitlines() if "is out of rotation" in l]) == 1, log_text[-5000:]
-    print(f"frozen at page {len(pages)}; crawl done {elapsed:.1f} s after the freeze; {stats}")
+    print(f"{len(pages)} pages; the crawl ended {elapsed:.1f} s after the freeze; {stats}")
 
     # The Squid thaws, passes its checks and is leasable again for the tests that follow.
     for pid in frozen:
