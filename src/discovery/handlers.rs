@@ -487,7 +487,7 @@ pub(super) async fn acquire(
     params(LeaseIdPath),
     request_body(content = RenewBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "The new token and expiry", body = RenewResponse),
+        (status = 200, description = "The new token and expiry, and whether the proxy is out of rotation", body = RenewResponse),
         (status = 400, description = "`malformed_request`", body = ErrorBody),
         AuthErrors,
         (status = 409, description = "`stale_token` or `proxy_draining`", body = ErrorBody),
@@ -509,6 +509,7 @@ pub(super) async fn renew(
             lease_id: id.to_owned(),
             fencing_token: renewed.fencing_token,
             expires_at: rfc3339(renewed.expires_at_ms),
+            out_of_rotation: renewed.out_of_rotation,
         },
     ))
 }

@@ -420,6 +420,11 @@ pub struct RenewResponse {
     /// The new expiry (RFC 3339).
     #[schema(format = DateTime)]
     pub expires_at: String,
+    /// `true` once the operator has taken the proxy out of rotation since it was leasable:
+    /// its health checks fail (a dead or frozen instance) or it is being replaced. The lease
+    /// still runs, but requests through the proxy are likely failing or hanging: move the
+    /// work to a new lease and release this one (outcome `error`).
+    pub out_of_rotation: bool,
 }
 
 /// A released lease.

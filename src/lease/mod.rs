@@ -12,7 +12,9 @@
 //! # Rules
 //! - **Admission.** A proxy starts `Closed`; only `Open` proxies (the engine opens Healthy
 //!   ones) get new leases. `Closed` keeps existing leases running; draining also refuses their
-//!   renewal, so they end at their expiry or release; revoking drops them at once.
+//!   renewal, so they end at their expiry or release; revoking drops them at once. A renewal
+//!   of a lease on a proxy closed since it was open says so ([`Renewed::out_of_rotation`]),
+//!   so that its holder moves off a proxy whose checks fail.
 //! - **Expiry.** A lease exists while `now < expiresAt`, for every operation alike: at
 //!   `expiresAt` its slot is free and it is unknown to renew and release. Each operation
 //!   settles the shards it touches first (a per-shard heap of expiry times), so nothing waits
@@ -370,6 +372,10 @@ pub struct Renewed {
     pub fencing_token: u64,
     /// The new expiry (ms since the epoch).
     pub expires_at_ms: u64,
+    /// The engine took the proxy out of rotation while it was open (its health checks fail,
+    /// or it is being replaced): the lease runs on, but its holder should move its work to
+    /// another proxy and release it.
+    pub out_of_rotation: bool,
 }
 
 /// What a release changed besides ending the lease (what the journal records of it).

@@ -380,6 +380,36 @@ fn concurrent_clients_never_exceed_max_concurrent() {
 }
 
 #[test]
+fn renewals_say_when_the_proxy_left_rotation() {
+    let (store, _, all) = one_proxy(2, 2, 0);
+    let lease = acquire(&store, &all).unwrap();
+    let renewed = store.renew(&lease.id, lease.fencing_token, None).unwrap();
+    assert!(!renewed.out_of_rotation);
+    // Health checks fail: the engine closes it. The lease runs on, and its renewals say so.
+    store.set_admission(&key("a"), Admission::Closed).unwrap();
+    store.set_admission(&key("a"), Admission::Closed).unwrap();
+    let renewed = store.renew(&lease.id, renewed.fencing_token, None).unwrap();
+    assert!(renewed.out_of_rotation);
+    // Healthy again: back in rotation.
+    store.set_admission(&key("a"), Admission::Open).unwrap();
+    let renewed = store.renew(&lease.id, renewed.fencing_token, None).unwrap();
+    assert!(!renewed.out_of_rotation);
+    // A proxy that was never open (as after a restart, until its first probe) is not out of
+    // rotation: that says nothing about the instance.
+    let (fresh, _) = self::store(2);
+    fresh.upsert_proxy(target("b", &[], 1, 0));
+    fresh.set_admission(&key("b"), Admission::Closed).unwrap();
+    fresh.set_admission(&key("b"), Admission::Open).unwrap();
+    let lease = acquire(&fresh, &sel(&fresh, "")).unwrap();
+    assert!(
+        !fresh
+            .renew(&lease.id, lease.fencing_token, None)
+            .unwrap()
+            .out_of_rotation
+    );
+}
+
+#[test]
 fn drain_refuses_renewals_and_reports_completion() {
     let (store, _, all) = one_proxy(2, 2, 0);
     let l1 = acquire(&store, &all).unwrap();

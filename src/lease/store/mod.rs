@@ -244,7 +244,12 @@ impl LeaseStore {
             .by_key
             .get(key)
             .ok_or_else(|| LeaseError::UnknownProxy(key.clone()))?;
-        shard.proxy_mut(slot).admission = match admission {
+        let p = shard.proxy_mut(slot);
+        p.out_of_rotation = match admission {
+            Admission::Open => false,
+            Admission::Closed => p.out_of_rotation || p.admission == AdmissionState::Open,
+        };
+        p.admission = match admission {
             Admission::Open => AdmissionState::Open,
             Admission::Closed => AdmissionState::Closed,
         };
@@ -462,6 +467,7 @@ impl LeaseStore {
         }
         let new_token = shard.next_token(now);
         let p = shard.proxy_mut(slot);
+        let out_of_rotation = p.out_of_rotation;
         let max_ttl = p.max_ttl_ms;
         let rec = &mut p.leases[idx];
         let ttl_ms = ttl.map_or(rec.ttl_ms, |t| t.as_millis() as u64);
@@ -474,6 +480,7 @@ impl LeaseStore {
         Ok(Renewed {
             fencing_token: new_token,
             expires_at_ms,
+            out_of_rotation,
         })
     }
 

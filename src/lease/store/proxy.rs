@@ -86,6 +86,10 @@ pub(super) struct ProxyState {
     pub(super) max_ttl_ms: u64,
     /// Whether it takes new leases and renewals.
     pub(super) admission: AdmissionState,
+    /// Closed by the engine while it was open (health checks failing, or being replaced):
+    /// renewals say so ([`crate::lease::Renewed::out_of_rotation`]). Not set by a restart's
+    /// closed-until-probed state, which says nothing about the instance.
+    pub(super) out_of_rotation: bool,
     /// End of its cooldown (0 or past: not resting).
     pub(super) cooling_until: u64,
     /// Per-domain bans: (domain, end), expired ones dropped lazily.
@@ -135,6 +139,7 @@ impl ProxyState {
             cooldown_ms: 0,
             max_ttl_ms: 3_600_000,
             admission: AdmissionState::Closed,
+            out_of_rotation: false,
             cooling_until: 0,
             bans: Vec::new(),
             leases: Vec::new(),
