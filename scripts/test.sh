@@ -7,9 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/install.sh
 source scripts/lib/control-plane.sh
+source scripts/lib/python-tools.sh
 
 install_system_packages
 ensure_rust_components rustfmt clippy
+ensure_schemathesis
 
 # The real Kubernetes control plane every cluster-mode test starts (kube-apiserver, etcd,
 # kube-controller-manager, kube-scheduler, kubectl, kwok): built from source once, then cached.

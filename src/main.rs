@@ -140,6 +140,8 @@ enum Command {
         /// Address of the discovery API.
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
+        #[command(flatten)]
+        gateway: GatewayArgs,
         /// Static bearer tokens of the discovery API, one per line, re-read every 2 s (default: a
         /// token created in the state folder).
         #[arg(long = "discovery-tokens", alias = "tokens", value_name = "FILE")]
@@ -256,6 +258,8 @@ struct RunArgs {
     /// Discovery API address.
     #[arg(long, default_value = "0.0.0.0:8080")]
     discovery_listen: std::net::SocketAddr,
+    #[command(flatten)]
+    gateway: GatewayArgs,
     /// How the discovery API authenticates callers (at least one method, or --discovery-no-auth).
     #[command(flatten)]
     auth: ClusterAuthArgs,
@@ -296,11 +300,25 @@ impl RunArgs {
             provider_health_objects: !self.no_provider_health_objects,
             admin_listen: self.admin_listen,
             discovery_listen: self.discovery_listen,
+            gateway_listen: self.gateway.gateway_listen,
+            gateway_session_idle: std::time::Duration::from_secs(self.gateway.gateway_session_idle_seconds),
             auth,
             signing_key: self.lease_signing_key,
             concurrency: self.concurrency,
         })
     }
+}
+
+/// The gateway's flags, the same in both modes (docs/gateway.md).
+#[derive(clap::Args)]
+struct GatewayArgs {
+    /// Serve the gateway, a rotating forward proxy (`curl -x http://HOLDER:TOKEN@ADDR`), on this
+    /// address (default: off).
+    #[arg(long, value_name = "ADDR")]
+    gateway_listen: Option<std::net::SocketAddr>,
+    /// Release a gateway session's lease once no request used it for this many seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    gateway_session_idle_seconds: u64,
 }
 
 /// Discovery API authentication flags of `run`: static tokens (file and/or Secret), TokenReview,
@@ -446,6 +464,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             providers_config,
             state,
             listen,
+            gateway,
             discovery_tokens,
             discovery_no_auth,
             lifecycle,
@@ -463,6 +482,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 providers_config,
                 state,
                 listen,
+                gateway_listen: gateway.gateway_listen,
+                gateway_session_idle: std::time::Duration::from_secs(gateway.gateway_session_idle_seconds),
                 auth: app::DiscoveryAuthOptions {
                     tokens_file: discovery_tokens,
                     no_auth: discovery_no_auth,

@@ -927,6 +927,62 @@ async fn a_shared_secret_rotation_replaces_at_most_a_quarter_at_once() {
     operator.stop().await;
 }
 
+/// A ban rule (or a user) asks every proxy of a twenty-proxy pool for a fresh instance at once
+/// (the recycle annotation, as `kubectl annotate` sets it): they are replaced a quarter at a time,
+/// each exactly once, and the request is recorded in each status so it recycles once.
+#[tokio::test]
+async fn recycling_the_whole_pool_respects_its_budget() {
+    let world = World::new().await;
+    let operator = world
+        .start_with(|setup| setup.deps.reconciler.timers.poll = Duration::from_millis(100))
+        .await;
+    let names: Vec<String> = (0..20).map(|i| format!("pool-{i:02}")).collect();
+    for name in &names {
+        world.create_proxy(name, json!({"provider": "mem"})).await;
+    }
+    drive_to_healthy(&world, &operator, &names, None).await;
+    let created_before = world.provider.created_count();
+
+    for name in &names {
+        world
+            .proxies()
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": {"crawl.example.com/recycle": "ban-1"}}})),
+            )
+            .await
+            .expect("annotated");
+    }
+    let max_unavailable = drive_to_healthy(&world, &operator, &names, Some(created_before + 20)).await;
+    assert!(
+        max_unavailable <= 5,
+        "{max_unavailable} of 20 were unavailable at once (budget 25 % = 5)"
+    );
+    assert!(max_unavailable >= 1, "the recycle replaced something");
+    for proxy in world
+        .proxies()
+        .list(&Default::default())
+        .await
+        .expect("list")
+        .items
+    {
+        let status = proxy.status.as_ref().expect("status");
+        assert_eq!(
+            status.last_recycle.as_deref(),
+            Some("ban-1"),
+            "{}",
+            proxy.name_any()
+        );
+    }
+    assert_eq!(
+        world.provider.created_count(),
+        created_before + 20,
+        "every proxy was recycled once"
+    );
+    operator.stop().await;
+}
+
 /// Passes health for every proxy that is provisioning, until all are Healthy (and, with
 /// `creates`, the provider made that many instances in all); returns the most proxies seen
 /// unavailable (pending, provisioning or replacing) at once.

@@ -109,6 +109,7 @@ fn every_room_but_the_modes_and_the_binary_is_core() {
         "lease",
         "health",
         "telemetry",
+        "gateway",
         "lib.rs",
     ] {
         assert!(

@@ -1,12 +1,15 @@
 //! The Python client and Scrapy middleware (`clients/python/`) against standalone mode as a
 //! crawler team runs it: the real operator binary, three real Squids from the `local`
 //! provider, the discovery API over a socket. The package is installed (not imported from the
-//! checkout) into a virtualenv that sees Debian's Scrapy and pytest, then its pytest suite runs
-//! with the API's URL and token and each Squid's access log in the environment. Apart from that,
-//! mypy checks the package's types.
+//! checkout), then its pytest suite runs with the API's URL and token and each Squid's access
+//! log in the environment, twice: in a virtualenv that sees Debian's Scrapy (2.8) and pytest,
+//! and in one built from PyPI with the newest Scrapy, pinned (`clients/python/tests/
+//! newest-pins.txt`), by the README's install line, `pip install './clients/python[scrapy]'`.
+//! That one is cached under `~/.cache/egress-proxies-operator/python/`, keyed by the pins.
+//! Apart from that, mypy checks the package's types.
 //!
 //! Needs `python3-scrapy`, `python3-pytest`, `python3-venv` and `python3-mypy` (scripts/test.sh
-//! installs them).
+//! installs them), and PyPI the first time the newest pins are used.
 //! `EPO_PYTHON` names another interpreter (default `/usr/bin/python3`, Debian's, where those
 //! packages live).
 
@@ -18,6 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use sha2::{Digest, Sha256};
 use support::{
     Origin, crate_path, free_port,
     process::GroupChild,
@@ -108,10 +112,104 @@ fn install_package(dir: &Path) -> PathBuf {
     venv_python
 }
 
+/// The newest Scrapy's virtualenv for `pins` (a constraints file), built once by the documented
+/// install line, `pip install './clients/python[scrapy]'`, in a fresh virtualenv (run where a
+/// copy of the package sits at `clients/python`), then pytest and a setuptools that builds
+/// wheels itself (the per-run reinstall is offline); later runs reuse it. Returns
+/// its interpreter, with the package reinstalled from a fresh copy of the checkout.
+fn newest_scrapy_venv(scratch: &Path, pins: &Path) -> PathBuf {
+    let text = std::fs::read(pins).expect("read the pins");
+    let key: String = Sha256::digest(&text)[..6]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let home = std::env::var("HOME").expect("HOME is set");
+    let venv = PathBuf::from(home).join(format!(
+        ".cache/egress-proxies-operator/python/scrapy-newest-{key}"
+    ));
+    let python = venv.join("bin/python");
+    let checkout = scratch.join("checkout");
+    copy_package(&crate_path("clients/python"), &checkout.join("clients/python"));
+    if !venv.join(".complete").exists() {
+        let _ = std::fs::remove_dir_all(&venv);
+        run(
+            "creating a virtualenv (apt-get install python3-venv)",
+            Command::new(system_python()).args(["-m", "venv"]).arg(&venv),
+        );
+        // The README's line, word for word (`v` is the cached virtualenv, which cannot move);
+        // PIP_CONSTRAINT pins what it pulls in.
+        std::os::unix::fs::symlink(&venv, checkout.join("v")).expect("symlink v");
+        run(
+            "pip install './clients/python[scrapy]' from PyPI",
+            Command::new("sh")
+                .args(["-c", "v/bin/pip install './clients/python[scrapy]'"])
+                .current_dir(&checkout)
+                .env("PIP_CONSTRAINT", pins)
+                .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+        );
+        run(
+            "pip install pytest setuptools from PyPI",
+            Command::new(&python)
+                .args(["-m", "pip", "install", "--quiet", "pytest", "setuptools"])
+                .env("PIP_CONSTRAINT", pins)
+                .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+        );
+        std::fs::write(venv.join(".complete"), &text).expect("mark the virtualenv complete");
+    }
+    // The suite runs this checkout's package, whatever the cached one was built from.
+    run(
+        "pip install clients/python into the cached virtualenv",
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-index",
+                "--no-deps",
+                "--force-reinstall",
+                "--no-build-isolation",
+            ])
+            .arg(checkout.join("clients/python"))
+            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+    );
+    python
+}
+
+/// One suite at a time: each starts its own operator and Squids, and the frozen-proxy test's
+/// timing needs the machine's attention.
+static SUITE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_client_and_scrapy_middleware_against_standalone_mode() {
-    let origin = Origin::start().await;
+    let _one = SUITE.lock().await;
     let host = Host::new();
+    let python = install_package(host.path());
+    python_suite(host, &python).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_client_and_scrapy_middleware_with_the_newest_scrapy_from_pypi() {
+    let _one = SUITE.lock().await;
+    let host = Host::new();
+    let python = newest_scrapy_venv(host.path(), &crate_path("clients/python/tests/newest-pins.txt"));
+    let version = run(
+        "Scrapy's version",
+        Command::new(&python).args(["-c", "import scrapy; print(scrapy.__version__)"]),
+    );
+    let pins =
+        std::fs::read_to_string(crate_path("clients/python/tests/newest-pins.txt")).expect("read the pins");
+    let pinned = format!("Scrapy=={}", String::from_utf8_lossy(&version.stdout).trim());
+    assert!(
+        pins.lines().any(|l| l == pinned),
+        "{pinned} is not what newest-pins.txt pins"
+    );
+    python_suite(host, &python).await;
+}
+
+/// Runs the pytest suite with `python` against standalone mode on `host`.
+async fn python_suite(host: Host, python: &Path) {
+    let origin = Origin::start().await;
     let health_url = origin.http_url("/health");
     // Proxies with credentials, as in production: the client and Scrapy must present them.
     host.add_manifest(
@@ -128,7 +226,6 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
         );
         host.add_manifest(name, &standalone::with_auth(&manifest, "proxy-credentials"));
     }
-    let python = install_package(host.path());
 
     let operator = start_operator(&host, "operator.log");
     wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
@@ -142,7 +239,7 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
     // pytest's output goes to a file, so that a hang still shows how far it got.
     let pytest_log = host.path().join("pytest.log");
     let mut pytest = GroupChild::spawn(
-        Command::new(&python)
+        Command::new(python)
             .args(["-m", "pytest", "-v", "-p", "no:cacheprovider", "tests"])
             .current_dir(crate_path("clients/python"))
             .env("EPO_URL", host.api_url())
@@ -182,13 +279,14 @@ async fn python_client_and_scrapy_middleware_against_standalone_mode() {
     assert!(output.contains(" passed"), "{output}");
     assert!(!output.contains(" skipped"), "every Python test ran: {output}");
     // The operator's own counts agree: no lease left behind, and the outcomes the client and
-    // the middleware reported (three bans: the 403 site, the ban mid-crawl whose page was sent
-    // again, the 404 with configured ban codes; two errors: the client's context manager left
-    // by an exception, a download timeout in Scrapy).
+    // the middleware reported (six bans: the 403 site, the ban mid-crawl whose page was sent
+    // again, the 404 with configured ban codes, the three that ban every proxy for one domain;
+    // three errors: the client's context manager left by an exception, a download timeout in
+    // Scrapy, the lease on the Squid frozen mid-crawl).
     let expected = [
         "epo_discovery_leases_active 0",
-        r#"epo_discovery_leases_released_total{code="banned"} 3"#,
-        r#"epo_discovery_leases_released_total{code="error"} 2"#,
+        r#"epo_discovery_leases_released_total{code="banned"} 6"#,
+        r#"epo_discovery_leases_released_total{code="error"} 3"#,
     ];
     metrics_when(&host, "the Python tests' leases", |t| {
         expected.iter().all(|line| t.lines().any(|l| l == *line))

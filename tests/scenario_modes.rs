@@ -157,6 +157,12 @@ impl ProxyObjects for Embedded {
     async fn strip_finalizers(&self) -> Result<(), BackendError> {
         self.edit(|record| record.finalizer = false)
     }
+    async fn annotate(&self, key: &str, value: &str) -> Result<(), BackendError> {
+        // As the runner does when a manifest's annotations change: no generation moves.
+        self.edit(|record| {
+            record.annotations.insert(key.to_owned(), value.to_owned());
+        })
+    }
 }
 
 // ---- cluster: the API server ----------------------------------------------------------------
@@ -270,6 +276,15 @@ impl ProxyObjects for ApiServer {
     }
     async fn strip_finalizers(&self) -> Result<(), BackendError> {
         let patch = json!({"metadata": {"finalizers": null}});
+        self.proxies()
+            .patch("proxy", &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map(drop)
+            .map_err(kube_error)
+    }
+    async fn annotate(&self, key: &str, value: &str) -> Result<(), BackendError> {
+        // As `kubectl annotate` does.
+        let patch = json!({"metadata": {"annotations": {key: value}}});
         self.proxies()
             .patch("proxy", &PatchParams::default(), &Patch::Merge(patch))
             .await

@@ -251,6 +251,45 @@ async fn rotating_a_referenced_secret_replaces_its_proxy_without_waiting_for_the
     assert_eq!(phase(&state, &b).as_deref(), Some("healthy"));
 }
 
+/// A recycle request in a manifest's annotations (no spec change, so no generation) reaches the
+/// lifecycle at once, recycles its proxy once, and is recorded in the status.
+#[tokio::test]
+async fn a_recycle_annotation_in_a_manifest_replaces_its_proxy_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    let host = Host::new();
+    let a = key("default", "a");
+    let mut runner = host.open(&manifests, &state);
+    step_until(&mut runner, || {
+        phase(&state, &a).as_deref() == Some("provisioning")
+    })
+    .await;
+    host.health.set(&a, Verdict::Passing);
+    runner.trigger(a.clone());
+    step_until(&mut runner, || phase(&state, &a).as_deref() == Some("healthy")).await;
+    assert_eq!(host.provider.created_count(), 1);
+
+    let annotated = manifest("a", 3128).replace(
+        "metadata:\n  name: a\n",
+        "metadata:\n  name: a\n  annotations:\n    crawl.example.com/recycle: ban-1\n",
+    );
+    std::fs::write(manifests.join("a.yaml"), &annotated).expect("annotate");
+    step_until(&mut runner, || host.provider.created_count() == 2).await;
+    let record = Store::read_only(&state).unwrap().get(&a).unwrap().unwrap();
+    assert_eq!(record.generation, 1, "an annotation moves no generation");
+    assert_eq!(record.status.unwrap().last_recycle.as_deref(), Some("ban-1"));
+    let trail = Store::read_only(&state).unwrap().audit(&a).unwrap();
+    assert!(trail.iter().any(|line| line.entry.reason == "Recycled"));
+    // The same request is no new one: nothing more is created.
+    for _ in 0..5 {
+        runner.trigger(a.clone());
+        runner.step().await;
+    }
+    assert_eq!(host.provider.created_count(), 2);
+}
+
 #[tokio::test]
 async fn proxies_held_by_an_unavailable_provider_provision_as_soon_as_it_returns() {
     let dir = tempfile::tempdir().expect("temp dir");

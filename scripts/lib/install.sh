@@ -5,12 +5,15 @@
 # daemon and virsh for the kvm providers' tests), QEMU for real guests, Squid for the proxies,
 # genisoimage for cloud-init seeds, mmdebstrap for the test guest image; Scrapy, pytest,
 # venv/pip and mypy for the Python client's tests (tests/python_client.rs installs
-# clients/python into a virtualenv over these and type-checks it); prometheus for promtool
+# clients/python into a virtualenv over these and type-checks it, and builds a second one with
+# the newest Scrapy from PyPI itself, cached under ~/.cache/egress-proxies-operator/python/), and
+# requests with Scrapy for tests/gateway.rs (clients that use the gateway unchanged); prometheus
+# for promtool
 # (tests/monitoring.rs checks config/monitoring/); chromium and a font for the status page's
 # browser test (tests/status_page.rs); kubectl (below) for tests/kubectl.rs.
 SYSTEM_PACKAGES=(pkg-config libvirt-dev libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients
     qemu-system-x86 squid genisoimage mmdebstrap e2fsprogs
-    python3-scrapy python3-pytest python3-venv python3-pip python3-mypy
+    python3-scrapy python3-pytest python3-venv python3-pip python3-mypy python3-requests
     prometheus chromium fonts-dejavu-core)
 
 as_root() {

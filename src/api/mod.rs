@@ -24,3 +24,7 @@ pub use proxy::{
 pub const GROUP: &str = "crawl.example.com";
 /// The one served and stored version.
 pub const VERSION: &str = "v1alpha1";
+/// The annotation that asks for a fresh instance of a Proxy (a new address): any value other
+/// than the one in `status.lastRecycle` is a request not acted on yet. A value per request
+/// (a timestamp, a counter) makes each one recycle once.
+pub const RECYCLE_ANNOTATION: &str = "crawl.example.com/recycle";

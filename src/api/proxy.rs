@@ -295,4 +295,7 @@ pub struct ProxyStatus {
     pub endpoint: Option<String>,
     /// When health last changed the status (not a heartbeat of every probe).
     pub last_health_check_time: Option<Time>,
+    /// The last `crawl.example.com/recycle` request acted on (its annotation value): a
+    /// different value asks for a fresh instance again.
+    pub last_recycle: Option<String>,
 }

@@ -7,7 +7,7 @@ use tokio::{
     sync::{mpsc, watch},
     task::JoinHandle,
 };
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::AppError;
 use crate::{
@@ -17,6 +17,7 @@ use crate::{
         self, DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness,
         auth::Authenticator,
     },
+    gateway::{self, Gateway, GatewayConfig, GatewayDeps},
     gc::{self, GcConfig, LiveOwners},
     health::{HealthConfig, HealthEngine, HealthHandle},
     lease::{
@@ -149,6 +150,10 @@ pub struct CoreFlags {
     pub provider_probe_interval: Duration,
     /// Between two GC passes.
     pub gc_interval: Duration,
+    /// The gateway's address; `None`: no gateway.
+    pub gateway_listen: Option<SocketAddr>,
+    /// How long the gateway keeps an unused session's lease.
+    pub gateway_session_idle: Duration,
 }
 
 /// The running core: what a mode's reconcile loop drives and is driven by.
@@ -161,6 +166,8 @@ pub struct Core {
     pub leases: LeaseStore,
     /// Where the discovery API listens.
     pub discovery_addr: SocketAddr,
+    /// Where the gateway listens, if it runs.
+    pub gateway_addr: Option<SocketAddr>,
     /// Proxies whose health verdict changed: reconcile them now.
     pub triggers: mpsc::Receiver<ProxyKey>,
     /// Providers whose availability flipped: reconcile their Proxies now.
@@ -224,6 +231,13 @@ pub async fn start_core(
         auth: auth.clone(),
     }));
     let health_log = page.health_log();
+    let gateway_deps = GatewayDeps {
+        store: leases.clone(),
+        signer: signer.clone(),
+        journal: journal.clone(),
+        auth: auth.clone(),
+        readiness: readiness.clone(),
+    };
     let api = DiscoveryState::new(DiscoveryDeps {
         store: leases.clone(),
         signer,
@@ -261,6 +275,29 @@ pub async fn start_core(
             warn!(error = %err, "discovery API stopped with an error");
         }
     }));
+    let gateway_addr = match flags.gateway_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| AppError::Startup(format!("binding the gateway on {addr}: {e}")))?;
+            let bound = listener
+                .local_addr()
+                .map_err(|e| AppError::Startup(e.to_string()))?;
+            let config = GatewayConfig {
+                session_idle: flags.gateway_session_idle,
+                ..GatewayConfig::default()
+            };
+            let serving = gateway::serve(listener, Gateway::new(gateway_deps, config), stop.stopped());
+            tasks.push(tokio::spawn(async move {
+                if let Err(err) = serving.await {
+                    warn!(error = %err, "the gateway stopped with an error");
+                }
+            }));
+            info!(address = %bound, "gateway listening");
+            Some(bound)
+        }
+        None => None,
+    };
     let upkeep = maintenance(
         leases.clone(),
         checkpoint,
@@ -316,6 +353,7 @@ pub async fn start_core(
         availability,
         leases,
         discovery_addr,
+        gateway_addr,
         triggers,
         provider_flips,
         tasks: CoreTasks { tasks, forward },

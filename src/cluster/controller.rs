@@ -300,12 +300,14 @@ fn referencing_secret(
 }
 
 /// What makes a Proxy watch event worth a reconcile: a new generation (a spec edit), a change of
-/// finalizers, or the deletion mark. Status-only writes (our own) hash the same and are dropped.
+/// finalizers, a recycle request (an annotation: it moves no generation), or the deletion mark.
+/// Status-only writes (our own) hash the same and are dropped.
 pub fn proxy_changed(proxy: &Proxy) -> Option<u64> {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     proxy.metadata.generation.hash(&mut hasher);
     proxy.metadata.finalizers.hash(&mut hasher);
+    crate::controller::observe::recycle_request(proxy).hash(&mut hasher);
     proxy
         .metadata
         .deletion_timestamp

@@ -98,6 +98,10 @@ pub struct ClusterOptions {
     pub admin_listen: SocketAddr,
     /// Discovery API.
     pub discovery_listen: SocketAddr,
+    /// The gateway's address; `None`: no gateway.
+    pub gateway_listen: Option<SocketAddr>,
+    /// How long the gateway keeps an unused session's lease.
+    pub gateway_session_idle: Duration,
     /// Authentication of the discovery API.
     pub auth: DiscoveryAuthOptions,
     /// HMAC key signing lease tokens, shared by all replicas (a mounted Secret).
@@ -203,6 +207,8 @@ async fn act(
         discovery_listen: options.discovery_listen,
         provider_probe_interval: options.provider_probe_interval,
         gc_interval: options.gc_interval,
+        gateway_listen: options.gateway_listen,
+        gateway_session_idle: options.gateway_session_idle,
     };
     let core = start_core(adapters, flags, &replica.metrics, stop).await?;
     tokio::spawn(checkpoint::report_checkpoint_health(

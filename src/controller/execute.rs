@@ -150,6 +150,10 @@ impl<B: ProxyBackend> Executors<'_, B> {
                 record.next_attempt = None;
                 self.update_credentials().await
             }
+            Planned::NoteRecycle => {
+                record.last_recycle = super::observe::recycle_request(self.subject.proxy).map(str::to_owned);
+                Vec::new()
+            }
         })
     }
 

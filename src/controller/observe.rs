@@ -20,7 +20,7 @@ use super::{
     status::{DeleteProgress, Record},
 };
 use crate::{
-    api::{Proxy, ProxyKey},
+    api::{Proxy, ProxyKey, RECYCLE_ANNOTATION},
     effects::{ProxyBackend, SecretError},
     health::{HealthControl, Verdict as HealthVerdict},
     lease::LeaseControl,
@@ -171,9 +171,12 @@ impl<B: ProxyBackend> Observer<'_, B> {
         // The budgets matter (and a replacement slot is reserved) only where a replacement is
         // about to be decided: a changed spec, or a degraded proxy whose timer ran out (the
         // facts `spec_changed` and `timer_expired` the table reads).
+        let recycle_requested =
+            recycle_request(proxy).is_some_and(|request| record.last_recycle.as_deref() != Some(request));
         let phase = record.state.phase();
-        let replacing_soon =
-            spec_changed || (phase == Phase::Degraded && self.timers.expired(&record.state, now));
+        let replacing_soon = spec_changed
+            || recycle_requested
+            || (phase == Phase::Degraded && self.timers.expired(&record.state, now));
         Observation {
             deletion_requested: proxy.metadata.deletion_timestamp.is_some(),
             finalizer_present,
@@ -188,6 +191,7 @@ impl<B: ProxyBackend> Observer<'_, B> {
             pool: self
                 .pools
                 .facts(key, subject.provider_name, phase, self.budgets, replacing_soon),
+            recycle_requested,
         }
     }
 }
@@ -284,6 +288,16 @@ pub struct Observation {
     pub active_leases: usize,
     /// The pool's budget facts.
     pub pool: PoolFacts,
+    /// The Proxy's recycle request (its annotation) is not the one last acted on.
+    pub recycle_requested: bool,
+}
+
+/// The Proxy's recycle request: its [`RECYCLE_ANNOTATION`] value, if set and not empty.
+pub fn recycle_request(proxy: &Proxy) -> Option<&str> {
+    (proxy.metadata.annotations.as_ref())
+        .and_then(|annotations| annotations.get(RECYCLE_ANNOTATION))
+        .map(String::as_str)
+        .filter(|request| !request.is_empty())
 }
 
 /// The facts of `observation` for `record` at `now`.
@@ -332,6 +346,7 @@ pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers:
         (Fact::TimerExpired, timers.expired(&record.state, now)),
         (Fact::ReplacementBudgetLeft, o.pool.replacement_budget_left),
         (Fact::RemediationAllowed, o.pool.remediation_allowed),
+        (Fact::RecycleRequested, o.recycle_requested),
     ] {
         facts.set(fact, holds);
     }

@@ -112,6 +112,8 @@ pub enum Planned {
     UpdateCredentials,
     /// `remove_finalizer`.
     RemoveFinalizer,
+    /// `note_recycle`.
+    NoteRecycle,
 }
 
 impl fmt::Display for Planned {
@@ -151,6 +153,7 @@ impl Planned {
             Planned::ClearRetry => EffectKind::ClearRetry,
             Planned::UpdateCredentials => EffectKind::UpdateCredentials,
             Planned::RemoveFinalizer => EffectKind::RemoveFinalizer,
+            Planned::NoteRecycle => EffectKind::NoteRecycle,
         }
     }
 }
@@ -250,6 +253,7 @@ pub fn plan(decision: &Decision, cause: Option<&str>, input: PlanInput<'_>) -> P
             EffectKind::ClearRetry => Planned::ClearRetry,
             EffectKind::UpdateCredentials => Planned::UpdateCredentials,
             EffectKind::RemoveFinalizer => Planned::RemoveFinalizer,
+            EffectKind::NoteRecycle => Planned::NoteRecycle,
         })
         .collect();
     Plan {

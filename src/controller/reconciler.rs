@@ -347,8 +347,12 @@ impl<B: ProxyBackend> Reconciler<B> {
                 warn!(proxy = %key, rounds = MAX_ROUNDS, "reconcile did not settle; continuing at once");
                 Wake::unsettled(floor(timers))
             }
-            // A replacement the pool's budget holds back is looked at again on every poll.
-            Some(facts) if facts.get(Fact::SpecChanged) && !facts.get(Fact::ReplacementBudgetLeft) => {
+            // A replacement the pool's budget holds back (a changed spec, a recycle request) is
+            // looked at again on every poll.
+            Some(facts)
+                if (facts.get(Fact::SpecChanged) || facts.get(Fact::RecycleRequested))
+                    && !facts.get(Fact::ReplacementBudgetLeft) =>
+            {
                 let every = timers.poll;
                 Wake::after(every, every, WakeWhy::BudgetHeld { every })
             }

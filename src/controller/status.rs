@@ -97,6 +97,8 @@ pub struct Record {
     pub last_health_check_time: Option<Timestamp>,
     /// How far the delete of the current instance got (replacing and deleting only).
     pub delete_progress: DeleteProgress,
+    /// The last recycle request acted on (`status.lastRecycle`).
+    pub last_recycle: Option<String>,
 }
 
 impl Record {
@@ -138,6 +140,7 @@ impl Record {
             next_attempt: status.next_attempt_time.as_ref().map(|t| t.0),
             last_health_check_time: status.last_health_check_time.as_ref().map(|t| t.0),
             delete_progress,
+            last_recycle: status.last_recycle.clone(),
         })
     }
 
@@ -156,6 +159,7 @@ impl Record {
             next_attempt: None,
             last_health_check_time: None,
             delete_progress: DeleteProgress::NotSent,
+            last_recycle: None,
         }
     }
 
@@ -232,6 +236,7 @@ impl Record {
             provider_id: self.provider_id.clone(),
             endpoint: self.endpoint.as_ref().map(ToString::to_string),
             last_health_check_time: self.last_health_check_time.map(Time),
+            last_recycle: self.last_recycle.clone(),
         }
     }
 }

@@ -13,7 +13,8 @@
 //!
 //! [`presented`] is the one reader of a request's `Authorization` header, for the API (which
 //! takes a Bearer token) and the status page (which also takes the token as a Basic password,
-//! what a browser can send).
+//! what a browser can send); [`proxy_presented`] reads `Proxy-Authorization` for the gateway
+//! with the same parser, keeping the Basic user name.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -85,25 +86,86 @@ pub enum Presented {
 
 /// Reads the `Authorization` header of a request.
 pub fn presented(headers: &HeaderMap) -> Presented {
-    let Some(value) = headers.get(header::AUTHORIZATION) else {
-        return Presented::Nothing;
+    match read_credentials(headers.get(header::AUTHORIZATION)) {
+        Credentials::Nothing => Presented::Nothing,
+        Credentials::Bearer(token) => Presented::Bearer(token),
+        Credentials::Basic { password, .. } => Presented::BasicPassword(password),
+        Credentials::Unusable => Presented::Unusable,
+    }
+}
+
+/// What a request presents in its `Proxy-Authorization` header (the gateway's clients): the
+/// same reading as [`presented`]'s, with the Basic user name kept, since it carries the
+/// holder and the options there.
+#[derive(Clone, PartialEq, Eq)]
+pub enum ProxyPresented {
+    /// No `Proxy-Authorization` header.
+    Nothing,
+    /// `Basic <base64 of user:password>`.
+    Basic {
+        /// The user name, as sent.
+        user: String,
+        /// The password (the token).
+        password: String,
+    },
+    /// Another scheme, or a value that can't be read.
+    Unusable,
+}
+
+impl std::fmt::Debug for ProxyPresented {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Nothing => f.write_str("Nothing"),
+            Self::Basic { user, .. } => write!(f, "Basic({user:?}, <password redacted>)"),
+            Self::Unusable => f.write_str("Unusable"),
+        }
+    }
+}
+
+/// Reads the `Proxy-Authorization` header of a request.
+pub fn proxy_presented(headers: &HeaderMap) -> ProxyPresented {
+    match read_credentials(headers.get(header::PROXY_AUTHORIZATION)) {
+        Credentials::Nothing => ProxyPresented::Nothing,
+        Credentials::Basic { user, password } => ProxyPresented::Basic { user, password },
+        Credentials::Bearer(_) | Credentials::Unusable => ProxyPresented::Unusable,
+    }
+}
+
+/// Either header's value, read once: the one parser of credentials.
+enum Credentials {
+    Nothing,
+    Bearer(String),
+    Basic { user: String, password: String },
+    Unusable,
+}
+
+fn read_credentials(value: Option<&hyper::header::HeaderValue>) -> Credentials {
+    let Some(value) = value else {
+        return Credentials::Nothing;
     };
     let Some((scheme, credentials)) = value.to_str().ok().and_then(|v| v.split_once(' ')) else {
-        return Presented::Unusable;
+        return Credentials::Unusable;
     };
     let credentials = credentials.trim();
     if scheme.eq_ignore_ascii_case("bearer") {
-        return Presented::Bearer(credentials.to_owned());
+        return Credentials::Bearer(credentials.to_owned());
     }
     if scheme.eq_ignore_ascii_case("basic") {
-        let password = base64::engine::general_purpose::STANDARD
+        let pair = base64::engine::general_purpose::STANDARD
             .decode(credentials)
             .ok()
             .and_then(|decoded| String::from_utf8(decoded).ok())
-            .and_then(|decoded| decoded.split_once(':').map(|(_, password)| password.to_owned()));
-        return password.map_or(Presented::Unusable, Presented::BasicPassword);
+            .and_then(|decoded| {
+                decoded
+                    .split_once(':')
+                    .map(|(user, password)| (user.to_owned(), password.to_owned()))
+            });
+        return pair.map_or(Credentials::Unusable, |(user, password)| Credentials::Basic {
+            user,
+            password,
+        });
     }
-    Presented::Unusable
+    Credentials::Unusable
 }
 
 /// What tokens are looked up (and TokenReview answers cached) by: a 128-bit keyed hash, two
@@ -608,6 +670,33 @@ mod tests {
         );
         assert_eq!(with("Basic !!!"), Presented::Unusable);
         assert_eq!(with("Digest x"), Presented::Unusable);
+    }
+
+    #[test]
+    fn proxy_authorization_keeps_the_user_name() {
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::PROXY_AUTHORIZATION, value.parse().expect("header"));
+            proxy_presented(&headers)
+        };
+        assert_eq!(proxy_presented(&HeaderMap::new()), ProxyPresented::Nothing);
+        // "ui:tok:en"
+        assert_eq!(
+            with("Basic dWk6dG9rOmVu"),
+            ProxyPresented::Basic {
+                user: "ui".to_owned(),
+                password: "tok:en".to_owned()
+            }
+        );
+        assert_eq!(with("Bearer abc"), ProxyPresented::Unusable);
+        assert_eq!(with("Basic !!!"), ProxyPresented::Unusable);
+        // Authorization is not Proxy-Authorization.
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::AUTHORIZATION,
+            "Basic dWk6dG9rOmVu".parse().expect("header"),
+        );
+        assert_eq!(proxy_presented(&headers), ProxyPresented::Nothing);
     }
 
     fn name(tokens: &StaticTokens, token: &str) -> Option<String> {

@@ -269,9 +269,10 @@ fn decode_with_path<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, A
     get,
     path = "/v1/proxies",
     tag = "leases",
-    params(("selector" = Option<String>, Query,
-        description = "`key=value[,key=value...]`, at most 32 terms and 2048 bytes; absent: every proxy"),
-        ("targetDomain" = Option<String>, Query,
+    params(("selector" = Option<String>, Query, max_length = 2048, pattern = "^[ \\t,]*([^,=]*[^ \\t,=][^,=]*=[^,=]*([ \\t]*,[ \\t,]*[^,=]*[^ \\t,=][^,=]*=[^,=]*){0,31})?[ \\t,]*$",
+        description = "`key=value[,key=value...]`: at most 32 terms and 2048 characters, spaces and tabs \
+            around terms, keys and values ignored, empty terms skipped; absent: every proxy"),
+        ("targetDomain" = Option<String>, Query, min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$",
         description = "List as a crawler of this domain sees it: a proxy banned for it is `banned`")),
     responses(
         (status = 200, description = "The matching proxies and how each stands", body = ListResponse),
@@ -315,11 +316,14 @@ pub(super) fn list(
     path = "/v1/leases",
     tag = "leases",
     params(
-        ("proxy" = Option<String>, Query, description = "Only the leases on this proxy (`namespace/name`)"),
+        ("proxy" = Option<String>, Query, pattern = "^[^/]+/[^/]+$",
+            description = "Only the leases on this proxy (`namespace/name`)"),
         ("holder" = Option<String>, Query, description = "Only the leases this holder holds"),
         ("limit" = Option<usize>, Query, minimum = 1, maximum = 1000,
             description = "Leases per page (default 100)"),
-        ("after" = Option<String>, Query, description = "The `next` of the previous page"),
+        ("after" = Option<String>, Query, pattern = "^[^/]+/[^/]+#[0-9]{1,20}$",
+            description = "The `next` of the previous page (`namespace/name#firstToken`: the page \
+            goes on after that lease)"),
     ),
     responses(
         (status = 200, description = "A page of active leases", body = LeasesResponse),
@@ -367,31 +371,36 @@ pub(super) fn leases_list(
     // The cursor is the last lease of the previous page: a lease that ended since is skipped,
     // none is listed twice.
     let start = after.map_or(0, |(key, token)| {
-        all.partition_point(|l| (&l.key, l.first_token) <= (&key, token))
+        all.partition_point(|l| (&l.claim.id.key, l.claim.id.first_token) <= (&key, token))
     });
     let page = &all[start..all.len().min(start + limit)];
     let next = (start + page.len() < all.len())
-        .then(|| page.last().map(|l| format!("{}#{}", l.key, l.first_token)))
+        .then(|| (page.last()).map(|l| format!("{}#{}", l.claim.id.key, l.claim.id.first_token)))
         .flatten();
     let leases = page
         .iter()
         .map(|l| LeaseJson {
-            proxy: l.key.to_string(),
-            holder: l.holder.clone(),
-            acquired_at: rfc3339(l.acquired_at_ms),
+            proxy: l.claim.id.key.to_string(),
+            holder: l.claim.holder.clone(),
+            acquired_at: rfc3339(l.claim.acquired_at_ms),
             expires_at: rfc3339(l.expires_at_ms),
-            target_domain: l.target_domain.clone(),
-            session_key: l.session_key.clone(),
+            target_domain: l.claim.target_domain.clone(),
+            session_key: l.claim.session_key.clone(),
         })
         .collect();
     Ok(json(StatusCode::OK, &LeasesResponse { leases, next }))
 }
 
-/// A `GET /v1/leases` cursor: `namespace/name#firstToken`.
+/// A `GET /v1/leases` cursor: `namespace/name#firstToken`, the token 1-20 digits (one past
+/// `u64::MAX` names a place after every lease of that proxy, as the contract's pattern allows).
 fn parse_cursor(text: &str) -> Result<(ProxyKey, u64), ApiError> {
     let bad = || ApiError::bad_request("after must be the next of a previous page");
     let (key, token) = text.rsplit_once('#').ok_or_else(bad)?;
-    Ok((key.parse().map_err(|_| bad())?, token.parse().map_err(|_| bad())?))
+    if token.is_empty() || token.len() > 20 || !token.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let token = token.parse().unwrap_or(u64::MAX);
+    Ok((key.parse().map_err(|_| bad())?, token))
 }
 
 /// Acquires a lease on the least recently used eligible proxy (or the session's).
@@ -478,7 +487,7 @@ pub(super) async fn acquire(
     params(LeaseIdPath),
     request_body(content = RenewBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "The new token and expiry", body = RenewResponse),
+        (status = 200, description = "The new token and expiry, and whether the proxy is out of rotation", body = RenewResponse),
         (status = 400, description = "`malformed_request`", body = ErrorBody),
         AuthErrors,
         (status = 409, description = "`stale_token` or `proxy_draining`", body = ErrorBody),
@@ -500,6 +509,7 @@ pub(super) async fn renew(
             lease_id: id.to_owned(),
             fencing_token: renewed.fencing_token,
             expires_at: rfc3339(renewed.expires_at_ms),
+            out_of_rotation: renewed.out_of_rotation,
         },
     ))
 }

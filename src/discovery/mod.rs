@@ -158,17 +158,7 @@ pub async fn serve(
         .keep_alive(true);
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                let stream = match accepted {
-                    Ok((stream, _)) => stream,
-                    Err(error) => {
-                        // Out of file descriptors and the like: back off instead of spinning.
-                        tracing::warn!(%error, "accepting a discovery connection");
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let _ = stream.set_nodelay(true);
+            stream = crate::net::accept(&listener, "discovery") => {
                 let requests = state.inner.deps.metrics.requests.clone();
                 let state = state.clone();
                 let service = hyper::service::service_fn(move |req| {

@@ -15,6 +15,7 @@ use utoipa::{
     Modify, OpenApi,
     openapi::{
         ContentBuilder, RefOr, ResponseBuilder,
+        link::LinkBuilder,
         security::{Http, HttpAuthScheme, SecurityScheme},
     },
 };
@@ -115,6 +116,56 @@ impl Modify for Components {
                 .responses
                 .insert(name.to_owned(), RefOr::T(error(description)));
         }
+        add_lease_links(openapi);
+    }
+}
+
+/// OpenAPI links from a granted or renewed lease to its renew and release, carrying its ID and
+/// latest fencing token: what a client (or a stateful test) chains.
+fn add_lease_links(openapi: &mut utoipa::openapi::OpenApi) {
+    let token = "$response.body#/fencingToken";
+    let link = |operation: &str, lease_id: &str, body: serde_json::Value, description: String| {
+        RefOr::T(
+            LinkBuilder::new()
+                .operation_id(operation)
+                .parameter("leaseId", lease_id)
+                .request_body(Some(body))
+                .description(description)
+                .build(),
+        )
+    };
+    let chained = [
+        (
+            "/v1/leases",
+            "201",
+            "$response.body#/leaseId",
+            "the granted lease",
+        ),
+        (
+            "/v1/leases/{leaseId}/renew",
+            "200",
+            "$request.path.leaseId",
+            "the renewed lease",
+        ),
+    ];
+    for (path, status, lease_id, what) in chained {
+        let Some(RefOr::T(response)) = (openapi.paths.paths.get_mut(path))
+            .and_then(|item| item.post.as_mut())
+            .and_then(|operation| operation.responses.responses.get_mut(status))
+        else {
+            continue;
+        };
+        let renew = serde_json::json!({"fencingToken": token});
+        let release = serde_json::json!({"fencingToken": token, "outcome": "ok"});
+        let links = &mut response.links;
+        links.insert(
+            "renew".to_owned(),
+            link("renew", lease_id, renew, format!("Renew {what}")),
+        );
+        links.insert(
+            "release".to_owned(),
+            link("release", lease_id, release, format!("Release {what}")),
+        );
     }
 }
 

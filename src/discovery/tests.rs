@@ -985,3 +985,102 @@ async fn leases_are_listed_a_page_at_a_time_without_ids_or_tokens() {
     assert_eq!(wrong.status, StatusCode::METHOD_NOT_ALLOWED);
     assert_eq!(wrong.headers["allow"], "GET, POST");
 }
+
+/// The pattern `name` in the served contract (a query parameter's, else a body property's).
+fn contract_pattern(name: &str) -> regex::Regex {
+    let doc: Value = serde_json::from_str(&super::openapi::json()).unwrap();
+    let mut found = None;
+    for operation in doc["paths"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(|p| p.as_object().unwrap().values())
+    {
+        for param in operation["parameters"].as_array().into_iter().flatten() {
+            if param["name"] == name {
+                found = param["schema"]["pattern"].as_str().map(str::to_owned);
+            }
+        }
+    }
+    let found = found.or_else(|| {
+        let schemas = doc["components"]["schemas"].as_object().unwrap();
+        schemas
+            .values()
+            .find_map(|s| s["properties"][name]["pattern"].as_str().map(str::to_owned))
+    });
+    regex::Regex::new(&found.unwrap_or_else(|| panic!("no pattern for {name}"))).unwrap()
+}
+
+use proptest::strategy::Strategy as _;
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1000))]
+
+    /// The contract's selector pattern accepts exactly what `Selector::parse` accepts, so a
+    /// client that checks its query against the contract is never refused, nor told a query
+    /// is wrong that the server takes (2048 characters and 32 terms are the schema's
+    /// `maxLength` and the pattern's repetition; short strings over this alphabet reach
+    /// every rule: empty terms, blanks around keys and values, a second `=`, a blank key).
+    #[test]
+    fn the_selector_pattern_is_what_the_server_parses(
+        text in proptest::collection::vec(proptest::sample::select(vec!["a", "b", " ", "\t", ",", "=", "é", "\n"]), 0..24)
+            .prop_map(|parts| parts.concat())
+    ) {
+        let pattern = contract_pattern("selector");
+        proptest::prop_assert_eq!(
+            pattern.is_match(&text),
+            crate::lease::Selector::parse(&text).is_ok(),
+            "{:?}", text
+        );
+    }
+
+    /// The same for the printable strings of a body (`holder`, `sessionKey`, `requestId`).
+    #[test]
+    fn the_printable_pattern_is_what_the_server_checks(
+        c in proptest::char::any()
+    ) {
+        let pattern = contract_pattern("holder");
+        let text = format!("crawler{c}");
+        let body = json!({"holder": text});
+        let accepted = serde_json::from_value::<super::wire::AcquireBody>(body)
+            .map_err(|e| e.to_string())
+            .and_then(|b| super::wire::RequestBody::validate(&b));
+        proptest::prop_assert_eq!(pattern.is_match(&text), accepted.is_ok(), "{:?}", c);
+    }
+}
+
+/// 33 terms are one too many for both.
+#[test]
+fn the_selector_pattern_counts_terms_as_the_server_does() {
+    let pattern = contract_pattern("selector");
+    for n in [32, 33] {
+        let text: Vec<String> = (0..n).map(|i| format!("k{i}=v")).collect();
+        let text = text.join(" , ,");
+        assert_eq!(pattern.is_match(&text), n <= 32, "{n} terms");
+        assert_eq!(crate::lease::Selector::parse(&text).is_ok(), n <= 32, "{n} terms");
+    }
+}
+
+/// JSON Schema's `integer` includes whole numbers written with a fraction or an exponent; the
+/// server takes them as the contract says, and refuses what is not a whole number.
+#[tokio::test]
+async fn whole_numbers_are_integers_however_written() {
+    let h = harness(1, 2);
+    let a = h.granted(json!({"holder": "c1", "ttlSeconds": 6e1})).await;
+    assert_eq!(a.body["ttlSeconds"], 60, "{}", a.text);
+    let id = a.body["leaseId"].as_str().unwrap();
+    let token = a.body["fencingToken"].as_u64().unwrap();
+    for bad in [json!(token as f64 + 0.5), json!(-1), json!(1e20), json!("7")] {
+        let r = h.renew(id, json!({"fencingToken": bad})).await;
+        assert_eq!(
+            (r.status, code(&r)),
+            (StatusCode::BAD_REQUEST, "malformed_request"),
+            "{bad}: {}",
+            r.text
+        );
+    }
+    let r = h
+        .renew(id, json!({"fencingToken": token as f64, "ttlSeconds": 30.0}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+}

@@ -39,12 +39,18 @@ pub struct AcquireBody {
     /// Required attributes (all must match); empty or absent: any proxy. At most 32; keys of
     /// 1-317 characters, values of at most 256.
     #[serde(default)]
+    #[schema(schema_with = selector_schema)]
     pub selector: BTreeMap<String, String>,
     /// Who holds the lease: 1-128 printable characters.
-    #[schema(min_length = 1, max_length = 128)]
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$"
+    )]
     pub holder: String,
-    /// Lease length in seconds; default 60, capped by the proxy's `lease.maxTtlSeconds`.
-    #[serde(default)]
+    /// Lease length in seconds; default 60, capped by the proxy's `lease.maxTtlSeconds`. A
+    /// whole number written with a fraction or an exponent (`60.0`, `6e1`) counts as one.
+    #[serde(default, deserialize_with = "whole_seconds")]
     #[schema(minimum = 1, maximum = 86400)]
     pub ttl_seconds: Option<u64>,
     /// The domain to be crawled through the proxy: proxies banned for it are skipped.
@@ -53,15 +59,81 @@ pub struct AcquireBody {
     pub target_domain: Option<String>,
     /// Sticky-session key: 1-256 printable characters.
     #[serde(default)]
-    #[schema(min_length = 1, max_length = 256)]
+    #[schema(
+        min_length = 1,
+        max_length = 256,
+        pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$"
+    )]
     pub session_key: Option<String>,
     /// Makes the acquire safe to send again (1-128 printable characters, e.g. a UUID): while
     /// the lease an acquire with this `requestId` and `holder` was granted is active, sending
     /// it again answers that lease (the same `leaseId`, its current token and expiry) instead
     /// of granting another. The rest of the repeated body is not compared.
     #[serde(default)]
-    #[schema(min_length = 1, max_length = 128)]
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$"
+    )]
     pub request_id: Option<String>,
+}
+
+/// The body selector's schema: what `AcquireBody::validate` checks of it.
+fn selector_schema() -> Object {
+    ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .description(Some(
+            "Required attributes (all must match); empty or absent: any proxy. At most 32; keys \
+             of 1-317 characters, values of at most 256.",
+        ))
+        .max_properties(Some(MAX_SELECTOR_TERMS))
+        .property_names(Some(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .min_length(Some(1))
+                .max_length(Some(MAX_SELECTOR_KEY_LEN)),
+        ))
+        .additional_properties(Some(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .max_length(Some(MAX_SELECTOR_VALUE_LEN)),
+        ))
+        .build()
+}
+
+/// A JSON number that is a whole number of at most `u64::MAX`, however it is written: JSON
+/// Schema's `integer` (the contract's type) includes `60.0` and `6e1`, which serde's `u64`
+/// refuses.
+fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    struct Whole;
+    impl serde::de::Visitor<'_> for Whole {
+        type Value = u64;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a non-negative whole number")
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<u64, E> {
+            u64::try_from(v).map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(v), &self))
+        }
+        fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<u64, E> {
+            // 2^64 is the first f64 past u64::MAX; every f64 below it with no fraction fits.
+            if v.fract() == 0.0 && (0.0..18_446_744_073_709_551_616.0).contains(&v) {
+                Ok(v as u64)
+            } else {
+                Err(E::invalid_value(serde::de::Unexpected::Float(v), &self))
+            }
+        }
+    }
+    deserializer.deserialize_any(Whole)
+}
+
+/// [`whole_number`] for an optional field (`null` is absent).
+fn whole_seconds<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    struct Wrapped(#[serde(deserialize_with = "whole_number")] u64);
+    Ok(Option::<Wrapped>::deserialize(deserializer)?.map(|Wrapped(v)| v))
 }
 
 fn printable(s: &str) -> bool {
@@ -144,10 +216,11 @@ impl RequestBody for AcquireBody {
 #[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RenewBody {
-    /// The lease's latest fencing token.
+    /// The lease's latest fencing token (a whole number however written: `7`, `7.0`).
+    #[serde(deserialize_with = "whole_number")]
     pub fencing_token: u64,
     /// New length in seconds from now; default: the lease's own TTL.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "whole_seconds")]
     #[schema(minimum = 1, maximum = 86400)]
     pub ttl_seconds: Option<u64>,
 }
@@ -162,7 +235,8 @@ impl RequestBody for RenewBody {
 #[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ReleaseBody {
-    /// The lease's latest fencing token.
+    /// The lease's latest fencing token (a whole number however written: `7`, `7.0`).
+    #[serde(deserialize_with = "whole_number")]
     pub fencing_token: u64,
     /// How it went.
     pub outcome: Outcome,
@@ -346,6 +420,11 @@ pub struct RenewResponse {
     /// The new expiry (RFC 3339).
     #[schema(format = DateTime)]
     pub expires_at: String,
+    /// `true` once the operator has taken the proxy out of rotation since it was leasable:
+    /// its health checks fail (a dead or frozen instance) or it is being replaced. The lease
+    /// still runs, but requests through the proxy are likely failing or hanging: move the
+    /// work to a new lease and release this one (outcome `error`).
+    pub out_of_rotation: bool,
 }
 
 /// A released lease.

@@ -12,7 +12,9 @@
 //! # Rules
 //! - **Admission.** A proxy starts `Closed`; only `Open` proxies (the engine opens Healthy
 //!   ones) get new leases. `Closed` keeps existing leases running; draining also refuses their
-//!   renewal, so they end at their expiry or release; revoking drops them at once.
+//!   renewal, so they end at their expiry or release; revoking drops them at once. A renewal
+//!   of a lease on a proxy closed since it was open says so ([`Renewed::out_of_rotation`]),
+//!   so that its holder moves off a proxy whose checks fail.
 //! - **Expiry.** A lease exists while `now < expiresAt`, for every operation alike: at
 //!   `expiresAt` its slot is free and it is unknown to renew and release. Each operation
 //!   settles the shards it touches first (a per-shard heap of expiry times), so nothing waits
@@ -209,6 +211,9 @@ pub struct ProxyInfo {
     pub attributes: Attributes,
     url_with_credentials: String,
     url: String,
+    /// `Basic <base64 of user:password>` when it takes credentials: what a client that
+    /// forwards through it on a holder's behalf sends as `Proxy-Authorization`.
+    proxy_authorization: Option<String>,
     /// Its JSON as every lease answer shows it, rendered by the discovery API on first use
     /// (an info is immutable: a changed proxy gets a new one).
     rendered: std::sync::OnceLock<Box<str>>,
@@ -241,6 +246,11 @@ impl ProxyInfo {
             ),
             None => url.clone(),
         };
+        let proxy_authorization = target.credentials.as_ref().map(|c| {
+            use base64::Engine as _;
+            let pair = format!("{}:{}", c.username, c.password);
+            format!("Basic {}", base64::engine::general_purpose::STANDARD.encode(pair))
+        });
         Self {
             key: target.key.clone(),
             endpoint: target.endpoint.clone(),
@@ -248,6 +258,7 @@ impl ProxyInfo {
             attributes: target.attributes.clone(),
             url_with_credentials,
             url,
+            proxy_authorization,
             rendered: std::sync::OnceLock::new(),
         }
     }
@@ -265,6 +276,12 @@ impl ProxyInfo {
     /// `http://user:password@host:port` (or the plain URL): only for the lease holder.
     pub fn url_with_credentials(&self) -> &str {
         &self.url_with_credentials
+    }
+
+    /// The `Proxy-Authorization` value its credentials make (`None`: it takes none): only for
+    /// the lease holder.
+    pub fn proxy_authorization(&self) -> Option<&str> {
+        self.proxy_authorization.as_deref()
     }
 }
 
@@ -355,6 +372,10 @@ pub struct Renewed {
     pub fencing_token: u64,
     /// The new expiry (ms since the epoch).
     pub expires_at_ms: u64,
+    /// The engine took the proxy out of rotation while it was open (its health checks fail,
+    /// or it is being replaced): the lease runs on, but its holder should move its work to
+    /// another proxy and release it.
+    pub out_of_rotation: bool,
 }
 
 /// What a release changed besides ending the lease (what the journal records of it).
@@ -420,23 +441,14 @@ pub struct ProxyView {
     pub bans: Vec<(String, u64)>,
 }
 
-/// A lease as the lease listing shows it: no ID and no token (those are the holder's).
+/// A lease as the lease listing shows it: what its ID says and when it ends now, but neither
+/// its signed ID nor its token (those are the holder's).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeaseView {
-    /// The proxy it is on.
-    pub key: ProxyKey,
-    /// The first fencing token issued for it (with the key, what tells it apart).
-    pub first_token: u64,
-    /// Who holds it.
-    pub holder: String,
-    /// When it was granted (ms since the epoch).
-    pub acquired_at_ms: u64,
+    /// What it was granted as (its `expires_at_ms` is the first expiry).
+    pub claim: LeaseClaim,
     /// When it ends unless renewed (ms since the epoch).
     pub expires_at_ms: u64,
-    /// The domain it was acquired for.
-    pub target_domain: Option<String>,
-    /// Its sticky-session key.
-    pub session_key: Option<String>,
     /// The last [`LeaseView::ID_TAIL`] characters of the lease ID this process issued for it
     /// (`None`: restored from a checkpoint, which keeps no IDs). Never the whole ID.
     pub id_tail: Option<String>,

@@ -380,6 +380,36 @@ fn concurrent_clients_never_exceed_max_concurrent() {
 }
 
 #[test]
+fn renewals_say_when_the_proxy_left_rotation() {
+    let (store, _, all) = one_proxy(2, 2, 0);
+    let lease = acquire(&store, &all).unwrap();
+    let renewed = store.renew(&lease.id, lease.fencing_token, None).unwrap();
+    assert!(!renewed.out_of_rotation);
+    // Health checks fail: the engine closes it. The lease runs on, and its renewals say so.
+    store.set_admission(&key("a"), Admission::Closed).unwrap();
+    store.set_admission(&key("a"), Admission::Closed).unwrap();
+    let renewed = store.renew(&lease.id, renewed.fencing_token, None).unwrap();
+    assert!(renewed.out_of_rotation);
+    // Healthy again: back in rotation.
+    store.set_admission(&key("a"), Admission::Open).unwrap();
+    let renewed = store.renew(&lease.id, renewed.fencing_token, None).unwrap();
+    assert!(!renewed.out_of_rotation);
+    // A proxy that was never open (as after a restart, until its first probe) is not out of
+    // rotation: that says nothing about the instance.
+    let (fresh, _) = self::store(2);
+    fresh.upsert_proxy(target("b", &[], 1, 0));
+    fresh.set_admission(&key("b"), Admission::Closed).unwrap();
+    fresh.set_admission(&key("b"), Admission::Open).unwrap();
+    let lease = acquire(&fresh, &sel(&fresh, "")).unwrap();
+    assert!(
+        !fresh
+            .renew(&lease.id, lease.fencing_token, None)
+            .unwrap()
+            .out_of_rotation
+    );
+}
+
+#[test]
 fn drain_refuses_renewals_and_reports_completion() {
     let (store, _, all) = one_proxy(2, 2, 0);
     let l1 = acquire(&store, &all).unwrap();
@@ -644,6 +674,58 @@ fn signer_rejects_tampered_foreign_and_garbage_ids() {
         LeaseSigner::new(b"short"),
         Err(TokenError::SecretTooShort)
     ));
+}
+
+/// IDs signed with HMAC-SHA256 (format 1, before issue 25) still verify, so leases granted
+/// before an upgrade are recognised after it; the format byte binds the MAC (an ID cannot be
+/// passed off as the other format), and an unknown format is refused.
+#[test]
+fn lease_ids_of_the_hmac_format_still_verify_and_formats_do_not_mix() {
+    use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+    let secret = [7u8; 32];
+    let signer = LeaseSigner::new(&secret).unwrap();
+    let (store, _) = store(2);
+    add_open(&store, target("a", &[], 1, 0));
+    let claim = acquire(&store, &sel(&store, ""))
+        .unwrap()
+        .claim("crawler", Some("shop.example"), None);
+    let new = URL_SAFE_NO_PAD.decode(signer.sign(&claim)).unwrap();
+    assert_eq!(new[0], 2, "new IDs are format 2 (BLAKE3)");
+    let payload = &new[..new.len() - 16];
+    let with_format = |format: u8, hmac_tag: bool| {
+        let mut bytes = payload.to_vec();
+        bytes[0] = format;
+        let tag: Vec<u8> = if hmac_tag {
+            let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &secret);
+            ring::hmac::sign(&key, &bytes).as_ref()[..16].to_vec()
+        } else {
+            let key = blake3::derive_key("egress-proxies-operator 2026-12-04 lease ID tag", &secret);
+            blake3::keyed_hash(&key, &bytes).as_bytes()[..16].to_vec()
+        };
+        bytes.extend_from_slice(&tag);
+        URL_SAFE_NO_PAD.encode(bytes)
+    };
+    assert_eq!(
+        signer.verify(&with_format(1, true)).unwrap(),
+        claim,
+        "format 1, HMAC"
+    );
+    assert_eq!(
+        signer.verify(&with_format(2, false)).unwrap(),
+        claim,
+        "format 2, BLAKE3"
+    );
+    assert!(matches!(
+        signer.verify(&with_format(1, false)),
+        Err(TokenError::BadSignature)
+    ));
+    assert!(matches!(
+        signer.verify(&with_format(2, true)),
+        Err(TokenError::BadSignature)
+    ));
+    assert!(signer.verify(&with_format(3, false)).is_err());
+    assert!(signer.presented(&with_format(3, false)).is_none());
+    assert!(signer.presented(&with_format(1, true)).is_some());
 }
 
 #[test]
@@ -1669,4 +1751,36 @@ fn an_issued_id_matches_only_itself() {
     assert!(!kept.matches(&id.as_bytes()[..id.len() - 1]));
     assert!(!kept.matches(format!("{id}A").as_bytes()));
     assert!(!kept.matches(b""));
+}
+
+/// A small pool spread over many shards (a proxy or none a shard, as three local Squids in the
+/// default 16 shards are) rotates: acquire-and-release in a loop from one thread uses every
+/// proxy in turn, not the first free one each time (what a crawler leasing per request, and
+/// the gateway without a session, rely on).
+#[test]
+fn a_small_pool_over_many_shards_rotates_through_its_proxies() {
+    let (store, _) = store(16);
+    for name in ["a", "b", "c"] {
+        add_open(&store, target(name, &[], 1, 0));
+    }
+    let all = sel(&store, "");
+    let mut uses = std::collections::BTreeMap::<String, usize>::new();
+    let mut order = Vec::new();
+    for _ in 0..9 {
+        let lease = acquire(&store, &all).unwrap();
+        order.push(lease.id.key.to_string());
+        *uses.entry(lease.id.key.to_string()).or_default() += 1;
+        store
+            .release(&lease.id, lease.fencing_token, Outcome::Ok, None)
+            .unwrap();
+    }
+    assert_eq!(
+        uses.values().copied().collect::<Vec<_>>(),
+        vec![3, 3, 3],
+        "{order:?}"
+    );
+    assert!(
+        order.windows(2).all(|w| w[0] != w[1]),
+        "the same proxy twice in a row: {order:?}"
+    );
 }

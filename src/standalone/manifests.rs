@@ -30,6 +30,8 @@ pub struct DesiredProxy {
     pub spec_json: Value,
     /// The file it came from.
     pub source: PathBuf,
+    /// Its `metadata.annotations` (e.g. a recycle request), as written.
+    pub annotations: BTreeMap<String, String>,
 }
 
 /// What the folder asks for.
@@ -106,6 +108,9 @@ pub fn scan(dir: &Path, checker: &Checker) -> Desired {
             match value.get("kind").and_then(Value::as_str) {
                 Some("Proxy") => {
                     let spec_json = value.get("spec").cloned().unwrap_or(Value::Null);
+                    let annotations = (value.pointer("/metadata/annotations"))
+                        .and_then(|a| serde_json::from_value(a.clone()).ok())
+                        .unwrap_or_default();
                     // `check` passed, so the spec deserializes; defaults come from serde.
                     if let Ok(spec) = serde_json::from_value::<ProxySpec>(spec_json.clone()) {
                         desired.proxies.insert(
@@ -114,6 +119,7 @@ pub fn scan(dir: &Path, checker: &Checker) -> Desired {
                                 spec,
                                 spec_json,
                                 source: file.clone(),
+                                annotations,
                             },
                         );
                     }

@@ -46,6 +46,10 @@ pub struct StandaloneOptions {
     pub state: PathBuf,
     /// Discovery API address.
     pub listen: SocketAddr,
+    /// The gateway's address; `None`: no gateway.
+    pub gateway_listen: Option<SocketAddr>,
+    /// How long the gateway keeps an unused session's lease.
+    pub gateway_session_idle: Duration,
     /// Authentication of the discovery API. Without a tokens file (and without `no_auth`), a
     /// file with one random token is created under the state folder and used.
     pub auth: DiscoveryAuthOptions,
@@ -176,6 +180,8 @@ pub async fn run_standalone(
         discovery_listen: options.listen,
         provider_probe_interval: options.provider_probe_interval,
         gc_interval: options.gc_interval,
+        gateway_listen: options.gateway_listen,
+        gateway_session_idle: options.gateway_session_idle,
     };
     let core = start_core(adapters, flags, &metrics, &stop).await?;
     let compaction = journal.map(|journal| {
@@ -349,6 +355,8 @@ mod tests {
             providers_config: dir.join("providers.yaml"),
             state: dir.join("state"),
             listen: "127.0.0.1:0".parse().expect("an address"),
+            gateway_listen: None,
+            gateway_session_idle: Duration::from_secs(60),
             auth: DiscoveryAuthOptions::default(),
             poll: Duration::from_millis(100),
             gc_grace: Duration::from_secs(300),

@@ -302,6 +302,12 @@ impl Standalone {
                     record.spec = wanted.spec_json.clone();
                     record.generation += 1;
                     record.source = source;
+                    record.annotations = wanted.annotations.clone();
+                    changed.push(key.clone());
+                }
+                // An annotation edit (a recycle request) moves no generation, as in a cluster.
+                Some(record) if record.annotations != wanted.annotations => {
+                    record.annotations = wanted.annotations.clone();
                     changed.push(key.clone());
                 }
                 Some(_) => {}
@@ -313,6 +319,7 @@ impl Standalone {
                             generation: 1,
                             spec: wanted.spec_json.clone(),
                             source,
+                            annotations: wanted.annotations.clone(),
                             created: now,
                             ..ProxyRecord::default()
                         },
@@ -472,6 +479,7 @@ pub fn proxy_of(key: &ProxyKey, record: &ProxyRecord) -> Option<Proxy> {
             creation_timestamp: Some(Time(record.created)),
             deletion_timestamp: record.deletion_time.map(Time),
             finalizers: record.finalizer.then(|| vec![FINALIZER.to_owned()]),
+            annotations: (!record.annotations.is_empty()).then(|| record.annotations.clone()),
             ..ObjectMeta::default()
         },
         spec,

@@ -22,7 +22,7 @@ use hyper::{
 use hyper_util::rt::TokioIo;
 use prometheus_client::registry::Registry;
 use tokio::{net::TcpListener, sync::watch};
-use tracing::{debug, warn};
+use tracing::debug;
 
 /// What `/readyz` reports, on the admin port and (caches and leadership only) on the discovery API.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -76,15 +76,9 @@ pub async fn serve_admin_with_ui(
 ) {
     tokio::pin!(shutdown);
     loop {
-        let (stream, _) = tokio::select! {
+        let stream = tokio::select! {
             _ = &mut shutdown => return,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(err) => {
-                    warn!(error = %err, "admin server accept failed");
-                    continue;
-                }
-            },
+            stream = crate::net::accept(&listener, "admin") => stream,
         };
         let readiness = readiness.clone();
         let registry = registry.clone();

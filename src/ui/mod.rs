@@ -661,11 +661,11 @@ impl StatusPage {
                         .leases_at(Some(&key), None, now_ms)
                         .into_iter()
                         .map(|l| HolderRow {
-                            holder: l.holder,
+                            holder: l.claim.holder,
                             id_tail: l.id_tail,
-                            acquired: at_ms(l.acquired_at_ms),
+                            acquired: at_ms(l.claim.acquired_at_ms),
                             expires: at_ms(l.expires_at_ms),
-                            target_domain: l.target_domain,
+                            target_domain: l.claim.target_domain,
                         })
                         .collect(),
                 });

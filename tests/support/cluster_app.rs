@@ -91,6 +91,8 @@ pub fn local_cluster(
         provider_health_objects: true,
         admin_listen: admin,
         discovery_listen: discovery,
+        gateway_listen: None,
+        gateway_session_idle: Duration::from_secs(60),
         auth: DiscoveryAuthOptions::tokens_file(dir.join("tokens")),
         signing_key: dir.join("key"),
         concurrency: 4,

@@ -191,7 +191,8 @@ class Site:
     """A small site on 127.0.0.1, port 0: linked pages, ``/slow`` answering after a while, and
     every page on the host name ``localhost`` (the same server) answering 403, as a site that
     bans the proxy would, but for ``/many`` there, which links to ``ONCE_PAGES`` pages
-    ``/once/<n>`` of which only the ``BAN_AT``-th request answers 403 (a ban mid-crawl).
+    ``/once/<n>`` of which only the ``BAN_AT``-th request answers 403 (a ban mid-crawl);
+    ``/paced`` links to ``PACED_PAGES`` pages that each take ``PACED_SECONDS``.
     Records ``(host name, path)`` of every request it answers."""
 
     PAGES: Dict[str, List[str]] = {
@@ -204,6 +205,10 @@ class Site:
     SLOW_SECONDS = 2.5
     ONCE_PAGES = 200
     BAN_AT = 50
+    # ``/paced`` links to as many pages ``/paced/<n>``, each answering after a while: a crawl
+    # long enough to freeze its proxy in the middle of.
+    PACED_PAGES = 60
+    PACED_SECONDS = 0.1
 
     def __init__(self) -> None:
         self.served: List[Tuple[str, str]] = []
@@ -227,6 +232,14 @@ class Site:
                     return
                 if host == BANNING_HOST:
                     self._answer(403, "<html><body>banned</body></html>")
+                    return
+                if self.path == "/paced":
+                    anchors = "".join(f'<a href="/paced/{n}">{n}</a>' for n in range(site.PACED_PAGES))
+                    self._answer(200, f"<html><body>{anchors}</body></html>")
+                    return
+                if self.path.startswith("/paced/"):
+                    time.sleep(site.PACED_SECONDS)
+                    self._answer(200, "<html><body>paced</body></html>")
                     return
                 links = site.PAGES.get(self.path)
                 if links is None:

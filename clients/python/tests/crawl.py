@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional
 
 import scrapy
 from scrapy.crawler import CrawlerProcess
@@ -40,6 +40,12 @@ class SiteSpider(scrapy.Spider):
         self.sessions = sessions or {}
         if allowed:
             self.allowed_domains = allowed
+
+    async def start(self) -> AsyncIterator[scrapy.Request]:
+        # Scrapy 2.13+ starts here, and its own start() no longer reads start_requests(), which
+        # Scrapy 2.8 calls instead.
+        for request in self.start_requests():
+            yield request
 
     def start_requests(self) -> Iterator[scrapy.Request]:
         for url in self.start_urls:

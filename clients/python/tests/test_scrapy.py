@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
@@ -48,6 +49,9 @@ def crawl(tmp_path: Path, api_url: str, token: str, selector: Dict[str, str], si
         print(done.stderr[-20000:])
         assert done.returncode == 0, done.stderr[-5000:]
         assert errors_expected or "ERROR" not in done.stderr, "the crawl logged errors"
+        # No warning at all, from Scrapy about this package (ScrapyDeprecationWarning) or from
+        # the package itself: Python's warnings reach Scrapy's log as "py.warnings".
+        assert "py.warnings" not in done.stderr and "Warning:" not in done.stderr, done.stderr[-5000:]
         assert os.environ["EPO_PROXY_PASSWORD"] not in done.stderr, "the proxy password is in the crawl's log"
         result: Dict[str, Any] = json.loads(result_path.read_text())
         result["log"] = done.stderr
@@ -325,3 +329,35 @@ def test_a_crawl_that_finds_no_proxy_for_long_enough_closes_itself(crawl: Crawl,
     assert "Traceback" not in log, log[-3000:]
     closing = [l for l in log.splitlines() if "closing the spider (EGRESS_PROXIES_GIVE_UP)" in l]
     assert len(closing) == 1, log[-3000:]
+
+
+BANNED_DOMAIN = "banned-everywhere.invalid"
+
+
+def test_a_domain_every_proxy_is_banned_for_ends_the_crawl_with_one_line(
+    crawl: Crawl, client: DiscoveryClient, selector: Dict[str, str], site: Site
+) -> None:
+    # Last in this suite: it bans every proxy for a domain of its own for the store's ban
+    # cooldown (30 min), as that domain's crawls would have.
+    count = len(client.list_proxies(selector))
+    held = [client.acquire(selector, target_domain=BANNED_DOMAIN, max_wait=10) for _ in range(count)]
+    for lease in held:
+        assert client.release(lease, "banned")
+    assert all(p.availability == "banned" for p in client.list_proxies(selector, target_domain=BANNED_DOMAIN))
+
+    started = time.monotonic()
+    result = crawl(
+        start_urls=[f"http://{BANNED_DOMAIN}:{site.port}/{n}" for n in range(5)] + [site.url("/c")],
+        settings={"EGRESS_PROXIES_BANNED_GIVE_UP": 60},
+    )
+    elapsed = time.monotonic() - started
+    stats, log = result["stats"], result["log"]
+    # The other domain is crawled; the banned one's five requests are dropped at once (no
+    # waiting out EGRESS_PROXIES_MAX_WAIT for each).
+    assert [p["url"] for p in result["pages"]] == [site.url("/c")]
+    assert stats.get("finish_reason") == "finished", stats
+    assert stats.get("egress_proxies/banned_everywhere") == 5, stats
+    assert elapsed < 25, elapsed
+    lines = [l for l in log.splitlines() if "banned for" in l and BANNED_DOMAIN in l and "WARNING" in l]
+    assert len(lines) == 1, log[-5000:]
+    assert "Traceback" not in log, log[-3000:]

@@ -56,6 +56,8 @@ pub trait ProxyObjects: Send + Sync {
     async fn delete(&self) -> Result<(), BackendError>;
     /// Someone removes every finalizer behind the operator's back.
     async fn strip_finalizers(&self) -> Result<(), BackendError>;
+    /// A user (or a ban rule) sets the annotation `key` to `value` (the generation stays).
+    async fn annotate(&self, key: &str, value: &str) -> Result<(), BackendError>;
 }
 
 /// The Proxy object in memory, served as an API server would.
@@ -107,6 +109,11 @@ impl ProxyObjects for InMemory {
     }
     async fn strip_finalizers(&self) -> Result<(), BackendError> {
         self.edit(|proxy| proxy.metadata.finalizers = None)
+    }
+    async fn annotate(&self, key: &str, value: &str) -> Result<(), BackendError> {
+        self.edit(|proxy| {
+            (proxy.metadata.annotations.get_or_insert_default()).insert(key.to_owned(), value.to_owned());
+        })
     }
 }
 

@@ -11,7 +11,7 @@ use super::world::{
 };
 use super::{EPOCH, PROVIDER, Scenario, ScenarioError};
 use crate::{
-    api::ProxyStatus,
+    api::{ProxyStatus, RECYCLE_ANNOTATION},
     controller::{
         ProviderAvailability, Reconciler,
         plan::{Plan, Planned, WakeWhy},
@@ -110,6 +110,12 @@ impl Scenario {
             if edits.strip_finalizers {
                 objects
                     .strip_finalizers()
+                    .await
+                    .map_err(|e| step_failed(step.at, e))?;
+            }
+            if let Some(request) = &edits.recycle {
+                objects
+                    .annotate(RECYCLE_ANNOTATION, request)
                     .await
                     .map_err(|e| step_failed(step.at, e))?;
             }

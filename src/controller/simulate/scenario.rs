@@ -124,6 +124,8 @@ pub struct WorldChange {
     /// The Proxy is deleted.
     #[serde(default)]
     pub deleted: bool,
+    /// A fresh instance is asked for: the recycle annotation is set to this request.
+    pub recycle: Option<String>,
     /// The proxy credentials Secret is rotated (the label stands for the new password).
     pub credentials: Option<String>,
     /// The cloud-init Secret's content is rotated (the label stands for the new content): the

@@ -250,6 +250,10 @@ impl World {
             edits.delete = true;
             changes.push("Proxy deleted".to_owned());
         }
+        if let Some(request) = &change.recycle {
+            edits.recycle = Some(request.clone());
+            changes.push(format!("recycle requested ({request})"));
+        }
         if let Some(credentials) = &change.credentials {
             w.credentials = credentials.clone();
             changes.push(format!("credentials rotated to {credentials}"));
@@ -371,6 +375,7 @@ pub(super) struct ObjectEdits {
     pub(super) spec_edit: Option<super::SpecEdit>,
     pub(super) delete: bool,
     pub(super) strip_finalizers: bool,
+    pub(super) recycle: Option<String>,
 }
 
 /// The reconciler's backend in a scenario: Secrets from the world's script; finalizer, status and

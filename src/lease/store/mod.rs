@@ -244,7 +244,12 @@ impl LeaseStore {
             .by_key
             .get(key)
             .ok_or_else(|| LeaseError::UnknownProxy(key.clone()))?;
-        shard.proxy_mut(slot).admission = match admission {
+        let p = shard.proxy_mut(slot);
+        p.out_of_rotation = match admission {
+            Admission::Open => false,
+            Admission::Closed => p.out_of_rotation || p.admission == AdmissionState::Open,
+        };
+        p.admission = match admission {
             Admission::Open => AdmissionState::Open,
             Admission::Closed => AdmissionState::Closed,
         };
@@ -328,6 +333,17 @@ impl LeaseStore {
     /// `domain` as bans and journal records keep it.
     pub fn normalize_domain(domain: &str) -> String {
         normalize_domain(domain)
+    }
+
+    /// Whether `key` takes new leases now (known, open, not draining): what a holder that
+    /// keeps one lease across many uses checks before each use (the proxy may have turned
+    /// unhealthy since, which closes it but lets its leases run on).
+    pub fn admits(&self, key: &ProxyKey) -> bool {
+        let shard = self.shard_for(key);
+        shard.by_key.get(key).is_some_and(|slot| {
+            let p = shard.proxy(*slot);
+            p.info.is_some() && p.admission == AdmissionState::Open
+        })
     }
 
     /// Active (unexpired) leases on a proxy; 0 if unknown.
@@ -451,6 +467,7 @@ impl LeaseStore {
         }
         let new_token = shard.next_token(now);
         let p = shard.proxy_mut(slot);
+        let out_of_rotation = p.out_of_rotation;
         let max_ttl = p.max_ttl_ms;
         let rec = &mut p.leases[idx];
         let ttl_ms = ttl.map_or(rec.ttl_ms, |t| t.as_millis() as u64);
@@ -463,6 +480,7 @@ impl LeaseStore {
         Ok(Renewed {
             fencing_token: new_token,
             expires_at_ms,
+            out_of_rotation,
         })
     }
 

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::{
     api::ProxyKey,
-    lease::{LeaseTarget, ProxyInfo, token::IssuedId},
+    lease::{LeaseClaim, LeaseHint, LeaseId, LeaseTarget, ProxyInfo, token::IssuedId},
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +86,10 @@ pub(super) struct ProxyState {
     pub(super) max_ttl_ms: u64,
     /// Whether it takes new leases and renewals.
     pub(super) admission: AdmissionState,
+    /// Closed by the engine while it was open (health checks failing, or being replaced):
+    /// renewals say so ([`crate::lease::Renewed::out_of_rotation`]). Not set by a restart's
+    /// closed-until-probed state, which says nothing about the instance.
+    pub(super) out_of_rotation: bool,
     /// End of its cooldown (0 or past: not resting).
     pub(super) cooling_until: u64,
     /// Per-domain bans: (domain, end), expired ones dropped lazily.
@@ -106,6 +110,25 @@ pub(super) struct ProxyState {
     pub(super) changed: bool,
 }
 
+impl LeaseRecord {
+    /// What this lease's ID says: it as granted on `key`, kept at `hint` (its first expiry is
+    /// the grant's TTL, capped, from the grant).
+    pub(super) fn claim(&self, key: &ProxyKey, hint: LeaseHint) -> LeaseClaim {
+        LeaseClaim {
+            id: LeaseId {
+                key: key.clone(),
+                first_token: self.first_token,
+                hint,
+            },
+            holder: self.holder.as_str().to_owned(),
+            acquired_at_ms: self.acquired_at,
+            expires_at_ms: self.acquired_at + self.ttl_ms,
+            target_domain: self.target_domain.as_deref().map(str::to_owned),
+            session_key: self.session_key.as_deref().map(str::to_owned),
+        }
+    }
+}
+
 impl ProxyState {
     pub(super) fn new(key: ProxyKey) -> Self {
         Self {
@@ -116,6 +139,7 @@ impl ProxyState {
             cooldown_ms: 0,
             max_ttl_ms: 3_600_000,
             admission: AdmissionState::Closed,
+            out_of_rotation: false,
             cooling_until: 0,
             bans: Vec::new(),
             leases: Vec::new(),

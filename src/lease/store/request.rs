@@ -15,7 +15,7 @@ use std::{collections::HashMap, hash::BuildHasher};
 use super::LeaseStore;
 use crate::{
     api::ProxyKey,
-    lease::{AcquireRequest, Granted, Lease, LeaseClaim, LeaseError, LeaseHint, LeaseId},
+    lease::{AcquireRequest, Granted, Lease, LeaseError, LeaseHint, LeaseId},
     sync::lock,
 };
 
@@ -142,28 +142,16 @@ impl LeaseStore {
             let proxy = p.info.clone().ok_or(LeaseError::RequestInProgress)?;
             let rec = &p.leases[idx];
             // Where it is now: the hint the grant signed, unless a restart moved it.
-            let id = LeaseId {
-                key: p.key.clone(),
-                first_token: rec.first_token,
-                hint: shard.hint(slot),
-            };
+            let claim = rec.claim(&p.key, shard.hint(slot));
             Ok(Granted {
-                repeat_of: Some(LeaseClaim {
-                    id: id.clone(),
-                    holder: rec.holder.as_str().to_owned(),
-                    acquired_at_ms: rec.acquired_at,
-                    // The first expiry: the grant's TTL (capped) from the grant.
-                    expires_at_ms: rec.acquired_at + rec.ttl_ms,
-                    target_domain: rec.target_domain.as_deref().map(str::to_owned),
-                    session_key: rec.session_key.as_deref().map(str::to_owned),
-                }),
                 lease: Lease {
-                    id,
+                    id: claim.id.clone(),
                     fencing_token: rec.token,
                     acquired_at_ms: rec.acquired_at,
                     expires_at_ms: rec.expires_at,
                     proxy,
                 },
+                repeat_of: Some(claim),
             })
         })
     }

@@ -309,10 +309,17 @@ impl LeaseStore {
             // Shards another thread holds right now are skipped at first (and this thread's
             // cursor moves past them), and visited last, waiting for their lock then.
             let mut busy: u64 = 0;
-            let visit = |shard: &mut Shard, soonest: &mut Option<u64>| {
+            let visit = |shard: &mut Shard, index: usize, soonest: &mut Option<u64>| {
                 shard.settle(now);
                 if let Some(slot) = shard.pick(req.selector, domain, now) {
-                    return Some(shard.grant(slot, req, domain, ttl_ms, now));
+                    let lease = shard.grant(slot, req, domain, ttl_ms, now);
+                    // A shard with no other eligible proxy would hand out this one again: the
+                    // next acquire starts after it, so a small pool (a proxy or two a shard)
+                    // rotates through its proxies instead of reusing the first free one.
+                    if shard.lists[0].len <= 1 {
+                        Self::start_after(index, n);
+                    }
+                    return Some(lease);
                 }
                 if let Some(at) = shard.next_chance(req.selector, domain, now) {
                     *soonest = Some(soonest.map_or(at, |s| s.min(at)));
@@ -332,12 +339,12 @@ impl LeaseStore {
                         continue;
                     }
                 };
-                if let Some(lease) = visit(&mut shard, &mut soonest) {
+                if let Some(lease) = visit(&mut shard, index, &mut soonest) {
                     return Ok(lease);
                 }
             }
             for index in (0..n).filter(|i| busy & (1 << i) != 0) {
-                if let Some(lease) = visit(&mut lock(&self.inner.shards[index].0), &mut soonest) {
+                if let Some(lease) = visit(&mut lock(&self.inner.shards[index].0), index, &mut soonest) {
                     return Ok(lease);
                 }
             }
@@ -397,6 +404,18 @@ impl LeaseStore {
             let cursor = c.get();
             c.set(Cursor {
                 position: cursor.position.wrapping_add(ring_step(n)),
+                taken: 0,
+                ..cursor
+            })
+        });
+    }
+
+    /// Moves the calling thread's cursor to the shard after `index`; its next acquire claims it.
+    pub(super) fn start_after(index: usize, n: usize) {
+        CURSOR.with(|c| {
+            let cursor = c.get();
+            c.set(Cursor {
+                position: ring_step(n).wrapping_mul(((index + 1) % n) as u32),
                 taken: 0,
                 ..cursor
             })
@@ -475,7 +494,7 @@ impl LeaseStore {
         for index in indices {
             let mut shard = lock(&self.inner.shards[index].0);
             shard.settle(now);
-            for slot in shard.slots.iter() {
+            for (slot_index, slot) in (0u32..).zip(shard.slots.iter()) {
                 let Some(p) = slot.proxy.as_ref() else { continue };
                 if key.is_some_and(|k| *k != p.key) {
                     continue;
@@ -485,19 +504,16 @@ impl LeaseStore {
                         continue;
                     }
                     out.push(LeaseView {
-                        key: p.key.clone(),
-                        first_token: l.first_token,
-                        holder: l.holder.as_str().to_owned(),
-                        acquired_at_ms: l.acquired_at,
+                        claim: l.claim(&p.key, shard.hint(slot_index)),
                         expires_at_ms: l.expires_at,
-                        target_domain: l.target_domain.as_deref().map(str::to_owned),
-                        session_key: l.session_key.as_deref().map(str::to_owned),
                         id_tail: l.issued_id.as_ref().map(|id| id.tail(LeaseView::ID_TAIL)),
                     });
                 }
             }
         }
-        out.sort_by(|a, b| (&a.key, a.first_token).cmp(&(&b.key, b.first_token)));
+        out.sort_by(|a, b| {
+            (&a.claim.id.key, a.claim.id.first_token).cmp(&(&b.claim.id.key, b.claim.id.first_token))
+        });
         out
     }
 

@@ -7,6 +7,7 @@
 //! file keeps a second operator from using the same folder at once.
 
 use std::{
+    collections::BTreeMap,
     fs::{self, File, OpenOptions},
     io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
@@ -54,6 +55,10 @@ pub struct ProxyRecord {
     pub spec: serde_json::Value,
     /// The manifest file it came from.
     pub source: String,
+    /// The manifest's `metadata.annotations` (as an API server keeps them; they move no
+    /// generation).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
     /// The operator's finalizer is set: the instance may exist and must be cleaned up.
     pub finalizer: bool,
     /// The manifest vanished: the Proxy is being deleted.

@@ -13,6 +13,7 @@ client can serve every thread of a crawler.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -23,7 +24,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 try:  # Python 3.8+ has Literal; keep the annotation importable everywhere.
     from typing import Literal
@@ -42,6 +43,8 @@ __all__ = [
     "ProxyStatus",
     "StaleToken",
 ]
+
+_log = logging.getLogger(__name__)
 
 # 503 codes after which the same request can succeed later (docs/api.md, "Errors").
 _WAITABLE_CODES = frozenset({"no_proxy_available", "not_ready", "not_leader", "request_in_progress"})
@@ -156,6 +159,10 @@ class Lease:
     """How many times the client renewed it."""
     lost: Optional[DiscoveryError] = None
     """Why background renewal gave up on it (the server no longer knows it), if it did."""
+    out_of_rotation: bool = False
+    """A renewal said the operator took the proxy out of rotation (its health checks fail, or
+    it is being replaced): the lease still runs, but requests through the proxy are likely
+    failing or hanging. Move the work to another lease and release this one (``error``)."""
     released: bool = False
     # Serialises renew and release, so that a release always presents the latest token.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -171,8 +178,10 @@ class DiscoveryClient:
 
     ``max_wait`` bounds how long :meth:`acquire` keeps retrying while the API answers 503
     (nothing eligible, or a replica not ready / not leading), sleeping as ``Retry-After`` says.
-    Leases are renewed in a background thread at a third of their TTL until released; call
-    :meth:`close` (or use the client as a context manager) to stop it.
+    Leases are renewed in a background thread at a third of their TTL (at most every
+    ``renew_every`` seconds, if given) until released; call :meth:`close` (or use the client
+    as a context manager) to stop it. ``on_out_of_rotation`` is called (from that thread, once
+    per lease) when a renewal says the lease's proxy is out of rotation.
     """
 
     def __init__(
@@ -184,6 +193,8 @@ class DiscoveryClient:
         timeout: float = 10.0,
         max_wait: float = 30.0,
         renew: bool = True,
+        renew_every: Optional[float] = None,
+        on_out_of_rotation: Optional[Callable[[Lease], None]] = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.holder = holder
@@ -194,6 +205,8 @@ class DiscoveryClient:
         # often points at the very proxies it leases.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self._renew_enabled = renew
+        self.renew_every = renew_every
+        self.on_out_of_rotation = on_out_of_rotation
         self._renewer: Optional[_Renewer] = None
         self._renewer_lock = threading.Lock()
 
@@ -308,6 +321,8 @@ class DiscoveryClient:
         lease.fencing_token = int(answer["fencingToken"])
         lease.expires_at = _parse_time(answer["expiresAt"])
         lease.renewals += 1
+        # Sticky: a proxy back in rotation later does not make this lease's requests whole.
+        lease.out_of_rotation = lease.out_of_rotation or bool(answer.get("outOfRotation", False))
 
     def release(self, lease: Lease, outcome: Outcome = "ok", target_domain: Optional[str] = None) -> bool:
         """``POST /v1/leases/{id}/release`` with how it went: ``ok``, ``banned`` or ``error``.
@@ -439,9 +454,14 @@ class _Renewer:
         self._thread = threading.Thread(target=self._run, name="egress-proxies-renewer", daemon=True)
         self._thread.start()
 
+    def _interval(self, lease: Lease) -> float:
+        every = self._client.renew_every
+        third = lease.ttl_seconds / 3.0
+        return min(third, every) if every else third
+
     def add(self, lease: Lease) -> None:
         with self._wake:
-            self._due[lease] = time.monotonic() + lease.ttl_seconds / 3.0
+            self._due[lease] = time.monotonic() + self._interval(lease)
             self._wake.notify()
 
     def discard(self, lease: Lease) -> None:
@@ -471,12 +491,15 @@ class _Renewer:
 
     def _renew(self, lease: Lease) -> None:
         started = time.monotonic()
+        newly_out = False
         with lease._lock:
             if lease.released:
                 return
             try:
+                was_out = lease.out_of_rotation
                 self._client._renew_locked(lease, None)
-                next_at = time.monotonic() + lease.ttl_seconds / 3.0
+                newly_out = lease.out_of_rotation and not was_out
+                next_at = time.monotonic() + self._interval(lease)
             except (LeaseNotFound, StaleToken) as err:
                 lease.lost = err
                 next_at = None
@@ -486,6 +509,12 @@ class _Renewer:
                     next_at = None
                 else:  # transient: try again soon, within the lease's lifetime
                     next_at = started + max(min(lease.ttl_seconds / 6.0, 5.0), 0.2)
+        callback = self._client.on_out_of_rotation
+        if newly_out and callback is not None:
+            try:
+                callback(lease)
+            except Exception:  # the renewer thread must live on for the other leases
+                _log.exception("on_out_of_rotation failed for the lease on %s", lease.proxy.key)
         with self._wake:
             if lease in self._due:
                 if next_at is None:

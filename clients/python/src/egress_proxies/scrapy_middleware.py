@@ -40,6 +40,21 @@ does not start, rather than crawl from this host's own address):
     when no request of the crawl has found a proxy for this many seconds (default 300; 0 never),
     close the spider (reason ``egress_proxies_unavailable``) with one warning line, rather than
     let it wait and drop requests for ever.
+``EGRESS_PROXIES_BANNED_GIVE_UP``
+    when an acquire for a domain finds no proxy and every proxy matching the selector is
+    banned for that domain until at least this many seconds from now (default 60), the
+    domain's requests are dropped until the first ban ends, with one warning line for the
+    domain and no traceback (stat ``egress_proxies/banned_everywhere``: requests dropped). The
+    crawl goes on with its other domains and ends by itself. The ban ends come from the
+    listing (``GET /v1/proxies?targetDomain=``), which, unlike the 503's ``Retry-After``
+    (capped at 60 s), says exactly when a proxy frees up for the domain.
+``EGRESS_PROXIES_RENEW_INTERVAL``
+    renew each lease at least this often (default 5 s; leases are renewed at a third of
+    their TTL otherwise). A renewal is how the crawl hears that a leased proxy went out of
+    rotation (its health checks fail: a dead or frozen Squid); see below.
+``EGRESS_PROXIES_UNHEALTHY_RETRIES``
+    how many times a request whose proxy went out of rotation under it is sent again through
+    another proxy (default 2).
 ``EGRESS_PROXIES_HOLDER``
     the lease holder (default: ``scrapy/<spider name>``).
 ``EGRESS_PROXIES_IDLE_RELEASE``
@@ -53,17 +68,34 @@ lease, acquired with that ``sessionKey``); ``egress_proxies_skip`` sends the req
 a leased proxy, as does a ``proxy`` set by someone else. The middleware sets
 ``egress_proxies_lease`` (a :class:`~egress_proxies.client.Lease`) on every request it routes.
 
+A proxy out of rotation: when a renewal says the operator took a leased proxy out of
+rotation, the middleware releases that lease (``error``), routes the next requests through a
+new lease, and aborts the connections it has open to that proxy, so the requests in flight
+through it fail at once and are sent again through another proxy (bounded by
+``EGRESS_PROXIES_UNHEALTHY_RETRIES``). Why abort rather than a short download timeout: a frozen
+Squid accepts connections and never answers, and only Scrapy's ``DOWNLOAD_TIMEOUT`` (180 s by
+default) would end its downloads; a timeout short enough to matter would also cut legitimately
+slow pages through healthy proxies, while the operator's verdict only ever touches the proxy
+that failed. A crawl therefore recovers within the operator's detection time (health interval
+times failure threshold, plus the probe timeout) plus ``EGRESS_PROXIES_RENEW_INTERVAL``.
+
 Stats: ``egress_proxies/acquired``, ``egress_proxies/released/<outcome>``,
 ``egress_proxies/idle_released`` (of those, domain leases released for being idle),
 ``egress_proxies/renewals``, ``egress_proxies/lost`` (leases the server dropped before release),
 ``egress_proxies/no_proxy_available`` (requests dropped for want of a proxy),
-``egress_proxies/ban_retries`` (requests sent again after a ban) and
-``egress_proxies/ban_retries_exhausted`` (ban responses passed on past the bound).
+``egress_proxies/ban_retries`` (requests sent again after a ban),
+``egress_proxies/ban_retries_exhausted`` (ban responses passed on past the bound),
+``egress_proxies/banned_everywhere`` (requests dropped: every proxy banned for their domain),
+``egress_proxies/out_of_rotation`` (leases left because their proxy went out of rotation),
+``egress_proxies/aborted_connections`` (connections to such proxies aborted),
+``egress_proxies/unhealthy_retries`` and ``egress_proxies/unhealthy_retries_exhausted``
+(requests sent again after their proxy went out of rotation, or failed past the bound).
 """
 
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
@@ -71,6 +103,7 @@ from scrapy import Request, Spider, signals
 from scrapy.crawler import Crawler
 from scrapy.exceptions import IgnoreRequest, NotConfigured
 from scrapy.http import Response
+from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet import defer, task, threads
 from twisted.python.failure import Failure
@@ -78,12 +111,22 @@ from twisted.python.threadpool import ThreadPool
 
 from .client import DiscoveryClient, Lease, NoProxyAvailable, Outcome
 
+
+class _BannedEverywhere(NoProxyAvailable):
+    """Every proxy matching the selector is banned for the domain until ``until`` at least."""
+
+    def __init__(self, domain: str, until: datetime) -> None:
+        super().__init__(503, "no_proxy_available", f"every proxy is banned for {domain}")
+        self.domain = domain
+        self.until = until
+
 __all__ = ["EgressProxiesMiddleware"]
 
 LEASE_META = "egress_proxies_lease"
 SESSION_META = "egress_proxies_session"
 SKIP_META = "egress_proxies_skip"
 BAN_RETRIES_META = "egress_proxies_ban_retries"
+UNHEALTHY_RETRIES_META = "egress_proxies_unhealthy_retries"
 # What routing put on a request; a copy sent again must be routed afresh.
 _ROUTING_META = (LEASE_META, "proxy", "_egress_proxies_key", "_egress_proxies_pending")
 
@@ -116,6 +159,8 @@ class EgressProxiesMiddleware:
         threads_max: int = 4,
         give_up: float = 300.0,
         ban_retries: int = 2,
+        banned_give_up: float = 60.0,
+        unhealthy_retries: int = 2,
     ) -> None:
         if mode not in ("domain", "request"):
             raise ValueError(f"EGRESS_PROXIES_MODE must be 'domain' or 'request', not {mode!r}")
@@ -129,6 +174,14 @@ class EgressProxiesMiddleware:
         self.idle_release = idle_release
         self.give_up = give_up
         self.ban_retries = max(ban_retries, 0)
+        self.banned_give_up = banned_give_up
+        self.unhealthy_retries = max(unhealthy_retries, 0)
+        # Domains every proxy is banned for: until when their requests are dropped.
+        self._banned_until: Dict[str, float] = {}
+        # Endpoints of proxies out of rotation: requests routed through each and not done.
+        self._left: Dict[str, int] = {}
+        self._pending: Dict[str, int] = {}
+        self._aborter: Optional[task.LoopingCall] = None
         # Since when no acquire has succeeded while some failed for want of a proxy.
         self._unavailable_since: Optional[float] = None
         self._unavailable_domains: Set[str] = set()
@@ -166,6 +219,7 @@ class EgressProxiesMiddleware:
             token,
             holder=settings.get("EGRESS_PROXIES_HOLDER") or f"scrapy/{spider_name}",
             max_wait=settings.getfloat("EGRESS_PROXIES_MAX_WAIT", 30.0),
+            renew_every=settings.getfloat("EGRESS_PROXIES_RENEW_INTERVAL", 5.0) or None,
         )
         ttl = settings.getint("EGRESS_PROXIES_TTL", 0)
         middleware = cls(
@@ -179,7 +233,10 @@ class EgressProxiesMiddleware:
             threads_max=settings.getint("EGRESS_PROXIES_THREADS", 4),
             give_up=settings.getfloat("EGRESS_PROXIES_GIVE_UP", 300.0),
             ban_retries=settings.getint("EGRESS_PROXIES_BAN_RETRIES", 2),
+            banned_give_up=settings.getfloat("EGRESS_PROXIES_BANNED_GIVE_UP", 60.0),
+            unhealthy_retries=settings.getint("EGRESS_PROXIES_UNHEALTHY_RETRIES", 2),
         )
+        client.on_out_of_rotation = middleware._on_out_of_rotation
         crawler.signals.connect(middleware.spider_opened, signal=signals.spider_opened)
         crawler.signals.connect(middleware.spider_closed, signal=signals.spider_closed)
         return middleware
@@ -197,13 +254,15 @@ class EgressProxiesMiddleware:
             self._sweeper = task.LoopingCall(self._release_idle)
             self._sweeper.start(min(self.idle_release, 5.0), now=False)
 
-    def spider_closed(self, spider: Spider) -> defer.Deferred[Any]:
+    async def spider_closed(self, spider: Optional[Spider] = None) -> None:
         """Releases every lease still held (``ok``); the crawl ends once every release has."""
         if self._sweeper is not None and self._sweeper.running:
             self._sweeper.stop()
+        if self._aborter is not None and self._aborter.running:
+            self._aborter.stop()
         for key in list(self._held):
             self._drop(key, "ok")
-        return self._releases_done()
+        await maybe_deferred_to_future(self._releases_done())
 
     @defer.inlineCallbacks
     def _releases_done(self) -> Any:
@@ -213,11 +272,24 @@ class EgressProxiesMiddleware:
 
     # -- downloader middleware ------------------------------------------------------------
 
-    def process_request(self, request: Request, spider: Spider) -> Optional[defer.Deferred[Any]]:
+    # Coroutines, and `spider` optional: Scrapy 2.13+ deprecates Deferreds returned by
+    # middlewares and a required `spider` argument; older ones (2.8) pass it and await these.
+    async def process_request(self, request: Request, spider: Optional[Spider] = None) -> None:
+        routed = self._process_request(request, spider or self.crawler.spider)
+        if routed is not None:
+            await maybe_deferred_to_future(routed)
+
+    def _process_request(self, request: Request, spider: Spider) -> Optional[defer.Deferred[Any]]:
         if request.meta.get(SKIP_META) or ("proxy" in request.meta and LEASE_META not in request.meta):
             return None
         domain = urlparse_cached(request).hostname or ""
         session = request.meta.get(SESSION_META)
+        banned_until = self._banned_until.get(domain)
+        if banned_until is not None:
+            if time.time() < banned_until:
+                self.stats.inc_value("egress_proxies/banned_everywhere")
+                raise IgnoreRequest(f"every proxy is banned for {domain}")
+            del self._banned_until[domain]
         if self.mode == "request":
             acquired = self._acquire_in_turn(domain, session)
             acquired.addCallback(self._route, request)
@@ -241,7 +313,10 @@ class EgressProxiesMiddleware:
         self._acquire_in_turn(domain, session).addBoth(self._acquired, key)
         return waiting
 
-    def process_response(self, request: Request, response: Response, spider: Spider) -> Union[Request, Response]:
+    def process_response(
+        self, request: Request, response: Response, spider: Optional[Spider] = None
+    ) -> Union[Request, Response]:
+        spider = spider or self.crawler.spider
         lease = self._lease_of(request)
         if lease is None:
             return response
@@ -276,11 +351,83 @@ class EgressProxiesMiddleware:
         )
         return again
 
-    def process_exception(self, request: Request, exception: BaseException, spider: Spider) -> None:
+    def process_exception(
+        self, request: Request, exception: BaseException, spider: Optional[Spider] = None
+    ) -> Optional[Request]:
         lease = self._lease_of(request)
-        if lease is not None:
-            self._done(request, lease, "error")
-        return None
+        if lease is None:
+            return None
+        self._done(request, lease, "error")
+        if not lease.out_of_rotation:
+            return None  # Scrapy's RetryMiddleware decides, as for any download error
+        tries = int(request.meta.get(UNHEALTHY_RETRIES_META, 0))
+        if tries >= self.unhealthy_retries:
+            self.stats.inc_value("egress_proxies/unhealthy_retries_exhausted")
+            return None
+        again = request.replace(dont_filter=True)
+        for key in _ROUTING_META:
+            again.meta.pop(key, None)
+        again.meta[UNHEALTHY_RETRIES_META] = tries + 1
+        self.stats.inc_value("egress_proxies/unhealthy_retries")
+        return again
+
+    # -- proxies out of rotation ----------------------------------------------------------
+
+    def _on_out_of_rotation(self, lease: Lease) -> None:
+        """The client's renewal thread heard that ``lease``'s proxy is out of rotation."""
+        from twisted.internet import reactor
+
+        reactor.callFromThread(self._leave, lease)  # type: ignore[attr-defined]
+
+    def _leave(self, lease: Lease) -> None:
+        """Stops using ``lease``'s proxy: releases the lease, and aborts the connections open
+        to the proxy, now and while requests routed through it before are still pending (a
+        request queued in Scrapy's downloader connects later)."""
+        if self._closing_down():
+            return
+        self.stats.inc_value("egress_proxies/out_of_rotation")
+        self.crawler.spider.logger.warning(
+            "proxy %s is out of rotation (its health checks fail): moving its requests to another proxy",
+            lease.proxy.key,
+        )
+        for key, held in list(self._held.items()):
+            if held.lease is lease:
+                self._drop(key, "error")
+        endpoint = lease.proxy.endpoint
+        self._left[endpoint] = self._left.get(endpoint, 0) + 1
+        self._abort_connections()
+        if self._aborter is None or not self._aborter.running:
+            self._aborter = task.LoopingCall(self._abort_connections)
+            self._aborter.start(0.2, now=False)
+
+    def _closing_down(self) -> bool:
+        return self.crawler.engine is None or self.crawler.spider is None
+
+    def _abort_connections(self) -> None:
+        from twisted.internet import reactor
+
+        for endpoint in [e for e in self._left if not self._pending.get(e)]:
+            del self._left[endpoint]
+        if not self._left:
+            if self._aborter is not None and self._aborter.running:
+                self._aborter.stop()
+            return
+        transports = set(reactor.getReaders()) | set(reactor.getWriters())  # type: ignore[attr-defined]
+        for transport in transports:
+            get_peer = getattr(transport, "getPeer", None)
+            abort = getattr(transport, "abortConnection", None)
+            if get_peer is None or abort is None:
+                continue
+            try:
+                peer = get_peer()
+            except Exception:  # not connected (yet, or any more)
+                continue
+            host, port = getattr(peer, "host", None), getattr(peer, "port", None)
+            if host is None or port is None:
+                continue
+            if _endpoint(host, port) in self._left:
+                self.stats.inc_value("egress_proxies/aborted_connections")
+                abort()
 
     # -- leases ---------------------------------------------------------------------------
 
@@ -298,19 +445,47 @@ class EgressProxiesMiddleware:
         return after
 
     def _acquire(self, domain: str, session: Optional[str]) -> Lease:
-        lease = self.client.acquire(
-            self.selector or None,
-            target_domain=domain or None,
-            session_key=session,
-            ttl_seconds=self.ttl_seconds,
-        )
+        """Runs in a pool thread. A first attempt without waiting: when it finds nothing, a
+        listing tells whether every proxy is banned for the domain for long (no point in
+        waiting); otherwise the acquire waits as ``Retry-After`` says, within the bound."""
+
+        def acquire(max_wait: Optional[float]) -> Lease:
+            return self.client.acquire(
+                self.selector or None,
+                target_domain=domain or None,
+                session_key=session,
+                ttl_seconds=self.ttl_seconds,
+                max_wait=max_wait,
+            )
+
+        try:
+            lease = acquire(0)
+        except NoProxyAvailable:
+            if domain:
+                self._check_banned_everywhere(domain)
+            lease = acquire(None)
         self._unavailable_since = None
         return lease
+
+    def _check_banned_everywhere(self, domain: str) -> None:
+        """Raises :class:`_BannedEverywhere` if every proxy matching the selector is banned
+        for ``domain`` for at least ``EGRESS_PROXIES_BANNED_GIVE_UP`` seconds."""
+        if self.banned_give_up <= 0:
+            return
+        listing = self.client.list_proxies(self.selector or None, target_domain=domain)
+        ends = [p.bans.get(domain) for p in listing]
+        if not listing or any(end is None for end in ends):
+            return
+        soonest = min(end for end in ends if end is not None)
+        if (soonest - datetime.now(timezone.utc)).total_seconds() >= self.banned_give_up:
+            raise _BannedEverywhere(domain, soonest)
 
     def _unavailable(self, failure: Failure, domain: str, spider: Spider) -> None:
         """A request that found no proxy within ``EGRESS_PROXIES_MAX_WAIT``: dropped with one
         warning per domain (no traceback); past ``EGRESS_PROXIES_GIVE_UP`` the spider closes."""
         failure.trap(NoProxyAvailable)
+        if isinstance(failure.value, _BannedEverywhere):
+            self._banned_everywhere(failure.value, spider)
         self.stats.inc_value("egress_proxies/no_proxy_available")
         now = time.monotonic()
         if self._unavailable_since is None:
@@ -329,8 +504,31 @@ class EgressProxiesMiddleware:
                 "no proxy available for %.0f s: closing the spider (EGRESS_PROXIES_GIVE_UP)",
                 now - self._unavailable_since,
             )
-            self.crawler.engine.close_spider(spider, "egress_proxies_unavailable")
+            self._close_spider(spider, "egress_proxies_unavailable")
         raise IgnoreRequest(f"no proxy available for {domain}")
+
+    def _close_spider(self, spider: Spider, reason: str) -> None:
+        engine = self.crawler.engine
+        close_async = getattr(engine, "close_spider_async", None)
+        if close_async is None:  # before Scrapy 2.14
+            engine.close_spider(spider, reason)
+            return
+        # Scrapy 2.14+ deprecates close_spider(); the coroutine runs on whichever reactor.
+        closing = deferred_from_coro(close_async(reason=reason))
+        closing.addErrback(lambda failure: spider.logger.warning("closing the spider failed: %s", failure.value))
+
+    def _banned_everywhere(self, err: _BannedEverywhere, spider: Spider) -> None:
+        self.stats.inc_value("egress_proxies/banned_everywhere")
+        if err.domain not in self._banned_until:
+            spider.logger.warning(
+                "every proxy (selector %s) is banned for %s until %s: dropping its requests until then"
+                " (EGRESS_PROXIES_BANNED_GIVE_UP)",
+                self.selector or "{}",
+                err.domain,
+                err.until.isoformat(timespec="seconds"),
+            )
+        self._banned_until[err.domain] = err.until.timestamp()
+        raise IgnoreRequest(f"every proxy is banned for {err.domain}")
 
     def _acquired(self, result: Any, key: _Key) -> None:
         waiters = self._acquiring.pop(key, [])
@@ -358,12 +556,21 @@ class EgressProxiesMiddleware:
         # Proxy-Authorization, and drops a stale one when the proxy changes (a retry).
         request.meta["proxy"] = lease.proxy_url
         request.meta["_egress_proxies_pending"] = True
+        endpoint = lease.proxy.endpoint
+        self._pending[endpoint] = self._pending.get(endpoint, 0) + 1
 
     def _lease_of(self, request: Request) -> Optional[Lease]:
         # Each download ends once (response or exception); a retried copy is routed afresh.
         if not request.meta.pop("_egress_proxies_pending", False):
             return None
         lease: Optional[Lease] = request.meta.get(LEASE_META)
+        if lease is not None:
+            endpoint = lease.proxy.endpoint
+            left = self._pending.get(endpoint, 0) - 1
+            if left > 0:
+                self._pending[endpoint] = left
+            else:
+                self._pending.pop(endpoint, None)
         return lease
 
     def _done(self, request: Request, lease: Lease, outcome: Outcome) -> None:
@@ -424,3 +631,8 @@ class EgressProxiesMiddleware:
         from twisted.internet import reactor
 
         return threads.deferToThreadPool(reactor, self._pool, function, *args)
+
+
+def _endpoint(host: str, port: int) -> str:
+    """``host:port`` as the API names endpoints (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,209 @@
+//! The wire between the gateway and one upstream proxy: a connection per request, the
+//! request in absolute form (or a `CONNECT`) with the upstream's own credentials, and the
+//! headers a proxy removes and adds on the way (RFC 9110, section 7.6).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, combinators::UnsyncBoxBody};
+use hyper::{
+    HeaderMap, Request, Response, StatusCode, Version,
+    body::{Body, Incoming},
+    header::{self, HeaderName, HeaderValue},
+};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tracing::debug;
+
+use crate::lease::ProxyInfo;
+
+/// The `Via` entry the gateway adds, both ways.
+pub(super) const VIA: &str = "1.1 egress-proxies-gateway";
+
+/// What the gateway's answers carry.
+pub(super) type GatewayBody = UnsyncBoxBody<Bytes, hyper::Error>;
+
+/// Why an upstream proxy gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum UpstreamError {
+    /// No connection (refused, unreachable).
+    #[error("could not connect: {0}")]
+    Connect(std::io::Error),
+    /// No connection within the connect timeout.
+    #[error("no connection within {0:?}")]
+    ConnectTimeout(Duration),
+    /// Connected, but the exchange failed before an answer (reset, closed).
+    #[error("the connection failed before an answer: {0}")]
+    Exchange(hyper::Error),
+}
+
+/// Hop-by-hop headers: each connection's own, never forwarded (plus those the `Connection`
+/// header names). `Proxy-Authorization` is the client's credentials to the gateway.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
+];
+
+/// `headers` without the hop-by-hop ones, with the gateway's `Via` added. `Transfer-Encoding`
+/// goes too: hyper frames each side's body itself.
+pub(super) fn end_to_end(headers: &HeaderMap) -> HeaderMap {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    let mut out = HeaderMap::with_capacity(headers.len() + 1);
+    for (name, value) in headers {
+        if HOP_BY_HOP.contains(name) || *name == header::TRANSFER_ENCODING || named.contains(name) {
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    out.append(header::VIA, HeaderValue::from_static(VIA));
+    out
+}
+
+/// The request to send `proxy` for a client's request (`parts`, `body`): the client's
+/// end-to-end headers, a `Host` if it had none, and the proxy's own credentials.
+pub(super) fn upstream_request<B>(
+    parts: &hyper::http::request::Parts,
+    body: B,
+    proxy: &ProxyInfo,
+) -> Request<B> {
+    let mut request = Request::new(body);
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = Version::HTTP_11;
+    let mut headers = end_to_end(&parts.headers);
+    if !headers.contains_key(header::HOST)
+        && let Some(host) = parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    {
+        headers.insert(header::HOST, host);
+    }
+    authorize(&mut headers, proxy);
+    *request.headers_mut() = headers;
+    request
+}
+
+/// A `CONNECT` to `authority` through `proxy`.
+pub(super) fn connect_request(authority: &str, proxy: &ProxyInfo) -> Option<Request<Empty<Bytes>>> {
+    let host = HeaderValue::from_str(authority).ok()?;
+    let mut request = Request::new(Empty::new());
+    *request.method_mut() = hyper::Method::CONNECT;
+    *request.uri_mut() = authority.parse().ok()?;
+    let headers = request.headers_mut();
+    headers.insert(header::HOST, host);
+    headers.insert(header::VIA, HeaderValue::from_static(VIA));
+    authorize(headers, proxy);
+    Some(request)
+}
+
+fn authorize(headers: &mut HeaderMap, proxy: &ProxyInfo) {
+    if let Some(value) = proxy
+        .proxy_authorization()
+        .and_then(|v| HeaderValue::from_str(v).ok())
+    {
+        let mut value = value;
+        value.set_sensitive(true);
+        headers.insert(header::PROXY_AUTHORIZATION, value);
+    }
+}
+
+/// Sends `request` to `proxy` on a new connection and returns its answer (the connection
+/// lives on in a task until the answer's body and any upgrade are done).
+pub(super) async fn send<B>(
+    proxy: &ProxyInfo,
+    request: Request<B>,
+    connect_timeout: Duration,
+) -> Result<Response<Incoming>, UpstreamError>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let address = (proxy.endpoint.host.as_str(), proxy.endpoint.port);
+    let stream = tokio::time::timeout(connect_timeout, TcpStream::connect(address))
+        .await
+        .map_err(|_| UpstreamError::ConnectTimeout(connect_timeout))?
+        .map_err(UpstreamError::Connect)?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(UpstreamError::Exchange)?;
+    tokio::spawn(async move {
+        if let Err(error) = conn.with_upgrades().await {
+            debug!(%error, "upstream connection ended with an error");
+        }
+    });
+    sender
+        .send_request(request)
+        .await
+        .map_err(UpstreamError::Exchange)
+}
+
+/// The client's copy of an upstream answer, with `body` as its body.
+pub(super) fn client_response<B>(upstream: &Response<Incoming>, body: B) -> Response<B> {
+    let mut response = Response::new(body);
+    *response.status_mut() = upstream.status();
+    *response.headers_mut() = end_to_end(upstream.headers());
+    response
+}
+
+/// An empty `200` (the answer to a `CONNECT` whose tunnel is open).
+pub(super) fn tunnel_open() -> Response<GatewayBody> {
+    let mut response = Response::new(empty());
+    *response.status_mut() = StatusCode::OK;
+    response
+        .headers_mut()
+        .insert(header::VIA, HeaderValue::from_static(VIA));
+    response
+}
+
+/// An empty body.
+pub(super) fn empty() -> GatewayBody {
+    Empty::new().map_err(|never| match never {}).boxed_unsync()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_stay_behind_and_one_via_is_added() {
+        let mut headers = HeaderMap::new();
+        for (name, value) in [
+            ("connection", "keep-alive, x-hop"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+            ("proxy-authorization", "Basic Y3Jhd2xlcjp0b2tlbg=="),
+            ("transfer-encoding", "chunked"),
+            ("te", "trailers"),
+            ("upgrade", "h2c"),
+            ("x-hop", "named by Connection"),
+            ("accept", "text/html"),
+            ("via", "1.1 earlier-proxy"),
+        ] {
+            headers.append(name, HeaderValue::from_static(value));
+        }
+        let forwarded = end_to_end(&headers);
+        let names: Vec<&str> = forwarded.keys().map(|n| n.as_str()).collect();
+        assert_eq!(names, ["accept", "via"], "{forwarded:?}");
+        let via: Vec<&str> = forwarded
+            .get_all(header::VIA)
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(via, ["1.1 earlier-proxy", VIA]);
+    }
+}

@@ -1,0 +1,426 @@
+//! The leases the gateway holds on its clients' behalf, taken and ended through the same
+//! operations as the API's ([`DurableLeases`]).
+//!
+//! - A request without a session takes a lease of its own and ends it when its answer is
+//!   sent (or its tunnel closes, or its client goes away): a [`Lent`] whose Drop releases it.
+//! - A request with a session key uses the session's lease: one per (holder, session key,
+//!   target host, selector), taken with the session key (so the store's sticky binding applies), renewed
+//!   while used, ended when its proxy is banned for the domain, dies or stops taking leases,
+//!   and released by [`Held::upkeep`] once idle for [`GatewayConfig::session_idle`].
+//!
+//! [`Held::upkeep`] also renews every lease in use that nears its expiry (a long tunnel keeps
+//! its proxy), and releases every held lease when the gateway stops.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use tracing::{debug, warn};
+
+use super::{GatewayConfig, GatewayDeps, user::UserName};
+use crate::{
+    api::ProxyKey,
+    lease::{
+        AcquireRequest, Acquired, DurableError, DurableLeases, LeaseError, Outcome, ProxyInfo, Selector,
+    },
+    sync::lock,
+};
+
+/// One lease the gateway holds.
+#[derive(Clone)]
+struct HeldLease {
+    lease_id: String,
+    token: u64,
+    expires_at_ms: u64,
+    proxy: Arc<ProxyInfo>,
+}
+
+/// A sticky session: its lease (while it has one) and who is using it.
+struct Session {
+    /// Locked while a request takes, renews or ends the lease (so two requests of one session
+    /// never take two leases).
+    lease: tokio::sync::Mutex<Option<HeldLease>>,
+    /// Requests using it now.
+    uses: AtomicUsize,
+    /// When it was last let go (ms since the epoch, the store's clock).
+    last_used_ms: AtomicU64,
+    /// Removed from the table: a request that finds it so starts again.
+    closed: std::sync::atomic::AtomicBool,
+}
+
+/// (holder, session key, target host, selector): a session sticks per target host, whose bans
+/// it follows, and per selector, which its proxy must match.
+type SessionKey = (String, String, Option<String>, BTreeMap<String, String>);
+
+/// What the gateway holds.
+pub(super) struct Held {
+    deps: GatewayDeps,
+    config: GatewayConfig,
+    sessions: Mutex<HashMap<SessionKey, Arc<Session>>>,
+    /// Leases of requests without a session, in use now, by a number of their own.
+    loose: Mutex<HashMap<u64, HeldLease>>,
+    next_loose: AtomicU64,
+}
+
+/// A lease lent to one request; ending it, or dropping it, gives it back.
+pub(super) struct Lent {
+    held: Arc<Held>,
+    proxy: Arc<ProxyInfo>,
+    lease_id: String,
+    kind: Kind,
+    done: bool,
+}
+
+enum Kind {
+    Session(Arc<Session>),
+    Loose(u64),
+}
+
+impl Lent {
+    /// The proxy to go through.
+    pub(super) fn proxy(&self) -> &Arc<ProxyInfo> {
+        &self.proxy
+    }
+
+    /// The request is done and went well: a lease of its own goes back now (`ok`); a
+    /// session keeps its lease (Drop lets the session go).
+    pub(super) async fn give_back(self) {
+        if matches!(self.kind, Kind::Loose(_)) {
+            self.end(Outcome::Ok).await;
+        }
+    }
+
+    /// Ends the lease now with `outcome` (a ban is for the lease's target domain); a session
+    /// loses it, so its next request takes another.
+    pub(super) async fn end(mut self, outcome: Outcome) {
+        self.done = true;
+        match &self.kind {
+            Kind::Session(session) => {
+                let mut slot = session.lease.lock().await;
+                if slot.as_ref().is_some_and(|l| l.lease_id == self.lease_id)
+                    && let Some(lease) = slot.take()
+                {
+                    self.held.release(&lease, outcome).await;
+                }
+                drop(slot);
+                self.held.let_go(session);
+            }
+            Kind::Loose(n) => {
+                let lease = lock(&self.held.loose).remove(n);
+                if let Some(lease) = lease {
+                    self.held.release(&lease, outcome).await;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        match &self.kind {
+            Kind::Session(session) => self.held.let_go(session),
+            Kind::Loose(n) => {
+                let Some(lease) = lock(&self.held.loose).remove(n) else {
+                    return;
+                };
+                // Dropped with the request or its answer (the client may have gone): released
+                // off this thread, since Drop cannot wait.
+                let held = self.held.clone();
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move { held.release(&lease, Outcome::Ok).await });
+                }
+            }
+        }
+    }
+}
+
+impl Held {
+    pub(super) fn new(deps: GatewayDeps, config: GatewayConfig) -> Self {
+        Self {
+            deps,
+            config,
+            sessions: Mutex::new(HashMap::new()),
+            loose: Mutex::new(HashMap::new()),
+            next_loose: AtomicU64::new(0),
+        }
+    }
+
+    pub(super) fn deps(&self) -> &GatewayDeps {
+        &self.deps
+    }
+
+    fn leases(&self) -> DurableLeases<'_> {
+        DurableLeases::new(&self.deps.store, &self.deps.signer, self.deps.journal.as_ref())
+    }
+
+    /// A lease for one request of `who` to `domain`: the session's (taken or renewed as
+    /// needed), or one of its own.
+    pub(super) async fn take(
+        self: &Arc<Self>,
+        who: &UserName,
+        domain: Option<&str>,
+    ) -> Result<Lent, DurableError> {
+        match &who.session {
+            Some(session) => self.take_session(who, session, domain).await,
+            None => self.take_loose(who, domain, None).await,
+        }
+    }
+
+    /// A lease of its own, on another proxy than `avoid` (the caller still holds its lease on
+    /// `avoid`, so with one slot per proxy the store does not choose it; if it does all the
+    /// same, no other proxy is free and this fails).
+    pub(super) async fn take_loose(
+        self: &Arc<Self>,
+        who: &UserName,
+        domain: Option<&str>,
+        avoid: Option<&ProxyKey>,
+    ) -> Result<Lent, DurableError> {
+        let lease = self.acquire(who, domain, None).await?;
+        if avoid.is_some_and(|key| *key == lease.proxy.key) {
+            self.release(&lease, Outcome::Ok).await;
+            return Err(DurableError::Lease(LeaseError::NoProxyAvailable {
+                retry_after: Duration::from_secs(1),
+            }));
+        }
+        let n = self.next_loose.fetch_add(1, Ordering::Relaxed);
+        let proxy = lease.proxy.clone();
+        let lease_id = lease.lease_id.clone();
+        lock(&self.loose).insert(n, lease);
+        Ok(Lent {
+            held: self.clone(),
+            proxy,
+            lease_id,
+            kind: Kind::Loose(n),
+            done: false,
+        })
+    }
+
+    async fn take_session(
+        self: &Arc<Self>,
+        who: &UserName,
+        session_key: &str,
+        domain: Option<&str>,
+    ) -> Result<Lent, DurableError> {
+        let key = (
+            who.holder.clone(),
+            session_key.to_owned(),
+            domain.map(str::to_owned),
+            who.selector.clone(),
+        );
+        loop {
+            let session = lock(&self.sessions)
+                .entry(key.clone())
+                .or_insert_with(|| {
+                    Arc::new(Session {
+                        lease: tokio::sync::Mutex::new(None),
+                        uses: AtomicUsize::new(0),
+                        last_used_ms: AtomicU64::new(0),
+                        closed: false.into(),
+                    })
+                })
+                .clone();
+            let mut slot = session.lease.lock().await;
+            if session.closed.load(Ordering::Acquire) {
+                // Upkeep removed it between the lookup and the lock: look it up again.
+                continue;
+            }
+            let lease = self.keep(&mut slot, who, session_key, domain).await?;
+            // Counted under the slot's lock, which upkeep takes before it checks the count.
+            session.uses.fetch_add(1, Ordering::AcqRel);
+            drop(slot);
+            return Ok(Lent {
+                held: self.clone(),
+                proxy: lease.proxy,
+                lease_id: lease.lease_id,
+                kind: Kind::Session(session),
+                done: false,
+            });
+        }
+    }
+
+    /// The session's lease, kept in `slot`: the one it has while it is usable (renewed when
+    /// half its time is gone), else a new one taken with the session key.
+    async fn keep(
+        &self,
+        slot: &mut Option<HeldLease>,
+        who: &UserName,
+        session_key: &str,
+        domain: Option<&str>,
+    ) -> Result<HeldLease, DurableError> {
+        let now = self.deps.store.now_ms();
+        if let Some(lease) = slot.take() {
+            let usable = lease.expires_at_ms > now + 1_000 && self.deps.store.admits(&lease.proxy.key);
+            if usable {
+                let half = self.config.lease_ttl.as_millis() as u64 / 2;
+                if lease.expires_at_ms - now >= half {
+                    *slot = Some(lease.clone());
+                    return Ok(lease);
+                }
+                if let Some(renewed) = self.renew(&lease).await {
+                    *slot = Some(renewed.clone());
+                    return Ok(renewed);
+                }
+            } else {
+                // Expired, or its proxy stopped taking leases (unhealthy, draining, gone).
+                debug!(proxy = %lease.proxy.key, "session moves: its proxy no longer takes leases");
+                self.release(&lease, Outcome::Ok).await;
+            }
+        }
+        let lease = self.acquire(who, domain, Some(session_key)).await?;
+        *slot = Some(lease.clone());
+        Ok(lease)
+    }
+
+    /// A new lease for `who` to `domain`.
+    async fn acquire(
+        &self,
+        who: &UserName,
+        domain: Option<&str>,
+        session_key: Option<&str>,
+    ) -> Result<HeldLease, DurableError> {
+        let selector = self.deps.store.compile(&Selector::from_map(&who.selector));
+        let request = AcquireRequest {
+            selector: &selector,
+            holder: &who.holder,
+            ttl: self.config.lease_ttl,
+            target_domain: domain,
+            session_key,
+            request_id: None,
+        };
+        let Acquired { lease, lease_id, .. } =
+            self.leases().acquire(&request, self.deps.store.now_ms()).await?;
+        debug!(proxy = %lease.proxy.key, holder = %who.holder, "gateway lease granted");
+        Ok(HeldLease {
+            lease_id,
+            token: lease.fencing_token,
+            expires_at_ms: lease.expires_at_ms,
+            proxy: lease.proxy,
+        })
+    }
+
+    /// `lease` renewed for another TTL, or `None` if the store refuses (it ended).
+    async fn renew(&self, lease: &HeldLease) -> Option<HeldLease> {
+        let now = self.deps.store.now_ms();
+        match self
+            .leases()
+            .renew(&lease.lease_id, lease.token, Some(self.config.lease_ttl), now)
+            .await
+        {
+            Ok(renewed) => Some(HeldLease {
+                token: renewed.fencing_token,
+                expires_at_ms: renewed.expires_at_ms,
+                ..lease.clone()
+            }),
+            Err(error) => {
+                debug!(proxy = %lease.proxy.key, %error, "gateway lease not renewed");
+                None
+            }
+        }
+    }
+
+    /// Releases `lease` with `outcome` (a ban applies to its own target domain).
+    async fn release(&self, lease: &HeldLease, outcome: Outcome) {
+        let now = self.deps.store.now_ms();
+        match self
+            .leases()
+            .release(&lease.lease_id, lease.token, outcome, None, now)
+            .await
+        {
+            Ok(_) => debug!(proxy = %lease.proxy.key, outcome = outcome.as_str(), "gateway lease released"),
+            // Expired or revoked meanwhile: nothing is held any more.
+            Err(DurableError::Lease(LeaseError::NotFound)) => {}
+            Err(error) => {
+                warn!(proxy = %lease.proxy.key, %error, "releasing a gateway lease failed; it ends at its expiry")
+            }
+        }
+    }
+
+    /// A request is done with `session`'s lease.
+    fn let_go(&self, session: &Session) {
+        session
+            .last_used_ms
+            .store(self.deps.store.now_ms(), Ordering::Release);
+        session.uses.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Every `tick`: releases sessions idle for [`GatewayConfig::session_idle`] and renews
+    /// leases in use that have used half their time; once `stopped` resolves, releases every
+    /// lease held and returns.
+    pub(super) async fn upkeep(self: Arc<Self>, stopped: impl std::future::Future<Output = ()>) {
+        let tick = (self.config.session_idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+        let mut stopped = std::pin::pin!(stopped);
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(tick) => self.tidy(false).await,
+                _ = &mut stopped => break,
+            }
+        }
+        self.tidy(true).await;
+    }
+
+    async fn tidy(&self, all: bool) {
+        let now = self.deps.store.now_ms();
+        let idle = self.config.session_idle.as_millis() as u64;
+        let half = self.config.lease_ttl.as_millis() as u64 / 2;
+        let sessions: Vec<(SessionKey, Arc<Session>)> = lock(&self.sessions)
+            .iter()
+            .map(|(k, s)| (k.clone(), s.clone()))
+            .collect();
+        for (key, session) in sessions {
+            // A request holds the lock: the session is in use.
+            let Ok(mut slot) = session.lease.try_lock() else {
+                continue;
+            };
+            let in_use = session.uses.load(Ordering::Acquire) > 0;
+            let idle_since = session.last_used_ms.load(Ordering::Acquire);
+            if all || (!in_use && now.saturating_sub(idle_since) >= idle) {
+                if let Some(lease) = slot.take() {
+                    debug!(proxy = %lease.proxy.key, "idle gateway session released");
+                    self.release(&lease, Outcome::Ok).await;
+                }
+                session.closed.store(true, Ordering::Release);
+                let mut sessions = lock(&self.sessions);
+                if sessions.get(&key).is_some_and(|s| Arc::ptr_eq(s, &session)) {
+                    sessions.remove(&key);
+                }
+                continue;
+            }
+            if in_use
+                && let Some(lease) = slot.as_ref()
+                && lease.expires_at_ms.saturating_sub(now) < half
+            {
+                let renewed = self.renew(lease).await;
+                *slot = renewed;
+            }
+        }
+        let loose: Vec<(u64, HeldLease)> = lock(&self.loose)
+            .iter()
+            .filter(|(_, l)| all || l.expires_at_ms.saturating_sub(now) < half)
+            .map(|(n, l)| (*n, l.clone()))
+            .collect();
+        for (n, lease) in loose {
+            if all {
+                if lock(&self.loose).remove(&n).is_some() {
+                    self.release(&lease, Outcome::Ok).await;
+                }
+                continue;
+            }
+            let Some(renewed) = self.renew(&lease).await else {
+                continue;
+            };
+            // Only if the request still holds it (it may have ended meanwhile, and its
+            // release then used the old token: the lease ends at its expiry).
+            if let Some(entry) = lock(&self.loose).get_mut(&n) {
+                *entry = renewed;
+            }
+        }
+    }
+}

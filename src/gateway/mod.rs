@@ -1,0 +1,588 @@
+//! The gateway: one forward HTTP proxy endpoint that takes leases for its clients, so any
+//! client that can use a proxy (`curl -x`, Python `requests`, Scrapy's own
+//! `HttpProxyMiddleware`) gets a rotating pool without an SDK. Documented in docs/gateway.md.
+//!
+//! It owns the listener and what happens to one client request: authentication
+//! (`Proxy-Authorization: Basic`, the password a discovery API token checked by the API's
+//! [`Authenticator`], the user name the holder and options, [`user`]), the lease it uses
+//! ([`held`]: taken and ended through [`crate::lease::DurableLeases`], as the API's are,
+//! sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
+//! requests, `CONNECT` tunnels spliced both ways), and what a target's answer does to the lease
+//! ([`rules`]: by default a 403 or 429 bans the proxy for the target's domain). Every lease
+//! decision stays the lease store's.
+
+mod forward;
+mod held;
+pub mod rules;
+pub mod user;
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::{
+    Method, Request, Response, StatusCode,
+    body::{Body, Frame, Incoming, SizeHint},
+    header::{self, HeaderValue},
+    http::uri::Scheme,
+};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::{net::TcpListener, sync::watch};
+use tracing::{debug, info, warn};
+
+use self::{
+    forward::{GatewayBody, UpstreamError},
+    held::{Held, Lent},
+    rules::{Action, Rules},
+    user::UserName,
+};
+use crate::{
+    discovery::{
+        AuthError, Authenticator,
+        auth::{ProxyPresented, proxy_presented},
+    },
+    lease::{DurableError, LeaseError, LeaseStore, Outcome, journal::Journal, token::LeaseSigner},
+    telemetry::admin::Readiness,
+};
+
+/// The realm of the gateway's `Proxy-Authenticate` challenge.
+pub const REALM: &str = "egress-proxies";
+
+/// The header Squid puts on the error pages it makes itself.
+const SQUID_ERROR: &str = "x-squid-error";
+
+/// Largest body of a GET or HEAD the gateway keeps to send again on another proxy.
+const MAX_RETRY_BODY: usize = 64 * 1024;
+
+/// The gateway's settings.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// TTL of the leases it takes; it renews them while they are used.
+    pub lease_ttl: Duration,
+    /// A session's lease is released once no request used it for this long.
+    pub session_idle: Duration,
+    /// How long connecting to an upstream proxy may take.
+    pub connect_timeout: Duration,
+    /// How long a client may take to send request headers.
+    pub header_timeout: Duration,
+    /// How long a graceful shutdown waits for open requests and tunnels.
+    pub shutdown_grace: Duration,
+    /// What a target's answer does to the lease.
+    pub rules: Rules,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            lease_ttl: Duration::from_secs(60),
+            session_idle: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(30),
+            shutdown_grace: Duration::from_secs(10),
+            rules: Rules::default(),
+        }
+    }
+}
+
+/// What the gateway works with: the discovery API's lease store, signer, journal,
+/// authenticator and readiness.
+#[derive(Clone)]
+pub struct GatewayDeps {
+    /// The lease store.
+    pub store: LeaseStore,
+    /// Signs the lease IDs of the leases it takes.
+    pub signer: LeaseSigner,
+    /// Makes its lease operations durable (standalone mode).
+    pub journal: Option<Journal>,
+    /// Checks the token in the client's proxy password.
+    pub auth: Arc<dyn Authenticator>,
+    /// Requests are refused (503) until this says synced and leader.
+    pub readiness: watch::Receiver<Readiness>,
+}
+
+/// The gateway; cheap to clone.
+#[derive(Clone)]
+pub struct Gateway {
+    held: Arc<Held>,
+    config: Arc<GatewayConfig>,
+}
+
+impl Gateway {
+    /// A gateway over `deps`.
+    pub fn new(deps: GatewayDeps, config: GatewayConfig) -> Self {
+        Self {
+            held: Arc::new(Held::new(deps, config.clone())),
+            config: Arc::new(config),
+        }
+    }
+}
+
+/// Serves the gateway on `listener` until `shutdown` completes; then stops accepting, waits up
+/// to [`GatewayConfig::shutdown_grace`] for open requests and releases every lease it holds.
+pub async fn serve(
+    listener: TcpListener,
+    gateway: Gateway,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    let (stop_upkeep, upkeep_stopped) = tokio::sync::oneshot::channel::<()>();
+    let upkeep = tokio::spawn(gateway.held.clone().upkeep(async move {
+        let _ = upkeep_stopped.await;
+    }));
+    // Each connection's task holds a clone of `open`; once every one is done, `all_closed`
+    // reports it. `closing` asks each to finish its request and close.
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
+    let (closing, _) = watch::channel(false);
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(gateway.config.header_timeout)
+        .keep_alive(true);
+    loop {
+        tokio::select! {
+            stream = crate::net::accept(&listener, "gateway") => {
+                let gateway = gateway.clone();
+                let service = hyper::service::service_fn(move |request| {
+                    let gateway = gateway.clone();
+                    async move { Ok::<_, Infallible>(gateway.handle(request).await) }
+                });
+                // Upgradeable (CONNECT), so hyper-util's graceful watcher does not take it.
+                let conn = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
+                let (open, mut closing) = (open.clone(), closing.subscribe());
+                tokio::spawn(async move {
+                    let mut conn = std::pin::pin!(conn);
+                    let result = tokio::select! {
+                        result = conn.as_mut() => result,
+                        _ = closing.changed() => {
+                            conn.as_mut().graceful_shutdown();
+                            conn.await
+                        }
+                    };
+                    if let Err(error) = result {
+                        debug!(%error, "gateway connection ended with an error");
+                    }
+                    drop(open);
+                });
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    closing.send_replace(true);
+    drop(open);
+    if tokio::time::timeout(gateway.config.shutdown_grace, all_closed.recv())
+        .await
+        .is_err()
+    {
+        warn!("gateway connections still open after the shutdown grace period");
+    }
+    let _ = stop_upkeep.send(());
+    let _ = upkeep.await;
+    Ok(())
+}
+
+/// Why a request was not forwarded: the gateway's own answer, JSON as the API's errors.
+#[derive(Debug)]
+struct Refusal {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    retry_after: Option<Duration>,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "malformed_request", message)
+    }
+
+    fn credentials(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+            "proxy_auth_required",
+            message,
+        )
+    }
+
+    fn upstream(proxy: &crate::lease::ProxyInfo, error: &UpstreamError) -> Self {
+        Self::new(
+            StatusCode::BAD_GATEWAY,
+            "upstream_failed",
+            format!("the proxy {} ({}): {error}", proxy.key, proxy.endpoint_text),
+        )
+    }
+
+    fn into_response(self) -> Response<GatewayBody> {
+        let body = serde_json::json!({"error": {"code": self.code, "message": self.message}});
+        let mut response = Response::new(
+            Full::new(Bytes::from(body.to_string()))
+                .map_err(|never| match never {})
+                .boxed_unsync(),
+        );
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(header::VIA, HeaderValue::from_static(forward::VIA));
+        if self.status == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
+            headers.insert(
+                header::PROXY_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"egress-proxies\""),
+            );
+        }
+        if let Some(after) = self.retry_after {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
+        }
+        response
+    }
+}
+
+impl From<DurableError> for Refusal {
+    fn from(error: DurableError) -> Self {
+        match error {
+            DurableError::Lease(refused) => {
+                let status = match &refused {
+                    LeaseError::NoProxyAvailable { .. } | LeaseError::RequestInProgress => {
+                        StatusCode::SERVICE_UNAVAILABLE
+                    }
+                    LeaseError::Invalid(_) | LeaseError::BanNeedsDomain => StatusCode::BAD_REQUEST,
+                    _ => StatusCode::BAD_GATEWAY,
+                };
+                let mut refusal = Self::new(status, refused.code(), refused.to_string());
+                if let LeaseError::NoProxyAvailable { retry_after } = refused {
+                    refusal.retry_after = Some(retry_after);
+                }
+                refusal
+            }
+            not_durable @ DurableError::Journal(_) => {
+                let mut refusal = Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "journal_unavailable",
+                    not_durable.to_string(),
+                );
+                refusal.retry_after = Some(Duration::from_secs(1));
+                refusal
+            }
+        }
+    }
+}
+
+/// The domain a request targets, as lease requests and bans take it (`None` for a host that
+/// is no host name, such as an IPv6 literal: no domain ban applies to it).
+fn target_domain(host: &str) -> Option<&str> {
+    let valid = !host.is_empty()
+        && host.len() <= 253
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_');
+    valid.then_some(host)
+}
+
+impl Gateway {
+    async fn handle(&self, request: Request<Incoming>) -> Response<GatewayBody> {
+        match self.answer(request).await {
+            Ok(response) => response,
+            Err(refusal) => refusal.into_response(),
+        }
+    }
+
+    async fn answer(&self, request: Request<Incoming>) -> Result<Response<GatewayBody>, Refusal> {
+        if !self.held.deps().readiness.borrow().is_ready() {
+            let mut refusal = Refusal::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not_ready",
+                "the operator is not ready (starting, or not the leader)",
+            );
+            refusal.retry_after = Some(Duration::from_secs(1));
+            return Err(refusal);
+        }
+        let who = self.authenticate(request.headers()).await?;
+        if request.method() == Method::CONNECT {
+            return self.tunnel(request, &who).await;
+        }
+        let uri = request.uri();
+        if uri.authority().is_none() {
+            return Err(Refusal::bad_request(
+                "the gateway is a forward proxy: send requests in absolute form (GET http://host/path), \
+                 as a client configured with this proxy does (curl -x, HTTP_PROXY)",
+            ));
+        }
+        if uri.scheme() != Some(&Scheme::HTTP) {
+            return Err(Refusal::bad_request(
+                "only http:// URLs are forwarded as requests; https:// goes through a CONNECT tunnel",
+            ));
+        }
+        let host = uri.host().unwrap_or_default().to_owned();
+        let domain = target_domain(&host);
+        let retryable = matches!(*request.method(), Method::GET | Method::HEAD);
+        let (parts, body) = request.into_parts();
+        if !retryable {
+            let lent = self.held.take(&who, domain).await?;
+            let upstream = forward::upstream_request(&parts, body, lent.proxy());
+            return match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
+                Ok(response) => Ok(self.answered(lent, response, domain).await),
+                Err(error) => {
+                    let refusal = Refusal::upstream(lent.proxy(), &error);
+                    lent.end(Outcome::Error).await;
+                    Err(refusal)
+                }
+            };
+        }
+        // Kept, to be sent again on another proxy if the first one died.
+        let body = Limited::new(body, MAX_RETRY_BODY)
+            .collect()
+            .await
+            .map_err(|e| Refusal::bad_request(format!("reading the request body: {e}")))?
+            .to_bytes();
+        let lent = self.held.take(&who, domain).await?;
+        let upstream = forward::upstream_request(&parts, Full::new(body.clone()), lent.proxy());
+        let error = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
+            Ok(response) => return Ok(self.answered(lent, response, domain).await),
+            Err(error) => error,
+        };
+        warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
+        // Taken while the dead one is still held, so the store chooses another if it can.
+        let second = self.held.take_loose(&who, domain, Some(&lent.proxy().key)).await;
+        let mut first = Refusal::upstream(lent.proxy(), &error);
+        lent.end(Outcome::Error).await;
+        let Ok(second) = second else {
+            first.message.push_str("; no other proxy was free to try");
+            return Err(first);
+        };
+        let upstream = forward::upstream_request(&parts, Full::new(body), second.proxy());
+        match forward::send(second.proxy(), upstream, self.config.connect_timeout).await {
+            Ok(response) => Ok(self.answered(second, response, domain).await),
+            Err(error) => {
+                let refusal = Refusal::upstream(second.proxy(), &error);
+                second.end(Outcome::Error).await;
+                Err(refusal)
+            }
+        }
+    }
+
+    /// The client's answer from the target's `response`, after the rules had their say.
+    async fn answered(
+        &self,
+        lent: Lent,
+        response: Response<Incoming>,
+        domain: Option<&str>,
+    ) -> Response<GatewayBody> {
+        // Squid marks the error pages it makes itself: those are the proxy's answer (access
+        // denied, target unreachable), not the target's, and say nothing of a ban.
+        let from_the_proxy = response.headers().contains_key(SQUID_ERROR);
+        let action = (!from_the_proxy)
+            .then(|| self.config.rules.judge(response.status()))
+            .flatten();
+        match action {
+            Some(Action::BanForDomain) if domain.is_some() => {
+                info!(
+                    proxy = %lent.proxy().key,
+                    domain = domain.unwrap_or_default(),
+                    status = response.status().as_u16(),
+                    "the target refused the proxy: banned for its domain"
+                );
+                lent.end(Outcome::Banned).await;
+                let client = forward::client_response(&response, ());
+                let (parts, ()) = client.into_parts();
+                Response::from_parts(parts, response.into_body().boxed_unsync())
+            }
+            _ => {
+                let client = forward::client_response(&response, ());
+                let (parts, ()) = client.into_parts();
+                // The lease is given back when the answer's body is done or dropped.
+                let body = Guarded::new(response.into_body(), lent);
+                Response::from_parts(parts, body.boxed_unsync())
+            }
+        }
+    }
+
+    /// `CONNECT host:port`: a tunnel through the leased proxy, spliced both ways; the lease is
+    /// held until either side closes.
+    async fn tunnel(
+        &self,
+        mut request: Request<Incoming>,
+        who: &UserName,
+    ) -> Result<Response<GatewayBody>, Refusal> {
+        let Some(authority) = request.uri().authority().cloned() else {
+            return Err(Refusal::bad_request("CONNECT needs host:port"));
+        };
+        let domain = target_domain(authority.host());
+        let lent = self.held.take(who, domain).await?;
+        let Some(upstream) = forward::connect_request(authority.as_str(), lent.proxy()) else {
+            return Err(Refusal::bad_request("CONNECT needs host:port"));
+        };
+        let response = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
+            Ok(response) => response,
+            Err(error) => {
+                let refusal = Refusal::upstream(lent.proxy(), &error);
+                lent.end(Outcome::Error).await;
+                return Err(refusal);
+            }
+        };
+        if !response.status().is_success() {
+            // The proxy's own refusal (not the target's): passed on, and no ban.
+            let client = forward::client_response(&response, ());
+            let (parts, ()) = client.into_parts();
+            let body = Guarded::new(response.into_body(), lent);
+            return Ok(Response::from_parts(parts, body.boxed_unsync()));
+        }
+        let client_side = hyper::upgrade::on(&mut request);
+        let upstream_side = match hyper::upgrade::on(response).await {
+            Ok(upgraded) => upgraded,
+            Err(error) => {
+                let refusal = Refusal::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_failed",
+                    format!("the proxy {} opened no tunnel: {error}", lent.proxy().key),
+                );
+                lent.end(Outcome::Error).await;
+                return Err(refusal);
+            }
+        };
+        tokio::spawn(async move {
+            match client_side.await {
+                Ok(client) => {
+                    let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream_side));
+                    if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                        debug!(%error, "gateway tunnel ended with an error");
+                    }
+                }
+                Err(error) => debug!(%error, "the client's side of a tunnel never opened"),
+            }
+            // The tunnel is closed: the lease goes back.
+            drop(lent);
+        });
+        Ok(forward::tunnel_open())
+    }
+
+    /// Who the request is for: its token checked, its user name read.
+    async fn authenticate(&self, headers: &hyper::HeaderMap) -> Result<UserName, Refusal> {
+        let auth = &self.held.deps().auth;
+        let (user, password) = match proxy_presented(headers) {
+            ProxyPresented::Basic { user, password } => (user, password),
+            ProxyPresented::Nothing if auth.anonymous().is_some() => {
+                return UserName::parse("anonymous").map_err(|e| Refusal::bad_request(e.to_string()));
+            }
+            ProxyPresented::Nothing => {
+                return Err(Refusal::credentials(
+                    "proxy credentials required: the user name is the holder (e.g. crawler-1;session=abc), \
+                     the password a discovery API token",
+                ));
+            }
+            ProxyPresented::Unusable => {
+                return Err(Refusal::credentials(
+                    "Proxy-Authorization must be Basic credentials: the user name is the holder, the password a discovery API token",
+                ));
+            }
+        };
+        if auth.anonymous().is_none() {
+            auth.authenticate(&password).await.map_err(|e| match e {
+                AuthError::Unauthenticated => {
+                    Refusal::credentials("invalid token: the proxy password must be a discovery API token")
+                }
+                AuthError::Forbidden(_) => Refusal::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()),
+                AuthError::Unavailable(_) => {
+                    let mut refusal =
+                        Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "auth_unavailable", e.to_string());
+                    refusal.retry_after = Some(Duration::from_secs(1));
+                    refusal
+                }
+            })?;
+        }
+        UserName::parse(&user)
+            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "bad_user_name", e.to_string()))
+    }
+}
+
+/// An upstream answer's body that gives its lease back when done or dropped. When done, the
+/// last frame waits until the lease is back (durable too): a client that sends its next
+/// request as soon as it has this answer finds the proxy free again.
+struct Guarded {
+    inner: Incoming,
+    lent: Option<Lent>,
+    /// The lease being given back, and the frame that waits for it (`None`: the end).
+    ending: Option<(GivingBack, Option<Frame<Bytes>>)>,
+}
+
+/// A lease being given back.
+type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl Guarded {
+    fn new(inner: Incoming, lent: Lent) -> Self {
+        Self {
+            inner,
+            lent: Some(lent),
+            ending: None,
+        }
+    }
+}
+
+impl Body for Guarded {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        loop {
+            if let Some((giving_back, last)) = &mut this.ending {
+                std::task::ready!(giving_back.as_mut().poll(cx));
+                let last = last.take();
+                this.ending = None;
+                if let Some(frame) = last {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                return Poll::Ready(None);
+            }
+            let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
+            let last = match polled {
+                Some(Ok(frame)) if this.inner.is_end_stream() => Some(frame),
+                None => None,
+                // A frame before the last, or an error (the body is dropped then, and the
+                // lease goes back from Drop).
+                other => return Poll::Ready(other),
+            };
+            match this.lent.take() {
+                Some(lent) => this.ending = Some((Box::pin(lent.give_back()), last)),
+                None => return Poll::Ready(last.map(Ok)),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.lent.is_none() && self.ending.is_none() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_domains_are_host_names() {
+        assert_eq!(target_domain("shop.example"), Some("shop.example"));
+        assert_eq!(target_domain("127.0.0.1"), Some("127.0.0.1"));
+        assert_eq!(target_domain("::1"), None);
+        assert_eq!(target_domain(""), None);
+    }
+}
