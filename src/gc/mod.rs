@@ -87,6 +87,9 @@ pub struct GcReport {
     pub adoptions: BTreeMap<String, u64>,
     /// Providers that could not be listed.
     pub failed_providers: Vec<String>,
+    /// Why each of `failed_providers` could not be listed (what the log says, kept with the
+    /// report so a caller, or a failing test, can tell).
+    pub listing_errors: BTreeMap<String, String>,
     /// Instances actually deleted, per provider instance name (none in dry-run).
     pub deleted: BTreeMap<String, u64>,
 }
@@ -119,6 +122,7 @@ pub async fn collect(
             Err(err) => {
                 warn!(provider = name, error = %err, "listing instances failed; skipping this provider");
                 report.failed_providers.push(name.to_owned());
+                report.listing_errors.insert(name.to_owned(), err.to_string());
                 continue;
             }
         };
