@@ -331,24 +331,33 @@ class EgressProxiesMiddleware:
     def _send_again(self, request: Request, lease: Lease, status: int, spider: Spider) -> Optional[Request]:
         """A copy of ``request`` to route through another proxy after a ban, within
         ``EGRESS_PROXIES_BAN_RETRIES``; ``None`` past it."""
-        tries = int(request.meta.get(BAN_RETRIES_META, 0))
-        if tries >= self.ban_retries:
-            if self.ban_retries > 0:
-                self.stats.inc_value("egress_proxies/ban_retries_exhausted")
+        if self.ban_retries == 0:
+            return None
+        again = self._reroute(request, BAN_RETRIES_META, self.ban_retries, "ban_retries")
+        if again is not None:
+            spider.logger.info(
+                "%s answered %d through %s (a ban): sending it again through another proxy (%d of %d)",
+                request.url,
+                status,
+                lease.proxy.key,
+                again.meta[BAN_RETRIES_META],
+                self.ban_retries,
+            )
+        return again
+
+    def _reroute(self, request: Request, tries_meta: str, limit: int, stat: str) -> Optional[Request]:
+        """A copy of ``request`` without its routing, to go through another proxy, counted in
+        ``request.meta[tries_meta]`` and the stat ``{stat}``; ``None``
+        once ``limit`` copies were made (counted in the stat ``{stat}_exhausted``)."""
+        tries = int(request.meta.get(tries_meta, 0))
+        if tries >= limit:
+            self.stats.inc_value(f"egress_proxies/{stat}_exhausted")
             return None
         again = request.replace(dont_filter=True)
         for key in _ROUTING_META:
             again.meta.pop(key, None)
-        again.meta[BAN_RETRIES_META] = tries + 1
-        self.stats.inc_value("egress_proxies/ban_retries")
-        spider.logger.info(
-            "%s answered %d through %s (a ban): sending it again through another proxy (%d of %d)",
-            request.url,
-            status,
-            lease.proxy.key,
-            tries + 1,
-            self.ban_retries,
-        )
+        again.meta[tries_meta] = tries + 1
+        self.stats.inc_value(f"egress_proxies/{stat}")
         return again
 
     def process_exception(
@@ -360,16 +369,7 @@ class EgressProxiesMiddleware:
         self._done(request, lease, "error")
         if not lease.out_of_rotation:
             return None  # Scrapy's RetryMiddleware decides, as for any download error
-        tries = int(request.meta.get(UNHEALTHY_RETRIES_META, 0))
-        if tries >= self.unhealthy_retries:
-            self.stats.inc_value("egress_proxies/unhealthy_retries_exhausted")
-            return None
-        again = request.replace(dont_filter=True)
-        for key in _ROUTING_META:
-            again.meta.pop(key, None)
-        again.meta[UNHEALTHY_RETRIES_META] = tries + 1
-        self.stats.inc_value("egress_proxies/unhealthy_retries")
-        return again
+        return self._reroute(request, UNHEALTHY_RETRIES_META, self.unhealthy_retries, "unhealthy_retries")
 
     # -- proxies out of rotation ----------------------------------------------------------
 
