@@ -16,11 +16,7 @@
 
 mod support;
 
-use std::{
-    path::PathBuf,
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::{path::PathBuf, process::Command, time::Duration};
 
 use support::{
     Origin, crate_path, free_port,
@@ -95,17 +91,8 @@ async fn the_served_contract_holds_under_schemathesis() {
             .env_remove("HTTP_PROXY"),
         &log,
     );
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let status = loop {
-        if let Some(status) = run.exited() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "schemathesis still running after 10 minutes:\n{}",
-            run.log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let Some(status) = run.exit_within(Duration::from_secs(600)).await else {
+        panic!("schemathesis still running after 10 minutes:\n{}", run.log())
     };
     let output = run.log();
     println!("{output}");

@@ -18,7 +18,7 @@ mod support;
 use std::{
     path::{Path, PathBuf},
     process::{Command, Output},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use sha2::{Digest, Sha256};
@@ -256,18 +256,12 @@ async fn python_suite(host: Host, python: &Path) {
             .env_remove("HTTP_PROXY"),
         &pytest_log,
     );
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let status = loop {
-        if let Some(status) = pytest.exited() {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
+    let Some(status) = pytest.exit_within(Duration::from_secs(300)).await else {
+        panic!(
             "pytest still running after 5 minutes:\n{}\noperator log:\n{}",
             pytest.log(),
             operator.log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        )
     };
     let output = pytest.log();
     println!("{output}");

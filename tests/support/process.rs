@@ -87,6 +87,12 @@ impl GroupChild {
     /// serves the child meanwhile, e.g. a collector answering its last export).
     pub async fn terminate_async(&mut self, within: Duration) -> Option<ExitStatus> {
         self.signal_term()?;
+        self.exit_within(within).await
+    }
+
+    /// The exit status once the child exits, waiting up to `within` without blocking the async
+    /// runtime; `None` if it still runs then.
+    pub async fn exit_within(&mut self, within: Duration) -> Option<ExitStatus> {
         let deadline = tokio::time::Instant::now() + within;
         while tokio::time::Instant::now() < deadline {
             if let Some(status) = self.reap() {
