@@ -913,17 +913,7 @@ async fn a_shared_secret_rotation_replaces_at_most_a_quarter_at_once() {
         )
         .await
         .expect("rotated");
-    let max_unavailable = drive_to_healthy(&world, &operator, &names, Some(created_before + 20)).await;
-    assert!(
-        max_unavailable <= 5,
-        "{max_unavailable} of 20 were unavailable at once (budget 25 % = 5)"
-    );
-    assert!(max_unavailable >= 1, "the rotation replaced something");
-    assert_eq!(
-        world.provider.created_count(),
-        created_before + 20,
-        "every proxy was replaced once"
-    );
+    replaced_within_the_budget(&world, &operator, &names, created_before).await;
     operator.stop().await;
 }
 
@@ -954,12 +944,7 @@ async fn recycling_the_whole_pool_respects_its_budget() {
             .await
             .expect("annotated");
     }
-    let max_unavailable = drive_to_healthy(&world, &operator, &names, Some(created_before + 20)).await;
-    assert!(
-        max_unavailable <= 5,
-        "{max_unavailable} of 20 were unavailable at once (budget 25 % = 5)"
-    );
-    assert!(max_unavailable >= 1, "the recycle replaced something");
+    replaced_within_the_budget(&world, &operator, &names, created_before).await;
     for proxy in world
         .proxies()
         .list(&Default::default())
@@ -975,12 +960,30 @@ async fn recycling_the_whole_pool_respects_its_budget() {
             proxy.name_any()
         );
     }
+
+    operator.stop().await;
+}
+
+/// Drives the twenty proxies `names` to Healthy after something asked to replace them all:
+/// every one is replaced exactly once (`created_before` creates before), never more than the
+/// pool's budget (25 % = 5) unavailable at once.
+async fn replaced_within_the_budget(
+    world: &World,
+    operator: &RunningController,
+    names: &[String],
+    created_before: usize,
+) {
+    let max_unavailable = drive_to_healthy(world, operator, names, Some(created_before + 20)).await;
+    assert!(
+        max_unavailable <= 5,
+        "{max_unavailable} of 20 were unavailable at once (budget 25 % = 5)"
+    );
+    assert!(max_unavailable >= 1, "something was replaced");
     assert_eq!(
         world.provider.created_count(),
         created_before + 20,
-        "every proxy was recycled once"
+        "every proxy was replaced once"
     );
-    operator.stop().await;
 }
 
 /// Passes health for every proxy that is provisioning, until all are Healthy (and, with
