@@ -645,13 +645,16 @@ impl Authenticator for TokenReviewAuthenticator {
 mod tests {
     use super::*;
 
+    /// Headers holding `name: value` alone.
+    fn one_header(name: header::HeaderName, value: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(name, value.parse().expect("header"));
+        headers
+    }
+
     #[test]
     fn the_authorization_header_is_read_once_for_every_scheme() {
-        let with = |value: &str| {
-            let mut headers = HeaderMap::new();
-            headers.insert(header::AUTHORIZATION, value.parse().expect("header"));
-            presented(&headers)
-        };
+        let with = |value: &str| presented(&one_header(header::AUTHORIZATION, value));
         let bearer = |t: &str| Presented::Bearer(t.to_owned());
         assert_eq!(presented(&HeaderMap::new()), Presented::Nothing);
         assert_eq!(with("Bearer abc"), bearer("abc"));
@@ -674,11 +677,7 @@ mod tests {
 
     #[test]
     fn proxy_authorization_keeps_the_user_name() {
-        let with = |value: &str| {
-            let mut headers = HeaderMap::new();
-            headers.insert(header::PROXY_AUTHORIZATION, value.parse().expect("header"));
-            proxy_presented(&headers)
-        };
+        let with = |value: &str| proxy_presented(&one_header(header::PROXY_AUTHORIZATION, value));
         assert_eq!(proxy_presented(&HeaderMap::new()), ProxyPresented::Nothing);
         // "ui:tok:en"
         assert_eq!(
@@ -691,12 +690,10 @@ mod tests {
         assert_eq!(with("Bearer abc"), ProxyPresented::Unusable);
         assert_eq!(with("Basic !!!"), ProxyPresented::Unusable);
         // Authorization is not Proxy-Authorization.
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::AUTHORIZATION,
-            "Basic dWk6dG9rOmVu".parse().expect("header"),
+        assert_eq!(
+            proxy_presented(&one_header(header::AUTHORIZATION, "Basic dWk6dG9rOmVu")),
+            ProxyPresented::Nothing
         );
-        assert_eq!(proxy_presented(&headers), ProxyPresented::Nothing);
     }
 
     fn name(tokens: &StaticTokens, token: &str) -> Option<String> {

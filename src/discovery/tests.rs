@@ -95,6 +95,12 @@ impl Harness {
         answer
     }
 
+    /// A lease for `holder` to crawl `domain`, which must be granted.
+    async fn granted_for(&self, holder: &str, domain: &str) -> Answer {
+        self.granted(json!({"holder": holder, "targetDomain": domain}))
+            .await
+    }
+
     /// `POST /v1/leases/{id}/renew` with `body`.
     async fn renew(&self, id: &str, body: Value) -> Answer {
         self.call("POST", &format!("/v1/leases/{id}/renew"), Some(body))
@@ -150,6 +156,12 @@ impl Harness {
 
 fn code(a: &Answer) -> &str {
     a.body["error"]["code"].as_str().unwrap_or("<none>")
+}
+
+/// `a` is a refusal with `status` and the error code `expected`.
+#[track_caller]
+fn assert_refused(a: &Answer, status: StatusCode, expected: &str) {
+    assert_eq!((a.status, code(a)), (status, expected), "{}", a.text);
 }
 
 #[tokio::test]
@@ -663,12 +675,7 @@ async fn an_acquire_repeated_with_its_request_id_gets_the_same_lease_across_a_re
 
     for bad in [json!(""), json!("x".repeat(129)), json!("a\u{7}b")] {
         let refused = h.acquire(json!({"holder": "c1", "requestId": bad})).await;
-        assert_eq!(
-            (refused.status, code(&refused)),
-            (StatusCode::BAD_REQUEST, "malformed_request"),
-            "{}",
-            refused.text
-        );
+        assert_refused(&refused, StatusCode::BAD_REQUEST, "malformed_request");
         assert!(refused.text.contains("requestId"), "{}", refused.text);
     }
 }
@@ -678,9 +685,7 @@ async fn an_acquire_repeated_with_its_request_id_gets_the_same_lease_across_a_re
 #[tokio::test]
 async fn a_ban_without_a_domain_is_journaled_with_the_leases_domain() {
     let (h, journal, dir) = journaled_harness(1);
-    let acquired = h
-        .granted(json!({"holder": "c1", "targetDomain": "Shop.Example"}))
-        .await;
+    let acquired = h.granted_for("c1", "Shop.Example").await;
     let released = h
         .call(
             "POST",
@@ -728,12 +733,7 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
     )
     .unwrap();
     let refused = h.acquire(json!({"holder": "c2"})).await;
-    assert_eq!(
-        (refused.status, code(&refused)),
-        (StatusCode::SERVICE_UNAVAILABLE, "journal_unavailable"),
-        "{}",
-        refused.text
-    );
+    assert_refused(&refused, StatusCode::SERVICE_UNAVAILABLE, "journal_unavailable");
     assert!(refused.headers.contains_key("retry-after"));
     // Until it recovers, /readyz says why and lease operations are refused up front.
     let ready = h.get_unauthenticated("/readyz").await;
@@ -758,9 +758,7 @@ async fn with_a_journal_operations_are_durable_before_they_are_answered_and_a_fa
 #[tokio::test]
 async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without_it() {
     let h = harness(1, 2);
-    let a = h
-        .granted(json!({"holder": "c1", "targetDomain": "shop.example"}))
-        .await;
+    let a = h.granted_for("c1", "shop.example").await;
     let id = a.body["leaseId"].as_str().unwrap().to_owned();
     let mut token = a.body["fencingToken"].as_u64().unwrap();
     let renew = async |id: &str, token: u64| h.renew(id, json!({"fencingToken": token})).await;
@@ -796,23 +794,13 @@ async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without
     let stale = token;
     token = r.body["fencingToken"].as_u64().unwrap();
     let r = renew(&id, stale).await;
-    assert_eq!(
-        (r.status, code(&r)),
-        (StatusCode::CONFLICT, "stale_token"),
-        "{}",
-        r.text
-    );
+    assert_refused(&r, StatusCode::CONFLICT, "stale_token");
     let release = async |id: &str, token: u64| {
         h.release(id, json!({"fencingToken": token, "outcome": "ok"}))
             .await
     };
     let r = release(&id, stale).await;
-    assert_eq!(
-        (r.status, code(&r)),
-        (StatusCode::CONFLICT, "stale_token"),
-        "{}",
-        r.text
-    );
+    assert_refused(&r, StatusCode::CONFLICT, "stale_token");
 
     // A restart: the lease comes back from a checkpoint, without its ID. The ID is verified in
     // full, then renewed and released; altered IDs are still unknown there.
@@ -827,12 +815,7 @@ async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without
     let r = renew_there(&id, token).await;
     assert_eq!(r.status, StatusCode::OK, "restored lease: {}", r.text);
     let r2 = renew_there(&id, token).await;
-    assert_eq!(
-        (r2.status, code(&r2)),
-        (StatusCode::CONFLICT, "stale_token"),
-        "{}",
-        r2.text
-    );
+    assert_refused(&r2, StatusCode::CONFLICT, "stale_token");
     token = r.body["fencingToken"].as_u64().unwrap();
     for other in altered.iter().step_by(5) {
         let r = renew_there(other, token).await;
@@ -859,9 +842,7 @@ async fn lease_ids_are_compared_with_the_issued_one_and_verified_in_full_without
 #[tokio::test]
 async fn listings_show_bans_and_what_a_crawler_of_a_domain_can_lease() {
     let h = harness(2, 1);
-    let acquired = h
-        .granted(json!({"holder": "c1", "targetDomain": "Shop.Example."}))
-        .await;
+    let acquired = h.granted_for("c1", "Shop.Example.").await;
     let banned_key = acquired.body["proxy"]["key"].as_str().unwrap().to_owned();
     h.released(&acquired, "banned").await;
 

@@ -60,6 +60,16 @@ fn add_open(store: &LeaseStore, t: LeaseTarget) {
     store.set_admission(&k, Admission::Open).unwrap();
 }
 
+/// A store over `shards` shards holding the open proxies `names`, without attributes, each
+/// with `max` slots and `cooldown` seconds of rest.
+fn plain_pool(shards: usize, names: &[&str], max: i32, cooldown: i32) -> LeaseStore {
+    let (store, _) = store(shards);
+    for name in names {
+        add_open(&store, target(name, &[], max, cooldown));
+    }
+    store
+}
+
 fn sel(store: &LeaseStore, text: &str) -> CompiledSelector {
     store.compile(&Selector::parse(text).unwrap())
 }
@@ -164,10 +174,7 @@ fn selector_picks_matching_proxies_only() {
 
 #[test]
 fn least_recently_used_first_with_one_shard() {
-    let (store, _) = store(1);
-    for n in ["a", "b", "c"] {
-        add_open(&store, target(n, &[], 2, 0));
-    }
+    let store = plain_pool(1, &["a", "b", "c"], 2, 0);
     let all = sel(&store, "");
     let a = acquire(&store, &all).unwrap();
     let b = acquire(&store, &all).unwrap();
@@ -288,10 +295,7 @@ fn banned_outcome_cools_down_for_that_domain_only() {
 
 #[test]
 fn sticky_sessions_keep_their_proxy_while_eligible() {
-    let (store, _) = store(4);
-    for n in ["a", "b", "c", "d"] {
-        add_open(&store, target(n, &[], 1, 60));
-    }
+    let store = plain_pool(4, &["a", "b", "c", "d"], 1, 60);
     let all = sel(&store, "");
     let first = acquire_with(&store, &all, None, Some("login-42")).unwrap();
     let bound = first.id.key.clone();
@@ -1759,10 +1763,7 @@ fn an_issued_id_matches_only_itself() {
 /// the gateway without a session, rely on).
 #[test]
 fn a_small_pool_over_many_shards_rotates_through_its_proxies() {
-    let (store, _) = store(16);
-    for name in ["a", "b", "c"] {
-        add_open(&store, target(name, &[], 1, 0));
-    }
+    let store = plain_pool(16, &["a", "b", "c"], 1, 0);
     let all = sel(&store, "");
     let mut uses = std::collections::BTreeMap::<String, usize>::new();
     let mut order = Vec::new();

@@ -264,18 +264,19 @@ fn proxies(html: &mut String, view: &StatusView) {
             name = esc(&s.name),
             phase = esc(&s.phase),
         );
-        if !row.attributes.is_empty() {
-            html.push_str("<div class=\"attributes\">");
-            for (key, value) in &row.attributes {
+        wrapped(
+            html,
+            ("<div class=\"attributes\">", "</div>"),
+            &row.attributes,
+            |html, (key, value)| {
                 let _ = write!(
                     html,
                     "<span class=\"attr\" data-attr=\"{k}\">{k}={v}</span> ",
                     k = esc(key),
                     v = esc(value)
                 );
-            }
-            html.push_str("</div>");
-        }
+            },
+        );
         let _ = write!(
             html,
             "</td><td><span class=\"badge {phase_class}\">{phase_text}</span></td>\
@@ -369,9 +370,11 @@ fn leases(html: &mut String, row: &ProxyRow, now: Timestamp) {
             esc(&left(now, until))
         );
     }
-    if !l.bans.is_empty() {
-        html.push_str("<ul class=\"bans\">");
-        for (domain, until) in &l.bans {
+    wrapped(
+        html,
+        ("<ul class=\"bans\">", "</ul>"),
+        &l.bans,
+        |html, (domain, until)| {
             let _ = write!(
                 html,
                 "<li class=\"ban\" data-domain=\"{d}\"><span class=\"badge banned\">banned</span> for <b>{d}</b> until {} ({} left)</li>",
@@ -379,12 +382,13 @@ fn leases(html: &mut String, row: &ProxyRow, now: Timestamp) {
                 esc(&left(now, *until)),
                 d = esc(domain),
             );
-        }
-        html.push_str("</ul>");
-    }
-    if !l.holders.is_empty() {
-        html.push_str("<ul class=\"holders\">");
-        for h in &l.holders {
+        },
+    );
+    wrapped(
+        html,
+        ("<ul class=\"holders\">", "</ul>"),
+        &l.holders,
+        |html, h| {
             let id = h
                 .id_tail
                 .as_deref()
@@ -404,10 +408,27 @@ fn leases(html: &mut String, row: &ProxyRow, now: Timestamp) {
                 esc(&age(now, h.acquired)),
                 esc(&left(now, h.expires))
             );
-        }
-        html.push_str("</ul>");
-    }
+        },
+    );
     html.push_str("</td>");
+}
+
+/// `items` rendered by `item` between `open` and `close`; nothing at all when there are none.
+fn wrapped<'a, T: 'a>(
+    html: &mut String,
+    (open, close): (&str, &str),
+    items: impl IntoIterator<Item = &'a T>,
+    mut item: impl FnMut(&mut String, &'a T),
+) {
+    let mut items = items.into_iter().peekable();
+    if items.peek().is_none() {
+        return;
+    }
+    html.push_str(open);
+    for each in items {
+        item(html, each);
+    }
+    html.push_str(close);
 }
 
 fn health(html: &mut String, row: &ProxyRow, now: Timestamp) {
