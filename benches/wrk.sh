@@ -38,6 +38,7 @@
 #   (and so the lease journal) on DIR's file system.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source benches/lib.sh
 
 if [ "${EPO_WRK_NICE:-0}" != 0 ] && [ -z "${EPO_WRK_OWN_SESSION:-}" ] && command -v setsid >/dev/null; then
   EPO_WRK_OWN_SESSION=1 exec setsid -w bash "$0" "$@"
@@ -57,7 +58,6 @@ servers=${EPO_WRK_SERVERS:-operator durable pool pool-durable}
 pool_size=${EPO_WRK_POOL:-10000}
 cg_secs=${EPO_WRK_CALLGRIND_SECS:-20}
 
-need() { command -v "$1" >/dev/null || { echo "installing $2 (Debian package)" >&2; apt-get install -y "$2" >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y "$2" >/dev/null; }; }; }
 # wrk: Debian's package (4.1.0), so every machine runs the same client build.
 need wrk wrk
 need taskset util-linux
@@ -76,18 +76,6 @@ server_pid=
 token=bench-token-$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
 export EPO_TOKEN=$token
 
-# Kills the server and every Squid its local provider started under $work (by pid).
-stop_server() {
-  if [ -n "$server_pid" ]; then
-    kill "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-  fi
-  server_pid=
-  local pid
-  for pid in $(grep -l -a "$work" /proc/[0-9]*/cmdline 2>/dev/null | cut -d/ -f3); do
-    grep -q -a squid "/proc/$pid/cmdline" 2>/dev/null && kill -KILL "$pid" 2>/dev/null || true
-  done
-}
 cleanup() {
   stop_server
   rm -rf "$work"
@@ -95,81 +83,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 143' INT TERM
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# A user's standalone folder: providers.yaml, manifests/ with three local Squids (and with
-# $2 > 0 that many bench-memory proxies whose endpoints are the Squids), a tokens file.
-make_folder() {
-  local dir=$1 pool=$2 api_port=$3 i
-  rm -rf "$dir"
-  mkdir -p "$dir/manifests"
-  printf 'providers:\n  - name: local\n    type: local\n    settings:\n      stateDir: %s/local\n' "$dir" >"$dir/providers.yaml"
-  if [ "$pool" -gt 0 ]; then
-    printf '  - name: bench\n    type: bench-memory\n' >>"$dir/providers.yaml"
-  fi
-  echo "$token" >"$dir/tokens"
-  squid_ports=()
-  for i in 1 2 3; do
-    squid_ports+=("$(free_port)")
-    cat >"$dir/manifests/squid-$i.yaml" <<EOF
-apiVersion: crawl.example.com/v1alpha1
-kind: Proxy
-metadata:
-  name: squid-$i
-  namespace: default
-spec:
-  provider: local
-  placement:
-    address: 127.0.0.1
-  port: ${squid_ports[$((i - 1))]}
-  attributes:
-    tier: dc
-  lease:
-    maxConcurrent: 1000
-  health:
-    url: http://127.0.0.1:$api_port/healthz
-    intervalSeconds: 5
-    timeoutSeconds: 2
-EOF
-  done
-  if [ "$pool" -gt 0 ]; then
-    # One multi-document file: the manifests folder as a user with many proxies would write it.
-    python3 - "$dir/manifests/pool.yaml" "$pool" "$api_port" "${squid_ports[@]}" <<'EOF'
-import sys
-path, n, api = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-ports = sys.argv[4:]
-with open(path, "w") as f:
-    for i in range(n):
-        f.write(f"""---
-apiVersion: crawl.example.com/v1alpha1
-kind: Proxy
-metadata:
-  name: pool-{i:05d}
-  namespace: default
-spec:
-  provider: bench
-  placement:
-    address: 127.0.0.1
-  port: {ports[i % len(ports)]}
-  attributes:
-    tier: dc
-    region: {("eu", "us", "ap")[i % 3]}
-  lease:
-    maxConcurrent: 2
-  health:
-    url: http://127.0.0.1:{api}/healthz
-    intervalSeconds: 30
-    timeoutSeconds: 5
-""")
-EOF
-  fi
-}
 
-# Count of Healthy proxies from the operator's metrics (0 until it answers).
-healthy_count() {
-  { curl -s --max-time 2 "http://$addr/metrics" 2>/dev/null || true; } |
-    awk '/phase="[Hh]ealthy"/ && !/^#/ { n += $NF } END { printf "%d\n", n }'
-}
 
 # Starts server $1 (optionally under the command prefix $2, e.g. valgrind); sets server_pid and
 # addr, and waits until it serves leases (the operator: until every proxy is Healthy).

@@ -79,8 +79,8 @@ pub fn discovery_state(store: LeaseStore) -> DiscoveryState {
 }
 
 /// A bare hyper server with canned answers of the real sizes: `POST /v1/leases` gets an
-/// acquire's 201 body, anything else a release's 200 body. It reads each request body like
-/// the real server does.
+/// acquire's 201 body, `GET /mib` one MiB (the gateway benchmark's target, `benches/gateway.sh`),
+/// anything else a release's 200 body. It reads each request body like the real server does.
 pub async fn serve_bare(listener: TcpListener) {
     let acquired = Bytes::from(format!(
         r#"{{"leaseId":"{}","fencingToken":3649891200000032,"proxyUrl":"http://127.0.0.1:3128","proxy":{{"key":"bench/p1","namespace":"bench","name":"p1","endpoint":"127.0.0.1:3128","attributes":{{"region":"eu","tier":"dc"}}}},"acquiredAt":"2026-05-28T10:00:00Z","expiresAt":"2026-05-28T10:01:00Z","ttlSeconds":60}}"#,
@@ -90,18 +90,22 @@ pub async fn serve_bare(listener: TcpListener) {
         r#"{{"leaseId":"{}","released":true,"outcome":"ok"}}"#,
         "A".repeat(120)
     ));
+    // The gateway benchmark's tunnels fetch this (`GET /mib`) as their bulk transfer.
+    let mebibyte = Bytes::from(vec![b'x'; 1 << 20]);
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let (acquired, released) = (acquired.clone(), released.clone());
+        let (acquired, released, mebibyte) = (acquired.clone(), released.clone(), mebibyte.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                let (acquired, released) = (acquired.clone(), released.clone());
+                let (acquired, released, mebibyte) = (acquired.clone(), released.clone(), mebibyte.clone());
                 async move {
                     let (status, body) = if req.uri().path() == "/v1/leases" {
                         (StatusCode::CREATED, acquired)
+                    } else if req.uri().path() == "/mib" {
+                        (StatusCode::OK, mebibyte)
                     } else {
                         (StatusCode::OK, released)
                     };

@@ -1,6 +1,7 @@
-//! The wire between the gateway and one upstream proxy: a connection per request, the
-//! request in absolute form (or a `CONNECT`) with the upstream's own credentials, and the
-//! headers a proxy removes and adds on the way (RFC 9110, section 7.6).
+//! The wire between the gateway and one upstream proxy: the request in absolute form (or a
+//! `CONNECT`, on a connection of its own) with the upstream's own credentials, and the headers a
+//! proxy removes and adds on the way (RFC 9110, section 7.6). Plain requests go out on kept-alive
+//! connections ([`super::upstream`]).
 
 use std::time::Duration;
 
@@ -35,6 +36,10 @@ pub(super) enum UpstreamError {
     /// Connected, but the exchange failed before an answer (reset, closed).
     #[error("the connection failed before an answer: {0}")]
     Exchange(hyper::Error),
+    /// The exchange over a kept-alive connection ([`super::upstream::Upstreams`]) failed
+    /// before an answer.
+    #[error("the exchange failed before an answer: {0}")]
+    Pooled(hyper_util::client::legacy::Error),
 }
 
 /// Hop-by-hop headers: each connection's own, never forwarded (plus those the `Connection`
@@ -120,8 +125,8 @@ fn authorize(headers: &mut HeaderMap, proxy: &ProxyInfo) {
     }
 }
 
-/// Sends `request` to `proxy` on a new connection and returns its answer (the connection
-/// lives on in a task until the answer's body and any upgrade are done).
+/// Sends `request` (a `CONNECT`) to `proxy` on a new connection and returns its answer (the
+/// connection lives on in a task until the answer's body and any upgrade are done).
 pub(super) async fn send<B>(
     proxy: &ProxyInfo,
     request: Request<B>,

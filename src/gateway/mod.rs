@@ -14,6 +14,7 @@
 mod forward;
 mod held;
 pub mod rules;
+mod upstream;
 pub mod user;
 
 use std::{
@@ -41,6 +42,7 @@ use self::{
     forward::{GatewayBody, UpstreamError},
     held::{Held, Lent},
     rules::{Action, Rules},
+    upstream::Upstreams,
     user::UserName,
 };
 use crate::{
@@ -111,6 +113,7 @@ pub struct GatewayDeps {
 #[derive(Clone)]
 pub struct Gateway {
     held: Arc<Held>,
+    upstreams: Arc<Upstreams>,
     config: Arc<GatewayConfig>,
 }
 
@@ -119,6 +122,7 @@ impl Gateway {
     pub fn new(deps: GatewayDeps, config: GatewayConfig) -> Self {
         Self {
             held: Arc::new(Held::new(deps, config.clone())),
+            upstreams: Arc::new(Upstreams::new(config.connect_timeout)),
             config: Arc::new(config),
         }
     }
@@ -333,7 +337,7 @@ impl Gateway {
         if !retryable {
             let lent = self.held.take(&who, domain).await?;
             let upstream = forward::upstream_request(&parts, body, lent.proxy());
-            return match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
+            return match self.upstreams.send(lent.proxy(), upstream).await {
                 Ok(response) => Ok(self.answered(lent, response, domain).await),
                 Err(error) => {
                     let refusal = Refusal::upstream(lent.proxy(), &error);
@@ -350,7 +354,7 @@ impl Gateway {
             .to_bytes();
         let lent = self.held.take(&who, domain).await?;
         let upstream = forward::upstream_request(&parts, Full::new(body.clone()), lent.proxy());
-        let error = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
+        let error = match self.upstreams.send(lent.proxy(), upstream).await {
             Ok(response) => return Ok(self.answered(lent, response, domain).await),
             Err(error) => error,
         };
@@ -364,7 +368,7 @@ impl Gateway {
             return Err(first);
         };
         let upstream = forward::upstream_request(&parts, Full::new(body), second.proxy());
-        match forward::send(second.proxy(), upstream, self.config.connect_timeout).await {
+        match self.upstreams.send(second.proxy(), upstream).await {
             Ok(response) => Ok(self.answered(second, response, domain).await),
             Err(error) => {
                 let refusal = Refusal::upstream(second.proxy(), &error);
