@@ -773,6 +773,100 @@ process.start()
     );
 }
 
+/// Our Scrapy middleware in its gateway form (`egress_proxies.scrapy_gateway`, no lease calls):
+/// every request goes through the gateway with the holder and the selector in the proxy user
+/// name; a target that refuses one Squid gets that Squid banned by the gateway, and the
+/// middleware sends the refused page again, which the gateway routes through another Squid:
+/// every page arrives, one retry, no lease left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scrapy_gateway_middleware_sends_a_banned_page_again_through_another_squid() {
+    let setup = Setup::start(&[]).await;
+    let refused: IpAddr = SQUIDS[0].1.parse().expect("address");
+    setup.origin.refuse(refused);
+    let script = setup.host.path().join("gateway_crawl.py");
+    std::fs::write(
+        &script,
+        r#"
+import sys
+import scrapy
+from scrapy.crawler import CrawlerProcess
+
+gateway, token, origin = sys.argv[1:4]
+
+class Pages(scrapy.Spider):
+    name = "pages"
+
+    def start_requests(self):
+        for n in range(6):
+            yield scrapy.Request(f"{origin}/mw-{n}")
+
+    def parse(self, response):
+        print("page", response.status, response.text, flush=True)
+
+    def closed(self, reason):
+        stats = self.crawler.stats.get_stats()
+        for key in ("egress_gateway/routed", "egress_gateway/ban_retries"):
+            print("stat", key, stats.get(key, 0), flush=True)
+
+process = CrawlerProcess({
+    "LOG_LEVEL": "ERROR",
+    "CONCURRENT_REQUESTS": 1,
+    "TELNETCONSOLE_ENABLED": False,
+    "DOWNLOADER_MIDDLEWARES": {"egress_proxies.scrapy_gateway.EgressGatewayMiddleware": 740},
+    "EGRESS_PROXIES_GATEWAY": gateway,
+    "EGRESS_PROXIES_TOKEN": token,
+    "EGRESS_PROXIES_SELECTOR": {"pool": "gw"},
+})
+process.crawl(Pages)
+process.start()
+"#,
+    )
+    .expect("script");
+    let python = std::env::var("EPO_PYTHON").unwrap_or_else(|_| "/usr/bin/python3".to_owned());
+    let package = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/python/src");
+    let output = tokio::process::Command::new(python)
+        .arg(&script)
+        .args([
+            format!("http://127.0.0.1:{}", setup.gateway),
+            setup.host.token(),
+            setup.origin.url(""),
+        ])
+        .env("PYTHONPATH", package)
+        .env_remove("http_proxy")
+        .env_remove("HTTP_PROXY")
+        .output()
+        .await
+        .expect("python runs (apt-get install python3-scrapy)");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let pages: Vec<&str> = stdout.lines().filter(|l| l.starts_with("page ")).collect();
+    assert_eq!(pages.len(), 6, "{stdout}\n{stderr}");
+    for page in &pages {
+        assert!(page.starts_with("page 200 hello /mw-"), "{stdout}");
+        assert_ne!(from_ip(page), refused, "{stdout}");
+    }
+    assert!(stdout.contains("stat egress_gateway/ban_retries 1\n"), "{stdout}");
+    assert!(stdout.contains("stat egress_gateway/routed 7\n"), "{stdout}");
+    let through_refused: usize = (0..6)
+        .map(|n| {
+            setup
+                .origin
+                .peers_of(&format!("/mw-{n}"))
+                .iter()
+                .filter(|ip| **ip == refused)
+                .count()
+        })
+        .sum();
+    assert_eq!(
+        through_refused, 1,
+        "the banned Squid got one request, and no more"
+    );
+    setup
+        .no_leases_within(Duration::from_secs(10), "after the crawl")
+        .await;
+}
+
 /// Cluster mode serves the gateway too (the same core): against a real kube-apiserver, with a
 /// Proxy object of the `local` provider, `curl -x` through the gateway reaches the origin
 /// through that Squid once the replica leads, and leaves no lease.
