@@ -631,6 +631,8 @@ mod in_process {
             journal: None,
             auth: Arc::new(StaticTokens::parse("tok\n")),
             readiness,
+            health: None,
+            recycle: None,
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");

@@ -97,7 +97,13 @@ impl Lent {
 
     /// Ends the lease now with `outcome` (a ban is for the lease's target domain); a session
     /// loses it, so its next request takes another.
-    pub(super) async fn end(mut self, outcome: Outcome) {
+    pub(super) async fn end(self, outcome: Outcome) {
+        self.end_banning(outcome, None).await;
+    }
+
+    /// [`Lent::end`], a `banned` outcome resting the proxy for the domain for `ban_for`
+    /// (`None`: the store's ban cooldown).
+    pub(super) async fn end_banning(mut self, outcome: Outcome, ban_for: Option<Duration>) {
         self.done = true;
         match &self.kind {
             Kind::Session(session) => {
@@ -105,7 +111,7 @@ impl Lent {
                 if slot.as_ref().is_some_and(|l| l.lease_id == self.lease_id)
                     && let Some(lease) = slot.take()
                 {
-                    self.held.release(&lease, outcome).await;
+                    self.held.release_banning(&lease, outcome, ban_for).await;
                 }
                 drop(slot);
                 self.held.let_go(session);
@@ -113,7 +119,7 @@ impl Lent {
             Kind::Loose(n) => {
                 let lease = lock(&self.held.loose).remove(n);
                 if let Some(lease) = lease {
-                    self.held.release(&lease, outcome).await;
+                    self.held.release_banning(&lease, outcome, ban_for).await;
                 }
             }
         }
@@ -328,10 +334,15 @@ impl Held {
 
     /// Releases `lease` with `outcome` (a ban applies to its own target domain).
     async fn release(&self, lease: &HeldLease, outcome: Outcome) {
+        self.release_banning(lease, outcome, None).await;
+    }
+
+    /// [`Held::release`], a ban lasting `ban_for` (`None`: the store's ban cooldown).
+    async fn release_banning(&self, lease: &HeldLease, outcome: Outcome, ban_for: Option<Duration>) {
         let now = self.deps.store.now_ms();
         match self
             .leases()
-            .release(&lease.lease_id, lease.token, outcome, None, now)
+            .release_banning(&lease.lease_id, lease.token, outcome, None, ban_for, now)
             .await
         {
             Ok(_) => debug!(proxy = %lease.proxy.key, outcome = outcome.as_str(), "gateway lease released"),

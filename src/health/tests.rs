@@ -29,7 +29,7 @@ fn run(target: &HealthTarget, results: &str) -> Vec<Option<(Verdict, Verdict)>> 
             } else {
                 Err(ProbeError::Timeout(Duration::from_secs(1)))
             };
-            apply(&mut snapshot, target, r, jiff::Timestamp::UNIX_EPOCH)
+            apply(&mut snapshot, target, r, None, jiff::Timestamp::UNIX_EPOCH)
         })
         .collect()
 }
@@ -73,7 +73,7 @@ fn errors_are_bounded() {
     let t = target(1, 1);
     let mut snapshot = HealthSnapshot::default();
     let long = ProbeError::Http("x".repeat(10_000));
-    apply(&mut snapshot, &t, Err(long), jiff::Timestamp::UNIX_EPOCH);
+    apply(&mut snapshot, &t, Err(long), None, jiff::Timestamp::UNIX_EPOCH);
     assert!(snapshot.last_error.unwrap().len() <= MAX_ERROR_LEN);
 }
 
