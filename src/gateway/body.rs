@@ -182,4 +182,3 @@ impl Body for Guarded {
         self.inner.size_hint()
     }
 }
-

@@ -69,11 +69,7 @@ impl Gateway {
         let sent = Instant::now();
         match forward::send(second.proxy(), upstream, self.config.connect_timeout).await {
             // The first answer is dropped unsent: its lease goes back.
-            Ok(response) => {
-                self.judged(second, response, sent.elapsed(), domain)
-                    .await
-                    .answer
-            }
+            Ok(response) => self.judged(second, response, sent.elapsed(), domain).await.answer,
             Err(error) => {
                 warn!(proxy = %second.proxy().key, %error, "resending a matched request failed; the first answer is passed on");
                 second.end(Outcome::Error).await;

@@ -390,7 +390,9 @@ impl Gateway {
         let upstream = forward::upstream_request(&parts, Full::new(body), second.proxy());
         let sent = Instant::now();
         match forward::send(second.proxy(), upstream, self.config.connect_timeout).await {
-            Ok(response) => Ok(self.answered(second, response, sent.elapsed(), domain, None).await),
+            Ok(response) => Ok(self
+                .answered(second, response, sent.elapsed(), domain, None)
+                .await),
             Err(error) => {
                 let refusal = Refusal::upstream(second.proxy(), &error);
                 second.end(Outcome::Error).await;

@@ -29,12 +29,12 @@ use super::{
 use crate::{
     api::ProxyKey,
     api::{Proxy, ProxySpec, RECYCLE_ANNOTATION},
-    gateway::rules::RecycleError,
     check::Checker,
     controller::{
         ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
         status::{FINALIZER, PhaseTally, phase_of},
     },
+    gateway::rules::RecycleError,
     health::HealthControl,
     lease::LeaseControl,
     provider::ProviderRegistry,

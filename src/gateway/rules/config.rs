@@ -186,7 +186,11 @@ impl Rules {
             let at = err.path().to_string();
             RulesError::Syntax {
                 path: path.to_owned(),
-                location: if at == "." { String::new() } else { format!("{at}: ") },
+                location: if at == "." {
+                    String::new()
+                } else {
+                    format!("{at}: ")
+                },
                 message: err.into_inner().to_string(),
             }
         })?;
@@ -343,7 +347,10 @@ fn compile_ladder(steps: Vec<StepSpec>) -> Result<Vec<Step>, (String, String)> {
     for (i, spec) in steps.into_iter().enumerate() {
         let at = |field: &str| format!("escalation[{i}].{field}");
         if !(1..=MAX_AFTER).contains(&spec.after) {
-            return Err((at("after"), format!("{} is out of range 1-{MAX_AFTER}", spec.after)));
+            return Err((
+                at("after"),
+                format!("{} is out of range 1-{MAX_AFTER}", spec.after),
+            ));
         }
         if let Some((after, action)) = last {
             if spec.after <= after {
@@ -381,9 +388,7 @@ fn compile_ladder(steps: Vec<StepSpec>) -> Result<Vec<Step>, (String, String)> {
             ActionName::Retry => Action::Retry,
             ActionName::Cooldown => Action::Cooldown(seconds.unwrap_or(Duration::from_secs(60))),
             ActionName::Ban => Action::Ban(seconds),
-            ActionName::OutOfRotation => {
-                Action::OutOfRotation(seconds.unwrap_or(Duration::from_secs(600)))
-            }
+            ActionName::OutOfRotation => Action::OutOfRotation(seconds.unwrap_or(Duration::from_secs(600))),
             ActionName::Recycle => Action::Recycle,
         };
         ladder.push(Step {

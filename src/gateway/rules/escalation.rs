@@ -195,14 +195,27 @@ mod tests {
     fn counts_per_domain_and_per_proxy_within_the_window() {
         let mut strikes = Strikes::default();
         let a = key("a");
-        let hit = |s: &mut Strikes, domain: &str, now: u64| s.strike(0, 1_000, 10, &a, "h:1", Some(domain), now);
+        let hit =
+            |s: &mut Strikes, domain: &str, now: u64| s.strike(0, 1_000, 10, &a, "h:1", Some(domain), now);
         assert_eq!(hit(&mut strikes, "x.example", 0), Counts { domain: 1, proxy: 1 });
-        assert_eq!(hit(&mut strikes, "x.example", 100), Counts { domain: 2, proxy: 2 });
-        assert_eq!(hit(&mut strikes, "y.example", 200), Counts { domain: 1, proxy: 3 });
+        assert_eq!(
+            hit(&mut strikes, "x.example", 100),
+            Counts { domain: 2, proxy: 2 }
+        );
+        assert_eq!(
+            hit(&mut strikes, "y.example", 200),
+            Counts { domain: 1, proxy: 3 }
+        );
         // 1,050 ms: the match at 0 left the window.
-        assert_eq!(hit(&mut strikes, "x.example", 1_050), Counts { domain: 2, proxy: 3 });
+        assert_eq!(
+            hit(&mut strikes, "x.example", 1_050),
+            Counts { domain: 2, proxy: 3 }
+        );
         // Long after: everything left it.
-        assert_eq!(hit(&mut strikes, "y.example", 10_000), Counts { domain: 1, proxy: 1 });
+        assert_eq!(
+            hit(&mut strikes, "y.example", 10_000),
+            Counts { domain: 1, proxy: 1 }
+        );
     }
 
     #[test]
@@ -239,7 +252,15 @@ mod tests {
         assert!(entry.domains.iter().all(|(d, _)| d.as_deref() != Some("d0")));
         // Proxies beyond MAX_TRACKED: the table stays at its bound.
         for i in 0..(MAX_TRACKED + 10) {
-            strikes.strike(0, 60_000, 5, &key(&format!("p{i}")), "h:1", Some("d"), 1_000 + i as u64);
+            strikes.strike(
+                0,
+                60_000,
+                5,
+                &key(&format!("p{i}")),
+                "h:1",
+                Some("d"),
+                1_000 + i as u64,
+            );
         }
         assert_eq!(strikes.len(), MAX_TRACKED);
     }

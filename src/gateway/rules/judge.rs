@@ -54,7 +54,11 @@ pub struct Judge {
 impl Judge {
     /// `rules`, taking proxies out of rotation through `health` and recycling them through
     /// `recycle` (without them those steps only end the lease as a ban does, and say so).
-    pub fn new(rules: Rules, health: Option<HealthHandle>, recycle: Option<Arc<dyn RecycleRequests>>) -> Self {
+    pub fn new(
+        rules: Rules,
+        health: Option<HealthHandle>,
+        recycle: Option<Arc<dyn RecycleRequests>>,
+    ) -> Self {
         Self {
             rules,
             strikes: Mutex::new(Strikes::default()),
@@ -71,7 +75,13 @@ impl Judge {
 
     /// The verdict on an answer through `proxy` for `domain`, if a rule matches; the match is
     /// counted (at `now`, ms).
-    pub fn decide(&self, proxy: &ProxyInfo, domain: Option<&str>, seen: &Seen<'_>, now: u64) -> Option<Verdict> {
+    pub fn decide(
+        &self,
+        proxy: &ProxyInfo,
+        domain: Option<&str>,
+        seen: &Seen<'_>,
+        now: u64,
+    ) -> Option<Verdict> {
         let (index, rule) = self.rules.judge(&proxy.attributes, seen)?;
         let counts = lock(&self.strikes).strike(
             index,

@@ -142,9 +142,9 @@ impl Match {
         (self.statuses.is_empty() || self.statuses.contains(&seen.status.as_u16()))
             && self.header.as_ref().is_none_or(|h| {
                 seen.headers.get_all(&h.name).iter().any(|value| {
-                    h.value.as_ref().is_none_or(|pattern| {
-                        value.to_str().is_ok_and(|text| pattern.is_match(text))
-                    })
+                    h.value
+                        .as_ref()
+                        .is_none_or(|pattern| value.to_str().is_ok_and(|text| pattern.is_match(text)))
                 })
             })
             && self.latency_above.is_none_or(|above| seen.latency > above)

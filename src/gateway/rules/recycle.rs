@@ -35,5 +35,8 @@ pub trait RecycleRequests: Send + Sync {
 /// The recycle request a rule makes: who asked, and when (so each request is new), e.g.
 /// `gateway rule blocked 2026-12-04T16:00:00Z #3`.
 pub fn recycle_value(rule: &str, now: jiff::Timestamp, serial: u64) -> String {
-    format!("gateway rule {rule} {} #{serial}", now.round(jiff::Unit::Second).unwrap_or(now))
+    format!(
+        "gateway rule {rule} {} #{serial}",
+        now.round(jiff::Unit::Second).unwrap_or(now)
+    )
 }

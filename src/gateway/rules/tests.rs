@@ -22,7 +22,10 @@ fn parse(text: &str) -> Result<Rules, RulesError> {
 
 fn attributes(pairs: &[(&str, &str)]) -> Attributes {
     serde_json::from_value(serde_json::json!(
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<std::collections::BTreeMap<_, _>>()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect::<std::collections::BTreeMap<_, _>>()
     ))
     .expect("attributes")
 }
@@ -39,7 +42,10 @@ fn by_default_403_and_429_ban_at_once_and_pass_the_answer_on() {
         assert_eq!(step.action, Action::Ban(None));
     }
     for status in [200, 301, 404, 500, 503] {
-        assert!(rules.judge(&any, &seen(status, &none, 1, None)).is_none(), "{status}");
+        assert!(
+            rules.judge(&any, &seen(status, &none, 1, None)).is_none(),
+            "{status}"
+        );
     }
     assert_eq!(rules.body_wanted(&any, &seen(403, &none, 1, None)), 0);
 }
@@ -66,7 +72,10 @@ rules:
     edge7.insert("x-served-by", HeaderValue::from_static("edge-7"));
     let robot: &[u8] = b"<html>Are You A Robot?</html>";
     let name = |s: &Seen<'_>, a: &Attributes| rules.judge(a, s).map(|(_, r)| r.name.to_string());
-    assert_eq!(name(&seen(200, &edge7, 1, Some(robot)), &any).as_deref(), Some("captcha"));
+    assert_eq!(
+        name(&seen(200, &edge7, 1, Some(robot)), &any).as_deref(),
+        Some("captcha")
+    );
     // The body is looked at only up to bodyBytes.
     let late = [vec![b' '; 40], robot.to_vec()].concat();
     assert_eq!(name(&seen(200, &edge7, 1, Some(&late)), &any), None);
@@ -135,9 +144,18 @@ rules:
 #[test]
 fn a_bad_file_says_which_rule_and_field_to_fix() {
     let cases: &[(&str, &str)] = &[
-        ("rules:\n  - name: x\n    match: {stauts: [403]}\n", "rules[0].match: unknown field `stauts`"),
-        ("rules:\n  - name: x\n    match: {}\n", "rule \"x\" (rules[0]), match: give at least one of"),
-        ("rules:\n  - name: x\n    match: {status: [99]}\n", "rule \"x\" (rules[0]), match.status: 99"),
+        (
+            "rules:\n  - name: x\n    match: {stauts: [403]}\n",
+            "rules[0].match: unknown field `stauts`",
+        ),
+        (
+            "rules:\n  - name: x\n    match: {}\n",
+            "rule \"x\" (rules[0]), match: give at least one of",
+        ),
+        (
+            "rules:\n  - name: x\n    match: {status: [99]}\n",
+            "rule \"x\" (rules[0]), match.status: 99",
+        ),
         (
             "rules:\n  - name: x\n    match: {body: \"(unclosed\"}\n",
             "rule \"x\" (rules[0]), match.body: not a valid pattern",
@@ -174,7 +192,10 @@ fn a_bad_file_says_which_rule_and_field_to_fix() {
             "rules:\n  - name: x\n    match: {status: [403]}\n  - name: x\n    match: {status: [429]}\n",
             "rule \"x\" (rules[1]), name: another rule has this name",
         ),
-        ("rules:\n  - name: x\n    match: {status: [403]}\n    windowSeconds: 0\n", "windowSeconds: 0 is out of range"),
+        (
+            "rules:\n  - name: x\n    match: {status: [403]}\n    windowSeconds: 0\n",
+            "windowSeconds: 0 is out of range",
+        ),
     ];
     for (text, expected) in cases {
         let error = parse(text).expect_err(text).to_string();
