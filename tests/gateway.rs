@@ -813,21 +813,24 @@ process.start()
     );
 }
 
-/// Cluster mode serves the gateway too (the same core): against a real kube-apiserver, with a
-/// Proxy object of the `local` provider, `curl -x` through the gateway reaches the origin
-/// through that Squid once the replica leads, and leaves no lease.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_mode_serves_the_gateway_too() {
-    use egress_proxies_operator::api::Proxy;
-    use kube::{Api, api::PostParams};
-    use support::{
+mod cluster {
+    //! Cluster mode with the gateway: a real kube-apiserver, one Proxy `crawl/squid-1` of the
+    //! `local` provider, the whole mode in this process.
+
+    use std::time::Duration;
+
+    use egress_proxies_operator::{api::Proxy, gateway::rules::Rules};
+    use kube::{Api, Client, api::PostParams};
+
+    use super::{Origin, free_port, standalone};
+    use crate::support::{
         cluster_app::{ClusterApp, local_cluster, local_proxy},
         control_plane::ControlPlane,
-        wait_until,
     };
 
     /// Kills the Squids the local provider started under the folder, whatever the outcome.
     struct Squids(std::path::PathBuf);
+
     impl Drop for Squids {
         fn drop(&mut self) {
             for pid in standalone::squids(&self.0) {
@@ -838,49 +841,96 @@ async fn cluster_mode_serves_the_gateway_too() {
         }
     }
 
-    let origin = Origin::start().await;
-    let plane = ControlPlane::start().await;
-    let operator_client = plane.install_default().await;
-    plane.create_namespace("crawl").await;
-    let client = plane.client().await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let _squids = Squids(dir.path().to_owned());
-    let token = "gateway-token-0123456789abcdef";
-    let (admin, discovery, gateway, proxy_port) = (free_port(), free_port(), free_port(), free_port());
-    let mut options = local_cluster(
-        dir.path(),
-        &dir.path().join("local"),
-        token,
-        ([127, 0, 0, 1], admin).into(),
-        ([127, 0, 0, 1], discovery).into(),
-    );
-    options.gateway_listen = Some(([127, 0, 0, 1], gateway).into());
-    let operator = ClusterApp::start(operator_client, options);
+    /// The running mode; fields drop in order (the operator before the Squids it supervises).
+    pub struct ClusterGateway {
+        pub operator: ClusterApp,
+        pub proxies: Api<Proxy>,
+        pub dir: tempfile::TempDir,
+        pub gateway: u16,
+        pub discovery: u16,
+        pub token: &'static str,
+        _squids: Squids,
+        _plane: ControlPlane,
+    }
 
-    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
-    let proxy = local_proxy(
-        "squid-1",
-        proxy_port,
-        &origin.url("/health"),
-        2,
-        serde_json::json!({}),
-    );
-    proxies
-        .create(&PostParams::default(), &proxy)
-        .await
-        .expect("created");
-    let credentials = format!("crawler-8:{token}");
-    // 503 `not_ready` until the replica leads and the Proxy is healthy and open.
-    let body = wait_until(Duration::from_secs(90), "the gateway forwards", async || {
-        let (code, body, _) =
-            curl_through(dir.path(), gateway, &credentials, &origin.url("/cluster"), &[]).await;
-        (code == 200).then_some(body)
-    })
-    .await;
-    assert_eq!(body, "hello /cluster from 127.0.0.1");
+    /// Starts it with the gateway's `rules`; `squid-1` is probed through `origin`'s `/health`.
+    pub async fn start(origin: &Origin, rules: Rules) -> ClusterGateway {
+        let plane = ControlPlane::start().await;
+        let operator_client = plane.install_default().await;
+        plane.create_namespace("crawl").await;
+        let client: Client = plane.client().await;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let squids = Squids(dir.path().to_owned());
+        let token = "gateway-token-0123456789abcdef";
+        let (admin, discovery, gateway, proxy_port) = (free_port(), free_port(), free_port(), free_port());
+        let mut options = local_cluster(
+            dir.path(),
+            &dir.path().join("local"),
+            token,
+            ([127, 0, 0, 1], admin).into(),
+            ([127, 0, 0, 1], discovery).into(),
+        );
+        options.gateway_listen = Some(([127, 0, 0, 1], gateway).into());
+        options.gateway_rules = rules;
+        let operator = ClusterApp::start(operator_client, options);
+        let proxies: Api<Proxy> = Api::namespaced(client, "crawl");
+        let proxy = local_proxy(
+            "squid-1",
+            proxy_port,
+            &origin.url("/health"),
+            2,
+            serde_json::json!({}),
+        );
+        proxies
+            .create(&PostParams::default(), &proxy)
+            .await
+            .expect("created");
+        ClusterGateway {
+            operator,
+            proxies,
+            dir,
+            gateway,
+            discovery,
+            token,
+            _squids: squids,
+            _plane: plane,
+        }
+    }
+
+    impl ClusterGateway {
+        /// `curl` through the gateway as `holder`.
+        pub async fn curl(&self, holder: &str, url: &str) -> (u16, String, String) {
+            let credentials = format!("{holder}:{}", self.token);
+            super::curl_through(self.dir.path(), self.gateway, &credentials, url, &[]).await
+        }
+
+        /// Waits (90 s at most) until the gateway forwards a request for `url` with a 2xx-4xx
+        /// answer of the target's (503 `not_ready` until the replica leads and the Proxy is
+        /// healthy and open); returns it.
+        pub async fn first_answer(&self, holder: &str, url: &str) -> (u16, String) {
+            crate::support::wait_until(Duration::from_secs(90), "the gateway forwards", async || {
+                let (code, body, _) = self.curl(holder, url).await;
+                (code != 503).then_some((code, body))
+            })
+            .await
+        }
+    }
+}
+
+/// Cluster mode serves the gateway too (the same core): against a real kube-apiserver, with a
+/// Proxy object of the `local` provider, `curl -x` through the gateway reaches the origin
+/// through that Squid once the replica leads, and leaves no lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_mode_serves_the_gateway_too() {
+    use support::wait_until;
+
+    let origin = Origin::start().await;
+    let running = cluster::start(&origin, Default::default()).await;
+    let (code, body) = running.first_answer("crawler-8", &origin.url("/cluster")).await;
+    assert_eq!((code, body.as_str()), (200, "hello /cluster from 127.0.0.1"));
     let leases = wait_until(Duration::from_secs(10), "no lease left", async || match try_api(
-        discovery,
-        token,
+        running.discovery,
+        running.token,
         "GET",
         "/v1/leases",
         "",
@@ -895,7 +945,68 @@ async fn cluster_mode_serves_the_gateway_too() {
     })
     .await;
     assert_eq!(leases["leases"], serde_json::json!([]));
-    operator.stop().await;
+    running.operator.stop().await;
+}
+
+/// In cluster mode a rule's recycle is a merge patch of the Proxy's recycle annotation: the
+/// controller sees it, the lifecycle replaces the instance, `status.lastRecycle` keeps the
+/// request (it names the rule) and the `Recycled` Event says who asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_mode_recycles_through_the_proxys_annotation() {
+    use egress_proxies_operator::{api::RECYCLE_ANNOTATION, gateway::rules::Rules};
+    use kube::Api;
+    use support::wait_until;
+
+    let origin = Origin::start().await;
+    let rules = Rules::parse(
+        "rules:\n  - name: burnt\n    retry: false\n    match: {status: [403]}\n    escalation: [{after: 1, action: recycle}]\n",
+        "rules.yaml",
+    )
+    .expect("valid rules");
+    let running = cluster::start(&origin, rules).await;
+    let (code, body) = running.first_answer("crawler-8", &origin.url("/before")).await;
+    assert_eq!((code, body.as_str()), (200, "hello /before from 127.0.0.1"));
+    origin.refuse("127.0.0.1".parse().expect("an address"));
+    let (code, body, _) = running.curl("crawler-8", &origin.url("/refused")).await;
+    assert_eq!((code, body.as_str()), (403, "no entry for 127.0.0.1"));
+
+    let proxy = wait_until(Duration::from_secs(60), "the recycle acted on", async || {
+        let proxy = running.proxies.get("squid-1").await.ok()?;
+        let status = proxy.status.as_ref()?;
+        (status.last_recycle.is_some() && status.phase.as_deref() == Some("healthy")).then_some(proxy)
+    })
+    .await;
+    let request = proxy
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(RECYCLE_ANNOTATION))
+        .cloned()
+        .expect("the gateway set the annotation");
+    assert!(request.starts_with("gateway rule burnt "), "{request}");
+    let status = proxy.status.expect("status");
+    assert_eq!(status.last_recycle.as_deref(), Some(request.as_str()));
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(running.proxies.clone().into_client(), "crawl");
+    let notes: Vec<String> = events
+        .list(&Default::default())
+        .await
+        .expect("events")
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Recycled"))
+        .filter_map(|e| e.note)
+        .collect();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains(&format!("recycle requested: {request}"))),
+        "{notes:?}"
+    );
+    origin.welcome_all();
+    let (code, _, _) = running.curl("crawler-8", &origin.url("/after")).await;
+    assert_eq!(code, 200);
+    running.operator.stop().await;
 }
 
 /// A 403 the upstream Squid made itself (its access rules deny the path; it marks the page
