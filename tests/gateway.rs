@@ -1097,7 +1097,10 @@ rules:
         "the page is passed on unchanged ({} bytes)",
         body.len()
     );
-    assert_eq!(banned_for_the_origin(&setup).await, std::slice::from_ref(&first_proxy));
+    assert_eq!(
+        banned_for_the_origin(&setup).await,
+        std::slice::from_ref(&first_proxy)
+    );
     let (code, body, _) = setup.curl(user, &url, &[]).await;
     assert_eq!(code, 200, "{body}");
     let second = from_ip(&body);

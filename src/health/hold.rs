@@ -17,6 +17,13 @@ pub(super) struct Hold {
     reason: String,
 }
 
+impl Hold {
+    /// A hold until `until`, for `reason`.
+    pub(super) fn until(until: Instant, reason: String) -> Self {
+        Self { until, reason }
+    }
+}
+
 /// The reason of `hold` while it lasts; an expired hold is dropped.
 pub(super) fn active(hold: &mut Option<Hold>) -> Option<&str> {
     if hold.as_ref().is_some_and(|h| h.until <= Instant::now()) {
@@ -38,10 +45,7 @@ impl HealthHandle {
             };
             entry.snapshot.last_error = Some(bounded(reason.clone()));
             // Passes during the hold still count, so that it ends like any recovery.
-            entry.hold = Some(Hold {
-                until: Instant::now() + time,
-                reason,
-            });
+            entry.hold = Some(Hold::until(Instant::now() + time, reason));
             let snapshot = &mut entry.snapshot;
             (snapshot.verdict != Verdict::Failing).then(|| {
                 snapshot.verdict = Verdict::Failing;

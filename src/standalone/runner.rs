@@ -22,7 +22,7 @@ use super::{
     backend::{Records, Secrets, StandaloneBackend},
     manifests::{Desired, fingerprint, scan},
     progress::Progress,
-    recycle::RecycleAsk,
+    recycle::{RecycleAsk, annotations_of, take_annotations},
     store::{GatewayRecycle, ProxyRecord, Store, StoreError},
 };
 
@@ -474,19 +474,6 @@ async fn next_ask(asks: &mut Option<mpsc::Receiver<RecycleAsk>>) -> Option<Recyc
     }
 }
 
-/// Takes the manifest's `annotations` into `record`; a gateway recycle request stands until
-/// the manifest's own recycle annotation changes (the user's later request wins).
-fn take_annotations(record: &mut ProxyRecord, annotations: &std::collections::BTreeMap<String, String>) {
-    if record
-        .gateway_recycle
-        .as_ref()
-        .is_some_and(|g| annotations.get(RECYCLE_ANNOTATION) != g.over.as_ref())
-    {
-        record.gateway_recycle = None;
-    }
-    record.annotations = annotations.clone();
-}
-
 /// Secrets (namespace, name) added, removed or changed between two readings of the folder.
 fn changed_secrets(
     before: &HashMap<(String, String), k8s_openapi::api::core::v1::Secret>,
@@ -512,16 +499,6 @@ fn references_any(spec: &serde_json::Value, namespace: &str, secrets: &[(String,
                 .iter()
                 .any(|(ns, secret)| ns == namespace && secret == name)
         })
-}
-
-/// The annotations the Proxy of `record` carries: the manifest's, with a gateway recycle
-/// request as its recycle annotation.
-fn annotations_of(record: &ProxyRecord) -> Option<std::collections::BTreeMap<String, String>> {
-    let mut annotations = record.annotations.clone();
-    if let Some(request) = &record.gateway_recycle {
-        annotations.insert(RECYCLE_ANNOTATION.to_owned(), request.value.clone());
-    }
-    (!annotations.is_empty()).then_some(annotations)
 }
 
 /// A random 128-bit identity, like `metadata.uid`.

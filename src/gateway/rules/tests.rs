@@ -205,3 +205,79 @@ fn a_bad_file_says_which_rule_and_field_to_fix() {
         );
     }
 }
+
+fn proxy(name: &str, port: u16) -> crate::lease::ProxyInfo {
+    crate::lease::ProxyInfo::new(&crate::lease::LeaseTarget {
+        key: crate::api::ProxyKey::new("crawl", name),
+        endpoint: crate::provider::Endpoint {
+            host: "127.0.0.1".into(),
+            port,
+        },
+        attributes: attributes(&[]),
+        policy: crate::api::LeasePolicy {
+            max_concurrent: 1,
+            cooldown_seconds: 0,
+            max_ttl_seconds: 600,
+        },
+        credentials: None,
+    })
+}
+
+#[test]
+fn a_judge_counts_and_says_how_the_lease_ends() {
+    use super::judge::{Judge, LeaseEnd};
+    let rules = parse(
+        r#"
+rules:
+  - name: blocked
+    retry: false
+    match: {status: [403]}
+    escalation:
+      - {after: 1, action: retry}
+      - {after: 2, action: cooldown, seconds: 5}
+      - {after: 3, action: ban}
+      - {after: 4, action: recycle}
+"#,
+    )
+    .expect("valid");
+    let judge = Judge::new(rules, None, None);
+    let none = HeaderMap::new();
+    let a = proxy("a", 1);
+    let verdicts: Vec<(Action, bool, LeaseEnd)> = (0..4)
+        .map(|i| {
+            let v = judge
+                .decide(&a, Some("shop.example"), &seen(403, &none, 1, None), 1_000 + i)
+                .expect("matches");
+            (v.action, v.resend, v.lease)
+        })
+        .collect();
+    assert_eq!(
+        verdicts,
+        [
+            (Action::Retry, true, LeaseEnd::Keep),
+            (
+                Action::Cooldown(Duration::from_secs(5)),
+                false,
+                LeaseEnd::Banned(Some(Duration::from_secs(5)))
+            ),
+            (Action::Ban(None), false, LeaseEnd::Banned(None)),
+            // Proxy-wide: the lease ends as the strongest domain step says.
+            (Action::Recycle, false, LeaseEnd::Banned(None)),
+        ]
+    );
+    // Another proxy, and a fresh instance (a new endpoint) of the first, start from nothing.
+    let first = |p: &crate::lease::ProxyInfo| {
+        judge
+            .decide(p, Some("shop.example"), &seen(403, &none, 1, None), 2_000)
+            .expect("matches")
+            .action
+    };
+    assert_eq!(first(&proxy("b", 2)), Action::Retry);
+    assert_eq!(first(&proxy("a", 3)), Action::Retry);
+    // A 200 is no match, and is not counted.
+    assert!(
+        judge
+            .decide(&a, Some("shop.example"), &seen(200, &none, 1, None), 2_001)
+            .is_none()
+    );
+}
