@@ -281,3 +281,26 @@ rules:
             .is_none()
     );
 }
+
+#[test]
+fn the_example_in_the_docs_is_valid() {
+    let doc = include_str!("../../../docs/gateway.md");
+    let section = doc
+        .split_once("### The rules file")
+        .map(|(_, rest)| rest)
+        .expect("docs/gateway.md has the section");
+    let example = section
+        .split_once("```yaml\n")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .map(|(yaml, _)| yaml)
+        .expect("a YAML example");
+    let rules = parse(example).expect("the documented example is valid");
+    assert_eq!(rules.0.len(), 1);
+    let rule = &rules.0[0];
+    assert_eq!(&*rule.name, "captcha");
+    assert_eq!(
+        rule.ladder,
+        config::default_ladder(),
+        "the example shows the default ladder"
+    );
+}
