@@ -22,7 +22,7 @@ use std::{
 
 use tracing::{debug, warn};
 
-use super::{GatewayConfig, GatewayDeps, user::UserName};
+use super::{GatewayConfig, GatewayDeps, polite::Turn, user::UserName};
 use crate::{
     api::ProxyKey,
     lease::{
@@ -74,6 +74,8 @@ pub(super) struct Lent {
     lease_id: String,
     kind: Kind,
     done: bool,
+    /// The request's politeness turn, freed with the lease.
+    turn: Option<Turn>,
 }
 
 enum Kind {
@@ -85,6 +87,12 @@ impl Lent {
     /// The proxy to go through.
     pub(super) fn proxy(&self) -> &Arc<ProxyInfo> {
         &self.proxy
+    }
+
+    /// Holds `turn` (a politeness turn) as long as the lease is lent.
+    pub(super) fn with_turn(mut self, turn: Option<Turn>) -> Self {
+        self.turn = turn;
+        self
     }
 
     /// The request is done and went well: a lease of its own goes back now (`ok`); a
@@ -206,6 +214,7 @@ impl Held {
             lease_id,
             kind: Kind::Loose(n),
             done: false,
+            turn: None,
         })
     }
 
@@ -248,6 +257,7 @@ impl Held {
                 lease_id: lease.lease_id,
                 kind: Kind::Session(session),
                 done: false,
+                turn: None,
             });
         }
     }

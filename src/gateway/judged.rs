@@ -65,6 +65,9 @@ impl Gateway {
         let Ok(second) = self.held.take_loose(again.who, domain, Some(&first.proxy)).await else {
             return first.answer;
         };
+        let Ok(second) = self.polite(second, domain).await else {
+            return first.answer;
+        };
         let upstream = forward::upstream_request(again.parts, Full::new(again.body.clone()), second.proxy());
         let sent = Instant::now();
         match forward::send(second.proxy(), upstream, self.config.connect_timeout).await {

@@ -16,6 +16,7 @@ mod body;
 mod forward;
 mod held;
 mod judged;
+pub mod polite;
 pub mod rules;
 pub mod user;
 
@@ -43,6 +44,7 @@ use self::{
     forward::{GatewayBody, UpstreamError},
     held::Held,
     judged::Resend,
+    polite::Polite,
     rules::{RecycleRequests, Rules, judge::Judge},
     user::UserName,
 };
@@ -123,6 +125,7 @@ pub struct Gateway {
     held: Arc<Held>,
     config: Arc<GatewayConfig>,
     judge: Arc<Judge>,
+    polite: Arc<Polite>,
 }
 
 impl Gateway {
@@ -131,6 +134,7 @@ impl Gateway {
         let judge = Judge::new(config.rules.clone(), deps.health.clone(), deps.recycle.clone());
         Self {
             held: Arc::new(Held::new(deps, config.clone())),
+            polite: Arc::new(Polite::new(config.rules.politeness.clone())),
             config: Arc::new(config),
             judge: Arc::new(judge),
         }
@@ -344,7 +348,7 @@ impl Gateway {
         let retryable = matches!(*request.method(), Method::GET | Method::HEAD);
         let (parts, body) = request.into_parts();
         if !retryable {
-            let lent = self.held.take(&who, domain).await?;
+            let lent = self.polite(self.held.take(&who, domain).await?, domain).await?;
             let upstream = forward::upstream_request(&parts, body, lent.proxy());
             let sent = Instant::now();
             return match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
@@ -362,7 +366,7 @@ impl Gateway {
             .await
             .map_err(|e| Refusal::bad_request(format!("reading the request body: {e}")))?
             .to_bytes();
-        let lent = self.held.take(&who, domain).await?;
+        let lent = self.polite(self.held.take(&who, domain).await?, domain).await?;
         let upstream = forward::upstream_request(&parts, Full::new(body.clone()), lent.proxy());
         let sent = Instant::now();
         let error = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
@@ -383,7 +387,11 @@ impl Gateway {
         let second = self.held.take_loose(&who, domain, Some(&lent.proxy().key)).await;
         let mut first = Refusal::upstream(lent.proxy(), &error);
         lent.end(Outcome::Error).await;
-        let Ok(second) = second else {
+        let second = match second {
+            Ok(second) => self.polite(second, domain).await.ok(),
+            Err(_) => None,
+        };
+        let Some(second) = second else {
             first.message.push_str("; no other proxy was free to try");
             return Err(first);
         };
@@ -412,7 +420,7 @@ impl Gateway {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };
         let domain = target_domain(authority.host());
-        let lent = self.held.take(who, domain).await?;
+        let lent = self.polite(self.held.take(who, domain).await?, domain).await?;
         let Some(upstream) = forward::connect_request(authority.as_str(), lent.proxy()) else {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };

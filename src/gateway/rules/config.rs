@@ -8,6 +8,7 @@ use hyper::header::HeaderName;
 use serde::Deserialize;
 
 use super::{Action, BodyMatch, HeaderMatch, Match, Rule, Rules, Step};
+use crate::gateway::polite::{DomainPattern, Politeness};
 
 /// Most bytes of a body a body pattern may look at (per answer, held while it is judged).
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
@@ -19,8 +20,12 @@ pub const MAX_AFTER: u32 = 1000;
 pub const MAX_SECONDS: u64 = 7 * 24 * 3600;
 /// A rule's window when it gives none.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(30 * 60);
-/// Most rules in a file.
+/// Most rules (and most politeness entries) in a file.
 pub const MAX_RULES: usize = 64;
+/// Longest a request may wait for its politeness turn.
+pub const MAX_POLITE_WAIT_MS: u64 = 60_000;
+/// How long a request waits for its politeness turn when the entry does not say.
+pub const DEFAULT_POLITE_WAIT_MS: u64 = 5_000;
 /// Largest compiled pattern (the `regex` crate's size limit), so a file cannot make the
 /// gateway build a huge automaton.
 const MAX_PATTERN_SIZE: usize = 1024 * 1024;
@@ -60,12 +65,43 @@ pub enum RulesError {
         /// What is wrong and what is allowed.
         message: String,
     },
+    /// A politeness entry that does not hold together.
+    #[error("the gateway rules {path}: politeness[{index}].{field}: {message}")]
+    Politeness {
+        /// The file.
+        path: String,
+        /// Its position in `politeness`.
+        index: usize,
+        /// The field to fix, e.g. `minIntervalMs`.
+        field: String,
+        /// What is wrong and what is allowed.
+        message: String,
+    },
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RulesFile {
-    rules: Vec<RuleSpec>,
+    /// Absent: the default rule; `[]`: no rule at all.
+    #[serde(default)]
+    rules: Option<Vec<RuleSpec>>,
+    #[serde(default)]
+    politeness: Vec<PoliteSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PoliteSpec {
+    #[serde(default)]
+    domains: Vec<String>,
+    #[serde(default)]
+    proxies: BTreeMap<String, String>,
+    #[serde(default)]
+    min_interval_ms: Option<u64>,
+    #[serde(default)]
+    max_concurrent: Option<u32>,
+    #[serde(default)]
+    max_wait_ms: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -194,15 +230,36 @@ impl Rules {
                 message: err.into_inner().to_string(),
             }
         })?;
-        if file.rules.len() > MAX_RULES {
-            return Err(RulesError::Syntax {
-                path: path.to_owned(),
-                location: "rules: ".to_owned(),
-                message: format!("{} rules; at most {MAX_RULES}", file.rules.len()),
-            });
+        let too_many = |field: &str, n: usize| RulesError::Syntax {
+            path: path.to_owned(),
+            location: format!("{field}: "),
+            message: format!("{n} entries; at most {MAX_RULES}"),
+        };
+        if file.politeness.len() > MAX_RULES {
+            return Err(too_many("politeness", file.politeness.len()));
         }
-        let mut rules: Vec<Rule> = Vec::with_capacity(file.rules.len());
-        for (index, spec) in file.rules.into_iter().enumerate() {
+        let mut politeness = Vec::with_capacity(file.politeness.len());
+        for (index, spec) in file.politeness.into_iter().enumerate() {
+            politeness.push(
+                compile_politeness(spec).map_err(|(field, message)| RulesError::Politeness {
+                    path: path.to_owned(),
+                    index,
+                    field,
+                    message,
+                })?,
+            );
+        }
+        let Some(specs) = file.rules else {
+            return Ok(Self {
+                rules: Self::default_rules(),
+                politeness,
+            });
+        };
+        if specs.len() > MAX_RULES {
+            return Err(too_many("rules", specs.len()));
+        }
+        let mut rules: Vec<Rule> = Vec::with_capacity(specs.len());
+        for (index, spec) in specs.into_iter().enumerate() {
             let invalid = |rule: &str, field: &str, message: String| RulesError::Invalid {
                 path: path.to_owned(),
                 rule: rule.to_owned(),
@@ -226,8 +283,62 @@ impl Rules {
             let rule = compile(spec).map_err(|(field, message)| invalid(&name, &field, message))?;
             rules.push(rule);
         }
-        Ok(Self(rules))
+        Ok(Self { rules, politeness })
     }
+}
+
+/// One politeness entry, or the field that is wrong and why.
+fn compile_politeness(spec: PoliteSpec) -> Result<Politeness, (String, String)> {
+    let mut domains = Vec::with_capacity(spec.domains.len());
+    for (i, text) in spec.domains.iter().enumerate() {
+        let lower = text.to_ascii_lowercase();
+        let (pattern, name) = match lower.strip_prefix("*.") {
+            Some(rest) => (DomainPattern::Below(rest.to_owned()), rest),
+            None => (DomainPattern::Exact(lower.clone()), lower.as_str()),
+        };
+        let valid = !name.is_empty()
+            && name.len() <= 253
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_');
+        if !valid {
+            return Err((
+                format!("domains[{i}]"),
+                format!("{text:?} is no domain (a host name, or *. and a host name for its subdomains)"),
+            ));
+        }
+        domains.push(pattern);
+    }
+    if spec.min_interval_ms.is_none() && spec.max_concurrent.is_none() {
+        return Err((
+            "minIntervalMs".into(),
+            "give minIntervalMs, maxConcurrent or both".into(),
+        ));
+    }
+    if let Some(ms) = spec.min_interval_ms
+        && !(1..=3_600_000).contains(&ms)
+    {
+        return Err(("minIntervalMs".into(), format!("{ms} is out of range 1-3600000")));
+    }
+    if let Some(n) = spec.max_concurrent
+        && !(1..=10_000).contains(&n)
+    {
+        return Err(("maxConcurrent".into(), format!("{n} is out of range 1-10000")));
+    }
+    let wait = spec.max_wait_ms.unwrap_or(DEFAULT_POLITE_WAIT_MS);
+    if wait > MAX_POLITE_WAIT_MS {
+        return Err((
+            "maxWaitMs".into(),
+            format!("{wait} is out of range 0-{MAX_POLITE_WAIT_MS}"),
+        ));
+    }
+    Ok(Politeness {
+        domains,
+        proxies: spec.proxies.into_iter().collect(),
+        min_interval: spec.min_interval_ms.map(Duration::from_millis),
+        max_concurrent: spec.max_concurrent,
+        max_wait: Duration::from_millis(wait),
+    })
 }
 
 /// One rule, or the field that is wrong and why.

@@ -196,15 +196,31 @@ impl Rule {
     }
 }
 
-/// The rules, asked in order: the first that matches decides.
+/// The rules file: the rules, asked in order (the first that matches decides), and the
+/// politeness limits (`politeness:`, none by default).
 #[derive(Clone, Debug)]
-pub struct Rules(pub Vec<Rule>);
+pub struct Rules {
+    /// The rules.
+    pub rules: Vec<Rule>,
+    /// The politeness limits, asked in order (the first that applies decides).
+    pub politeness: Vec<crate::gateway::polite::Politeness>,
+}
 
 impl Default for Rules {
     /// Today's behaviour: 403 and 429 ban the proxy for the domain (the store's duration) at
     /// the first match, and the answer is passed on.
     fn default() -> Self {
-        Self(vec![Rule {
+        Self {
+            rules: Self::default_rules(),
+            politeness: Vec::new(),
+        }
+    }
+}
+
+impl Rules {
+    /// The default rule: 403 and 429 ban at once, the answer passed on.
+    pub fn default_rules() -> Vec<Rule> {
+        vec![Rule {
             name: "default-ban".into(),
             proxies: Vec::new(),
             when: Match {
@@ -217,14 +233,12 @@ impl Default for Rules {
                 after: 1,
                 action: Action::Ban(None),
             }],
-        }])
+        }]
     }
-}
 
-impl Rules {
     /// The first rule (its index) that applies to a proxy with `attributes` and matches `seen`.
     pub fn judge(&self, attributes: &Attributes, seen: &Seen<'_>) -> Option<(usize, &Rule)> {
-        self.0
+        self.rules
             .iter()
             .enumerate()
             .find(|(_, rule)| rule.applies_to(attributes) && rule.when.holds(seen))
@@ -235,7 +249,7 @@ impl Rules {
     /// body (0: judge on the head alone).
     pub fn body_wanted(&self, attributes: &Attributes, seen: &Seen<'_>) -> usize {
         let mut wanted = 0;
-        for rule in &self.0 {
+        for rule in &self.rules {
             if !rule.applies_to(attributes) || !rule.when.head_holds(seen) {
                 continue;
             }

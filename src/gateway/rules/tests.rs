@@ -99,7 +99,7 @@ rules:
 #[test]
 fn the_ladder_escalates_per_domain_then_per_proxy() {
     let rules = parse("rules:\n  - name: blocked\n    match: {status: [403]}\n").expect("valid");
-    let rule = &rules.0[0];
+    let rule = &rules.rules[0];
     assert!(rule.retry);
     let step = |domain, proxy| rule.step(Counts { domain, proxy }).map(|s| s.action);
     assert_eq!(step(1, 1), Some(Action::Retry));
@@ -131,7 +131,7 @@ rules:
 "#,
     )
     .expect("valid");
-    let rule = &rules.0[0];
+    let rule = &rules.rules[0];
     assert_eq!(rule.window, Duration::from_secs(60));
     assert!(!rule.retry);
     let step = |n| rule.step(Counts { domain: n, proxy: n }).map(|s| s.action);
@@ -195,6 +195,26 @@ fn a_bad_file_says_which_rule_and_field_to_fix() {
         (
             "rules:\n  - name: x\n    match: {status: [403]}\n    windowSeconds: 0\n",
             "windowSeconds: 0 is out of range",
+        ),
+        (
+            "politeness:\n  - {maxWaitMs: 100}\n",
+            "politeness[0].minIntervalMs: give minIntervalMs, maxConcurrent or both",
+        ),
+        (
+            "politeness:\n  - {minIntervalMs: 100}\n  - {domains: [shop.example, \"bad domain\"], maxConcurrent: 1}\n",
+            "politeness[1].domains[1]: \"bad domain\" is no domain",
+        ),
+        (
+            "politeness:\n  - {maxConcurrent: 0}\n",
+            "politeness[0].maxConcurrent: 0 is out of range",
+        ),
+        (
+            "politeness:\n  - {minIntervalMs: 5, maxWaitMs: 61000}\n",
+            "politeness[0].maxWaitMs: 61000 is out of range",
+        ),
+        (
+            "politeness:\n  - {minIntervalMs: 5, every: 3}\n",
+            "politeness[0]: unknown field `every`",
         ),
     ];
     for (text, expected) in cases {
@@ -295,12 +315,37 @@ fn the_example_in_the_docs_is_valid() {
         .map(|(yaml, _)| yaml)
         .expect("a YAML example");
     let rules = parse(example).expect("the documented example is valid");
-    assert_eq!(rules.0.len(), 1);
-    let rule = &rules.0[0];
+    assert_eq!(rules.rules.len(), 1);
+    let rule = &rules.rules[0];
     assert_eq!(&*rule.name, "captcha");
     assert_eq!(
         rule.ladder,
         config::default_ladder(),
         "the example shows the default ladder"
     );
+}
+
+#[test]
+fn a_file_of_politeness_alone_keeps_the_default_rule() {
+    use crate::gateway::polite::DomainPattern;
+    let rules = parse(
+        "politeness:\n  - {domains: [Shop.Example, \"*.news.example\"], proxies: {pool: eu}, minIntervalMs: 500, maxConcurrent: 2}\n",
+    )
+    .expect("valid");
+    assert_eq!(rules.rules.len(), 1);
+    assert_eq!(&*rules.rules[0].name, "default-ban");
+    let polite = &rules.politeness[0];
+    assert_eq!(
+        polite.domains,
+        [
+            DomainPattern::Exact("shop.example".into()),
+            DomainPattern::Below("news.example".into())
+        ]
+    );
+    assert_eq!(polite.proxies, [("pool".to_owned(), "eu".to_owned())]);
+    assert_eq!(polite.min_interval, Some(Duration::from_millis(500)));
+    assert_eq!(polite.max_concurrent, Some(2));
+    assert_eq!(polite.max_wait, Duration::from_secs(5));
+    // `rules: []`: no rule at all.
+    assert!(parse("rules: []\n").expect("valid").rules.is_empty());
 }
