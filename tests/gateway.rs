@@ -1357,3 +1357,60 @@ async fn a_bad_rules_file_is_refused_at_start_naming_the_field() {
         "{log}"
     );
 }
+
+/// Politeness (the rules file's `politeness:`): requests through one Squid to one domain start
+/// at least the interval apart, each waiting its turn within the bound; one that would wait
+/// longer gets 429 `politeness_limit` with `Retry-After` and never reaches the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn politeness_spaces_requests_and_refuses_a_long_wait() {
+    let rules = r#"
+politeness:
+  - {domains: ["127.0.0.1"], proxies: {squid: a}, minIntervalMs: 1000, maxWaitMs: 1500}
+  - {domains: ["127.0.0.1"], proxies: {squid: b}, minIntervalMs: 10000, maxWaitMs: 500}
+"#;
+    let setup = Setup::start_with_rules(Some(rules), &[]).await;
+    let started = Instant::now();
+    for n in 0..3 {
+        let url = setup.origin.url(&format!("/polite-a-{n}"));
+        let (code, body, _) = setup.curl("crawler-6;attr.squid=a", &url, &[]).await;
+        assert_eq!(code, 200, "{body}");
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(2_000),
+        "three starts a second apart took {took:?}"
+    );
+
+    let url = setup.origin.url("/polite-b");
+    let (code, body, _) = setup.curl("crawler-6;attr.squid=b", &url, &[]).await;
+    assert_eq!(code, 200, "{body}");
+    let before = Instant::now();
+    let (code, body, head) = setup.curl("crawler-6;attr.squid=b", &url, &[]).await;
+    assert_eq!(code, 429, "{body}");
+    assert!(
+        before.elapsed() < Duration::from_secs(5),
+        "refused without the long wait"
+    );
+    assert!(
+        body.contains("politeness_limit") && body.contains("at most one request every 10000 ms"),
+        "{body}"
+    );
+    let retry_after: u64 = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("retry-after: ")
+                .map(|v| v.trim().to_owned())
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("a Retry-After: {head}"));
+    assert!((9..=10).contains(&retry_after), "{head}");
+    assert_eq!(
+        setup.origin.peers_of("/polite-b").len(),
+        1,
+        "the refused request never reached the target"
+    );
+    setup
+        .no_leases_within(Duration::from_secs(5), "after a refusal")
+        .await;
+}

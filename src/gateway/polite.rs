@@ -72,7 +72,7 @@ impl Politeness {
 
 /// Why a request got no turn: what the gateway's 429 says.
 #[derive(Debug, thiserror::Error)]
-#[error("politeness towards {domain} through {proxy}: {why}; try again in {retry_after:?}")]
+#[error("politeness towards {domain} through {proxy}: {why}; try again in {} s", .retry_after.as_secs())]
 pub struct NoTurn {
     /// The proxy.
     pub proxy: ProxyKey,
@@ -80,7 +80,7 @@ pub struct NoTurn {
     pub domain: String,
     /// Which limit.
     pub why: String,
-    /// When trying again may help.
+    /// When trying again may help (whole seconds, at least one).
     pub retry_after: Duration,
 }
 
@@ -148,7 +148,8 @@ impl Polite {
             proxy: proxy.clone(),
             domain: domain.to_owned(),
             why,
-            retry_after: retry_after.max(Duration::from_secs(1)),
+            // Whole seconds, rounded up, as `Retry-After` says them.
+            retry_after: Duration::from_secs(retry_after.as_millis().div_ceil(1000).max(1) as u64),
         };
         // A place in flight first, then a start time: a request that got a place but whose
         // start is too far off gives the place back.
