@@ -15,10 +15,7 @@ use super::{
     body::{Guarded, Replayed},
     forward::{self, GatewayBody},
     held::Lent,
-    rules::{
-        Seen,
-        judge::{LeaseEnd, Verdict},
-    },
+    rules::{Seen, judge::LeaseEnd},
     user::UserName,
 };
 use crate::{api::ProxyKey, lease::Outcome};
@@ -37,8 +34,8 @@ pub(super) struct Resend<'a> {
 /// An answer judged: what the client gets unless it is sent again.
 struct Judged {
     answer: Response<GatewayBody>,
-    proxy: ProxyKey,
-    verdict: Option<Verdict>,
+    /// A rule wants the request sent again through another proxy than this one.
+    resend_avoiding: Option<ProxyKey>,
 }
 
 impl Gateway {
@@ -54,15 +51,12 @@ impl Gateway {
         resend: Option<Resend<'_>>,
     ) -> Response<GatewayBody> {
         let first = self.judged(lent, response, latency, domain).await;
-        let (Some(again), Some(verdict)) = (resend, &first.verdict) else {
+        let (Some(again), Some(avoid)) = (resend, &first.resend_avoiding) else {
             return first.answer;
         };
-        if !verdict.resend {
-            return first.answer;
-        }
         // Taken while the first is still held (its answer keeps it), so the store chooses
         // another; with none free, the first answer is passed on.
-        let Ok(second) = self.held.take_loose(again.who, domain, Some(&first.proxy)).await else {
+        let Ok(second) = self.held.take_loose(again.who, domain, Some(avoid)).await else {
             return first.answer;
         };
         let Ok(second) = self.polite(second, domain).await else {
@@ -91,7 +85,6 @@ impl Gateway {
         latency: Duration,
         domain: Option<&str>,
     ) -> Judged {
-        let proxy = lent.proxy().clone();
         let (parts, ()) = forward::client_response(&response, ()).into_parts();
         let (head, body) = response.into_parts();
         // Squid marks the error pages it makes itself: those are the proxy's answer (access
@@ -100,8 +93,7 @@ impl Gateway {
             let body = Guarded::new(Replayed::whole(body), lent);
             return Judged {
                 answer: Response::from_parts(parts, body.boxed_unsync()),
-                proxy: proxy.key.clone(),
-                verdict: None,
+                resend_avoiding: None,
             };
         }
         let mut seen = Seen {
@@ -110,7 +102,7 @@ impl Gateway {
             latency,
             body: None,
         };
-        let wanted = self.judge.body_wanted(&proxy, &seen);
+        let wanted = self.judge.body_wanted(lent.proxy(), &seen);
         let (ahead, body) = if wanted > 0 {
             Replayed::read_ahead(body, wanted, READ_AHEAD_WITHIN).await
         } else {
@@ -119,35 +111,40 @@ impl Gateway {
         if wanted > 0 {
             seen.body = Some(&ahead);
         }
-        let now = self.held.deps().store.now_ms();
-        let verdict = self.judge.decide(&proxy, domain, &seen, now);
-        let lent = match &verdict {
-            None => Some(lent),
-            Some(verdict) => {
-                info!(
-                    proxy = %proxy.key,
-                    domain = domain.unwrap_or_default(),
-                    status = head.status.as_u16(),
-                    rule = %verdict.rule,
-                    step = verdict.action.as_str(),
-                    matches_for_domain = verdict.counts.domain,
-                    matches_for_proxy = verdict.counts.proxy,
-                    "a gateway rule matched the target's answer"
-                );
-                if verdict.action.proxy_wide() {
-                    let (judge, proxy, verdict) = (self.judge.clone(), proxy.clone(), verdict.clone());
-                    tokio::spawn(async move { judge.enforce(&proxy, &verdict, now).await });
-                }
-                match (verdict.lease, domain) {
-                    // A session on it moves to another proxy at its next request.
-                    (LeaseEnd::Banned(time), Some(_)) => {
-                        lent.end_banning(Outcome::Banned, time).await;
-                        None
-                    }
-                    // Without a domain there is nothing to ban for.
-                    _ => Some(lent),
-                }
+        let store = &self.held.deps().store;
+        let Some(verdict) = self.judge.decide(lent.proxy(), domain, &seen, || store.now_ms()) else {
+            // The common case: the lease is given back when the answer's body is done or
+            // dropped.
+            let body = Guarded::new(body, lent);
+            return Judged {
+                answer: Response::from_parts(parts, body.boxed_unsync()),
+                resend_avoiding: None,
+            };
+        };
+        let proxy = lent.proxy().clone();
+        info!(
+            proxy = %proxy.key,
+            domain = domain.unwrap_or_default(),
+            status = head.status.as_u16(),
+            rule = %verdict.rule,
+            step = verdict.action.as_str(),
+            matches_for_domain = verdict.counts.domain,
+            matches_for_proxy = verdict.counts.proxy,
+            "a gateway rule matched the target's answer"
+        );
+        if verdict.action.proxy_wide() {
+            let (judge, proxy, verdict) = (self.judge.clone(), proxy.clone(), verdict.clone());
+            let now = store.now_ms();
+            tokio::spawn(async move { judge.enforce(&proxy, &verdict, now).await });
+        }
+        let lent = match (verdict.lease, domain) {
+            // A session on it moves to another proxy at its next request.
+            (LeaseEnd::Banned(time), Some(_)) => {
+                lent.end_banning(Outcome::Banned, time).await;
+                None
             }
+            // Without a domain there is nothing to ban for.
+            _ => Some(lent),
         };
         let answer = match lent {
             // The lease is given back when the answer's body is done or dropped.
@@ -156,8 +153,7 @@ impl Gateway {
         };
         Judged {
             answer,
-            proxy: proxy.key.clone(),
-            verdict,
+            resend_avoiding: verdict.resend.then(|| proxy.key.clone()),
         }
     }
 }

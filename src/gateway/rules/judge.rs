@@ -74,15 +74,16 @@ impl Judge {
     }
 
     /// The verdict on an answer through `proxy` for `domain`, if a rule matches; the match is
-    /// counted (at `now`, ms).
+    /// counted (at `now()`, ms: the clock is read only for a match).
     pub fn decide(
         &self,
         proxy: &ProxyInfo,
         domain: Option<&str>,
         seen: &Seen<'_>,
-        now: u64,
+        now: impl FnOnce() -> u64,
     ) -> Option<Verdict> {
         let (index, rule) = self.rules.judge(&proxy.attributes, seen)?;
+        let now = now();
         let counts = lock(&self.strikes).strike(
             index,
             rule.window.as_millis() as u64,

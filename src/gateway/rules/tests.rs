@@ -266,7 +266,7 @@ rules:
     let verdicts: Vec<(Action, bool, LeaseEnd)> = (0..4)
         .map(|i| {
             let v = judge
-                .decide(&a, Some("shop.example"), &seen(403, &none, 1, None), 1_000 + i)
+                .decide(&a, Some("shop.example"), &seen(403, &none, 1, None), || 1_000 + i)
                 .expect("matches");
             (v.action, v.resend, v.lease)
         })
@@ -288,7 +288,7 @@ rules:
     // Another proxy, and a fresh instance (a new endpoint) of the first, start from nothing.
     let first = |p: &crate::lease::ProxyInfo| {
         judge
-            .decide(p, Some("shop.example"), &seen(403, &none, 1, None), 2_000)
+            .decide(p, Some("shop.example"), &seen(403, &none, 1, None), || 2_000)
             .expect("matches")
             .action
     };
@@ -297,7 +297,7 @@ rules:
     // A 200 is no match, and is not counted.
     assert!(
         judge
-            .decide(&a, Some("shop.example"), &seen(200, &none, 1, None), 2_001)
+            .decide(&a, Some("shop.example"), &seen(200, &none, 1, None), || 2_001)
             .is_none()
     );
 }
