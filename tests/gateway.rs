@@ -636,6 +636,11 @@ mod in_process {
 
     /// The gateway over open proxies `crawl/NAME` on 127.0.0.1:PORT, one slot each.
     pub async fn start(proxies: &[(&str, u16)]) -> InProcess {
+        start_with(proxies, GatewayConfig::default()).await
+    }
+
+    /// [`start`] with `config`.
+    pub async fn start_with(proxies: &[(&str, u16)], config: GatewayConfig) -> InProcess {
         let store = LeaseStore::new(LeaseStoreConfig {
             shards: 1,
             ..LeaseStoreConfig::default()
@@ -675,13 +680,9 @@ mod in_process {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(gateway::serve(
-            listener,
-            Gateway::new(deps, GatewayConfig::default()),
-            async move {
-                let _ = stopped.await;
-            },
-        ));
+        tokio::spawn(gateway::serve(listener, Gateway::new(deps, config), async move {
+            let _ = stopped.await;
+        }));
         InProcess {
             store,
             addr,
@@ -1413,4 +1414,68 @@ politeness:
     setup
         .no_leases_within(Duration::from_secs(5), "after a refusal")
         .await;
+}
+
+/// A body pattern reads the body's start before the gateway answers, bounded in time: a body
+/// that stalls after its first bytes (the origin's `/slow`) is judged on what came within 5 s
+/// and passed on as it comes, head and first bytes first, not held for the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reading_ahead_for_a_body_pattern_is_bounded_in_time() {
+    use egress_proxies_operator::gateway::{GatewayConfig, rules::Rules};
+
+    let origin = Origin::start().await;
+    let squid = support::Squid::start().await;
+    let rules = Rules::parse(
+        "rules:\n  - name: robot\n    match: {body: robot}\n",
+        "rules.yaml",
+    )
+    .expect("valid");
+    let gateway = in_process::start_with(
+        &[("only", squid.port)],
+        GatewayConfig {
+            rules,
+            ..GatewayConfig::default()
+        },
+    )
+    .await;
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let basic = basic_credentials(b"crawler-10:tok");
+    let url = origin.url("/slow");
+    stream
+        .write_all(
+            format!(
+                "GET {url} HTTP/1.1\r\nHost: {}\r\nProxy-Authorization: Basic {basic}\r\n\r\n",
+                origin.addr
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send");
+    let sent = Instant::now();
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("first bytes") {
+        let read = tokio::time::timeout(Duration::from_secs(15), stream.read(&mut buffer))
+            .await
+            .expect("the head and the first bytes within 15 s")
+            .expect("read");
+        assert!(read > 0, "closed: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buffer[..read]);
+    }
+    let waited = sent.elapsed();
+    let answer = String::from_utf8_lossy(&seen);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        (Duration::from_millis(4_500)..Duration::from_secs(10)).contains(&waited),
+        "judged after the 5 s bound, not before, not at the body's end: {waited:?}"
+    );
+    // No match in what came: no ban.
+    let store = &gateway.store;
+    let all = store.compile(&Default::default());
+    assert!(
+        store
+            .list_for(&all, Some("127.0.0.1"), store.now_ms())
+            .iter()
+            .all(|view| view.bans.is_empty())
+    );
 }
