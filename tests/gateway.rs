@@ -1042,6 +1042,14 @@ async fn only_the_targets_403_bans() {
     assert_eq!(gateway.store.active_total(), 0);
 }
 
+/// A first fetch of `url` as `user` (whose session key is `session`): the Squid's outgoing
+/// address the origin saw, and the session's proxy.
+async fn session_on(setup: &Setup, user: &str, session: &str, url: &str) -> (IpAddr, String) {
+    let (code, body, _) = setup.curl(user, url, &[]).await;
+    assert_eq!(code, 200, "{body}");
+    (from_ip(&body), session_proxy(setup, session).await)
+}
+
 /// The session's proxy, as `GET /v1/leases` lists its lease.
 async fn session_proxy(setup: &Setup, session: &str) -> String {
     let leases = setup.leases().await;
@@ -1086,10 +1094,7 @@ rules:
 
     let user = "crawler-3;session=s-body";
     let url = setup.origin.url("/captcha-1");
-    let (code, body, _) = setup.curl(user, &url, &[]).await;
-    assert_eq!(code, 200, "{body}");
-    let first = from_ip(&body);
-    let first_proxy = session_proxy(&setup, "s-body").await;
+    let (first, first_proxy) = session_on(&setup, user, "s-body", &url).await;
     setup.origin.refuse(first);
     let (code, body, _) = setup.curl(user, &url, &[]).await;
     assert_eq!(code, 200);
@@ -1115,10 +1120,7 @@ rules:
 
     let user = "crawler-3;session=s-header";
     let url = setup.origin.url("/header-1");
-    let (code, body, _) = setup.curl(user, &url, &[]).await;
-    assert_eq!(code, 200, "{body}");
-    let blocked = from_ip(&body);
-    let blocked_proxy = session_proxy(&setup, "s-header").await;
+    let (blocked, blocked_proxy) = session_on(&setup, user, "s-header", &url).await;
     setup.origin.refuse(blocked);
     let (code, body, head) = setup.curl(user, &url, &[]).await;
     assert_eq!(code, 200, "{body}");
