@@ -9,7 +9,12 @@
 //!   domain (`GET /v1/proxies` shows the ban) and the session moves to another;
 //! - `CONNECT` (curl's `--proxytunnel`) splices a tunnel through a Squid;
 //! - missing credentials, a bad token and a bad user name get 407/400 answers that say what to fix;
-//! - a client that goes away mid-answer, and an idle session, leave no lease behind.
+//! - a client that goes away mid-answer, and an idle session, leave no lease behind;
+//! - a rules file (`--gateway-rules`): body and header rules ban and move a session, a Squid the
+//!   target keeps refusing climbs the escalation ladder to a fresh instance, recycles stay
+//!   within the pool's budget, a bad file is refused at start, reading ahead for a body
+//!   pattern is bounded in time, politeness spaces requests or answers 429; in cluster mode a
+//!   recycle is a patch of the Proxy's annotation.
 
 mod support;
 
