@@ -103,14 +103,10 @@ pub(super) struct Polite {
 pub(super) struct Turn {
     polite: Arc<Polite>,
     key: (ProxyKey, String),
-    counted: bool,
 }
 
 impl Drop for Turn {
     fn drop(&mut self) {
-        if !self.counted {
-            return;
-        }
         let mut slots = lock(&self.polite.slots);
         if let Some(slot) = slots.get_mut(&self.key) {
             slot.in_flight = slot.in_flight.saturating_sub(1);
@@ -184,7 +180,6 @@ impl Polite {
         let turn = Turn {
             polite: self.clone(),
             key: key.clone(),
-            counted: true,
         };
         let Some(interval) = entry.min_interval else {
             return Ok(Some(turn));
