@@ -23,6 +23,9 @@
 //!   changes: Unknown→Passing, Unknown→Failing, Passing→Failing, Failing→Passing
 //!   (`recovered: true`). Upserting a target again keeps its counters unless its endpoint or URL
 //!   changed.
+//! - **Hold.** What sees traffic the probes do not (the gateway's rules) may hold a verdict
+//!   `Failing` for a while ([`HealthHandle::hold_failing`], [`hold`]): the lifecycle then takes
+//!   the proxy out of rotation as for failed probes, and it recovers as from them.
 //!
 //! The engine runs until every [`HealthHandle`] is dropped.
 
