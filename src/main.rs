@@ -302,6 +302,7 @@ impl RunArgs {
             discovery_listen: self.discovery_listen,
             gateway_listen: self.gateway.gateway_listen,
             gateway_session_idle: std::time::Duration::from_secs(self.gateway.gateway_session_idle_seconds),
+            gateway_rules: self.gateway.rules()?,
             auth,
             signing_key: self.lease_signing_key,
             concurrency: self.concurrency,
@@ -319,6 +320,20 @@ struct GatewayArgs {
     /// Release a gateway session's lease once no request used it for this many seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     gateway_session_idle_seconds: u64,
+    /// The gateway's ban rules (YAML or JSON, docs/gateway.md), checked at start; without it
+    /// a 403 or 429 bans the proxy for the target's domain.
+    #[arg(long, value_name = "FILE")]
+    gateway_rules: Option<PathBuf>,
+}
+
+impl GatewayArgs {
+    /// The rules file's rules, or the default ones.
+    fn rules(&self) -> anyhow::Result<egress_proxies_operator::gateway::rules::Rules> {
+        Ok(match &self.gateway_rules {
+            Some(path) => egress_proxies_operator::gateway::rules::Rules::load(path)?,
+            None => Default::default(),
+        })
+    }
 }
 
 /// Discovery API authentication flags of `run`: static tokens (file and/or Secret), TokenReview,
@@ -484,6 +499,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 listen,
                 gateway_listen: gateway.gateway_listen,
                 gateway_session_idle: std::time::Duration::from_secs(gateway.gateway_session_idle_seconds),
+                gateway_rules: gateway.rules()?,
                 auth: app::DiscoveryAuthOptions {
                     tokens_file: discovery_tokens,
                     no_auth: discovery_no_auth,

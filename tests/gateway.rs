@@ -9,7 +9,12 @@
 //!   domain (`GET /v1/proxies` shows the ban) and the session moves to another;
 //! - `CONNECT` (curl's `--proxytunnel`) splices a tunnel through a Squid;
 //! - missing credentials, a bad token and a bad user name get 407/400 answers that say what to fix;
-//! - a client that goes away mid-answer, and an idle session, leave no lease behind.
+//! - a client that goes away mid-answer, and an idle session, leave no lease behind;
+//! - a rules file (`--gateway-rules`): body and header rules ban and move a session, a Squid the
+//!   target keeps refusing climbs the escalation ladder to a fresh instance, recycles stay
+//!   within the pool's budget, a bad file is refused at start, reading ahead for a body
+//!   pattern is bounded in time, politeness spaces requests or answers 429; in cluster mode a
+//!   recycle is a patch of the Proxy's annotation.
 
 mod support;
 
@@ -23,7 +28,7 @@ use serde_json::Value;
 use support::{
     free_port,
     process::GroupChild,
-    standalone::{self, Answer, Host, healthy_rows, start_operator_with, try_api, wait_status},
+    standalone::{self, Answer, Host, audit_lines, healthy_rows, start_operator_with, try_api, wait_status},
 };
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -34,11 +39,13 @@ use tokio::{
 const SQUIDS: [(&str, &str); 3] = [("a", "127.0.0.2"), ("b", "127.0.0.3"), ("c", "127.0.0.4")];
 
 /// An origin on 127.0.0.1: `/health` is always 200; `/slow` sends its head and part of its
-/// body, then waits; every other path answers 200 naming the address it came from, or 403 when
-/// that address is the one [`Origin::refuse`] named.
+/// body, then waits; every other path answers 200 naming the address it came from, or, when
+/// that address is one [`Origin::refuse`] named, refuses it: a 200 page asking for a captcha
+/// (`/captcha...`: the word comes after 1 KiB, the page is [`CAPTCHA_PAGE_BYTES`] long), a 200
+/// with `X-Blocked: yes` (`/header...`), else a 403.
 struct Origin {
     addr: SocketAddr,
-    refused: Arc<Mutex<Option<IpAddr>>>,
+    refused: Arc<Mutex<Vec<IpAddr>>>,
     seen: Arc<Mutex<Vec<(String, IpAddr)>>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -47,7 +54,7 @@ impl Origin {
     async fn start() -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind origin");
         let addr = listener.local_addr().expect("origin address");
-        let refused: Arc<Mutex<Option<IpAddr>>> = Arc::default();
+        let refused: Arc<Mutex<Vec<IpAddr>>> = Arc::default();
         let seen: Arc<Mutex<Vec<(String, IpAddr)>>> = Arc::default();
         let (refusing, seeing) = (refused.clone(), seen.clone());
         let task = tokio::spawn(async move {
@@ -68,9 +75,14 @@ impl Origin {
         format!("http://{}{path}", self.addr)
     }
 
-    /// Answers 403 to requests from `ip` from now on.
+    /// Refuses requests from `ip` from now on.
     fn refuse(&self, ip: IpAddr) {
-        *self.refused.lock().expect("not poisoned") = Some(ip);
+        self.refused.lock().expect("not poisoned").push(ip);
+    }
+
+    /// Refuses no one from now on.
+    fn welcome_all(&self) {
+        self.refused.lock().expect("not poisoned").clear();
     }
 
     /// The addresses requests for `path` came from, in order.
@@ -94,7 +106,7 @@ impl Drop for Origin {
 async fn serve_origin(
     mut stream: TcpStream,
     peer: IpAddr,
-    refused: Arc<Mutex<Option<IpAddr>>>,
+    refused: Arc<Mutex<Vec<IpAddr>>>,
     seen: Arc<Mutex<Vec<(String, IpAddr)>>>,
 ) {
     // Keep-alive: Squid may send several requests on one connection.
@@ -119,20 +131,39 @@ async fn serve_origin(
             tokio::time::sleep(Duration::from_secs(60)).await;
             return;
         }
-        let refuse = path != "/health" && *refused.lock().expect("not poisoned") == Some(peer);
-        let (status, body) = if refuse {
-            ("403 Forbidden", format!("no entry for {peer}"))
-        } else {
-            ("200 OK", format!("hello {path} from {peer}"))
+        let refuse = path != "/health" && refused.lock().expect("not poisoned").contains(&peer);
+        let (status, header, body) = match (refuse, path.as_str()) {
+            (true, p) if p.starts_with("/captcha") => ("200 OK", "", captcha_page(peer)),
+            (true, p) if p.starts_with("/header") => {
+                ("200 OK", "X-Blocked: yes\r\n", format!("quietly blocked {peer}"))
+            }
+            (true, _) => ("403 Forbidden", "", format!("no entry for {peer}")),
+            (false, _) => ("200 OK", "", format!("hello {path} from {peer}")),
         };
         let response = format!(
-            "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{body}",
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain\r\n{header}Content-Length: {}\r\n\r\n{body}",
             body.len()
         );
         if stream.write_all(response.as_bytes()).await.is_err() {
             return;
         }
     }
+}
+
+/// How long the origin's captcha page is: longer than the gateway reads ahead, so its end
+/// streams after the verdict.
+const CAPTCHA_PAGE_BYTES: usize = 200 * 1024;
+
+/// The page the origin asks `peer` for a captcha with: the word after 1 KiB of markup.
+fn captcha_page(peer: IpAddr) -> String {
+    let mut page = format!(
+        "<html>{}<p>{peer}: please solve this captcha</p>",
+        " ".repeat(1024)
+    );
+    let tail = CAPTCHA_PAGE_BYTES - page.len() - "</html>".len();
+    page.push_str(&"x".repeat(tail));
+    page.push_str("</html>");
+    page
 }
 
 /// The operator with three healthy Squids and the gateway. Fields drop in order: the operator
@@ -146,14 +177,23 @@ struct Setup {
 
 impl Setup {
     async fn start(extra: &[&str]) -> Self {
+        Self::start_with_rules(None, extra).await
+    }
+
+    /// [`Setup::start`], the gateway's rules from `rules` (YAML) when given.
+    async fn start_with_rules(rules: Option<&str>, extra: &[&str]) -> Self {
         let origin = Origin::start().await;
         let host = Host::new();
+        if let Some(rules) = rules {
+            std::fs::write(host.path().join("rules.yaml"), rules).expect("rules file");
+        }
         for (name, outgoing) in SQUIDS {
             let manifest = standalone::manifest(
                 name,
                 free_port(),
                 &origin.url("/health"),
-                &[("pool", "gw")],
+                // `attr.squid=NAME` pins a request to one Squid.
+                &[("pool", "gw"), ("squid", name)],
                 &[("maxConcurrent", 1)],
             )
             .replace(
@@ -165,6 +205,9 @@ impl Setup {
         let gateway = free_port();
         let listen = format!("127.0.0.1:{gateway}");
         let mut args = vec!["--gateway-listen", listen.as_str()];
+        if rules.is_some() {
+            args.extend_from_slice(&["--gateway-rules", "rules.yaml"]);
+        }
         args.extend_from_slice(extra);
         let operator = start_operator_with(&host, "operator.log", &args);
         wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
@@ -598,6 +641,11 @@ mod in_process {
 
     /// The gateway over open proxies `crawl/NAME` on 127.0.0.1:PORT, one slot each.
     pub async fn start(proxies: &[(&str, u16)]) -> InProcess {
+        start_with(proxies, GatewayConfig::default()).await
+    }
+
+    /// [`start`] with `config`.
+    pub async fn start_with(proxies: &[(&str, u16)], config: GatewayConfig) -> InProcess {
         let store = LeaseStore::new(LeaseStoreConfig {
             shards: 1,
             ..LeaseStoreConfig::default()
@@ -631,17 +679,15 @@ mod in_process {
             journal: None,
             auth: Arc::new(StaticTokens::parse("tok\n")),
             readiness,
+            health: None,
+            recycle: None,
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(gateway::serve(
-            listener,
-            Gateway::new(deps, GatewayConfig::default()),
-            async move {
-                let _ = stopped.await;
-            },
-        ));
+        tokio::spawn(gateway::serve(listener, Gateway::new(deps, config), async move {
+            let _ = stopped.await;
+        }));
         InProcess {
             store,
             addr,
@@ -867,21 +913,24 @@ process.start()
         .await;
 }
 
-/// Cluster mode serves the gateway too (the same core): against a real kube-apiserver, with a
-/// Proxy object of the `local` provider, `curl -x` through the gateway reaches the origin
-/// through that Squid once the replica leads, and leaves no lease.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_mode_serves_the_gateway_too() {
-    use egress_proxies_operator::api::Proxy;
-    use kube::{Api, api::PostParams};
-    use support::{
+mod cluster {
+    //! Cluster mode with the gateway: a real kube-apiserver, one Proxy `crawl/squid-1` of the
+    //! `local` provider, the whole mode in this process.
+
+    use std::time::Duration;
+
+    use egress_proxies_operator::{api::Proxy, gateway::rules::Rules};
+    use kube::{Api, Client, api::PostParams};
+
+    use super::{Origin, free_port, standalone};
+    use crate::support::{
         cluster_app::{ClusterApp, local_cluster, local_proxy},
         control_plane::ControlPlane,
-        wait_until,
     };
 
     /// Kills the Squids the local provider started under the folder, whatever the outcome.
     struct Squids(std::path::PathBuf);
+
     impl Drop for Squids {
         fn drop(&mut self) {
             for pid in standalone::squids(&self.0) {
@@ -892,49 +941,96 @@ async fn cluster_mode_serves_the_gateway_too() {
         }
     }
 
-    let origin = Origin::start().await;
-    let plane = ControlPlane::start().await;
-    let operator_client = plane.install_default().await;
-    plane.create_namespace("crawl").await;
-    let client = plane.client().await;
-    let dir = tempfile::tempdir().expect("temp dir");
-    let _squids = Squids(dir.path().to_owned());
-    let token = "gateway-token-0123456789abcdef";
-    let (admin, discovery, gateway, proxy_port) = (free_port(), free_port(), free_port(), free_port());
-    let mut options = local_cluster(
-        dir.path(),
-        &dir.path().join("local"),
-        token,
-        ([127, 0, 0, 1], admin).into(),
-        ([127, 0, 0, 1], discovery).into(),
-    );
-    options.gateway_listen = Some(([127, 0, 0, 1], gateway).into());
-    let operator = ClusterApp::start(operator_client, options);
+    /// The running mode; fields drop in order (the operator before the Squids it supervises).
+    pub struct ClusterGateway {
+        pub operator: ClusterApp,
+        pub proxies: Api<Proxy>,
+        pub dir: tempfile::TempDir,
+        pub gateway: u16,
+        pub discovery: u16,
+        pub token: &'static str,
+        _squids: Squids,
+        _plane: ControlPlane,
+    }
 
-    let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
-    let proxy = local_proxy(
-        "squid-1",
-        proxy_port,
-        &origin.url("/health"),
-        2,
-        serde_json::json!({}),
-    );
-    proxies
-        .create(&PostParams::default(), &proxy)
-        .await
-        .expect("created");
-    let credentials = format!("crawler-8:{token}");
-    // 503 `not_ready` until the replica leads and the Proxy is healthy and open.
-    let body = wait_until(Duration::from_secs(90), "the gateway forwards", async || {
-        let (code, body, _) =
-            curl_through(dir.path(), gateway, &credentials, &origin.url("/cluster"), &[]).await;
-        (code == 200).then_some(body)
-    })
-    .await;
-    assert_eq!(body, "hello /cluster from 127.0.0.1");
+    /// Starts it with the gateway's `rules`; `squid-1` is probed through `origin`'s `/health`.
+    pub async fn start(origin: &Origin, rules: Rules) -> ClusterGateway {
+        let plane = ControlPlane::start().await;
+        let operator_client = plane.install_default().await;
+        plane.create_namespace("crawl").await;
+        let client: Client = plane.client().await;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let squids = Squids(dir.path().to_owned());
+        let token = "gateway-token-0123456789abcdef";
+        let (admin, discovery, gateway, proxy_port) = (free_port(), free_port(), free_port(), free_port());
+        let mut options = local_cluster(
+            dir.path(),
+            &dir.path().join("local"),
+            token,
+            ([127, 0, 0, 1], admin).into(),
+            ([127, 0, 0, 1], discovery).into(),
+        );
+        options.gateway_listen = Some(([127, 0, 0, 1], gateway).into());
+        options.gateway_rules = rules;
+        let operator = ClusterApp::start(operator_client, options);
+        let proxies: Api<Proxy> = Api::namespaced(client, "crawl");
+        let proxy = local_proxy(
+            "squid-1",
+            proxy_port,
+            &origin.url("/health"),
+            2,
+            serde_json::json!({}),
+        );
+        proxies
+            .create(&PostParams::default(), &proxy)
+            .await
+            .expect("created");
+        ClusterGateway {
+            operator,
+            proxies,
+            dir,
+            gateway,
+            discovery,
+            token,
+            _squids: squids,
+            _plane: plane,
+        }
+    }
+
+    impl ClusterGateway {
+        /// `curl` through the gateway as `holder`.
+        pub async fn curl(&self, holder: &str, url: &str) -> (u16, String, String) {
+            let credentials = format!("{holder}:{}", self.token);
+            super::curl_through(self.dir.path(), self.gateway, &credentials, url, &[]).await
+        }
+
+        /// Waits (90 s at most) until the gateway forwards a request for `url` with a 2xx-4xx
+        /// answer of the target's (503 `not_ready` until the replica leads and the Proxy is
+        /// healthy and open); returns it.
+        pub async fn first_answer(&self, holder: &str, url: &str) -> (u16, String) {
+            crate::support::wait_until(Duration::from_secs(90), "the gateway forwards", async || {
+                let (code, body, _) = self.curl(holder, url).await;
+                (code != 503).then_some((code, body))
+            })
+            .await
+        }
+    }
+}
+
+/// Cluster mode serves the gateway too (the same core): against a real kube-apiserver, with a
+/// Proxy object of the `local` provider, `curl -x` through the gateway reaches the origin
+/// through that Squid once the replica leads, and leaves no lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_mode_serves_the_gateway_too() {
+    use support::wait_until;
+
+    let origin = Origin::start().await;
+    let running = cluster::start(&origin, Default::default()).await;
+    let (code, body) = running.first_answer("crawler-8", &origin.url("/cluster")).await;
+    assert_eq!((code, body.as_str()), (200, "hello /cluster from 127.0.0.1"));
     let leases = wait_until(Duration::from_secs(10), "no lease left", async || match try_api(
-        discovery,
-        token,
+        running.discovery,
+        running.token,
         "GET",
         "/v1/leases",
         "",
@@ -949,7 +1045,68 @@ async fn cluster_mode_serves_the_gateway_too() {
     })
     .await;
     assert_eq!(leases["leases"], serde_json::json!([]));
-    operator.stop().await;
+    running.operator.stop().await;
+}
+
+/// In cluster mode a rule's recycle is a merge patch of the Proxy's recycle annotation: the
+/// controller sees it, the lifecycle replaces the instance, `status.lastRecycle` keeps the
+/// request (it names the rule) and the `Recycled` Event says who asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_mode_recycles_through_the_proxys_annotation() {
+    use egress_proxies_operator::{api::RECYCLE_ANNOTATION, gateway::rules::Rules};
+    use kube::Api;
+    use support::wait_until;
+
+    let origin = Origin::start().await;
+    let rules = Rules::parse(
+        "rules:\n  - name: burnt\n    retry: false\n    match: {status: [403]}\n    escalation: [{after: 1, action: recycle}]\n",
+        "rules.yaml",
+    )
+    .expect("valid rules");
+    let running = cluster::start(&origin, rules).await;
+    let (code, body) = running.first_answer("crawler-8", &origin.url("/before")).await;
+    assert_eq!((code, body.as_str()), (200, "hello /before from 127.0.0.1"));
+    origin.refuse("127.0.0.1".parse().expect("an address"));
+    let (code, body, _) = running.curl("crawler-8", &origin.url("/refused")).await;
+    assert_eq!((code, body.as_str()), (403, "no entry for 127.0.0.1"));
+
+    let proxy = wait_until(Duration::from_secs(60), "the recycle acted on", async || {
+        let proxy = running.proxies.get("squid-1").await.ok()?;
+        let status = proxy.status.as_ref()?;
+        (status.last_recycle.is_some() && status.phase.as_deref() == Some("healthy")).then_some(proxy)
+    })
+    .await;
+    let request = proxy
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(RECYCLE_ANNOTATION))
+        .cloned()
+        .expect("the gateway set the annotation");
+    assert!(request.starts_with("gateway rule burnt "), "{request}");
+    let status = proxy.status.expect("status");
+    assert_eq!(status.last_recycle.as_deref(), Some(request.as_str()));
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(running.proxies.clone().into_client(), "crawl");
+    let notes: Vec<String> = events
+        .list(&Default::default())
+        .await
+        .expect("events")
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("Recycled"))
+        .filter_map(|e| e.note)
+        .collect();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains(&format!("recycle requested: {request}"))),
+        "{notes:?}"
+    );
+    origin.welcome_all();
+    let (code, _, _) = running.curl("crawler-8", &origin.url("/after")).await;
+    assert_eq!(code, 200);
+    running.operator.stop().await;
 }
 
 /// A 403 the upstream Squid made itself (its access rules deny the path; it marks the page
@@ -982,4 +1139,444 @@ async fn only_the_targets_403_bans() {
     assert!(answer.contains("no entry for 127.0.0.1"), "{answer}");
     assert!(banned(), "the target's refusal bans the proxy for 127.0.0.1");
     assert_eq!(gateway.store.active_total(), 0);
+}
+
+/// A first fetch of `url` as `user` (whose session key is `session`): the Squid's outgoing
+/// address the origin saw, and the session's proxy.
+async fn session_on(setup: &Setup, user: &str, session: &str, url: &str) -> (IpAddr, String) {
+    let (code, body, _) = setup.curl(user, url, &[]).await;
+    assert_eq!(code, 200, "{body}");
+    (from_ip(&body), session_proxy(setup, session).await)
+}
+
+/// The session's proxy, as `GET /v1/leases` lists its lease.
+async fn session_proxy(setup: &Setup, session: &str) -> String {
+    let leases = setup.leases().await;
+    leases
+        .iter()
+        .find(|l| l["sessionKey"] == session)
+        .and_then(|l| l["proxy"].as_str())
+        .unwrap_or_else(|| panic!("no lease of session {session}: {leases:?}"))
+        .to_owned()
+}
+
+/// The proxies banned for 127.0.0.1, as `GET /v1/proxies?targetDomain=127.0.0.1` shows them.
+async fn banned_for_the_origin(setup: &Setup) -> Vec<String> {
+    let proxies = setup.api_get("/v1/proxies?targetDomain=127.0.0.1").await;
+    proxies["proxies"]
+        .as_array()
+        .expect("proxies")
+        .iter()
+        .filter(|p| p["availability"] == "banned")
+        .filter_map(|p| p["key"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// A rules file (`--gateway-rules`): a body pattern and a header rule each ban the proxy for
+/// the domain and move the sticky session. The captcha page (the word after 1 KiB) is passed
+/// on byte for byte, 200 KiB of it, though the gateway read its start before answering; the
+/// header rule retries (the rules file's default), so its client gets another Squid's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_or_header_rule_bans_for_the_domain_and_moves_the_session() {
+    let rules = r#"
+rules:
+  - name: captcha
+    match: {status: [200], body: "please solve this captcha", bodyBytes: 4096}
+    retry: false
+    escalation: [{after: 1, action: ban}]
+  - name: quietly-blocked
+    match: {header: {name: x-blocked, value: "^yes$"}}
+    escalation: [{after: 1, action: ban}]
+"#;
+    // Idle sessions let go of their proxy within a second.
+    let setup = Setup::start_with_rules(Some(rules), &["--gateway-session-idle-seconds", "1"]).await;
+
+    let user = "crawler-3;session=s-body";
+    let url = setup.origin.url("/captcha-1");
+    let (first, first_proxy) = session_on(&setup, user, "s-body", &url).await;
+    setup.origin.refuse(first);
+    let (code, body, _) = setup.curl(user, &url, &[]).await;
+    assert_eq!(code, 200);
+    assert!(
+        body == captcha_page(first),
+        "the page is passed on unchanged ({} bytes)",
+        body.len()
+    );
+    assert_eq!(
+        banned_for_the_origin(&setup).await,
+        std::slice::from_ref(&first_proxy)
+    );
+    let (code, body, _) = setup.curl(user, &url, &[]).await;
+    assert_eq!(code, 200, "{body}");
+    let second = from_ip(&body);
+    assert_ne!(second, first, "the session moved off the banned Squid");
+    assert_ne!(session_proxy(&setup, "s-body").await, first_proxy);
+    setup.origin.welcome_all();
+    // The first session's proxy is free again for the second's retry.
+    setup
+        .no_leases_within(Duration::from_secs(10), "the first session idle")
+        .await;
+
+    let user = "crawler-3;session=s-header";
+    let url = setup.origin.url("/header-1");
+    let (blocked, blocked_proxy) = session_on(&setup, user, "s-header", &url).await;
+    setup.origin.refuse(blocked);
+    let (code, body, head) = setup.curl(user, &url, &[]).await;
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        !head.to_ascii_lowercase().contains("x-blocked"),
+        "the blocked answer was replaced: {head}"
+    );
+    let other = from_ip(&body);
+    assert!(
+        other != blocked && other != first,
+        "sent once more through the one Squid left: {body}"
+    );
+    let mut banned = banned_for_the_origin(&setup).await;
+    banned.sort();
+    let mut expected = vec![first_proxy, blocked_proxy.clone()];
+    expected.sort();
+    assert_eq!(banned, expected);
+    let (code, body, _) = setup.curl(user, &url, &[]).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(from_ip(&body), other, "the session moved to the Squid left");
+    assert_ne!(session_proxy(&setup, "s-header").await, blocked_proxy);
+}
+
+/// Each recycle of the Proxy `name` from its audit: (when it began, when it was healthy
+/// again, the request's cause), in ms since the epoch.
+fn recycles(setup: &Setup, name: &str) -> Vec<(i64, Option<i64>, String)> {
+    let at = |line: &Value| {
+        line["at"]
+            .as_str()
+            .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+            .map(|t| t.as_millisecond())
+            .expect("a timestamp")
+    };
+    let lines = audit_lines(&setup.host, name);
+    let mut found = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if line["reason"] != "Recycled" {
+            continue;
+        }
+        let healthy = lines[i + 1..].iter().find(|l| l["to"] == "healthy").map(at);
+        found.push((
+            at(line),
+            healthy,
+            line["cause"].as_str().unwrap_or_default().to_owned(),
+        ));
+    }
+    found
+}
+
+/// Escalation: the target keeps refusing one Squid (requests pinned to it with
+/// `attr.squid=a`). Its matches climb the rules file's ladder: retry (no other Squid matches
+/// the selector, so the 403 is passed on), a cooldown and a ban for the domain (503 while they
+/// last), out of rotation (its health held failing: degraded, closed, back after the hold), and
+/// a recycle: the lifecycle replaces its instance (a new Squid process), and its audit says
+/// the gateway rule asked, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_squid_the_target_keeps_refusing_climbs_the_ladder_to_a_fresh_instance() {
+    let rules = r#"
+rules:
+  - name: blocked
+    match: {status: [403]}
+    escalation:
+      - {after: 1, action: retry}
+      - {after: 2, action: cooldown, seconds: 1}
+      - {after: 3, action: ban, seconds: 2}
+      - {after: 4, action: outOfRotation, seconds: 3}
+      - {after: 5, action: recycle}
+"#;
+    let setup = Setup::start_with_rules(Some(rules), &[]).await;
+    let refused: IpAddr = "127.0.0.2".parse().expect("a's outgoing address");
+    let squids_before = standalone::squids(setup.host.path());
+    setup.origin.refuse(refused);
+    let user = "crawler-4;attr.squid=a";
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut codes = Vec::new();
+    let mut n = 0;
+    while recycles(&setup, "a").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "a was never recycled; answers {codes:?}\n{}",
+            setup.operator.log()
+        );
+        n += 1;
+        let (code, body, _) = setup
+            .curl(user, &setup.origin.url(&format!("/esc-{n}")), &[])
+            .await;
+        match code {
+            403 => assert_eq!(body, format!("no entry for {refused}")),
+            503 => assert!(body.contains("no_proxy_available"), "{body}"),
+            other => panic!("{other}: {body}"),
+        }
+        if codes.last() != Some(&code) {
+            codes.push(code);
+        }
+        // Paced: the cooldown, the ban and the hold last seconds.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = setup.operator.log();
+    for step in ["retry", "cooldown", "ban", "outOfRotation", "recycle"] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("a gateway rule matched") && l.contains(&format!("step=\"{step}\""))),
+            "no {step} step in the log:\n{log}"
+        );
+    }
+    assert!(
+        codes.contains(&503),
+        "the cooldown and ban refused leases: {codes:?}"
+    );
+    let audit = audit_lines(&setup.host, "a");
+    assert!(
+        audit
+            .iter()
+            .any(|l| l["from"] == "healthy" && l["to"] == "degraded"),
+        "out of rotation went through the lifecycle: {audit:?}"
+    );
+    setup.origin.welcome_all();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, body, _) = setup.curl(user, &setup.origin.url("/after"), &[]).await;
+        if code == 200 {
+            assert_eq!(from_ip(&body), refused);
+            break;
+        }
+        assert!(Instant::now() < deadline, "a never served again: {code} {body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let recycled = recycles(&setup, "a");
+    assert_eq!(recycled.len(), 1, "one request, one recycle: {recycled:?}");
+    assert!(
+        recycled[0]
+            .2
+            .starts_with("recycle requested: gateway rule blocked "),
+        "the audit says who asked: {recycled:?}"
+    );
+    let squids_after = standalone::squids(setup.host.path());
+    let replaced: Vec<&u32> = squids_before
+        .iter()
+        .filter(|p| !squids_after.contains(p))
+        .collect();
+    assert_eq!(
+        replaced.len(),
+        1,
+        "a's Squid was replaced by a new process: {squids_before:?} -> {squids_after:?}"
+    );
+    assert_eq!(squids_after.len(), 3);
+}
+
+/// The pool's budget holds: the target refuses all three Squids, each climbs to a recycle at
+/// about the same time, and with `--max-unavailable` at its default (25 % of 3: one) the
+/// lifecycle replaces them one after the other, never two at once (the audit's times), each
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recycles_the_rules_ask_for_stay_within_the_pools_budget() {
+    let rules = r#"
+rules:
+  - name: burnt
+    match: {status: [403]}
+    retry: false
+    escalation:
+      - {after: 1, action: ban, seconds: 1}
+      - {after: 2, action: recycle}
+"#;
+    let setup = Setup::start_with_rules(Some(rules), &[]).await;
+    for (_, outgoing) in SQUIDS {
+        setup.origin.refuse(outgoing.parse().expect("an address"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let mut n = 0;
+    loop {
+        let done = SQUIDS
+            .iter()
+            .filter(|(name, _)| recycles(&setup, name).iter().any(|r| r.1.is_some()))
+            .count();
+        if done == SQUIDS.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not all recycled:\n{}",
+            setup.operator.log()
+        );
+        for (name, _) in SQUIDS {
+            n += 1;
+            let user = format!("crawler-5;attr.squid={name}");
+            let (code, body, _) = setup
+                .curl(&user, &setup.origin.url(&format!("/burnt-{n}")), &[])
+                .await;
+            assert!(matches!(code, 403 | 503), "{code}: {body}");
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut spans: Vec<(i64, i64, &str)> = Vec::new();
+    for (name, _) in SQUIDS {
+        let recycled = recycles(&setup, name);
+        assert_eq!(recycled.len(), 1, "{name} was recycled once: {recycled:?}");
+        let (began, healthy, cause) = &recycled[0];
+        assert!(cause.contains("gateway rule burnt"), "{cause}");
+        spans.push((*began, healthy.expect("healthy again"), name));
+    }
+    spans.sort();
+    for pair in spans.windows(2) {
+        assert!(
+            pair[1].0 >= pair[0].1,
+            "{} began replacing before {} was healthy again: {spans:?}",
+            pair[1].2,
+            pair[0].2
+        );
+    }
+}
+
+/// A rules file with a mistake is refused at start, the message naming the rule and the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_rules_file_is_refused_at_start_naming_the_field() {
+    let host = Host::new();
+    std::fs::write(
+        host.path().join("rules.yaml"),
+        "rules:\n  - name: captcha\n    match: {body: \"(unclosed\"}\n",
+    )
+    .expect("rules file");
+    let gateway = format!("127.0.0.1:{}", free_port());
+    let mut operator = start_operator_with(
+        &host,
+        "operator.log",
+        &["--gateway-listen", &gateway, "--gateway-rules", "rules.yaml"],
+    );
+    let status = operator
+        .exit_within(Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|| panic!("still running:\n{}", operator.log()));
+    assert!(!status.success());
+    let log = operator.log();
+    assert!(
+        log.contains(
+            "the gateway rules rules.yaml: rule \"captcha\" (rules[0]), match.body: not a valid pattern"
+        ),
+        "{log}"
+    );
+}
+
+/// Politeness (the rules file's `politeness:`): requests through one Squid to one domain start
+/// at least the interval apart, each waiting its turn within the bound; one that would wait
+/// longer gets 429 `politeness_limit` with `Retry-After` and never reaches the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn politeness_spaces_requests_and_refuses_a_long_wait() {
+    let rules = r#"
+politeness:
+  - {domains: ["127.0.0.1"], proxies: {squid: a}, minIntervalMs: 1000, maxWaitMs: 1500}
+  - {domains: ["127.0.0.1"], proxies: {squid: b}, minIntervalMs: 10000, maxWaitMs: 500}
+"#;
+    let setup = Setup::start_with_rules(Some(rules), &[]).await;
+    let started = Instant::now();
+    for n in 0..3 {
+        let url = setup.origin.url(&format!("/polite-a-{n}"));
+        let (code, body, _) = setup.curl("crawler-6;attr.squid=a", &url, &[]).await;
+        assert_eq!(code, 200, "{body}");
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(2_000),
+        "three starts a second apart took {took:?}"
+    );
+
+    let url = setup.origin.url("/polite-b");
+    let (code, body, _) = setup.curl("crawler-6;attr.squid=b", &url, &[]).await;
+    assert_eq!(code, 200, "{body}");
+    let before = Instant::now();
+    let (code, body, head) = setup.curl("crawler-6;attr.squid=b", &url, &[]).await;
+    assert_eq!(code, 429, "{body}");
+    assert!(
+        before.elapsed() < Duration::from_secs(5),
+        "refused without the long wait"
+    );
+    assert!(
+        body.contains("politeness_limit") && body.contains("at most one request every 10000 ms"),
+        "{body}"
+    );
+    let retry_after: u64 = head
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("retry-after: ")
+                .map(|v| v.trim().to_owned())
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("a Retry-After: {head}"));
+    assert!((9..=10).contains(&retry_after), "{head}");
+    assert_eq!(
+        setup.origin.peers_of("/polite-b").len(),
+        1,
+        "the refused request never reached the target"
+    );
+    setup
+        .no_leases_within(Duration::from_secs(5), "after a refusal")
+        .await;
+}
+
+/// A body pattern reads the body's start before the gateway answers, bounded in time: a body
+/// that stalls after its first bytes (the origin's `/slow`) is judged on what came within 5 s
+/// and passed on as it comes, head and first bytes first, not held for the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reading_ahead_for_a_body_pattern_is_bounded_in_time() {
+    use egress_proxies_operator::gateway::{GatewayConfig, rules::Rules};
+
+    let origin = Origin::start().await;
+    let squid = support::Squid::start().await;
+    let rules = Rules::parse(
+        "rules:\n  - name: robot\n    match: {body: robot}\n",
+        "rules.yaml",
+    )
+    .expect("valid");
+    let gateway = in_process::start_with(
+        &[("only", squid.port)],
+        GatewayConfig {
+            rules,
+            ..GatewayConfig::default()
+        },
+    )
+    .await;
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let basic = basic_credentials(b"crawler-10:tok");
+    let url = origin.url("/slow");
+    stream
+        .write_all(
+            format!(
+                "GET {url} HTTP/1.1\r\nHost: {}\r\nProxy-Authorization: Basic {basic}\r\n\r\n",
+                origin.addr
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send");
+    let sent = Instant::now();
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("first bytes") {
+        let read = tokio::time::timeout(Duration::from_secs(15), stream.read(&mut buffer))
+            .await
+            .expect("the head and the first bytes within 15 s")
+            .expect("read");
+        assert!(read > 0, "closed: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buffer[..read]);
+    }
+    let waited = sent.elapsed();
+    let answer = String::from_utf8_lossy(&seen);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        (Duration::from_millis(4_500)..Duration::from_secs(10)).contains(&waited),
+        "judged after the 5 s bound, not before, not at the body's end: {waited:?}"
+    );
+    // No match in what came: no ban.
+    let store = &gateway.store;
+    let all = store.compile(&Default::default());
+    assert!(
+        store
+            .list_for(&all, Some("127.0.0.1"), store.now_ms())
+            .iter()
+            .all(|view| view.bans.is_empty())
+    );
 }

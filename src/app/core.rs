@@ -17,7 +17,10 @@ use crate::{
         self, DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness,
         auth::Authenticator,
     },
-    gateway::{self, Gateway, GatewayConfig, GatewayDeps},
+    gateway::{
+        self, Gateway, GatewayConfig, GatewayDeps,
+        rules::{RecycleRequests, Rules},
+    },
     gc::{self, GcConfig, LiveOwners},
     health::{HealthConfig, HealthEngine, HealthHandle},
     lease::{
@@ -139,10 +142,13 @@ pub struct CoreAdapters {
     pub journal: Option<Journal>,
     /// Orphan GC: the live owners and its settings; `None`: GC off.
     pub gc: Option<(Arc<dyn LiveOwners>, GcConfig)>,
+    /// How the gateway's rules ask for a fresh instance (the mode's own path to the Proxy's
+    /// recycle request).
+    pub recycle: Arc<dyn RecycleRequests>,
 }
 
 /// The core's knobs.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct CoreFlags {
     /// The discovery API's address.
     pub discovery_listen: SocketAddr,
@@ -154,6 +160,8 @@ pub struct CoreFlags {
     pub gateway_listen: Option<SocketAddr>,
     /// How long the gateway keeps an unused session's lease.
     pub gateway_session_idle: Duration,
+    /// The gateway's rules (`--gateway-rules`, validated; the default without one).
+    pub gateway_rules: Rules,
 }
 
 /// The running core: what a mode's reconcile loop drives and is driven by.
@@ -212,6 +220,7 @@ pub async fn start_core(
         checkpoint,
         journal,
         gc,
+        recycle,
     } = adapters;
     let (health, mut health_events) = HealthEngine::start(HealthConfig {
         probe_metrics: Some(metrics.metrics.probe_metrics()),
@@ -237,6 +246,8 @@ pub async fn start_core(
         journal: journal.clone(),
         auth: auth.clone(),
         readiness: readiness.clone(),
+        health: Some(health.clone()),
+        recycle: Some(recycle),
     };
     let api = DiscoveryState::new(DiscoveryDeps {
         store: leases.clone(),
@@ -285,6 +296,7 @@ pub async fn start_core(
                 .map_err(|e| AppError::Startup(e.to_string()))?;
             let config = GatewayConfig {
                 session_idle: flags.gateway_session_idle,
+                rules: flags.gateway_rules.clone(),
                 ..GatewayConfig::default()
             };
             let serving = gateway::serve(listener, Gateway::new(gateway_deps, config), stop.stopped());

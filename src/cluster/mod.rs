@@ -4,7 +4,8 @@
 //! ([`health_sink`]), live owners from the API server ([`owners`]), the status page fed from
 //! the controller's cache ([`ui`]) — and the controller ([`controller`]: kube-runtime wiring, its
 //! backend for finalizers, status and Events ([`backend`], [`events`]), the resync sweep
-//! ([`resync`]) and the triggers it reads from its reflectors ([`triggers`])). Losing the lease
+//! ([`resync`]) and the triggers it reads from its reflectors ([`triggers`])), and the gateway
+//! rules' recycle requests as annotation patches ([`recycle`]). Losing the lease
 //! stops acting: [`run_cluster`] returns an error and the process exits, so Kubernetes restarts
 //! it as a follower.
 //!
@@ -21,6 +22,7 @@ pub mod health_sink;
 pub mod history;
 pub mod leader;
 pub mod owners;
+pub mod recycle;
 pub mod resync;
 pub mod triggers;
 pub mod ui;
@@ -102,6 +104,8 @@ pub struct ClusterOptions {
     pub gateway_listen: Option<SocketAddr>,
     /// How long the gateway keeps an unused session's lease.
     pub gateway_session_idle: Duration,
+    /// The gateway's rules (`--gateway-rules`, validated before start).
+    pub gateway_rules: crate::gateway::rules::Rules,
     /// Authentication of the discovery API.
     pub auth: DiscoveryAuthOptions,
     /// HMAC key signing lease tokens, shared by all replicas (a mounted Secret).
@@ -202,6 +206,7 @@ async fn act(
         checkpoint: Some(checkpoint),
         journal: None,
         gc: gc_adapter(client, options),
+        recycle: Arc::new(recycle::KubeRecycle::new(client.clone())),
     };
     let flags = CoreFlags {
         discovery_listen: options.discovery_listen,
@@ -209,6 +214,7 @@ async fn act(
         gc_interval: options.gc_interval,
         gateway_listen: options.gateway_listen,
         gateway_session_idle: options.gateway_session_idle,
+        gateway_rules: options.gateway_rules.clone(),
     };
     let core = start_core(adapters, flags, &replica.metrics, stop).await?;
     tokio::spawn(checkpoint::report_checkpoint_health(

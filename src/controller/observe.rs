@@ -171,11 +171,12 @@ impl<B: ProxyBackend> Observer<'_, B> {
         // The budgets matter (and a replacement slot is reserved) only where a replacement is
         // about to be decided: a changed spec, or a degraded proxy whose timer ran out (the
         // facts `spec_changed` and `timer_expired` the table reads).
-        let recycle_requested =
-            recycle_request(proxy).is_some_and(|request| record.last_recycle.as_deref() != Some(request));
+        let recycle_requested = recycle_request(proxy)
+            .filter(|request| record.last_recycle.as_deref() != Some(*request))
+            .map(str::to_owned);
         let phase = record.state.phase();
         let replacing_soon = spec_changed
-            || recycle_requested
+            || recycle_requested.is_some()
             || (phase == Phase::Degraded && self.timers.expired(&record.state, now));
         Observation {
             deletion_requested: proxy.metadata.deletion_timestamp.is_some(),
@@ -288,8 +289,8 @@ pub struct Observation {
     pub active_leases: usize,
     /// The pool's budget facts.
     pub pool: PoolFacts,
-    /// The Proxy's recycle request (its annotation) is not the one last acted on.
-    pub recycle_requested: bool,
+    /// The Proxy's recycle request (its annotation), if it is not the one last acted on.
+    pub recycle_requested: Option<String>,
 }
 
 /// The Proxy's recycle request: its [`RECYCLE_ANNOTATION`] value, if set and not empty.
@@ -346,7 +347,7 @@ pub fn facts(observation: &Observation, record: &Record, now: Timestamp, timers:
         (Fact::TimerExpired, timers.expired(&record.state, now)),
         (Fact::ReplacementBudgetLeft, o.pool.replacement_budget_left),
         (Fact::RemediationAllowed, o.pool.remediation_allowed),
-        (Fact::RecycleRequested, o.recycle_requested),
+        (Fact::RecycleRequested, o.recycle_requested.is_some()),
     ] {
         facts.set(fact, holds);
     }
@@ -407,6 +408,11 @@ pub fn cause_of(event: Event, observation: &Observation, record: &Record, timers
                 ),
             })
         }
+        // Who asked is in the request's value (e.g. "gateway rule blocked ..."): the audit keeps it.
+        Event::RecycleRequested => observation
+            .recycle_requested
+            .as_ref()
+            .map(|request| format!("recycle requested: {request}")),
         Event::SpecHashChanged => {
             let desired = observation.desired_hash.as_ref().ok()?;
             let applied = match &observation.instance {

@@ -22,7 +22,7 @@ use std::{
 
 use tracing::{debug, warn};
 
-use super::{GatewayConfig, GatewayDeps, user::UserName};
+use super::{GatewayConfig, GatewayDeps, polite::Turn, user::UserName};
 use crate::{
     api::ProxyKey,
     lease::{
@@ -74,6 +74,8 @@ pub(super) struct Lent {
     lease_id: String,
     kind: Kind,
     done: bool,
+    /// The request's politeness turn, freed with the lease.
+    turn: Option<Turn>,
 }
 
 enum Kind {
@@ -87,6 +89,12 @@ impl Lent {
         &self.proxy
     }
 
+    /// Holds `turn` (a politeness turn) as long as the lease is lent.
+    pub(super) fn with_turn(mut self, turn: Option<Turn>) -> Self {
+        self.turn = turn;
+        self
+    }
+
     /// The request is done and went well: a lease of its own goes back now (`ok`); a
     /// session keeps its lease (Drop lets the session go).
     pub(super) async fn give_back(self) {
@@ -97,7 +105,13 @@ impl Lent {
 
     /// Ends the lease now with `outcome` (a ban is for the lease's target domain); a session
     /// loses it, so its next request takes another.
-    pub(super) async fn end(mut self, outcome: Outcome) {
+    pub(super) async fn end(self, outcome: Outcome) {
+        self.end_banning(outcome, None).await;
+    }
+
+    /// [`Lent::end`], a `banned` outcome resting the proxy for the domain for `ban_for`
+    /// (`None`: the store's ban cooldown).
+    pub(super) async fn end_banning(mut self, outcome: Outcome, ban_for: Option<Duration>) {
         self.done = true;
         match &self.kind {
             Kind::Session(session) => {
@@ -105,7 +119,7 @@ impl Lent {
                 if slot.as_ref().is_some_and(|l| l.lease_id == self.lease_id)
                     && let Some(lease) = slot.take()
                 {
-                    self.held.release(&lease, outcome).await;
+                    self.held.release_banning(&lease, outcome, ban_for).await;
                 }
                 drop(slot);
                 self.held.let_go(session);
@@ -113,7 +127,7 @@ impl Lent {
             Kind::Loose(n) => {
                 let lease = lock(&self.held.loose).remove(n);
                 if let Some(lease) = lease {
-                    self.held.release(&lease, outcome).await;
+                    self.held.release_banning(&lease, outcome, ban_for).await;
                 }
             }
         }
@@ -200,6 +214,7 @@ impl Held {
             lease_id,
             kind: Kind::Loose(n),
             done: false,
+            turn: None,
         })
     }
 
@@ -242,6 +257,7 @@ impl Held {
                 lease_id: lease.lease_id,
                 kind: Kind::Session(session),
                 done: false,
+                turn: None,
             });
         }
     }
@@ -328,10 +344,15 @@ impl Held {
 
     /// Releases `lease` with `outcome` (a ban applies to its own target domain).
     async fn release(&self, lease: &HeldLease, outcome: Outcome) {
+        self.release_banning(lease, outcome, None).await;
+    }
+
+    /// [`Held::release`], a ban lasting `ban_for` (`None`: the store's ban cooldown).
+    async fn release_banning(&self, lease: &HeldLease, outcome: Outcome, ban_for: Option<Duration>) {
         let now = self.deps.store.now_ms();
         match self
             .leases()
-            .release(&lease.lease_id, lease.token, outcome, None, now)
+            .release_banning(&lease.lease_id, lease.token, outcome, None, ban_for, now)
             .await
         {
             Ok(_) => debug!(proxy = %lease.proxy.key, outcome = outcome.as_str(), "gateway lease released"),

@@ -8,11 +8,15 @@
 //! ([`held`]: taken and ended through [`crate::lease::DurableLeases`], as the API's are,
 //! sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
 //! requests, `CONNECT` tunnels spliced both ways), and what a target's answer does to the lease
-//! ([`rules`]: by default a 403 or 429 bans the proxy for the target's domain). Every lease
-//! decision stays the lease store's.
+//! and the proxy ([`rules`], applied in [`judged`]: by default a 403 or 429 bans the proxy for
+//! the target's domain; a rules file adds header, body and latency rules whose action
+//! escalates up to recycling the proxy). Every lease decision stays the lease store's.
 
+mod body;
 mod forward;
 mod held;
+mod judged;
+pub mod polite;
 pub mod rules;
 mod upstream;
 pub mod user;
@@ -20,28 +24,29 @@ pub mod user;
 use std::{
     convert::Infallible,
     future::Future,
-    pin::Pin,
     sync::Arc,
-    task::{Context, Poll},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::{
     Method, Request, Response, StatusCode,
-    body::{Body, Frame, Incoming, SizeHint},
+    body::Incoming,
     header::{self, HeaderValue},
     http::uri::Scheme,
 };
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{net::TcpListener, sync::watch};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use self::{
+    body::{Guarded, Replayed},
     forward::{GatewayBody, UpstreamError},
-    held::{Held, Lent},
-    rules::{Action, Rules},
+    held::Held,
+    judged::Resend,
+    polite::Polite,
+    rules::{RecycleRequests, Rules, judge::Judge},
     upstream::Upstreams,
     user::UserName,
 };
@@ -50,6 +55,7 @@ use crate::{
         AuthError, Authenticator,
         auth::{ProxyPresented, proxy_presented},
     },
+    health::HealthHandle,
     lease::{DurableError, LeaseError, LeaseStore, Outcome, journal::Journal, token::LeaseSigner},
     telemetry::admin::Readiness,
 };
@@ -107,6 +113,12 @@ pub struct GatewayDeps {
     pub auth: Arc<dyn Authenticator>,
     /// Requests are refused (503) until this says synced and leader.
     pub readiness: watch::Receiver<Readiness>,
+    /// Takes proxies out of rotation for the rules' `outOfRotation` step (`None`: that step
+    /// only ends the lease as a ban does).
+    pub health: Option<HealthHandle>,
+    /// Asks for fresh instances for the rules' `recycle` step (the mode's own path; `None`:
+    /// that step only ends the lease as a ban does).
+    pub recycle: Option<Arc<dyn RecycleRequests>>,
 }
 
 /// The gateway; cheap to clone.
@@ -115,15 +127,20 @@ pub struct Gateway {
     held: Arc<Held>,
     upstreams: Arc<Upstreams>,
     config: Arc<GatewayConfig>,
+    judge: Arc<Judge>,
+    polite: Arc<Polite>,
 }
 
 impl Gateway {
     /// A gateway over `deps`.
     pub fn new(deps: GatewayDeps, config: GatewayConfig) -> Self {
+        let judge = Judge::new(config.rules.clone(), deps.health.clone(), deps.recycle.clone());
         Self {
             held: Arc::new(Held::new(deps, config.clone())),
+            polite: Arc::new(Polite::new(config.rules.politeness.clone())),
             upstreams: Arc::new(Upstreams::new(config.connect_timeout)),
             config: Arc::new(config),
+            judge: Arc::new(judge),
         }
     }
 }
@@ -335,10 +352,11 @@ impl Gateway {
         let retryable = matches!(*request.method(), Method::GET | Method::HEAD);
         let (parts, body) = request.into_parts();
         if !retryable {
-            let lent = self.held.take(&who, domain).await?;
+            let lent = self.polite(self.held.take(&who, domain).await?, domain).await?;
             let upstream = forward::upstream_request(&parts, body, lent.proxy());
+            let sent = Instant::now();
             return match self.upstreams.send(lent.proxy(), upstream).await {
-                Ok(response) => Ok(self.answered(lent, response, domain).await),
+                Ok(response) => Ok(self.answered(lent, response, sent.elapsed(), domain, None).await),
                 Err(error) => {
                     let refusal = Refusal::upstream(lent.proxy(), &error);
                     lent.end(Outcome::Error).await;
@@ -352,10 +370,20 @@ impl Gateway {
             .await
             .map_err(|e| Refusal::bad_request(format!("reading the request body: {e}")))?
             .to_bytes();
-        let lent = self.held.take(&who, domain).await?;
+        let lent = self.polite(self.held.take(&who, domain).await?, domain).await?;
         let upstream = forward::upstream_request(&parts, Full::new(body.clone()), lent.proxy());
+        let sent = Instant::now();
         let error = match self.upstreams.send(lent.proxy(), upstream).await {
-            Ok(response) => return Ok(self.answered(lent, response, domain).await),
+            Ok(response) => {
+                let again = Resend {
+                    who: &who,
+                    parts: &parts,
+                    body: &body,
+                };
+                return Ok(self
+                    .answered(lent, response, sent.elapsed(), domain, Some(again))
+                    .await);
+            }
             Err(error) => error,
         };
         warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
@@ -363,53 +391,24 @@ impl Gateway {
         let second = self.held.take_loose(&who, domain, Some(&lent.proxy().key)).await;
         let mut first = Refusal::upstream(lent.proxy(), &error);
         lent.end(Outcome::Error).await;
-        let Ok(second) = second else {
+        let second = match second {
+            Ok(second) => self.polite(second, domain).await.ok(),
+            Err(_) => None,
+        };
+        let Some(second) = second else {
             first.message.push_str("; no other proxy was free to try");
             return Err(first);
         };
         let upstream = forward::upstream_request(&parts, Full::new(body), second.proxy());
+        let sent = Instant::now();
         match self.upstreams.send(second.proxy(), upstream).await {
-            Ok(response) => Ok(self.answered(second, response, domain).await),
+            Ok(response) => Ok(self
+                .answered(second, response, sent.elapsed(), domain, None)
+                .await),
             Err(error) => {
                 let refusal = Refusal::upstream(second.proxy(), &error);
                 second.end(Outcome::Error).await;
                 Err(refusal)
-            }
-        }
-    }
-
-    /// The client's answer from the target's `response`, after the rules had their say.
-    async fn answered(
-        &self,
-        lent: Lent,
-        response: Response<Incoming>,
-        domain: Option<&str>,
-    ) -> Response<GatewayBody> {
-        // Squid marks the error pages it makes itself: those are the proxy's answer (access
-        // denied, target unreachable), not the target's, and say nothing of a ban.
-        let from_the_proxy = response.headers().contains_key(SQUID_ERROR);
-        let action = (!from_the_proxy)
-            .then(|| self.config.rules.judge(response.status()))
-            .flatten();
-        match action {
-            Some(Action::BanForDomain) if domain.is_some() => {
-                info!(
-                    proxy = %lent.proxy().key,
-                    domain = domain.unwrap_or_default(),
-                    status = response.status().as_u16(),
-                    "the target refused the proxy: banned for its domain"
-                );
-                lent.end(Outcome::Banned).await;
-                let client = forward::client_response(&response, ());
-                let (parts, ()) = client.into_parts();
-                Response::from_parts(parts, response.into_body().boxed_unsync())
-            }
-            _ => {
-                let client = forward::client_response(&response, ());
-                let (parts, ()) = client.into_parts();
-                // The lease is given back when the answer's body is done or dropped.
-                let body = Guarded::new(response.into_body(), lent);
-                Response::from_parts(parts, body.boxed_unsync())
             }
         }
     }
@@ -425,7 +424,7 @@ impl Gateway {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };
         let domain = target_domain(authority.host());
-        let lent = self.held.take(who, domain).await?;
+        let lent = self.polite(self.held.take(who, domain).await?, domain).await?;
         let Some(upstream) = forward::connect_request(authority.as_str(), lent.proxy()) else {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };
@@ -441,7 +440,7 @@ impl Gateway {
             // The proxy's own refusal (not the target's): passed on, and no ban.
             let client = forward::client_response(&response, ());
             let (parts, ()) = client.into_parts();
-            let body = Guarded::new(response.into_body(), lent);
+            let body = Guarded::new(Replayed::whole(response.into_body()), lent);
             return Ok(Response::from_parts(parts, body.boxed_unsync()));
         }
         let client_side = hyper::upgrade::on(&mut request);
@@ -509,72 +508,6 @@ impl Gateway {
         }
         UserName::parse(&user)
             .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "bad_user_name", e.to_string()))
-    }
-}
-
-/// An upstream answer's body that gives its lease back when done or dropped. When done, the
-/// last frame waits until the lease is back (durable too): a client that sends its next
-/// request as soon as it has this answer finds the proxy free again.
-struct Guarded {
-    inner: Incoming,
-    lent: Option<Lent>,
-    /// The lease being given back, and the frame that waits for it (`None`: the end).
-    ending: Option<(GivingBack, Option<Frame<Bytes>>)>,
-}
-
-/// A lease being given back.
-type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-impl Guarded {
-    fn new(inner: Incoming, lent: Lent) -> Self {
-        Self {
-            inner,
-            lent: Some(lent),
-            ending: None,
-        }
-    }
-}
-
-impl Body for Guarded {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        loop {
-            if let Some((giving_back, last)) = &mut this.ending {
-                std::task::ready!(giving_back.as_mut().poll(cx));
-                let last = last.take();
-                this.ending = None;
-                if let Some(frame) = last {
-                    return Poll::Ready(Some(Ok(frame)));
-                }
-                return Poll::Ready(None);
-            }
-            let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
-            let last = match polled {
-                Some(Ok(frame)) if this.inner.is_end_stream() => Some(frame),
-                None => None,
-                // A frame before the last, or an error (the body is dropped then, and the
-                // lease goes back from Drop).
-                other => return Poll::Ready(other),
-            };
-            match this.lent.take() {
-                Some(lent) => this.ending = Some((Box::pin(lent.give_back()), last)),
-                None => return Poll::Ready(last.map(Ok)),
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.lent.is_none() && self.ending.is_none() && self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

@@ -23,10 +23,14 @@
 //!   changes: Unknown→Passing, Unknown→Failing, Passing→Failing, Failing→Passing
 //!   (`recovered: true`). Upserting a target again keeps its counters unless its endpoint or URL
 //!   changed.
+//! - **Hold.** What sees traffic the probes do not (the gateway's rules) may hold a verdict
+//!   `Failing` for a while ([`HealthHandle::hold_failing`], [`hold`]): the lifecycle then takes
+//!   the proxy out of rotation as for failed probes, and it recovers as from them.
 //!
 //! The engine runs until every [`HealthHandle`] is dropped.
 
 mod control;
+mod hold;
 mod probe;
 
 use std::{
@@ -192,6 +196,8 @@ struct Entry {
     schedule: u64,
     in_flight: bool,
     snapshot: HealthSnapshot,
+    /// Held failing until then, whatever probes say ([`HealthHandle::hold_failing`]).
+    hold: Option<hold::Hold>,
 }
 
 struct Table {
@@ -230,6 +236,8 @@ struct State {
     wake: Notify,
     closed: AtomicBool,
     config: HealthConfig,
+    /// Where verdict changes go (also those a hold makes).
+    events: mpsc::Sender<HealthEvent>,
 }
 
 impl State {
@@ -282,6 +290,7 @@ impl HealthEngine {
             wake: Notify::new(),
             closed: AtomicBool::new(false),
             config,
+            events: tx.clone(),
         });
         tokio::spawn(scheduler(state.clone(), tx, Arc::new(connector)));
         Ok((
@@ -317,6 +326,7 @@ impl HealthHandle {
                         schedule: 0,
                         in_flight: false,
                         snapshot: HealthSnapshot::default(),
+                        hold: None,
                     },
                 );
                 // Probed at once (see the module docs); the interval applies from then on.
@@ -325,6 +335,8 @@ impl HealthHandle {
             Some(entry) if entry.target.endpoint != target.endpoint || entry.target.url != target.url => {
                 entry.target = Arc::new(target);
                 entry.snapshot = HealthSnapshot::default();
+                // A new instance: what held the old one failing is not about it.
+                entry.hold = None;
                 // A probe in flight reports on the old endpoint or URL: its result is dropped
                 // (identity changes) and the new one is probed at once.
                 entry.in_flight = false;
@@ -471,7 +483,8 @@ async fn record(
             // The endpoint or URL changed while probing: the result is about the old one.
             return;
         }
-        apply(&mut entry.snapshot, &entry.target, result, now).map(|(old, verdict)| HealthEvent {
+        let held = hold::active(&mut entry.hold);
+        apply(&mut entry.snapshot, &entry.target, result, held, now).map(|(old, verdict)| HealthEvent {
             key: key.clone(),
             verdict,
             at: now,
@@ -498,11 +511,13 @@ async fn record(
     state.wake.notify_one();
 }
 
-/// Updates counters and verdict; returns the old and new verdict if it changed.
+/// Updates counters and verdict; returns the old and new verdict if it changed. While `held`
+/// (the reason), the verdict stays `Failing` and the last error says why.
 fn apply(
     snapshot: &mut HealthSnapshot,
     target: &HealthTarget,
     result: Result<Duration, ProbeError>,
+    held: Option<&str>,
     now: jiff::Timestamp,
 ) -> Option<(Verdict, Verdict)> {
     snapshot.probes += 1;
@@ -517,18 +532,10 @@ fn apply(
         Err(error) => {
             snapshot.consecutive_failures = snapshot.consecutive_failures.saturating_add(1);
             snapshot.consecutive_successes = 0;
-            let mut text = error.to_string();
-            if text.len() > MAX_ERROR_LEN {
-                let mut end = MAX_ERROR_LEN;
-                while !text.is_char_boundary(end) {
-                    end -= 1;
-                }
-                text.truncate(end);
-            }
-            snapshot.last_error = Some(text);
+            snapshot.last_error = Some(bounded(error.to_string()));
         }
     }
-    let next = next_verdict(
+    let mut next = next_verdict(
         snapshot.verdict,
         snapshot.consecutive_successes,
         snapshot.consecutive_failures,
@@ -536,12 +543,28 @@ fn apply(
         target.failure_threshold,
     );
     let old = snapshot.verdict;
+    if let Some(reason) = held {
+        next = Verdict::Failing;
+        snapshot.last_error = Some(bounded(reason.to_owned()));
+    }
     (next != old).then(|| {
         snapshot.verdict = next;
         snapshot.verdict_since = Some(now);
         snapshot.recovered = old == Verdict::Failing && next == Verdict::Passing;
         (old, next)
     })
+}
+
+/// `text` cut to [`MAX_ERROR_LEN`] bytes.
+fn bounded(mut text: String) -> String {
+    if text.len() > MAX_ERROR_LEN {
+        let mut end = MAX_ERROR_LEN;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
 }
 
 /// The verdict after a probe, from the one before and the consecutive passes and failures so

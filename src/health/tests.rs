@@ -29,7 +29,7 @@ fn run(target: &HealthTarget, results: &str) -> Vec<Option<(Verdict, Verdict)>> 
             } else {
                 Err(ProbeError::Timeout(Duration::from_secs(1)))
             };
-            apply(&mut snapshot, target, r, jiff::Timestamp::UNIX_EPOCH)
+            apply(&mut snapshot, target, r, None, jiff::Timestamp::UNIX_EPOCH)
         })
         .collect()
 }
@@ -69,11 +69,51 @@ fn events_only_when_a_threshold_is_crossed() {
 }
 
 #[test]
+fn a_hold_keeps_the_verdict_failing_until_it_ends() {
+    use Verdict::*;
+    let t = target(2, 2);
+    let mut snapshot = HealthSnapshot::default();
+    let step = |snapshot: &mut HealthSnapshot, held: Option<&str>| {
+        apply(
+            snapshot,
+            &t,
+            Ok(Duration::from_millis(1)),
+            held,
+            jiff::Timestamp::UNIX_EPOCH,
+        )
+    };
+    assert_eq!(step(&mut snapshot, None), None);
+    assert_eq!(step(&mut snapshot, None), Some((Unknown, Passing)));
+    // Held: passes keep counting but the verdict stays failing, its error saying why.
+    assert_eq!(
+        step(&mut snapshot, Some("held by rule r")),
+        Some((Passing, Failing))
+    );
+    assert_eq!(step(&mut snapshot, Some("held by rule r")), None);
+    assert_eq!(snapshot.last_error.as_deref(), Some("held by rule r"));
+    // Over: the passes made during the hold count, as for any recovery.
+    assert_eq!(step(&mut snapshot, None), Some((Failing, Passing)));
+    assert!(snapshot.recovered);
+}
+
+#[test]
+fn a_hold_ends_by_itself() {
+    let mut hold = Some(hold::Hold::until(tokio::time::Instant::now(), "over".into()));
+    assert_eq!(hold::active(&mut hold), None);
+    assert!(hold.is_none());
+    let mut hold = Some(hold::Hold::until(
+        tokio::time::Instant::now() + Duration::from_secs(60),
+        "on".into(),
+    ));
+    assert_eq!(hold::active(&mut hold), Some("on"));
+}
+
+#[test]
 fn errors_are_bounded() {
     let t = target(1, 1);
     let mut snapshot = HealthSnapshot::default();
     let long = ProbeError::Http("x".repeat(10_000));
-    apply(&mut snapshot, &t, Err(long), jiff::Timestamp::UNIX_EPOCH);
+    apply(&mut snapshot, &t, Err(long), None, jiff::Timestamp::UNIX_EPOCH);
     assert!(snapshot.last_error.unwrap().len() <= MAX_ERROR_LEN);
 }
 
@@ -114,4 +154,39 @@ async fn the_health_executor_interface_maps_targets_and_verdicts() {
     assert_eq!(control.verdict(&key), Verdict::Unknown);
     control.remove(&key);
     assert!(handle.is_empty());
+}
+
+#[tokio::test]
+async fn holding_a_proxy_failing_sends_the_verdict_change_once() {
+    let (handle, mut events) = HealthEngine::start(HealthConfig {
+        tls_roots: Some(Arc::new(rustls::RootCertStore::empty())),
+        ..HealthConfig::default()
+    })
+    .unwrap();
+    let key = ProxyKey::new("ns", "p");
+    let mut t = target(2, 1);
+    t.interval = Duration::from_secs(3600);
+    handle.upsert(t);
+    // Not probed: left alone, no event.
+    handle
+        .hold_failing(&ProxyKey::new("ns", "other"), Duration::from_secs(60), "r".into())
+        .await;
+    handle
+        .hold_failing(&key, Duration::from_secs(60), "held by gateway rule r".into())
+        .await;
+    let event = tokio::time::timeout(Duration::from_secs(5), events.recv())
+        .await
+        .expect("an event")
+        .expect("the engine runs");
+    assert_eq!(
+        (event.key.clone(), event.verdict),
+        (key.clone(), Verdict::Failing)
+    );
+    assert_eq!(event.last_error.as_deref(), Some("held by gateway rule r"));
+    assert_eq!(handle.snapshot(&key).unwrap().verdict, Verdict::Failing);
+    // Held again while failing: no second event.
+    handle
+        .hold_failing(&key, Duration::from_secs(60), "again".into())
+        .await;
+    assert!(events.try_recv().is_err());
 }

@@ -153,16 +153,31 @@ impl<'a> DurableLeases<'a> {
         target_domain: Option<&str>,
         now: u64,
     ) -> Result<Released, DurableError> {
+        self.release_banning(id, token, outcome, target_domain, None, now)
+            .await
+    }
+
+    /// [`DurableLeases::release`], a `banned` outcome resting the proxy for the domain for
+    /// `ban_for` (`None`: the store's ban cooldown; see [`LeaseStore::release_banning_at`]).
+    pub async fn release_banning(
+        &self,
+        id: &str,
+        token: u64,
+        outcome: Outcome,
+        target_domain: Option<&str>,
+        ban_for: Option<std::time::Duration>,
+        now: u64,
+    ) -> Result<Released, DurableError> {
         let kept = self.signer.presented(id).and_then(|presented| {
             self.store
-                .release_presented_at(&presented, token, outcome, target_domain, now)
+                .release_presented_at(&presented, token, outcome, target_domain, ban_for, now)
         });
         let (released, lease) = match kept {
             Some(result) => result?,
             None => {
                 let claim = self.verify(id)?;
                 let released = self.with_claim(&claim, token, now, |store| {
-                    store.release_at(&claim.id, token, outcome, target_domain, now)
+                    store.release_banning_at(&claim.id, token, outcome, target_domain, ban_for, now)
                 })?;
                 (released, claim.id)
             }

@@ -294,6 +294,29 @@ fn banned_outcome_cools_down_for_that_domain_only() {
 }
 
 #[test]
+fn a_ban_may_last_a_time_of_its_own() {
+    let (store, clock, all) = one_proxy(1, 1, 0);
+    let lease = acquire_with(&store, &all, Some("shop.example"), None).unwrap();
+    let now = store.now_ms();
+    let released = store
+        .release_banning_at(
+            &lease.id,
+            lease.fencing_token,
+            Outcome::Banned,
+            None,
+            Some(Duration::from_secs(5)),
+            now,
+        )
+        .unwrap();
+    assert_eq!(released.ban.map(|b| b.until_ms), Some(now + 5_000));
+    assert!(acquire_with(&store, &all, Some("shop.example"), None).is_err());
+    clock.advance(Duration::from_secs(5));
+    // Rested for its own 5 s, not the store's 600.
+    let again = acquire_with(&store, &all, Some("shop.example"), None).unwrap();
+    release_ok(&store, &again);
+}
+
+#[test]
 fn sticky_sessions_keep_their_proxy_while_eligible() {
     let store = plain_pool(4, &["a", "b", "c", "d"], 1, 60);
     let all = sel(&store, "");

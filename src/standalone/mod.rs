@@ -6,8 +6,8 @@
 //! Owns: the manifests folder ([`manifests`]), the embedded store ([`store`]), the runner that
 //! plays the API server's part ([`runner`]), the reconciler's backend over the store
 //! ([`StandaloneBackend`]), the live owners for GC ([`owners`]), the state folder's files
-//! (installation ID, lease checkpoint and journal, signing key, tokens) and this mode's
-//! assembly ([`mode`]). Must not touch: Kubernetes, or anything of [`crate::cluster`]
+//! (installation ID, lease checkpoint and journal, signing key, tokens), the gateway rules'
+//! recycle requests ([`recycle`]) and this mode's assembly ([`mode`]). Must not touch: Kubernetes, or anything of [`crate::cluster`]
 //! (tests/mode_isolation.rs checks it).
 
 mod backend;
@@ -15,6 +15,7 @@ pub mod manifests;
 pub mod mode;
 pub mod owners;
 pub mod progress;
+pub mod recycle;
 pub mod runner;
 pub mod status;
 pub mod store;

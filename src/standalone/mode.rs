@@ -8,7 +8,8 @@ use tokio::sync::watch;
 use tracing::info;
 
 use super::{
-    Standalone, StandaloneDeps, StandaloneError, owners::StateOwners, store::Store, ui::StoreSource,
+    Standalone, StandaloneDeps, StandaloneError, owners::StateOwners, recycle::StandaloneRecycle,
+    store::Store, ui::StoreSource,
 };
 use crate::app::{
     AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, StatusPageAt, StopSignal,
@@ -50,6 +51,8 @@ pub struct StandaloneOptions {
     pub gateway_listen: Option<SocketAddr>,
     /// How long the gateway keeps an unused session's lease.
     pub gateway_session_idle: Duration,
+    /// The gateway's rules (`--gateway-rules`, validated before start).
+    pub gateway_rules: crate::gateway::rules::Rules,
     /// Authentication of the discovery API. Without a tokens file (and without `no_auth`), a
     /// file with one random token is created under the state folder and used.
     pub auth: DiscoveryAuthOptions,
@@ -153,6 +156,7 @@ pub async fn run_standalone(
         leader: true,
         ..Readiness::default()
     });
+    let (recycle, recycle_asks) = StandaloneRecycle::channel();
     let adapters = CoreAdapters {
         providers: providers.clone(),
         leases: leases.store.clone(),
@@ -175,6 +179,7 @@ pub async fn run_standalone(
                 namespace: None,
             },
         )),
+        recycle: Arc::new(recycle),
     };
     let flags = CoreFlags {
         discovery_listen: options.listen,
@@ -182,6 +187,7 @@ pub async fn run_standalone(
         gc_interval: options.gc_interval,
         gateway_listen: options.gateway_listen,
         gateway_session_idle: options.gateway_session_idle,
+        gateway_rules: options.gateway_rules.clone(),
     };
     let core = start_core(adapters, flags, &metrics, &stop).await?;
     let compaction = journal.map(|journal| {
@@ -208,7 +214,9 @@ pub async fn run_standalone(
         },
     );
     let runner = match runner {
-        Ok(runner) => runner.with_metrics(metrics.metrics.clone()),
+        Ok(runner) => runner
+            .with_metrics(metrics.metrics.clone())
+            .with_recycle_requests(recycle_asks),
         Err(err) => {
             stop.stop();
             return Err(err.into());
@@ -357,6 +365,7 @@ mod tests {
             listen: "127.0.0.1:0".parse().expect("an address"),
             gateway_listen: None,
             gateway_session_idle: Duration::from_secs(60),
+            gateway_rules: Default::default(),
             auth: DiscoveryAuthOptions::default(),
             poll: Duration::from_millis(100),
             gc_grace: Duration::from_secs(300),

@@ -22,17 +22,19 @@ use super::{
     backend::{Records, Secrets, StandaloneBackend},
     manifests::{Desired, fingerprint, scan},
     progress::Progress,
-    store::{ProxyRecord, Store, StoreError},
+    recycle::{RecycleAsk, annotations_of, take_annotations},
+    store::{GatewayRecycle, ProxyRecord, Store, StoreError},
 };
 
 use crate::{
     api::ProxyKey,
-    api::{Proxy, ProxySpec},
+    api::{Proxy, ProxySpec, RECYCLE_ANNOTATION},
     check::Checker,
     controller::{
         ProviderAvailability, Reconciler, ReconcilerConfig, error_backoff,
         status::{FINALIZER, PhaseTally, phase_of},
     },
+    gateway::rules::RecycleError,
     health::HealthControl,
     lease::LeaseControl,
     provider::ProviderRegistry,
@@ -89,6 +91,8 @@ pub struct Standalone {
     progress_stale: bool,
     /// Records read to keep the phase counts ([`Self::phase_reads`]).
     phase_reads: u64,
+    /// The gateway rules' recycle requests ([`super::recycle`]).
+    recycle_asks: Option<mpsc::Receiver<RecycleAsk>>,
 }
 
 impl Standalone {
@@ -153,7 +157,36 @@ impl Standalone {
             touched: HashSet::new(),
             progress_stale: true,
             phase_reads: 0,
+            recycle_asks: None,
         })
+    }
+
+    /// Records the gateway rules' recycle requests that arrive on `asks` (while running).
+    pub fn with_recycle_requests(mut self, asks: mpsc::Receiver<RecycleAsk>) -> Self {
+        self.recycle_asks = Some(asks);
+        self
+    }
+
+    /// Records a recycle request of the gateway's rules in `key`'s record, durably, and
+    /// reconciles it at the next step.
+    fn recycle(&mut self, key: &ProxyKey, value: String) -> Result<(), RecycleError> {
+        let mut records = crate::sync::lock(&self.records);
+        let record = records
+            .get_mut(key)
+            .filter(|record| !record.deleting)
+            .ok_or_else(|| RecycleError::Gone(key.clone()))?;
+        record.gateway_recycle = Some(GatewayRecycle {
+            value,
+            over: record.annotations.get(RECYCLE_ANNOTATION).cloned(),
+        });
+        self.store.save(key, record).map_err(|e| RecycleError::Failed {
+            key: key.clone(),
+            reason: e.to_string(),
+        })?;
+        drop(records);
+        self.touched.insert(key.clone());
+        self.due.insert(key.clone(), Instant::now());
+        Ok(())
     }
 
     /// Records reconciles, transitions and proxies per phase in `metrics`, as cluster mode does.
@@ -302,12 +335,12 @@ impl Standalone {
                     record.spec = wanted.spec_json.clone();
                     record.generation += 1;
                     record.source = source;
-                    record.annotations = wanted.annotations.clone();
+                    take_annotations(record, &wanted.annotations);
                     changed.push(key.clone());
                 }
                 // An annotation edit (a recycle request) moves no generation, as in a cluster.
                 Some(record) if record.annotations != wanted.annotations => {
-                    record.annotations = wanted.annotations.clone();
+                    take_annotations(record, &wanted.annotations);
                     changed.push(key.clone());
                 }
                 Some(_) => {}
@@ -421,10 +454,23 @@ impl Standalone {
                 _ = &mut shutdown => break,
                 Some(key) = triggers.recv() => self.trigger(key),
                 Some(provider) = provider_flips.recv() => self.trigger_provider(&provider),
+                Some(ask) = next_ask(&mut self.recycle_asks) => {
+                    let recorded = self.recycle(&ask.key, ask.value);
+                    // The gateway may have stopped waiting; the request stands either way.
+                    let _ = ask.done.send(recorded);
+                }
                 _ = tokio::time::sleep_until(wake) => {}
             }
         }
         info!("standalone mode stopped");
+    }
+}
+
+/// The next recycle request, if there is a path for them (else never).
+async fn next_ask(asks: &mut Option<mpsc::Receiver<RecycleAsk>>) -> Option<RecycleAsk> {
+    match asks {
+        Some(asks) => asks.recv().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -479,7 +525,7 @@ pub fn proxy_of(key: &ProxyKey, record: &ProxyRecord) -> Option<Proxy> {
             creation_timestamp: Some(Time(record.created)),
             deletion_timestamp: record.deletion_time.map(Time),
             finalizers: record.finalizer.then(|| vec![FINALIZER.to_owned()]),
-            annotations: (!record.annotations.is_empty()).then(|| record.annotations.clone()),
+            annotations: annotations_of(record),
             ..ObjectMeta::default()
         },
         spec,

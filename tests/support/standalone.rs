@@ -232,6 +232,25 @@ pub fn credentials_secret(name: &str, username: &str, password: &str) -> String 
     )
 }
 
+/// The audit trail of the Proxy `name` as the state folder keeps it (one JSON object per
+/// transition, oldest first; empty before its first).
+pub fn audit_lines(host: &Host, name: &str) -> Vec<serde_json::Value> {
+    let suffix = format!("_{name}.jsonl");
+    std::fs::read_dir(host.dir.path().join("state/audit"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().ends_with(&suffix))
+        .flat_map(|entry| {
+            std::fs::read_to_string(entry.path())
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|line| serde_json::from_str(line).ok())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// `status`; panics if it fails.
 pub fn status(host: &Host) -> String {
     try_status(host).expect("status succeeds")

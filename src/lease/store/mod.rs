@@ -506,7 +506,23 @@ impl LeaseStore {
         target_domain: Option<&str>,
         now: u64,
     ) -> Result<Released, LeaseError> {
-        let ban_ms = self.inner.config.ban_cooldown.as_millis() as u64;
+        self.release_banning_at(id, token, outcome, target_domain, None, now)
+    }
+
+    /// [`LeaseStore::release_at`], a `banned` outcome resting the proxy for the domain for
+    /// `ban_for` instead of the store's [`LeaseStoreConfig::ban_cooldown`] (`None`: that one).
+    /// The gateway's rules use it for a short rest (a cooldown for the domain) and their own
+    /// ban durations.
+    pub fn release_banning_at(
+        &self,
+        id: &LeaseId,
+        token: u64,
+        outcome: Outcome,
+        target_domain: Option<&str>,
+        ban_for: Option<Duration>,
+        now: u64,
+    ) -> Result<Released, LeaseError> {
+        let ban_ms = self.ban_ms(ban_for);
         self.with_lease(id, now, |shard, slot, idx| {
             Self::release_in(shard, slot, idx, token, outcome, target_domain, ban_ms, now)
         })
@@ -627,12 +643,18 @@ impl LeaseStore {
         token: u64,
         outcome: Outcome,
         target_domain: Option<&str>,
+        ban_for: Option<Duration>,
         now: u64,
     ) -> Option<Result<(Released, LeaseId), LeaseError>> {
-        let ban_ms = self.inner.config.ban_cooldown.as_millis() as u64;
+        let ban_ms = self.ban_ms(ban_for);
         self.with_presented(presented, now, |shard, slot, idx| {
             Self::release_in(shard, slot, idx, token, outcome, target_domain, ban_ms, now)
         })
+    }
+
+    /// How long a ban lasts, in ms: `ban_for`, else the store's ban cooldown.
+    fn ban_ms(&self, ban_for: Option<Duration>) -> u64 {
+        ban_for.unwrap_or(self.inner.config.ban_cooldown).as_millis() as u64
     }
 
     /// Removes expired leases, bans, bindings and parked entries; returns the number of

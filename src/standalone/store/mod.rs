@@ -71,6 +71,21 @@ pub struct ProxyRecord {
     /// The status, as the cluster would hold it.
     #[serde(default)]
     pub status: Option<ProxyStatus>,
+    /// A recycle request of the gateway's rules, standing in for the manifest's annotation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway_recycle: Option<GatewayRecycle>,
+}
+
+/// A recycle request the gateway's rules made ([`super::recycle`]): the Proxy carries it as
+/// its recycle annotation until the manifest's own annotation is no longer `over`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GatewayRecycle {
+    /// The request's value.
+    pub value: String,
+    /// The manifest's recycle annotation when it was made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub over: Option<String>,
 }
 
 impl ProxyRecord {
