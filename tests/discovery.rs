@@ -96,6 +96,7 @@ impl Server {
             readiness,
             registry: Arc::new(registry),
             metrics,
+            outcomes: Default::default(),
             config: DiscoveryConfig::default(),
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -19,6 +19,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use egress_proxies_operator::api::ProxyKey;
 use serde_json::Value;
 use support::{
     free_port,
@@ -584,6 +585,7 @@ mod in_process {
         discovery::StaticTokens,
         gateway::{self, Gateway, GatewayConfig, GatewayDeps},
         lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, token::LeaseSigner},
+        outcomes::Outcomes,
         provider::Endpoint,
         telemetry::admin::Readiness,
     };
@@ -592,6 +594,7 @@ mod in_process {
     /// The running gateway; stops when dropped.
     pub struct InProcess {
         pub store: LeaseStore,
+        pub outcomes: Outcomes,
         pub addr: SocketAddr,
         _stop: tokio::sync::oneshot::Sender<()>,
     }
@@ -625,12 +628,14 @@ mod in_process {
             leader: true,
             checkpoint_failing: false,
         });
+        let outcomes = Outcomes::default();
         let deps = GatewayDeps {
             store: store.clone(),
             signer: LeaseSigner::new(&LeaseSigner::generate_secret()).expect("signer"),
             journal: None,
             auth: Arc::new(StaticTokens::parse("tok\n")),
             readiness,
+            outcomes: outcomes.clone(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
@@ -644,6 +649,7 @@ mod in_process {
         ));
         InProcess {
             store,
+            outcomes,
             addr,
             _stop: stop,
         }
@@ -691,6 +697,20 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
     );
     assert!(origin.peers_of("/posted").is_empty());
     assert_eq!(store.active_total(), 0);
+
+    // The statistics: two connection failures on the dead proxy (a GET's first try and the
+    // POST), two answers through the live one, each with its latency and bytes.
+    let domain = "127.0.0.1";
+    let dead = (gateway.outcomes)
+        .pair(&ProxyKey::new("crawl", "dead"), domain)
+        .expect("the dead proxy's failures are recorded");
+    assert_eq!((dead.requests, dead.failures.connect, dead.successes), (2, 2, 0), "{dead:?}");
+    let live = (gateway.outcomes)
+        .pair(&ProxyKey::new("crawl", "live"), domain)
+        .expect("the live proxy's answers are recorded");
+    assert_eq!((live.requests, live.successes), (2, 2), "{live:?}");
+    assert_eq!(live.latency.map(|l| l.samples), Some(2), "{live:?}");
+    assert_eq!(live.bytes_received, 2 * "hello /retried from 127.0.0.1".len() as u64);
 }
 
 /// Python's `requests` and Scrapy's own `HttpProxyMiddleware` use the gateway unchanged: the

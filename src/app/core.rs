@@ -27,6 +27,7 @@ use crate::{
         token::LeaseSigner,
     },
     monitor::{HealthSink, Monitor},
+    outcomes::Outcomes,
     provider::ProviderRegistry,
     telemetry::{Metrics, admin::StatusPageSlot},
     ui::{PageInputs, ProxySource, StatusPage},
@@ -45,6 +46,8 @@ pub struct CoreMetrics {
     pub discovery: DiscoveryMetrics,
     /// Lease checkpoint saves.
     pub checkpoint: CheckpointReport,
+    /// Outcome statistics per proxy and target domain (the gateway's and the API's).
+    pub outcomes: Outcomes,
 }
 
 impl CoreMetrics {
@@ -55,12 +58,15 @@ impl CoreMetrics {
         let discovery = DiscoveryMetrics::register(&mut registry);
         let checkpoint = CheckpointReport::default();
         checkpoint.register(&mut registry);
+        let outcomes = Outcomes::default();
+        outcomes.register(&mut registry);
         extra(&mut registry);
         Self {
             registry: Arc::new(registry),
             metrics,
             discovery,
             checkpoint,
+            outcomes,
         }
     }
 }
@@ -229,6 +235,7 @@ pub async fn start_core(
             .map(|(name, provider)| (name.to_owned(), provider.clone()))
             .collect(),
         auth: auth.clone(),
+        outcomes: metrics.outcomes.clone(),
     }));
     let health_log = page.health_log();
     let gateway_deps = GatewayDeps {
@@ -237,6 +244,7 @@ pub async fn start_core(
         journal: journal.clone(),
         auth: auth.clone(),
         readiness: readiness.clone(),
+        outcomes: metrics.outcomes.clone(),
     };
     let api = DiscoveryState::new(DiscoveryDeps {
         store: leases.clone(),
@@ -245,6 +253,7 @@ pub async fn start_core(
         readiness,
         registry: metrics.registry.clone(),
         metrics: metrics.discovery.clone(),
+        outcomes: metrics.outcomes.clone(),
         config: DiscoveryConfig::default(),
     });
     match status_page {

@@ -24,7 +24,11 @@ use super::wire::{
     AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse, ListResponse, ProxyJson,
     ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StatusBody,
 };
-use crate::lease::{Availability, Outcome};
+use super::outcomes::{OutcomeBody, OutcomeResponse};
+use crate::{
+    lease::{Availability, Outcome},
+    outcomes::{DomainStats, Failure, Failures, ProxyOutcomes, Quantiles, Stats},
+};
 
 /// The name of the bearer-token security scheme.
 pub(crate) const BEARER: &str = "bearer";
@@ -33,7 +37,8 @@ pub(crate) const BEARER: &str = "bearer";
 #[openapi(
     info(
         title = "egress-proxies-operator discovery API",
-        description = "Crawlers list proxies and lease them: acquire, renew, release. Every error \
+        description = "Crawlers list proxies and lease them: acquire, renew, release, and report \
+            their requests' outcomes. Every error \
             is `{\"error\":{\"code\",\"message\"}}` with a stable code, including those the HTTP layer \
             answers before any operation is chosen (the `HttpLayer*` responses in components, \
             which may answer any request; the connection is then closed), `not_found` for a path \
@@ -51,6 +56,7 @@ pub(crate) const BEARER: &str = "bearer";
         super::handlers::acquire,
         super::handlers::renew,
         super::handlers::release,
+        super::outcomes::report,
     ),
     components(schemas(
         AcquireBody,
@@ -67,7 +73,15 @@ pub(crate) const BEARER: &str = "bearer";
         ErrorBody,
         ErrorDetail,
         Outcome,
-        Availability
+        Availability,
+        OutcomeBody,
+        OutcomeResponse,
+        ProxyOutcomes,
+        DomainStats,
+        Stats,
+        Failures,
+        Failure,
+        Quantiles
     )),
     modifiers(&Components),
     tags((name = "leases", description = "Listing and leasing proxies"), (name = "operations", description = "Probes, metrics, this contract")),

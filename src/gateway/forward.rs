@@ -15,7 +15,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use crate::lease::ProxyInfo;
+use crate::{lease::ProxyInfo, outcomes::Failure};
 
 /// The `Via` entry the gateway adds, both ways.
 pub(super) const VIA: &str = "1.1 egress-proxies-gateway";
@@ -35,6 +35,18 @@ pub(super) enum UpstreamError {
     /// Connected, but the exchange failed before an answer (reset, closed).
     #[error("the connection failed before an answer: {0}")]
     Exchange(hyper::Error),
+}
+
+impl UpstreamError {
+    /// The failure it counts as in the outcome statistics.
+    pub(super) fn failure(&self) -> Failure {
+        match self {
+            UpstreamError::Connect(_) => Failure::Connect,
+            UpstreamError::ConnectTimeout(_) => Failure::Timeout,
+            UpstreamError::Exchange(error) if error.is_timeout() => Failure::Timeout,
+            UpstreamError::Exchange(_) => Failure::Reset,
+        }
+    }
 }
 
 /// Hop-by-hop headers: each connection's own, never forwarded (plus those the `Connection`

@@ -13,23 +13,17 @@
 
 mod forward;
 mod held;
+mod measure;
 pub mod rules;
 pub mod user;
 
-use std::{
-    convert::Infallible,
-    future::Future,
-    pin::Pin,
-    sync::Arc,
-    task::{Context, Poll},
-    time::Duration,
-};
+use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::{
     Method, Request, Response, StatusCode,
-    body::{Body, Frame, Incoming, SizeHint},
+    body::{Body, Incoming},
     header::{self, HeaderValue},
     http::uri::Scheme,
 };
@@ -40,6 +34,7 @@ use tracing::{debug, info, warn};
 use self::{
     forward::{GatewayBody, UpstreamError},
     held::{Held, Lent},
+    measure::{Guarded, Measure},
     rules::{Action, Rules},
     user::UserName,
 };
@@ -49,6 +44,7 @@ use crate::{
         auth::{ProxyPresented, proxy_presented},
     },
     lease::{DurableError, LeaseError, LeaseStore, Outcome, journal::Journal, token::LeaseSigner},
+    outcomes::{Ended, Failure, Outcomes},
     telemetry::admin::Readiness,
 };
 
@@ -105,6 +101,8 @@ pub struct GatewayDeps {
     pub auth: Arc<dyn Authenticator>,
     /// Requests are refused (503) until this says synced and leader.
     pub readiness: watch::Receiver<Readiness>,
+    /// Where what each request did is recorded.
+    pub outcomes: Outcomes,
 }
 
 /// The gateway; cheap to clone.
@@ -332,10 +330,13 @@ impl Gateway {
         let (parts, body) = request.into_parts();
         if !retryable {
             let lent = self.held.take(&who, domain).await?;
+            let sent = body.size_hint().exact().unwrap_or(0);
+            let measure = self.measure(&lent, &host, sent);
             let upstream = forward::upstream_request(&parts, body, lent.proxy());
             return match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
-                Ok(response) => Ok(self.answered(lent, response, domain).await),
+                Ok(response) => Ok(self.answered(lent, response, domain, measure).await),
                 Err(error) => {
+                    measure.failed(error.failure());
                     let refusal = Refusal::upstream(lent.proxy(), &error);
                     lent.end(Outcome::Error).await;
                     Err(refusal)
@@ -349,11 +350,14 @@ impl Gateway {
             .map_err(|e| Refusal::bad_request(format!("reading the request body: {e}")))?
             .to_bytes();
         let lent = self.held.take(&who, domain).await?;
+        let sent = body.len() as u64;
+        let measure = self.measure(&lent, &host, sent);
         let upstream = forward::upstream_request(&parts, Full::new(body.clone()), lent.proxy());
         let error = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
-            Ok(response) => return Ok(self.answered(lent, response, domain).await),
+            Ok(response) => return Ok(self.answered(lent, response, domain, measure).await),
             Err(error) => error,
         };
+        measure.failed(error.failure());
         warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
         // Taken while the dead one is still held, so the store chooses another if it can.
         let second = self.held.take_loose(&who, domain, Some(&lent.proxy().key)).await;
@@ -363,10 +367,12 @@ impl Gateway {
             first.message.push_str("; no other proxy was free to try");
             return Err(first);
         };
+        let measure = self.measure(&second, &host, sent);
         let upstream = forward::upstream_request(&parts, Full::new(body), second.proxy());
         match forward::send(second.proxy(), upstream, self.config.connect_timeout).await {
-            Ok(response) => Ok(self.answered(second, response, domain).await),
+            Ok(response) => Ok(self.answered(second, response, domain, measure).await),
             Err(error) => {
+                measure.failed(error.failure());
                 let refusal = Refusal::upstream(second.proxy(), &error);
                 second.end(Outcome::Error).await;
                 Err(refusal)
@@ -374,12 +380,20 @@ impl Gateway {
         }
     }
 
-    /// The client's answer from the target's `response`, after the rules had their say.
+    /// What a request through `lent`'s proxy to `host` does, measured from now.
+    fn measure(&self, lent: &Lent, host: &str, bytes_sent: u64) -> Measure {
+        let deps = self.held.deps();
+        Measure::start(&deps.outcomes, &deps.store, lent.proxy(), host, bytes_sent)
+    }
+
+    /// The client's answer from the target's `response`, after the rules had their say; its
+    /// outcome is recorded when its body is done.
     async fn answered(
         &self,
         lent: Lent,
         response: Response<Incoming>,
         domain: Option<&str>,
+        measure: Measure,
     ) -> Response<GatewayBody> {
         // Squid marks the error pages it makes itself: those are the proxy's answer (access
         // denied, target unreachable), not the target's, and say nothing of a ban.
@@ -387,6 +401,10 @@ impl Gateway {
         let action = (!from_the_proxy)
             .then(|| self.config.rules.judge(response.status()))
             .flatten();
+        let ended = match from_the_proxy {
+            true => Ended::Failed(Failure::ProxyError),
+            false => Ended::Status(response.status().as_u16()),
+        };
         match action {
             Some(Action::BanForDomain) if domain.is_some() => {
                 info!(
@@ -398,13 +416,14 @@ impl Gateway {
                 lent.end(Outcome::Banned).await;
                 let client = forward::client_response(&response, ());
                 let (parts, ()) = client.into_parts();
-                Response::from_parts(parts, response.into_body().boxed_unsync())
+                let body = measure.answered(response.into_body(), ended, true);
+                Response::from_parts(parts, body.boxed_unsync())
             }
             _ => {
                 let client = forward::client_response(&response, ());
                 let (parts, ()) = client.into_parts();
                 // The lease is given back when the answer's body is done or dropped.
-                let body = Guarded::new(response.into_body(), lent);
+                let body = Guarded::new(measure.answered(response.into_body(), ended, false), lent);
                 Response::from_parts(parts, body.boxed_unsync())
             }
         }
@@ -425,9 +444,11 @@ impl Gateway {
         let Some(upstream) = forward::connect_request(authority.as_str(), lent.proxy()) else {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };
+        let measure = self.measure(&lent, authority.host(), 0);
         let response = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
             Ok(response) => response,
             Err(error) => {
+                measure.failed(error.failure());
                 let refusal = Refusal::upstream(lent.proxy(), &error);
                 lent.end(Outcome::Error).await;
                 return Err(refusal);
@@ -437,13 +458,15 @@ impl Gateway {
             // The proxy's own refusal (not the target's): passed on, and no ban.
             let client = forward::client_response(&response, ());
             let (parts, ()) = client.into_parts();
-            let body = Guarded::new(response.into_body(), lent);
+            let refused = Ended::Failed(Failure::ProxyError);
+            let body = Guarded::new(measure.answered(response.into_body(), refused, false), lent);
             return Ok(Response::from_parts(parts, body.boxed_unsync()));
         }
         let client_side = hyper::upgrade::on(&mut request);
         let upstream_side = match hyper::upgrade::on(response).await {
             Ok(upgraded) => upgraded,
             Err(error) => {
+                measure.failed(Failure::Reset);
                 let refusal = Refusal::new(
                     StatusCode::BAD_GATEWAY,
                     "upstream_failed",
@@ -453,13 +476,16 @@ impl Gateway {
                 return Err(refusal);
             }
         };
+        let opened = measure.opened();
         tokio::spawn(async move {
             match client_side.await {
                 Ok(client) => {
                     let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream_side));
-                    if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                    let spliced = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                    if let Err(error) = &spliced {
                         debug!(%error, "gateway tunnel ended with an error");
                     }
+                    opened.closed(&spliced);
                 }
                 Err(error) => debug!(%error, "the client's side of a tunnel never opened"),
             }
@@ -505,72 +531,6 @@ impl Gateway {
         }
         UserName::parse(&user)
             .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "bad_user_name", e.to_string()))
-    }
-}
-
-/// An upstream answer's body that gives its lease back when done or dropped. When done, the
-/// last frame waits until the lease is back (durable too): a client that sends its next
-/// request as soon as it has this answer finds the proxy free again.
-struct Guarded {
-    inner: Incoming,
-    lent: Option<Lent>,
-    /// The lease being given back, and the frame that waits for it (`None`: the end).
-    ending: Option<(GivingBack, Option<Frame<Bytes>>)>,
-}
-
-/// A lease being given back.
-type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-impl Guarded {
-    fn new(inner: Incoming, lent: Lent) -> Self {
-        Self {
-            inner,
-            lent: Some(lent),
-            ending: None,
-        }
-    }
-}
-
-impl Body for Guarded {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        loop {
-            if let Some((giving_back, last)) = &mut this.ending {
-                std::task::ready!(giving_back.as_mut().poll(cx));
-                let last = last.take();
-                this.ending = None;
-                if let Some(frame) = last {
-                    return Poll::Ready(Some(Ok(frame)));
-                }
-                return Poll::Ready(None);
-            }
-            let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
-            let last = match polled {
-                Some(Ok(frame)) if this.inner.is_end_stream() => Some(frame),
-                None => None,
-                // A frame before the last, or an error (the body is dropped then, and the
-                // lease goes back from Drop).
-                other => return Poll::Ready(other),
-            };
-            match this.lent.take() {
-                Some(lent) => this.ending = Some((Box::pin(lent.give_back()), last)),
-                None => return Poll::Ready(last.map(Ok)),
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.lent.is_none() && self.ending.is_none() && self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

@@ -303,13 +303,25 @@ fn proxies(html: &mut String, view: &StatusView) {
             }
             None => html.push_str("<td class=\"muted\">-</td>"),
         }
-        match row.traffic {
+        match &row.traffic {
             Some(t) => {
                 let _ = write!(
                     html,
-                    "<td class=\"traffic\">{} requests<br>{} errors</td>",
-                    t.requests, t.errors
+                    "<td class=\"traffic\">{} requests<br>{} errors, {} bans",
+                    t.requests, t.errors, t.bans
                 );
+                if let Some(q) = t.latency {
+                    let _ = write!(html, "<br><span class=\"muted\">p50 {} ms, p95 {} ms</span>", q.p50, q.p95);
+                }
+                if let Some((domain, requests)) = &t.top_domain {
+                    let _ = write!(
+                        html,
+                        "<br><span class=\"muted\">{} domains; most: {} ({requests})</span>",
+                        t.domains,
+                        esc(domain)
+                    );
+                }
+                html.push_str("</td>");
             }
             None => html.push_str("<td class=\"traffic muted\">not measured</td>"),
         }
