@@ -114,7 +114,7 @@ pub struct Seen {
 
 /// Failures, by kind.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Failures {
     /// See [`Failure::Connect`].
     pub connect: u64,
@@ -163,7 +163,7 @@ impl Failures {
 
 /// The statistics of a pair (or a proxy's totals).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Stats {
     /// Requests and tunnels: `successes` plus every failure.
     pub requests: u64,
@@ -208,7 +208,7 @@ impl Stats {
 
 /// One target domain's statistics on a proxy.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DomainStats {
     /// The target domain (lowercase, without a final dot).
     pub domain: String,
@@ -218,7 +218,7 @@ pub struct DomainStats {
 
 /// A proxy's statistics: its totals and its busiest domains.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 #[schema(as = ProxyOutcomes)]
 pub struct ProxyOutcomes {
     /// Over every domain, those evicted from tracking included.

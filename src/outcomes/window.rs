@@ -31,7 +31,7 @@ impl Default for Window {
 
 /// Median and 95th percentile of a window, in milliseconds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Quantiles {
     /// The median (nearest rank: the lower one of an even count).
     pub p50: u32,
