@@ -182,6 +182,7 @@ async fn docs_examples_run_against_a_live_server() {
         "/v1/proxies",
         "/v1/leases\"",
         "/renew",
+        "/outcomes",
         "/release",
     ] {
         assert!(
