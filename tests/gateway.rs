@@ -14,6 +14,7 @@
 mod support;
 
 use std::{
+    collections::HashMap,
     net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -31,11 +32,14 @@ use tokio::{
     net::{TcpListener, TcpStream},
 };
 
+/// How long the origin takes to answer a `/delayed/...` path.
+const DELAY: Duration = Duration::from_secs(1);
+
 /// The outgoing address of each Squid, by proxy name.
 const SQUIDS: [(&str, &str); 3] = [("a", "127.0.0.2"), ("b", "127.0.0.3"), ("c", "127.0.0.4")];
 
 /// An origin on 127.0.0.1: `/health` is always 200; `/slow` sends its head and part of its
-/// body, then waits; every other path answers 200 naming the address it came from, or 403 when
+/// body, then waits; `/delayed/...` answers after [`DELAY`]; every other path answers 200 naming the address it came from, or 403 when
 /// that address is the one [`Origin::refuse`] named.
 struct Origin {
     addr: SocketAddr,
@@ -72,6 +76,11 @@ impl Origin {
     /// Answers 403 to requests from `ip` from now on.
     fn refuse(&self, ip: IpAddr) {
         *self.refused.lock().expect("not poisoned") = Some(ip);
+    }
+
+    /// Every (path, address) it saw, in order.
+    fn seen(&self) -> Vec<(String, IpAddr)> {
+        self.seen.lock().expect("not poisoned").clone()
     }
 
     /// The addresses requests for `path` came from, in order.
@@ -113,6 +122,10 @@ async fn serve_origin(
         if path != "/health" {
             seen.lock().expect("not poisoned").push((path.clone(), peer));
         }
+        if path.starts_with("/delayed/") {
+            // Long enough for the test to see the request in flight inside a Squid.
+            tokio::time::sleep(DELAY).await;
+        }
         if path == "/slow" {
             let _ = stream
                 .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\nfirst bytes")
@@ -147,6 +160,11 @@ struct Setup {
 
 impl Setup {
     async fn start(extra: &[&str]) -> Self {
+        Self::start_with_slots(extra, 1).await
+    }
+
+    /// [`Setup::start`] with `slots` concurrent leases per proxy.
+    async fn start_with_slots(extra: &[&str], slots: u32) -> Self {
         let origin = Origin::start().await;
         let host = Host::new();
         for (name, outgoing) in SQUIDS {
@@ -155,7 +173,7 @@ impl Setup {
                 free_port(),
                 &origin.url("/health"),
                 &[("pool", "gw")],
-                &[("maxConcurrent", 1)],
+                &[("maxConcurrent", slots)],
             )
             .replace(
                 "    address: 127.0.0.1\n",
@@ -711,6 +729,176 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
     assert_eq!((live.requests, live.successes), (2, 2), "{live:?}");
     assert_eq!(live.latency.map(|l| l.samples), Some(2), "{live:?}");
     assert_eq!(live.bytes_received, 2 * "hello /retried from 127.0.0.1".len() as u64);
+}
+
+/// One request a crawler of [`killing_an_upstream_squid_mid_crawl`] made.
+#[derive(Clone, Debug)]
+struct Fetch {
+    tunnel: bool,
+    path: String,
+    code: u16,
+    body: String,
+    started: Instant,
+    took: Duration,
+}
+
+/// Reliability: plain GETs and CONNECT tunnels run through the gateway concurrently while one
+/// upstream Squid is SIGKILLed with a GET inside it. No client waits past a bound; every GET
+/// succeeds (the one inside the dead Squid through another, sent again by the gateway); only
+/// tunnels that were open through the dead Squid may fail; the statistics hold the failures
+/// against the killed proxy and none against the others; and once the clients stop, no lease
+/// is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_an_upstream_squid_mid_crawl() {
+    const GETTERS: usize = 4;
+    const TUNNELLERS: usize = 2;
+    // curl gives up after 20 s (`curl_through`); an answer takes DELAY, a retry twice that.
+    const BOUND: Duration = Duration::from_secs(10);
+    let setup = Setup::start_with_slots(&["--gateway-session-idle-seconds", "1"], 4).await;
+    let killed_ip: IpAddr = "127.0.0.2".parse().expect("an address");
+
+    let done: Arc<Mutex<Vec<Fetch>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut crawlers = Vec::new();
+    for worker in 0..GETTERS + TUNNELLERS {
+        let tunnel = worker >= GETTERS;
+        let (done, stop) = (done.clone(), stop.clone());
+        let dir = setup.host.path().to_owned();
+        let (gateway, origin) = (setup.gateway, setup.origin.addr);
+        let credentials = format!("crawler-{worker}:{}", setup.host.token());
+        crawlers.push(tokio::spawn(async move {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                let kind = if tunnel { "tunnel" } else { "get" };
+                let path = format!("/delayed/{kind}-{worker}-{n}");
+                let url = format!("http://{origin}{path}");
+                let args: &[&str] = if tunnel { &["--proxytunnel"] } else { &[] };
+                let started = Instant::now();
+                let (code, body, _) = curl_through(&dir, gateway, &credentials, &url, args).await;
+                let took = started.elapsed();
+                done.lock().expect("not poisoned").push(Fetch {
+                    tunnel,
+                    path,
+                    code,
+                    body,
+                    started,
+                    took,
+                });
+                n += 1;
+            }
+        }));
+    }
+    let finished = |done: &Arc<Mutex<Vec<Fetch>>>| done.lock().expect("not poisoned").clone();
+
+    // Kill Squid `a` while a GET is inside it: the origin saw the GET come from `a` and no
+    // client has its answer yet.
+    let in_flight = support::wait_until(Duration::from_secs(30), "a GET in flight through a", async || {
+        let answered: Vec<String> = finished(&done).into_iter().map(|f| f.path).collect();
+        (setup.origin.seen().into_iter())
+            .find(|(path, ip)| *ip == killed_ip && path.contains("/get-") && !answered.contains(path))
+            .map(|(path, _)| path)
+    })
+    .await;
+    let port = setup.port_of("a");
+    let (_, log) = (setup.host.access_logs().into_iter())
+        .find(|(listen, _)| listen.ends_with(&format!(":{port}")))
+        .expect("a's instance folder");
+    let instance = log.parent().and_then(|run| run.parent()).expect("the instance folder");
+    let pids = standalone::squids(instance);
+    assert!(!pids.is_empty(), "a's Squid runs");
+    for pid in &pids {
+        let killed = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(killed.success(), "SIGKILL to {pid}");
+    }
+    let killed_at = Instant::now();
+
+    // The crawl goes on until every crawler made four more requests after the kill.
+    support::wait_until(Duration::from_secs(60), "four requests per crawler after the kill", async || {
+        let after = finished(&done);
+        // Paths are /delayed/KIND-WORKER-N.
+        let per_worker = |w: usize| {
+            (after.iter())
+                .filter(|f| f.started > killed_at && f.path.split('-').nth(1) == Some(&w.to_string()))
+                .count()
+        };
+        (0..GETTERS + TUNNELLERS).all(|w| per_worker(w) >= 4).then_some(())
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    for crawler in crawlers {
+        tokio::time::timeout(2 * BOUND, crawler)
+            .await
+            .expect("every crawler stops: no request hangs")
+            .expect("the crawler did not panic");
+    }
+    let fetches = finished(&done);
+
+    // No client waited past the bound.
+    for fetch in &fetches {
+        assert!(fetch.took < BOUND, "{fetch:?} took too long
+{}", setup.operator.log());
+    }
+    // Every GET succeeded, the one inside the dead Squid through another.
+    for fetch in fetches.iter().filter(|f| !f.tunnel) {
+        assert_eq!(fetch.code, 200, "{fetch:?}
+{}", setup.operator.log());
+        assert!(fetch.body.starts_with(&format!("hello {} from ", fetch.path)), "{fetch:?}");
+    }
+    let rescued = (fetches.iter())
+        .find(|f| f.path == in_flight)
+        .expect("the GET in flight finished");
+    assert_ne!(from_ip(&rescued.body), killed_ip, "sent again through another Squid: {rescued:?}");
+    // Only tunnels open through `a` when it died may have failed.
+    let broken: Vec<&Fetch> = (fetches.iter())
+        .filter(|f| f.tunnel && (f.code != 200 || !f.body.starts_with(&format!("hello {} from ", f.path))))
+        .collect();
+    assert!(broken.len() <= TUNNELLERS, "{broken:?}");
+    assert!(broken.iter().all(|f| f.started < killed_at), "{broken:?}");
+
+    // The statistics: failures against `a` only; every successful request counted once (a
+    // tunnel the dead Squid closed may count as a success: the gateway sees no more of it).
+    let succeeded = (fetches.len() - broken.len()) as u64;
+    let by_name = support::wait_until(Duration::from_secs(10), "every request counted", async || {
+        let listed = setup.api_get("/v1/proxies").await;
+        let by_name: HashMap<String, Value> = (listed["proxies"].as_array().into_iter().flatten())
+            .map(|p| (p["name"].as_str().unwrap_or_default().to_owned(), p["outcomes"]["total"].clone()))
+            .collect();
+        let successes: u64 = by_name.values().filter_map(|t| t["successes"].as_u64()).sum();
+        (successes >= succeeded).then_some(by_name)
+    })
+    .await;
+    let failures = |name: &str| -> u64 {
+        let failures = &by_name[name]["failures"];
+        ["connect", "timeout", "reset", "proxyError", "clientError", "serverError"]
+            .iter()
+            .filter_map(|kind| failures[kind].as_u64())
+            .sum()
+    };
+    assert!(failures("a") >= 1, "{by_name:?}");
+    assert_eq!((failures("b"), failures("c")), (0, 0), "{by_name:?}");
+    let successes: u64 = by_name.values().filter_map(|t| t["successes"].as_u64()).sum();
+    assert!(successes <= succeeded + TUNNELLERS as u64, "{successes} {by_name:?}");
+    let key = (setup.api_get("/v1/proxies").await["proxies"].as_array().into_iter().flatten())
+        .find(|p| p["name"] == "a")
+        .and_then(|p| p["key"].as_str().map(str::to_owned))
+        .expect("a is listed");
+    let prefix = format!("epo_outcomes_requests_total{{proxy=\"{key}\",result=\"");
+    standalone::metrics_when(&setup.host, "a's failures", |text| {
+        (text.lines())
+            .filter(|l| l.starts_with(&prefix) && !l.contains("result=\"success\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+            >= 1.0
+    })
+    .await;
+
+    // No lease outlives the crawl.
+    setup
+        .no_leases_within(Duration::from_secs(10), "after the crawl")
+        .await;
 }
 
 /// Python's `requests` and Scrapy's own `HttpProxyMiddleware` use the gateway unchanged: the

@@ -349,33 +349,56 @@ impl Gateway {
             .await
             .map_err(|e| Refusal::bad_request(format!("reading the request body: {e}")))?
             .to_bytes();
-        let lent = self.held.take(&who, domain).await?;
-        let sent = body.len() as u64;
-        let measure = self.measure(&lent, &host, sent);
-        let upstream = forward::upstream_request(&parts, Full::new(body.clone()), lent.proxy());
-        let error = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
-            Ok(response) => return Ok(self.answered(lent, response, domain, measure).await),
-            Err(error) => error,
-        };
-        measure.failed(error.failure());
-        warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
-        // Taken while the dead one is still held, so the store chooses another if it can.
-        let second = self.held.take_loose(&who, domain, Some(&lent.proxy().key)).await;
-        let mut first = Refusal::upstream(lent.proxy(), &error);
-        lent.end(Outcome::Error).await;
-        let Ok(second) = second else {
-            first.message.push_str("; no other proxy was free to try");
-            return Err(first);
-        };
-        let measure = self.measure(&second, &host, sent);
-        let upstream = forward::upstream_request(&parts, Full::new(body), second.proxy());
-        match forward::send(second.proxy(), upstream, self.config.connect_timeout).await {
-            Ok(response) => Ok(self.answered(second, response, domain, measure).await),
-            Err(error) => {
-                measure.failed(error.failure());
-                let refusal = Refusal::upstream(second.proxy(), &error);
-                second.end(Outcome::Error).await;
-                Err(refusal)
+        let (lent, response, measure) = self
+            .send_retried(&who, domain, &host, body.len() as u64, |proxy| {
+                Some(forward::upstream_request(&parts, Full::new(body.clone()), proxy))
+            })
+            .await?;
+        Ok(self.answered(lent, response, domain, measure).await)
+    }
+
+    /// Sends what `request` makes for a proxy through a lease for `who`, and if that proxy
+    /// gives no answer (refused, reset before answering), once more through another one, taken
+    /// while the dead one is still held so that the store chooses another: for what may be
+    /// sent twice (GET, HEAD, CONNECT). The dead proxy's lease ends with outcome `error`.
+    async fn send_retried<B>(
+        &self,
+        who: &UserName,
+        domain: Option<&str>,
+        host: &str,
+        bytes_sent: u64,
+        request: impl Fn(&crate::lease::ProxyInfo) -> Option<Request<B>>,
+    ) -> Result<(Lent, Response<Incoming>, Measure), Refusal>
+    where
+        B: Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let mut lent = self.held.take(who, domain).await?;
+        let mut retried = false;
+        loop {
+            let upstream = request(lent.proxy()).ok_or_else(|| Refusal::bad_request("CONNECT needs host:port"))?;
+            let measure = self.measure(&lent, host, bytes_sent);
+            let error = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
+                Ok(response) => return Ok((lent, response, measure)),
+                Err(error) => error,
+            };
+            measure.failed(error.failure());
+            let mut refusal = Refusal::upstream(lent.proxy(), &error);
+            if retried {
+                lent.end(Outcome::Error).await;
+                return Err(refusal);
+            }
+            retried = true;
+            warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
+            let second = self.held.take_loose(who, domain, Some(&lent.proxy().key)).await;
+            lent.end(Outcome::Error).await;
+            match second {
+                Ok(second) => lent = second,
+                Err(_) => {
+                    refusal.message.push_str("; no other proxy was free to try");
+                    return Err(refusal);
+                }
             }
         }
     }
@@ -440,20 +463,11 @@ impl Gateway {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };
         let domain = target_domain(authority.host());
-        let lent = self.held.take(who, domain).await?;
-        let Some(upstream) = forward::connect_request(authority.as_str(), lent.proxy()) else {
-            return Err(Refusal::bad_request("CONNECT needs host:port"));
-        };
-        let measure = self.measure(&lent, authority.host(), 0);
-        let response = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
-            Ok(response) => response,
-            Err(error) => {
-                measure.failed(error.failure());
-                let refusal = Refusal::upstream(lent.proxy(), &error);
-                lent.end(Outcome::Error).await;
-                return Err(refusal);
-            }
-        };
+        let (lent, response, measure) = self
+            .send_retried(who, domain, authority.host(), 0, |proxy| {
+                forward::connect_request(authority.as_str(), proxy)
+            })
+            .await?;
         if !response.status().is_success() {
             // The proxy's own refusal (not the target's): passed on, and no ban.
             let client = forward::client_response(&response, ());
