@@ -318,9 +318,9 @@ async fn the_view_reads_holders_bans_and_attributes_from_the_store_for_one_page(
     let traffic = first.traffic.as_ref().expect("measured");
     assert_eq!((traffic.requests, traffic.errors, traffic.bans), (2, 1, 0));
     for shown in [
-        "2 requests<br>1 errors, 0 bans",
+        "2 requests<br>1 error, 0 bans",
         "p50 30 ms, p95 90 ms",
-        "1 domains; most: &lt;b&gt;x (2)",
+        "1 domain; most: &lt;b&gt;x (2)",
     ] {
         assert!(html.contains(shown), "{shown} missing: {html}");
     }
