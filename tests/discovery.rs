@@ -1560,7 +1560,14 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
             Some(outcomes),
             400,
         ),
-        ("POST", outcomes_path.clone(), None, "{}".into(), Some(outcomes), 401),
+        (
+            "POST",
+            outcomes_path.clone(),
+            None,
+            "{}".into(),
+            Some(outcomes),
+            401,
+        ),
         (
             "POST",
             outcomes_path.clone(),
@@ -1628,7 +1635,10 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
             listed_outcomes = true;
         }
     }
-    assert!(listed_outcomes, "the reported outcome is listed (and so checked against the contract)");
+    assert!(
+        listed_outcomes,
+        "the reported outcome is listed (and so checked against the contract)"
+    );
     // A ban without a domain anywhere: a lease without targetDomain, released as banned.
     let (_, _, body) = call(
         &url,

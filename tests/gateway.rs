@@ -722,13 +722,20 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
     let dead = (gateway.outcomes)
         .pair(&ProxyKey::new("crawl", "dead"), domain)
         .expect("the dead proxy's failures are recorded");
-    assert_eq!((dead.requests, dead.failures.connect, dead.successes), (2, 2, 0), "{dead:?}");
+    assert_eq!(
+        (dead.requests, dead.failures.connect, dead.successes),
+        (2, 2, 0),
+        "{dead:?}"
+    );
     let live = (gateway.outcomes)
         .pair(&ProxyKey::new("crawl", "live"), domain)
         .expect("the live proxy's answers are recorded");
     assert_eq!((live.requests, live.successes), (2, 2), "{live:?}");
     assert_eq!(live.latency.map(|l| l.samples), Some(2), "{live:?}");
-    assert_eq!(live.bytes_received, 2 * "hello /retried from 127.0.0.1".len() as u64);
+    assert_eq!(
+        live.bytes_received,
+        2 * "hello /retried from 127.0.0.1".len() as u64
+    );
 }
 
 /// One request a crawler of [`killing_an_upstream_squid_mid_crawl`] made.
@@ -803,7 +810,10 @@ async fn killing_an_upstream_squid_mid_crawl() {
     let (_, log) = (setup.host.access_logs().into_iter())
         .find(|(listen, _)| listen.ends_with(&format!(":{port}")))
         .expect("a's instance folder");
-    let instance = log.parent().and_then(|run| run.parent()).expect("the instance folder");
+    let instance = log
+        .parent()
+        .and_then(|run| run.parent())
+        .expect("the instance folder");
     let pids = standalone::squids(instance);
     assert!(!pids.is_empty(), "a's Squid runs");
     for pid in &pids {
@@ -816,16 +826,22 @@ async fn killing_an_upstream_squid_mid_crawl() {
     let killed_at = Instant::now();
 
     // The crawl goes on until every crawler made four more requests after the kill.
-    support::wait_until(Duration::from_secs(60), "four requests per crawler after the kill", async || {
-        let after = finished(&done);
-        // Paths are /delayed/KIND-WORKER-N.
-        let per_worker = |w: usize| {
-            (after.iter())
-                .filter(|f| f.started > killed_at && f.path.split('-').nth(1) == Some(&w.to_string()))
-                .count()
-        };
-        (0..GETTERS + TUNNELLERS).all(|w| per_worker(w) >= 4).then_some(())
-    })
+    support::wait_until(
+        Duration::from_secs(60),
+        "four requests per crawler after the kill",
+        async || {
+            let after = finished(&done);
+            // Paths are /delayed/KIND-WORKER-N.
+            let per_worker = |w: usize| {
+                (after.iter())
+                    .filter(|f| f.started > killed_at && f.path.split('-').nth(1) == Some(&w.to_string()))
+                    .count()
+            };
+            (0..GETTERS + TUNNELLERS)
+                .all(|w| per_worker(w) >= 4)
+                .then_some(())
+        },
+    )
     .await;
     stop.store(true, std::sync::atomic::Ordering::Release);
     for crawler in crawlers {
@@ -838,19 +854,35 @@ async fn killing_an_upstream_squid_mid_crawl() {
 
     // No client waited past the bound.
     for fetch in &fetches {
-        assert!(fetch.took < BOUND, "{fetch:?} took too long
-{}", setup.operator.log());
+        assert!(
+            fetch.took < BOUND,
+            "{fetch:?} took too long
+{}",
+            setup.operator.log()
+        );
     }
     // Every GET succeeded, the one inside the dead Squid through another.
     for fetch in fetches.iter().filter(|f| !f.tunnel) {
-        assert_eq!(fetch.code, 200, "{fetch:?}
-{}", setup.operator.log());
-        assert!(fetch.body.starts_with(&format!("hello {} from ", fetch.path)), "{fetch:?}");
+        assert_eq!(
+            fetch.code,
+            200,
+            "{fetch:?}
+{}",
+            setup.operator.log()
+        );
+        assert!(
+            fetch.body.starts_with(&format!("hello {} from ", fetch.path)),
+            "{fetch:?}"
+        );
     }
     let rescued = (fetches.iter())
         .find(|f| f.path == in_flight)
         .expect("the GET in flight finished");
-    assert_ne!(from_ip(&rescued.body), killed_ip, "sent again through another Squid: {rescued:?}");
+    assert_ne!(
+        from_ip(&rescued.body),
+        killed_ip,
+        "sent again through another Squid: {rescued:?}"
+    );
     // Only tunnels open through `a` when it died may have failed.
     let broken: Vec<&Fetch> = (fetches.iter())
         .filter(|f| f.tunnel && (f.code != 200 || !f.body.starts_with(&format!("hello {} from ", f.path))))
@@ -864,7 +896,12 @@ async fn killing_an_upstream_squid_mid_crawl() {
     let by_name = support::wait_until(Duration::from_secs(10), "every request counted", async || {
         let listed = setup.api_get("/v1/proxies").await;
         let by_name: HashMap<String, Value> = (listed["proxies"].as_array().into_iter().flatten())
-            .map(|p| (p["name"].as_str().unwrap_or_default().to_owned(), p["outcomes"]["total"].clone()))
+            .map(|p| {
+                (
+                    p["name"].as_str().unwrap_or_default().to_owned(),
+                    p["outcomes"]["total"].clone(),
+                )
+            })
             .collect();
         let successes: u64 = by_name.values().filter_map(|t| t["successes"].as_u64()).sum();
         (successes >= succeeded).then_some(by_name)
@@ -872,19 +909,32 @@ async fn killing_an_upstream_squid_mid_crawl() {
     .await;
     let failures = |name: &str| -> u64 {
         let failures = &by_name[name]["failures"];
-        ["connect", "timeout", "reset", "proxyError", "clientError", "serverError"]
-            .iter()
-            .filter_map(|kind| failures[kind].as_u64())
-            .sum()
+        [
+            "connect",
+            "timeout",
+            "reset",
+            "proxyError",
+            "clientError",
+            "serverError",
+        ]
+        .iter()
+        .filter_map(|kind| failures[kind].as_u64())
+        .sum()
     };
     assert!(failures("a") >= 1, "{by_name:?}");
     assert_eq!((failures("b"), failures("c")), (0, 0), "{by_name:?}");
     let successes: u64 = by_name.values().filter_map(|t| t["successes"].as_u64()).sum();
-    assert!(successes <= succeeded + TUNNELLERS as u64, "{successes} {by_name:?}");
-    let key = (setup.api_get("/v1/proxies").await["proxies"].as_array().into_iter().flatten())
-        .find(|p| p["name"] == "a")
-        .and_then(|p| p["key"].as_str().map(str::to_owned))
-        .expect("a is listed");
+    assert!(
+        successes <= succeeded + TUNNELLERS as u64,
+        "{successes} {by_name:?}"
+    );
+    let key = (setup.api_get("/v1/proxies").await["proxies"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .find(|p| p["name"] == "a")
+    .and_then(|p| p["key"].as_str().map(str::to_owned))
+    .expect("a is listed");
     let prefix = format!("epo_outcomes_requests_total{{proxy=\"{key}\",result=\"");
     standalone::metrics_when(&setup.host, "a's failures", |text| {
         (text.lines())

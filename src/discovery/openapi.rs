@@ -20,11 +20,11 @@ use utoipa::{
     },
 };
 
+use super::outcomes::{OutcomeBody, OutcomeResponse};
 use super::wire::{
     AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse, ListResponse, ProxyJson,
     ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StatusBody,
 };
-use super::outcomes::{OutcomeBody, OutcomeResponse};
 use crate::{
     lease::{Availability, Outcome},
     outcomes::{DomainStats, Failure, Failures, ProxyOutcomes, Quantiles, Stats},

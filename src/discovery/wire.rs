@@ -131,7 +131,9 @@ pub(super) fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) ->
 }
 
 /// [`whole_number`] for an optional field (`null` is absent).
-pub(super) fn whole_seconds<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+pub(super) fn whole_seconds<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
     #[derive(Deserialize)]
     struct Wrapped(#[serde(deserialize_with = "whole_number")] u64);
     Ok(Option::<Wrapped>::deserialize(deserializer)?.map(|Wrapped(v)| v))

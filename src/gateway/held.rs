@@ -202,7 +202,7 @@ impl Held {
                 done: false,
             };
             lock(&self.loose).insert(n, lease);
-            if !avoid.is_some_and(|key| *key == lent.proxy.key) {
+            if avoid.is_none_or(|key| *key != lent.proxy.key) {
                 return Ok(lent);
             }
             avoided.push(lent);

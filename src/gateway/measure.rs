@@ -87,7 +87,10 @@ impl Measure {
     /// The tunnel is open (the latency ends now).
     pub(super) fn opened(self) -> Opened {
         let latency = self.started.elapsed();
-        Opened { measure: self, latency }
+        Opened {
+            measure: self,
+            latency,
+        }
     }
 }
 

@@ -377,7 +377,8 @@ impl Gateway {
         let mut lent = self.held.take(who, domain).await?;
         let mut retried = false;
         loop {
-            let upstream = request(lent.proxy()).ok_or_else(|| Refusal::bad_request("CONNECT needs host:port"))?;
+            let upstream =
+                request(lent.proxy()).ok_or_else(|| Refusal::bad_request("CONNECT needs host:port"))?;
             let measure = self.measure(&lent, host, bytes_sent);
             let error = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
                 Ok(response) => return Ok((lent, response, measure)),

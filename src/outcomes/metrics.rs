@@ -40,7 +40,11 @@ impl Collector for Scrape {
         )?;
         for (key, stats) in &totals {
             let mut results = vec![("success", stats.successes)];
-            results.extend(Failure::ALL.iter().map(|&kind| (kind.as_str(), stats.failures.of(kind))));
+            results.extend(
+                Failure::ALL
+                    .iter()
+                    .map(|&kind| (kind.as_str(), stats.failures.of(kind))),
+            );
             for (result, n) in results {
                 let labels = [("proxy", key.as_str()), ("result", result)];
                 ConstCounter::new(n).encode(family.encode_family(&labels)?)?;

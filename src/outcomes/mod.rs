@@ -24,8 +24,8 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-pub use self::window::{Quantiles, WINDOW};
 use self::table::Table;
+pub use self::window::{Quantiles, WINDOW};
 use crate::{api::ProxyKey, lease::rfc3339, sync::lock};
 
 /// Why a request through a proxy failed.

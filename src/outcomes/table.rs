@@ -217,7 +217,11 @@ mod tests {
     #[test]
     fn a_pair_stays_small() {
         // The byte bound in the module's doc (and docs/gateway.md) counts on it.
-        assert!(std::mem::size_of::<Pair>() <= 400, "{}", std::mem::size_of::<Pair>());
+        assert!(
+            std::mem::size_of::<Pair>() <= 400,
+            "{}",
+            std::mem::size_of::<Pair>()
+        );
     }
 
     #[test]

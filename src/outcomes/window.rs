@@ -120,7 +120,10 @@ mod tests {
         for _ in 0..WINDOW {
             window.push(5);
         }
-        assert_eq!(window.quantiles().map(|q| (q.p50, q.p95, q.samples)), Some((5, 5, 64)));
+        assert_eq!(
+            window.quantiles().map(|q| (q.p50, q.p95, q.samples)),
+            Some((5, 5, 64))
+        );
     }
 
     proptest! {

@@ -313,7 +313,11 @@ fn proxies(html: &mut String, view: &StatusView) {
                     counted(t.bans, "ban")
                 );
                 if let Some(q) = t.latency {
-                    let _ = write!(html, "<br><span class=\"muted\">p50 {} ms, p95 {} ms</span>", q.p50, q.p95);
+                    let _ = write!(
+                        html,
+                        "<br><span class=\"muted\">p50 {} ms, p95 {} ms</span>",
+                        q.p50, q.p95
+                    );
                 }
                 if let Some((domain, requests)) = &t.top_domain {
                     let _ = write!(

@@ -14,8 +14,10 @@ async fn outcomes_are_fenced_like_renewals_and_listed_per_proxy() {
     let path = format!("/v1/leases/{id}/outcomes");
     let report = |body: Value| h.call("POST", &path, Some(body));
 
-    let ok = report(json!({"fencingToken": token, "targetDomain": "Shop.Example", "status": 200,
-        "latencyMs": 120, "bytesReceived": 5120}))
+    let ok = report(
+        json!({"fencingToken": token, "targetDomain": "Shop.Example", "status": 200,
+        "latencyMs": 120, "bytesReceived": 5120}),
+    )
     .await;
     assert_eq!(ok.status, StatusCode::OK, "{}", ok.text);
     assert_eq!(
@@ -35,9 +37,18 @@ async fn outcomes_are_fenced_like_renewals_and_listed_per_proxy() {
     for (body, says) in [
         (json!({"fencingToken": token}), "targetDomain"),
         (json!({"fencingToken": token, "targetDomain": "a b"}), "host name"),
-        (json!({"fencingToken": token, "targetDomain": "x", "status": 99}), "100 to 599"),
-        (json!({"fencingToken": token, "targetDomain": "x", "error": "gone"}), "unknown variant"),
-        (json!({"fencingToken": token, "targetDomain": "x", "colour": 1}), "colour"),
+        (
+            json!({"fencingToken": token, "targetDomain": "x", "status": 99}),
+            "100 to 599",
+        ),
+        (
+            json!({"fencingToken": token, "targetDomain": "x", "error": "gone"}),
+            "unknown variant",
+        ),
+        (
+            json!({"fencingToken": token, "targetDomain": "x", "colour": 1}),
+            "colour",
+        ),
     ] {
         let answer = report(body).await;
         assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{}", answer.text);
@@ -47,7 +58,10 @@ async fn outcomes_are_fenced_like_renewals_and_listed_per_proxy() {
     let renewed = h.renew(id, json!({"fencingToken": token})).await;
     assert_eq!(renewed.status, StatusCode::OK, "{}", renewed.text);
     let stale = report(json!({"fencingToken": token, "targetDomain": "x"})).await;
-    assert_eq!((stale.status, code(&stale)), (StatusCode::CONFLICT, "stale_token"));
+    assert_eq!(
+        (stale.status, code(&stale)),
+        (StatusCode::CONFLICT, "stale_token")
+    );
     let foreign = h
         .call(
             "POST",

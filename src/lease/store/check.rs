@@ -14,14 +14,18 @@ impl LeaseStore {
         token: u64,
         now: u64,
     ) -> Option<Result<Checked, LeaseError>> {
-        self.with_presented(presented, now, |shard, slot, idx| Self::check_in(shard, slot, idx, token))
-            .map(|result| result.map(|(checked, _)| checked))
+        self.with_presented(presented, now, |shard, slot, idx| {
+            Self::check_in(shard, slot, idx, token)
+        })
+        .map(|result| result.map(|(checked, _)| checked))
     }
 
     /// The lease `id` names, if it is live and `token` is its current token (the errors are a
     /// renewal's: not found, stale token).
     pub fn check_at(&self, id: &LeaseId, token: u64, now: u64) -> Result<Checked, LeaseError> {
-        self.with_lease(id, now, |shard, slot, idx| Self::check_in(shard, slot, idx, token))
+        self.with_lease(id, now, |shard, slot, idx| {
+            Self::check_in(shard, slot, idx, token)
+        })
     }
 
     fn check_in(shard: &mut Shard, slot: u32, idx: usize, token: u64) -> Result<Checked, LeaseError> {
