@@ -737,6 +737,24 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
         live.bytes_received,
         2 * "hello /retried from 127.0.0.1".len() as u64
     );
+
+    // A CONNECT the dead proxy refuses is sent again through the live one too: two tunnels,
+    // whichever proxy each is offered first, both reach the origin.
+    let scratch = tempfile::tempdir().expect("scratch folder");
+    for n in 0..2 {
+        let url = origin.url(&format!("/tunnelled-{n}"));
+        let credentials = "crawler-6:tok";
+        let (code, body, head) =
+            curl_through(scratch.path(), addr.port(), credentials, &url, &["--proxytunnel"]).await;
+        assert_eq!(code, 200, "{body}\n{head}");
+        assert!(body.starts_with(&format!("hello /tunnelled-{n} from")), "{body}");
+    }
+    support::wait_until(Duration::from_secs(10), "both tunnels counted", async || {
+        let live = (gateway.outcomes).pair(&ProxyKey::new("crawl", "live"), domain)?;
+        (live.successes == 4).then_some(())
+    })
+    .await;
+    assert_eq!(store.active_total(), 0);
 }
 
 /// One request a crawler of [`killing_an_upstream_squid_mid_crawl`] made.

@@ -7,9 +7,11 @@
 //! [`Authenticator`], the user name the holder and options, [`user`]), the lease it uses
 //! ([`held`]: taken and ended through [`crate::lease::DurableLeases`], as the API's are,
 //! sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
-//! requests, `CONNECT` tunnels spliced both ways), and what a target's answer does to the lease
-//! ([`rules`]: by default a 403 or 429 bans the proxy for the target's domain). Every lease
-//! decision stays the lease store's.
+//! requests, `CONNECT` tunnels spliced both ways; a GET, HEAD or CONNECT the proxy gave no
+//! answer to is sent once more through another), what a target's answer does to the lease
+//! ([`rules`]: by default a 403 or 429 bans the proxy for the target's domain), and what each
+//! request did ([`measure`]: recorded once in [`crate::outcomes`]). Every lease decision stays
+//! the lease store's.
 
 mod forward;
 mod held;
