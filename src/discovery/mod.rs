@@ -267,7 +267,7 @@ where
         }
         Route::Outcomes(id) => {
             let req: OutcomeBody = read_request(s, parts, body).await?;
-            outcomes::report(s, id, req, s.deps.store.now_ms())
+            outcomes::report_outcome(s, id, req, s.deps.store.now_ms())
         }
         Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Ui => {
             unreachable!("answered above")

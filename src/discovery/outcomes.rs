@@ -94,7 +94,7 @@ pub struct OutcomeResponse {
     ),
     security(("bearer" = [])),
 )]
-pub(super) fn report(
+pub(super) fn report_outcome(
     s: &StateInner,
     id: &str,
     req: OutcomeBody,
