@@ -1165,4 +1165,61 @@ async fn only_the_targets_403_bans() {
     assert!(answer.contains("no entry for 127.0.0.1"), "{answer}");
     assert!(banned(), "the target's refusal bans the proxy for 127.0.0.1");
     assert_eq!(gateway.store.active_total(), 0);
+
+    // The statistics tell the two apart: the proxy's own answer, and the target's 4xx with a
+    // ban.
+    let stats = (gateway.outcomes)
+        .pair(&ProxyKey::new("crawl", "only"), "127.0.0.1")
+        .expect("recorded");
+    assert_eq!(
+        (
+            stats.requests,
+            stats.failures.proxy_error,
+            stats.failures.client_error,
+            stats.bans
+        ),
+        (2, 1, 1, 1),
+        "{stats:?}"
+    );
+}
+
+/// A proxy that dies mid-answer: the client's answer breaks off, and the statistics count a
+/// `reset` with the bytes passed on before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_broken_off_counts_as_a_reset() {
+    // An upstream "proxy" that answers a head promising 100 bytes, sends 7 and closes.
+    let upstream = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = upstream.local_addr().expect("address").port();
+    let serving = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = upstream.accept().await {
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).await.is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let _ = stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+                .await;
+        }
+    });
+    let gateway = in_process::start(&[("dying", port)]).await;
+    let answer = raw_request(gateway.addr, "GET", "http://shop.example/page", "crawler-10").await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("\r\n\r\npartial"), "the answer breaks off: {answer}");
+    let stats = support::wait_until(Duration::from_secs(10), "the broken answer counted", async || {
+        (gateway.outcomes).pair(&ProxyKey::new("crawl", "dying"), "shop.example")
+    })
+    .await;
+    assert_eq!(
+        (
+            stats.requests,
+            stats.failures.reset,
+            stats.successes,
+            stats.bytes_received
+        ),
+        (1, 1, 0, 7),
+        "{stats:?}"
+    );
+    assert_eq!(gateway.store.active_total(), 0);
+    serving.abort();
 }
