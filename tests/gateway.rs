@@ -1205,7 +1205,10 @@ async fn an_answer_broken_off_counts_as_a_reset() {
     let gateway = in_process::start(&[("dying", port)]).await;
     let answer = raw_request(gateway.addr, "GET", "http://shop.example/page", "crawler-10").await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    assert!(answer.ends_with("\r\n\r\npartial"), "the answer breaks off: {answer}");
+    assert!(
+        answer.ends_with("\r\n\r\npartial"),
+        "the answer breaks off: {answer}"
+    );
     let stats = support::wait_until(Duration::from_secs(10), "the broken answer counted", async || {
         (gateway.outcomes).pair(&ProxyKey::new("crawl", "dying"), "shop.example")
     })

@@ -33,6 +33,24 @@ use crate::{
     ui::{PageInputs, ProxySource, StatusPage},
 };
 
+/// How often the outcome statistics forget proxies gone from the pool.
+const OUTCOMES_PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Every [`OUTCOMES_PRUNE_INTERVAL`] until `stopped`: the outcome statistics forget proxies the
+/// lease store no longer has (deleted ones), so neither they nor their metrics linger.
+async fn forget_gone_proxies(outcomes: Outcomes, leases: LeaseStore, stopped: impl Future<Output = ()>) {
+    let mut stopped = std::pin::pin!(stopped);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(OUTCOMES_PRUNE_INTERVAL) => {
+                let now = leases.now_ms();
+                outcomes.retain(|key| leases.view_at(key, now).is_some());
+            }
+            _ = &mut stopped => return,
+        }
+    }
+}
+
 /// How long one provider-health probe may take.
 const PROVIDER_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -321,6 +339,12 @@ pub async fn start_core(
             warn!(error = %err, "the last lease checkpoint failed");
         }
     }));
+
+    tasks.push(tokio::spawn(forget_gone_proxies(
+        metrics.outcomes.clone(),
+        leases.clone(),
+        stop.stopped(),
+    )));
 
     let (flips_tx, provider_flips) = mpsc::unbounded_channel();
     let monitor = Monitor::new(

@@ -313,7 +313,10 @@ pub(super) fn list(
     let views = s.deps.store.list_for(&compiled, target_domain.as_deref(), now);
     let proxies = (views.iter())
         .map(|view| ProxyJson {
-            outcomes: s.deps.outcomes.proxy(&view.info.key, OUTCOME_DOMAINS_LISTED),
+            outcomes: match &target_domain {
+                Some(domain) => (s.deps.outcomes).proxy_for(&view.info.key, OUTCOME_DOMAINS_LISTED, domain),
+                None => s.deps.outcomes.proxy(&view.info.key, OUTCOME_DOMAINS_LISTED),
+            },
             ..ProxyJson::from_view(view)
         })
         .collect();

@@ -223,7 +223,8 @@ pub struct DomainStats {
 pub struct ProxyOutcomes {
     /// Over every domain, those evicted from tracking included.
     pub total: Stats,
-    /// The domains with the most requests (ties: by name), at most the number asked for.
+    /// The domains with the most requests (ties: by name), at most the number asked for; then
+    /// the domain asked for (`GET /v1/proxies?targetDomain=`) if tracked and not among them.
     pub domains: Vec<DomainStats>,
     /// Tracked domains not listed in `domains`.
     pub other_domains: usize,
@@ -312,7 +313,22 @@ impl Outcomes {
 
     /// `proxy`'s totals and its `top` busiest domains, if tracked.
     pub fn proxy(&self, proxy: &ProxyKey, top: usize) -> Option<ProxyOutcomes> {
-        lock(&self.0).proxy(proxy, top)
+        lock(&self.0).proxy(proxy, top, None)
+    }
+
+    /// [`Outcomes::proxy`], with `domain` listed after the top ones if it is tracked and not
+    /// among them.
+    pub fn proxy_for(&self, proxy: &ProxyKey, top: usize, domain: &str) -> Option<ProxyOutcomes> {
+        lock(&self.0).proxy(proxy, top, Some(&normalize_domain(domain)))
+    }
+
+    /// Forgets every proxy for which `keep` says no (one gone from the pool), with its pairs.
+    pub fn retain(&self, keep: impl Fn(&ProxyKey) -> bool) {
+        let keys = lock(&self.0).proxy_keys();
+        let gone: Vec<ProxyKey> = keys.into_iter().filter(|key| !keep(key)).collect();
+        if !gone.is_empty() {
+            lock(&self.0).forget(&gone);
+        }
     }
 
     /// Every tracked proxy's totals, by key.

@@ -154,22 +154,42 @@ impl Table {
         self.evicted += 1;
     }
 
+    /// The proxies tracked.
+    pub(super) fn proxy_keys(&self) -> Vec<ProxyKey> {
+        self.proxies.keys().cloned().collect()
+    }
+
+    /// Forgets `gone` proxies and their pairs (not counted as evicted).
+    pub(super) fn forget(&mut self, gone: &[ProxyKey]) {
+        for proxy in gone {
+            let Some(entry) = self.proxies.remove(proxy) else {
+                continue;
+            };
+            for seq in entry.recency.keys() {
+                self.recency.remove(seq);
+            }
+            self.pairs -= entry.domains.len();
+        }
+    }
+
     pub(super) fn pair(&self, proxy: &ProxyKey, domain: &str) -> Option<Stats> {
         Some(self.proxies.get(proxy)?.domains.get(domain)?.snapshot())
     }
 
-    pub(super) fn proxy(&self, proxy: &ProxyKey, top: usize) -> Option<ProxyOutcomes> {
+    pub(super) fn proxy(&self, proxy: &ProxyKey, top: usize, also: Option<&str>) -> Option<ProxyOutcomes> {
         let entry = self.proxies.get(proxy)?;
         let mut domains: Vec<(&Arc<str>, &Pair)> = entry.domains.iter().collect();
         domains.sort_unstable_by(|(a, x), (b, y)| {
             (y.stats.requests.cmp(&x.stats.requests)).then_with(|| a.cmp(b))
         });
-        let other_domains = domains.len().saturating_sub(top);
+        // `also` is listed after the top ones when it is not among them.
+        let extra = also
+            .and_then(|d| domains.iter().skip(top).find(|(name, _)| &***name == d))
+            .copied();
+        let other_domains = domains.len().saturating_sub(top) - usize::from(extra.is_some());
         Some(ProxyOutcomes {
             total: entry.total.snapshot(),
-            domains: domains
-                .into_iter()
-                .take(top)
+            domains: (domains.into_iter().take(top).chain(extra))
                 .map(|(domain, pair)| DomainStats {
                     domain: domain.to_string(),
                     stats: pair.snapshot(),
@@ -239,7 +259,7 @@ mod tests {
         assert!(table.pair(&key(1), "b.example").is_none());
         assert_eq!(table.pair(&key(1), "a.example").map(|s| s.requests), Some(2));
         // Totals keep what was evicted.
-        assert_eq!(table.proxy(&key(1), 5).map(|p| p.total.requests), Some(4));
+        assert_eq!(table.proxy(&key(1), 5, None).map(|p| p.total.requests), Some(4));
         // A third pair fits; a fourth evicts the oldest of all (p1's a.example).
         table.record(&key(2), "a.example", count);
         table.record(&key(3), "a.example", count);
@@ -255,8 +275,36 @@ mod tests {
         );
         // p1's last pair goes: p1 is forgotten.
         table.record(&key(4), "a.example", count);
-        assert!(table.proxy(&key(1), 5).is_none());
+        assert!(table.proxy(&key(1), 5, None).is_none());
         assert_eq!(table.tracked().proxies, 3);
+        // A proxy gone from the pool is forgotten with its pairs, and room is made.
+        table.forget(&[key(2), key(9)]);
+        assert!(table.pair(&key(2), "a.example").is_none());
+        assert_eq!((table.tracked().pairs, table.recency.len()), (2, 2));
+        table.record(&key(5), "a.example", count);
+        assert!(table.pair(&key(3), "a.example").is_some(), "nothing evicted");
+    }
+
+    #[test]
+    fn a_domain_asked_for_is_listed_after_the_top_ones() {
+        let mut table = Table::default();
+        for (domain, n) in [("a.example", 3), ("b.example", 2), ("c.example", 1)] {
+            for _ in 0..n {
+                table.record(&key(1), domain, count);
+            }
+        }
+        let listed = |also| {
+            let p = table.proxy(&key(1), 1, also).expect("tracked");
+            let names: Vec<String> = p.domains.into_iter().map(|d| d.domain).collect();
+            (names, p.other_domains)
+        };
+        assert_eq!(listed(None), (vec!["a.example".to_owned()], 2));
+        assert_eq!(
+            listed(Some("c.example")),
+            (vec!["a.example".to_owned(), "c.example".to_owned()], 1)
+        );
+        assert_eq!(listed(Some("a.example")), (vec!["a.example".to_owned()], 2));
+        assert_eq!(listed(Some("z.example")), (vec!["a.example".to_owned()], 2));
     }
 
     proptest! {

@@ -33,6 +33,35 @@ async fn outcomes_are_fenced_like_renewals_and_listed_per_proxy() {
         assert_eq!(answer.status, StatusCode::OK, "{}", answer.text);
     }
 
+    // Five more domains, one request each: the listing shows the busiest five (ties by name),
+    // and with targetDomain the one asked for after them.
+    for n in 0..5 {
+        let body = json!({"fencingToken": token, "targetDomain": format!("d{n}.example")});
+        assert_eq!(report(body).await.status, StatusCode::OK);
+    }
+    let domains = |list: &Answer| -> Vec<String> {
+        let entry = (list.body["proxies"].as_array().unwrap().iter())
+            .find(|p| p["key"] == proxy.as_str())
+            .unwrap();
+        (entry["outcomes"]["domains"].as_array().unwrap().iter())
+            .map(|d| d["domain"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let list = h.call("GET", "/v1/proxies", None).await;
+    assert_eq!(
+        domains(&list),
+        [
+            "shop.example",
+            "d0.example",
+            "d1.example",
+            "d2.example",
+            "d3.example"
+        ]
+    );
+    let list = h.call("GET", "/v1/proxies?targetDomain=News.example", None).await;
+    assert_eq!(domains(&list).last().map(String::as_str), Some("news.example"));
+    assert_eq!(domains(&list).len(), 6);
+
     // Bad bodies say what to fix.
     for (body, says) in [
         (json!({"fencingToken": token}), "targetDomain"),
@@ -87,8 +116,8 @@ async fn outcomes_are_fenced_like_renewals_and_listed_per_proxy() {
         .find(|p| p["key"] == proxy.as_str())
         .unwrap();
     let outcomes = &entry["outcomes"];
-    assert_eq!(outcomes["total"]["requests"], 4, "{outcomes}");
-    assert_eq!(outcomes["total"]["successes"], 2, "{outcomes}");
+    assert_eq!(outcomes["total"]["requests"], 9, "{outcomes}");
+    assert_eq!(outcomes["total"]["successes"], 7, "{outcomes}");
     assert_eq!(outcomes["total"]["bans"], 1, "{outcomes}");
     assert_eq!(outcomes["domains"][0]["domain"], "shop.example", "{outcomes}");
     let shop = &outcomes["domains"][0]["stats"];
@@ -97,7 +126,7 @@ async fn outcomes_are_fenced_like_renewals_and_listed_per_proxy() {
     assert_eq!(shop["bans"], 1, "{outcomes}");
     assert_eq!(shop["latencyMs"], json!({"p50": 120, "p95": 30000, "samples": 2}));
     assert_eq!(shop["bytesReceived"], 5120);
-    assert_eq!(outcomes["otherDomains"], 0, "{outcomes}");
+    assert_eq!(outcomes["otherDomains"], 2, "{outcomes}");
     // A proxy nothing went through has no statistics.
     let other = (list.body["proxies"].as_array().unwrap().iter())
         .find(|p| p["key"] != proxy.as_str())
