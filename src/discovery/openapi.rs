@@ -134,8 +134,10 @@ impl Modify for Components {
     }
 }
 
-/// OpenAPI links from a granted or renewed lease to its renew, release and outcome reports,
-/// carrying its ID and latest fencing token: what a client (or a stateful test) chains.
+/// OpenAPI links from a granted or renewed lease to its renew and release, carrying its ID and
+/// latest fencing token: what a client (or a stateful test) chains. None lead to outcome
+/// reports, which change nothing of a lease: the stateful test's steps go to the operations
+/// that do.
 fn add_lease_links(openapi: &mut utoipa::openapi::OpenApi) {
     let token = "$response.body#/fencingToken";
     let link = |operation: &str, lease_id: &str, body: serde_json::Value, description: String| {
@@ -171,18 +173,7 @@ fn add_lease_links(openapi: &mut utoipa::openapi::OpenApi) {
         };
         let renew = serde_json::json!({"fencingToken": token});
         let release = serde_json::json!({"fencingToken": token, "outcome": "ok"});
-        let outcome =
-            serde_json::json!({"fencingToken": token, "targetDomain": "shop.example", "status": 200});
         let links = &mut response.links;
-        links.insert(
-            "outcomes".to_owned(),
-            link(
-                "report_outcome",
-                lease_id,
-                outcome,
-                format!("Report a request's outcome through {what}"),
-            ),
-        );
         links.insert(
             "renew".to_owned(),
             link("renew", lease_id, renew, format!("Renew {what}")),
