@@ -131,6 +131,7 @@ fn page(n: usize) -> StatusPage {
         availability: ProviderAvailability::default(),
         providers: Vec::new(),
         auth: Arc::new(NoAuthentication),
+        outcomes: Default::default(),
     })
 }
 

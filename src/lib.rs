@@ -19,6 +19,7 @@ pub mod lease;
 pub mod machine;
 pub mod monitor;
 pub mod net;
+pub mod outcomes;
 pub mod provider;
 pub mod standalone;
 pub mod sync;

@@ -96,6 +96,7 @@ impl Server {
             readiness,
             registry: Arc::new(registry),
             metrics,
+            outcomes: Default::default(),
             config: DiscoveryConfig::default(),
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -181,6 +182,7 @@ async fn docs_examples_run_against_a_live_server() {
         "/v1/proxies",
         "/v1/leases\"",
         "/renew",
+        "/outcomes",
         "/release",
     ] {
         assert!(
@@ -1283,9 +1285,12 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
 
     let renew = "/v1/leases/{leaseId}/renew";
     let release = "/v1/leases/{leaseId}/release";
+    let outcomes = "/v1/leases/{leaseId}/outcomes";
+    let outcomes_path = format!("/v1/leases/{id}/outcomes");
     let stale_release = format!(r#"{{"fencingToken":{first},"outcome":"ok"}}"#);
     // method, path, token, body, documented path (None: a component response), status
     type Case<'a> = (&'a str, String, Option<&'a str>, String, Option<&'a str>, u16);
+    let mut listed_outcomes = false;
     let cases: Vec<Case> = vec![
         (
             "GET",
@@ -1537,6 +1542,81 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
             Some(release),
             503,
         ),
+        (
+            "POST",
+            outcomes_path.clone(),
+            Some(TOKEN),
+            format!(
+                r#"{{"fencingToken":{current},"targetDomain":"shop.example","status":200,"latencyMs":40,"bytesReceived":512}}"#
+            ),
+            Some(outcomes),
+            200,
+        ),
+        (
+            "POST",
+            outcomes_path.clone(),
+            Some(TOKEN),
+            format!(r#"{{"fencingToken":{current}}}"#),
+            Some(outcomes),
+            400,
+        ),
+        (
+            "POST",
+            outcomes_path.clone(),
+            None,
+            "{}".into(),
+            Some(outcomes),
+            401,
+        ),
+        (
+            "POST",
+            outcomes_path.clone(),
+            Some("forbidden-token"),
+            "{}".into(),
+            Some(outcomes),
+            403,
+        ),
+        (
+            "POST",
+            "/v1/leases/not-a-lease/outcomes".into(),
+            Some(TOKEN),
+            r#"{"fencingToken":1,"targetDomain":"x"}"#.into(),
+            Some(outcomes),
+            404,
+        ),
+        (
+            "POST",
+            outcomes_path.clone(),
+            Some(TOKEN),
+            format!(r#"{{"fencingToken":{first},"targetDomain":"x"}}"#),
+            Some(outcomes),
+            409,
+        ),
+        (
+            "POST",
+            outcomes_path.clone(),
+            Some(TOKEN),
+            big.clone(),
+            Some(outcomes),
+            413,
+        ),
+        (
+            "POST",
+            outcomes_path.clone(),
+            Some("down-token"),
+            "{}".into(),
+            Some(outcomes),
+            503,
+        ),
+        // The listing with the outcome just reported.
+        (
+            "GET",
+            "/v1/proxies".into(),
+            Some(TOKEN),
+            String::new(),
+            Some("/v1/proxies"),
+            200,
+        ),
         ("GET", "/nowhere".into(), Some(TOKEN), String::new(), None, 404),
         (
             "DELETE",
@@ -1551,7 +1631,14 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
         let (status, head, answer) = call(&url, method, path, *token, body).await;
         assert_eq!(status, *want, "{method} {path}: {answer}");
         contract.check(method, *template, status, &head, &answer);
+        if *template == Some("/v1/proxies") && answer.contains("shop.example") {
+            listed_outcomes = true;
+        }
     }
+    assert!(
+        listed_outcomes,
+        "the reported outcome is listed (and so checked against the contract)"
+    );
     // A ban without a domain anywhere: a lease without targetDomain, released as banned.
     let (_, _, body) = call(
         &url,
@@ -1617,6 +1704,7 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
             ("POST", "/v1/leases", "/v1/leases"),
             ("POST", renew_path.as_str(), renew),
             ("POST", release_path.as_str(), release),
+            ("POST", outcomes_path.as_str(), outcomes),
         ] {
             let (status, head, body) = call(&url, method, path, Some(TOKEN), "{}").await;
             assert_eq!(status, 503, "{method} {path}: {body}");

@@ -19,11 +19,13 @@
 mod support;
 
 use std::{
+    collections::HashMap,
     net::{IpAddr, SocketAddr},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
+use egress_proxies_operator::api::ProxyKey;
 use serde_json::Value;
 use support::{
     free_port,
@@ -35,14 +37,17 @@ use tokio::{
     net::{TcpListener, TcpStream},
 };
 
+/// How long the origin takes to answer a `/delayed/...` path.
+const DELAY: Duration = Duration::from_secs(1);
+
 /// The outgoing address of each Squid, by proxy name.
 const SQUIDS: [(&str, &str); 3] = [("a", "127.0.0.2"), ("b", "127.0.0.3"), ("c", "127.0.0.4")];
 
 /// An origin on 127.0.0.1: `/health` is always 200; `/slow` sends its head and part of its
-/// body, then waits; every other path answers 200 naming the address it came from, or, when
-/// that address is one [`Origin::refuse`] named, refuses it: a 200 page asking for a captcha
-/// (`/captcha...`: the word comes after 1 KiB, the page is [`CAPTCHA_PAGE_BYTES`] long), a 200
-/// with `X-Blocked: yes` (`/header...`), else a 403.
+/// body, then waits; `/delayed/...` answers after [`DELAY`]; every other path answers 200 naming
+/// the address it came from, or, when that address is one [`Origin::refuse`] named, refuses it: a
+/// 200 page asking for a captcha (`/captcha...`: the word comes after 1 KiB, the page is
+/// [`CAPTCHA_PAGE_BYTES`] long), a 200 with `X-Blocked: yes` (`/header...`), else a 403.
 struct Origin {
     addr: SocketAddr,
     refused: Arc<Mutex<Vec<IpAddr>>>,
@@ -85,6 +90,11 @@ impl Origin {
         self.refused.lock().expect("not poisoned").clear();
     }
 
+    /// Every (path, address) it saw, in order.
+    fn seen(&self) -> Vec<(String, IpAddr)> {
+        self.seen.lock().expect("not poisoned").clone()
+    }
+
     /// The addresses requests for `path` came from, in order.
     fn peers_of(&self, path: &str) -> Vec<IpAddr> {
         self.seen
@@ -123,6 +133,10 @@ async fn serve_origin(
         let path = head.split_whitespace().nth(1).unwrap_or("?").to_owned();
         if path != "/health" {
             seen.lock().expect("not poisoned").push((path.clone(), peer));
+        }
+        if path.starts_with("/delayed/") {
+            // Long enough for the test to see the request in flight inside a Squid.
+            tokio::time::sleep(DELAY).await;
         }
         if path == "/slow" {
             let _ = stream
@@ -177,11 +191,12 @@ struct Setup {
 
 impl Setup {
     async fn start(extra: &[&str]) -> Self {
-        Self::start_with_rules(None, extra).await
+        Self::start_with(None, 1, extra).await
     }
 
-    /// [`Setup::start`], the gateway's rules from `rules` (YAML) when given.
-    async fn start_with_rules(rules: Option<&str>, extra: &[&str]) -> Self {
+    /// [`Setup::start`] with `slots` concurrent leases per proxy and the gateway's rules from
+    /// `rules` (YAML) when given.
+    async fn start_with(rules: Option<&str>, slots: u32, extra: &[&str]) -> Self {
         let origin = Origin::start().await;
         let host = Host::new();
         if let Some(rules) = rules {
@@ -194,7 +209,7 @@ impl Setup {
                 &origin.url("/health"),
                 // `attr.squid=NAME` pins a request to one Squid.
                 &[("pool", "gw"), ("squid", name)],
-                &[("maxConcurrent", 1)],
+                &[("maxConcurrent", slots)],
             )
             .replace(
                 "    address: 127.0.0.1\n",
@@ -627,6 +642,7 @@ mod in_process {
         discovery::StaticTokens,
         gateway::{self, Gateway, GatewayConfig, GatewayDeps},
         lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, token::LeaseSigner},
+        outcomes::Outcomes,
         provider::Endpoint,
         telemetry::admin::Readiness,
     };
@@ -635,6 +651,7 @@ mod in_process {
     /// The running gateway; stops when dropped.
     pub struct InProcess {
         pub store: LeaseStore,
+        pub outcomes: Outcomes,
         pub addr: SocketAddr,
         _stop: tokio::sync::oneshot::Sender<()>,
     }
@@ -673,6 +690,7 @@ mod in_process {
             leader: true,
             checkpoint_failing: false,
         });
+        let outcomes = Outcomes::default();
         let deps = GatewayDeps {
             store: store.clone(),
             signer: LeaseSigner::new(&LeaseSigner::generate_secret()).expect("signer"),
@@ -681,6 +699,7 @@ mod in_process {
             readiness,
             health: None,
             recycle: None,
+            outcomes: outcomes.clone(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
@@ -690,6 +709,7 @@ mod in_process {
         }));
         InProcess {
             store,
+            outcomes,
             addr,
             _stop: stop,
         }
@@ -737,6 +757,259 @@ async fn a_get_is_retried_once_on_another_proxy_when_the_first_is_dead() {
     );
     assert!(origin.peers_of("/posted").is_empty());
     assert_eq!(store.active_total(), 0);
+
+    // The statistics: connection failures on the dead proxy (the POST's, and the first try of
+    // one GET or both), two answers through the live one, each with its latency and bytes.
+    let domain = "127.0.0.1";
+    let dead = (gateway.outcomes)
+        .pair(&ProxyKey::new("crawl", "dead"), domain)
+        .expect("the dead proxy's failures are recorded");
+    assert!((2..=3).contains(&dead.failures.connect), "{dead:?}");
+    assert_eq!(
+        (dead.requests, dead.successes),
+        (dead.failures.connect, 0),
+        "{dead:?}"
+    );
+    let live = (gateway.outcomes)
+        .pair(&ProxyKey::new("crawl", "live"), domain)
+        .expect("the live proxy's answers are recorded");
+    assert_eq!((live.requests, live.successes), (2, 2), "{live:?}");
+    assert_eq!(live.latency.map(|l| l.samples), Some(2), "{live:?}");
+    assert_eq!(
+        live.bytes_received,
+        2 * "hello /retried from 127.0.0.1".len() as u64
+    );
+
+    // A CONNECT the dead proxy refuses is sent again through the live one too: two tunnels,
+    // whichever proxy each is offered first, both reach the origin.
+    let scratch = tempfile::tempdir().expect("scratch folder");
+    for n in 0..2 {
+        let url = origin.url(&format!("/tunnelled-{n}"));
+        let credentials = "crawler-6:tok";
+        let (code, body, head) =
+            curl_through(scratch.path(), addr.port(), credentials, &url, &["--proxytunnel"]).await;
+        assert_eq!(code, 200, "{body}\n{head}");
+        assert!(body.starts_with(&format!("hello /tunnelled-{n} from")), "{body}");
+    }
+    support::wait_until(Duration::from_secs(10), "both tunnels counted", async || {
+        let live = (gateway.outcomes).pair(&ProxyKey::new("crawl", "live"), domain)?;
+        (live.successes == 4).then_some(())
+    })
+    .await;
+    assert_eq!(store.active_total(), 0);
+}
+
+/// One request a crawler of [`killing_an_upstream_squid_mid_crawl`] made.
+#[derive(Clone, Debug)]
+struct Fetch {
+    tunnel: bool,
+    path: String,
+    code: u16,
+    body: String,
+    started: Instant,
+    took: Duration,
+}
+
+/// Reliability: plain GETs and CONNECT tunnels run through the gateway concurrently while one
+/// upstream Squid is SIGKILLed with a GET inside it. No client waits past a bound; every GET
+/// succeeds (the one inside the dead Squid through another, sent again by the gateway); only
+/// tunnels that were open through the dead Squid may fail; the statistics hold the failures
+/// against the killed proxy and none against the others; and once the clients stop, no lease
+/// is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_an_upstream_squid_mid_crawl() {
+    const GETTERS: usize = 4;
+    const TUNNELLERS: usize = 2;
+    // curl gives up after 20 s (`curl_through`); an answer takes DELAY, a retry twice that.
+    const BOUND: Duration = Duration::from_secs(10);
+    let setup = Setup::start_with(None, 4, &["--gateway-session-idle-seconds", "1"]).await;
+    let killed_ip: IpAddr = "127.0.0.2".parse().expect("an address");
+
+    let done: Arc<Mutex<Vec<Fetch>>> = Arc::default();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut crawlers = Vec::new();
+    for worker in 0..GETTERS + TUNNELLERS {
+        let tunnel = worker >= GETTERS;
+        let (done, stop) = (done.clone(), stop.clone());
+        let dir = setup.host.path().to_owned();
+        let (gateway, origin) = (setup.gateway, setup.origin.addr);
+        let credentials = format!("crawler-{worker}:{}", setup.host.token());
+        crawlers.push(tokio::spawn(async move {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                let kind = if tunnel { "tunnel" } else { "get" };
+                let path = format!("/delayed/{kind}-{worker}-{n}");
+                let url = format!("http://{origin}{path}");
+                let args: &[&str] = if tunnel { &["--proxytunnel"] } else { &[] };
+                let started = Instant::now();
+                let (code, body, _) = curl_through(&dir, gateway, &credentials, &url, args).await;
+                let took = started.elapsed();
+                done.lock().expect("not poisoned").push(Fetch {
+                    tunnel,
+                    path,
+                    code,
+                    body,
+                    started,
+                    took,
+                });
+                n += 1;
+            }
+        }));
+    }
+    let finished = |done: &Arc<Mutex<Vec<Fetch>>>| done.lock().expect("not poisoned").clone();
+
+    // Kill Squid `a` while a GET is inside it: the origin saw the GET come from `a` and no
+    // client has its answer yet.
+    let in_flight = support::wait_until(Duration::from_secs(30), "a GET in flight through a", async || {
+        let answered: Vec<String> = finished(&done).into_iter().map(|f| f.path).collect();
+        (setup.origin.seen().into_iter())
+            .find(|(path, ip)| *ip == killed_ip && path.contains("/get-") && !answered.contains(path))
+            .map(|(path, _)| path)
+    })
+    .await;
+    let port = setup.port_of("a");
+    let (_, log) = (setup.host.access_logs().into_iter())
+        .find(|(listen, _)| listen.ends_with(&format!(":{port}")))
+        .expect("a's instance folder");
+    let instance = log
+        .parent()
+        .and_then(|run| run.parent())
+        .expect("the instance folder");
+    let pids = standalone::squids(instance);
+    assert!(!pids.is_empty(), "a's Squid runs");
+    for pid in &pids {
+        let killed = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(killed.success(), "SIGKILL to {pid}");
+    }
+    let killed_at = Instant::now();
+
+    // The crawl goes on until every crawler made four more requests after the kill.
+    support::wait_until(
+        Duration::from_secs(60),
+        "four requests per crawler after the kill",
+        async || {
+            let after = finished(&done);
+            // Paths are /delayed/KIND-WORKER-N.
+            let per_worker = |w: usize| {
+                (after.iter())
+                    .filter(|f| f.started > killed_at && f.path.split('-').nth(1) == Some(&w.to_string()))
+                    .count()
+            };
+            (0..GETTERS + TUNNELLERS)
+                .all(|w| per_worker(w) >= 4)
+                .then_some(())
+        },
+    )
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    for crawler in crawlers {
+        tokio::time::timeout(2 * BOUND, crawler)
+            .await
+            .expect("every crawler stops: no request hangs")
+            .expect("the crawler did not panic");
+    }
+    let fetches = finished(&done);
+
+    // No client waited past the bound.
+    for fetch in &fetches {
+        assert!(
+            fetch.took < BOUND,
+            "{fetch:?} took too long
+{}",
+            setup.operator.log()
+        );
+    }
+    // Every GET succeeded, the one inside the dead Squid through another.
+    for fetch in fetches.iter().filter(|f| !f.tunnel) {
+        assert_eq!(
+            fetch.code,
+            200,
+            "{fetch:?}
+{}",
+            setup.operator.log()
+        );
+        assert!(
+            fetch.body.starts_with(&format!("hello {} from ", fetch.path)),
+            "{fetch:?}"
+        );
+    }
+    let rescued = (fetches.iter())
+        .find(|f| f.path == in_flight)
+        .expect("the GET in flight finished");
+    assert_ne!(
+        from_ip(&rescued.body),
+        killed_ip,
+        "sent again through another Squid: {rescued:?}"
+    );
+    // Only tunnels open through `a` when it died may have failed.
+    let broken: Vec<&Fetch> = (fetches.iter())
+        .filter(|f| f.tunnel && (f.code != 200 || !f.body.starts_with(&format!("hello {} from ", f.path))))
+        .collect();
+    assert!(broken.len() <= TUNNELLERS, "{broken:?}");
+    assert!(broken.iter().all(|f| f.started < killed_at), "{broken:?}");
+
+    // The statistics: failures against `a` only; every successful request counted once (a
+    // tunnel the dead Squid closed may count as a success: the gateway sees no more of it).
+    let succeeded = (fetches.len() - broken.len()) as u64;
+    let by_name = support::wait_until(Duration::from_secs(10), "every request counted", async || {
+        let listed = setup.api_get("/v1/proxies").await;
+        let by_name: HashMap<String, Value> = (listed["proxies"].as_array().into_iter().flatten())
+            .map(|p| {
+                (
+                    p["name"].as_str().unwrap_or_default().to_owned(),
+                    p["outcomes"]["total"].clone(),
+                )
+            })
+            .collect();
+        let successes: u64 = by_name.values().filter_map(|t| t["successes"].as_u64()).sum();
+        (successes >= succeeded).then_some(by_name)
+    })
+    .await;
+    let failures = |name: &str| -> u64 {
+        let failures = &by_name[name]["failures"];
+        [
+            "connect",
+            "timeout",
+            "reset",
+            "proxyError",
+            "clientError",
+            "serverError",
+        ]
+        .iter()
+        .filter_map(|kind| failures[kind].as_u64())
+        .sum()
+    };
+    assert!(failures("a") >= 1, "{by_name:?}");
+    assert_eq!((failures("b"), failures("c")), (0, 0), "{by_name:?}");
+    let successes: u64 = by_name.values().filter_map(|t| t["successes"].as_u64()).sum();
+    assert!(
+        successes <= succeeded + TUNNELLERS as u64,
+        "{successes} {by_name:?}"
+    );
+    let key = (setup.api_get("/v1/proxies").await["proxies"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .find(|p| p["name"] == "a")
+    .and_then(|p| p["key"].as_str().map(str::to_owned))
+    .expect("a is listed");
+    let prefix = format!("epo_outcomes_requests_total{{proxy=\"{key}\",result=\"");
+    standalone::metrics_when(&setup.host, "a's failures", |text| {
+        (text.lines())
+            .filter(|l| l.starts_with(&prefix) && !l.contains("result=\"success\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+            >= 1.0
+    })
+    .await;
+
+    // No lease outlives the crawl.
+    setup
+        .no_leases_within(Duration::from_secs(10), "after the crawl")
+        .await;
 }
 
 /// Python's `requests` and Scrapy's own `HttpProxyMiddleware` use the gateway unchanged: the
@@ -1139,6 +1412,70 @@ async fn only_the_targets_403_bans() {
     assert!(answer.contains("no entry for 127.0.0.1"), "{answer}");
     assert!(banned(), "the target's refusal bans the proxy for 127.0.0.1");
     assert_eq!(gateway.store.active_total(), 0);
+
+    // The statistics tell the two apart: the proxy's own answer, and the target's 4xx with a
+    // ban.
+    let stats = (gateway.outcomes)
+        .pair(&ProxyKey::new("crawl", "only"), "127.0.0.1")
+        .expect("recorded");
+    assert_eq!(
+        (
+            stats.requests,
+            stats.failures.proxy_error,
+            stats.failures.client_error,
+            stats.bans
+        ),
+        (2, 1, 1, 1),
+        "{stats:?}"
+    );
+}
+
+/// A proxy that dies mid-answer: the client's answer breaks off, and the statistics count a
+/// `reset` with the bytes passed on before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_broken_off_counts_as_a_reset() {
+    // An upstream "proxy" that answers a head promising 100 bytes, sends 7 and closes.
+    let upstream = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = upstream.local_addr().expect("address").port();
+    let serving = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = upstream.accept().await {
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).await.is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            let _ = stream
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+                .await;
+        }
+    });
+    let gateway = in_process::start(&[("dying", port)]).await;
+    let answer = raw_request(gateway.addr, "GET", "http://shop.example/page", "crawler-10").await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.ends_with("\r\n\r\npartial"),
+        "the answer breaks off: {answer}"
+    );
+    let stats = support::wait_until(Duration::from_secs(10), "the broken answer counted", async || {
+        (gateway.outcomes).pair(&ProxyKey::new("crawl", "dying"), "shop.example")
+    })
+    .await;
+    assert_eq!(
+        (
+            stats.requests,
+            stats.failures.reset,
+            stats.successes,
+            stats.bytes_received
+        ),
+        (1, 1, 0, 7),
+        "{stats:?}"
+    );
+    // A broken body is dropped, and its lease goes back from the drop, after the statistics.
+    support::wait_until(Duration::from_secs(10), "the lease given back", async || {
+        (gateway.store.active_total() == 0).then_some(())
+    })
+    .await;
+    serving.abort();
 }
 
 /// A first fetch of `url` as `user` (whose session key is `session`): the Squid's outgoing
@@ -1189,7 +1526,7 @@ rules:
     escalation: [{after: 1, action: ban}]
 "#;
     // Idle sessions let go of their proxy within a second.
-    let setup = Setup::start_with_rules(Some(rules), &["--gateway-session-idle-seconds", "1"]).await;
+    let setup = Setup::start_with(Some(rules), 1, &["--gateway-session-idle-seconds", "1"]).await;
 
     let user = "crawler-3;session=s-body";
     let url = setup.origin.url("/captcha-1");
@@ -1288,7 +1625,7 @@ rules:
       - {after: 4, action: outOfRotation, seconds: 3}
       - {after: 5, action: recycle}
 "#;
-    let setup = Setup::start_with_rules(Some(rules), &[]).await;
+    let setup = Setup::start_with(Some(rules), 1, &[]).await;
     let refused: IpAddr = "127.0.0.2".parse().expect("a's outgoing address");
     let squids_before = standalone::squids(setup.host.path());
     setup.origin.refuse(refused);
@@ -1383,7 +1720,7 @@ rules:
       - {after: 1, action: ban, seconds: 1}
       - {after: 2, action: recycle}
 "#;
-    let setup = Setup::start_with_rules(Some(rules), &[]).await;
+    let setup = Setup::start_with(Some(rules), 1, &[]).await;
     for (_, outgoing) in SQUIDS {
         setup.origin.refuse(outgoing.parse().expect("an address"));
     }
@@ -1470,7 +1807,7 @@ politeness:
   - {domains: ["127.0.0.1"], proxies: {squid: a}, minIntervalMs: 1000, maxWaitMs: 1500}
   - {domains: ["127.0.0.1"], proxies: {squid: b}, minIntervalMs: 10000, maxWaitMs: 500}
 "#;
-    let setup = Setup::start_with_rules(Some(rules), &[]).await;
+    let setup = Setup::start_with(Some(rules), 1, &[]).await;
     let started = Instant::now();
     for n in 0..3 {
         let url = setup.origin.url(&format!("/polite-a-{n}"));

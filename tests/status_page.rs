@@ -40,6 +40,7 @@ use egress_proxies_operator::{
     api::Proxy,
     health::{HealthSnapshot, Verdict},
     lease::Availability,
+    outcomes::Quantiles,
     ui,
 };
 use jiff::Timestamp;
@@ -304,6 +305,10 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     let cells = visible_text(web_3);
     assert!(cells.contains("process restarts: 1 , last "), "{cells}");
     assert!(cells.contains("not measured"), "traffic: {cells}");
+    // web-2's lease released as banned: a ban in its traffic.
+    let cells = visible_text(row(&dom, "data-proxy=\"default/web-2\""));
+    assert!(cells.contains("0 requests 0 errors, 1 ban"), "traffic: {cells}");
+    assert!(cells.contains("most: shop.example (0)"), "traffic: {cells}");
     // The page reloads itself (same URL, so filters stay).
     assert!(
         page.body.contains("<meta http-equiv=\"refresh\" content=\"10\">"),
@@ -729,7 +734,18 @@ fn fixed_view() -> ui::StatusView {
             last_restart: None,
             last_error: None,
         }),
-        traffic: None,
+        traffic: Some(ui::Traffic {
+            requests: 1_284,
+            errors: 37,
+            bans: 1,
+            latency: Some(Quantiles {
+                p50: 182,
+                p95: 940,
+                samples: 64,
+            }),
+            top_domain: Some(("shop.example".to_owned(), 1_020)),
+            domains: 3,
+        }),
         health: Some(passing("2026-12-04T09:12:05Z")),
         health_history: vec![ui::HealthChange {
             at: at("2026-12-04T09:12:05Z"),

@@ -74,6 +74,7 @@ pub fn discovery_state(store: LeaseStore) -> DiscoveryState {
         readiness,
         registry: Arc::new(registry),
         metrics,
+        outcomes: Default::default(),
         config: DiscoveryConfig::default(),
     })
 }

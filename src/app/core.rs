@@ -30,10 +30,29 @@ use crate::{
         token::LeaseSigner,
     },
     monitor::{HealthSink, Monitor},
+    outcomes::Outcomes,
     provider::ProviderRegistry,
     telemetry::{Metrics, admin::StatusPageSlot},
     ui::{PageInputs, ProxySource, StatusPage},
 };
+
+/// How often the outcome statistics forget proxies gone from the pool.
+const OUTCOMES_PRUNE_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Every [`OUTCOMES_PRUNE_INTERVAL`] until `stopped`: the outcome statistics forget proxies the
+/// lease store no longer has (deleted ones), so neither they nor their metrics linger.
+async fn forget_gone_proxies(outcomes: Outcomes, leases: LeaseStore, stopped: impl Future<Output = ()>) {
+    let mut stopped = std::pin::pin!(stopped);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(OUTCOMES_PRUNE_INTERVAL) => {
+                let now = leases.now_ms();
+                outcomes.retain(|key| leases.view_at(key, now).is_some());
+            }
+            _ = &mut stopped => return,
+        }
+    }
+}
 
 /// How long one provider-health probe may take.
 const PROVIDER_PROBE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -48,6 +67,8 @@ pub struct CoreMetrics {
     pub discovery: DiscoveryMetrics,
     /// Lease checkpoint saves.
     pub checkpoint: CheckpointReport,
+    /// Outcome statistics per proxy and target domain (the gateway's and the API's).
+    pub outcomes: Outcomes,
 }
 
 impl CoreMetrics {
@@ -58,12 +79,15 @@ impl CoreMetrics {
         let discovery = DiscoveryMetrics::register(&mut registry);
         let checkpoint = CheckpointReport::default();
         checkpoint.register(&mut registry);
+        let outcomes = Outcomes::default();
+        outcomes.register(&mut registry);
         extra(&mut registry);
         Self {
             registry: Arc::new(registry),
             metrics,
             discovery,
             checkpoint,
+            outcomes,
         }
     }
 }
@@ -238,6 +262,7 @@ pub async fn start_core(
             .map(|(name, provider)| (name.to_owned(), provider.clone()))
             .collect(),
         auth: auth.clone(),
+        outcomes: metrics.outcomes.clone(),
     }));
     let health_log = page.health_log();
     let gateway_deps = GatewayDeps {
@@ -248,6 +273,7 @@ pub async fn start_core(
         readiness: readiness.clone(),
         health: Some(health.clone()),
         recycle: Some(recycle),
+        outcomes: metrics.outcomes.clone(),
     };
     let api = DiscoveryState::new(DiscoveryDeps {
         store: leases.clone(),
@@ -256,6 +282,7 @@ pub async fn start_core(
         readiness,
         registry: metrics.registry.clone(),
         metrics: metrics.discovery.clone(),
+        outcomes: metrics.outcomes.clone(),
         config: DiscoveryConfig::default(),
     });
     match status_page {
@@ -324,6 +351,12 @@ pub async fn start_core(
             warn!(error = %err, "the last lease checkpoint failed");
         }
     }));
+
+    tasks.push(tokio::spawn(forget_gone_proxies(
+        metrics.outcomes.clone(),
+        leases.clone(),
+        stop.stopped(),
+    )));
 
     let (flips_tx, provider_flips) = mpsc::unbounded_channel();
     let monitor = Monitor::new(

@@ -25,7 +25,8 @@ use crate::{
     api::ProxyKey,
     discovery::auth::{Presented, presented},
     lease::{
-        AcquireRequest, Acquired, DurableError, DurableLeases, Selector, journal::JournalError, rfc3339,
+        AcquireRequest, Acquired, DurableError, DurableLeases, Outcome, Selector, journal::JournalError,
+        rfc3339,
     },
 };
 
@@ -33,26 +34,26 @@ use crate::{
 /// the OpenAPI contract; never built).
 #[derive(utoipa::IntoResponses)]
 #[expect(dead_code, reason = "only its OpenAPI responses are used")]
-enum AuthErrors {
+pub(super) enum AuthErrors {
     #[response(status = 401, description = "`unauthorized`")]
     Unauthorized(ErrorBody),
     #[response(status = 403, description = "`forbidden`")]
     Forbidden(ErrorBody),
 }
 
-/// The path parameter of renew and release (documents the OpenAPI contract; never built).
+/// The path parameter of renew, release and outcomes (documents the OpenAPI contract; never built).
 #[derive(utoipa::IntoParams)]
 #[into_params(parameter_in = Path, names("leaseId"))]
 #[expect(dead_code, reason = "only its OpenAPI parameter is used")]
-struct LeaseIdPath(
+pub(super) struct LeaseIdPath(
     /// The signed lease ID from the acquire.
     String,
 );
 
-/// What renew and release may answer about the lease they name, past authentication.
+/// What renew, release and outcomes may answer about the lease they name, past authentication.
 #[derive(utoipa::IntoResponses)]
 #[expect(dead_code, reason = "only its OpenAPI responses are used")]
-enum LeaseIdErrors {
+pub(super) enum LeaseIdErrors {
     #[response(
         status = 404,
         description = "`lease_not_found`: unknown, released, revoked or expired"
@@ -264,7 +265,11 @@ fn decode_with_path<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, A
     Ok(value)
 }
 
-/// Lists the proxies whose attributes match every term of the selector, sorted by key.
+/// Domains per proxy whose outcome statistics `GET /v1/proxies` lists (the busiest).
+const OUTCOME_DOMAINS_LISTED: usize = 5;
+
+/// Lists the proxies whose attributes match every term of the selector, sorted by key, with
+/// their outcome statistics.
 #[utoipa::path(
     get,
     path = "/v1/proxies",
@@ -306,7 +311,15 @@ pub(super) fn list(
     }
     let compiled = s.deps.store.compile(&selector);
     let views = s.deps.store.list_for(&compiled, target_domain.as_deref(), now);
-    let proxies = views.iter().map(ProxyJson::from_view).collect();
+    let proxies = (views.iter())
+        .map(|view| ProxyJson {
+            outcomes: match &target_domain {
+                Some(domain) => (s.deps.outcomes).proxy_for(&view.info.key, OUTCOME_DOMAINS_LISTED, domain),
+                None => s.deps.outcomes.proxy(&view.info.key, OUTCOME_DOMAINS_LISTED),
+            },
+            ..ProxyJson::from_view(view)
+        })
+        .collect();
     Ok(json(StatusCode::OK, &ListResponse { proxies }))
 }
 
@@ -537,9 +550,18 @@ pub(super) async fn release(
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     let domain = req.target_domain.as_deref();
+    // A ban counts in the proxy's outcome statistics for the domain it is for.
+    let banned = (req.outcome == Outcome::Banned)
+        .then(|| leases(s).check(id, req.fencing_token, now).ok())
+        .flatten();
     leases(s)
         .release(id, req.fencing_token, req.outcome, domain, now)
         .await?;
+    if let Some(lease) = banned
+        && let Some(domain) = domain.or(lease.target_domain.as_deref())
+    {
+        s.deps.outcomes.record_ban(&lease.proxy, domain, now);
+    }
     s.deps
         .metrics
         .released

@@ -1,5 +1,5 @@
-//! The discovery HTTP API (hyper, HTTP/1.1 keep-alive): crawlers list proxies and acquire,
-//! renew and release leases; `/healthz`, `/readyz` and `/metrics` serve operations.
+//! The discovery HTTP API (hyper, HTTP/1.1 keep-alive): crawlers list proxies, acquire, renew
+//! and release leases and report their requests' outcomes; `/healthz`, `/readyz` and `/metrics` serve operations.
 //! Documented, with examples that a test runs, in `docs/api.md`.
 //!
 //! It owns the wire format (JSON in and out, stable error codes), authentication and the
@@ -15,6 +15,7 @@ mod handlers;
 mod http_errors;
 mod metrics;
 pub mod openapi;
+mod outcomes;
 mod router;
 mod wire;
 
@@ -40,6 +41,7 @@ pub use auth::{
     TokenReviewAuthenticator, TokenSecret,
 };
 pub use metrics::DiscoveryMetrics;
+pub use outcomes::{OutcomeBody, OutcomeResponse};
 pub use wire::{
     AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse,
     ListResponse, ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, RequestBody, StatusBody,
@@ -47,6 +49,7 @@ pub use wire::{
 
 use crate::{
     lease::{LeaseStore, journal::Journal, token::LeaseSigner},
+    outcomes::Outcomes,
     telemetry::admin::Page,
 };
 use handlers::{
@@ -97,6 +100,9 @@ pub struct DiscoveryDeps {
     /// Must have been registered in `registry` (with [`DiscoveryMetrics::register`]) before
     /// that was frozen in an `Arc`.
     pub metrics: DiscoveryMetrics,
+    /// Outcome statistics: served in `GET /v1/proxies`, fed by `POST /v1/leases/{id}/outcomes`
+    /// and by releases with outcome `banned`.
+    pub outcomes: Outcomes,
     pub config: DiscoveryConfig,
 }
 
@@ -258,6 +264,10 @@ where
         Route::Release(id) => {
             let req: ReleaseBody = read_request(s, parts, body).await?;
             release(s, id, req, s.deps.store.now_ms()).await
+        }
+        Route::Outcomes(id) => {
+            let req: OutcomeBody = read_request(s, parts, body).await?;
+            outcomes::report_outcome(s, id, req, s.deps.store.now_ms())
         }
         Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Ui => {
             unreachable!("answered above")

@@ -20,11 +20,15 @@ use utoipa::{
     },
 };
 
+use super::outcomes::{OutcomeBody, OutcomeResponse};
 use super::wire::{
     AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse, ListResponse, ProxyJson,
     ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StatusBody,
 };
-use crate::lease::{Availability, Outcome};
+use crate::{
+    lease::{Availability, Outcome},
+    outcomes::{DomainStats, Failure, Failures, ProxyOutcomes, Quantiles, Stats},
+};
 
 /// The name of the bearer-token security scheme.
 pub(crate) const BEARER: &str = "bearer";
@@ -33,7 +37,8 @@ pub(crate) const BEARER: &str = "bearer";
 #[openapi(
     info(
         title = "egress-proxies-operator discovery API",
-        description = "Crawlers list proxies and lease them: acquire, renew, release. Every error \
+        description = "Crawlers list proxies and lease them: acquire, renew, release, and report \
+            their requests' outcomes. Every error \
             is `{\"error\":{\"code\",\"message\"}}` with a stable code, including those the HTTP layer \
             answers before any operation is chosen (the `HttpLayer*` responses in components, \
             which may answer any request; the connection is then closed), `not_found` for a path \
@@ -51,6 +56,7 @@ pub(crate) const BEARER: &str = "bearer";
         super::handlers::acquire,
         super::handlers::renew,
         super::handlers::release,
+        super::outcomes::report_outcome,
     ),
     components(schemas(
         AcquireBody,
@@ -67,7 +73,15 @@ pub(crate) const BEARER: &str = "bearer";
         ErrorBody,
         ErrorDetail,
         Outcome,
-        Availability
+        Availability,
+        OutcomeBody,
+        OutcomeResponse,
+        ProxyOutcomes,
+        DomainStats,
+        Stats,
+        Failures,
+        Failure,
+        Quantiles
     )),
     modifiers(&Components),
     tags((name = "leases", description = "Listing and leasing proxies"), (name = "operations", description = "Probes, metrics, this contract")),
@@ -121,7 +135,9 @@ impl Modify for Components {
 }
 
 /// OpenAPI links from a granted or renewed lease to its renew and release, carrying its ID and
-/// latest fencing token: what a client (or a stateful test) chains.
+/// latest fencing token: what a client (or a stateful test) chains. None lead to outcome
+/// reports, which change nothing of a lease: the stateful test's steps go to the operations
+/// that do.
 fn add_lease_links(openapi: &mut utoipa::openapi::OpenApi) {
     let token = "$response.body#/fencingToken";
     let link = |operation: &str, lease_id: &str, body: serde_json::Value, description: String| {

@@ -25,6 +25,7 @@ pub(super) enum Route<'a> {
     Acquire,
     Renew(&'a str),
     Release(&'a str),
+    Outcomes(&'a str),
 }
 
 /// The route index of requests no route takes (`metrics::ROUTES`).
@@ -44,6 +45,7 @@ impl Route<'_> {
             Route::Release(_) => 7,
             Route::Ui => 9,
             Route::Leases => 10,
+            Route::Outcomes(_) => 11,
         }
     }
 }
@@ -181,6 +183,7 @@ pub(super) fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, Api
             match action {
                 "renew" => only("POST", &Method::POST, Route::Renew(id)),
                 "release" => only("POST", &Method::POST, Route::Release(id)),
+                "outcomes" => only("POST", &Method::POST, Route::Outcomes(id)),
                 _ => Err(not_found()),
             }
         }

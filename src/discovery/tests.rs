@@ -18,6 +18,8 @@ use crate::{
     provider::{Credentials, Endpoint},
 };
 
+mod outcomes;
+
 const TOKEN: &str = "s3cret-crawler-token";
 
 struct Harness {
@@ -70,6 +72,7 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
         readiness,
         registry: Arc::new(registry),
         metrics,
+        outcomes: Default::default(),
         config: DiscoveryConfig::default(),
     });
     Harness { state, ready }
@@ -435,6 +438,7 @@ async fn authenticator_verdicts_map_to_401_403_503() {
         readiness: h.ready.subscribe(),
         registry: Arc::new(Registry::default()),
         metrics: DiscoveryMetrics::register(&mut Registry::default()),
+        outcomes: Default::default(),
         config: DiscoveryConfig::default(),
     });
     let h2 = Harness {

@@ -13,6 +13,7 @@ use utoipa::{
 use crate::{
     api::Attributes,
     lease::{Availability, Outcome, ProxyInfo, ProxyView, rfc3339},
+    outcomes::ProxyOutcomes,
 };
 
 /// Longest lease TTL a request may ask for (the proxy's `maxTtlSeconds` caps it further).
@@ -104,7 +105,7 @@ fn selector_schema() -> Object {
 /// A JSON number that is a whole number of at most `u64::MAX`, however it is written: JSON
 /// Schema's `integer` (the contract's type) includes `60.0` and `6e1`, which serde's `u64`
 /// refuses.
-fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+pub(super) fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     struct Whole;
     impl serde::de::Visitor<'_> for Whole {
         type Value = u64;
@@ -130,7 +131,9 @@ fn whole_number<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64
 }
 
 /// [`whole_number`] for an optional field (`null` is absent).
-fn whole_seconds<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+pub(super) fn whole_seconds<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
     #[derive(Deserialize)]
     struct Wrapped(#[serde(deserialize_with = "whole_number")] u64);
     Ok(Option::<Wrapped>::deserialize(deserializer)?.map(|Wrapped(v)| v))
@@ -282,6 +285,9 @@ pub struct ProxyJson<'a> {
     /// In listings: its active per-domain bans, by domain (a banned proxy is skipped for that
     /// domain only).
     pub bans: Option<Vec<BanJson>>,
+    /// In listings, once an outcome was recorded: what went through it (the gateway's requests
+    /// and the outcomes crawlers reported), in total and for its busiest domains.
+    pub outcomes: Option<ProxyOutcomes>,
 }
 
 /// A proxy's ban for one target domain.
@@ -309,6 +315,7 @@ impl<'a> ProxyJson<'a> {
             max_concurrent: None,
             cooldown_until: None,
             bans: None,
+            outcomes: None,
         }
     }
 

@@ -1,11 +1,9 @@
-//! The bodies of the answers the gateway passes on: [`Replayed`], an upstream body whose first
-//! bytes were read ahead for the rules (a body pattern looks at them) and are sent first,
-//! unchanged, then the rest as it streams; and [`Guarded`], which gives the lease back when
-//! the body is done or dropped.
+//! [`Replayed`]: an upstream answer's body whose first bytes were read ahead for the rules (a
+//! body pattern looks at them) and are sent first, unchanged, then the rest as it streams.
+//! (The bodies that record the outcome and give the lease back are in [`super::measure`].)
 
 use std::{
     collections::VecDeque,
-    future::Future,
     pin::Pin,
     task::{Context, Poll},
     time::Duration,
@@ -14,8 +12,6 @@ use std::{
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-
-use super::held::Lent;
 
 /// An upstream body, its first frames (read ahead) sent first.
 pub(super) struct Replayed {
@@ -114,71 +110,5 @@ impl Body for Replayed {
             }
             None => SizeHint::with_exact(ahead),
         }
-    }
-}
-
-/// An upstream answer's body that gives its lease back when done or dropped. When done, the
-/// last frame waits until the lease is back (durable too): a client that sends its next
-/// request as soon as it has this answer finds the proxy free again.
-pub(super) struct Guarded {
-    inner: Replayed,
-    lent: Option<Lent>,
-    /// The lease being given back, and the frame that waits for it (`None`: the end).
-    ending: Option<(GivingBack, Option<Frame<Bytes>>)>,
-}
-
-/// A lease being given back.
-type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-impl Guarded {
-    pub(super) fn new(inner: Replayed, lent: Lent) -> Self {
-        Self {
-            inner,
-            lent: Some(lent),
-            ending: None,
-        }
-    }
-}
-
-impl Body for Guarded {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = &mut *self;
-        loop {
-            if let Some((giving_back, last)) = &mut this.ending {
-                std::task::ready!(giving_back.as_mut().poll(cx));
-                let last = last.take();
-                this.ending = None;
-                if let Some(frame) = last {
-                    return Poll::Ready(Some(Ok(frame)));
-                }
-                return Poll::Ready(None);
-            }
-            let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
-            let last = match polled {
-                Some(Ok(frame)) if this.inner.is_end_stream() => Some(frame),
-                None => None,
-                // A frame before the last, or an error (the body is dropped then, and the
-                // lease goes back from Drop).
-                other => return Poll::Ready(other),
-            };
-            match this.lent.take() {
-                Some(lent) => this.ending = Some((Box::pin(lent.give_back()), last)),
-                None => return Poll::Ready(last.map(Ok)),
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.lent.is_none() && self.ending.is_none() && self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }

@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use crate::lease::ProxyInfo;
+use crate::{lease::ProxyInfo, outcomes::Failure};
 
 /// The `Via` entry the gateway adds, both ways.
 pub(super) const VIA: &str = "1.1 egress-proxies-gateway";
@@ -40,6 +40,20 @@ pub(super) enum UpstreamError {
     /// before an answer.
     #[error("the exchange failed before an answer: {0}")]
     Pooled(hyper_util::client::legacy::Error),
+}
+
+impl UpstreamError {
+    /// The failure it counts as in the outcome statistics.
+    pub(super) fn failure(&self) -> Failure {
+        match self {
+            UpstreamError::Connect(_) => Failure::Connect,
+            UpstreamError::ConnectTimeout(_) => Failure::Timeout,
+            UpstreamError::Exchange(error) if error.is_timeout() => Failure::Timeout,
+            UpstreamError::Exchange(_) => Failure::Reset,
+            UpstreamError::Pooled(error) if error.is_connect() => Failure::Connect,
+            UpstreamError::Pooled(_) => Failure::Reset,
+        }
+    }
 }
 
 /// Hop-by-hop headers: each connection's own, never forwarded (plus those the `Connection`

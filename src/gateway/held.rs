@@ -31,6 +31,9 @@ use crate::{
     sync::lock,
 };
 
+/// Leases on the proxy to avoid that [`Held::take_loose`] holds before it gives up.
+const MAX_AVOIDED: usize = 4;
+
 /// One lease the gateway holds.
 #[derive(Clone)]
 struct HeldLease {
@@ -188,34 +191,42 @@ impl Held {
         }
     }
 
-    /// A lease of its own, on another proxy than `avoid` (the caller still holds its lease on
-    /// `avoid`, so with one slot per proxy the store does not choose it; if it does all the
-    /// same, no other proxy is free and this fails).
+    /// A lease of its own, on another proxy than `avoid`. The store has no "anything but":
+    /// a lease it grants on `avoid` (which has free slots besides the caller's) is held while
+    /// the next is asked for, so its least-recently-used choice moves on, and all of those are
+    /// given back at the end; after [`MAX_AVOIDED`] of them, no other proxy is taken to be
+    /// free and this fails.
     pub(super) async fn take_loose(
         self: &Arc<Self>,
         who: &UserName,
         domain: Option<&str>,
         avoid: Option<&ProxyKey>,
     ) -> Result<Lent, DurableError> {
-        let lease = self.acquire(who, domain, None).await?;
-        if avoid.is_some_and(|key| *key == lease.proxy.key) {
-            self.release(&lease, Outcome::Ok).await;
-            return Err(DurableError::Lease(LeaseError::NoProxyAvailable {
-                retry_after: Duration::from_secs(1),
-            }));
+        // Each taken lease is lent at once, so whatever ends this (an error, a cancelled
+        // request) gives the avoided ones back through their Drop.
+        let mut avoided = Vec::new();
+        loop {
+            let lease = self.acquire(who, domain, None).await?;
+            let n = self.next_loose.fetch_add(1, Ordering::Relaxed);
+            let lent = Lent {
+                held: self.clone(),
+                proxy: lease.proxy.clone(),
+                lease_id: lease.lease_id.clone(),
+                kind: Kind::Loose(n),
+                done: false,
+                turn: None,
+            };
+            lock(&self.loose).insert(n, lease);
+            if avoid.is_none_or(|key| *key != lent.proxy.key) {
+                return Ok(lent);
+            }
+            avoided.push(lent);
+            if avoided.len() >= MAX_AVOIDED {
+                return Err(DurableError::Lease(LeaseError::NoProxyAvailable {
+                    retry_after: Duration::from_secs(1),
+                }));
+            }
         }
-        let n = self.next_loose.fetch_add(1, Ordering::Relaxed);
-        let proxy = lease.proxy.clone();
-        let lease_id = lease.lease_id.clone();
-        lock(&self.loose).insert(n, lease);
-        Ok(Lent {
-            held: self.clone(),
-            proxy,
-            lease_id,
-            kind: Kind::Loose(n),
-            done: false,
-            turn: None,
-        })
     }
 
     async fn take_session(

@@ -3,7 +3,7 @@
 //! says, a proxy-wide step carried out off the request's path, and a GET or HEAD whose answer
 //! matched sent once more through another proxy when the rule retries.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -12,13 +12,18 @@ use tracing::{info, warn};
 
 use super::{
     Gateway, SQUID_ERROR,
-    body::{Guarded, Replayed},
+    body::Replayed,
     forward::{self, GatewayBody},
     held::Lent,
+    measure::{Guarded, Measure},
     rules::{Seen, judge::LeaseEnd},
     user::UserName,
 };
-use crate::{api::ProxyKey, lease::Outcome};
+use crate::{
+    api::ProxyKey,
+    lease::Outcome,
+    outcomes::{Ended, Failure},
+};
 
 /// How long the gateway waits for the body bytes a body pattern looks at; a body that comes
 /// slower is judged on what came (and passed on whole all the same).
@@ -39,18 +44,18 @@ struct Judged {
 }
 
 impl Gateway {
-    /// The client's answer from the target's `response` through `lent`'s proxy (its head
-    /// came `latency` after the request was sent), after the rules had their say; with
+    /// The client's answer from the target's `response` through `lent`'s proxy, after the
+    /// rules had their say, its outcome recorded by `measure` when its body is done; with
     /// `resend`, a matching answer of a rule that retries is replaced by another proxy's.
     pub(super) async fn answered(
         &self,
         lent: Lent,
         response: Response<Incoming>,
-        latency: Duration,
         domain: Option<&str>,
+        measure: Measure,
         resend: Option<Resend<'_>>,
     ) -> Response<GatewayBody> {
-        let first = self.judged(lent, response, latency, domain).await;
+        let first = self.judged(lent, response, domain, measure).await;
         let (Some(again), Some(avoid)) = (resend, &first.resend_avoiding) else {
             return first.answer;
         };
@@ -63,11 +68,14 @@ impl Gateway {
             return first.answer;
         };
         let upstream = forward::upstream_request(again.parts, Full::new(again.body.clone()), second.proxy());
-        let sent = Instant::now();
+        let host = again.parts.uri.host().unwrap_or_default();
+        let measure = self.measure(&second, host, again.body.len() as u64);
         match self.upstreams.send(second.proxy(), upstream).await {
-            // The first answer is dropped unsent: its lease goes back.
-            Ok(response) => self.judged(second, response, sent.elapsed(), domain).await.answer,
+            // The first answer is dropped unsent: its lease goes back and its outcome is
+            // recorded as its head said.
+            Ok(response) => self.judged(second, response, domain, measure).await.answer,
             Err(error) => {
+                measure.failed(error.failure());
                 warn!(proxy = %second.proxy().key, %error, "resending a matched request failed; the first answer is passed on");
                 second.end(Outcome::Error).await;
                 first.answer
@@ -77,20 +85,22 @@ impl Gateway {
 
     /// Judges one answer: reads ahead what a body pattern needs, asks the rules, ends the
     /// lease as the verdict says (or leaves it to the answer's body) and starts a proxy-wide
-    /// step.
+    /// step. The rules see the latency `measure` has seen until the head came.
     async fn judged(
         &self,
         lent: Lent,
         response: Response<Incoming>,
-        latency: Duration,
         domain: Option<&str>,
+        measure: Measure,
     ) -> Judged {
+        let latency = measure.elapsed();
         let (parts, ()) = forward::client_response(&response, ()).into_parts();
         let (head, body) = response.into_parts();
         // Squid marks the error pages it makes itself: those are the proxy's answer (access
         // denied, target unreachable), not the target's, and no rule judges them.
         if head.headers.contains_key(SQUID_ERROR) {
-            let body = Guarded::new(Replayed::whole(body), lent);
+            let refused = Ended::Failed(Failure::ProxyError);
+            let body = Guarded::new(measure.answered(Replayed::whole(body), refused, false), lent);
             return Judged {
                 answer: Response::from_parts(parts, body.boxed_unsync()),
                 resend_avoiding: None,
@@ -115,7 +125,10 @@ impl Gateway {
         let Some(verdict) = self.judge.decide(lent.proxy(), domain, &seen, || store.now_ms()) else {
             // The common case: the lease is given back when the answer's body is done or
             // dropped.
-            let body = Guarded::new(body, lent);
+            let body = Guarded::new(
+                measure.answered(body, Ended::Status(head.status.as_u16()), false),
+                lent,
+            );
             return Judged {
                 answer: Response::from_parts(parts, body.boxed_unsync()),
                 resend_avoiding: None,
@@ -146,6 +159,7 @@ impl Gateway {
             // Without a domain there is nothing to ban for.
             _ => Some(lent),
         };
+        let body = measure.answered(body, Ended::Status(head.status.as_u16()), lent.is_none());
         let answer = match lent {
             // The lease is given back when the answer's body is done or dropped.
             Some(lent) => Response::from_parts(parts, Guarded::new(body, lent).boxed_unsync()),

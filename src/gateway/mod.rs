@@ -7,32 +7,31 @@
 //! [`Authenticator`], the user name the holder and options, [`user`]), the lease it uses
 //! ([`held`]: taken and ended through [`crate::lease::DurableLeases`], as the API's are,
 //! sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
-//! requests, `CONNECT` tunnels spliced both ways), and what a target's answer does to the lease
-//! and the proxy ([`rules`], applied in [`judged`]: by default a 403 or 429 bans the proxy for
-//! the target's domain; a rules file adds header, body and latency rules whose action
-//! escalates up to recycling the proxy). Every lease decision stays the lease store's.
+//! requests on kept-alive connections ([`upstream`]), `CONNECT` tunnels spliced both ways; a
+//! GET, HEAD or CONNECT the proxy gave no answer to is sent once more through another), how
+//! often a proxy may be sent to one domain ([`polite`]), what a target's answer does to the
+//! lease and the proxy ([`rules`], applied in [`judged`]: by default a 403 or 429 bans the proxy
+//! for the target's domain; a rules file adds header, body and latency rules whose action
+//! escalates up to recycling the proxy), and what each request did ([`measure`]: recorded once
+//! in [`crate::outcomes`]). Every lease decision stays the lease store's.
 
 mod body;
 mod forward;
 mod held;
 mod judged;
+mod measure;
 pub mod polite;
 pub mod rules;
 mod upstream;
 pub mod user;
 
-use std::{
-    convert::Infallible,
-    future::Future,
-    sync::Arc,
-    time::{Duration, Instant},
-};
+use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::{
     Method, Request, Response, StatusCode,
-    body::Incoming,
+    body::{Body, Incoming},
     header::{self, HeaderValue},
     http::uri::Scheme,
 };
@@ -41,10 +40,10 @@ use tokio::{net::TcpListener, sync::watch};
 use tracing::{debug, warn};
 
 use self::{
-    body::{Guarded, Replayed},
     forward::{GatewayBody, UpstreamError},
-    held::Held,
+    held::{Held, Lent},
     judged::Resend,
+    measure::{Guarded, Measure},
     polite::Polite,
     rules::{RecycleRequests, Rules, judge::Judge},
     upstream::Upstreams,
@@ -57,6 +56,7 @@ use crate::{
     },
     health::HealthHandle,
     lease::{DurableError, LeaseError, LeaseStore, Outcome, journal::Journal, token::LeaseSigner},
+    outcomes::{Ended, Failure, Outcomes},
     telemetry::admin::Readiness,
 };
 
@@ -119,6 +119,8 @@ pub struct GatewayDeps {
     /// Asks for fresh instances for the rules' `recycle` step (the mode's own path; `None`:
     /// that step only ends the lease as a ban does).
     pub recycle: Option<Arc<dyn RecycleRequests>>,
+    /// Where what each request did is recorded.
+    pub outcomes: Outcomes,
 }
 
 /// The gateway; cheap to clone.
@@ -353,11 +355,13 @@ impl Gateway {
         let (parts, body) = request.into_parts();
         if !retryable {
             let lent = self.polite(self.held.take(&who, domain).await?, domain).await?;
+            let sent = body.size_hint().exact().unwrap_or(0);
+            let measure = self.measure(&lent, &host, sent);
             let upstream = forward::upstream_request(&parts, body, lent.proxy());
-            let sent = Instant::now();
             return match self.upstreams.send(lent.proxy(), upstream).await {
-                Ok(response) => Ok(self.answered(lent, response, sent.elapsed(), domain, None).await),
+                Ok(response) => Ok(self.answered(lent, response, domain, measure, None).await),
                 Err(error) => {
+                    measure.failed(error.failure());
                     let refusal = Refusal::upstream(lent.proxy(), &error);
                     lent.end(Outcome::Error).await;
                     Err(refusal)
@@ -370,46 +374,90 @@ impl Gateway {
             .await
             .map_err(|e| Refusal::bad_request(format!("reading the request body: {e}")))?
             .to_bytes();
-        let lent = self.polite(self.held.take(&who, domain).await?, domain).await?;
-        let upstream = forward::upstream_request(&parts, Full::new(body.clone()), lent.proxy());
-        let sent = Instant::now();
-        let error = match self.upstreams.send(lent.proxy(), upstream).await {
-            Ok(response) => {
-                let again = Resend {
-                    who: &who,
-                    parts: &parts,
-                    body: &body,
-                };
-                return Ok(self
-                    .answered(lent, response, sent.elapsed(), domain, Some(again))
-                    .await);
+        let (lent, response, measure) = self
+            .send_retried(&who, domain, &host, body.len() as u64, |proxy| {
+                Some(forward::upstream_request(&parts, Full::new(body.clone()), proxy))
+            })
+            .await?;
+        let again = Resend {
+            who: &who,
+            parts: &parts,
+            body: &body,
+        };
+        Ok(self.answered(lent, response, domain, measure, Some(again)).await)
+    }
+
+    /// Sends what `request` makes for a proxy through a lease for `who`, and if that proxy
+    /// gives no answer (refused, reset before answering), once more through another one, taken
+    /// while the dead one is still held so that the store chooses another: for what may be
+    /// sent twice (GET, HEAD, CONNECT). The dead proxy's lease ends with outcome `error`.
+    async fn send_retried<B>(
+        &self,
+        who: &UserName,
+        domain: Option<&str>,
+        host: &str,
+        bytes_sent: u64,
+        request: impl Fn(&crate::lease::ProxyInfo) -> Option<Request<B>>,
+    ) -> Result<(Lent, Response<Incoming>, Measure), Refusal>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let mut lent = self.polite(self.held.take(who, domain).await?, domain).await?;
+        let mut retried = false;
+        loop {
+            let upstream =
+                request(lent.proxy()).ok_or_else(|| Refusal::bad_request("CONNECT needs host:port"))?;
+            let measure = self.measure(&lent, host, bytes_sent);
+            let error = match self.exchange(lent.proxy(), upstream).await {
+                Ok(response) => return Ok((lent, response, measure)),
+                Err(error) => error,
+            };
+            measure.failed(error.failure());
+            let mut refusal = Refusal::upstream(lent.proxy(), &error);
+            if retried {
+                lent.end(Outcome::Error).await;
+                return Err(refusal);
             }
-            Err(error) => error,
-        };
-        warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
-        // Taken while the dead one is still held, so the store chooses another if it can.
-        let second = self.held.take_loose(&who, domain, Some(&lent.proxy().key)).await;
-        let mut first = Refusal::upstream(lent.proxy(), &error);
-        lent.end(Outcome::Error).await;
-        let second = match second {
-            Ok(second) => self.polite(second, domain).await.ok(),
-            Err(_) => None,
-        };
-        let Some(second) = second else {
-            first.message.push_str("; no other proxy was free to try");
-            return Err(first);
-        };
-        let upstream = forward::upstream_request(&parts, Full::new(body), second.proxy());
-        let sent = Instant::now();
-        match self.upstreams.send(second.proxy(), upstream).await {
-            Ok(response) => Ok(self
-                .answered(second, response, sent.elapsed(), domain, None)
-                .await),
-            Err(error) => {
-                let refusal = Refusal::upstream(second.proxy(), &error);
-                second.end(Outcome::Error).await;
-                Err(refusal)
+            retried = true;
+            warn!(proxy = %lent.proxy().key, %error, "upstream proxy failed; trying another once");
+            let second = self.held.take_loose(who, domain, Some(&lent.proxy().key)).await;
+            lent.end(Outcome::Error).await;
+            let second = match second {
+                Ok(second) => self.polite(second, domain).await.ok(),
+                Err(_) => None,
+            };
+            match second {
+                Some(second) => lent = second,
+                None => {
+                    refusal.message.push_str("; no other proxy was free to try");
+                    return Err(refusal);
+                }
             }
+        }
+    }
+
+    /// What a request through `lent`'s proxy to `host` does, measured from now.
+    fn measure(&self, lent: &Lent, host: &str, bytes_sent: u64) -> Measure {
+        let deps = self.held.deps();
+        Measure::start(&deps.outcomes, &deps.store, lent.proxy(), host, bytes_sent)
+    }
+
+    /// Sends `request` to `proxy`: a `CONNECT` on a connection of its own, anything else on a
+    /// kept-alive one.
+    async fn exchange<B>(
+        &self,
+        proxy: &crate::lease::ProxyInfo,
+        request: Request<B>,
+    ) -> Result<Response<Incoming>, UpstreamError>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        if request.method() == Method::CONNECT {
+            forward::send(proxy, request, self.config.connect_timeout).await
+        } else {
+            self.upstreams.send(proxy, request).await
         }
     }
 
@@ -424,29 +472,24 @@ impl Gateway {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };
         let domain = target_domain(authority.host());
-        let lent = self.polite(self.held.take(who, domain).await?, domain).await?;
-        let Some(upstream) = forward::connect_request(authority.as_str(), lent.proxy()) else {
-            return Err(Refusal::bad_request("CONNECT needs host:port"));
-        };
-        let response = match forward::send(lent.proxy(), upstream, self.config.connect_timeout).await {
-            Ok(response) => response,
-            Err(error) => {
-                let refusal = Refusal::upstream(lent.proxy(), &error);
-                lent.end(Outcome::Error).await;
-                return Err(refusal);
-            }
-        };
+        let (lent, response, measure) = self
+            .send_retried(who, domain, authority.host(), 0, |proxy| {
+                forward::connect_request(authority.as_str(), proxy)
+            })
+            .await?;
         if !response.status().is_success() {
             // The proxy's own refusal (not the target's): passed on, and no ban.
             let client = forward::client_response(&response, ());
             let (parts, ()) = client.into_parts();
-            let body = Guarded::new(Replayed::whole(response.into_body()), lent);
+            let refused = Ended::Failed(Failure::ProxyError);
+            let body = Guarded::new(measure.answered(response.into_body(), refused, false), lent);
             return Ok(Response::from_parts(parts, body.boxed_unsync()));
         }
         let client_side = hyper::upgrade::on(&mut request);
         let upstream_side = match hyper::upgrade::on(response).await {
             Ok(upgraded) => upgraded,
             Err(error) => {
+                measure.failed(Failure::Reset);
                 let refusal = Refusal::new(
                     StatusCode::BAD_GATEWAY,
                     "upstream_failed",
@@ -456,13 +499,16 @@ impl Gateway {
                 return Err(refusal);
             }
         };
+        let opened = measure.opened();
         tokio::spawn(async move {
             match client_side.await {
                 Ok(client) => {
                     let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream_side));
-                    if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                    let spliced = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                    if let Err(error) = &spliced {
                         debug!(%error, "gateway tunnel ended with an error");
                     }
+                    opened.closed(&spliced);
                 }
                 Err(error) => debug!(%error, "the client's side of a tunnel never opened"),
             }

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use super::{
-    AcquireRequest, Granted, Lease, LeaseClaim, LeaseError, LeaseStore, Outcome, Released, Renewed,
+    AcquireRequest, Checked, Granted, Lease, LeaseClaim, LeaseError, LeaseStore, Outcome, Released, Renewed,
     journal::{Journal, JournalError, Record},
     token::LeaseSigner,
 };
@@ -190,6 +190,18 @@ impl<'a> DurableLeases<'a> {
         })
         .await?;
         Ok(released)
+    }
+
+    /// The lease the ID `id` names, if it is live and `token` is its current token; nothing
+    /// changes and nothing is journalled. A lease the store lost (one the last checkpoint
+    /// missed) is not taken back here: it is not found until a renewal takes it back.
+    pub fn check(&self, id: &str, token: u64, now: u64) -> Result<Checked, LeaseError> {
+        let kept = (self.signer.presented(id))
+            .and_then(|presented| self.store.check_presented_at(&presented, token, now));
+        match kept {
+            Some(result) => result,
+            None => self.store.check_at(&self.verify(id)?.id, token, now),
+        }
     }
 
     /// What the lease ID `id` says, if this key signed it; an ID it did not sign is simply

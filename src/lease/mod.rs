@@ -378,6 +378,15 @@ pub struct Renewed {
     pub out_of_rotation: bool,
 }
 
+/// A live lease, as [`DurableLeases::check`] found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checked {
+    /// Its proxy.
+    pub proxy: ProxyKey,
+    /// The target domain it was taken for, if any.
+    pub target_domain: Option<String>,
+}
+
 /// What a release changed besides ending the lease (what the journal records of it).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Released {

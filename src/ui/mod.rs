@@ -38,6 +38,7 @@ use crate::{
     health::{HealthEvent, HealthHandle, HealthSnapshot, Verdict},
     lease::{Availability, LeaseStore, ProxyView, Selector},
     machine::audit::AuditEntry,
+    outcomes::{Outcomes, ProxyOutcomes, Quantiles},
     provider::{ProviderId, SharedProvider, local::SupervisionStatus},
     telemetry::admin::Page,
 };
@@ -320,8 +321,8 @@ pub struct ProxyRow {
     /// What the provider's process supervision did (`None`: the provider has none, e.g. VMs
     /// and pods, whose restarts their hypervisor or kubelet count).
     pub process: Option<ProcessRow>,
-    /// Requests and errors through the proxy. Nothing measures them yet (a later gateway
-    /// does): always `None` until then, shown as "not measured", never as a made-up zero.
+    /// What went through the proxy, from the outcome statistics; `None` until an outcome is
+    /// recorded (shown as "not measured", never as a made-up zero).
     pub traffic: Option<Traffic>,
     /// From the health engine (`None`: not probed).
     pub health: Option<HealthSnapshot>,
@@ -385,13 +386,34 @@ impl From<SupervisionStatus> for ProcessRow {
     }
 }
 
-/// Requests and errors through one proxy (reserved: nothing measures them yet).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What went through one proxy, from the outcome statistics ([`crate::outcomes`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Traffic {
-    /// Requests sent through the proxy.
+    /// Requests and tunnels through the proxy.
     pub requests: u64,
     /// Of those, failed ones.
     pub errors: u64,
+    /// Bans for a domain.
+    pub bans: u64,
+    /// Median and p95 of its last latencies, if any.
+    pub latency: Option<Quantiles>,
+    /// Its busiest target domain and that domain's requests.
+    pub top_domain: Option<(String, u64)>,
+    /// Target domains tracked.
+    pub domains: usize,
+}
+
+impl From<ProxyOutcomes> for Traffic {
+    fn from(outcomes: ProxyOutcomes) -> Self {
+        Self {
+            requests: outcomes.total.requests,
+            errors: outcomes.total.failures.total(),
+            bans: outcomes.total.bans,
+            latency: outcomes.total.latency,
+            domains: outcomes.domains.len() + outcomes.other_domains,
+            top_domain: (outcomes.domains.into_iter().next()).map(|d| (d.domain, d.stats.requests)),
+        }
+    }
 }
 
 /// What a request asks of the page: `?page=`, `?limit=`, `?phase=`, `?q=`, `?refresh=`.
@@ -538,6 +560,8 @@ pub struct PageInputs {
     pub providers: Vec<(String, SharedProvider)>,
     /// The discovery API's: the page admits the same callers.
     pub auth: Arc<dyn Authenticator>,
+    /// Outcome statistics: each proxy's traffic.
+    pub outcomes: Outcomes,
 }
 
 /// The status page over its inputs, with the health verdict log the mode feeds.
@@ -673,7 +697,7 @@ impl StatusPage {
                     attributes,
                     leases,
                     process: self.process(&state),
-                    traffic: None,
+                    traffic: self.inputs.outcomes.proxy(&key, 1).map(Traffic::from),
                     health: self.inputs.health.snapshot(&key),
                     health_history: self
                         .health_log

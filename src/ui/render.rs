@@ -304,13 +304,31 @@ fn proxies(html: &mut String, view: &StatusView) {
             }
             None => html.push_str("<td class=\"muted\">-</td>"),
         }
-        match row.traffic {
+        match &row.traffic {
             Some(t) => {
                 let _ = write!(
                     html,
-                    "<td class=\"traffic\">{} requests<br>{} errors</td>",
-                    t.requests, t.errors
+                    "<td class=\"traffic\">{}<br>{}, {}",
+                    counted(t.requests, "request"),
+                    counted(t.errors, "error"),
+                    counted(t.bans, "ban")
                 );
+                if let Some(q) = t.latency {
+                    let _ = write!(
+                        html,
+                        "<br><span class=\"muted\">p50 {} ms, p95 {} ms</span>",
+                        q.p50, q.p95
+                    );
+                }
+                if let Some((domain, requests)) = &t.top_domain {
+                    let _ = write!(
+                        html,
+                        "<br><span class=\"muted\">{}; most: {} ({requests})</span>",
+                        counted(t.domains as u64, "domain"),
+                        esc(domain)
+                    );
+                }
+                html.push_str("</td>");
             }
             None => html.push_str("<td class=\"traffic muted\">not measured</td>"),
         }
@@ -518,5 +536,14 @@ fn audit(html: &mut String, view: &StatusView) {
             );
         }
         html.push_str("</tbody></table></details>");
+    }
+}
+
+/// `n` and `noun`, plural unless `n` is 1.
+fn counted(n: u64, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
     }
 }

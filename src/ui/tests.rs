@@ -1,7 +1,10 @@
 use hyper::HeaderMap;
 
 use super::{render::esc, *};
-use crate::lease::Availability;
+use crate::{
+    lease::Availability,
+    outcomes::{Ended, Failure, Seen},
+};
 
 #[test]
 fn every_html_special_character_is_escaped() {
@@ -266,6 +269,18 @@ async fn the_view_reads_holders_bans_and_attributes_from_the_store_for_one_page(
 
     let (health, _events) =
         crate::health::HealthEngine::start(crate::health::HealthConfig::default()).expect("health engine");
+    // The first proxy carried two requests, one to a domain that is markup.
+    let outcomes = Outcomes::default();
+    let seen = |ended, ms| Seen {
+        ended,
+        latency: Some(std::time::Duration::from_millis(ms)),
+        bytes_received: 10,
+        bytes_sent: 0,
+        banned: false,
+    };
+    let web0 = crate::api::ProxyKey::new("crawl", "web-0000");
+    outcomes.record(&web0, "<b>x", &seen(Ended::Status(200), 30), 0);
+    outcomes.record(&web0, "<b>x", &seen(Ended::Failed(Failure::Reset), 90), 0);
     let page = StatusPage::new(PageInputs {
         source: Arc::new(Fixed(states)),
         leases,
@@ -273,6 +288,7 @@ async fn the_view_reads_holders_bans_and_attributes_from_the_store_for_one_page(
         availability: ProviderAvailability::default(),
         providers: Vec::new(),
         auth: Arc::new(crate::discovery::auth::NoAuthentication),
+        outcomes,
     });
     let view = page.view(&PageQuery::default()).expect("view");
     assert_eq!((view.total, view.matched, view.proxies.len()), (120, 120, 50));
@@ -298,6 +314,19 @@ async fn the_view_reads_holders_bans_and_attributes_from_the_store_for_one_page(
     assert!(html.contains("…89abcdef"), "{html}");
     let token = format!(">{}<", held.fencing_token);
     assert!(!html.contains(&token), "a fencing token on the page");
+    // Traffic from the outcome statistics; the domain escaped; unmeasured proxies say so.
+    let traffic = first.traffic.as_ref().expect("measured");
+    assert_eq!((traffic.requests, traffic.errors, traffic.bans), (2, 1, 0));
+    for shown in [
+        "2 requests<br>1 error, 0 bans",
+        "p50 30 ms, p95 90 ms",
+        "1 domain; most: &lt;b&gt;x (2)",
+    ] {
+        assert!(html.contains(shown), "{shown} missing: {html}");
+    }
+    assert!(!html.contains("<b>x"), "{html}");
+    assert!(view.proxies[1].traffic.is_none());
+    assert!(html.contains("not measured"));
 
     // The last page; a filter by phase; a filter by attribute text.
     let last = page

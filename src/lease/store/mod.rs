@@ -20,6 +20,7 @@
 //! The small helpers the hot path calls from one file into another are `#[inline]`, so the
 //! split into files (and so into codegen units) costs the acquire path no calls.
 
+mod check;
 mod proxy;
 mod request;
 mod select;

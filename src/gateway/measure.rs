@@ -1,0 +1,254 @@
+//! What one forwarded request or tunnel did, recorded in the outcome statistics
+//! ([`crate::outcomes`]) exactly once, where it is known: a failure to reach the proxy or the
+//! target at once, an answer when its body ends (or the client drops it), a tunnel when it
+//! closes. And the bodies the gateway answers with: [`Counted`] (counts an answer's bytes and
+//! records it when done) and [`Guarded`] (gives the lease back when done).
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, SizeHint};
+
+use super::held::Lent;
+use crate::{
+    api::ProxyKey,
+    lease::{LeaseStore, ProxyInfo},
+    outcomes::{Ended, Failure, Outcomes, Seen},
+};
+
+/// One request through one proxy, from the moment it is sent.
+pub(super) struct Measure {
+    outcomes: Outcomes,
+    /// Its clock.
+    store: LeaseStore,
+    proxy: ProxyKey,
+    domain: String,
+    started: Instant,
+    bytes_sent: u64,
+}
+
+impl Measure {
+    /// A request to `host` through `proxy`, sending `bytes_sent` bytes of body, starts now.
+    pub(super) fn start(
+        outcomes: &Outcomes,
+        store: &LeaseStore,
+        proxy: &ProxyInfo,
+        host: &str,
+        bytes_sent: u64,
+    ) -> Self {
+        Self {
+            outcomes: outcomes.clone(),
+            store: store.clone(),
+            proxy: proxy.key.clone(),
+            domain: host.to_owned(),
+            started: Instant::now(),
+            bytes_sent,
+        }
+    }
+
+    fn record(self, ended: Ended, latency: Option<Duration>, bytes_received: u64, banned: bool) {
+        let seen = Seen {
+            ended,
+            latency,
+            bytes_received,
+            bytes_sent: self.bytes_sent,
+            banned,
+        };
+        self.outcomes
+            .record(&self.proxy, &self.domain, &seen, self.store.now_ms());
+    }
+
+    /// Time since it was sent.
+    pub(super) fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// No answer: it failed with `failure`.
+    pub(super) fn failed(self, failure: Failure) {
+        self.record(Ended::Failed(failure), None, 0, false);
+    }
+
+    /// An answer's head arrived (the latency ends now); its `body` is counted and the outcome
+    /// recorded when the body is done, broken or dropped.
+    pub(super) fn answered<B>(self, body: B, ended: Ended, banned: bool) -> Counted<B> {
+        let latency = self.started.elapsed();
+        Counted {
+            inner: body,
+            pending: Some(Pending {
+                measure: self,
+                ended,
+                latency,
+                banned,
+            }),
+            bytes: 0,
+        }
+    }
+
+    /// The tunnel is open (the latency ends now).
+    pub(super) fn opened(self) -> Opened {
+        let latency = self.started.elapsed();
+        Opened {
+            measure: self,
+            latency,
+        }
+    }
+}
+
+/// An open tunnel, recorded when it closes.
+pub(super) struct Opened {
+    measure: Measure,
+    latency: Duration,
+}
+
+impl Opened {
+    /// The tunnel closed: cleanly with (bytes client to target, bytes target to client), or
+    /// broken.
+    pub(super) fn closed(mut self, result: &std::io::Result<(u64, u64)>) {
+        let (ended, received) = match result {
+            Ok((sent, received)) => {
+                self.measure.bytes_sent = *sent;
+                (Ended::Succeeded, *received)
+            }
+            Err(_) => (Ended::Failed(Failure::Reset), 0),
+        };
+        self.measure.record(ended, Some(self.latency), received, false);
+    }
+}
+
+struct Pending {
+    measure: Measure,
+    ended: Ended,
+    latency: Duration,
+    banned: bool,
+}
+
+/// An answer's body, counted; its outcome is recorded when it ends (as its head said), breaks
+/// (the proxy died mid-answer: [`Failure::Reset`]) or is dropped (the client went away: as its
+/// head said, with the bytes so far).
+pub(super) struct Counted<B> {
+    inner: B,
+    pending: Option<Pending>,
+    bytes: u64,
+}
+
+impl<B> Counted<B> {
+    fn finish(&mut self, broken: bool) {
+        if let Some(p) = self.pending.take() {
+            let ended = if broken {
+                Ended::Failed(Failure::Reset)
+            } else {
+                p.ended
+            };
+            p.measure.record(ended, Some(p.latency), self.bytes, p.banned);
+        }
+    }
+}
+
+impl<B> Drop for Counted<B> {
+    fn drop(&mut self) {
+        self.finish(false);
+    }
+}
+
+impl<B: Body<Data = Bytes> + Unpin> Body for Counted<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        match &polled {
+            Some(Ok(frame)) => {
+                this.bytes += frame.data_ref().map_or(0, |d| d.len() as u64);
+                if this.inner.is_end_stream() {
+                    this.finish(false);
+                }
+            }
+            Some(Err(_)) => this.finish(true),
+            None => this.finish(false),
+        }
+        Poll::Ready(polled)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// An upstream answer's body that gives its lease back when done or dropped. When done, the
+/// last frame waits until the lease is back (durable too): a client that sends its next
+/// request as soon as it has this answer finds the proxy free again.
+pub(super) struct Guarded<B> {
+    inner: B,
+    lent: Option<Lent>,
+    /// The lease being given back, and the frame that waits for it (`None`: the end).
+    ending: Option<(GivingBack, Option<Frame<Bytes>>)>,
+}
+
+/// A lease being given back.
+type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl<B> Guarded<B> {
+    pub(super) fn new(inner: B, lent: Lent) -> Self {
+        Self {
+            inner,
+            lent: Some(lent),
+            ending: None,
+        }
+    }
+}
+
+impl<B: Body<Data = Bytes> + Unpin> Body for Guarded<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        loop {
+            if let Some((giving_back, last)) = &mut this.ending {
+                std::task::ready!(giving_back.as_mut().poll(cx));
+                let last = last.take();
+                this.ending = None;
+                if let Some(frame) = last {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                return Poll::Ready(None);
+            }
+            let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
+            let last = match polled {
+                Some(Ok(frame)) if this.inner.is_end_stream() => Some(frame),
+                None => None,
+                // A frame before the last, or an error (the body is dropped then, and the
+                // lease goes back from Drop).
+                other => return Poll::Ready(other),
+            };
+            match this.lent.take() {
+                Some(lent) => this.ending = Some((Box::pin(lent.give_back()), last)),
+                None => return Poll::Ready(last.map(Ok)),
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.lent.is_none() && self.ending.is_none() && self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
