@@ -23,14 +23,14 @@ Settings: ``EGRESS_PROXIES_SELECTOR`` (a dict of attributes, sent as ``attr.NAME
 ``egress_gateway/routed``, ``egress_gateway/ban_retries``, ``egress_gateway/ban_retries_exhausted``.
 """
 
-from pathlib import Path
 from typing import Dict, Optional, Set, Union
 from urllib.parse import quote, urlsplit
 
 from scrapy import Request, Spider
 from scrapy.crawler import Crawler
-from scrapy.exceptions import NotConfigured
 from scrapy.http import Response
+
+from ._scrapy_settings import endpoint_and_token, holder
 
 SESSION_META = "egress_proxies_session"
 SKIP_META = "egress_proxies_skip"
@@ -87,26 +87,12 @@ class EgressGatewayMiddleware:
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> "EgressGatewayMiddleware":
         settings = crawler.settings
-        if not settings.getbool("EGRESS_PROXIES_ENABLED", True):
-            raise NotConfigured("EGRESS_PROXIES_ENABLED is off")
-        gateway = settings.get("EGRESS_PROXIES_GATEWAY")
-        token = settings.get("EGRESS_PROXIES_TOKEN")
-        token_file = settings.get("EGRESS_PROXIES_TOKEN_FILE")
-        if not token and token_file:
-            token = Path(token_file).read_text().strip()
-        if not gateway or not token:
-            # An error, not NotConfigured: Scrapy would carry on without the middleware and
-            # crawl from this host's own address.
-            raise ValueError(
-                "EGRESS_PROXIES_GATEWAY and EGRESS_PROXIES_TOKEN (or EGRESS_PROXIES_TOKEN_FILE) are required;"
-                " set EGRESS_PROXIES_ENABLED = False to crawl without the gateway"
-            )
-        spider_name = getattr(crawler.spidercls, "name", None) or "spider"
+        gateway, token = endpoint_and_token(crawler, "EGRESS_PROXIES_GATEWAY", "the gateway")
         return cls(
             crawler,
             gateway,
             token,
-            holder=settings.get("EGRESS_PROXIES_HOLDER") or f"scrapy/{spider_name}",
+            holder=holder(crawler),
             selector={str(k): str(v) for k, v in settings.getdict("EGRESS_PROXIES_SELECTOR").items()},
             ban_codes={int(c) for c in settings.getlist("EGRESS_PROXIES_BAN_CODES", [403, 429])},
             ban_retries=settings.getint("EGRESS_PROXIES_BAN_RETRIES", 2),

@@ -96,12 +96,11 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from scrapy import Request, Spider, signals
 from scrapy.crawler import Crawler
-from scrapy.exceptions import IgnoreRequest, NotConfigured
+from scrapy.exceptions import IgnoreRequest
 from scrapy.http import Response
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
@@ -109,6 +108,7 @@ from twisted.internet import defer, task, threads
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
+from ._scrapy_settings import endpoint_and_token, holder
 from .client import DiscoveryClient, Lease, NoProxyAvailable, Outcome
 
 
@@ -199,25 +199,11 @@ class EgressProxiesMiddleware:
     @classmethod
     def from_crawler(cls, crawler: Crawler) -> "EgressProxiesMiddleware":
         settings = crawler.settings
-        if not settings.getbool("EGRESS_PROXIES_ENABLED", True):
-            raise NotConfigured("EGRESS_PROXIES_ENABLED is off")
-        url = settings.get("EGRESS_PROXIES_URL")
-        token = settings.get("EGRESS_PROXIES_TOKEN")
-        token_file = settings.get("EGRESS_PROXIES_TOKEN_FILE")
-        if not token and token_file:
-            token = Path(token_file).read_text().strip()
-        if not url or not token:
-            # An error, not NotConfigured: Scrapy would carry on without the middleware and
-            # crawl from this host's own address.
-            raise ValueError(
-                "EGRESS_PROXIES_URL and EGRESS_PROXIES_TOKEN (or EGRESS_PROXIES_TOKEN_FILE) are required;"
-                " set EGRESS_PROXIES_ENABLED = False to crawl without leased proxies"
-            )
-        spider_name = getattr(crawler.spidercls, "name", None) or "spider"
+        url, token = endpoint_and_token(crawler, "EGRESS_PROXIES_URL", "leased proxies")
         client = DiscoveryClient(
             url,
             token,
-            holder=settings.get("EGRESS_PROXIES_HOLDER") or f"scrapy/{spider_name}",
+            holder=holder(crawler),
             max_wait=settings.getfloat("EGRESS_PROXIES_MAX_WAIT", 30.0),
             renew_every=settings.getfloat("EGRESS_PROXIES_RENEW_INTERVAL", 5.0) or None,
         )
