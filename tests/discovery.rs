@@ -660,6 +660,47 @@ async fn rotating_the_token_file_takes_effect_without_a_restart() {
     server.shutdown().await;
 }
 
+/// A keep-alive connection's token is looked up once and its verdict remembered
+/// (`RememberedVerdict`); a connection that keeps sending a token the reloaded file no longer
+/// holds is refused from the reload on, like a new one.
+#[tokio::test]
+async fn a_remembered_token_is_refused_once_the_file_drops_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokens");
+    std::fs::write(&path, "kept-token\n").unwrap();
+    let auth = discovery_authenticator(&DiscoveryAuthOptions::tokens_file(path.clone()), None)
+        .await
+        .unwrap();
+    let server = Server::start(demo_store(), auth).await;
+    let mut kept = connect(&server.url).await;
+    for _ in 0..3 {
+        assert_eq!(
+            get_with(&mut kept, "/v1/proxies", Some("kept-token")).await.0,
+            StatusCode::OK
+        );
+    }
+    replace_file(&path, "other-token\n");
+    // A new connection tells when the reload is in force; the kept one must agree from then on.
+    let deadline = std::time::Instant::now() + TOKEN_RELOAD_INTERVAL * 3;
+    loop {
+        let mut fresh = connect(&server.url).await;
+        if get_with(&mut fresh, "/v1/proxies", Some("kept-token")).await.0 == StatusCode::UNAUTHORIZED {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the file was not reloaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        get_with(&mut kept, "/v1/proxies", Some("kept-token")).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        get_with(&mut kept, "/v1/proxies", Some("other-token")).await.0,
+        StatusCode::OK
+    );
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn rotating_the_token_secret_takes_effect_without_a_restart() {
     let plane = ControlPlane::start().await;

@@ -21,7 +21,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, RwLock, Weak,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -66,6 +66,37 @@ pub trait Authenticator: Send + Sync {
     /// [`NoAuthentication`]); `None`: a bearer token is required.
     fn anonymous(&self) -> Option<Identity> {
         None
+    }
+
+    /// A number that changes whenever the verdict on some token may have changed (a token set
+    /// reloaded); `None`: a verdict may change at any time (TokenReview), so none is
+    /// remembered ([`RememberedVerdict`]).
+    fn verdict_generation(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// The last verdict a keep-alive connection's requests got, so that the same `Authorization`
+/// header is not decoded and looked up again on every request: a crawler sends one token on
+/// all of its requests. Only a success is remembered, with the authenticator's
+/// [`Authenticator::verdict_generation`] read before the lookup, and it is recalled only for
+/// the byte-for-byte same header while that generation holds; a reload in between makes the
+/// next request look the token up again. The comparison is against a header this same
+/// connection sent and had accepted, so its timing tells the sender nothing it did not know.
+#[derive(Debug, Default)]
+pub struct RememberedVerdict(Mutex<Option<(header::HeaderValue, u64, Identity)>>);
+
+impl RememberedVerdict {
+    /// The identity remembered for `header` under `generation`.
+    pub fn recall(&self, header: &header::HeaderValue, generation: u64) -> Option<Identity> {
+        let remembered = crate::sync::lock(&self.0);
+        let (value, at, identity) = remembered.as_ref()?;
+        (*at == generation && value.as_bytes() == header.as_bytes()).then(|| identity.clone())
+    }
+
+    /// Remembers that `header` was `identity` under `generation`.
+    pub fn remember(&self, header: header::HeaderValue, generation: u64, identity: Identity) {
+        *crate::sync::lock(&self.0) = Some((header, generation, identity));
     }
 }
 
@@ -276,6 +307,11 @@ impl Authenticator for StaticTokens {
     async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
         self.lookup(token)
     }
+
+    fn verdict_generation(&self) -> Option<u64> {
+        // A fixed set: a verdict never changes.
+        Some(0)
+    }
 }
 
 impl StaticTokens {
@@ -393,6 +429,8 @@ impl TokenSource for TokenSecret {
 #[derive(Clone)]
 pub struct ReloadingTokens {
     current: Arc<RwLock<Arc<StaticTokens>>>,
+    /// Counts the reloads that changed the set ([`Authenticator::verdict_generation`]).
+    generation: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for ReloadingTokens {
@@ -411,8 +449,14 @@ impl ReloadingTokens {
             warn!(source = %source.describe(), "no discovery API token: every token is refused");
         }
         let current = Arc::new(RwLock::new(Arc::new(first)));
-        tokio::spawn(reload(source, Arc::downgrade(&current), interval));
-        Ok(Self { current })
+        let generation = Arc::new(AtomicU64::new(0));
+        tokio::spawn(reload(
+            source,
+            Arc::downgrade(&current),
+            generation.clone(),
+            interval,
+        ));
+        Ok(Self { current, generation })
     }
 
     /// The tokens in force now.
@@ -421,7 +465,12 @@ impl ReloadingTokens {
     }
 }
 
-async fn reload(source: impl TokenSource, current: Weak<RwLock<Arc<StaticTokens>>>, interval: Duration) {
+async fn reload(
+    source: impl TokenSource,
+    current: Weak<RwLock<Arc<StaticTokens>>>,
+    generation: Arc<AtomicU64>,
+    interval: Duration,
+) {
     let mut failing = false;
     loop {
         tokio::time::sleep(interval).await;
@@ -439,6 +488,9 @@ async fn reload(source: impl TokenSource, current: Weak<RwLock<Arc<StaticTokens>
                 if **slot != tokens {
                     info!(source = %source.describe(), tokens = tokens.len(), "discovery API tokens reloaded");
                     *slot = Arc::new(tokens);
+                    // After the swap: a verdict remembered under the old number was looked up
+                    // in either set, and is looked up again.
+                    generation.fetch_add(1, Ordering::SeqCst);
                 }
             }
             Err(err) if !failing => {
@@ -455,6 +507,10 @@ impl Authenticator for ReloadingTokens {
     async fn authenticate(&self, token: &str) -> Result<Identity, AuthError> {
         // Looked up under the read lock: no clone of the set per request.
         crate::sync::read(&self.current).lookup(token)
+    }
+
+    fn verdict_generation(&self) -> Option<u64> {
+        Some(self.generation.load(Ordering::SeqCst))
     }
 }
 

@@ -16,7 +16,8 @@ use hyper::{
 
 use super::{
     AcquireBody, AcquireResponse, AuthError, ErrorBody, Identity, LeaseJson, LeasesResponse, ListResponse,
-    ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StateInner, StatusBody,
+    ProxyJson, ReleaseBody, ReleaseResponse, RememberedVerdict, RenewBody, RenewResponse, StateInner,
+    StatusBody,
     metrics::CodeLabels,
     router::{ApiError, json, json_bytes},
     wire::{self, RequestBody},
@@ -173,12 +174,23 @@ impl From<DurableError> for ApiError {
     }
 }
 
+/// Who sent the request, from its bearer token; a connection's last success is recalled from
+/// `remembered` rather than looked up again.
 pub(super) async fn authenticate(
     s: &StateInner,
     parts: &hyper::http::request::Parts,
+    remembered: &RememberedVerdict,
 ) -> Result<Identity, ApiError> {
     if let Some(anonymous) = s.deps.auth.anonymous() {
         return Ok(anonymous);
+    }
+    // Read before any lookup, so that a reload during it is never remembered as current.
+    let generation = s.deps.auth.verdict_generation();
+    let header = parts.headers.get(hyper::header::AUTHORIZATION);
+    if let (Some(generation), Some(header)) = (generation, header)
+        && let Some(identity) = remembered.recall(header, generation)
+    {
+        return Ok(identity);
     }
     let unauthenticated = |msg: &str| {
         let mut e = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", msg);
@@ -193,14 +205,18 @@ pub(super) async fn authenticate(
             return Err(unauthenticated("Authorization must be: Bearer <token>"));
         }
     };
-    s.deps.auth.authenticate(&token).await.map_err(|e| match e {
+    let identity = s.deps.auth.authenticate(&token).await.map_err(|e| match e {
         AuthError::Unauthenticated => unauthenticated("invalid bearer token"),
         AuthError::Forbidden(_) => ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()),
         AuthError::Unavailable(_) => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "auth_unavailable", e.to_string())
                 .retry(Duration::from_secs(1))
         }
-    })
+    })?;
+    if let (Some(generation), Some(header)) = (generation, header) {
+        remembered.remember(header.clone(), generation, identity.clone());
+    }
+    Ok(identity)
 }
 
 /// Reads, decodes and validates a request body: 413 over the size limit, 400 for malformed

@@ -37,8 +37,8 @@ use prometheus_client::registry::Registry;
 use tokio::{net::TcpListener, sync::watch};
 
 pub use auth::{
-    AnyOf, AuthError, Authenticator, Identity, NoAuthentication, ReloadingTokens, StaticTokens, TokenFile,
-    TokenReviewAuthenticator, TokenSecret,
+    AnyOf, AuthError, Authenticator, Identity, NoAuthentication, ReloadingTokens, RememberedVerdict,
+    StaticTokens, TokenFile, TokenReviewAuthenticator, TokenSecret,
 };
 pub use metrics::DiscoveryMetrics;
 pub use outcomes::{OutcomeBody, OutcomeResponse};
@@ -167,9 +167,11 @@ pub async fn serve(
             stream = crate::net::accept(&listener, "discovery") => {
                 let requests = state.inner.deps.metrics.requests.clone();
                 let state = state.clone();
+                // The connection's own: its requests carry one token, looked up once.
+                let remembered = Arc::new(RememberedVerdict::default());
                 let service = hyper::service::service_fn(move |req| {
-                    let state = state.clone();
-                    async move { Ok::<_, Infallible>(handle(&state, req).await) }
+                    let (state, remembered) = (state.clone(), remembered.clone());
+                    async move { Ok::<_, Infallible>(answer(&state, &remembered, req).await) }
                 });
                 let io = http_errors::JsonErrors::new(TokioIo::new(stream), move |status| {
                     let code = http_errors::code_for(status).0;
@@ -201,10 +203,23 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    answer(state, &RememberedVerdict::default(), request).await
+}
+
+/// [`handle`] for a request of a connection whose last verdict is `remembered`.
+async fn answer<B>(
+    state: &DiscoveryState,
+    remembered: &RememberedVerdict,
+    request: Request<B>,
+) -> Response<Full<Bytes>>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let started = Instant::now();
     let (parts, body) = request.into_parts();
     let (index, result) = match route(&parts.method, parts.uri.path()) {
-        Ok(r) => (r.index(), dispatch(state, r, &parts, body).await),
+        Ok(r) => (r.index(), dispatch(state, r, &parts, body, remembered).await),
         Err(e) => (OTHER_ROUTE, Err(e)),
     };
     let (code, response) = match result {
@@ -224,6 +239,7 @@ async fn dispatch<B>(
     route: Route<'_>,
     parts: &hyper::http::request::Parts,
     body: B,
+    remembered: &RememberedVerdict,
 ) -> Result<Response<Full<Bytes>>, ApiError>
 where
     B: Body<Data = Bytes>,
@@ -244,7 +260,7 @@ where
         }
         _ => {}
     }
-    let identity = authenticate(s, parts).await?;
+    let identity = authenticate(s, parts, remembered).await?;
     check_ready(s)?;
     if !matches!(route, Route::List | Route::Leases) {
         check_journal(s)?;
