@@ -37,6 +37,26 @@ def test_acquire_list_release(client: DiscoveryClient, selector: Dict[str, str])
     assert all(p.active_leases == 0 for p in client.list_proxies(selector))
 
 
+def test_reported_outcomes_show_in_the_listing(client: DiscoveryClient, selector: Dict[str, str]) -> None:
+    domain = "reports.example"
+    lease = client.acquire(selector, target_domain=domain)
+    client.report(lease, status=200, latency_ms=12, bytes_received=345)
+    client.report(lease, error="timeout", latency_ms=3000)
+    without_domain = client.acquire(selector, max_wait=10)
+    with pytest.raises(ValueError):
+        client.report(without_domain, status=200)  # no domain to report for
+    client.release(without_domain, "ok")
+    listed = {p.proxy.key: p for p in client.list_proxies(selector, target_domain=domain)}
+    stats = listed[lease.proxy.key].domain_outcomes(domain)
+    assert stats is not None, listed[lease.proxy.key].outcomes
+    assert (stats["requests"], stats["successes"], stats["failures"]["timeout"]) == (2, 1, 1)
+    assert stats["bytesReceived"] == 345
+    client.release(lease, "ok")
+    with pytest.raises(DiscoveryError) as released:
+        client.report(lease, status=200)
+    assert released.value.status == 404, "a report is fenced like a renewal"
+
+
 def test_a_release_whose_answer_is_lost_is_sent_again_and_settled(
     client: DiscoveryClient, token: str, selector: Dict[str, str], losing_relay: LosingRelay
 ) -> None:

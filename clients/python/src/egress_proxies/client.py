@@ -121,6 +121,9 @@ class ProxyStatus:
     max_concurrent: int
     bans: Dict[str, datetime]
     """Active bans: when each banned domain's ban ends."""
+    outcomes: Optional[Dict[str, Any]] = None
+    """What went through it (the API's ``outcomes``, as it is: ``total``, ``domains``,
+    ``otherDomains``), once anything was recorded; see ``report``."""
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any]) -> "ProxyStatus":
@@ -130,7 +133,17 @@ class ProxyStatus:
             active_leases=int(body["activeLeases"]),
             max_concurrent=int(body["maxConcurrent"]),
             bans={ban["domain"]: _parse_time(ban["until"]) for ban in body.get("bans") or []},
+            outcomes=body.get("outcomes"),
         )
+
+    def domain_outcomes(self, domain: str) -> Optional[Dict[str, Any]]:
+        """The statistics recorded for ``domain`` (``requests``, ``successes``, ``failures``,
+        ``bans``, ``latencyMs``, bytes), if the listing has them."""
+        for entry in (self.outcomes or {}).get("domains") or []:
+            if entry.get("domain") == domain:
+                stats: Dict[str, Any] = entry.get("stats") or {}
+                return stats
+        return None
 
 
 def _parse_time(text: str) -> datetime:
@@ -323,6 +336,36 @@ class DiscoveryClient:
         lease.renewals += 1
         # Sticky: a proxy back in rotation later does not make this lease's requests whole.
         lease.out_of_rotation = lease.out_of_rotation or bool(answer.get("outOfRotation", False))
+
+    def report(
+        self,
+        lease: Lease,
+        target_domain: Optional[str] = None,
+        *,
+        status: Optional[int] = None,
+        error: Optional[str] = None,
+        latency_ms: Optional[int] = None,
+        bytes_received: Optional[int] = None,
+        bytes_sent: Optional[int] = None,
+    ) -> None:
+        """``POST /v1/leases/{id}/outcomes``: how one request through the lease's proxy went, for
+        the proxy's statistics per target domain (``target_domain``, default the lease's). Give
+        the target's ``status``, or ``error`` (``connect``, ``timeout``, ``reset``,
+        ``proxy_error``) when there was none. Sent once: a report is not worth a retry."""
+        domain = target_domain or lease.target_domain
+        if not domain:
+            raise ValueError("report needs a target_domain (the lease has none)")
+        body: Dict[str, Any] = {"fencingToken": lease.fencing_token, "targetDomain": domain}
+        for key, value in (
+            ("status", status),
+            ("error", error),
+            ("latencyMs", latency_ms),
+            ("bytesReceived", bytes_received),
+            ("bytesSent", bytes_sent),
+        ):
+            if value is not None:
+                body[key] = value
+        self._call("POST", f"/v1/leases/{_quote(lease.lease_id)}/outcomes", body)
 
     def release(self, lease: Lease, outcome: Outcome = "ok", target_domain: Optional[str] = None) -> bool:
         """``POST /v1/leases/{id}/release`` with how it went: ``ok``, ``banned`` or ``error``.
