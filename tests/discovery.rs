@@ -97,6 +97,7 @@ impl Server {
             registry: Arc::new(registry),
             metrics,
             outcomes: Default::default(),
+            usage: Default::default(),
             config: DiscoveryConfig::default(),
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

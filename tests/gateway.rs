@@ -700,6 +700,7 @@ mod in_process {
             health: None,
             recycle: None,
             outcomes: outcomes.clone(),
+            usage: Default::default(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
