@@ -272,6 +272,7 @@ pub async fn start_core(
             .collect(),
         auth: auth.clone(),
         outcomes: metrics.outcomes.clone(),
+        usage: metrics.usage.clone(),
     }));
     let health_log = page.health_log();
     let gateway_deps = GatewayDeps {
