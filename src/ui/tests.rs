@@ -170,7 +170,7 @@ fn user_input_on_the_page_is_escaped_and_every_section_renders() {
         "healthy --health_failed--&gt; degraded",
         "10m",
         "<code>token-1</code></td><td>1</td><td>0</td><td>2.5</td><td>1</td><td>1 / 5 requests per 1h, resets 1970-01-01T01:00:00Z</td>",
-        "the busiest 5 of 1 tokens and 1 holders",
+        "the busiest of 1 tokens and 1 holders (at most 5 each)",
     ] {
         assert!(html.contains(shown), "{shown} missing: {html}");
     }

@@ -71,8 +71,8 @@ pub(super) fn section(html: &mut String, view: &UsageView) {
     }
     let _ = write!(
         html,
-        "</tbody></table><div class=\"muted\">the busiest {USAGE_ROWS} of {} tokens and {} holders \
-         since the operator started; all in <code>GET /v1/usage</code></div>",
+        "</tbody></table><div class=\"muted\">the busiest of {} tokens and {} holders (at most \
+         {USAGE_ROWS} each) since the operator started; all in <code>GET /v1/usage</code></div>",
         view.tokens_total, view.holders_total
     );
 }
