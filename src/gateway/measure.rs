@@ -1,5 +1,6 @@
 //! What one forwarded request or tunnel did, recorded in the outcome statistics
-//! ([`crate::outcomes`]) exactly once, where it is known: a failure to reach the proxy or the
+//! ([`crate::outcomes`]), and its bytes in the usage of its token and holder ([`crate::usage`]),
+//! exactly once, where it is known: a failure to reach the proxy or the
 //! target at once, an answer when its body ends (or the client drops it), a tunnel when it
 //! closes. And the bodies the gateway answers with: [`Counted`] (counts an answer's bytes and
 //! records it when done) and [`Guarded`] (gives the lease back when done).

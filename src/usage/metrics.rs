@@ -25,12 +25,15 @@ impl Usage {
 #[derive(Debug)]
 struct Scrape(Usage);
 
+/// A counter family: its name, help and the counter it reads.
+type Family = (&'static str, &'static str, fn(&super::Counters) -> u64);
+
 impl Collector for Scrape {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         // The quota windows are not needed here: `now` only rolls them.
         let tokens = self.0.tokens(0);
         let counter = ConstCounter::new(0u64);
-        let families: [(&str, &str, fn(&super::Counters) -> u64); 3] = [
+        let families: [Family; 3] = [
             (
                 "requests",
                 "Requests admitted for each token (gateway requests and tunnels, lease acquires)",
