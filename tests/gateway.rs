@@ -1980,10 +1980,9 @@ async fn a_token_over_its_quota_gets_429_and_usage_shows_what_it_used() {
         .curl("crawler-1;attr.squid=a", &setup.origin.url("/refused"), &[])
         .await;
     assert_eq!(code, 403);
-    for n in 0..2 {
-        let (code, body, _) = setup
-            .curl("crawler-1", &setup.origin.url(&format!("/page-{n}")), &[])
-            .await;
+    // The second answer comes after DELAY: its lease is held that long.
+    for path in ["/page", "/delayed/page"] {
+        let (code, body, _) = setup.curl("crawler-1", &setup.origin.url(path), &[]).await;
         assert_eq!(code, 200, "{body}");
     }
     let (code, body, headers) = setup
@@ -2044,7 +2043,11 @@ async fn a_token_over_its_quota_gets_429_and_usage_shows_what_it_used() {
         "{usage}"
     );
     assert!(token["bytes"].as_u64().is_some_and(|b| b > 0), "{usage}");
-    assert!(token["leaseSeconds"].as_f64().is_some_and(|s| s > 0.0), "{usage}");
+    let held = DELAY.as_secs_f64();
+    assert!(
+        token["leaseSeconds"].as_f64().is_some_and(|s| s >= held),
+        "{usage}"
+    );
     let quota = &token["quotas"][0];
     assert_eq!(
         (
@@ -2067,7 +2070,7 @@ async fn a_token_over_its_quota_gets_429_and_usage_shows_what_it_used() {
     );
     assert!(crawler["bytes"].as_u64().is_some_and(|b| b > 0), "{usage}");
     assert!(
-        crawler["leaseSeconds"].as_f64().is_some_and(|s| s > 0.0),
+        crawler["leaseSeconds"].as_f64().is_some_and(|s| s >= held),
         "{usage}"
     );
     let api = holders
@@ -2075,7 +2078,7 @@ async fn a_token_over_its_quota_gets_429_and_usage_shows_what_it_used() {
         .find(|h| h["holder"] == "api-crawler")
         .expect("api-crawler listed");
     assert_eq!(api["requests"], 1, "{usage}");
-    assert!(api["leaseSeconds"].as_f64().is_some_and(|s| s > 0.0), "{usage}");
+    assert!(api["leaseSeconds"].as_f64().is_some_and(|s| s >= held), "{usage}");
 
     let metrics = tokio::process::Command::new("curl")
         .args([
