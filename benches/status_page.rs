@@ -132,6 +132,7 @@ fn page(n: usize) -> StatusPage {
         providers: Vec::new(),
         auth: Arc::new(NoAuthentication),
         outcomes: Default::default(),
+        usage: Default::default(),
     })
 }
 

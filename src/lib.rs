@@ -25,3 +25,4 @@ pub mod standalone;
 pub mod sync;
 pub mod telemetry;
 pub mod ui;
+pub mod usage;

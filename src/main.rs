@@ -303,6 +303,7 @@ impl RunArgs {
             gateway_listen: self.gateway.gateway_listen,
             gateway_session_idle: std::time::Duration::from_secs(self.gateway.gateway_session_idle_seconds),
             gateway_rules: self.gateway.rules()?,
+            quotas: self.gateway.quotas()?,
             auth,
             signing_key: self.lease_signing_key,
             concurrency: self.concurrency,
@@ -324,6 +325,10 @@ struct GatewayArgs {
     /// a 403 or 429 bans the proxy for the target's domain.
     #[arg(long, value_name = "FILE")]
     gateway_rules: Option<PathBuf>,
+    /// Quotas per token (YAML or JSON, docs/gateway.md "Usage and quotas"), checked at start:
+    /// a token over a quota gets 429 `quota_exceeded` from the gateway and from lease acquires.
+    #[arg(long, value_name = "FILE")]
+    quotas: Option<PathBuf>,
 }
 
 impl GatewayArgs {
@@ -331,6 +336,14 @@ impl GatewayArgs {
     fn rules(&self) -> anyhow::Result<egress_proxies_operator::gateway::rules::Rules> {
         Ok(match &self.gateway_rules {
             Some(path) => egress_proxies_operator::gateway::rules::Rules::load(path)?,
+            None => Default::default(),
+        })
+    }
+
+    /// The quotas file's quotas, or none.
+    fn quotas(&self) -> anyhow::Result<egress_proxies_operator::usage::Quotas> {
+        Ok(match &self.quotas {
+            Some(path) => egress_proxies_operator::usage::Quotas::load(path)?,
             None => Default::default(),
         })
     }
@@ -500,6 +513,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 gateway_listen: gateway.gateway_listen,
                 gateway_session_idle: std::time::Duration::from_secs(gateway.gateway_session_idle_seconds),
                 gateway_rules: gateway.rules()?,
+                quotas: gateway.quotas()?,
                 auth: app::DiscoveryAuthOptions {
                     tokens_file: discovery_tokens,
                     no_auth: discovery_no_auth,

@@ -89,6 +89,11 @@ impl Server {
             leader: true,
             ..Readiness::default()
         });
+        // The token `over-quota` has used its one acquire of the day.
+        let usage = egress_proxies_operator::usage::Usage::default();
+        let quotas = "quotas:\n  - {token: over-quota, requests: 1, period: 1d}\n";
+        usage.set_quotas(egress_proxies_operator::usage::Quotas::parse(quotas, "quotas.yaml").unwrap());
+        usage.admit("over-quota", "c", store.now_ms()).unwrap();
         let state = DiscoveryState::new(DiscoveryDeps {
             store,
             signer: LeaseSigner::new(&SECRET).unwrap(),
@@ -97,6 +102,7 @@ impl Server {
             registry: Arc::new(registry),
             metrics,
             outcomes: Default::default(),
+            usage,
             config: DiscoveryConfig::default(),
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -184,6 +190,7 @@ async fn docs_examples_run_against_a_live_server() {
         "/renew",
         "/outcomes",
         "/release",
+        "/v1/usage",
     ] {
         assert!(
             examples.iter().any(|e| e.command.contains(endpoint)),
@@ -1139,6 +1146,10 @@ impl Authenticator for Verdicts {
             }),
             "forbidden-token" => Err(AuthError::Forbidden("the outsider".into())),
             "down-token" => Err(AuthError::Unavailable("API server unreachable".into())),
+            // Its quota is used up (`Server::start`).
+            "quota-token" => Ok(discovery::Identity {
+                name: "over-quota".into(),
+            }),
             _ => Err(AuthError::Unauthenticated),
         }
     }
@@ -1657,6 +1668,54 @@ async fn every_documented_response_conforms_to_the_openapi_contract() {
             String::new(),
             Some("/v1/proxies"),
             200,
+        ),
+        (
+            "POST",
+            "/v1/leases".into(),
+            Some("quota-token"),
+            acquire.into(),
+            Some("/v1/leases"),
+            429,
+        ),
+        (
+            "GET",
+            "/v1/usage?limit=3".into(),
+            Some(TOKEN),
+            String::new(),
+            Some("/v1/usage"),
+            200,
+        ),
+        (
+            "GET",
+            "/v1/usage?limit=0".into(),
+            Some(TOKEN),
+            String::new(),
+            Some("/v1/usage"),
+            400,
+        ),
+        (
+            "GET",
+            "/v1/usage".into(),
+            None,
+            String::new(),
+            Some("/v1/usage"),
+            401,
+        ),
+        (
+            "GET",
+            "/v1/usage".into(),
+            Some("forbidden-token"),
+            String::new(),
+            Some("/v1/usage"),
+            403,
+        ),
+        (
+            "GET",
+            "/v1/usage".into(),
+            Some("down-token"),
+            String::new(),
+            Some("/v1/usage"),
+            503,
         ),
         ("GET", "/nowhere".into(), Some(TOKEN), String::new(), None, 404),
         (

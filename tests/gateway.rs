@@ -14,7 +14,10 @@
 //!   target keeps refusing climbs the escalation ladder to a fresh instance, recycles stay
 //!   within the pool's budget, a bad file is refused at start, reading ahead for a body
 //!   pattern is bounded in time, politeness spaces requests or answers 429; in cluster mode a
-//!   recycle is a patch of the Proxy's annotation.
+//!   recycle is a patch of the Proxy's annotation;
+//! - usage and quotas (`--quotas`): a token over its requests quota gets 429 `quota_exceeded`
+//!   from the gateway and from acquires while releases still work, and `GET /v1/usage` and
+//!   `/metrics` show what the token and the holder used; a bad quotas file is refused at start.
 
 mod support;
 
@@ -197,8 +200,22 @@ impl Setup {
     /// [`Setup::start`] with `slots` concurrent leases per proxy and the gateway's rules from
     /// `rules` (YAML) when given.
     async fn start_with(rules: Option<&str>, slots: u32, extra: &[&str]) -> Self {
+        Self::start_with_files(rules, slots, &[], extra).await
+    }
+
+    /// [`Setup::start_with`], writing each (name, text) of `files` into the operator's folder
+    /// first.
+    async fn start_with_files(
+        rules: Option<&str>,
+        slots: u32,
+        files: &[(&str, &str)],
+        extra: &[&str],
+    ) -> Self {
         let origin = Origin::start().await;
         let host = Host::new();
+        for (name, text) in files {
+            std::fs::write(host.path().join(name), text).expect("a file for the operator");
+        }
         if let Some(rules) = rules {
             std::fs::write(host.path().join("rules.yaml"), rules).expect("rules file");
         }
@@ -700,6 +717,7 @@ mod in_process {
             health: None,
             recycle: None,
             outcomes: outcomes.clone(),
+            usage: Default::default(),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
@@ -1915,5 +1933,200 @@ async fn reading_ahead_for_a_body_pattern_is_bounded_in_time() {
             .list_for(&all, Some("127.0.0.1"), store.now_ms())
             .iter()
             .all(|view| view.bans.is_empty())
+    );
+}
+
+/// A discovery API call that must be answered; returns (status, JSON body).
+async fn api_call(setup: &Setup, method: &str, path: &str, body: &str) -> (u16, Value) {
+    let token = setup.host.token();
+    match try_api(
+        setup.host.api_port,
+        &token,
+        method,
+        path,
+        body,
+        Duration::from_secs(10),
+    )
+    .await
+    {
+        Answer::Got(status, body) => (status.as_u16(), body),
+        other => panic!("{method} {path}: {other:?}\n{}", setup.operator.log()),
+    }
+}
+
+/// Quotas (`--quotas`): the token's 4 requests per hour are one acquire and three gateway
+/// requests (one of them banned by the target); the next gateway request and the next acquire
+/// get 429 `quota_exceeded` naming the quota, with `Retry-After`, while the release of the
+/// lease taken before still works. `GET /v1/usage` and `/metrics` show what was used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_over_its_quota_gets_429_and_usage_shows_what_it_used() {
+    // The operator's own token file names its one token `token-1`.
+    let quotas = "quotas:\n  - {token: token-1, requests: 4, period: 1h}\n";
+    let setup =
+        Setup::start_with_files(None, 1, &[("quotas.yaml", quotas)], &["--quotas", "quotas.yaml"]).await;
+
+    let (status, lease) = api_call(
+        &setup,
+        "POST",
+        "/v1/leases",
+        r#"{"holder": "api-crawler", "selector": {"squid": "c"}}"#,
+    )
+    .await;
+    assert_eq!(status, 201, "{lease}");
+
+    // The target refuses Squid a: a 403 that bans it for the domain.
+    setup.origin.refuse("127.0.0.2".parse().expect("an address"));
+    let (code, _, _) = setup
+        .curl("crawler-1;attr.squid=a", &setup.origin.url("/refused"), &[])
+        .await;
+    assert_eq!(code, 403);
+    // The second answer comes after DELAY: its lease is held that long.
+    for path in ["/page", "/delayed/page"] {
+        let (code, body, _) = setup.curl("crawler-1", &setup.origin.url(path), &[]).await;
+        assert_eq!(code, 200, "{body}");
+    }
+    let (code, body, headers) = setup
+        .curl("crawler-1", &setup.origin.url("/one-too-many"), &[])
+        .await;
+    assert_eq!(code, 429, "{body}");
+    let refusal: Value = serde_json::from_str(&body).expect("a JSON error");
+    assert_eq!(refusal["error"]["code"], "quota_exceeded", "{body}");
+    let message = refusal["error"]["message"].as_str().expect("a message");
+    assert!(
+        message.starts_with("token token-1 used 4 of its 4 requests per 1h; it resets at "),
+        "{message}"
+    );
+    assert!(
+        message.ends_with(":00:00Z"),
+        "the window ends on the hour: {message}"
+    );
+    let retry_after: u64 = headers
+        .lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("retry-after:")
+                .map(|v| v.trim().to_owned())
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no Retry-After: {headers}"));
+    assert!((1..=3600).contains(&retry_after), "{retry_after}");
+    assert!(
+        setup.origin.peers_of("/one-too-many").is_empty(),
+        "a refused request reached the target"
+    );
+
+    let (status, body) = api_call(&setup, "POST", "/v1/leases", r#"{"holder": "api-crawler"}"#).await;
+    assert_eq!(
+        (status, &body["error"]["code"]),
+        (429, &Value::from("quota_exceeded")),
+        "{body}"
+    );
+    // Releases are never refused: nothing leaks.
+    let release = format!(
+        r#"{{"fencingToken": {}, "outcome": "ok"}}"#,
+        lease["fencingToken"]
+    );
+    let id = lease["leaseId"].as_str().expect("a lease ID");
+    let (status, body) = api_call(&setup, "POST", &format!("/v1/leases/{id}/release"), &release).await;
+    assert_eq!(status, 200, "{body}");
+
+    // The gateway's leases are released as their answers end: usage settles at once.
+    setup
+        .no_leases_within(Duration::from_secs(10), "after the crawl")
+        .await;
+    let usage = setup.api_get("/v1/usage").await;
+    let token = &usage["tokens"][0];
+    assert_eq!(token["token"], "token-1", "{usage}");
+    assert_eq!(
+        (&token["requests"], &token["bans"]),
+        (&Value::from(4), &Value::from(1)),
+        "{usage}"
+    );
+    assert!(token["bytes"].as_u64().is_some_and(|b| b > 0), "{usage}");
+    let held = DELAY.as_secs_f64();
+    assert!(
+        token["leaseSeconds"].as_f64().is_some_and(|s| s >= held),
+        "{usage}"
+    );
+    let quota = &token["quotas"][0];
+    assert_eq!(
+        (
+            &quota["period"],
+            &quota["requests"]["used"],
+            &quota["requests"]["limit"]
+        ),
+        (&Value::from("1h"), &Value::from(4), &Value::from(4)),
+        "{usage}"
+    );
+    let holders = usage["holders"].as_array().expect("holders");
+    let crawler = holders
+        .iter()
+        .find(|h| h["holder"] == "crawler-1")
+        .expect("crawler-1 listed");
+    assert_eq!(
+        (&crawler["requests"], &crawler["bans"]),
+        (&Value::from(3), &Value::from(1)),
+        "{usage}"
+    );
+    assert!(crawler["bytes"].as_u64().is_some_and(|b| b > 0), "{usage}");
+    assert!(
+        crawler["leaseSeconds"].as_f64().is_some_and(|s| s >= held),
+        "{usage}"
+    );
+    let api = holders
+        .iter()
+        .find(|h| h["holder"] == "api-crawler")
+        .expect("api-crawler listed");
+    assert_eq!(api["requests"], 1, "{usage}");
+    assert!(api["leaseSeconds"].as_f64().is_some_and(|s| s >= held), "{usage}");
+
+    let metrics = tokio::process::Command::new("curl")
+        .args([
+            "-sS",
+            "--noproxy",
+            "*",
+            &format!("{}/metrics", setup.host.api_url()),
+        ])
+        .output()
+        .await
+        .expect("curl runs");
+    let metrics = String::from_utf8_lossy(&metrics.stdout);
+    for line in [
+        "epo_usage_requests_total{token=\"token-1\"} 4",
+        "epo_usage_bans_total{token=\"token-1\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+    assert!(
+        !metrics.contains(&setup.host.token()),
+        "a token value in the metrics"
+    );
+    assert!(
+        !usage.to_string().contains(&setup.host.token()),
+        "a token value in GET /v1/usage"
+    );
+}
+
+/// A quotas file with a mistake is refused at start, the message naming the entry and the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_quotas_file_is_refused_at_start_naming_the_field() {
+    let host = Host::new();
+    std::fs::write(
+        host.path().join("quotas.yaml"),
+        "quotas:\n  - {token: crawler-a, requests: 10, period: 1w}\n",
+    )
+    .expect("quotas file");
+    let mut operator = start_operator_with(&host, "operator.log", &["--quotas", "quotas.yaml"]);
+    let status = operator
+        .exit_within(Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|| panic!("still running:\n{}", operator.log()));
+    assert!(!status.success());
+    let log = operator.log();
+    assert!(
+        log.contains(
+            "the quotas quotas.yaml: quota for token \"crawler-a\" (quotas[0]), period: \"1w\" is no period"
+        ),
+        "{log}"
     );
 }

@@ -845,7 +845,29 @@ fn fixed_view() -> ui::StatusView {
             q: Some("pool=retail".to_owned()),
             ..ui::PageQuery::default()
         },
+        usage: fixed_usage(now),
     }
+}
+
+/// Two tokens, one with a quota it used up, and their holders.
+fn fixed_usage(now: jiff::Timestamp) -> ui::UsageView {
+    use egress_proxies_operator::usage::{Quotas, Usage};
+    let now_ms = u64::try_from(now.as_millisecond()).expect("after 1970");
+    let usage = Usage::default();
+    let quotas = "quotas:\n  - {token: crawler-a, requests: 40, period: 1h}\n";
+    usage.set_quotas(Quotas::parse(quotas, "quotas.yaml").expect("quotas"));
+    for (token, holder, requests, bytes) in [
+        ("crawler-a", "scrapy/shop", 30, 1_250_000),
+        ("crawler-a", "scrapy/news", 10, 310_000),
+        ("token-2", "batch-7", 4, 52_000),
+    ] {
+        for _ in 0..requests {
+            usage.admit(token, holder, now_ms).expect("within the quota");
+        }
+        usage.add_bytes(token, holder, bytes, now_ms);
+        usage.lease_ended(token, holder, requests * 1_400, holder == "scrapy/shop");
+    }
+    ui::UsageView::of(&usage, now_ms)
 }
 
 /// Serves `html` to every request on 127.0.0.1 (a port of its own) until dropped.

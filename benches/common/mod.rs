@@ -75,6 +75,7 @@ pub fn discovery_state(store: LeaseStore) -> DiscoveryState {
         registry: Arc::new(registry),
         metrics,
         outcomes: Default::default(),
+        usage: Default::default(),
         config: DiscoveryConfig::default(),
     })
 }

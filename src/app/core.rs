@@ -34,6 +34,7 @@ use crate::{
     provider::ProviderRegistry,
     telemetry::{Metrics, admin::StatusPageSlot},
     ui::{PageInputs, ProxySource, StatusPage},
+    usage::{Quotas, Usage},
 };
 
 /// How often the outcome statistics forget proxies gone from the pool.
@@ -69,6 +70,8 @@ pub struct CoreMetrics {
     pub checkpoint: CheckpointReport,
     /// Outcome statistics per proxy and target domain (the gateway's and the API's).
     pub outcomes: Outcomes,
+    /// Usage per token and holder, and the quotas (the gateway's and the API's).
+    pub usage: Usage,
 }
 
 impl CoreMetrics {
@@ -81,6 +84,8 @@ impl CoreMetrics {
         checkpoint.register(&mut registry);
         let outcomes = Outcomes::default();
         outcomes.register(&mut registry);
+        let usage = Usage::default();
+        usage.register(&mut registry);
         extra(&mut registry);
         Self {
             registry: Arc::new(registry),
@@ -88,6 +93,7 @@ impl CoreMetrics {
             discovery,
             checkpoint,
             outcomes,
+            usage,
         }
     }
 }
@@ -186,6 +192,8 @@ pub struct CoreFlags {
     pub gateway_session_idle: Duration,
     /// The gateway's rules (`--gateway-rules`, validated; the default without one).
     pub gateway_rules: Rules,
+    /// The quotas per token (`--quotas`, validated; none without one).
+    pub quotas: Quotas,
 }
 
 /// The running core: what a mode's reconcile loop drives and is driven by.
@@ -246,6 +254,7 @@ pub async fn start_core(
         gc,
         recycle,
     } = adapters;
+    metrics.usage.set_quotas(flags.quotas.clone());
     let (health, mut health_events) = HealthEngine::start(HealthConfig {
         probe_metrics: Some(metrics.metrics.probe_metrics()),
         ..HealthConfig::default()
@@ -263,6 +272,7 @@ pub async fn start_core(
             .collect(),
         auth: auth.clone(),
         outcomes: metrics.outcomes.clone(),
+        usage: metrics.usage.clone(),
     }));
     let health_log = page.health_log();
     let gateway_deps = GatewayDeps {
@@ -274,6 +284,7 @@ pub async fn start_core(
         health: Some(health.clone()),
         recycle: Some(recycle),
         outcomes: metrics.outcomes.clone(),
+        usage: metrics.usage.clone(),
     };
     let api = DiscoveryState::new(DiscoveryDeps {
         store: leases.clone(),
@@ -283,6 +294,7 @@ pub async fn start_core(
         registry: metrics.registry.clone(),
         metrics: metrics.discovery.clone(),
         outcomes: metrics.outcomes.clone(),
+        usage: metrics.usage.clone(),
         config: DiscoveryConfig::default(),
     });
     match status_page {

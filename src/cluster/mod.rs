@@ -106,6 +106,8 @@ pub struct ClusterOptions {
     pub gateway_session_idle: Duration,
     /// The gateway's rules (`--gateway-rules`, validated before start).
     pub gateway_rules: crate::gateway::rules::Rules,
+    /// The quotas per token (`--quotas`, validated before start).
+    pub quotas: crate::usage::Quotas,
     /// Authentication of the discovery API.
     pub auth: DiscoveryAuthOptions,
     /// HMAC key signing lease tokens, shared by all replicas (a mounted Secret).
@@ -215,6 +217,7 @@ async fn act(
         gateway_listen: options.gateway_listen,
         gateway_session_idle: options.gateway_session_idle,
         gateway_rules: options.gateway_rules.clone(),
+        quotas: options.quotas.clone(),
     };
     let core = start_core(adapters, flags, &replica.metrics, stop).await?;
     tokio::spawn(checkpoint::report_checkpoint_health(

@@ -443,6 +443,9 @@ fn parse_cursor(text: &str) -> Result<(ProxyKey, u64), ApiError> {
         (status = 400, description = "`malformed_request`", body = ErrorBody),
         AuthErrors,
         (status = 413, description = "`payload_too_large`: body over 16 KiB", body = ErrorBody),
+        (status = 429, description = "`quota_exceeded`: the token used up a quota of its window (the \
+            message names the quota and when it resets)", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until the quota's window ends"))),
         (status = 503, description = "`no_proxy_available` (nothing eligible now), `not_ready`, `not_leader`, \
             `auth_unavailable`, `journal_unavailable` (the lease could not be made durable) or `request_in_progress` \
             (an acquire with this `requestId` is being granted: ask again)", body = ErrorBody,
@@ -456,6 +459,8 @@ pub(super) async fn acquire(
     req: AcquireBody,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
+    // New work: refused, before anything changes, when the token is over a quota.
+    s.deps.usage.admit(&identity.name, &req.holder, now)?;
     let selector = Selector::from_map(&req.selector);
     let compiled = s.deps.store.compile(&selector);
     let ttl = req
@@ -561,6 +566,7 @@ pub(super) async fn renew(
 )]
 pub(super) async fn release(
     s: &StateInner,
+    identity: &Identity,
     id: &str,
     req: ReleaseBody,
     now: u64,
@@ -570,9 +576,12 @@ pub(super) async fn release(
     let banned = (req.outcome == Outcome::Banned)
         .then(|| leases(s).check(id, req.fencing_token, now).ok())
         .flatten();
-    leases(s)
+    let released = leases(s)
         .release(id, req.fencing_token, req.outcome, domain, now)
         .await?;
+    let held_ms = now.saturating_sub(released.acquired_at_ms);
+    let was_banned = req.outcome == Outcome::Banned;
+    (s.deps.usage).lease_ended(&identity.name, &released.holder, held_ms, was_banned);
     if let Some(lease) = banned
         && let Some(domain) = domain.or(lease.target_domain.as_deref())
     {

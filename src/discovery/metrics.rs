@@ -42,9 +42,9 @@ pub struct CodeLabels {
 type HistogramFamily = Family<RouteLabels, Histogram, fn() -> Histogram>;
 
 /// Every route label, in [`crate::discovery`]'s route index order.
-pub(crate) const ROUTES: [&str; 12] = [
+pub(crate) const ROUTES: [&str; 13] = [
     "healthz", "readyz", "metrics", "openapi", "list", "acquire", "renew", "release", "other", "ui",
-    "leases", "outcomes",
+    "leases", "outcomes", "usage",
 ];
 
 /// A route's `ok` counter and duration histogram, resolved from their families on first use:

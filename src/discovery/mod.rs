@@ -17,6 +17,7 @@ mod metrics;
 pub mod openapi;
 mod outcomes;
 mod router;
+mod usage;
 mod wire;
 
 #[cfg(test)]
@@ -42,6 +43,7 @@ pub use auth::{
 };
 pub use metrics::DiscoveryMetrics;
 pub use outcomes::{OutcomeBody, OutcomeResponse};
+pub use usage::{HolderUsageJson, QuotaJson, QuotaUse, TokenUsageJson, UsageCounters, UsageResponse};
 pub use wire::{
     AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse,
     ListResponse, ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, RequestBody, StatusBody,
@@ -51,6 +53,7 @@ use crate::{
     lease::{LeaseStore, journal::Journal, token::LeaseSigner},
     outcomes::Outcomes,
     telemetry::admin::Page,
+    usage::Usage,
 };
 use handlers::{
     acquire, authenticate, check_journal, check_ready, healthz, leases_list, list, metrics, read_request,
@@ -103,6 +106,9 @@ pub struct DiscoveryDeps {
     /// Outcome statistics: served in `GET /v1/proxies`, fed by `POST /v1/leases/{id}/outcomes`
     /// and by releases with outcome `banned`.
     pub outcomes: Outcomes,
+    /// Usage per token and holder: served in `GET /v1/usage`, fed by acquires, releases and
+    /// outcome reports; its quotas refuse acquires.
+    pub usage: Usage,
     pub config: DiscoveryConfig,
 }
 
@@ -262,13 +268,14 @@ where
     }
     let identity = authenticate(s, parts, remembered).await?;
     check_ready(s)?;
-    if !matches!(route, Route::List | Route::Leases) {
+    if !matches!(route, Route::List | Route::Leases | Route::Usage) {
         check_journal(s)?;
     }
     // One instant per request: every store decision and every time in the answer is about it.
     match route {
         Route::List => list(s, parts, s.deps.store.now_ms()),
         Route::Leases => leases_list(s, parts, s.deps.store.now_ms()),
+        Route::Usage => usage::usage(s, parts, s.deps.store.now_ms()),
         Route::Acquire => {
             let req: AcquireBody = read_request(s, parts, body).await?;
             acquire(s, &identity, req, s.deps.store.now_ms()).await
@@ -279,11 +286,11 @@ where
         }
         Route::Release(id) => {
             let req: ReleaseBody = read_request(s, parts, body).await?;
-            release(s, id, req, s.deps.store.now_ms()).await
+            release(s, &identity, id, req, s.deps.store.now_ms()).await
         }
         Route::Outcomes(id) => {
             let req: OutcomeBody = read_request(s, parts, body).await?;
-            outcomes::report_outcome(s, id, req, s.deps.store.now_ms())
+            outcomes::report_outcome(s, &identity, id, req, s.deps.store.now_ms())
         }
         Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Ui => {
             unreachable!("answered above")

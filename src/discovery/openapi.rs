@@ -21,6 +21,7 @@ use utoipa::{
 };
 
 use super::outcomes::{OutcomeBody, OutcomeResponse};
+use super::usage::{HolderUsageJson, QuotaJson, QuotaUse, TokenUsageJson, UsageCounters, UsageResponse};
 use super::wire::{
     AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse, ListResponse, ProxyJson,
     ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StatusBody,
@@ -57,6 +58,7 @@ pub(crate) const BEARER: &str = "bearer";
         super::handlers::renew,
         super::handlers::release,
         super::outcomes::report_outcome,
+        super::usage::usage,
     ),
     components(schemas(
         AcquireBody,
@@ -81,7 +83,13 @@ pub(crate) const BEARER: &str = "bearer";
         Stats,
         Failures,
         Failure,
-        Quantiles
+        Quantiles,
+        UsageResponse,
+        TokenUsageJson,
+        HolderUsageJson,
+        UsageCounters,
+        QuotaJson,
+        QuotaUse
     )),
     modifiers(&Components),
     tags((name = "leases", description = "Listing and leasing proxies"), (name = "operations", description = "Probes, metrics, this contract")),

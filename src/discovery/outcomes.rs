@@ -96,6 +96,7 @@ pub struct OutcomeResponse {
 )]
 pub(super) fn report_outcome(
     s: &StateInner,
+    identity: &super::Identity,
     id: &str,
     req: OutcomeBody,
     now: u64,
@@ -116,6 +117,8 @@ pub(super) fn report_outcome(
     s.deps
         .outcomes
         .record(&lease.proxy, &req.target_domain, &seen, now);
+    let bytes = seen.bytes_sent.saturating_add(seen.bytes_received);
+    (s.deps.usage).add_bytes(&identity.name, &lease.holder, bytes, now);
     Ok(json(
         StatusCode::OK,
         &OutcomeResponse {

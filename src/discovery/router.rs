@@ -26,6 +26,7 @@ pub(super) enum Route<'a> {
     Renew(&'a str),
     Release(&'a str),
     Outcomes(&'a str),
+    Usage,
 }
 
 /// The route index of requests no route takes (`metrics::ROUTES`).
@@ -46,6 +47,7 @@ impl Route<'_> {
             Route::Ui => 9,
             Route::Leases => 10,
             Route::Outcomes(_) => 11,
+            Route::Usage => 12,
         }
     }
 }
@@ -163,6 +165,7 @@ pub(super) fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, Api
         "/v1/openapi.json" => only("GET", &Method::GET, Route::OpenApi),
         "/ui" => only("GET", &Method::GET, Route::Ui),
         "/v1/proxies" => only("GET", &Method::GET, Route::List),
+        "/v1/usage" => only("GET", &Method::GET, Route::Usage),
         "/v1/leases" if method == Method::GET => Ok(Route::Leases),
         "/v1/leases" => only("GET, POST", &Method::POST, Route::Acquire),
         _ => {

@@ -73,6 +73,7 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
         registry: Arc::new(registry),
         metrics,
         outcomes: Default::default(),
+        usage: Default::default(),
         config: DiscoveryConfig::default(),
     });
     Harness { state, ready }
@@ -439,6 +440,7 @@ async fn authenticator_verdicts_map_to_401_403_503() {
         registry: Arc::new(Registry::default()),
         metrics: DiscoveryMetrics::register(&mut Registry::default()),
         outcomes: Default::default(),
+        usage: Default::default(),
         config: DiscoveryConfig::default(),
     });
     let h2 = Harness {

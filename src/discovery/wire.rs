@@ -487,6 +487,7 @@ pub const ERROR_CODES: &[&str] = &[
     "auth_unavailable",
     "journal_unavailable",
     "request_in_progress",
+    "quota_exceeded",
 ];
 
 fn error_code_schema() -> Object {

@@ -22,7 +22,7 @@ use std::{
 
 use tracing::{debug, warn};
 
-use super::{GatewayConfig, GatewayDeps, polite::Turn, user::UserName};
+use super::{GatewayConfig, GatewayDeps, polite::Turn, user::Who};
 use crate::{
     api::ProxyKey,
     lease::{
@@ -41,6 +41,8 @@ struct HeldLease {
     token: u64,
     expires_at_ms: u64,
     proxy: Arc<ProxyInfo>,
+    /// The token of the request that took it (its identity name): usage counts its time.
+    taken_by: Arc<str>,
 }
 
 /// A sticky session: its lease (while it has one) and who is using it.
@@ -182,7 +184,7 @@ impl Held {
     /// needed), or one of its own.
     pub(super) async fn take(
         self: &Arc<Self>,
-        who: &UserName,
+        who: &Who,
         domain: Option<&str>,
     ) -> Result<Lent, DurableError> {
         match &who.session {
@@ -198,7 +200,7 @@ impl Held {
     /// free and this fails.
     pub(super) async fn take_loose(
         self: &Arc<Self>,
-        who: &UserName,
+        who: &Who,
         domain: Option<&str>,
         avoid: Option<&ProxyKey>,
     ) -> Result<Lent, DurableError> {
@@ -231,7 +233,7 @@ impl Held {
 
     async fn take_session(
         self: &Arc<Self>,
-        who: &UserName,
+        who: &Who,
         session_key: &str,
         domain: Option<&str>,
     ) -> Result<Lent, DurableError> {
@@ -278,7 +280,7 @@ impl Held {
     async fn keep(
         &self,
         slot: &mut Option<HeldLease>,
-        who: &UserName,
+        who: &Who,
         session_key: &str,
         domain: Option<&str>,
     ) -> Result<HeldLease, DurableError> {
@@ -309,7 +311,7 @@ impl Held {
     /// A new lease for `who` to `domain`.
     async fn acquire(
         &self,
-        who: &UserName,
+        who: &Who,
         domain: Option<&str>,
         session_key: Option<&str>,
     ) -> Result<HeldLease, DurableError> {
@@ -330,6 +332,7 @@ impl Held {
             token: lease.fencing_token,
             expires_at_ms: lease.expires_at_ms,
             proxy: lease.proxy,
+            taken_by: who.token.clone(),
         })
     }
 
@@ -366,7 +369,12 @@ impl Held {
             .release_banning(&lease.lease_id, lease.token, outcome, None, ban_for, now)
             .await
         {
-            Ok(_) => debug!(proxy = %lease.proxy.key, outcome = outcome.as_str(), "gateway lease released"),
+            Ok(released) => {
+                let held_ms = now.saturating_sub(released.acquired_at_ms);
+                let banned = outcome == Outcome::Banned;
+                (self.deps.usage).lease_ended(&lease.taken_by, &released.holder, held_ms, banned);
+                debug!(proxy = %lease.proxy.key, outcome = outcome.as_str(), "gateway lease released")
+            }
             // Expired or revoked meanwhile: nothing is held any more.
             Err(DurableError::Lease(LeaseError::NotFound)) => {}
             Err(error) => {

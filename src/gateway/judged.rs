@@ -17,7 +17,7 @@ use super::{
     held::Lent,
     measure::{Guarded, Measure},
     rules::{Seen, judge::LeaseEnd},
-    user::UserName,
+    user::Who,
 };
 use crate::{
     api::ProxyKey,
@@ -31,7 +31,7 @@ const READ_AHEAD_WITHIN: Duration = Duration::from_secs(5);
 
 /// What a request needs to be sent again through another proxy (a GET or HEAD, its body kept).
 pub(super) struct Resend<'a> {
-    pub who: &'a UserName,
+    pub who: &'a Who,
     pub parts: &'a Parts,
     pub body: &'a Bytes,
 }
@@ -69,7 +69,7 @@ impl Gateway {
         };
         let upstream = forward::upstream_request(again.parts, Full::new(again.body.clone()), second.proxy());
         let host = again.parts.uri.host().unwrap_or_default();
-        let measure = self.measure(&second, host, again.body.len() as u64);
+        let measure = self.measure(&second, again.who, host, again.body.len() as u64);
         match self.upstreams.send(second.proxy(), upstream).await {
             // The first answer is dropped unsent: its lease goes back and its outcome is
             // recorded as its head said.

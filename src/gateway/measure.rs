@@ -1,5 +1,6 @@
 //! What one forwarded request or tunnel did, recorded in the outcome statistics
-//! ([`crate::outcomes`]) exactly once, where it is known: a failure to reach the proxy or the
+//! ([`crate::outcomes`]), and its bytes in the usage of its token and holder ([`crate::usage`]),
+//! exactly once, where it is known: a failure to reach the proxy or the
 //! target at once, an answer when its body ends (or the client drops it), a tunnel when it
 //! closes. And the bodies the gateway answers with: [`Counted`] (counts an answer's bytes and
 //! records it when done) and [`Guarded`] (gives the lease back when done).
@@ -7,6 +8,7 @@
 use std::{
     future::Future,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll},
     time::{Duration, Instant},
 };
@@ -14,11 +16,12 @@ use std::{
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 
-use super::held::Lent;
+use super::{held::Lent, user::Who};
 use crate::{
     api::ProxyKey,
     lease::{LeaseStore, ProxyInfo},
     outcomes::{Ended, Failure, Outcomes, Seen},
+    usage::Usage,
 };
 
 /// One request through one proxy, from the moment it is sent.
@@ -30,6 +33,8 @@ pub(super) struct Measure {
     domain: String,
     started: Instant,
     bytes_sent: u64,
+    /// Where its bytes are metered, for (token, holder).
+    usage: Option<(Usage, Arc<str>, String)>,
 }
 
 impl Measure {
@@ -48,7 +53,14 @@ impl Measure {
             domain: host.to_owned(),
             started: Instant::now(),
             bytes_sent,
+            usage: None,
         }
+    }
+
+    /// Its bytes are also metered in `usage` for `who`'s token and holder.
+    pub(super) fn metered(mut self, usage: &Usage, who: &Who) -> Self {
+        self.usage = Some((usage.clone(), who.token.clone(), who.holder.clone()));
+        self
     }
 
     fn record(self, ended: Ended, latency: Option<Duration>, bytes_received: u64, banned: bool) {
@@ -59,8 +71,11 @@ impl Measure {
             bytes_sent: self.bytes_sent,
             banned,
         };
-        self.outcomes
-            .record(&self.proxy, &self.domain, &seen, self.store.now_ms());
+        let now = self.store.now_ms();
+        self.outcomes.record(&self.proxy, &self.domain, &seen, now);
+        if let Some((usage, token, holder)) = &self.usage {
+            usage.add_bytes(token, holder, self.bytes_sent.saturating_add(bytes_received), now);
+        }
     }
 
     /// Time since it was sent.

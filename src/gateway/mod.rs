@@ -13,7 +13,8 @@
 //! lease and the proxy ([`rules`], applied in [`judged`]: by default a 403 or 429 bans the proxy
 //! for the target's domain; a rules file adds header, body and latency rules whose action
 //! escalates up to recycling the proxy), and what each request did ([`measure`]: recorded once
-//! in [`crate::outcomes`]). Every lease decision stays the lease store's.
+//! in [`crate::outcomes`], its bytes metered in [`crate::usage`] for its token and holder, whose
+//! quotas may refuse it first with 429). Every lease decision stays the lease store's.
 
 mod body;
 mod forward;
@@ -47,7 +48,7 @@ use self::{
     polite::Polite,
     rules::{RecycleRequests, Rules, judge::Judge},
     upstream::Upstreams,
-    user::UserName,
+    user::{UserName, Who},
 };
 use crate::{
     discovery::{
@@ -58,6 +59,7 @@ use crate::{
     lease::{DurableError, LeaseError, LeaseStore, Outcome, journal::Journal, token::LeaseSigner},
     outcomes::{Ended, Failure, Outcomes},
     telemetry::admin::Readiness,
+    usage::{QuotaExceeded, Usage},
 };
 
 /// The realm of the gateway's `Proxy-Authenticate` challenge.
@@ -121,6 +123,8 @@ pub struct GatewayDeps {
     pub recycle: Option<Arc<dyn RecycleRequests>>,
     /// Where what each request did is recorded.
     pub outcomes: Outcomes,
+    /// Usage per token and holder, and the quotas that refuse new work.
+    pub usage: Usage,
 }
 
 /// The gateway; cheap to clone.
@@ -274,6 +278,14 @@ impl Refusal {
     }
 }
 
+impl From<QuotaExceeded> for Refusal {
+    fn from(over: QuotaExceeded) -> Self {
+        let mut refusal = Self::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", over.to_string());
+        refusal.retry_after = Some(Duration::from_millis(over.retry_after_ms).max(Duration::from_secs(1)));
+        refusal
+    }
+}
+
 impl From<DurableError> for Refusal {
     fn from(error: DurableError) -> Self {
         match error {
@@ -349,6 +361,7 @@ impl Gateway {
                 "only http:// URLs are forwarded as requests; https:// goes through a CONNECT tunnel",
             ));
         }
+        self.admit(&who)?;
         let host = uri.host().unwrap_or_default().to_owned();
         let domain = target_domain(&host);
         let retryable = matches!(*request.method(), Method::GET | Method::HEAD);
@@ -356,7 +369,7 @@ impl Gateway {
         if !retryable {
             let lent = self.polite(self.held.take(&who, domain).await?, domain).await?;
             let sent = body.size_hint().exact().unwrap_or(0);
-            let measure = self.measure(&lent, &host, sent);
+            let measure = self.measure(&lent, &who, &host, sent);
             let upstream = forward::upstream_request(&parts, body, lent.proxy());
             return match self.upstreams.send(lent.proxy(), upstream).await {
                 Ok(response) => Ok(self.answered(lent, response, domain, measure, None).await),
@@ -393,7 +406,7 @@ impl Gateway {
     /// sent twice (GET, HEAD, CONNECT). The dead proxy's lease ends with outcome `error`.
     async fn send_retried<B>(
         &self,
-        who: &UserName,
+        who: &Who,
         domain: Option<&str>,
         host: &str,
         bytes_sent: u64,
@@ -408,7 +421,7 @@ impl Gateway {
         loop {
             let upstream =
                 request(lent.proxy()).ok_or_else(|| Refusal::bad_request("CONNECT needs host:port"))?;
-            let measure = self.measure(&lent, host, bytes_sent);
+            let measure = self.measure(&lent, who, host, bytes_sent);
             let error = match self.exchange(lent.proxy(), upstream).await {
                 Ok(response) => return Ok((lent, response, measure)),
                 Err(error) => error,
@@ -437,10 +450,16 @@ impl Gateway {
         }
     }
 
-    /// What a request through `lent`'s proxy to `host` does, measured from now.
-    fn measure(&self, lent: &Lent, host: &str, bytes_sent: u64) -> Measure {
+    /// What a request of `who` through `lent`'s proxy to `host` does, measured from now.
+    fn measure(&self, lent: &Lent, who: &Who, host: &str, bytes_sent: u64) -> Measure {
         let deps = self.held.deps();
-        Measure::start(&deps.outcomes, &deps.store, lent.proxy(), host, bytes_sent)
+        Measure::start(&deps.outcomes, &deps.store, lent.proxy(), host, bytes_sent).metered(&deps.usage, who)
+    }
+
+    /// Counts one request of `who`, or refuses it (429) when its token is over a quota.
+    fn admit(&self, who: &Who) -> Result<(), Refusal> {
+        let deps = self.held.deps();
+        Ok(deps.usage.admit(&who.token, &who.holder, deps.store.now_ms())?)
     }
 
     /// Sends `request` to `proxy`: a `CONNECT` on a connection of its own, anything else on a
@@ -466,11 +485,12 @@ impl Gateway {
     async fn tunnel(
         &self,
         mut request: Request<Incoming>,
-        who: &UserName,
+        who: &Who,
     ) -> Result<Response<GatewayBody>, Refusal> {
         let Some(authority) = request.uri().authority().cloned() else {
             return Err(Refusal::bad_request("CONNECT needs host:port"));
         };
+        self.admit(who)?;
         let domain = target_domain(authority.host());
         let (lent, response, measure) = self
             .send_retried(who, domain, authority.host(), 0, |proxy| {
@@ -519,12 +539,16 @@ impl Gateway {
     }
 
     /// Who the request is for: its token checked, its user name read.
-    async fn authenticate(&self, headers: &hyper::HeaderMap) -> Result<UserName, Refusal> {
+    async fn authenticate(&self, headers: &hyper::HeaderMap) -> Result<Who, Refusal> {
         let auth = &self.held.deps().auth;
         let (user, password) = match proxy_presented(headers) {
             ProxyPresented::Basic { user, password } => (user, password),
-            ProxyPresented::Nothing if auth.anonymous().is_some() => {
-                return UserName::parse("anonymous").map_err(|e| Refusal::bad_request(e.to_string()));
+            ProxyPresented::Nothing if let Some(anonymous) = auth.anonymous() => {
+                let name = UserName::parse("anonymous").map_err(|e| Refusal::bad_request(e.to_string()))?;
+                return Ok(Who {
+                    token: anonymous.name.into(),
+                    name,
+                });
             }
             ProxyPresented::Nothing => {
                 return Err(Refusal::credentials(
@@ -538,8 +562,9 @@ impl Gateway {
                 ));
             }
         };
-        if auth.anonymous().is_none() {
-            auth.authenticate(&password).await.map_err(|e| match e {
+        let identity = match auth.anonymous() {
+            Some(anonymous) => anonymous,
+            None => auth.authenticate(&password).await.map_err(|e| match e {
                 AuthError::Unauthenticated => {
                     Refusal::credentials("invalid token: the proxy password must be a discovery API token")
                 }
@@ -550,10 +575,14 @@ impl Gateway {
                     refusal.retry_after = Some(Duration::from_secs(1));
                     refusal
                 }
-            })?;
-        }
-        UserName::parse(&user)
-            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "bad_user_name", e.to_string()))
+            })?,
+        };
+        let name = UserName::parse(&user)
+            .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "bad_user_name", e.to_string()))?;
+        Ok(Who {
+            token: identity.name.into(),
+            name,
+        })
     }
 }
 

@@ -14,9 +14,27 @@
 //! The holder, the session key and the selector are checked by the discovery API's own rules
 //! for an acquire body ([`AcquireBody`]), so the gateway accepts what the API accepts.
 
-use std::collections::BTreeMap;
+use std::{collections::BTreeMap, sync::Arc};
 
 use crate::discovery::{AcquireBody, RequestBody};
+
+/// Who a gateway request is for: the token that let it in, named by its identity name (never
+/// its value), and what the user name says.
+#[derive(Clone, Debug)]
+pub struct Who {
+    /// The token's identity name (`anonymous` without authentication).
+    pub token: Arc<str>,
+    /// The user name.
+    pub name: UserName,
+}
+
+impl std::ops::Deref for Who {
+    type Target = UserName;
+
+    fn deref(&self) -> &UserName {
+        &self.name
+    }
+}
 
 /// What a user name says.
 #[derive(Clone, Debug, PartialEq, Eq)]

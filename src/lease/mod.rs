@@ -385,6 +385,8 @@ pub struct Checked {
     pub proxy: ProxyKey,
     /// The target domain it was taken for, if any.
     pub target_domain: Option<String>,
+    /// Its holder.
+    pub holder: String,
 }
 
 /// What a release changed besides ending the lease (what the journal records of it).
@@ -394,6 +396,10 @@ pub struct Released {
     pub ban: Option<checkpoint::BanCheckpoint>,
     /// When the proxy's cooldown ends, if it is resting now.
     pub cooldown_until_ms: Option<u64>,
+    /// The lease's holder (what usage metering counts its time for).
+    pub holder: String,
+    /// When the lease was granted (ms since the epoch).
+    pub acquired_at_ms: u64,
 }
 
 /// Everything a signed lease ID says about its lease: enough to take it back after a restart

@@ -53,6 +53,8 @@ pub struct StandaloneOptions {
     pub gateway_session_idle: Duration,
     /// The gateway's rules (`--gateway-rules`, validated before start).
     pub gateway_rules: crate::gateway::rules::Rules,
+    /// The quotas per token (`--quotas`, validated before start).
+    pub quotas: crate::usage::Quotas,
     /// Authentication of the discovery API. Without a tokens file (and without `no_auth`), a
     /// file with one random token is created under the state folder and used.
     pub auth: DiscoveryAuthOptions,
@@ -188,6 +190,7 @@ pub async fn run_standalone(
         gateway_listen: options.gateway_listen,
         gateway_session_idle: options.gateway_session_idle,
         gateway_rules: options.gateway_rules.clone(),
+        quotas: options.quotas.clone(),
     };
     let core = start_core(adapters, flags, &metrics, &stop).await?;
     let compaction = journal.map(|journal| {
@@ -366,6 +369,7 @@ mod tests {
             gateway_listen: None,
             gateway_session_idle: Duration::from_secs(60),
             gateway_rules: Default::default(),
+            quotas: Default::default(),
             auth: DiscoveryAuthOptions::default(),
             poll: Duration::from_millis(100),
             gc_grace: Duration::from_secs(300),

@@ -16,6 +16,7 @@
 //! Basic with the token as the password (what a browser can send; a 401 asks for it).
 
 mod render;
+mod usage;
 
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
@@ -44,6 +45,7 @@ use crate::{
 };
 
 pub use render::age;
+pub use usage::{USAGE_ROWS, UsageView};
 
 /// How many audit entries per proxy the page shows (and cluster mode keeps in memory).
 pub const AUDIT_ENTRIES_SHOWN: usize = 8;
@@ -307,6 +309,8 @@ pub struct StatusView {
     pub active_leases: usize,
     /// What was asked for; `page` is the one shown (at most the last).
     pub query: PageQuery,
+    /// The busiest tokens and holders.
+    pub usage: UsageView,
 }
 
 /// One proxy with everything the page shows of it.
@@ -562,6 +566,8 @@ pub struct PageInputs {
     pub auth: Arc<dyn Authenticator>,
     /// Outcome statistics: each proxy's traffic.
     pub outcomes: Outcomes,
+    /// Usage per token and holder: the busiest are shown.
+    pub usage: crate::usage::Usage,
 }
 
 /// The status page over its inputs, with the health verdict log the mode feeds.
@@ -720,6 +726,7 @@ impl StatusPage {
             phases,
             active_leases,
             query,
+            usage: UsageView::of(&self.inputs.usage, now_ms),
         })
     }
 

@@ -102,6 +102,7 @@ pub fn page(view: &StatusView) -> String {
     );
     summary(&mut html, view);
     providers(&mut html, view);
+    super::usage::section(&mut html, &view.usage);
     proxies(&mut html, view);
     audit(&mut html, view);
     html.push_str("</body></html>\n");

@@ -139,6 +139,17 @@ fn user_input_on_the_page_is_escaped_and_every_section_renders() {
         phases: BTreeMap::from([("deleting".to_owned(), 1)]),
         active_leases: 1,
         query: PageQuery::default(),
+        usage: {
+            // A holder is whatever a crawler calls itself.
+            let usage = crate::usage::Usage::default();
+            let quotas = "quotas:\n  - {token: token-1, requests: 5, period: 1h}\n";
+            usage.set_quotas(crate::usage::Quotas::parse(quotas, "q.yaml").expect("quotas"));
+            usage
+                .admit("token-1", hostile, 1_000_000)
+                .expect("within the quota");
+            usage.lease_ended("token-1", hostile, 2_500, true);
+            UsageView::of(&usage, 1_000_000)
+        },
     };
     let html = render::page(&view);
     assert!(!html.contains("<script"), "{html}");
@@ -158,6 +169,8 @@ fn user_input_on_the_page_is_escaped_and_every_section_renders() {
         "not probed",
         "healthy --health_failed--&gt; degraded",
         "10m",
+        "<code>token-1</code></td><td>1</td><td>0</td><td>2.5</td><td>1</td><td>1 / 5 requests per 1h, resets 1970-01-01T01:00:00Z</td>",
+        "the busiest of 1 tokens and 1 holders (at most 5 each)",
     ] {
         assert!(html.contains(shown), "{shown} missing: {html}");
     }
@@ -289,6 +302,7 @@ async fn the_view_reads_holders_bans_and_attributes_from_the_store_for_one_page(
         providers: Vec::new(),
         auth: Arc::new(crate::discovery::auth::NoAuthentication),
         outcomes,
+        usage: Default::default(),
     });
     let view = page.view(&PageQuery::default()).expect("view");
     assert_eq!((view.total, view.matched, view.proxies.len()), (120, 120, 50));

@@ -93,6 +93,7 @@ pub fn local_cluster(
         discovery_listen: discovery,
         gateway_listen: None,
         gateway_session_idle: Duration::from_secs(60),
+        quotas: Default::default(),
         gateway_rules: Default::default(),
         auth: DiscoveryAuthOptions::tokens_file(dir.join("tokens")),
         signing_key: dir.join("key"),

@@ -34,6 +34,7 @@ impl LeaseStore {
         Ok(Checked {
             proxy: p.key.clone(),
             target_domain: p.leases[idx].target_domain.as_deref().map(str::to_owned),
+            holder: p.leases[idx].holder.as_str().to_owned(),
         })
     }
 }

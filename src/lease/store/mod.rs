@@ -551,7 +551,7 @@ impl LeaseStore {
             ),
             Outcome::Ok | Outcome::Error => None,
         };
-        p.leases.swap_remove(idx);
+        let ended = p.leases.swap_remove(idx);
         let ban = ban.map(|domain| {
             p.bans.retain(|(d, until)| *until > now && **d != *domain);
             p.bans.push((domain.as_str().into(), now + ban_ms));
@@ -568,6 +568,8 @@ impl LeaseStore {
         Ok(Released {
             ban,
             cooldown_until_ms: (cooling_until > now).then_some(cooling_until),
+            holder: ended.holder.as_str().to_owned(),
+            acquired_at_ms: ended.acquired_at,
         })
     }
 
