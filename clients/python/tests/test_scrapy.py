@@ -132,8 +132,30 @@ def test_a_ban_mid_crawl_loses_no_page(crawl: Crawl, selector: Dict[str, str], c
     # The banning host's /many and its 200 pages: the site bans the crawl's proxy at the 50th,
     # and that page is sent again through another proxy (at least two are left for the host:
     # the test above banned one of the three).
+    def reported() -> Dict[str, int]:
+        """Requests and client errors the operator's statistics hold for the banning host."""
+        totals: Counter[str] = Counter()
+        for proxy in client.list_proxies(selector, target_domain=BANNING_HOST):
+            domain = proxy.domain_outcomes(BANNING_HOST) or {}
+            totals["requests"] += int(domain.get("requests", 0))
+            totals["clientError"] += int((domain.get("failures") or {}).get("clientError", 0))
+        return dict(totals)
+
+    before = reported()
     result = crawl(start_urls=[site.url("/many", host=BANNING_HOST)])
     pages, stats = result["pages"], result["stats"]
+    # Every response was reported before its lease's release (the 403 as a client error),
+    # but those still in flight through the banned proxy once its lease had ended (at most
+    # Scrapy's CONCURRENT_REQUESTS, 16 by default).
+    responses = len(pages) + 1
+    ours = {k: v for k, v in stats.items() if k.startswith("egress_proxies/")}
+    sent = stats.get("egress_proxies/outcomes_reported", 0)
+    assert sent + stats.get("egress_proxies/outcomes_unreported", 0) == responses, ours
+    assert responses - 16 <= sent, ours
+    assert "egress_proxies/outcome_reports_failed" not in stats, ours
+    after = reported()
+    assert after.get("requests", 0) - before.get("requests", 0) == sent, (before, after)
+    assert after.get("clientError", 0) - before.get("clientError", 0) == 1, (before, after)
     expected = [site.url("/many", host=BANNING_HOST)]
     expected += [site.url(f"/once/{n}", host=BANNING_HOST) for n in range(Site.ONCE_PAGES)]
     assert sorted(p["url"] for p in pages) == sorted(expected)

@@ -57,6 +57,13 @@ does not start, rather than crawl from this host's own address):
     another proxy (default 2).
 ``EGRESS_PROXIES_HOLDER``
     the lease holder (default: ``scrapy/<spider name>``).
+``EGRESS_PROXIES_REPORT_OUTCOMES``
+    report each response's status, latency and size, and each download error's kind, to the
+    operator's statistics of the proxy for the request's domain (default True; one small API
+    call per request, in the middleware's threads, always before its lease's release; stats
+    ``egress_proxies/outcomes_reported`` and ``egress_proxies/outcome_reports_failed``). A
+    response that arrives after its lease ended (requests in flight through a proxy banned on
+    another request) cannot be reported: ``egress_proxies/outcomes_unreported``.
 ``EGRESS_PROXIES_IDLE_RELEASE``
     in ``domain`` mode, release a domain's lease after this many seconds without requests
     (default 30; 0 keeps it until the crawl ends).
@@ -161,6 +168,7 @@ class EgressProxiesMiddleware:
         ban_retries: int = 2,
         banned_give_up: float = 60.0,
         unhealthy_retries: int = 2,
+        report_outcomes: bool = True,
     ) -> None:
         if mode not in ("domain", "request"):
             raise ValueError(f"EGRESS_PROXIES_MODE must be 'domain' or 'request', not {mode!r}")
@@ -176,6 +184,12 @@ class EgressProxiesMiddleware:
         self.ban_retries = max(ban_retries, 0)
         self.banned_give_up = banned_give_up
         self.unhealthy_retries = max(unhealthy_retries, 0)
+        self.report_outcomes = report_outcomes
+        # Each lease's last outcome report in progress: the next report and the release wait
+        # for it, so that a report never reaches a lease already released.
+        self._reporting: Dict[str, defer.Deferred[Any]] = {}
+        # Leases whose release has begun: a report now would find no lease.
+        self._releasing: Set[str] = set()
         # Domains every proxy is banned for: until when their requests are dropped.
         self._banned_until: Dict[str, float] = {}
         # Endpoints of proxies out of rotation: requests routed through each and not done.
@@ -221,6 +235,7 @@ class EgressProxiesMiddleware:
             ban_retries=settings.getint("EGRESS_PROXIES_BAN_RETRIES", 2),
             banned_give_up=settings.getfloat("EGRESS_PROXIES_BANNED_GIVE_UP", 60.0),
             unhealthy_retries=settings.getint("EGRESS_PROXIES_UNHEALTHY_RETRIES", 2),
+            report_outcomes=settings.getbool("EGRESS_PROXIES_REPORT_OUTCOMES", True),
         )
         client.on_out_of_rotation = middleware._on_out_of_rotation
         crawler.signals.connect(middleware.spider_opened, signal=signals.spider_opened)
@@ -241,7 +256,8 @@ class EgressProxiesMiddleware:
             self._sweeper.start(min(self.idle_release, 5.0), now=False)
 
     async def spider_closed(self, spider: Optional[Spider] = None) -> None:
-        """Releases every lease still held (``ok``); the crawl ends once every release has."""
+        """Releases every lease still held (``ok``); the crawl ends once every release and
+        outcome report has."""
         if self._sweeper is not None and self._sweeper.running:
             self._sweeper.stop()
         if self._aborter is not None and self._aborter.running:
@@ -252,8 +268,9 @@ class EgressProxiesMiddleware:
 
     @defer.inlineCallbacks
     def _releases_done(self) -> Any:
-        while self._releases:
-            yield defer.DeferredList(list(self._releases), consumeErrors=True)
+        # Reports too: one made after its lease was dropped waits in no release.
+        while self._releases or self._reporting:
+            yield defer.DeferredList(list(self._releases) + list(self._reporting.values()), consumeErrors=True)
         self.client.close()
 
     # -- downloader middleware ------------------------------------------------------------
@@ -307,6 +324,7 @@ class EgressProxiesMiddleware:
         if lease is None:
             return response
         banned = response.status in self.ban_codes
+        self._report(lease, request, status=response.status, bytes_received=len(response.body))
         self._done(request, lease, "banned" if banned else "ok")
         if banned:
             again = self._send_again(request, lease, response.status, spider)
@@ -352,6 +370,7 @@ class EgressProxiesMiddleware:
         lease = self._lease_of(request)
         if lease is None:
             return None
+        self._report(lease, request, error=_error_kind(exception))
         self._done(request, lease, "error")
         if not lease.out_of_rotation:
             return None  # Scrapy's RetryMiddleware decides, as for any download error
@@ -585,6 +604,51 @@ class EgressProxiesMiddleware:
                 self.stats.inc_value("egress_proxies/idle_released")
                 self._drop(key, "ok")
 
+    def _report(
+        self,
+        lease: Lease,
+        request: Request,
+        status: Optional[int] = None,
+        error: Optional[str] = None,
+        bytes_received: Optional[int] = None,
+    ) -> None:
+        """Reports how ``request`` through ``lease``'s proxy went, after the lease's earlier
+        reports (a failed report is counted, never raised: it is only statistics)."""
+        domain = urlparse_cached(request).hostname
+        if not self.report_outcomes or not domain:
+            return
+        if lease.released or lease.lease_id in self._releasing:
+            # A response still in flight when its lease ended (after a ban on another request
+            # of the domain, say): the API no longer takes reports for that lease.
+            self.stats.inc_value("egress_proxies/outcomes_unreported")
+            return
+        latency = request.meta.get("download_latency")
+        latency_ms = int(latency * 1000) if isinstance(latency, (int, float)) else None
+
+        def send() -> None:
+            self.client.report(
+                lease, domain, status=status, error=error, latency_ms=latency_ms, bytes_received=bytes_received
+            )
+
+        reported: defer.Deferred[Any] = defer.Deferred()
+
+        def start(_: Any = None) -> None:
+            self._in_pool(send).addBoth(reported.callback)
+
+        def finished(result: Any) -> None:
+            failed = isinstance(result, Failure)
+            self.stats.inc_value("egress_proxies/outcome_reports_failed" if failed else "egress_proxies/outcomes_reported")
+            if self._reporting.get(lease.lease_id) is reported:
+                del self._reporting[lease.lease_id]
+
+        previous = self._reporting.get(lease.lease_id)
+        self._reporting[lease.lease_id] = reported
+        reported.addBoth(finished)
+        if previous is None:
+            start()
+        else:
+            previous.addBoth(start)
+
     def _release(self, lease: Lease, outcome: Outcome, domain: Optional[str]) -> None:
         target = domain if outcome == "banned" else None
 
@@ -606,7 +670,20 @@ class EgressProxiesMiddleware:
             return None
 
         session = lease.session_key
-        releasing = self._in_pool(release)
+        self._releasing.add(lease.lease_id)
+
+        def releasing_done(result: Any) -> Any:
+            self._releasing.discard(lease.lease_id)
+            return result
+
+        reporting = self._reporting.pop(lease.lease_id, None)
+        if reporting is None:
+            releasing = self._in_pool(release)
+        else:
+            # After the lease's last report: a report after the release would find no lease.
+            releasing = defer.Deferred()
+            reporting.addBoth(lambda _: self._in_pool(release).addBoth(releasing.callback))
+        releasing.addBoth(releasing_done)
         self._releases.add(releasing)
         if session:
             self._session_releases[session] = releasing
@@ -617,6 +694,18 @@ class EgressProxiesMiddleware:
         from twisted.internet import reactor
 
         return threads.deferToThreadPool(reactor, self._pool, function, *args)
+
+
+def _error_kind(exception: BaseException) -> str:
+    """What the operator's statistics call a download error: ``timeout``, ``connect`` (no
+    connection to the proxy) or ``reset``."""
+    from twisted.internet import error as net
+
+    if isinstance(exception, (net.TimeoutError, defer.TimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(exception, (net.ConnectionRefusedError, net.ConnectError, ConnectionRefusedError)):
+        return "connect"
+    return "reset"
 
 
 def _endpoint(host: str, port: int) -> str:
