@@ -406,6 +406,18 @@ fn fastrand_suffix() -> u64 {
 }
 
 /// The address the origin saw in a body `hello PATH from IP`.
+/// The whole seconds of the `Retry-After` header in an answer's `head`.
+fn retry_after_in(head: &str) -> u64 {
+    head.lines()
+        .find_map(|l| {
+            l.to_ascii_lowercase()
+                .strip_prefix("retry-after:")
+                .map(|v| v.trim().to_owned())
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no Retry-After: {head}"))
+}
+
 fn from_ip(body: &str) -> IpAddr {
     body.rsplit(' ')
         .next()
@@ -1852,15 +1864,7 @@ politeness:
         body.contains("politeness_limit") && body.contains("at most one request every 10000 ms"),
         "{body}"
     );
-    let retry_after: u64 = head
-        .lines()
-        .find_map(|l| {
-            l.to_ascii_lowercase()
-                .strip_prefix("retry-after: ")
-                .map(|v| v.trim().to_owned())
-        })
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("a Retry-After: {head}"));
+    let retry_after = retry_after_in(&head);
     assert!((9..=10).contains(&retry_after), "{head}");
     assert_eq!(
         setup.origin.peers_of("/polite-b").len(),
@@ -2000,15 +2004,7 @@ async fn a_token_over_its_quota_gets_429_and_usage_shows_what_it_used() {
         message.ends_with(":00:00Z"),
         "the window ends on the hour: {message}"
     );
-    let retry_after: u64 = headers
-        .lines()
-        .find_map(|l| {
-            l.to_ascii_lowercase()
-                .strip_prefix("retry-after:")
-                .map(|v| v.trim().to_owned())
-        })
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no Retry-After: {headers}"));
+    let retry_after = retry_after_in(&headers);
     assert!((1..=3600).contains(&retry_after), "{retry_after}");
     assert!(
         setup.origin.peers_of("/one-too-many").is_empty(),

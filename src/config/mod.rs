@@ -16,7 +16,7 @@ mod settings;
 
 use std::{collections::BTreeSet, fmt, path::Path};
 
-use serde::Deserialize;
+use serde::{Deserialize, de::DeserializeOwned};
 
 pub use settings::{
     BootSettings, DomainType, KubernetesSettings, KvmSettings, LocalSettings, NetworkSettings, PortRange,
@@ -118,15 +118,16 @@ impl ProvidersConfig {
 
     /// Validates a providers config given as YAML text.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        let deserializer = serde_norway::Deserializer::from_str(text);
-        let raw: RawConfig = serde_path_to_error::deserialize(deserializer).map_err(syntax_error)?;
+        let raw: RawConfig = from_yaml(text).map_err(syntax_error)?;
         Self::from_raw(raw)
     }
 
     /// Validates a providers config given as an already-parsed YAML value (for `check`,
     /// which reads multi-document files).
     pub fn from_value(value: serde_norway::Value) -> Result<Self, ConfigError> {
-        let raw: RawConfig = serde_path_to_error::deserialize(value).map_err(syntax_error)?;
+        let raw: RawConfig = serde_path_to_error::deserialize(value)
+            .map_err(located)
+            .map_err(syntax_error)?;
         Self::from_raw(raw)
     }
 
@@ -176,17 +177,39 @@ impl ProvidersConfig {
     }
 }
 
-/// A shape error, located by its path in the document (`providers[2].name: `).
-fn syntax_error(err: serde_path_to_error::Error<serde_norway::Error>) -> ConfigError {
+/// A shape error in a YAML document: where (`providers[2].name: `; empty at the top level) and
+/// the parser's error.
+#[derive(Debug)]
+pub struct Located {
+    /// Its path in the document, with `: ` after it, or nothing.
+    pub location: String,
+    /// What the parser said.
+    pub error: serde_norway::Error,
+}
+
+/// A YAML (or JSON) document read into `T`: every file the operator reads (the providers
+/// config, the gateway's rules, the quotas) names where a shape error is the same way.
+pub fn from_yaml<T: DeserializeOwned>(text: &str) -> Result<T, Located> {
+    serde_path_to_error::deserialize(serde_norway::Deserializer::from_str(text)).map_err(located)
+}
+
+fn located(err: serde_path_to_error::Error<serde_norway::Error>) -> Located {
     let path = err.path().to_string();
     let location = if path == "." {
         String::new()
     } else {
         format!("{path}: ")
     };
+    Located {
+        location,
+        error: err.into_inner(),
+    }
+}
+
+fn syntax_error(Located { location, error }: Located) -> ConfigError {
     ConfigError::Syntax {
         location,
-        source: err.into_inner(),
+        source: error,
     }
 }
 

@@ -101,18 +101,10 @@ impl Quotas {
 
     /// Validates quotas given as YAML (or JSON) text; `path` names it in errors.
     pub fn parse(text: &str, path: &str) -> Result<Self, QuotaError> {
-        let deserializer = serde_norway::Deserializer::from_str(text);
-        let file: QuotasFile = serde_path_to_error::deserialize(deserializer).map_err(|err| {
-            let at = err.path().to_string();
-            QuotaError::Syntax {
-                path: path.to_owned(),
-                location: if at == "." {
-                    String::new()
-                } else {
-                    format!("{at}: ")
-                },
-                message: err.into_inner().to_string(),
-            }
+        let file: QuotasFile = crate::config::from_yaml(text).map_err(|located| QuotaError::Syntax {
+            path: path.to_owned(),
+            location: located.location,
+            message: located.error.to_string(),
         })?;
         if file.quotas.len() > MAX_QUOTAS {
             return Err(QuotaError::Syntax {

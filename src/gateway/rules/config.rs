@@ -217,18 +217,10 @@ impl Rules {
 
     /// Validates rules given as YAML (or JSON) text; `path` names it in errors.
     pub fn parse(text: &str, path: &str) -> Result<Self, RulesError> {
-        let deserializer = serde_norway::Deserializer::from_str(text);
-        let file: RulesFile = serde_path_to_error::deserialize(deserializer).map_err(|err| {
-            let at = err.path().to_string();
-            RulesError::Syntax {
-                path: path.to_owned(),
-                location: if at == "." {
-                    String::new()
-                } else {
-                    format!("{at}: ")
-                },
-                message: err.into_inner().to_string(),
-            }
+        let file: RulesFile = crate::config::from_yaml(text).map_err(|located| RulesError::Syntax {
+            path: path.to_owned(),
+            location: located.location,
+            message: located.error.to_string(),
         })?;
         let too_many = |field: &str, n: usize| RulesError::Syntax {
             path: path.to_owned(),

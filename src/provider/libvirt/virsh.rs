@@ -141,6 +141,14 @@ impl VirshError {
     fn is_missing(&self, kind: &str) -> bool {
         !self.is_connection_trouble() && self.message().contains(&format!("failed to get {kind} '"))
     }
+
+    /// The domain asked for does not exist, whether virsh found no domain by that name or the
+    /// domain went away between virsh's lookup and its call (libvirt's "Domain not found", seen
+    /// when another installation's GC undefined a domain we were listing).
+    fn is_gone_domain(&self) -> bool {
+        self.is_missing("domain")
+            || (!self.is_connection_trouble() && self.message().contains("Domain not found"))
+    }
 }
 
 /// A virsh failure as a provider error.
@@ -254,7 +262,7 @@ impl Session for VirshSession {
         match self.virsh(&["metadata", "--domain", name, "--uri", KVM_NAMESPACE]) {
             Ok(xml) => Ok(Lookup::Ours((), Box::new(Stamp::parse(xml.trim())))),
             Err(err) if err.message().contains("metadata not found") => Ok(Lookup::Foreign),
-            Err(err) if err.is_missing("domain") => {
+            Err(err) if err.is_gone_domain() => {
                 // virsh says "failed to get domain" for more than absence; a listing that
                 // succeeds without the name proves it.
                 if self.domain_names()?.iter().any(|listed| listed == name) {
@@ -287,7 +295,7 @@ impl Session for VirshSession {
                         })),
                         Err(err) if err.message().contains("metadata not found") => Ok(None),
                         // Deleted while we listed.
-                        Err(err) if err.is_missing("domain") => Ok(None),
+                        Err(err) if err.is_gone_domain() => Ok(None),
                         Err(err) => Err(classify(format!("reading the metadata of domain {name}"), err)),
                     }
                 })
@@ -545,6 +553,11 @@ mod tests {
             ProviderError::Unavailable(_)
         ));
         assert!(failed("failed to get domain 'epo-a'").is_missing("domain"));
+        // Undefined between virsh's lookup by name and its call (tests/gc.rs saw it: another
+        // installation's GC deleted a domain this one was listing).
+        let gone = "error: Domain not found: no domain with matching uuid '654378bb-7bdf-4167-8e8f-1fea48a869d7' (epo-crawl-p-orphan-cee99d83)";
+        assert!(failed(gone).is_gone_domain() && !failed(gone).is_missing("domain"));
+        assert!(!failed("Domain not found; End of file while reading data").is_gone_domain());
         assert!(!failed("failed to get domain 'a'; End of file while reading data").is_missing("domain"));
         assert!(matches!(
             classify("x", failed("internal error: something")),
