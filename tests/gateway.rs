@@ -406,6 +406,19 @@ fn fastrand_suffix() -> u64 {
 }
 
 /// The address the origin saw in a body `hello PATH from IP`.
+/// Starts the operator on `host` with `args`, which must stop it at start with `expected` in
+/// its log.
+async fn refused_at_start(host: &Host, args: &[&str], expected: &str) {
+    let mut operator = start_operator_with(host, "operator.log", args);
+    let status = operator
+        .exit_within(Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|| panic!("still running:\n{}", operator.log()));
+    assert!(!status.success());
+    let log = operator.log();
+    assert!(log.contains(expected), "{log}");
+}
+
 /// The whole seconds of the `Retry-After` header in an answer's `head`.
 fn retry_after_in(head: &str) -> u64 {
     head.lines()
@@ -1808,23 +1821,12 @@ async fn a_bad_rules_file_is_refused_at_start_naming_the_field() {
     )
     .expect("rules file");
     let gateway = format!("127.0.0.1:{}", free_port());
-    let mut operator = start_operator_with(
+    refused_at_start(
         &host,
-        "operator.log",
         &["--gateway-listen", &gateway, "--gateway-rules", "rules.yaml"],
-    );
-    let status = operator
-        .exit_within(Duration::from_secs(30))
-        .await
-        .unwrap_or_else(|| panic!("still running:\n{}", operator.log()));
-    assert!(!status.success());
-    let log = operator.log();
-    assert!(
-        log.contains(
-            "the gateway rules rules.yaml: rule \"captcha\" (rules[0]), match.body: not a valid pattern"
-        ),
-        "{log}"
-    );
+        "the gateway rules rules.yaml: rule \"captcha\" (rules[0]), match.body: not a valid pattern",
+    )
+    .await;
 }
 
 /// Politeness (the rules file's `politeness:`): requests through one Squid to one domain start
@@ -2112,17 +2114,10 @@ async fn a_bad_quotas_file_is_refused_at_start_naming_the_field() {
         "quotas:\n  - {token: crawler-a, requests: 10, period: 1w}\n",
     )
     .expect("quotas file");
-    let mut operator = start_operator_with(&host, "operator.log", &["--quotas", "quotas.yaml"]);
-    let status = operator
-        .exit_within(Duration::from_secs(30))
-        .await
-        .unwrap_or_else(|| panic!("still running:\n{}", operator.log()));
-    assert!(!status.success());
-    let log = operator.log();
-    assert!(
-        log.contains(
-            "the quotas quotas.yaml: quota for token \"crawler-a\" (quotas[0]), period: \"1w\" is no period"
-        ),
-        "{log}"
-    );
+    refused_at_start(
+        &host,
+        &["--quotas", "quotas.yaml"],
+        "the quotas quotas.yaml: quota for token \"crawler-a\" (quotas[0]), period: \"1w\" is no period",
+    )
+    .await;
 }
