@@ -6,6 +6,7 @@
 mod support {
     pub mod control_plane;
     pub mod controller;
+    pub mod ports;
     pub mod process;
     pub mod scripted;
 }

@@ -17,6 +17,7 @@ mod support {
     pub mod contract;
     pub mod control_plane;
     pub mod local;
+    pub mod ports;
     pub mod process;
 }
 #[path = "support/libvirt_requests.rs"]

@@ -6,6 +6,7 @@ mod support {
     pub mod contract;
     pub mod local;
     pub mod origin;
+    pub mod ports;
 }
 
 use std::{net::SocketAddr, time::Duration};

@@ -14,6 +14,7 @@ mod support {
     pub mod local;
     pub mod operations_doc;
     pub mod origin;
+    pub mod ports;
     pub mod process;
 }
 

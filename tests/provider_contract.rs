@@ -7,6 +7,7 @@ mod support {
     #[macro_use]
     pub mod contract;
     pub mod local;
+    pub mod ports;
 }
 
 /// The in-memory provider. Its state lives in the object, so "reopening" it hands back the

@@ -12,6 +12,7 @@ mod support {
     #[macro_use]
     pub mod contract;
     pub mod control_plane;
+    pub mod ports;
     pub mod process;
 }
 

@@ -7,6 +7,7 @@
 
 mod support {
     pub mod control_plane;
+    pub mod ports;
     pub mod process;
 }
 #[path = "support/libvirt_requests.rs"]

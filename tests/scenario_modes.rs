@@ -9,6 +9,7 @@
 
 mod support {
     pub mod control_plane;
+    pub mod ports;
     pub mod process;
 }
 

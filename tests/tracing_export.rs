@@ -12,6 +12,7 @@ mod support {
     pub mod controller;
     pub mod origin;
     pub mod otlp;
+    pub mod ports;
     pub mod process;
     pub mod scripted;
 }

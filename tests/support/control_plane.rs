@@ -45,11 +45,7 @@ use serde_json::json;
 
 use super::process::GroupChild;
 
-/// A loopback port that was free a moment ago, for a program that must be told its port.
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
-    listener.local_addr().expect("bound address").port()
-}
+use super::ports::free_port;
 
 /// The namespace and ServiceAccount `config/default` runs the operator as.
 pub const OPERATOR_NAMESPACE: &str = "egress-proxies-system";

@@ -17,14 +17,7 @@ use egress_proxies_operator::{
 
 use super::contract::{self, ContractBackend};
 
-/// A port that was free a moment ago on 127.0.0.1 (bound on port 0, then released). Another
-/// process may take it before Squid does: callers retry on "already in use".
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("bind a free port on 127.0.0.1")
-}
+pub use super::ports::free_port;
 
 /// The arguments of a live process (none for a zombie or a vanished pid).
 pub fn argv(pid: i32) -> Vec<String> {

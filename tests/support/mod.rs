@@ -10,6 +10,7 @@
 pub mod cluster_app;
 pub mod control_plane;
 pub mod leases;
+pub mod ports;
 pub mod process;
 pub mod run_process;
 pub mod standalone;
@@ -17,7 +18,7 @@ pub mod standalone;
 use std::os::unix::process::CommandExt;
 use std::{
     convert::Infallible,
-    net::{SocketAddr, TcpListener as StdListener},
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::Arc,
@@ -31,12 +32,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio_rustls::rustls;
 
-/// A port that was free a moment ago (bound to 0 and released), for programs that must be
-/// told their port. Callers retry on a collision.
-pub fn free_port() -> u16 {
-    let listener = StdListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
-    listener.local_addr().expect("bound address").port()
-}
+pub use ports::free_port;
 
 /// Polls `check` every 20 ms until it holds or `within` passes.
 pub async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) {

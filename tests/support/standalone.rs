@@ -279,10 +279,34 @@ pub fn wait_status(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> Stri
         }
         assert!(
             Instant::now() < deadline,
-            "timed out waiting for {what}; status:\n{table}"
+            "timed out waiting for {what}; status:\n{table}\n{}",
+            trails_of_the_unhealthy(host, &table)
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+}
+
+/// The audit trail (`status --audit`) of each proxy of `table` that is not healthy: why a wait
+/// for health timed out.
+fn trails_of_the_unhealthy(host: &Host, table: &str) -> String {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|row| {
+            let mut columns = row.split_whitespace();
+            let (namespace, name, phase) = (columns.next()?, columns.next()?, columns.next()?);
+            (phase != "healthy").then(|| format!("{namespace}/{name}"))
+        })
+        .map(|proxy| {
+            let trail = Command::new(BIN)
+                .current_dir(host.dir.path())
+                .args(["status", "--state", "state", "--audit", &proxy])
+                .output()
+                .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+                .unwrap_or_else(|e| format!("status --audit failed: {e}"));
+            format!("audit trail of {proxy}:\n{trail}")
+        })
+        .collect()
 }
 
 /// Rows of a `status` table whose phase is `healthy`.
