@@ -13,6 +13,8 @@ mod control_plane;
 #[allow(dead_code)]
 #[path = "../tests/support/leases.rs"]
 mod leases;
+#[path = "../tests/support/ports.rs"]
+mod ports;
 #[path = "../tests/support/process.rs"]
 mod process;
 
