@@ -40,6 +40,8 @@
 
 #[path = "../tests/support/control_plane.rs"]
 mod control_plane;
+#[path = "../tests/support/ports.rs"]
+mod ports;
 #[path = "../tests/support/process.rs"]
 mod process;
 
