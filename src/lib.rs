@@ -20,6 +20,7 @@ pub mod machine;
 pub mod monitor;
 pub mod net;
 pub mod outcomes;
+pub mod politeness;
 pub mod provider;
 pub mod standalone;
 pub mod sync;

@@ -103,6 +103,7 @@ impl Server {
             metrics,
             outcomes: Default::default(),
             usage,
+            politeness: Default::default(),
             config: DiscoveryConfig::default(),
         });
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

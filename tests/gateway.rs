@@ -685,6 +685,7 @@ mod in_process {
         gateway::{self, Gateway, GatewayConfig, GatewayDeps},
         lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, token::LeaseSigner},
         outcomes::Outcomes,
+        politeness::Politeness,
         provider::Endpoint,
         telemetry::admin::Readiness,
     };
@@ -743,6 +744,7 @@ mod in_process {
             recycle: None,
             outcomes: outcomes.clone(),
             usage: Default::default(),
+            politeness: Politeness::new(config.rules.politeness.clone()),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("address");
@@ -1831,7 +1833,8 @@ async fn a_bad_rules_file_is_refused_at_start_naming_the_field() {
 
 /// Politeness (the rules file's `politeness:`): requests through one Squid to one domain start
 /// at least the interval apart, each waiting its turn within the bound; one that would wait
-/// longer gets 429 `politeness_limit` with `Retry-After` and never reaches the target.
+/// longer gets 429 `politeness_limit` with `Retry-After` and never reaches the target; a lease
+/// acquired for that proxy and domain is told when its first request may start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn politeness_spaces_requests_and_refuses_a_long_wait() {
     let rules = r#"
@@ -1873,6 +1876,31 @@ politeness:
         1,
         "the refused request never reached the target"
     );
+
+    // The lease API shares the state: a holder of Squid b for the domain is told that its first
+    // request may start only once the interval since the gateway's last start there is over.
+    let (status, lease) = api_call(
+        &setup,
+        "POST",
+        "/v1/leases",
+        r#"{"holder":"lease-api","selector":{"squid":"b"},"targetDomain":"127.0.0.1"}"#,
+    )
+    .await;
+    assert_eq!(status, 201, "{lease}");
+    let millis = |field: &str| {
+        let stamp = lease[field]
+            .as_str()
+            .unwrap_or_else(|| panic!("{field}: {lease}"));
+        stamp
+            .parse::<jiff::Timestamp>()
+            .expect("RFC 3339")
+            .as_millisecond()
+    };
+    let wait = millis("notBefore") - millis("acquiredAt");
+    assert!((6_000..=10_100).contains(&wait), "{wait} ms: {lease}");
+    let release = format!(r#"{{"fencingToken":{},"outcome":"ok"}}"#, lease["fencingToken"]);
+    let path = format!("/v1/leases/{}/release", lease["leaseId"].as_str().expect("id"));
+    assert_eq!(api_call(&setup, "POST", &path, &release).await.0, 200);
     setup
         .no_leases_within(Duration::from_secs(5), "after a refusal")
         .await;

@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use support::{
     Origin, crate_path, free_port,
     process::GroupChild,
-    standalone::{self, Host, healthy_rows, metrics_when, start_operator, stop, wait_status},
+    standalone::{self, Host, healthy_rows, metrics_when, start_operator_with, stop, wait_status},
 };
 
 /// The user name in the proxies' credentials (Squid logs it with each request).
@@ -227,7 +227,13 @@ async fn python_suite(host: Host, python: &Path) {
         host.add_manifest(name, &standalone::with_auth(&manifest, "proxy-credentials"));
     }
 
-    let operator = start_operator(&host, "operator.log");
+    // Politeness for a domain only the client's test names (no page is fetched from it).
+    std::fs::write(
+        host.path().join("rules.yaml"),
+        "politeness:\n  - {domains: [polite.example], minIntervalMs: 1000}\n",
+    )
+    .expect("rules file");
+    let operator = start_operator_with(&host, "operator.log", &["--gateway-rules", "rules.yaml"]);
     wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
     let logs = host.access_logs();
     assert_eq!(logs.len(), 3, "one access log per Squid: {logs:?}");

@@ -76,6 +76,7 @@ pub fn discovery_state(store: LeaseStore) -> DiscoveryState {
         metrics,
         outcomes: Default::default(),
         usage: Default::default(),
+        politeness: Default::default(),
         config: DiscoveryConfig::default(),
     })
 }

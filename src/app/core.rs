@@ -31,6 +31,7 @@ use crate::{
     },
     monitor::{HealthSink, Monitor},
     outcomes::Outcomes,
+    politeness::Politeness,
     provider::ProviderRegistry,
     telemetry::{Metrics, admin::StatusPageSlot},
     ui::{PageInputs, ProxySource, StatusPage},
@@ -275,6 +276,7 @@ pub async fn start_core(
         usage: metrics.usage.clone(),
     }));
     let health_log = page.health_log();
+    let politeness = Politeness::new(flags.gateway_rules.politeness.clone());
     let gateway_deps = GatewayDeps {
         store: leases.clone(),
         signer: signer.clone(),
@@ -285,6 +287,7 @@ pub async fn start_core(
         recycle: Some(recycle),
         outcomes: metrics.outcomes.clone(),
         usage: metrics.usage.clone(),
+        politeness: politeness.clone(),
     };
     let api = DiscoveryState::new(DiscoveryDeps {
         store: leases.clone(),
@@ -295,6 +298,7 @@ pub async fn start_core(
         metrics: metrics.discovery.clone(),
         outcomes: metrics.outcomes.clone(),
         usage: metrics.usage.clone(),
+        politeness,
         config: DiscoveryConfig::default(),
     });
     match status_page {

@@ -507,10 +507,29 @@ pub(super) async fn acquire(
         expires_at: rfc3339(lease.expires_at_ms),
         // As granted (a repeat's lease may have been renewed since).
         ttl_seconds: (claim.expires_at_ms - claim.acquired_at_ms).div_ceil(1000),
+        // A repeated answer reserves no second start.
+        not_before: match (&req.target_domain, repeated) {
+            (Some(domain), false) => not_before(s, &lease.proxy, domain, now),
+            _ => None,
+        },
     };
     let mut bytes = Vec::with_capacity(512);
     body.write_json(wire::proxy_json(&lease.proxy), &mut bytes);
     Ok(json_bytes(StatusCode::CREATED, bytes))
+}
+
+/// When a holder's next request through `proxy` to `domain` may start (RFC 3339), reserved
+/// in the politeness state the gateway shares; `None` when no politeness entry covers them.
+pub(super) fn not_before(
+    s: &StateInner,
+    proxy: &crate::lease::ProxyInfo,
+    domain: &str,
+    now: u64,
+) -> Option<String> {
+    let wait = (s.deps.politeness).reserve_start(&proxy.key, &proxy.attributes, domain)?;
+    Some(rfc3339(now.saturating_add(
+        u64::try_from(wait.as_millis()).unwrap_or(u64::MAX),
+    )))
 }
 
 /// Extends a lease from now and issues a new fencing token.

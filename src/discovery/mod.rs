@@ -109,6 +109,9 @@ pub struct DiscoveryDeps {
     /// Usage per token and holder: served in `GET /v1/usage`, fed by acquires, releases and
     /// outcome reports; its quotas refuse acquires.
     pub usage: Usage,
+    /// Politeness per proxy and domain, shared with the gateway: acquires for a domain and
+    /// outcome reports answer when the holder's next request may go (`notBefore`).
+    pub politeness: crate::politeness::Politeness,
     pub config: DiscoveryConfig,
 }
 

@@ -13,7 +13,7 @@ use utoipa::ToSchema;
 
 use super::{
     ErrorBody, StateInner,
-    handlers::{AuthErrors, LeaseIdErrors, LeaseIdPath, leases},
+    handlers::{AuthErrors, LeaseIdErrors, LeaseIdPath, leases, not_before},
     router::{ApiError, json},
     wire::{RequestBody, check_domain, whole_number, whole_seconds},
 };
@@ -76,6 +76,12 @@ pub struct OutcomeResponse {
     pub target_domain: String,
     /// Always true.
     pub recorded: bool,
+    /// When a politeness entry covers the proxy and domain: when the holder's next request to
+    /// that domain through this proxy may start (RFC 3339; now or later), reserved like an
+    /// acquire's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime)]
+    pub not_before: Option<String>,
 }
 
 /// Records how one request through the leased proxy went; the lease is unchanged.
@@ -86,7 +92,8 @@ pub struct OutcomeResponse {
     params(LeaseIdPath),
     request_body(content = OutcomeBody, content_type = "application/json"),
     responses(
-        (status = 200, description = "Recorded in the proxy's statistics for the domain", body = OutcomeResponse),
+        (status = 200, description = "Recorded in the proxy's statistics for the domain (and, under a \
+            politeness entry, when the next request to it may start)", body = OutcomeResponse),
         (status = 400, description = "`malformed_request`", body = ErrorBody),
         AuthErrors,
         (status = 409, description = "`stale_token`", body = ErrorBody),
@@ -126,6 +133,12 @@ pub(super) fn report_outcome(
             proxy: lease.proxy.to_string(),
             target_domain: crate::outcomes::normalize_domain(&req.target_domain),
             recorded: true,
+            not_before: if s.deps.politeness.is_off() {
+                None
+            } else {
+                (s.deps.store.view_at(&lease.proxy, now))
+                    .and_then(|view| not_before(s, &view.info, &req.target_domain, now))
+            },
         },
     ))
 }

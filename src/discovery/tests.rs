@@ -28,6 +28,11 @@ struct Harness {
 }
 
 fn harness(proxies: usize, max_concurrent: i32) -> Harness {
+    harness_with(proxies, max_concurrent, Default::default())
+}
+
+/// `harness` with politeness entries shared as the gateway would share them.
+fn harness_with(proxies: usize, max_concurrent: i32, politeness: crate::politeness::Politeness) -> Harness {
     let store = LeaseStore::new(LeaseStoreConfig::default());
     for i in 0..proxies {
         let key = ProxyKey::new("crawl", &format!("p{i}"));
@@ -74,6 +79,7 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
         metrics,
         outcomes: Default::default(),
         usage: Default::default(),
+        politeness,
         config: DiscoveryConfig::default(),
     });
     Harness { state, ready }
@@ -441,6 +447,7 @@ async fn authenticator_verdicts_map_to_401_403_503() {
         metrics: DiscoveryMetrics::register(&mut Registry::default()),
         outcomes: Default::default(),
         usage: Default::default(),
+        politeness: Default::default(),
         config: DiscoveryConfig::default(),
     });
     let h2 = Harness {
@@ -1070,4 +1077,97 @@ async fn whole_numbers_are_integers_however_written() {
         .renew(id, json!({"fencingToken": token as f64, "ttlSeconds": 30.0}))
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text);
+}
+
+/// Milliseconds since the epoch of an RFC 3339 field of an answer.
+fn millis_of(answer: &Answer, field: &str) -> i64 {
+    let text = answer.body[field]
+        .as_str()
+        .unwrap_or_else(|| panic!("{field} in {}", answer.text));
+    text.parse::<jiff::Timestamp>()
+        .expect("RFC 3339")
+        .as_millisecond()
+}
+
+/// Under a politeness entry (one start a second per proxy and domain), an acquire for a
+/// covered domain answers when its first request may start and reserves that start, so the
+/// next holder of the same proxy is told a second later; each outcome report answers (and
+/// reserves) the holder's next start. Other domains, and acquires without one, get no
+/// `notBefore`; a repeated acquire (same `requestId`) reserves nothing again.
+#[tokio::test]
+async fn under_politeness_acquires_and_outcome_reports_say_when_the_next_request_may_go() {
+    use crate::politeness::{DomainPattern, Politeness, PolitenessEntry};
+    let politeness = Politeness::new(vec![PolitenessEntry {
+        domains: vec![DomainPattern::Exact("shop.example".into())],
+        proxies: Vec::new(),
+        min_interval: Some(Duration::from_secs(1)),
+        max_concurrent: None,
+        max_wait: Duration::from_secs(5),
+    }]);
+    let h = harness_with(1, 10, politeness.clone());
+    // Close enough for two stamps taken a few statements apart on a loaded machine.
+    let near = |a: i64, b: i64| (a - b).abs() < 300;
+
+    let first = h
+        .granted(json!({"holder": "a", "targetDomain": "shop.example", "requestId": "r1"}))
+        .await;
+    let start = millis_of(&first, "notBefore");
+    assert!(
+        near(start, millis_of(&first, "acquiredAt")),
+        "the first may go at once: {}",
+        first.text
+    );
+    let second = h.granted_for("b", "Shop.Example.").await;
+    assert!(
+        near(millis_of(&second, "notBefore"), start + 1_000),
+        "the same proxy and domain, a second later: {}",
+        second.text
+    );
+    let again = h
+        .granted(json!({"holder": "a", "targetDomain": "shop.example", "requestId": "r1"}))
+        .await;
+    assert_eq!(again.body["leaseId"], first.body["leaseId"]);
+    assert!(
+        again.body.get("notBefore").is_none(),
+        "a repeat reserves nothing: {}",
+        again.text
+    );
+
+    for uncovered in [
+        json!({"holder": "c", "targetDomain": "other.example"}),
+        json!({"holder": "c"}),
+    ] {
+        let answer = h.granted(uncovered).await;
+        assert!(answer.body.get("notBefore").is_none(), "{}", answer.text);
+    }
+
+    let id = first.body["leaseId"].as_str().unwrap();
+    let reported = h
+        .call(
+            "POST",
+            &format!("/v1/leases/{id}/outcomes"),
+            Some(json!({"fencingToken": first.body["fencingToken"], "targetDomain": "shop.example", "status": 200})),
+        )
+        .await;
+    assert_eq!(reported.status, StatusCode::OK, "{}", reported.text);
+    assert!(
+        near(millis_of(&reported, "notBefore"), start + 2_000),
+        "after the two reserved starts: {}",
+        reported.text
+    );
+    let elsewhere = h
+        .call(
+            "POST",
+            &format!("/v1/leases/{id}/outcomes"),
+            Some(json!({"fencingToken": first.body["fencingToken"], "targetDomain": "other.example"})),
+        )
+        .await;
+    assert!(elsewhere.body.get("notBefore").is_none(), "{}", elsewhere.text);
+
+    // The gateway shares the state: its next request to the domain through the proxy waits
+    // behind the three starts the lease API reserved.
+    let wait = politeness
+        .reserve_start(&ProxyKey::new("crawl", "p0"), &Default::default(), "shop.example")
+        .expect("covered");
+    assert!(wait > Duration::from_millis(2_500), "{wait:?}");
 }

@@ -414,6 +414,12 @@ pub struct AcquireResponse<'a> {
     pub expires_at: String,
     /// Granted length in seconds (after the proxy's cap).
     pub ttl_seconds: u64,
+    /// With a `targetDomain` that a politeness entry covers: when the holder's first request
+    /// to that domain through this proxy may start (RFC 3339; now or later). The start is
+    /// reserved: other holders and the gateway are spaced after it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime)]
+    pub not_before: Option<String>,
 }
 
 /// A renewed lease.
@@ -574,6 +580,10 @@ impl AcquireResponse<'_> {
         put_plain(out, &self.expires_at);
         out.extend_from_slice(b",\"ttlSeconds\":");
         put_u64(out, self.ttl_seconds);
+        if let Some(not_before) = &self.not_before {
+            out.extend_from_slice(b",\"notBefore\":");
+            put_plain(out, not_before);
+        }
         out.push(b'}');
     }
 }
@@ -629,10 +639,15 @@ mod fast_json_tests {
             "p2",
             &[("quote\"d", "back\\slash"), ("ctl", "a\u{1}b\n"), ("uni", "é✓")],
         );
-        for (info, id, url) in [
-            (&plain, "AAEC-_xyz09", "http://10.0.0.7:3128"),
-            (&odd, "id with \"quotes\" and \t", "http://u:p%40@10.0.0.7:3128"),
-            (&odd, "", "ü"),
+        for (info, id, url, not_before) in [
+            (&plain, "AAEC-_xyz09", "http://10.0.0.7:3128", None),
+            (
+                &odd,
+                "id with \"quotes\" and \t",
+                "http://u:p%40@10.0.0.7:3128",
+                None,
+            ),
+            (&odd, "", "ü", Some("2026-05-28T10:00:01.25Z")),
         ] {
             let acquired = AcquireResponse {
                 lease_id: id.to_owned(),
@@ -642,6 +657,7 @@ mod fast_json_tests {
                 acquired_at: "2026-05-28T10:00:00Z".to_owned(),
                 expires_at: "2026-05-28T10:01:00.5Z".to_owned(),
                 ttl_seconds: 0,
+                not_before: not_before.map(str::to_owned),
             };
             let mut fast = Vec::new();
             acquired.write_json(proxy_json(info), &mut fast);

@@ -22,7 +22,8 @@ use std::{
 
 use tracing::{debug, warn};
 
-use super::{GatewayConfig, GatewayDeps, polite::Turn, user::Who};
+use super::{GatewayConfig, GatewayDeps, user::Who};
+use crate::politeness::Turn;
 use crate::{
     api::ProxyKey,
     lease::{

@@ -9,7 +9,7 @@
 //! sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
 //! requests on kept-alive connections ([`upstream`]), `CONNECT` tunnels spliced both ways; a
 //! GET, HEAD or CONNECT the proxy gave no answer to is sent once more through another), how
-//! often a proxy may be sent to one domain ([`polite`]), what a target's answer does to the
+//! often a proxy may be sent to one domain ([`polite`], with the lease API's state), what a target's answer does to the
 //! lease and the proxy ([`rules`], applied in [`judged`]: by default a 403 or 429 bans the proxy
 //! for the target's domain; a rules file adds header, body and latency rules whose action
 //! escalates up to recycling the proxy), and what each request did ([`measure`]: recorded once
@@ -45,7 +45,6 @@ use self::{
     held::{Held, Lent},
     judged::Resend,
     measure::{Guarded, Measure},
-    polite::Polite,
     rules::{RecycleRequests, Rules, judge::Judge},
     upstream::Upstreams,
     user::{UserName, Who},
@@ -58,6 +57,7 @@ use crate::{
     health::HealthHandle,
     lease::{DurableError, LeaseError, LeaseStore, Outcome, journal::Journal, token::LeaseSigner},
     outcomes::{Ended, Failure, Outcomes},
+    politeness::Politeness,
     telemetry::admin::Readiness,
     usage::{QuotaExceeded, Usage},
 };
@@ -125,6 +125,8 @@ pub struct GatewayDeps {
     pub outcomes: Outcomes,
     /// Usage per token and holder, and the quotas that refuse new work.
     pub usage: Usage,
+    /// Politeness per proxy and domain, shared with the lease API.
+    pub politeness: Politeness,
 }
 
 /// The gateway; cheap to clone.
@@ -134,7 +136,7 @@ pub struct Gateway {
     upstreams: Arc<Upstreams>,
     config: Arc<GatewayConfig>,
     judge: Arc<Judge>,
-    polite: Arc<Polite>,
+    polite: Politeness,
 }
 
 impl Gateway {
@@ -142,8 +144,8 @@ impl Gateway {
     pub fn new(deps: GatewayDeps, config: GatewayConfig) -> Self {
         let judge = Judge::new(config.rules.clone(), deps.health.clone(), deps.recycle.clone());
         Self {
+            polite: deps.politeness.clone(),
             held: Arc::new(Held::new(deps, config.clone())),
-            polite: Arc::new(Polite::new(config.rules.politeness.clone())),
             upstreams: Arc::new(Upstreams::new(config.connect_timeout)),
             config: Arc::new(config),
             judge: Arc::new(judge),

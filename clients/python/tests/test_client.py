@@ -57,6 +57,28 @@ def test_reported_outcomes_show_in_the_listing(client: DiscoveryClient, selector
     assert released.value.status == 404, "a report is fenced like a renewal"
 
 
+def test_politeness_says_when_the_next_request_may_start(client: DiscoveryClient, selector: Dict[str, str]) -> None:
+    # The operator under test spaces requests to polite.example one second apart per proxy.
+    lease = client.acquire(selector, target_domain="polite.example")
+    try:
+        assert lease.not_before is not None, "an acquire for a covered domain says when"
+        first = lease.not_before
+        assert abs((first - lease.acquired_at).total_seconds()) < 0.5, "the first may go at once"
+        second = client.report(lease, status=200)
+        assert second is not None and lease.not_before == second
+        third = client.report(lease, status=200)
+        assert third is not None
+        assert 0.9 < (second - first).total_seconds() < 1.1, (first, second)
+        assert 0.9 < (third - second).total_seconds() < 1.1, (second, third)
+        assert client.report(lease, "other.example", status=200) is None, "no limit for that domain"
+        assert lease.not_before is None
+    finally:
+        client.release(lease, "ok")
+    uncovered = client.acquire(selector, target_domain="shop.example", max_wait=10)
+    assert uncovered.not_before is None
+    client.release(uncovered, "ok")
+
+
 def test_a_release_whose_answer_is_lost_is_sent_again_and_settled(
     client: DiscoveryClient, token: str, selector: Dict[str, str], losing_relay: LosingRelay
 ) -> None:

@@ -8,7 +8,7 @@ use hyper::header::HeaderName;
 use serde::Deserialize;
 
 use super::{Action, BodyMatch, HeaderMatch, Match, Rule, Rules, Step};
-use crate::gateway::polite::{DomainPattern, Politeness};
+use crate::politeness::{DomainPattern, PolitenessEntry};
 
 /// Most bytes of a body a body pattern may look at (per answer, held while it is judged).
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
@@ -280,7 +280,7 @@ impl Rules {
 }
 
 /// One politeness entry, or the field that is wrong and why.
-fn compile_politeness(spec: PoliteSpec) -> Result<Politeness, (String, String)> {
+fn compile_politeness(spec: PoliteSpec) -> Result<PolitenessEntry, (String, String)> {
     let mut domains = Vec::with_capacity(spec.domains.len());
     for (i, text) in spec.domains.iter().enumerate() {
         let lower = text.to_ascii_lowercase();
@@ -324,7 +324,7 @@ fn compile_politeness(spec: PoliteSpec) -> Result<Politeness, (String, String)> 
             format!("{wait} is out of range 0-{MAX_POLITE_WAIT_MS}"),
         ));
     }
-    Ok(Politeness {
+    Ok(PolitenessEntry {
         domains,
         proxies: spec.proxies.into_iter().collect(),
         min_interval: spec.min_interval_ms.map(Duration::from_millis),

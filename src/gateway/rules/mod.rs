@@ -203,7 +203,7 @@ pub struct Rules {
     /// The rules.
     pub rules: Vec<Rule>,
     /// The politeness limits, asked in order (the first that applies decides).
-    pub politeness: Vec<crate::gateway::polite::Politeness>,
+    pub politeness: Vec<crate::politeness::PolitenessEntry>,
 }
 
 impl Default for Rules {

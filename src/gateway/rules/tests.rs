@@ -327,7 +327,7 @@ fn the_example_in_the_docs_is_valid() {
 
 #[test]
 fn a_file_of_politeness_alone_keeps_the_default_rule() {
-    use crate::gateway::polite::DomainPattern;
+    use crate::politeness::DomainPattern;
     let rules = parse(
         "politeness:\n  - {domains: [Shop.Example, \"*.news.example\"], proxies: {pool: eu}, minIntervalMs: 500, maxConcurrent: 2}\n",
     )

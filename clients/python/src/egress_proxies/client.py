@@ -177,6 +177,10 @@ class Lease:
     it is being replaced): the lease still runs, but requests through the proxy are likely
     failing or hanging. Move the work to another lease and release this one (``error``)."""
     released: bool = False
+    not_before: Optional[datetime] = None
+    """Under the operator's politeness for the lease's target domain: when the next request to
+    that domain through the proxy may start (from the acquire, then from each ``report``). The
+    operator reserved that start for this holder; send no earlier. ``None``: no limit applies."""
     # Serialises renew and release, so that a release always presents the latest token.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -314,6 +318,7 @@ class DiscoveryClient:
             session_key=session_key,
             fencing_token=int(answer["fencingToken"]),
             expires_at=_parse_time(answer["expiresAt"]),
+            not_before=_parse_time(answer["notBefore"]) if "notBefore" in answer else None,
         )
         if self._renew_enabled:
             self._renewer_for().add(lease)
@@ -347,11 +352,14 @@ class DiscoveryClient:
         latency_ms: Optional[int] = None,
         bytes_received: Optional[int] = None,
         bytes_sent: Optional[int] = None,
-    ) -> None:
+    ) -> Optional[datetime]:
         """``POST /v1/leases/{id}/outcomes``: how one request through the lease's proxy went, for
         the proxy's statistics per target domain (``target_domain``, default the lease's). Give
         the target's ``status``, or ``error`` (``connect``, ``timeout``, ``reset``,
-        ``proxy_error``) when there was none. Sent once: a report is not worth a retry."""
+        ``proxy_error``) when there was none. Sent once: a report is not worth a retry.
+
+        Returns (and keeps in ``lease.not_before``) when the next request to that domain through
+        the proxy may start, under the operator's politeness; ``None`` when no limit applies."""
         domain = target_domain or lease.target_domain
         if not domain:
             raise ValueError("report needs a target_domain (the lease has none)")
@@ -365,7 +373,9 @@ class DiscoveryClient:
         ):
             if value is not None:
                 body[key] = value
-        self._call("POST", f"/v1/leases/{_quote(lease.lease_id)}/outcomes", body)
+        _, answer, _ = self._call("POST", f"/v1/leases/{_quote(lease.lease_id)}/outcomes", body)
+        lease.not_before = _parse_time(answer["notBefore"]) if "notBefore" in answer else None
+        return lease.not_before
 
     def release(self, lease: Lease, outcome: Outcome = "ok", target_domain: Optional[str] = None) -> bool:
         """``POST /v1/leases/{id}/release`` with how it went: ``ok``, ``banned`` or ``error``.
