@@ -615,7 +615,18 @@ impl ControlPlane {
     /// Freezes kube-apiserver (SIGSTOP): connections stay open and nothing answers, as with a
     /// server stuck in a long GC pause or behind a dead link, until [`Self::thaw_apiserver`].
     pub fn freeze_apiserver(&self) {
-        self.signal_apiserver(libc::SIGSTOP);
+        let pid = self.signal_apiserver(libc::SIGSTOP);
+        // kill(2) returns once the signal is queued, not once every thread has stopped: a
+        // request sent at once could still be answered (seen once in CI). Wait until the
+        // kernel reports each thread stopped.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !every_thread_stopped(pid) {
+            assert!(
+                Instant::now() < deadline,
+                "kube-apiserver did not stop within 5 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Lets a frozen kube-apiserver run again (SIGCONT).
@@ -623,7 +634,8 @@ impl ControlPlane {
         self.signal_apiserver(libc::SIGCONT);
     }
 
-    fn signal_apiserver(&self, signal: libc::c_int) {
+    /// Sends `signal` to kube-apiserver; returns its pid.
+    fn signal_apiserver(&self, signal: libc::c_int) -> libc::pid_t {
         let pid = self
             .apiserver
             .as_ref()
@@ -638,6 +650,7 @@ impl ControlPlane {
             "signalling kube-apiserver: {}",
             std::io::Error::last_os_error()
         );
+        pid
     }
 
     /// Stops kube-apiserver (SIGTERM, as an upgrade or a crash-restart would) and starts it
@@ -1052,4 +1065,19 @@ async fn etcd_request(base: &str, path: &str, body: Option<String>) -> String {
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in `/proc/PID/task/*/stat`).
+fn every_thread_stopped(pid: libc::pid_t) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses and may hold spaces.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T" || state == "t")
+        })
+    })
 }
