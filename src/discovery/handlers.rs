@@ -588,7 +588,7 @@ pub(super) async fn release(
         .then(|| leases(s).check(id, req.fencing_token, now).ok())
         .flatten();
     let released = leases(s)
-        .release(id, req.fencing_token, req.outcome, domain, now)
+        .release(id, req.fencing_token, req.outcome, domain, None, now)
         .await?;
     let held_ms = now.saturating_sub(released.acquired_at_ms);
     let was_banned = req.outcome == Outcome::Banned;
