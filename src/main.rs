@@ -300,10 +300,7 @@ impl RunArgs {
             provider_health_objects: !self.no_provider_health_objects,
             admin_listen: self.admin_listen,
             discovery_listen: self.discovery_listen,
-            gateway_listen: self.gateway.gateway_listen,
-            gateway_session_idle: std::time::Duration::from_secs(self.gateway.gateway_session_idle_seconds),
-            gateway_rules: self.gateway.rules()?,
-            quotas: self.gateway.quotas()?,
+            gateway: self.gateway.options()?,
             auth,
             signing_key: self.lease_signing_key,
             concurrency: self.concurrency,
@@ -332,19 +329,20 @@ struct GatewayArgs {
 }
 
 impl GatewayArgs {
-    /// The rules file's rules, or the default ones.
-    fn rules(&self) -> anyhow::Result<egress_proxies_operator::gateway::rules::Rules> {
-        Ok(match &self.gateway_rules {
-            Some(path) => egress_proxies_operator::gateway::rules::Rules::load(path)?,
-            None => Default::default(),
-        })
-    }
-
-    /// The quotas file's quotas, or none.
-    fn quotas(&self) -> anyhow::Result<egress_proxies_operator::usage::Quotas> {
-        Ok(match &self.quotas {
-            Some(path) => egress_proxies_operator::usage::Quotas::load(path)?,
-            None => Default::default(),
+    /// The gateway's options, with the rules file's rules (or the default ones) and the quotas
+    /// file's quotas (or none).
+    fn options(&self) -> anyhow::Result<app::GatewayOptions> {
+        Ok(app::GatewayOptions {
+            listen: self.gateway_listen,
+            session_idle: std::time::Duration::from_secs(self.gateway_session_idle_seconds),
+            rules: match &self.gateway_rules {
+                Some(path) => egress_proxies_operator::gateway::rules::Rules::load(path)?,
+                None => Default::default(),
+            },
+            quotas: match &self.quotas {
+                Some(path) => egress_proxies_operator::usage::Quotas::load(path)?,
+                None => Default::default(),
+            },
         })
     }
 }
@@ -510,10 +508,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 providers_config,
                 state,
                 listen,
-                gateway_listen: gateway.gateway_listen,
-                gateway_session_idle: std::time::Duration::from_secs(gateway.gateway_session_idle_seconds),
-                gateway_rules: gateway.rules()?,
-                quotas: gateway.quotas()?,
+                gateway: gateway.options()?,
                 auth: app::DiscoveryAuthOptions {
                     tokens_file: discovery_tokens,
                     no_auth: discovery_no_auth,

@@ -1288,8 +1288,8 @@ mod cluster {
             ([127, 0, 0, 1], admin).into(),
             ([127, 0, 0, 1], discovery).into(),
         );
-        options.gateway_listen = Some(([127, 0, 0, 1], gateway).into());
-        options.gateway_rules = rules;
+        options.gateway.listen = Some(([127, 0, 0, 1], gateway).into());
+        options.gateway.rules = rules;
         let operator = ClusterApp::start(operator_client, options);
         let proxies: Api<Proxy> = Api::namespaced(client, "crawl");
         let proxy = local_proxy(

@@ -187,14 +187,36 @@ pub struct CoreFlags {
     pub provider_probe_interval: Duration,
     /// Between two GC passes.
     pub gc_interval: Duration,
+    /// The gateway and the quotas.
+    pub gateway: GatewayOptions,
+}
+
+/// The gateway's options and the quotas per token, the same in both modes (the flags
+/// `--gateway-listen`, `--gateway-session-idle-seconds`, `--gateway-rules` and `--quotas`).
+#[derive(Clone, Debug)]
+pub struct GatewayOptions {
     /// The gateway's address; `None`: no gateway.
-    pub gateway_listen: Option<SocketAddr>,
+    pub listen: Option<SocketAddr>,
     /// How long the gateway keeps an unused session's lease.
-    pub gateway_session_idle: Duration,
-    /// The gateway's rules (`--gateway-rules`, validated; the default without one).
-    pub gateway_rules: Rules,
-    /// The quotas per token (`--quotas`, validated; none without one).
+    pub session_idle: Duration,
+    /// The gateway's rules (`--gateway-rules`, validated; the default without one); their
+    /// politeness entries apply to the lease API too.
+    pub rules: Rules,
+    /// The quotas per token (`--quotas`, validated; none without one); the lease API's acquires
+    /// count against them too.
     pub quotas: Quotas,
+}
+
+impl Default for GatewayOptions {
+    /// No gateway, the default rules, no quotas; a session's lease kept for a minute unused.
+    fn default() -> Self {
+        Self {
+            listen: None,
+            session_idle: Duration::from_secs(60),
+            rules: Rules::default(),
+            quotas: Quotas::default(),
+        }
+    }
 }
 
 /// The running core: what a mode's reconcile loop drives and is driven by.
@@ -255,7 +277,7 @@ pub async fn start_core(
         gc,
         recycle,
     } = adapters;
-    metrics.usage.set_quotas(flags.quotas.clone());
+    metrics.usage.set_quotas(flags.gateway.quotas.clone());
     let (health, mut health_events) = HealthEngine::start(HealthConfig {
         probe_metrics: Some(metrics.metrics.probe_metrics()),
         ..HealthConfig::default()
@@ -276,7 +298,7 @@ pub async fn start_core(
         usage: metrics.usage.clone(),
     }));
     let health_log = page.health_log();
-    let politeness = Politeness::new(flags.gateway_rules.politeness.clone());
+    let politeness = Politeness::new(flags.gateway.rules.politeness.clone());
     let gateway_deps = GatewayDeps {
         store: leases.clone(),
         signer: signer.clone(),
@@ -329,7 +351,7 @@ pub async fn start_core(
             warn!(error = %err, "discovery API stopped with an error");
         }
     }));
-    let gateway_addr = match flags.gateway_listen {
+    let gateway_addr = match flags.gateway.listen {
         Some(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
@@ -338,8 +360,8 @@ pub async fn start_core(
                 .local_addr()
                 .map_err(|e| AppError::Startup(e.to_string()))?;
             let config = GatewayConfig {
-                session_idle: flags.gateway_session_idle,
-                rules: flags.gateway_rules.clone(),
+                session_idle: flags.gateway.session_idle,
+                rules: flags.gateway.rules.clone(),
                 ..GatewayConfig::default()
             };
             let serving = gateway::serve(listener, Gateway::new(gateway_deps, config), stop.stopped());

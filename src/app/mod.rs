@@ -14,7 +14,10 @@ mod auth;
 mod core;
 
 pub use auth::{DiscoveryAuthOptions, TOKEN_RELOAD_INTERVAL, discovery_authenticator};
-pub use core::{Core, CoreAdapters, CoreFlags, CoreMetrics, CoreTasks, StatusPageAt, StopSignal, start_core};
+pub use core::{
+    Core, CoreAdapters, CoreFlags, CoreMetrics, CoreTasks, GatewayOptions, StatusPageAt, StopSignal,
+    start_core,
+};
 
 use crate::{config::ConfigError, provider::RegistryError};
 

@@ -44,8 +44,8 @@ use ui::ClusterFeed;
 
 use crate::{
     app::{
-        AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, StatusPageAt, StopSignal,
-        discovery_authenticator, start_core,
+        AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, GatewayOptions, StatusPageAt,
+        StopSignal, discovery_authenticator, start_core,
     },
     config::ProvidersConfig,
     controller::ReconcilerConfig,
@@ -100,14 +100,8 @@ pub struct ClusterOptions {
     pub admin_listen: SocketAddr,
     /// Discovery API.
     pub discovery_listen: SocketAddr,
-    /// The gateway's address; `None`: no gateway.
-    pub gateway_listen: Option<SocketAddr>,
-    /// How long the gateway keeps an unused session's lease.
-    pub gateway_session_idle: Duration,
-    /// The gateway's rules (`--gateway-rules`, validated before start).
-    pub gateway_rules: crate::gateway::rules::Rules,
-    /// The quotas per token (`--quotas`, validated before start).
-    pub quotas: crate::usage::Quotas,
+    /// The gateway and the quotas (rules and quotas validated before start).
+    pub gateway: GatewayOptions,
     /// Authentication of the discovery API.
     pub auth: DiscoveryAuthOptions,
     /// HMAC key signing lease tokens, shared by all replicas (a mounted Secret).
@@ -214,10 +208,7 @@ async fn act(
         discovery_listen: options.discovery_listen,
         provider_probe_interval: options.provider_probe_interval,
         gc_interval: options.gc_interval,
-        gateway_listen: options.gateway_listen,
-        gateway_session_idle: options.gateway_session_idle,
-        gateway_rules: options.gateway_rules.clone(),
-        quotas: options.quotas.clone(),
+        gateway: options.gateway.clone(),
     };
     let core = start_core(adapters, flags, &replica.metrics, stop).await?;
     tokio::spawn(checkpoint::report_checkpoint_health(

@@ -11,6 +11,10 @@
 //!
 //! Parsing reports every problem at once, each naming the instance and the field, so a user
 //! fixes a file in one pass.
+//!
+//! Also what every file the operator reads at start shares: YAML (or JSON) read with errors that
+//! say where in the document ([`from_yaml`]), and the errors of the files that name the file
+//! ([`FileError`]: the gateway's rules, the quotas).
 
 mod settings;
 
@@ -175,6 +179,92 @@ impl ProvidersConfig {
     pub fn names(&self) -> Vec<&str> {
         self.instances.iter().map(|i| i.name.as_str()).collect()
     }
+}
+
+/// Why a YAML (or JSON) file read once at start (the gateway's rules, the quotas) was refused;
+/// `what` names the kind of file in the message.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    /// The file could not be read.
+    #[error("reading the {what} {path}: {source}")]
+    Read {
+        /// The kind of file (`gateway rules`).
+        what: &'static str,
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Not the file's shape (unknown field, wrong type, YAML syntax, too many entries), located
+    /// by its path in the document.
+    #[error("the {what} {path}: {location}{message}")]
+    Syntax {
+        /// The kind of file (`gateway rules`).
+        what: &'static str,
+        /// The file.
+        path: String,
+        /// `rules[0].match.status: ` (empty at the top level).
+        location: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// An entry that reads but does not hold together.
+    #[error("the {what} {path}: {entry}{field}: {message}")]
+    Invalid {
+        /// The kind of file (`gateway rules`).
+        what: &'static str,
+        /// The file.
+        path: String,
+        /// The entry, and what separates it from the field: `rule "ban" (rules[0]), `,
+        /// `politeness[2].`.
+        entry: String,
+        /// The field to fix, e.g. `match.body` or `escalation[2].seconds`.
+        field: String,
+        /// What is wrong and what is allowed.
+        message: String,
+    },
+}
+
+impl FileError {
+    /// The list `field` of the file `path` has `len` entries, more than `max`.
+    pub fn too_many(what: &'static str, path: &str, field: &str, len: usize, max: usize) -> Self {
+        FileError::Syntax {
+            what,
+            path: path.to_owned(),
+            location: format!("{field}: "),
+            message: format!("{len} entries; at most {max}"),
+        }
+    }
+}
+
+/// Reads the file at `path` and validates its text with `parse`, which gets the path as messages
+/// show it.
+pub fn load_file<T>(
+    what: &'static str,
+    path: &Path,
+    parse: impl FnOnce(&str, &str) -> Result<T, FileError>,
+) -> Result<T, FileError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| FileError::Read {
+        what,
+        path: shown.clone(),
+        source,
+    })?;
+    parse(&text, &shown)
+}
+
+/// `text`, the file `path`'s, read into `T` ([`from_yaml`]); a shape error names the file.
+pub fn from_yaml_file<T: DeserializeOwned>(
+    what: &'static str,
+    text: &str,
+    path: &str,
+) -> Result<T, FileError> {
+    from_yaml(text).map_err(|located| FileError::Syntax {
+        what,
+        path: path.to_owned(),
+        location: located.location,
+        message: located.error.to_string(),
+    })
 }
 
 /// A shape error in a YAML document: where (`providers[2].name: `; empty at the top level) and

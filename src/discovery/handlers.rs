@@ -42,6 +42,19 @@ pub(super) enum AuthErrors {
     Forbidden(ErrorBody),
 }
 
+/// What the token-checked reads (proxies, leases, usage) answer while this replica cannot serve
+/// them (documents the OpenAPI contract; never built).
+#[derive(utoipa::IntoResponses)]
+#[expect(dead_code, reason = "only its OpenAPI responses are used")]
+pub(super) enum NotServing {
+    #[response(
+        status = 503,
+        description = "`not_ready`, `not_leader` or `auth_unavailable`",
+        headers(("Retry-After" = u64, description = "Seconds to wait"))
+    )]
+    Unavailable(ErrorBody),
+}
+
 /// The path parameter of renew, release and outcomes (documents the OpenAPI contract; never built).
 #[derive(utoipa::IntoParams)]
 #[into_params(parameter_in = Path, names("leaseId"))]
@@ -299,8 +312,7 @@ const OUTCOME_DOMAINS_LISTED: usize = 5;
         (status = 200, description = "The matching proxies and how each stands", body = ListResponse),
         (status = 400, description = "`malformed_request`: bad selector or unknown query parameter", body = ErrorBody),
         AuthErrors,
-        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        NotServing,
     ),
     security(("bearer" = [])),
 )]
@@ -358,8 +370,7 @@ pub(super) fn list(
         (status = 200, description = "A page of active leases", body = LeasesResponse),
         (status = 400, description = "`malformed_request`: a bad parameter or an unknown one", body = ErrorBody),
         AuthErrors,
-        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        NotServing,
     ),
     security(("bearer" = [])),
 )]
@@ -596,7 +607,7 @@ pub(super) async fn release(
         .then(|| leases(s).check(id, req.fencing_token, now).ok())
         .flatten();
     let released = leases(s)
-        .release(id, req.fencing_token, req.outcome, domain, now)
+        .release(id, req.fencing_token, req.outcome, domain, None, now)
         .await?;
     let held_ms = now.saturating_sub(released.acquired_at_ms);
     let was_banned = req.outcome == Outcome::Banned;

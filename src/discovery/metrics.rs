@@ -4,17 +4,19 @@ use std::sync::{Arc, OnceLock};
 
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric},
+    encoding::{DescriptorEncoder, EncodeLabelSet},
     metrics::{
         counter::Counter,
         family::Family,
-        gauge::ConstGauge,
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
 };
 
-use crate::lease::LeaseStore;
+use crate::{
+    lease::LeaseStore,
+    telemetry::scrape::{count_gauge, encode_metric},
+};
 
 /// A route, as a metric label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -84,14 +86,12 @@ impl std::fmt::Debug for ActiveLeases {
 impl Collector for ActiveLeases {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let active = self.0.get().map_or(0, LeaseStore::active_total);
-        let gauge = ConstGauge::new(i64::try_from(active).unwrap_or(i64::MAX));
-        let metric = encoder.encode_descriptor(
+        encode_metric(
+            &mut encoder,
             "leases_active",
             "Active leases (sampled at scrape)",
-            None,
-            gauge.metric_type(),
-        )?;
-        gauge.encode(metric)
+            count_gauge(active),
+        )
     }
 }
 

@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 
 use super::{
     ErrorBody, StateInner,
-    handlers::AuthErrors,
+    handlers::{AuthErrors, NotServing},
     router::{ApiError, json},
 };
 use crate::usage::{Counters, QuotaExceeded, QuotaState, TokenUsage};
@@ -133,8 +133,7 @@ pub struct UsageResponse {
         (status = 200, description = "Usage per token and per holder", body = UsageResponse),
         (status = 400, description = "`malformed_request`: a bad limit or an unknown query parameter", body = ErrorBody),
         AuthErrors,
-        (status = 503, description = "`not_ready`, `not_leader` or `auth_unavailable`", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds to wait"))),
+        NotServing,
     ),
     security(("bearer" = [])),
 )]

@@ -367,7 +367,7 @@ impl Held {
         let now = self.deps.store.now_ms();
         match self
             .leases()
-            .release_banning(&lease.lease_id, lease.token, outcome, None, ban_for, now)
+            .release(&lease.lease_id, lease.token, outcome, None, ban_for, now)
             .await
         {
             Ok(released) => {

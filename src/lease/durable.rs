@@ -144,22 +144,10 @@ impl<'a> DurableLeases<'a> {
     }
 
     /// Ends the lease the ID `id` names with `outcome`; a ban applies to `target_domain`, else
-    /// to the lease's own. Returns the ban and cooldown it started.
+    /// to the lease's own, and rests the proxy for the domain for `ban_for` (`None`: the store's
+    /// ban cooldown; see [`LeaseStore::release_banning_at`]). Returns the ban and cooldown it
+    /// started.
     pub async fn release(
-        &self,
-        id: &str,
-        token: u64,
-        outcome: Outcome,
-        target_domain: Option<&str>,
-        now: u64,
-    ) -> Result<Released, DurableError> {
-        self.release_banning(id, token, outcome, target_domain, None, now)
-            .await
-    }
-
-    /// [`DurableLeases::release`], a `banned` outcome resting the proxy for the domain for
-    /// `ban_for` (`None`: the store's ban cooldown; see [`LeaseStore::release_banning_at`]).
-    pub async fn release_banning(
         &self,
         id: &str,
         token: u64,
@@ -321,6 +309,7 @@ mod tests {
                 &acquired.lease_id,
                 acquired.lease.fencing_token,
                 Outcome::Banned,
+                None,
                 None,
                 T0 + 1_000,
             )

@@ -7,12 +7,14 @@
 
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric},
+    encoding::DescriptorEncoder,
     metrics::{counter::ConstCounter, gauge::ConstGauge},
     registry::Registry,
 };
 
-use super::{Failure, Outcomes};
+use super::{Failure, Outcomes, Stats};
+use crate::api::ProxyKey;
+use crate::telemetry::scrape::{count_gauge, encode_family, encode_metric};
 
 impl Outcomes {
     /// Registers the metrics of these statistics in `registry` (prefix `epo_outcomes`).
@@ -30,82 +32,73 @@ impl Collector for Scrape {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let totals = self.0.totals();
         let tracked = self.0.tracked();
-
-        let counter = ConstCounter::new(0u64);
-        let mut family = encoder.encode_descriptor(
+        encode_family(
+            &mut encoder,
             "requests",
             "Requests and tunnels through each proxy, by result (success or the failure kind)",
-            None,
-            counter.metric_type(),
-        )?;
-        for (key, stats) in &totals {
-            let mut results = vec![("success", stats.successes)];
-            results.extend(
-                Failure::ALL
+            by_proxy_and(&totals, "result", |stats| {
+                let failures = Failure::ALL
                     .iter()
-                    .map(|&kind| (kind.as_str(), stats.failures.of(kind))),
-            );
-            for (result, n) in results {
-                let labels = [("proxy", key.as_str()), ("result", result)];
-                ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
-            }
-        }
-
-        let mut family = encoder.encode_descriptor(
+                    .map(|&kind| (kind.as_str(), stats.failures.of(kind)));
+                std::iter::once(("success", stats.successes))
+                    .chain(failures)
+                    .map(|(result, n)| (result, ConstCounter::new(n)))
+            }),
+        )?;
+        encode_family(
+            &mut encoder,
             "bans",
             "Bans of each proxy for a target domain",
-            None,
-            counter.metric_type(),
+            totals
+                .iter()
+                .map(|(key, stats)| ([("proxy", key.as_str())], ConstCounter::new(stats.bans))),
         )?;
-        for (key, stats) in &totals {
-            ConstCounter::new(stats.bans).encode(family.encode_family(&[("proxy", key.as_str())])?)?;
-        }
-
-        let mut family = encoder.encode_descriptor(
+        encode_family(
+            &mut encoder,
             "bytes",
             "Bytes through each proxy: received (target to client) and sent",
-            None,
-            counter.metric_type(),
+            by_proxy_and(&totals, "direction", |stats| {
+                [("received", stats.bytes_received), ("sent", stats.bytes_sent)]
+                    .map(|(direction, n)| (direction, ConstCounter::new(n)))
+            }),
         )?;
-        for (key, stats) in &totals {
-            for (direction, n) in [("received", stats.bytes_received), ("sent", stats.bytes_sent)] {
-                let labels = [("proxy", key.as_str()), ("direction", direction)];
-                ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
-            }
-        }
-
-        let gauge = ConstGauge::new(0.0f64);
-        let mut family = encoder.encode_descriptor(
+        encode_family(
+            &mut encoder,
             "latency_seconds",
             "Median (quantile 0.5) and 95th percentile of each proxy's last 64 latencies",
-            None,
-            gauge.metric_type(),
+            by_proxy_and(&totals, "quantile", |stats| {
+                let quantiles = stats.latency.map(|l| [("0.5", l.p50), ("0.95", l.p95)]);
+                (quantiles.into_iter().flatten())
+                    .map(|(quantile, ms)| (quantile, ConstGauge::new(f64::from(ms) / 1000.0)))
+            }),
         )?;
-        for (key, stats) in &totals {
-            let Some(latency) = stats.latency else { continue };
-            for (quantile, ms) in [("0.5", latency.p50), ("0.95", latency.p95)] {
-                let labels = [("proxy", key.as_str()), ("quantile", quantile)];
-                ConstGauge::new(f64::from(ms) / 1000.0).encode(family.encode_family(&labels)?)?;
-            }
-        }
-
-        let pairs = ConstGauge::new(i64::try_from(tracked.pairs).unwrap_or(i64::MAX));
-        let metric = encoder.encode_descriptor(
+        encode_metric(
+            &mut encoder,
             "tracked_pairs",
             "(proxy, target domain) pairs tracked now",
-            None,
-            pairs.metric_type(),
+            count_gauge(tracked.pairs),
         )?;
-        pairs.encode(metric)?;
-        let evicted = ConstCounter::new(tracked.evicted);
-        let metric = encoder.encode_descriptor(
+        encode_metric(
+            &mut encoder,
             "evicted_pairs",
             "(proxy, target domain) pairs evicted, least recently seen first, to stay within the caps",
-            None,
-            evicted.metric_type(),
-        )?;
-        evicted.encode(metric)
+            ConstCounter::new(tracked.evicted),
+        )
     }
+}
+
+/// The samples of a per-proxy family with a second label, `label`: `split` gives each value of
+/// it and its metric for one proxy's statistics.
+fn by_proxy_and<'a, M, I: IntoIterator<Item = (&'static str, M)> + 'a>(
+    totals: &'a [(ProxyKey, Stats)],
+    label: &'static str,
+    split: impl Fn(&'a Stats) -> I + 'a,
+) -> impl Iterator<Item = ([(&'static str, &'a str); 2], M)> + 'a {
+    totals.iter().flat_map(move |(key, stats)| {
+        split(stats)
+            .into_iter()
+            .map(move |(value, metric)| ([("proxy", key.as_str()), (label, value)], metric))
+    })
 }
 
 #[cfg(test)]

@@ -299,30 +299,18 @@ mod tests {
             [0, 1_000, 2_000].map(Duration::from_millis),
             "one start a second"
         );
-        // Other proxies, other domains and domains no entry names are not held back.
+        // Other proxies, other domains and domains no entry names are not held back: an entry's
+        // turn (`Some`), or no entry to take a turn of (`None`), at once.
         let b = ProxyKey::new("crawl", "b");
-        assert!(
-            polite
-                .turn(&b, &none(), Some("shop.example"))
-                .await
-                .expect("turn")
-                .is_some()
-        );
-        assert!(
-            polite
-                .turn(&a, &none(), Some("x.news.example"))
-                .await
-                .expect("turn")
-                .is_some()
-        );
-        assert!(
-            polite
-                .turn(&a, &none(), Some("other.example"))
-                .await
-                .expect("turn")
-                .is_none()
-        );
-        assert!(polite.turn(&a, &none(), None).await.expect("turn").is_none());
+        for (proxy, domain, has_entry) in [
+            (&b, Some("shop.example"), true),
+            (&a, Some("x.news.example"), true),
+            (&a, Some("other.example"), false),
+            (&a, None, false),
+        ] {
+            let turn = polite.turn(proxy, &none(), domain).await.expect("turn");
+            assert_eq!(turn.is_some(), has_entry, "{proxy:?} for {domain:?}");
+        }
         assert_eq!(Instant::now() - started, Duration::from_millis(2_000));
     }
 

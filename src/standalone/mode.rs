@@ -12,8 +12,8 @@ use super::{
     store::Store, ui::StoreSource,
 };
 use crate::app::{
-    AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, StatusPageAt, StopSignal,
-    discovery_authenticator, start_core,
+    AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, GatewayOptions, StatusPageAt,
+    StopSignal, discovery_authenticator, start_core,
 };
 use crate::{
     config::ProvidersConfig,
@@ -47,14 +47,8 @@ pub struct StandaloneOptions {
     pub state: PathBuf,
     /// Discovery API address.
     pub listen: SocketAddr,
-    /// The gateway's address; `None`: no gateway.
-    pub gateway_listen: Option<SocketAddr>,
-    /// How long the gateway keeps an unused session's lease.
-    pub gateway_session_idle: Duration,
-    /// The gateway's rules (`--gateway-rules`, validated before start).
-    pub gateway_rules: crate::gateway::rules::Rules,
-    /// The quotas per token (`--quotas`, validated before start).
-    pub quotas: crate::usage::Quotas,
+    /// The gateway and the quotas (rules and quotas validated before start).
+    pub gateway: GatewayOptions,
     /// Authentication of the discovery API. Without a tokens file (and without `no_auth`), a
     /// file with one random token is created under the state folder and used.
     pub auth: DiscoveryAuthOptions,
@@ -187,10 +181,7 @@ pub async fn run_standalone(
         discovery_listen: options.listen,
         provider_probe_interval: options.provider_probe_interval,
         gc_interval: options.gc_interval,
-        gateway_listen: options.gateway_listen,
-        gateway_session_idle: options.gateway_session_idle,
-        gateway_rules: options.gateway_rules.clone(),
-        quotas: options.quotas.clone(),
+        gateway: options.gateway.clone(),
     };
     let core = start_core(adapters, flags, &metrics, &stop).await?;
     let compaction = journal.map(|journal| {
@@ -366,10 +357,7 @@ mod tests {
             providers_config: dir.join("providers.yaml"),
             state: dir.join("state"),
             listen: "127.0.0.1:0".parse().expect("an address"),
-            gateway_listen: None,
-            gateway_session_idle: Duration::from_secs(60),
-            gateway_rules: Default::default(),
-            quotas: Default::default(),
+            gateway: GatewayOptions::default(),
             auth: DiscoveryAuthOptions::default(),
             poll: Duration::from_millis(100),
             gc_grace: Duration::from_secs(300),

@@ -3,6 +3,7 @@
 //! Labels are bounded: error categories, phases and transition endpoints come from closed sets.
 
 pub mod admin;
+pub mod scrape;
 pub mod tracing_setup;
 
 use std::time::Duration;

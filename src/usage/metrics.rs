@@ -5,13 +5,11 @@
 //! `GET /v1/usage` and on the status page.
 
 use prometheus_client::{
-    collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric},
-    metrics::{counter::ConstCounter, gauge::ConstGauge},
-    registry::Registry,
+    collector::Collector, encoding::DescriptorEncoder, metrics::counter::ConstCounter, registry::Registry,
 };
 
 use super::Usage;
+use crate::telemetry::scrape::{count_gauge, encode_family};
 
 impl Usage {
     /// Registers the metrics of this usage in `registry` (prefix `epo_usage`).
@@ -32,7 +30,6 @@ impl Collector for Scrape {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         // The quota windows are not needed here: `now` only rolls them.
         let tokens = self.0.tokens(0);
-        let counter = ConstCounter::new(0u64);
         let families: [Family; 3] = [
             (
                 "requests",
@@ -51,35 +48,29 @@ impl Collector for Scrape {
             ),
         ];
         for (name, help, value) in families {
-            let mut family = encoder.encode_descriptor(name, help, None, counter.metric_type())?;
-            for usage in &tokens {
-                ConstCounter::new(value(&usage.counters))
-                    .encode(family.encode_family(&[("token", usage.token.as_str())])?)?;
-            }
+            let samples = tokens.iter().map(|usage| {
+                (
+                    [("token", usage.token.as_str())],
+                    ConstCounter::new(value(&usage.counters)),
+                )
+            });
+            encode_family(&mut encoder, name, help, samples)?;
         }
-        let seconds = ConstCounter::new(0.0f64);
-        let mut family = encoder.encode_descriptor(
+        encode_family(
+            &mut encoder,
             "lease_seconds",
             "Seconds leases were held, grant to release, by the token that released them",
-            None,
-            seconds.metric_type(),
+            tokens.iter().map(|usage| {
+                let seconds = ConstCounter::new(usage.counters.lease_seconds());
+                ([("token", usage.token.as_str())], seconds)
+            }),
         )?;
-        for usage in &tokens {
-            ConstCounter::new(usage.counters.lease_seconds())
-                .encode(family.encode_family(&[("token", usage.token.as_str())])?)?;
-        }
         let (tokens, holders) = self.0.tracked();
-        let gauge = ConstGauge::new(0i64);
-        let mut family = encoder.encode_descriptor(
+        encode_family(
+            &mut encoder,
             "tracked",
             "Tokens and holders whose usage is tracked now (at most 10,000 each)",
-            None,
-            gauge.metric_type(),
-        )?;
-        for (kind, n) in [("tokens", tokens), ("holders", holders)] {
-            ConstGauge::new(i64::try_from(n).unwrap_or(i64::MAX))
-                .encode(family.encode_family(&[("kind", kind)])?)?;
-        }
-        Ok(())
+            [("tokens", tokens), ("holders", holders)].map(|(kind, n)| ([("kind", kind)], count_gauge(n))),
+        )
     }
 }

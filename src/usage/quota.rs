@@ -7,49 +7,17 @@ use std::{collections::HashMap, path::Path};
 use serde::Deserialize;
 
 use super::{QuotaExceeded, QuotaState};
-use crate::lease::rfc3339;
+use crate::{config::FileError, lease::rfc3339};
 
 /// Most quota entries a file may hold.
 pub const MAX_QUOTAS: usize = 1_000;
 /// Longest period: a year.
 const MAX_PERIOD_MS: u64 = 366 * 86_400_000;
+/// The file as its errors name it.
+const WHAT: &str = "quotas";
 
 /// Why the quotas file was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum QuotaError {
-    /// The file could not be read.
-    #[error("reading the quotas {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// Not the file's shape (unknown field, wrong type, YAML syntax), located by its path.
-    #[error("the quotas {path}: {location}{message}")]
-    Syntax {
-        /// The file.
-        path: String,
-        /// `quotas[0].period: ` (empty at the top level).
-        location: String,
-        /// What is wrong.
-        message: String,
-    },
-    /// An entry that reads but does not hold together.
-    #[error("the quotas {path}: quota for token {token:?} (quotas[{index}]), {field}: {message}")]
-    Invalid {
-        /// The file.
-        path: String,
-        /// The entry's token.
-        token: String,
-        /// Its index.
-        index: usize,
-        /// The field to fix.
-        field: &'static str,
-        /// What is wrong.
-        message: String,
-    },
-}
+pub type QuotaError = FileError;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -91,35 +59,28 @@ pub struct Quotas(pub Vec<Quota>);
 impl Quotas {
     /// Reads and validates a quotas file.
     pub fn load(path: &Path) -> Result<Self, QuotaError> {
-        let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| QuotaError::Read {
-            path: shown.clone(),
-            source,
-        })?;
-        Self::parse(&text, &shown)
+        crate::config::load_file(WHAT, path, Self::parse)
     }
 
     /// Validates quotas given as YAML (or JSON) text; `path` names it in errors.
     pub fn parse(text: &str, path: &str) -> Result<Self, QuotaError> {
-        let file: QuotasFile = crate::config::from_yaml(text).map_err(|located| QuotaError::Syntax {
-            path: path.to_owned(),
-            location: located.location,
-            message: located.error.to_string(),
-        })?;
+        let file: QuotasFile = crate::config::from_yaml_file(WHAT, text, path)?;
         if file.quotas.len() > MAX_QUOTAS {
-            return Err(QuotaError::Syntax {
-                path: path.to_owned(),
-                location: "quotas: ".to_owned(),
-                message: format!("{} entries; at most {MAX_QUOTAS}", file.quotas.len()),
-            });
+            return Err(FileError::too_many(
+                WHAT,
+                path,
+                "quotas",
+                file.quotas.len(),
+                MAX_QUOTAS,
+            ));
         }
         let mut quotas = Vec::with_capacity(file.quotas.len());
         for (index, spec) in file.quotas.into_iter().enumerate() {
-            let invalid = |field, message: String| QuotaError::Invalid {
+            let invalid = |field: &str, message: String| FileError::Invalid {
+                what: WHAT,
                 path: path.to_owned(),
-                token: spec.token.clone(),
-                index,
-                field,
+                entry: format!("quota for token {:?} (quotas[{index}]), ", spec.token),
+                field: field.to_owned(),
                 message,
             };
             if spec.token.is_empty() || spec.token.len() > 253 {

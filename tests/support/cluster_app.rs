@@ -9,7 +9,7 @@
 use std::{net::SocketAddr, path::Path, time::Duration};
 
 use egress_proxies_operator::{
-    app::{AppError, DiscoveryAuthOptions},
+    app::{AppError, DiscoveryAuthOptions, GatewayOptions},
     cluster::{ClusterOptions, cluster_identity, run_cluster},
     provider::Installation,
 };
@@ -91,10 +91,7 @@ pub fn local_cluster(
         provider_health_objects: true,
         admin_listen: admin,
         discovery_listen: discovery,
-        gateway_listen: None,
-        gateway_session_idle: Duration::from_secs(60),
-        quotas: Default::default(),
-        gateway_rules: Default::default(),
+        gateway: GatewayOptions::default(),
         auth: DiscoveryAuthOptions::tokens_file(dir.join("tokens")),
         signing_key: dir.join("key"),
         concurrency: 4,

@@ -8,7 +8,10 @@ use hyper::header::HeaderName;
 use serde::Deserialize;
 
 use super::{Action, BodyMatch, HeaderMatch, Match, Rule, Rules, Step};
-use crate::politeness::{DomainPattern, PolitenessEntry};
+use crate::{
+    config::FileError,
+    politeness::{DomainPattern, PolitenessEntry},
+};
 
 /// Most bytes of a body a body pattern may look at (per answer, held while it is judged).
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
@@ -29,55 +32,11 @@ pub const DEFAULT_POLITE_WAIT_MS: u64 = 5_000;
 /// Largest compiled pattern (the `regex` crate's size limit), so a file cannot make the
 /// gateway build a huge automaton.
 const MAX_PATTERN_SIZE: usize = 1024 * 1024;
+/// The file as its errors name it.
+const WHAT: &str = "gateway rules";
 
 /// Why the rules file was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum RulesError {
-    /// The file could not be read.
-    #[error("reading the gateway rules {path}: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// Not the file's shape (unknown field, wrong type, YAML syntax), located by its path.
-    #[error("the gateway rules {path}: {location}{message}")]
-    Syntax {
-        /// The file.
-        path: String,
-        /// `rules[0].match.status: ` (empty at the top level).
-        location: String,
-        /// What is wrong.
-        message: String,
-    },
-    /// A rule that reads but does not hold together.
-    #[error("the gateway rules {path}: rule {rule:?} (rules[{index}]), {field}: {message}")]
-    Invalid {
-        /// The file.
-        path: String,
-        /// The rule's name (empty when it has none).
-        rule: String,
-        /// Its position in `rules`.
-        index: usize,
-        /// The field to fix, e.g. `match.body` or `escalation[2].seconds`.
-        field: String,
-        /// What is wrong and what is allowed.
-        message: String,
-    },
-    /// A politeness entry that does not hold together.
-    #[error("the gateway rules {path}: politeness[{index}].{field}: {message}")]
-    Politeness {
-        /// The file.
-        path: String,
-        /// Its position in `politeness`.
-        index: usize,
-        /// The field to fix, e.g. `minIntervalMs`.
-        field: String,
-        /// What is wrong and what is allowed.
-        message: String,
-    },
-}
+pub type RulesError = FileError;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -207,35 +166,23 @@ pub fn default_ladder() -> Vec<Step> {
 impl Rules {
     /// Reads and validates a rules file.
     pub fn load(path: &Path) -> Result<Self, RulesError> {
-        let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| RulesError::Read {
-            path: shown.clone(),
-            source,
-        })?;
-        Self::parse(&text, &shown)
+        crate::config::load_file(WHAT, path, Self::parse)
     }
 
     /// Validates rules given as YAML (or JSON) text; `path` names it in errors.
     pub fn parse(text: &str, path: &str) -> Result<Self, RulesError> {
-        let file: RulesFile = crate::config::from_yaml(text).map_err(|located| RulesError::Syntax {
-            path: path.to_owned(),
-            location: located.location,
-            message: located.error.to_string(),
-        })?;
-        let too_many = |field: &str, n: usize| RulesError::Syntax {
-            path: path.to_owned(),
-            location: format!("{field}: "),
-            message: format!("{n} entries; at most {MAX_RULES}"),
-        };
+        let file: RulesFile = crate::config::from_yaml_file(WHAT, text, path)?;
+        let too_many = |field: &str, n: usize| FileError::too_many(WHAT, path, field, n, MAX_RULES);
         if file.politeness.len() > MAX_RULES {
             return Err(too_many("politeness", file.politeness.len()));
         }
         let mut politeness = Vec::with_capacity(file.politeness.len());
         for (index, spec) in file.politeness.into_iter().enumerate() {
             politeness.push(
-                compile_politeness(spec).map_err(|(field, message)| RulesError::Politeness {
+                compile_politeness(spec).map_err(|(field, message)| FileError::Invalid {
+                    what: WHAT,
                     path: path.to_owned(),
-                    index,
+                    entry: format!("politeness[{index}]."),
                     field,
                     message,
                 })?,
@@ -252,10 +199,10 @@ impl Rules {
         }
         let mut rules: Vec<Rule> = Vec::with_capacity(specs.len());
         for (index, spec) in specs.into_iter().enumerate() {
-            let invalid = |rule: &str, field: &str, message: String| RulesError::Invalid {
+            let invalid = |rule: &str, field: &str, message: String| FileError::Invalid {
+                what: WHAT,
                 path: path.to_owned(),
-                rule: rule.to_owned(),
-                index,
+                entry: format!("rule {rule:?} (rules[{index}]), "),
                 field: field.to_owned(),
                 message,
             };

@@ -195,27 +195,19 @@ mod tests {
     fn counts_per_domain_and_per_proxy_within_the_window() {
         let mut strikes = Strikes::default();
         let a = key("a");
-        let hit =
-            |s: &mut Strikes, domain: &str, now: u64| s.strike(0, 1_000, 10, &a, "h:1", Some(domain), now);
-        assert_eq!(hit(&mut strikes, "x.example", 0), Counts { domain: 1, proxy: 1 });
-        assert_eq!(
-            hit(&mut strikes, "x.example", 100),
-            Counts { domain: 2, proxy: 2 }
-        );
-        assert_eq!(
-            hit(&mut strikes, "y.example", 200),
-            Counts { domain: 1, proxy: 3 }
-        );
-        // 1,050 ms: the match at 0 left the window.
-        assert_eq!(
-            hit(&mut strikes, "x.example", 1_050),
-            Counts { domain: 2, proxy: 3 }
-        );
-        // Long after: everything left it.
-        assert_eq!(
-            hit(&mut strikes, "y.example", 10_000),
-            Counts { domain: 1, proxy: 1 }
-        );
+        let expected = [
+            ("x.example", 0, Counts { domain: 1, proxy: 1 }),
+            ("x.example", 100, Counts { domain: 2, proxy: 2 }),
+            ("y.example", 200, Counts { domain: 1, proxy: 3 }),
+            // 1,050 ms: the match at 0 left the window.
+            ("x.example", 1_050, Counts { domain: 2, proxy: 3 }),
+            // Long after: everything left it.
+            ("y.example", 10_000, Counts { domain: 1, proxy: 1 }),
+        ];
+        for (domain, now, counts) in expected {
+            let got = strikes.strike(0, 1_000, 10, &a, "h:1", Some(domain), now);
+            assert_eq!(got, counts, "{domain} at {now} ms");
+        }
     }
 
     #[test]
