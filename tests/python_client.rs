@@ -226,17 +226,28 @@ async fn python_suite(host: Host, python: &Path) {
         );
         host.add_manifest(name, &standalone::with_auth(&manifest, "proxy-credentials"));
     }
+    // A fourth proxy, outside the tests' selector, under politeness for every domain: what
+    // request mode's wait for `notBefore` is tested on.
+    let polite = standalone::manifest(
+        "py-polite",
+        free_port(),
+        &health_url,
+        &[("pool", "pytest-polite")],
+        &[("maxConcurrent", 10), ("cooldownSeconds", 0)],
+    );
+    host.add_manifest("py-polite", &standalone::with_auth(&polite, "proxy-credentials"));
 
-    // Politeness for a domain only the client's test names (no page is fetched from it).
+    // Politeness for a domain only the client's test names (no page is fetched from it), and
+    // for every domain through the fourth proxy.
     std::fs::write(
         host.path().join("rules.yaml"),
-        "politeness:\n  - {domains: [polite.example], minIntervalMs: 1000}\n",
+        "politeness:\n  - {domains: [polite.example], minIntervalMs: 1000}\n  - {proxies: {pool: pytest-polite}, minIntervalMs: 500}\n",
     )
     .expect("rules file");
     let operator = start_operator_with(&host, "operator.log", &["--gateway-rules", "rules.yaml"]);
-    wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
+    wait_status(&host, "four healthy proxies", |t| healthy_rows(t) == 4);
     let logs = host.access_logs();
-    assert_eq!(logs.len(), 3, "one access log per Squid: {logs:?}");
+    assert_eq!(logs.len(), 4, "one access log per Squid: {logs:?}");
     let access_logs: serde_json::Map<String, serde_json::Value> = logs
         .iter()
         .map(|(endpoint, path)| (endpoint.clone(), path.display().to_string().into()))

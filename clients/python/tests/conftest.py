@@ -212,6 +212,8 @@ class Site:
 
     def __init__(self) -> None:
         self.served: List[Tuple[str, str]] = []
+        # When each request arrived (time.monotonic()), in order.
+        self.arrivals: List[float] = []
         self.once_requests = 0
         self.lock = threading.Lock()
         site = self
@@ -220,6 +222,7 @@ class Site:
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 host = (self.headers.get("Host") or "").rsplit(":", 1)[0]
                 site.served.append((host, self.path))
+                site.arrivals.append(time.monotonic())
                 if host == BANNING_HOST and self.path == "/many":
                     anchors = "".join(f'<a href="/once/{n}">{n}</a>' for n in range(site.ONCE_PAGES))
                     self._answer(200, f"<html><body>{anchors}</body></html>")

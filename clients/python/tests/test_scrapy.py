@@ -312,6 +312,24 @@ def test_ban_codes_are_configurable(
     assert drain(client, selector, "127.0.0.1") == all_proxies - {banned_proxy}
 
 
+def test_request_mode_waits_for_the_start_politeness_reserved(crawl: Crawl, site: Site) -> None:
+    # The operator under test spaces the starts of requests through its pool=pytest-polite
+    # proxy 0.5 s apart per domain; each acquire answers the start it reserved (notBefore).
+    result = crawl(
+        settings={"EGRESS_PROXIES_MODE": "request", "EGRESS_PROXIES_SELECTOR": {"pool": "pytest-polite"}},
+        start_urls=[site.url("/a")],
+        allowed_domains=["127.0.0.1"],
+    )
+    pages = result["pages"]
+    assert len(pages) >= 4 and len(site.arrivals) == len(pages), (pages, site.served)
+    assert len({page["proxy"] for page in pages}) == 1, "all through the polite proxy"
+    gaps = [later - earlier for earlier, later in zip(site.arrivals, site.arrivals[1:])]
+    # A request reaches the site a little after its start (through Squid), so a gap may come
+    # out a few milliseconds short of the interval, never much.
+    assert min(gaps) > 0.4, f"requests to one domain through one proxy {gaps} s apart"
+    assert result["stats"].get("egress_proxies/politeness_waits", 0) >= 1, result["stats"]
+
+
 def test_no_proxy_available_drops_the_request_with_one_line_and_no_traceback(crawl: Crawl, site: Site) -> None:
     # Nothing matches the selector: the request waits EGRESS_PROXIES_MAX_WAIT, then is dropped.
     result = crawl(

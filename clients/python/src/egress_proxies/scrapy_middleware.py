@@ -17,7 +17,10 @@ does not start, rather than crawl from this host's own address):
     ``"domain"`` (default): one lease per target domain (and per session, see below), shared
     by that domain's requests and kept until the crawl ends, a ban, a download error, or
     ``EGRESS_PROXIES_IDLE_RELEASE`` seconds without requests. ``"request"``: one lease per
-    request, released with its response.
+    request, released with its response; under the operator's politeness for the request's
+    domain (docs/gateway.md), the request is held until the start the acquire reserved for it
+    (``notBefore``; stat ``egress_proxies/politeness_waits``). In ``domain`` mode many requests
+    share one lease, so one reserved start cannot space them: use Scrapy's ``DOWNLOAD_DELAY``.
 ``EGRESS_PROXIES_SELECTOR``
     attributes the proxies must have, e.g. ``{"region": "eu"}``.
 ``EGRESS_PROXIES_BAN_CODES``
@@ -103,7 +106,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union, cast
 
 from scrapy import Request, Spider, signals
 from scrapy.crawler import Crawler
@@ -112,6 +115,7 @@ from scrapy.http import Response
 from scrapy.utils.defer import deferred_from_coro, maybe_deferred_to_future
 from scrapy.utils.httpobj import urlparse_cached
 from twisted.internet import defer, task, threads
+from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
@@ -295,6 +299,7 @@ class EgressProxiesMiddleware:
             del self._banned_until[domain]
         if self.mode == "request":
             acquired = self._acquire_in_turn(domain, session)
+            acquired.addCallback(self._when_polite)
             acquired.addCallback(self._route, request)
             acquired.addErrback(self._unavailable, domain, spider)
             return acquired
@@ -552,6 +557,19 @@ class EgressProxiesMiddleware:
         held.in_flight += 1
         self._route(held.lease, request, counted=True)
         request.meta["_egress_proxies_key"] = key
+
+    def _when_polite(self, lease: Lease) -> Union[Lease, defer.Deferred[Lease]]:
+        """``lease`` once the start the operator reserved for its request (``notBefore``, under
+        its politeness for the domain) has come; at once without one."""
+        if lease.not_before is None:
+            return lease
+        wait = (lease.not_before - datetime.now(timezone.utc)).total_seconds()
+        if wait <= 0:
+            return lease
+        self.stats.inc_value("egress_proxies/politeness_waits")
+        from twisted.internet import reactor  # the one Scrapy installed
+
+        return task.deferLater(cast(IReactorTime, reactor), wait, lambda: lease)
 
     def _route(self, lease: Lease, request: Request, counted: bool = False) -> None:
         if not counted:
