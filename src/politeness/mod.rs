@@ -219,6 +219,9 @@ impl Politeness {
     /// how long from now that start is; `None` when no entry with an interval applies (the
     /// request may go at once).
     pub fn reserve_start(&self, proxy: &ProxyKey, attributes: &Attributes, domain: &str) -> Option<Duration> {
+        if self.is_off() {
+            return None;
+        }
         let domain = normalize_domain(domain);
         let interval = self.entry(attributes, &domain)?.min_interval?;
         let mut slots = lock(&self.0.slots);

@@ -39,6 +39,26 @@ fn the_least_recently_seen_is_evicted() {
     assert!(usage.holder("a").is_some() && usage.holder("c").is_some());
 }
 
+/// A full table evicts its least recently seen tenth at once, however long ago the rest were
+/// added: what was seen lately stays.
+#[test]
+fn a_full_table_evicts_its_least_recently_seen_tenth() {
+    let mut table = super::table::Table::new(100);
+    for n in 0..100 {
+        table.add(&format!("n{n}"), |c| c.requests += 1);
+    }
+    // The first 20 seen again: now n20..n29 are the least recently seen.
+    for n in 0..20 {
+        table.add(&format!("n{n}"), |c| c.requests += 1);
+    }
+    table.add("new", |c| c.requests += 1);
+    assert_eq!(table.len(), 91);
+    let kept = |n: u32| table.get(&format!("n{n}")).is_some();
+    assert!((20..30).all(|n| !kept(n)), "the least recent tenth went");
+    assert!((0..20).chain(30..100).all(kept), "the rest stayed");
+    assert_eq!(table.get("n0").map(|c| c.requests), Some(2));
+}
+
 #[test]
 fn a_quota_refuses_in_its_window_and_resets_at_the_next() {
     let usage = Usage::default();
