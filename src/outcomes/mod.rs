@@ -233,7 +233,7 @@ pub struct ProxyOutcomes {
 /// How much it tracks at the most.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// (proxy, domain) pairs; a new pair past it evicts the least recently seen one. A proxy
+    /// (proxy, domain) pairs; a new pair past it evicts the least recently seen tenth. A proxy
     /// whose every pair was evicted is forgotten, its totals too.
     pub max_pairs: usize,
     /// Domains per proxy; a new one past it evicts that proxy's least recently seen domain.
@@ -241,7 +241,7 @@ pub struct Limits {
 }
 
 impl Default for Limits {
-    /// 20,000 pairs and 32 domains per proxy: at most about 28 MB (see docs/gateway.md).
+    /// 20,000 pairs and 32 domains per proxy: at most about 24 MB (see docs/gateway.md).
     fn default() -> Self {
         Self {
             max_pairs: 20_000,

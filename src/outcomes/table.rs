@@ -1,18 +1,18 @@
 //! The bounded table behind [`super::Outcomes`]: per proxy its totals and its domains' pairs,
-//! and two recency indexes (every pair, and each proxy's own) keyed by a sequence number that
-//! grows with every record, so the least recently seen pair is the first entry of a `BTreeMap`.
+//! each stamped with a sequence number that grows with every record. Recording a known pair is
+//! two lookups and a stamp (it happens on every gateway request and outcome report); the order
+//! is worked out only when something must be evicted: a proxy's least recently seen domain
+//! when it has its cap's worth (a scan of at most that many), and, when the whole table is
+//! full, its least recently seen tenth at once (a linear selection, paid once per a tenth of
+//! the cap's new pairs).
 //!
 //! Bound, per pair: the [`Pair`] (statistics and a 64-sample window, under 400 bytes) in its
-//! proxy's map, an entry in each recency index, and the domain's bytes (up to 253) in one shared
-//! `Arc<str>`: at most about 900 bytes. Per proxy (never more proxies than pairs): its totals
-//! (another [`Pair`]), its key and its maps' headers: about 500 bytes. So [`Limits::default`]'s
-//! 20,000 pairs cost at most about 28 MB, and about 10 MB with 20-character domains and 32 per
-//! proxy.
+//! proxy's map and the domain's bytes (up to 253): at most about 700 bytes. Per proxy (never
+//! more proxies than pairs): its totals (another [`Pair`]), its key and its map's header: about
+//! 500 bytes. So [`Limits::default`]'s 20,000 pairs cost at most about 24 MB, and about 9 MB
+//! with 20-character domains and 32 per proxy.
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    sync::Arc,
-};
+use std::collections::HashMap;
 
 use super::{DomainStats, Limits, ProxyOutcomes, Stats, Tracked, window::Window};
 use crate::api::ProxyKey;
@@ -39,16 +39,12 @@ impl Pair {
 #[derive(Default)]
 struct ProxyEntry {
     total: Pair,
-    domains: HashMap<Arc<str>, Pair>,
-    /// Its domains by when each was last seen.
-    recency: BTreeMap<u64, Arc<str>>,
+    domains: HashMap<Box<str>, Pair>,
 }
 
 pub(super) struct Table {
     limits: Limits,
     proxies: HashMap<ProxyKey, ProxyEntry>,
-    /// Every pair by when it was last seen.
-    recency: BTreeMap<u64, (ProxyKey, Arc<str>)>,
     seq: u64,
     pairs: usize,
     evicted: u64,
@@ -68,7 +64,6 @@ impl Table {
                 max_domains_per_proxy: limits.max_domains_per_proxy.max(1),
             },
             proxies: HashMap::new(),
-            recency: BTreeMap::new(),
             seq: 0,
             pairs: 0,
             evicted: 0,
@@ -78,80 +73,64 @@ impl Table {
     /// Applies `update` to the pair (`proxy`, `domain`) and to the proxy's totals, making room
     /// for a new pair first, and marks the pair the most recently seen.
     pub(super) fn record(&mut self, proxy: &ProxyKey, domain: &str, update: impl Fn(&mut Pair)) {
-        let known = self
-            .proxies
-            .get(proxy)
-            .is_some_and(|entry| entry.domains.contains_key(domain));
-        if !known {
-            if self
-                .proxies
-                .get(proxy)
-                .is_some_and(|entry| entry.domains.len() >= self.limits.max_domains_per_proxy)
-            {
-                self.evict_oldest_of(proxy);
-            }
-            if self.pairs >= self.limits.max_pairs {
-                self.evict_oldest();
-            }
-        }
         self.seq += 1;
         let seq = self.seq;
+        if let Some(entry) = self.proxies.get_mut(proxy)
+            && let Some(pair) = entry.domains.get_mut(domain)
+        {
+            pair.seq = seq;
+            update(pair);
+            entry.total.seq = seq;
+            update(&mut entry.total);
+            return;
+        }
+        if let Some(entry) = self.proxies.get_mut(proxy)
+            && entry.domains.len() >= self.limits.max_domains_per_proxy
+            && let Some(oldest) = entry
+                .domains
+                .iter()
+                .min_by_key(|(_, pair)| pair.seq)
+                .map(|(d, _)| d.clone())
+        {
+            entry.domains.remove(&oldest);
+            self.pairs -= 1;
+            self.evicted += 1;
+        }
+        if self.pairs >= self.limits.max_pairs {
+            self.evict_least_recent();
+        }
         let entry = self.proxies.entry(proxy.clone()).or_default();
-        let domain: Arc<str> = match entry.domains.get_key_value(domain) {
-            Some((name, pair)) => {
-                let name = name.clone();
-                entry.recency.remove(&pair.seq);
-                self.recency.remove(&pair.seq);
-                name
-            }
-            None => {
-                let name: Arc<str> = domain.into();
-                entry.domains.insert(name.clone(), Pair::default());
-                self.pairs += 1;
-                name
-            }
+        let mut pair = Pair {
+            seq,
+            ..Pair::default()
         };
-        entry.recency.insert(seq, domain.clone());
-        self.recency.insert(seq, (proxy.clone(), domain.clone()));
-        let pair = entry
-            .domains
-            .get_mut(&domain)
-            .expect("the pair was found or inserted just above");
-        pair.seq = seq;
-        update(pair);
+        update(&mut pair);
+        entry.domains.insert(domain.into(), pair);
+        self.pairs += 1;
         entry.total.seq = seq;
         update(&mut entry.total);
     }
 
-    /// Evicts the least recently seen pair of all.
-    fn evict_oldest(&mut self) {
-        let Some((seq, (proxy, domain))) = self.recency.pop_first() else {
+    /// Evicts the least recently seen tenth of all pairs (at least one); a proxy left without
+    /// pairs is forgotten.
+    fn evict_least_recent(&mut self) {
+        let mut stamps: Vec<u64> = (self.proxies.values())
+            .flat_map(|entry| entry.domains.values().map(|pair| pair.seq))
+            .collect();
+        if stamps.is_empty() {
             return;
-        };
-        let Some(entry) = self.proxies.get_mut(&proxy) else {
-            return;
-        };
-        entry.recency.remove(&seq);
-        entry.domains.remove(&domain);
-        self.pairs -= 1;
-        self.evicted += 1;
-        if entry.domains.is_empty() {
-            self.proxies.remove(&proxy);
         }
-    }
-
-    /// Evicts `proxy`'s least recently seen pair.
-    fn evict_oldest_of(&mut self, proxy: &ProxyKey) {
-        let Some(entry) = self.proxies.get_mut(proxy) else {
-            return;
-        };
-        let Some((seq, domain)) = entry.recency.pop_first() else {
-            return;
-        };
-        entry.domains.remove(&domain);
-        self.recency.remove(&seq);
-        self.pairs -= 1;
-        self.evicted += 1;
+        let count = (self.limits.max_pairs / 10).clamp(1, stamps.len());
+        let (_, &mut cut, _) = stamps.select_nth_unstable(count - 1);
+        let mut evicted = 0;
+        self.proxies.retain(|_, entry| {
+            let before = entry.domains.len();
+            entry.domains.retain(|_, pair| pair.seq > cut);
+            evicted += before - entry.domains.len();
+            !entry.domains.is_empty()
+        });
+        self.pairs -= evicted;
+        self.evicted += evicted as u64;
     }
 
     /// The proxies tracked.
@@ -162,13 +141,9 @@ impl Table {
     /// Forgets `gone` proxies and their pairs (not counted as evicted).
     pub(super) fn forget(&mut self, gone: &[ProxyKey]) {
         for proxy in gone {
-            let Some(entry) = self.proxies.remove(proxy) else {
-                continue;
-            };
-            for seq in entry.recency.keys() {
-                self.recency.remove(seq);
+            if let Some(entry) = self.proxies.remove(proxy) {
+                self.pairs -= entry.domains.len();
             }
-            self.pairs -= entry.domains.len();
         }
     }
 
@@ -178,7 +153,7 @@ impl Table {
 
     pub(super) fn proxy(&self, proxy: &ProxyKey, top: usize, also: Option<&str>) -> Option<ProxyOutcomes> {
         let entry = self.proxies.get(proxy)?;
-        let mut domains: Vec<(&Arc<str>, &Pair)> = entry.domains.iter().collect();
+        let mut domains: Vec<(&Box<str>, &Pair)> = entry.domains.iter().collect();
         domains.sort_unstable_by(|(a, x), (b, y)| {
             (y.stats.requests.cmp(&x.stats.requests)).then_with(|| a.cmp(b))
         });
@@ -280,7 +255,7 @@ mod tests {
         // A proxy gone from the pool is forgotten with its pairs, and room is made.
         table.forget(&[key(2), key(9)]);
         assert!(table.pair(&key(2), "a.example").is_none());
-        assert_eq!((table.tracked().pairs, table.recency.len()), (2, 2));
+        assert_eq!(table.tracked().pairs, 2);
         table.record(&key(5), "a.example", count);
         assert!(table.pair(&key(3), "a.example").is_some(), "nothing evicted");
     }
@@ -312,7 +287,7 @@ mod tests {
         /// tracked is exactly the most recently seen pairs a model keeping the same rule keeps.
         #[test]
         fn caps_hold_and_the_most_recent_pairs_stay(
-            max_pairs in 1usize..12,
+            max_pairs in 1usize..30,
             max_domains in 1usize..5,
             records in prop::collection::vec((0u8..6, 0u8..8), 0..200),
         ) {
@@ -329,22 +304,24 @@ mod tests {
                     {
                         model.remove(oldest);
                     }
-                    if model.len() >= max_pairs
-                        && let Some((&oldest, _)) = model.iter().min_by_key(|(_, t)| **t)
-                    {
-                        model.remove(&oldest);
+                    if model.len() >= max_pairs {
+                        // A full table forgets its least recently seen tenth (at least one).
+                        let mut by_age: Vec<((u8, u8), usize)> = model.iter().map(|(k, v)| (*k, *v)).collect();
+                        by_age.sort_by_key(|(_, t)| *t);
+                        for (oldest, _) in by_age.iter().take((max_pairs / 10).max(1)) {
+                            model.remove(oldest);
+                        }
                     }
                 }
                 model.insert((p, d), t);
 
                 let tracked = table.tracked();
                 prop_assert!(tracked.pairs <= max_pairs);
-                prop_assert_eq!(tracked.pairs, table.recency.len());
+                prop_assert_eq!(tracked.pairs, table.proxies.values().map(|e| e.domains.len()).sum::<usize>());
                 prop_assert!(tracked.proxies <= tracked.pairs);
                 for entry in table.proxies.values() {
                     prop_assert!(entry.domains.len() <= max_domains);
                     prop_assert!(!entry.domains.is_empty());
-                    prop_assert_eq!(entry.domains.len(), entry.recency.len());
                 }
             }
             let tracked: HashSet<(u8, u8)> = (0..6u8)
