@@ -95,6 +95,24 @@ struct Slot {
     freed: Arc<Notify>,
 }
 
+impl Slot {
+    /// The earliest start from `now` after every one reserved so far, reserved (the next one
+    /// is then `interval` later) unless it falls after `deadline`: then `Err` with that start.
+    fn reserve(
+        &mut self,
+        now: Instant,
+        interval: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Instant, Instant> {
+        let start = self.next_start.map_or(now, |t| t.max(now));
+        if deadline.is_some_and(|deadline| start > deadline) {
+            return Err(start);
+        }
+        self.next_start = Some(start + interval);
+        Ok(start)
+    }
+}
+
 /// The limits and their state, shared by the gateway and the lease API; cheap to clone.
 #[derive(Clone, Default)]
 pub struct Politeness(Arc<Limits>);
@@ -146,11 +164,11 @@ impl Politeness {
         let Some(domain) = domain.map(normalize_domain) else {
             return Ok(None);
         };
-        let domain = domain.as_str();
-        let Some(entry) = self.entry(attributes, domain) else {
+        let Some(entry) = self.entry(attributes, &domain) else {
             return Ok(None);
         };
-        let key = (proxy.clone(), domain.to_owned());
+        let key = (proxy.clone(), domain);
+        let domain = key.1.as_str();
         let deadline = Instant::now() + entry.max_wait;
         let refuse = |why: String, retry_after: Duration| NoTurn {
             proxy: proxy.clone(),
@@ -196,18 +214,17 @@ impl Politeness {
             let Some(slot) = slot_of(&mut slots, &key) else {
                 return Ok(Some(turn));
             };
-            let start = slot.next_start.map_or(now, |t| t.max(now));
-            if start > deadline {
-                let wait = start - now;
-                drop(slots);
-                drop(turn);
-                return Err(refuse(
-                    format!("at most one request every {} ms", interval.as_millis()),
-                    wait,
-                ));
+            match slot.reserve(now, interval, Some(deadline)) {
+                Ok(start) => start,
+                Err(start) => {
+                    drop(slots);
+                    drop(turn);
+                    return Err(refuse(
+                        format!("at most one request every {} ms", interval.as_millis()),
+                        start - now,
+                    ));
+                }
             }
-            slot.next_start = Some(start + interval);
-            start
         };
         tokio::time::sleep_until(start).await;
         Ok(Some(turn))
@@ -227,8 +244,7 @@ impl Politeness {
         let mut slots = lock(&self.0.slots);
         let slot = slot_of(&mut slots, &(proxy.clone(), domain))?;
         let now = Instant::now();
-        let start = slot.next_start.map_or(now, |t| t.max(now));
-        slot.next_start = Some(start + interval);
+        let start = slot.reserve(now, interval, None).ok()?;
         Some(start - now)
     }
 
