@@ -9,12 +9,12 @@
 //! sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
 //! requests on kept-alive connections ([`upstream`]), `CONNECT` tunnels spliced both ways; a
 //! GET, HEAD or CONNECT the proxy gave no answer to is sent once more through another), how
-//! often a proxy may be sent to one domain ([`polite`], with the lease API's state), what a target's answer does to the
-//! lease and the proxy ([`rules`], applied in [`judged`]: by default a 403 or 429 bans the proxy
-//! for the target's domain; a rules file adds header, body and latency rules whose action
-//! escalates up to recycling the proxy), and what each request did ([`measure`]: recorded once
-//! in [`crate::outcomes`], its bytes metered in [`crate::usage`] for its token and holder, whose
-//! quotas may refuse it first with 429). Every lease decision stays the lease store's.
+//! often a proxy may be sent to one domain ([`polite`], in the state the lease API shares),
+//! what a target's answer does to the lease and the proxy ([`rules`], applied in [`judged`]:
+//! by default a 403 or 429 bans the proxy for the target's domain; a rules file adds header,
+//! body and latency rules whose action escalates up to recycling the proxy), and what each
+//! request did ([`measure`]: recorded once in [`crate::outcomes`], its bytes metered in
+//! [`crate::usage`] for its token and holder, whose quotas may refuse it first with 429). Every lease decision stays the lease store's.
 
 mod body;
 mod forward;
