@@ -117,23 +117,36 @@ impl KubernetesBackend {
             .collect()
     }
 
-    /// Writes `object` back as an admin would: its metadata and spec, then its status.
-    async fn put(&self, plural: &str, object: Value) {
+    /// Changes `plural/name` as an admin would: reads it, applies `change`, writes back its
+    /// metadata and spec, then its status; on a conflict (kwok, the "kubelet", wrote the
+    /// object in between) reads it again and starts over.
+    async fn edit(&self, plural: &str, name: &str, change: impl Fn(&mut Value)) {
         let api = self.api(plural);
-        let name = object["metadata"]["name"].as_str().expect("a name").to_owned();
-        let dynamic: DynamicObject = serde_json::from_value(object.clone()).expect("an object");
-        let replaced = api
-            .replace(&name, &PostParams::default(), &dynamic)
-            .await
-            .expect("replaced");
-        if object.get("status").is_some() {
-            let mut with_status = object;
-            with_status["metadata"]["resourceVersion"] = replaced.metadata.resource_version.clone().into();
-            let with_status: DynamicObject = serde_json::from_value(with_status).expect("an object");
-            api.replace_status(&name, &PostParams::default(), &with_status)
+        for _ in 0..10 {
+            let mut object = self.object(plural, name).await.expect("the object to edit");
+            change(&mut object);
+            let dynamic: DynamicObject = serde_json::from_value(object.clone()).expect("an object");
+            let replaced = match api.replace(name, &PostParams::default(), &dynamic).await {
+                Err(kube::Error::Api(status)) if status.code == 409 => continue,
+                replaced => replaced.expect("replaced"),
+            };
+            if object.get("status").is_none() {
+                return;
+            }
+            object["metadata"]["resourceVersion"] = replaced.metadata.resource_version.clone().into();
+            let with_status: DynamicObject = serde_json::from_value(object).expect("an object");
+            match api
+                .replace_status(name, &PostParams::default(), &with_status)
                 .await
-                .expect("status replaced");
+            {
+                Err(kube::Error::Api(status)) if status.code == 409 => continue,
+                done => {
+                    done.expect("status replaced");
+                    return;
+                }
+            }
         }
+        panic!("{plural}/{name}: conflicts on 10 edits in a row");
     }
 
     /// Waits until `plural/name` is gone (a Pod's graceful delete ends when kwok, its
@@ -400,9 +413,7 @@ async fn state_follows_the_pod_phase() {
         ("Succeeded", InstanceState::Stopped),
         ("Pending", InstanceState::Starting),
     ] {
-        let mut pod = backend.object("pods", &request.name).await.expect("pod");
-        pod["status"]["phase"] = json!(phase);
-        backend.put("pods", pod).await;
+        (backend.edit("pods", &request.name, |pod| pod["status"]["phase"] = json!(phase))).await;
         let instance = provider.get(&request.name).await.expect("get");
         assert_eq!(instance.state, state, "phase {phase}");
     }
@@ -438,10 +449,13 @@ async fn load_balancer_endpoint_appears_with_the_ingress() {
     let request = request("load-balancer", 3128);
     let instance = provider.create(&request).await.expect("create");
     assert_eq!(instance.endpoint, None, "no ingress yet");
-    let mut service = backend.object("services", &request.name).await.expect("service");
+    let service = backend.object("services", &request.name).await.expect("service");
     assert_eq!(service["spec"]["type"], "LoadBalancer");
-    service["status"] = json!({"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}});
-    backend.put("services", service).await;
+    let ingress = json!({"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}});
+    (backend.edit("services", &request.name, |service| {
+        service["status"] = ingress.clone()
+    }))
+    .await;
     let instance = provider.get(&request.name).await.expect("get");
     assert_eq!(
         instance.endpoint,
@@ -652,16 +666,14 @@ async fn another_installations_pods_are_listed_as_theirs_but_never_returned_take
     let legacy_request = request("legacy", 3128);
     prod.create(&legacy_request).await.expect("create");
     for resource in ["pods", "configmaps", "services"] {
-        let mut object = backend
-            .object(resource, &legacy_request.name)
-            .await
-            .expect("object");
-        let annotations = object["metadata"]["annotations"]
-            .as_object_mut()
-            .expect("annotations");
-        annotations.remove("crawl.example.com/installation-cluster");
-        annotations.remove("crawl.example.com/installation-name");
-        backend.put(resource, object).await;
+        let forget_the_installation = |object: &mut Value| {
+            let annotations = object["metadata"]["annotations"]
+                .as_object_mut()
+                .expect("annotations");
+            annotations.remove("crawl.example.com/installation-cluster");
+            annotations.remove("crawl.example.com/installation-name");
+        };
+        (backend.edit(resource, &legacy_request.name, forget_the_installation)).await;
     }
     assert_eq!(
         staging
