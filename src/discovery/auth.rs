@@ -83,20 +83,34 @@ pub trait Authenticator: Send + Sync {
 /// the byte-for-byte same header while that generation holds; a reload in between makes the
 /// next request look the token up again. The comparison is against a header this same
 /// connection sent and had accepted, so its timing tells the sender nothing it did not know.
+/// The header is kept as a copy: a parsed `HeaderValue` shares the connection's read buffer,
+/// and keeping one would make hyper allocate a new buffer for every later request.
 #[derive(Debug, Default)]
-pub struct RememberedVerdict(Mutex<Option<(header::HeaderValue, u64, Identity)>>);
+pub struct RememberedVerdict(Mutex<Option<Verdict>>);
+
+/// A remembered verdict: the header's bytes, the generation it was given under, the identity.
+#[derive(Debug)]
+struct Verdict {
+    header: Box<[u8]>,
+    generation: u64,
+    identity: Identity,
+}
 
 impl RememberedVerdict {
     /// The identity remembered for `header` under `generation`.
     pub fn recall(&self, header: &header::HeaderValue, generation: u64) -> Option<Identity> {
         let remembered = crate::sync::lock(&self.0);
-        let (value, at, identity) = remembered.as_ref()?;
-        (*at == generation && value.as_bytes() == header.as_bytes()).then(|| identity.clone())
+        let kept = remembered.as_ref()?;
+        (kept.generation == generation && *kept.header == *header.as_bytes()).then(|| kept.identity.clone())
     }
 
     /// Remembers that `header` was `identity` under `generation`.
-    pub fn remember(&self, header: header::HeaderValue, generation: u64, identity: Identity) {
-        *crate::sync::lock(&self.0) = Some((header, generation, identity));
+    pub fn remember(&self, header: &header::HeaderValue, generation: u64, identity: Identity) {
+        *crate::sync::lock(&self.0) = Some(Verdict {
+            header: header.as_bytes().into(),
+            generation,
+            identity,
+        });
     }
 }
 

@@ -4,10 +4,10 @@
 //! durable ones included, are [`crate::lease::DurableLeases`]'s: a handler parses, calls one and
 //! answers.
 
-use std::time::Duration;
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::{
     Response, StatusCode,
     body::Body,
@@ -26,8 +26,8 @@ use crate::{
     api::ProxyKey,
     discovery::auth::{Presented, presented},
     lease::{
-        AcquireRequest, Acquired, DurableError, DurableLeases, Outcome, Selector, journal::JournalError,
-        rfc3339,
+        AcquireRequest, Acquired, CompiledSelector, DurableError, DurableLeases, LeaseStore, Outcome,
+        Rfc3339, Selector, journal::JournalError, rfc3339,
     },
 };
 
@@ -227,7 +227,7 @@ pub(super) async fn authenticate(
         }
     })?;
     if let (Some(generation), Some(header)) = (generation, header) {
-        remembered.remember(header.clone(), generation, identity.clone());
+        remembered.remember(header, generation, identity.clone());
     }
     Ok(identity)
 }
@@ -261,19 +261,61 @@ where
     {
         return Err(too_large());
     }
-    let bytes = match Limited::new(body, limit).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(too_large()),
+    let bytes = match body_bytes(body, limit).await {
+        Ok(Some(bytes)) => bytes,
+        Ok(None) => return Err(too_large()),
         Err(e) => return Err(ApiError::bad_request(format!("reading the request body: {e}"))),
     };
-    // The plain parser for the common, valid body; the path-tracking one only to say where a
-    // malformed body went wrong (it costs about as much as the parse itself).
-    let value: T = match serde_json::from_slice(&bytes) {
-        Ok(value) => value,
-        Err(_) => decode_with_path(&bytes)?,
+    // The plain parser for the common, valid body (from text checked once: the byte-slice
+    // reader checks every string again); the path-tracking one only to say where a malformed
+    // body went wrong (it costs about as much as the parse itself).
+    let parsed = std::str::from_utf8(&bytes)
+        .ok()
+        .and_then(|text| serde_json::from_str(text).ok());
+    let value: T = match parsed {
+        Some(value) => value,
+        None => decode_with_path(&bytes)?,
     };
     value.validate().map_err(ApiError::bad_request)?;
     Ok(value)
+}
+
+/// A request body's bytes, or `None` when it is longer than `limit`. A body that arrives as
+/// one frame (a small request with `Content-Length`: nearly every request here) is passed on
+/// as it is, without the buffer list and the copy that collecting it builds.
+async fn body_bytes<B>(
+    body: B,
+    limit: usize,
+) -> Result<Option<Bytes>, Box<dyn std::error::Error + Send + Sync>>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut first = Bytes::new();
+    let mut more: Option<bytes::BytesMut> = None;
+    while !body.is_end_stream() {
+        let Some(frame) = body.frame().await else { break };
+        // Trailers carry nothing the API reads.
+        let Ok(data) = frame.map_err(Into::into)?.into_data() else {
+            continue;
+        };
+        let held = more.as_ref().map_or(first.len(), |m| m.len());
+        if held + data.len() > limit {
+            return Ok(None);
+        }
+        match &mut more {
+            None if first.is_empty() => first = data,
+            None => {
+                let mut joined = bytes::BytesMut::with_capacity(held + data.len());
+                joined.extend_from_slice(&first);
+                joined.extend_from_slice(&data);
+                more = Some(joined);
+            }
+            Some(joined) => joined.extend_from_slice(&data),
+        }
+    }
+    Ok(Some(more.map_or(first, bytes::BytesMut::freeze)))
 }
 
 /// Decodes a body the plain parser refused, to say where it went wrong.
@@ -468,12 +510,12 @@ pub(super) async fn acquire(
     s: &StateInner,
     identity: &Identity,
     req: AcquireBody,
+    remembered: &RememberedSelector,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     // New work: refused, before anything changes, when the token is over a quota.
     s.deps.usage.admit(&identity.name, &req.holder, now)?;
-    let selector = Selector::from_map(&req.selector);
-    let compiled = s.deps.store.compile(&selector);
+    let compiled = remembered.compile(&s.deps.store, &req.selector);
     let ttl = req
         .ttl_seconds
         .map_or(s.deps.config.default_ttl, Duration::from_secs);
@@ -514,8 +556,8 @@ pub(super) async fn acquire(
         fencing_token: lease.fencing_token,
         proxy_url: lease.proxy.url_with_credentials(),
         proxy: ProxyJson::from_info(&lease.proxy),
-        acquired_at: rfc3339(lease.acquired_at_ms),
-        expires_at: rfc3339(lease.expires_at_ms),
+        acquired_at: Rfc3339(lease.acquired_at_ms),
+        expires_at: Rfc3339(lease.expires_at_ms),
         // As granted (a repeat's lease may have been renewed since).
         ttl_seconds: (claim.expires_at_ms - claim.acquired_at_ms).div_ceil(1000),
         // A repeated answer reserves no second start.
@@ -527,6 +569,34 @@ pub(super) async fn acquire(
     let mut bytes = Vec::with_capacity(512);
     body.write_json(wire::proxy_json(&lease.proxy), &mut bytes);
     Ok(json_bytes(StatusCode::CREATED, bytes))
+}
+
+/// The selector a connection's last acquire asked for, compiled: a crawler asks for the same
+/// one on every acquire, and compiling it (copying the terms, two hash lookups a term) cost
+/// about 1,200 instructions of an acquire. Only a selector whose every term names a known pair
+/// is kept: pair ids are never reused and combination lists never dropped, so its compiled
+/// form stays right for the store's life. An unsatisfiable one may become satisfiable when a
+/// proxy brings a new pair, so it is compiled again every time.
+#[derive(Default)]
+pub(super) struct RememberedSelector(std::sync::Mutex<Option<KeptSelector>>);
+
+/// A selector as a request gave it, and compiled.
+type KeptSelector = (BTreeMap<String, String>, Arc<CompiledSelector>);
+
+impl RememberedSelector {
+    /// `selector` compiled against `store`, from memory when it is the one remembered.
+    fn compile(&self, store: &LeaseStore, selector: &BTreeMap<String, String>) -> Arc<CompiledSelector> {
+        if let Some((kept, compiled)) = crate::sync::lock(&self.0).as_ref()
+            && kept == selector
+        {
+            return compiled.clone();
+        }
+        let compiled = Arc::new(store.compile(&Selector::from_map(selector)));
+        if !matches!(*compiled, CompiledSelector::Unsatisfiable) {
+            *crate::sync::lock(&self.0) = Some((selector.clone(), compiled.clone()));
+        }
+        compiled
+    }
 }
 
 /// When a holder's next request through `proxy` to `domain` may start (RFC 3339), reserved
@@ -617,13 +687,7 @@ pub(super) async fn release(
     {
         s.deps.outcomes.record_ban(&lease.proxy, domain, now);
     }
-    s.deps
-        .metrics
-        .released
-        .get_or_create(&CodeLabels {
-            code: req.outcome.as_str(),
-        })
-        .inc();
+    s.deps.metrics.count_release(req.outcome);
     let mut bytes = Vec::with_capacity(64 + id.len());
     ReleaseResponse {
         lease_id: id.to_owned(),

@@ -39,7 +39,12 @@ pub(crate) fn code_for(status: u16) -> (&'static str, &'static str) {
 /// response to send instead, with its status.
 fn replacement(head: &[u8]) -> Option<(u16, Bytes)> {
     // "HTTP/1.1 400 Bad Request\r\n...\r\n\r\n" and nothing after it.
-    if head.len() < 16 || !head.starts_with(b"HTTP/1.") || !head.ends_with(b"\r\n\r\n") {
+    // Every answer passes here: the status's first digit turns away the router's own first.
+    if !matches!(head.get(9), Some(b'4' | b'5'))
+        || head.len() < 16
+        || !head.starts_with(b"HTTP/1.")
+        || !head.ends_with(b"\r\n\r\n")
+    {
         return None;
     }
     let status: u16 = std::str::from_utf8(head.get(9..12)?).ok()?.parse().ok()?;

@@ -67,6 +67,8 @@ pub struct DiscoveryMetrics {
     pub(crate) released: Family<CodeLabels, Counter>,
     pub(crate) active: ActiveLeases,
     hot: Arc<[HotRoute; ROUTES.len()]>,
+    /// `released`'s counter per outcome, resolved on first use like [`HotRoute`]'s.
+    hot_released: Arc<[OnceLock<Counter>; 3]>,
 }
 
 /// `leases_active`, read from the lease store at every scrape of whichever endpoint serves the
@@ -128,6 +130,20 @@ impl DiscoveryMetrics {
             .observe(seconds);
     }
 
+    /// Counts one release with `outcome`.
+    pub(crate) fn count_release(&self, outcome: crate::lease::Outcome) {
+        use crate::lease::Outcome;
+        let code = outcome.as_str();
+        let slot = match outcome {
+            Outcome::Ok => 0,
+            Outcome::Banned => 1,
+            Outcome::Error => 2,
+        };
+        self.hot_released[slot]
+            .get_or_init(|| self.released.get_or_create(&CodeLabels { code }).clone())
+            .inc();
+    }
+
     /// Creates the metrics and registers them (prefix `epo_discovery`) in `registry`.
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = Self {
@@ -138,6 +154,7 @@ impl DiscoveryMetrics {
             released: Family::default(),
             active: ActiveLeases::default(),
             hot: Arc::default(),
+            hot_released: Arc::default(),
         };
         let r = registry.sub_registry_with_prefix("epo_discovery");
         r.register(

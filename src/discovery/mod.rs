@@ -33,7 +33,7 @@ use std::{
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Request, Response, StatusCode, body::Body};
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use prometheus_client::registry::Registry;
 use tokio::{net::TcpListener, sync::watch};
 
@@ -75,8 +75,10 @@ pub struct DiscoveryConfig {
     pub default_ttl: Duration,
     /// How long a graceful shutdown waits for open requests.
     pub shutdown_grace: Duration,
-    /// How long a client may take to send request headers.
-    pub header_timeout: Duration,
+    /// How long a connection may stay quiet: one that has written nothing and sent no
+    /// complete request for this long (idle keep-alive, or a request head that never ends) is
+    /// closed, within two to three times this ([`crate::net::QuietLimit`]).
+    pub quiet_limit: Duration,
 }
 
 impl Default for DiscoveryConfig {
@@ -85,7 +87,7 @@ impl Default for DiscoveryConfig {
             max_body_bytes: 16 * 1024,
             default_ttl: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
-            header_timeout: Duration::from_secs(30),
+            quiet_limit: Duration::from_secs(30),
         }
     }
 }
@@ -167,21 +169,21 @@ pub async fn serve(
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(state.inner.deps.config.header_timeout)
-        .keep_alive(true);
+    // No hyper timer: QuietLimit closes connections that stall, for less per request.
+    builder.keep_alive(true);
+    let quiet_limit = state.inner.deps.config.quiet_limit;
     loop {
         tokio::select! {
             stream = crate::net::accept(&listener, "discovery") => {
                 let requests = state.inner.deps.metrics.requests.clone();
                 let state = state.clone();
                 // The connection's own: its requests carry one token, looked up once.
-                let remembered = Arc::new(RememberedVerdict::default());
+                let remembered = Arc::new(Remembered::default());
                 let service = hyper::service::service_fn(move |req| {
                     let (state, remembered) = (state.clone(), remembered.clone());
                     async move { Ok::<_, Infallible>(answer(&state, &remembered, req).await) }
                 });
+                let stream = crate::net::QuietLimit::new(stream, quiet_limit);
                 let io = http_errors::JsonErrors::new(TokioIo::new(stream), move |status| {
                     let code = http_errors::code_for(status).0;
                     requests.get_or_create(&ResultLabels { route: "other", code }).inc();
@@ -212,13 +214,21 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    answer(state, &RememberedVerdict::default(), request).await
+    answer(state, &Remembered::default(), request).await
 }
 
-/// [`handle`] for a request of a connection whose last verdict is `remembered`.
+/// What a keep-alive connection's requests remember of the ones before it: a crawler sends
+/// one token, and mostly one selector, on all of them.
+#[derive(Default)]
+struct Remembered {
+    verdict: RememberedVerdict,
+    selector: handlers::RememberedSelector,
+}
+
+/// [`handle`] for a request of a connection that remembers `remembered`.
 async fn answer<B>(
     state: &DiscoveryState,
-    remembered: &RememberedVerdict,
+    remembered: &Remembered,
     request: Request<B>,
 ) -> Response<Full<Bytes>>
 where
@@ -248,7 +258,7 @@ async fn dispatch<B>(
     route: Route<'_>,
     parts: &hyper::http::request::Parts,
     body: B,
-    remembered: &RememberedVerdict,
+    remembered: &Remembered,
 ) -> Result<Response<Full<Bytes>>, ApiError>
 where
     B: Body<Data = Bytes>,
@@ -269,7 +279,7 @@ where
         }
         _ => {}
     }
-    let identity = authenticate(s, parts, remembered).await?;
+    let identity = authenticate(s, parts, &remembered.verdict).await?;
     check_ready(s)?;
     if !matches!(route, Route::List | Route::Leases | Route::Usage) {
         check_journal(s)?;
@@ -281,7 +291,7 @@ where
         Route::Usage => usage::usage(s, parts, s.deps.store.now_ms()),
         Route::Acquire => {
             let req: AcquireBody = read_request(s, parts, body).await?;
-            acquire(s, &identity, req, s.deps.store.now_ms()).await
+            acquire(s, &identity, req, &remembered.selector, s.deps.store.now_ms()).await
         }
         Route::Renew(id) => {
             let req: RenewBody = read_request(s, parts, body).await?;

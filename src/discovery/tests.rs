@@ -25,6 +25,35 @@ const TOKEN: &str = "s3cret-crawler-token";
 struct Harness {
     state: DiscoveryState,
     ready: watch::Sender<Readiness>,
+    /// Every request goes through one keep-alive connection's memory, as a crawler's would.
+    connection: Remembered,
+}
+
+/// Adds an open proxy `crawl/{name}` with `region` and tier `dc` to `store`.
+fn add_proxy(store: &LeaseStore, name: &str, port: u16, region: &str, max_concurrent: i32) {
+    let key = ProxyKey::new("crawl", name);
+    store.upsert_proxy(LeaseTarget {
+        key: key.clone(),
+        endpoint: Endpoint {
+            host: "127.0.0.1".into(),
+            port,
+        },
+        attributes: BTreeMap::from([
+            ("region".to_owned(), region.to_owned()),
+            ("tier".to_owned(), "dc".to_owned()),
+        ])
+        .into(),
+        policy: LeasePolicy {
+            max_concurrent,
+            cooldown_seconds: 0,
+            max_ttl_seconds: 3600,
+        },
+        credentials: Some(Credentials {
+            username: "crawler".into(),
+            password: "pw".into(),
+        }),
+    });
+    store.set_admission(&key, Admission::Open).unwrap();
 }
 
 fn harness(proxies: usize, max_concurrent: i32) -> Harness {
@@ -35,32 +64,8 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
 fn harness_with(proxies: usize, max_concurrent: i32, politeness: crate::politeness::Politeness) -> Harness {
     let store = LeaseStore::new(LeaseStoreConfig::default());
     for i in 0..proxies {
-        let key = ProxyKey::new("crawl", &format!("p{i}"));
-        store.upsert_proxy(LeaseTarget {
-            key: key.clone(),
-            endpoint: Endpoint {
-                host: "127.0.0.1".into(),
-                port: 3128 + i as u16,
-            },
-            attributes: BTreeMap::from([
-                (
-                    "region".to_owned(),
-                    if i % 2 == 0 { "eu" } else { "us" }.to_owned(),
-                ),
-                ("tier".to_owned(), "dc".to_owned()),
-            ])
-            .into(),
-            policy: LeasePolicy {
-                max_concurrent,
-                cooldown_seconds: 0,
-                max_ttl_seconds: 3600,
-            },
-            credentials: Some(Credentials {
-                username: "crawler".into(),
-                password: "pw".into(),
-            }),
-        });
-        store.set_admission(&key, Admission::Open).unwrap();
+        let region = if i % 2 == 0 { "eu" } else { "us" };
+        add_proxy(&store, &format!("p{i}"), 3128 + i as u16, region, max_concurrent);
     }
     let mut registry = Registry::default();
     let metrics = DiscoveryMetrics::register(&mut registry);
@@ -82,7 +87,11 @@ fn harness_with(proxies: usize, max_concurrent: i32, politeness: crate::politene
         politeness,
         config: DiscoveryConfig::default(),
     });
-    Harness { state, ready }
+    Harness {
+        state,
+        ready,
+        connection: Remembered::default(),
+    }
 }
 
 struct Answer {
@@ -149,7 +158,7 @@ impl Harness {
         if let Some(t) = token {
             req = req.header("authorization", format!("Bearer {t}"));
         }
-        let response = handle(&self.state, req.body(Full::new(body)).unwrap()).await;
+        let response = answer(&self.state, &self.connection, req.body(Full::new(body)).unwrap()).await;
         let status = response.status();
         let headers = response.headers().clone();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
@@ -172,6 +181,37 @@ fn code(a: &Answer) -> &str {
 #[track_caller]
 fn assert_refused(a: &Answer, status: StatusCode, expected: &str) {
     assert_eq!((a.status, code(a)), (status, expected), "{}", a.text);
+}
+
+#[tokio::test]
+async fn a_connection_remembers_its_selector_only_while_that_stays_right() {
+    let h = harness(2, 1);
+    let region = |a: &Answer| {
+        a.body["proxy"]["attributes"]["region"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let eu = h
+        .granted(json!({"holder": "c", "selector": {"region": "eu"}}))
+        .await;
+    assert_eq!(region(&eu), "eu");
+    h.released(&eu, "ok").await;
+    // Another selector on the same connection is not answered from memory.
+    let us = h
+        .granted(json!({"holder": "c", "selector": {"region": "us"}}))
+        .await;
+    assert_eq!(region(&us), "us");
+    h.released(&us, "ok").await;
+    // A pair no proxy carries matches nothing, until a proxy brings it.
+    let ap = json!({"holder": "c", "selector": {"region": "ap", "tier": "dc"}});
+    assert_refused(
+        &h.acquire(ap.clone()).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no_proxy_available",
+    );
+    add_proxy(h.state.store(), "p-ap", 3200, "ap", 1);
+    assert_eq!(region(&h.granted(ap).await), "ap");
 }
 
 #[tokio::test]
@@ -453,6 +493,7 @@ async fn authenticator_verdicts_map_to_401_403_503() {
     let h2 = Harness {
         state,
         ready: h.ready,
+        connection: Remembered::default(),
     };
     for (token, status, want) in [
         ("outsider", StatusCode::FORBIDDEN, "forbidden"),

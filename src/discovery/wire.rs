@@ -12,7 +12,7 @@ use utoipa::{
 
 use crate::{
     api::Attributes,
-    lease::{Availability, Outcome, ProxyInfo, ProxyView, rfc3339},
+    lease::{Availability, Outcome, ProxyInfo, ProxyView, Rfc3339, rfc3339},
     outcomes::ProxyOutcomes,
 };
 
@@ -407,11 +407,11 @@ pub struct AcquireResponse<'a> {
     /// The proxy.
     pub proxy: ProxyJson<'a>,
     /// When it was granted (RFC 3339).
-    #[schema(format = DateTime)]
-    pub acquired_at: String,
+    #[schema(value_type = String, format = DateTime)]
+    pub acquired_at: Rfc3339,
     /// When it ends unless renewed (RFC 3339): from this instant on it does not exist.
-    #[schema(format = DateTime)]
-    pub expires_at: String,
+    #[schema(value_type = String, format = DateTime)]
+    pub expires_at: Rfc3339,
     /// Granted length in seconds (after the proxy's cap).
     pub ttl_seconds: u64,
     /// With a `targetDomain` that a politeness entry covers: when the holder's first request
@@ -574,10 +574,11 @@ impl AcquireResponse<'_> {
         put_str(out, self.proxy_url);
         out.extend_from_slice(b",\"proxy\":");
         out.extend_from_slice(proxy.as_bytes());
-        out.extend_from_slice(b",\"acquiredAt\":");
-        put_plain(out, &self.acquired_at);
-        out.extend_from_slice(b",\"expiresAt\":");
-        put_plain(out, &self.expires_at);
+        out.extend_from_slice(b",\"acquiredAt\":\"");
+        self.acquired_at.write(out);
+        out.extend_from_slice(b"\",\"expiresAt\":\"");
+        self.expires_at.write(out);
+        out.push(b'"');
         out.extend_from_slice(b",\"ttlSeconds\":");
         put_u64(out, self.ttl_seconds);
         if let Some(not_before) = &self.not_before {
@@ -654,8 +655,9 @@ mod fast_json_tests {
                 fencing_token: 3_649_891_200_000_032,
                 proxy_url: url,
                 proxy: ProxyJson::from_info(info),
-                acquired_at: "2026-05-28T10:00:00Z".to_owned(),
-                expires_at: "2026-05-28T10:01:00.5Z".to_owned(),
+                // 2026-05-28T10:00:00Z and 10:01:00.5Z.
+                acquired_at: Rfc3339(1_779_962_400_000),
+                expires_at: Rfc3339(1_779_962_460_500),
                 ttl_seconds: 0,
                 not_before: not_before.map(str::to_owned),
             };

@@ -73,7 +73,7 @@ mod tests;
 use std::{fmt, sync::Arc, time::Duration};
 
 pub use checkpoint::maintenance;
-pub use clock::{Clock, rfc3339};
+pub use clock::{Clock, Rfc3339, rfc3339};
 pub use control::LeaseControl;
 pub use durable::{Acquired, DurableError, DurableLeases};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
