@@ -166,7 +166,7 @@ pub async fn serve(
     state: DiscoveryState,
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let drain = crate::net::Drain::default();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut builder = hyper::server::conn::http1::Builder::new();
     // No hyper timer: QuietLimit closes connections that stall, for less per request.
@@ -188,7 +188,7 @@ pub async fn serve(
                     let code = http_errors::code_for(status).0;
                     requests.get_or_create(&ResultLabels { route: "other", code }).inc();
                 });
-                let conn = graceful.watch(builder.serve_connection(io, service));
+                let conn = drain.watch(builder.serve_connection(io, service));
                 tokio::spawn(async move {
                     if let Err(error) = conn.await {
                         tracing::debug!(%error, "discovery connection ended with an error");
@@ -199,10 +199,7 @@ pub async fn serve(
         }
     }
     drop(listener);
-    if tokio::time::timeout(state.inner.deps.config.shutdown_grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    if !drain.stop(state.inner.deps.config.shutdown_grace).await {
         tracing::warn!("discovery connections still open after the shutdown grace period");
     }
     Ok(())

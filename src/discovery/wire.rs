@@ -526,8 +526,8 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     }
 }
 
-/// `s` as a JSON string onto `out`, for strings that never need escaping (base64url lease IDs,
-/// RFC 3339 timestamps, outcome names): spares even the check.
+/// `s` as a JSON string onto `out`, for strings that never need escaping (base64url lease IDs:
+/// the signer's, or a presented one that verified; outcome names): spares even the check.
 fn put_plain(out: &mut Vec<u8>, s: &str) {
     debug_assert!(
         s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
@@ -567,7 +567,7 @@ impl AcquireResponse<'_> {
     /// ([`proxy_json`]).
     pub(crate) fn write_json(&self, proxy: &str, out: &mut Vec<u8>) {
         out.extend_from_slice(b"{\"leaseId\":");
-        put_str(out, &self.lease_id);
+        put_plain(out, &self.lease_id);
         out.extend_from_slice(b",\"fencingToken\":");
         put_u64(out, self.fencing_token);
         out.extend_from_slice(b",\"proxyUrl\":");
@@ -593,7 +593,7 @@ impl ReleaseResponse {
     /// The answer's JSON, as `serde_json` writes it.
     pub(crate) fn write_json(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(b"{\"leaseId\":");
-        put_str(out, &self.lease_id);
+        put_plain(out, &self.lease_id);
         out.extend_from_slice(b",\"released\":");
         out.extend_from_slice(if self.released { b"true" } else { b"false" });
         out.extend_from_slice(b",\"outcome\":");
@@ -642,12 +642,8 @@ mod fast_json_tests {
         );
         for (info, id, url, not_before) in [
             (&plain, "AAEC-_xyz09", "http://10.0.0.7:3128", None),
-            (
-                &odd,
-                "id with \"quotes\" and \t",
-                "http://u:p%40@10.0.0.7:3128",
-                None,
-            ),
+            // Lease IDs are base64url: written without the escaping check.
+            (&odd, "Zm9v-YmFy_", "http://u:p%40@10.0.0.7:3128", None),
             (&odd, "", "ü", Some("2026-05-28T10:00:01.25Z")),
         ] {
             let acquired = AcquireResponse {

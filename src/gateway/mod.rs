@@ -164,10 +164,7 @@ pub async fn serve(
     let upkeep = tokio::spawn(gateway.held.clone().upkeep(async move {
         let _ = upkeep_stopped.await;
     }));
-    // Each connection's task holds a clone of `open`; once every one is done, `all_closed`
-    // reports it. `closing` asks each to finish its request and close.
-    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
-    let (closing, _) = watch::channel(false);
+    let drain = crate::net::Drain::default();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -182,34 +179,19 @@ pub async fn serve(
                     let gateway = gateway.clone();
                     async move { Ok::<_, Infallible>(gateway.handle(request).await) }
                 });
-                // Upgradeable (CONNECT), so hyper-util's graceful watcher does not take it.
-                let conn = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
-                let (open, mut closing) = (open.clone(), closing.subscribe());
+                // Upgradeable (CONNECT).
+                let conn = drain.watch(builder.serve_connection(TokioIo::new(stream), service).with_upgrades());
                 tokio::spawn(async move {
-                    let mut conn = std::pin::pin!(conn);
-                    let result = tokio::select! {
-                        result = conn.as_mut() => result,
-                        _ = closing.changed() => {
-                            conn.as_mut().graceful_shutdown();
-                            conn.await
-                        }
-                    };
-                    if let Err(error) = result {
+                    if let Err(error) = conn.await {
                         debug!(%error, "gateway connection ended with an error");
                     }
-                    drop(open);
                 });
             }
             _ = &mut shutdown => break,
         }
     }
     drop(listener);
-    closing.send_replace(true);
-    drop(open);
-    if tokio::time::timeout(gateway.config.shutdown_grace, all_closed.recv())
-        .await
-        .is_err()
-    {
+    if !drain.stop(gateway.config.shutdown_grace).await {
         warn!("gateway connections still open after the shutdown grace period");
     }
     let _ = stop_upkeep.send(());
