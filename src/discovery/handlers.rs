@@ -234,11 +234,7 @@ pub(super) async fn authenticate(
 
 /// Reads, decodes and validates a request body: 413 over the size limit, 400 for malformed
 /// JSON (saying where) or a value out of range (saying what to fix).
-pub(super) async fn read_request<T, B>(
-    s: &StateInner,
-    parts: &hyper::http::request::Parts,
-    body: B,
-) -> Result<T, ApiError>
+pub(super) async fn read_request<T, B>(s: &StateInner, body: B) -> Result<T, ApiError>
 where
     T: RequestBody,
     B: Body<Data = Bytes>,
@@ -252,13 +248,8 @@ where
             format!("request bodies are limited to {limit} bytes"),
         )
     };
-    if let Some(len) = parts.headers.get(header::CONTENT_LENGTH)
-        && len
-            .to_str()
-            .ok()
-            .and_then(|l| l.parse::<u64>().ok())
-            .is_some_and(|l| l > limit as u64)
-    {
+    // What `Content-Length` announced, without looking the header up again (hyper did).
+    if body.size_hint().lower() > limit as u64 {
         return Err(too_large());
     }
     let bytes = match body_bytes(body, limit).await {

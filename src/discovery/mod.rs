@@ -287,19 +287,19 @@ where
         Route::Leases => leases_list(s, parts, s.deps.store.now_ms()),
         Route::Usage => usage::usage(s, parts, s.deps.store.now_ms()),
         Route::Acquire => {
-            let req: AcquireBody = read_request(s, parts, body).await?;
+            let req: AcquireBody = read_request(s, body).await?;
             acquire(s, &identity, req, &remembered.selector, s.deps.store.now_ms()).await
         }
         Route::Renew(id) => {
-            let req: RenewBody = read_request(s, parts, body).await?;
+            let req: RenewBody = read_request(s, body).await?;
             renew(s, id, req, s.deps.store.now_ms()).await
         }
         Route::Release(id) => {
-            let req: ReleaseBody = read_request(s, parts, body).await?;
+            let req: ReleaseBody = read_request(s, body).await?;
             release(s, &identity, id, req, s.deps.store.now_ms()).await
         }
         Route::Outcomes(id) => {
-            let req: OutcomeBody = read_request(s, parts, body).await?;
+            let req: OutcomeBody = read_request(s, body).await?;
             outcomes::report_outcome(s, &identity, id, req, s.deps.store.now_ms())
         }
         Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Ui => {
