@@ -60,7 +60,8 @@ pub async fn accept(listener: &TcpListener, server: &str) -> TcpStream {
 ///
 /// So an idle connection is closed after `limit` to `2 × limit`, one that trickles bytes
 /// without ever completing a request after at most `3 × limit`, and a request that gets its
-/// answer within `limit` of its first byte is never cut.
+/// answer within `limit` of its first byte is never cut (as long as the connection's earlier
+/// requests did too).
 pub struct QuietLimit<T> {
     inner: T,
     limit: Duration,
