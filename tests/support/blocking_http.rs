@@ -97,7 +97,10 @@ fn serve(mut stream: TcpStream, body: &str, seen: &Mutex<Vec<Seen>>) -> io::Resu
     stream.set_write_timeout(Some(Duration::from_secs(5)))?;
     let mut reader = BufReader::new(stream.try_clone()?);
     let mut request_line = String::new();
-    reader.read_line(&mut request_line)?;
+    if reader.read_line(&mut request_line)? == 0 {
+        // Opened and closed without a request (a proxy's spare connection): nothing was asked.
+        return Ok(());
+    }
     let path = request_line.split_whitespace().nth(1).unwrap_or("?").to_owned();
     let mut headers = Vec::new();
     loop {
