@@ -14,7 +14,8 @@
 //! by default a 403 or 429 bans the proxy for the target's domain; a rules file adds header,
 //! body and latency rules whose action escalates up to recycling the proxy), and what each
 //! request did ([`measure`]: recorded once in [`crate::outcomes`], its bytes metered in
-//! [`crate::usage`] for its token and holder, whose quotas may refuse it first with 429). Every lease decision stays the lease store's.
+//! [`crate::usage`] for its token and holder, whose quotas may refuse it first with 429).
+//! Every lease decision stays the lease store's.
 
 mod body;
 mod forward;

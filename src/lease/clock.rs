@@ -88,7 +88,7 @@ pub fn rfc3339(ms: u64) -> String {
 }
 
 /// [`rfc3339`] written onto `out` (no string of its own: answers write their times this way).
-pub fn write_rfc3339(ms: u64, out: &mut Vec<u8>) {
+fn write_rfc3339(ms: u64, out: &mut Vec<u8>) {
     if ms >= FAST_RFC3339_LIMIT_MS {
         // As before: beyond i64 wraps, as the old `as` cast did.
         if let Ok(t) = jiff::Timestamp::from_millisecond(ms as i64) {
@@ -139,12 +139,6 @@ impl Rfc3339 {
     /// The text onto `out`.
     pub fn write(self, out: &mut Vec<u8>) {
         write_rfc3339(self.0, out);
-    }
-}
-
-impl std::fmt::Display for Rfc3339 {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&rfc3339(self.0))
     }
 }
 
