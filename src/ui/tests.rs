@@ -372,3 +372,56 @@ async fn the_view_reads_holders_bans_and_attributes_from_the_store_for_one_page(
     assert_eq!(pool_b.matched, 60);
     assert!(pool_b.proxies.iter().all(|p| p.attributes[0].1 == "b"));
 }
+
+/// A source that reads slowly, as a state folder of 10,000 records does (~190 ms): it waits
+/// for a message another task sends, and says whether it came.
+struct Slow {
+    go: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+    came: std::sync::atomic::AtomicBool,
+}
+
+impl ProxySource for Slow {
+    fn proxies(&self) -> Result<Vec<ProxyState>, UiError> {
+        let go = self.go.lock().expect("one reader");
+        let came = go.recv_timeout(std::time::Duration::from_secs(5)).is_ok();
+        self.came.store(came, std::sync::atomic::Ordering::SeqCst);
+        Ok(Vec::new())
+    }
+    fn audit(&self, _: &str, _: &str, _: usize) -> Vec<AuditRow> {
+        Vec::new()
+    }
+    fn mode(&self) -> &'static str {
+        "standalone"
+    }
+}
+
+/// Standalone mode reads every record file for a page; on the runtime's thread that stalled
+/// every lease request while it read. On a one-thread runtime another task must run meanwhile.
+#[tokio::test(flavor = "current_thread")]
+async fn the_page_is_gathered_off_the_runtime() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let source = Arc::new(Slow {
+        go: std::sync::Mutex::new(rx),
+        came: std::sync::atomic::AtomicBool::new(false),
+    });
+    let (health, _events) =
+        crate::health::HealthEngine::start(crate::health::HealthConfig::default()).expect("health engine");
+    let page = StatusPage::new(PageInputs {
+        source: source.clone(),
+        leases: LeaseStore::new(crate::lease::LeaseStoreConfig::default()),
+        health,
+        availability: ProviderAvailability::default(),
+        providers: Vec::new(),
+        auth: Arc::new(crate::discovery::auth::NoAuthentication),
+        outcomes: Outcomes::default(),
+        usage: Default::default(),
+    });
+    let other = tokio::spawn(async move { tx.send(()).expect("the source waits") });
+    let response = page.respond(&HeaderMap::new(), None).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        source.came.load(std::sync::atomic::Ordering::SeqCst),
+        "the page was gathered on the runtime's thread: no other task ran meanwhile"
+    );
+    other.await.expect("the other task ends");
+}
