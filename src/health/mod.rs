@@ -8,7 +8,9 @@
 //! - **Schedule.** Each proxy is probed on its own interval, ±10 % jitter. A new proxy is probed
 //!   at once: a running instance must not wait a random part of its first interval to become
 //!   Healthy (time to Healthy should not depend on luck); 10k proxies added at once are bounded
-//!   by [`HealthConfig::max_concurrent_probes`], and the jitter spreads their later probes. One
+//!   by [`HealthConfig::max_concurrent_probes`], and the probe after each one's first verdict
+//!   comes at a random point within its interval, which spreads them out (the jitter alone
+//!   would keep them a wave for many intervals). One
 //!   probe per proxy is in flight at a time; at most [`HealthConfig::max_concurrent_probes`] in
 //!   all. State
 //!   is one map entry and one heap entry per proxy: memory grows with proxies, not with time.
@@ -267,7 +269,14 @@ pub struct HealthHandle {
 /// Starts health engines.
 pub struct HealthEngine;
 
-fn jittered(interval: Duration, jitter: f64) -> Duration {
+/// How long until a proxy's next probe, after one that `settled` its verdict for the first
+/// time (from `Unknown`) or not. Proxies added together are probed together at once; the jitter
+/// alone would keep them a wave for many intervals, so the probe after the first verdict comes
+/// at a random point within the interval (never later than it), and spreads them out.
+fn next_probe_in(interval: Duration, jitter: f64, settled: bool) -> Duration {
+    if settled {
+        return interval.mul_f64(fastrand::f64());
+    }
     let factor = 1.0 + jitter * (fastrand::f64() * 2.0 - 1.0);
     interval.mul_f64(factor.max(0.0))
 }
@@ -474,6 +483,7 @@ async fn record(
     result: Result<Duration, ProbeError>,
 ) {
     let now = jiff::Timestamp::now();
+    let mut settled = false;
     let event = {
         let mut table = state.table();
         let Some(entry) = table.entries.get_mut(&key) else {
@@ -484,12 +494,15 @@ async fn record(
             return;
         }
         let held = hold::active(&mut entry.hold);
-        apply(&mut entry.snapshot, &entry.target, result, held, now).map(|(old, verdict)| HealthEvent {
-            key: key.clone(),
-            verdict,
-            at: now,
-            recovered: old == Verdict::Failing && verdict == Verdict::Passing,
-            last_error: entry.snapshot.last_error.clone(),
+        apply(&mut entry.snapshot, &entry.target, result, held, now).map(|(old, verdict)| {
+            settled = old == Verdict::Unknown;
+            HealthEvent {
+                key: key.clone(),
+                verdict,
+                at: now,
+                recovered: old == Verdict::Failing && verdict == Verdict::Passing,
+                last_error: entry.snapshot.last_error.clone(),
+            }
         })
     };
     if let Some(event) = event {
@@ -505,7 +518,7 @@ async fn record(
         return;
     }
     entry.in_flight = false;
-    let delay = jittered(entry.target.interval, state.config.jitter);
+    let delay = next_probe_in(entry.target.interval, state.config.jitter, settled);
     table.schedule(&key, Instant::now() + delay);
     drop(table);
     state.wake.notify_one();

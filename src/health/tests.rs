@@ -190,3 +190,27 @@ async fn holding_a_proxy_failing_sends_the_verdict_change_once() {
         .await;
     assert!(events.try_recv().is_err());
 }
+
+/// Proxies added together are probed together at once; if every later probe came one jittered
+/// interval after the last, 10,000 of them would stay a wave for many intervals (the pool
+/// benchmark saw the lease API lose a third of its rate while each wave passed). The probe
+/// after a proxy's first verdict comes at a random point within its interval instead; later
+/// ones keep the ±10 % jitter.
+#[test]
+fn the_probe_after_the_first_verdict_spreads_proxies_over_the_interval() {
+    let interval = Duration::from_secs(30);
+    let spread: Vec<Duration> = (0..1000).map(|_| next_probe_in(interval, 0.1, true)).collect();
+    assert!(spread.iter().all(|d| *d <= interval), "later than one interval");
+    assert!(
+        spread.iter().any(|d| *d < interval / 10),
+        "none in the interval's first tenth"
+    );
+    assert!(
+        spread.iter().any(|d| *d > interval * 9 / 10),
+        "none in its last tenth"
+    );
+    for _ in 0..1000 {
+        let d = next_probe_in(interval, 0.1, false);
+        assert!(d >= interval.mul_f64(0.9) && d <= interval.mul_f64(1.1), "{d:?}");
+    }
+}
