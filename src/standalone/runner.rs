@@ -93,6 +93,8 @@ pub struct Standalone {
     phase_reads: u64,
     /// The gateway rules' recycle requests ([`super::recycle`]).
     recycle_asks: Option<mpsc::Receiver<RecycleAsk>>,
+    /// When the runner opened: what each Proxy's resync phase counts from ([`resync_in`]).
+    opened: Instant,
 }
 
 impl Standalone {
@@ -158,6 +160,7 @@ impl Standalone {
             progress_stale: true,
             phase_reads: 0,
             recycle_asks: None,
+            opened: Instant::now(),
         })
     }
 
@@ -291,6 +294,11 @@ impl Standalone {
                         self.last_fingerprint = None;
                     }
                     (false, Some(after)) => {
+                        let after = if outcome.resync_only {
+                            resync_in(key, after, Instant::now() - self.opened)
+                        } else {
+                            after
+                        };
                         self.due.insert(key.clone(), Instant::now() + after);
                     }
                     (false, None) => {
@@ -464,6 +472,20 @@ impl Standalone {
         }
         info!("standalone mode stopped");
     }
+}
+
+/// How long until a Proxy at rest is resynced, `since_open` after the runner opened: at its
+/// own phase of the `period`, from a hash of its key, so each Proxy is resynced once a period
+/// and the Proxies evenly over it. A timer one period after each reconcile would resync
+/// Proxies that settled together (10,000 at a start) together, a burst of reconciles every
+/// period (cluster mode's sweep spreads them over it likewise). Never later than the period.
+fn resync_in(key: &ProxyKey, period: Duration, since_open: Duration) -> Duration {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    let period_ns = period.as_nanos().max(1);
+    let phase = u128::from(BuildHasherDefault::<DefaultHasher>::default().hash_one(key)) % period_ns;
+    let into_cycle = (since_open.as_nanos() + phase) % period_ns;
+    let left = period_ns - into_cycle;
+    Duration::from_nanos(u64::try_from(left).unwrap_or(u64::MAX))
 }
 
 /// The next recycle request, if there is a path for them (else never).
