@@ -97,7 +97,10 @@ mod tests {
     #[test]
     fn the_reading_thread_is_idle_class() {
         let policy = std::thread::spawn(|| {
-            assert!(yield_to_every_other_thread(), "sched_setscheduler refused SCHED_IDLE");
+            assert!(
+                yield_to_every_other_thread(),
+                "sched_setscheduler refused SCHED_IDLE"
+            );
             // SAFETY: sched_getscheduler(2) on the calling thread reads nothing of ours.
             unsafe { libc::sched_getscheduler(0) }
         })
