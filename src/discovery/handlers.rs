@@ -356,20 +356,17 @@ pub(super) fn list(
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     let mut selector = Selector::default();
     let mut target_domain = None;
-    for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
-        match &*k {
+    for_each_query_parameter(parts, |k, v| {
+        match k {
             "selector" => selector = Selector::parse(&v).map_err(|e| ApiError::bad_request(e.to_string()))?,
             "targetDomain" => {
                 wire::check_domain(&v).map_err(ApiError::bad_request)?;
                 target_domain = Some(v.into_owned());
             }
-            other => {
-                return Err(ApiError::bad_request(format!(
-                    "unknown query parameter {other:?}"
-                )));
-            }
+            _ => return Ok(false),
         }
-    }
+        Ok(true)
+    })?;
     let compiled = s.deps.store.compile(&selector);
     let views = s.deps.store.list_for(&compiled, target_domain.as_deref(), now);
     let proxies = (views.iter())
@@ -382,6 +379,29 @@ pub(super) fn list(
         })
         .collect();
     Ok(json(StatusCode::OK, &ListResponse { proxies }))
+}
+
+/// Hands each query parameter of `parts` to `take`, which says whether it knows the name; an
+/// unknown one is a 400 that names it (a typo must not widen a listing silently).
+pub(super) fn for_each_query_parameter(
+    parts: &hyper::http::request::Parts,
+    mut take: impl FnMut(&str, std::borrow::Cow<'_, str>) -> Result<bool, ApiError>,
+) -> Result<(), ApiError> {
+    for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
+        if !take(&k, v)? {
+            return Err(ApiError::bad_request(format!("unknown query parameter {k:?}")));
+        }
+    }
+    Ok(())
+}
+
+/// A page size `limit=` of 1 to `max`, or a 400 that says so.
+pub(super) fn parse_limit(value: &str, max: usize) -> Result<usize, ApiError> {
+    value
+        .parse()
+        .ok()
+        .filter(|n| (1..=max).contains(n))
+        .ok_or_else(|| ApiError::bad_request(format!("limit must be 1-{max}")))
 }
 
 /// Lists active leases (never their IDs or tokens), by proxy key then age, a page at a time.
@@ -414,8 +434,8 @@ pub(super) fn leases_list(
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     let (mut proxy, mut holder, mut after) = (None, None, None);
     let mut limit = wire::DEFAULT_LEASES_PAGE;
-    for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
-        match &*k {
+    for_each_query_parameter(parts, |k, v| {
+        match k {
             "proxy" => {
                 let key = v
                     .parse::<ProxyKey>()
@@ -423,23 +443,12 @@ pub(super) fn leases_list(
                 proxy = Some(key);
             }
             "holder" => holder = Some(v.into_owned()),
-            "limit" => {
-                limit = v
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=wire::MAX_LEASES_PAGE).contains(n))
-                    .ok_or_else(|| {
-                        ApiError::bad_request(format!("limit must be 1-{}", wire::MAX_LEASES_PAGE))
-                    })?;
-            }
+            "limit" => limit = parse_limit(&v, wire::MAX_LEASES_PAGE)?,
             "after" => after = Some(parse_cursor(&v)?),
-            other => {
-                return Err(ApiError::bad_request(format!(
-                    "unknown query parameter {other:?}"
-                )));
-            }
+            _ => return Ok(false),
         }
-    }
+        Ok(true)
+    })?;
     let all = s.deps.store.leases_at(proxy.as_ref(), holder.as_deref(), now);
     // The cursor is the last lease of the previous page: a lease that ended since is skipped,
     // none is listed twice.

@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 
 use super::{
     ErrorBody, StateInner,
-    handlers::{AuthErrors, NotServing},
+    handlers::{AuthErrors, NotServing, for_each_query_parameter, parse_limit},
     router::{ApiError, json},
 };
 use crate::usage::{Counters, QuotaExceeded, QuotaState, TokenUsage};
@@ -143,22 +143,13 @@ pub(super) fn usage(
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
     let mut limit = DEFAULT_LIMIT;
-    for (k, v) in form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes()) {
-        match &*k {
-            "limit" => {
-                limit = v
-                    .parse()
-                    .ok()
-                    .filter(|n| (1..=MAX_LIMIT).contains(n))
-                    .ok_or_else(|| ApiError::bad_request(format!("limit must be 1-{MAX_LIMIT}")))?;
-            }
-            other => {
-                return Err(ApiError::bad_request(format!(
-                    "unknown query parameter {other:?}"
-                )));
-            }
+    for_each_query_parameter(parts, |k, v| {
+        if k != "limit" {
+            return Ok(false);
         }
-    }
+        limit = parse_limit(&v, MAX_LIMIT)?;
+        Ok(true)
+    })?;
     let tokens = s.deps.usage.tokens(now);
     let holders = s.deps.usage.holders();
     let body = UsageResponse {
