@@ -302,7 +302,6 @@ pub async fn start_core(
     let gateway_deps = GatewayDeps {
         store: leases.clone(),
         signer: signer.clone(),
-        journal: journal.clone(),
         auth: auth.clone(),
         readiness: readiness.clone(),
         health: Some(health.clone()),

@@ -5,8 +5,8 @@
 //! It owns the listener and what happens to one client request: authentication
 //! (`Proxy-Authorization: Basic`, the password a discovery API token checked by the API's
 //! [`Authenticator`], the user name the holder and options, [`user`]), the lease it uses
-//! ([`held`]: taken and ended through [`crate::lease::DurableLeases`], as the API's are,
-//! sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
+//! ([`held`]: taken and ended through [`crate::lease::DurableLeases`], as the API's are, but
+//! never journalled; sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
 //! requests on kept-alive connections ([`upstream`]), `CONNECT` tunnels spliced both ways; a
 //! GET, HEAD or CONNECT the proxy gave no answer to is sent once more through another), how
 //! often a proxy may be sent to one domain ([`polite`], in the state the lease API shares),
@@ -56,7 +56,7 @@ use crate::{
         auth::{ProxyPresented, proxy_presented},
     },
     health::HealthHandle,
-    lease::{DurableError, LeaseError, LeaseStore, Outcome, journal::Journal, token::LeaseSigner},
+    lease::{DurableError, LeaseError, LeaseStore, Outcome, token::LeaseSigner},
     outcomes::{Ended, Failure, Outcomes},
     politeness::Politeness,
     telemetry::admin::Readiness,
@@ -102,16 +102,14 @@ impl Default for GatewayConfig {
     }
 }
 
-/// What the gateway works with: the discovery API's lease store, signer, journal,
-/// authenticator and readiness.
+/// What the gateway works with: the discovery API's lease store, signer, authenticator and
+/// readiness (not the lease journal: see [`held`]).
 #[derive(Clone)]
 pub struct GatewayDeps {
     /// The lease store.
     pub store: LeaseStore,
     /// Signs the lease IDs of the leases it takes.
     pub signer: LeaseSigner,
-    /// Makes its lease operations durable (standalone mode).
-    pub journal: Option<Journal>,
     /// Checks the token in the client's proxy password.
     pub auth: Arc<dyn Authenticator>,
     /// Requests are refused (503) until this says synced and leader.
@@ -288,6 +286,7 @@ impl From<DurableError> for Refusal {
                 }
                 refusal
             }
+            // The gateway's leases are never journalled ([`held`]); kept for the type's sake.
             not_durable @ DurableError::Journal(_) => {
                 let mut refusal = Self::new(
                     StatusCode::SERVICE_UNAVAILABLE,

@@ -184,6 +184,9 @@ pub async fn run_standalone(
         gateway: options.gateway.clone(),
     };
     let core = start_core(adapters, flags, &metrics, &stop).await?;
+    // The last checkpoint is taken once the core's tasks are done: the gateway's leases, which
+    // are never journalled, have all been given back by then, so none is restored.
+    let (stop_compaction, compaction_stopped) = tokio::sync::oneshot::channel::<()>();
     let compaction = journal.map(|journal| {
         tokio::spawn(journal::compaction(
             leases.store.clone(),
@@ -192,7 +195,9 @@ pub async fn run_standalone(
             options.state.clone(),
             MaintenanceConfig::default().checkpoint_interval,
             metrics.checkpoint.clone(),
-            stop.stopped(),
+            async move {
+                let _ = compaction_stopped.await;
+            },
         ))
     });
 
@@ -233,6 +238,7 @@ pub async fn run_standalone(
         .await;
     stop.stop();
     core.tasks.join().await;
+    let _ = stop_compaction.send(());
     if let Some(compaction) = compaction {
         let _ = compaction.await;
     }
