@@ -578,6 +578,44 @@ async fn the_gateways_leases_are_not_journalled() {
     );
 }
 
+/// A client that takes a lease and never gives it back still held it: when the lease expires,
+/// its time (grant to expiry) counts in its holder's `leaseSeconds`. No token released it, so
+/// no token's count moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_expires_unreleased_counts_for_its_holder() {
+    let setup = Setup::start(&[]).await;
+    match try_api(
+        setup.host.api_port,
+        &setup.host.token(),
+        "POST",
+        "/v1/leases",
+        r#"{"holder":"forgetful","ttlSeconds":1}"#,
+        Duration::from_secs(10),
+    )
+    .await
+    {
+        Answer::Got(status, _) if status.is_success() => {}
+        other => panic!("the acquire: {other:?}"),
+    }
+    let usage = support::wait_until(Duration::from_secs(15), "the expired lease counted", async || {
+        let usage = setup.api_get("/v1/usage").await;
+        let seconds =
+            (usage["holders"].as_array()?.iter()).find(|h| h["holder"] == "forgetful")?["leaseSeconds"]
+                .as_f64()?;
+        (seconds > 0.0).then_some(usage)
+    })
+    .await;
+    let holder = (usage["holders"].as_array().expect("holders").iter())
+        .find(|h| h["holder"] == "forgetful")
+        .expect("listed");
+    assert_eq!(holder["leaseSeconds"].as_f64(), Some(1.0), "{usage}");
+    assert_eq!(
+        usage["tokens"][0]["leaseSeconds"].as_f64(),
+        Some(0.0),
+        "no token released it: {usage}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_sticks_to_one_squid_until_a_403_bans_it_for_the_domain() {
     let setup = Setup::start(&[]).await;

@@ -41,18 +41,32 @@ use crate::{
 /// How often the outcome statistics forget proxies gone from the pool.
 const OUTCOMES_PRUNE_INTERVAL: Duration = Duration::from_secs(60);
 
-/// Every [`OUTCOMES_PRUNE_INTERVAL`] until `stopped`: the outcome statistics forget proxies the
-/// lease store no longer has (deleted ones), so neither they nor their metrics linger.
-async fn forget_gone_proxies(outcomes: Outcomes, leases: LeaseStore, stopped: impl Future<Output = ()>) {
+/// Runs `work` every `interval` until `stopped`.
+async fn every(interval: Duration, stopped: impl Future<Output = ()>, mut work: impl FnMut()) {
     let mut stopped = std::pin::pin!(stopped);
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(OUTCOMES_PRUNE_INTERVAL) => {
-                let now = leases.now_ms();
-                outcomes.retain(|key| leases.view_at(key, now).is_some());
-            }
+            _ = tokio::time::sleep(interval) => work(),
             _ = &mut stopped => return,
         }
+    }
+}
+
+/// The outcome statistics forget proxies the lease store no longer has (deleted ones), so
+/// neither they nor their metrics linger.
+fn forget_gone_proxies(outcomes: &Outcomes, leases: &LeaseStore) {
+    let now = leases.now_ms();
+    outcomes.retain(|key| leases.view_at(key, now).is_some());
+}
+
+/// How often the lease-seconds of leases that expired unreleased are counted.
+const EXPIRED_LEASES_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Counts, for their holders, the lease-seconds of leases that ended at their expiry (a client
+/// that never released).
+fn count_expired_leases(usage: &Usage, leases: &LeaseStore) {
+    for ended in leases.take_expired() {
+        usage.lease_expired(&ended.holder, ended.held_ms);
     }
 }
 
@@ -389,11 +403,21 @@ pub async fn start_core(
         }
     }));
 
-    tasks.push(tokio::spawn(forget_gone_proxies(
-        metrics.outcomes.clone(),
-        leases.clone(),
-        stop.stopped(),
-    )));
+    let (outcomes, usage) = (metrics.outcomes.clone(), metrics.usage.clone());
+    let (pruned, reaped) = (leases.clone(), leases.clone());
+    let chores: [(Duration, Box<dyn FnMut() + Send>); 2] = [
+        (
+            OUTCOMES_PRUNE_INTERVAL,
+            Box::new(move || forget_gone_proxies(&outcomes, &pruned)),
+        ),
+        (
+            EXPIRED_LEASES_INTERVAL,
+            Box::new(move || count_expired_leases(&usage, &reaped)),
+        ),
+    ];
+    for (interval, work) in chores {
+        tasks.push(tokio::spawn(every(interval, stop.stopped(), work)));
+    }
 
     let (flips_tx, provider_flips) = mpsc::unbounded_channel();
     let monitor = Monitor::new(

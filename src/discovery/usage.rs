@@ -30,7 +30,8 @@ pub struct UsageCounters {
     pub requests: u64,
     /// Bytes through the gateway (sent and received) plus the bytes outcome reports gave.
     pub bytes: u64,
-    /// Seconds leases were held, from grant to release (millisecond precision).
+    /// Seconds leases were held, from grant to release (millisecond precision); a holder's also
+    /// counts leases it never released, from grant to expiry.
     pub lease_seconds: f64,
     /// Leases released with outcome `banned`.
     pub bans: u64,

@@ -402,6 +402,16 @@ pub struct Released {
     pub acquired_at_ms: u64,
 }
 
+/// A lease that ended at its expiry, never released: who held it and for how long (grant to
+/// expiry), for usage's lease-seconds ([`LeaseStore::take_expired`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpiredLease {
+    /// Its holder.
+    pub holder: String,
+    /// Milliseconds from its grant to its expiry.
+    pub held_ms: u64,
+}
+
 /// Everything a signed lease ID says about its lease: enough to take it back after a restart
 /// or a leader change that lost it ([`LeaseStore::reinstate`]).
 #[derive(Clone, Debug, PartialEq, Eq)]

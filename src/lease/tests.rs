@@ -453,6 +453,41 @@ fn drain_refuses_renewals_and_reports_completion() {
     assert!(acquire(&store, &all).is_ok());
 }
 
+/// A lease that ends at its expiry, whether the reaper or an acquire finds it expired, is
+/// handed out once by `take_expired` with its holder and how long it was held (grant to
+/// expiry), so usage can count the lease-seconds of clients that never release.
+#[test]
+fn leases_that_expire_are_taken_once_with_their_holder_and_time() {
+    let (store, clock, all) = one_proxy(2, 2, 0);
+    let first = acquire(&store, &all).unwrap();
+    clock.advance(Duration::from_secs(10));
+    let _second = acquire(&store, &all).unwrap();
+    release_ok(&store, &first);
+    assert!(store.take_expired().is_empty(), "a release is no expiry");
+    let third = acquire(&store, &all).unwrap();
+    clock.advance(Duration::from_secs(61));
+    // An acquire may find the expired ones on its way, the reaper finds the rest.
+    let _fourth = acquire(&store, &all).unwrap();
+    store.reap();
+    let mut ended = store.take_expired();
+    ended.sort_by_key(|e| e.held_ms);
+    assert_eq!(
+        ended,
+        [
+            ExpiredLease {
+                holder: "crawler-1".to_owned(),
+                held_ms: 60_000
+            },
+            ExpiredLease {
+                holder: "crawler-1".to_owned(),
+                held_ms: 60_000
+            },
+        ]
+    );
+    assert!(store.take_expired().is_empty(), "taken once");
+    let _ = third;
+}
+
 #[test]
 fn revoke_and_remove_drop_leases() {
     let (store, _, all) = one_proxy(2, 3, 0);

@@ -41,7 +41,8 @@ pub struct Counters {
     pub requests: u64,
     /// Bytes through the gateway (sent and received) plus what outcome reports said.
     pub bytes: u64,
-    /// Time leases were held, from grant to release, in milliseconds (served in seconds).
+    /// Time leases were held, from grant to release, in milliseconds (served in seconds); a
+    /// holder's also counts leases it never released, from grant to expiry.
     #[serde(skip)]
     pub lease_ms: u64,
     /// Leases released with outcome `banned`.
@@ -172,6 +173,14 @@ impl Usage {
         let mut inner = lock(&self.0);
         inner.tokens.add(token, add);
         inner.holders.add(holder, add);
+    }
+
+    /// A lease of `holder` ended at its expiry after `held_ms`, never released: its time counts
+    /// for the holder (no token released it, and the store does not know which took it).
+    pub fn lease_expired(&self, holder: &str, held_ms: u64) {
+        lock(&self.0)
+            .holders
+            .add(holder, |c| c.lease_ms = c.lease_ms.saturating_add(held_ms));
     }
 
     /// Every token tracked or with a quota, most requests first, at `now_ms`.

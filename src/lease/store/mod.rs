@@ -42,8 +42,8 @@ use self::{
     snapshot::RestoreInfo,
 };
 use super::{
-    Admission, DrainStatus, LeaseError, LeaseId, LeaseStoreConfig, LeaseTarget, Outcome, ProxyInfo, ProxyKey,
-    Released, Renewed,
+    Admission, DrainStatus, ExpiredLease, LeaseError, LeaseId, LeaseStoreConfig, LeaseTarget, Outcome,
+    ProxyInfo, ProxyKey, Released, Renewed,
     checkpoint::BanCheckpoint,
     selector::Interner,
     token::{IssuedId, PresentedId},
@@ -658,6 +658,17 @@ impl LeaseStore {
     /// How long a ban lasts, in ms: `ban_for`, else the store's ban cooldown.
     fn ban_ms(&self, ban_for: Option<Duration>) -> u64 {
         ban_for.unwrap_or(self.inner.config.ban_cooldown).as_millis() as u64
+    }
+
+    /// The leases that ended at their expiry since the last call, each once (at most
+    /// [`shard::MAX_EXPIRED_KEPT`] a shard between two calls): the reaper or an acquire ended
+    /// them, and no holder released them.
+    pub fn take_expired(&self) -> Vec<ExpiredLease> {
+        let mut all = Vec::new();
+        for shard in self.inner.shards.iter() {
+            all.append(&mut lock(&shard.0).expired);
+        }
+        all
     }
 
     /// Removes expired leases, bans, bindings and parked entries; returns the number of

@@ -12,8 +12,12 @@ use super::{
 };
 use crate::{
     api::ProxyKey,
-    lease::{AcquireRequest, Lease, LeaseHint, LeaseId},
+    lease::{AcquireRequest, ExpiredLease, Lease, LeaseHint, LeaseId},
 };
+
+/// Expired leases a shard keeps for [`super::LeaseStore::take_expired`] between two takes
+/// (once a second); beyond that, in a mass expiry, the rest go uncounted rather than grow it.
+pub(super) const MAX_EXPIRED_KEPT: usize = 4096;
 /// A proxy's membership in one LRU list.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Link {
@@ -67,6 +71,9 @@ pub(super) struct Shard {
     pub(super) changed: Vec<u32>,
     /// Proxies removed since the last checkpoint took them.
     pub(super) removed: Vec<ProxyKey>,
+    /// Leases that ended at their expiry since [`super::LeaseStore::take_expired`] last took
+    /// them, at most [`MAX_EXPIRED_KEPT`].
+    pub(super) expired: Vec<ExpiredLease>,
     /// First tokens of leases taken back from claims, until their claimed expiry: a claim is
     /// honoured once.
     pub(super) reinstated: HashMap<u64, u64>,
@@ -120,6 +127,7 @@ impl Shard {
             dirty: false,
             changed: Vec::new(),
             removed: Vec::new(),
+            expired: Vec::new(),
             reinstated: HashMap::new(),
         }
     }
@@ -384,6 +392,8 @@ impl Shard {
     /// Removes expired leases of one proxy; each rests the proxy from its `expires_at`, like a
     /// release at that instant. Schedules the next expiry of those left.
     pub(super) fn expire_leases(&mut self, slot: u32, now: u64) -> usize {
+        let room = MAX_EXPIRED_KEPT.saturating_sub(self.expired.len());
+        let mut ended = Vec::new();
         let p = self.proxy_mut(slot);
         let before = p.leases.len();
         let mut last_end = 0;
@@ -391,11 +401,20 @@ impl Shard {
             let live = l.expires_at > now;
             if !live {
                 last_end = last_end.max(l.expires_at);
+                // A lease restored from a checkpoint was granted before this process started,
+                // which usage does not count from.
+                if !l.restored && ended.len() < room {
+                    ended.push(ExpiredLease {
+                        holder: l.holder.as_str().to_owned(),
+                        held_ms: l.expires_at.saturating_sub(l.acquired_at),
+                    });
+                }
             }
             live
         });
         let expired = before - p.leases.len();
         let next = p.leases.iter().map(|l| l.expires_at).min();
+        self.expired.append(&mut ended);
         if expired > 0 {
             self.active -= expired;
             self.mark(slot);
