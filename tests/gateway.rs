@@ -1627,26 +1627,61 @@ async fn only_the_targets_403_bans() {
 }
 
 /// A proxy that dies mid-answer: the client's answer breaks off, and the statistics count a
-/// `reset` with the bytes passed on before it.
+/// `reset` with the bytes passed on before it. The proxy dies only once the client has those
+/// bytes: had it closed at once, the head, the bytes and the close could reach the gateway
+/// together, and the answer end before any of it was sent (an empty answer; seen under load).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_broken_off_counts_as_a_reset() {
-    // An upstream "proxy" that answers a head promising 100 bytes, sends 7 and closes.
+    // An upstream "proxy" that answers a head promising 100 bytes, sends 7, and closes when
+    // told to.
     let upstream = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let port = upstream.local_addr().expect("address").port();
+    let (die, dies) = tokio::sync::oneshot::channel::<()>();
     let serving = tokio::spawn(async move {
-        while let Ok((mut stream, _)) = upstream.accept().await {
-            let mut head = Vec::new();
-            let mut byte = [0u8; 1];
-            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).await.is_ok_and(|n| n == 1) {
-                head.push(byte[0]);
-            }
-            let _ = stream
-                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
-                .await;
+        let (mut stream, _) = upstream.accept().await.expect("the gateway connects");
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).await.is_ok_and(|n| n == 1) {
+            head.push(byte[0]);
         }
+        let _ = stream
+            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+            .await;
+        let _ = dies.await;
     });
     let gateway = in_process::start(&[("dying", port)]).await;
-    let answer = raw_request(gateway.addr, "GET", "http://shop.example/page", "crawler-10").await;
+    let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
+    let basic = basic_credentials(b"crawler-10:tok");
+    client
+        .write_all(
+            format!(
+                "GET http://shop.example/page HTTP/1.1\r\nHost: shop.example\r\n\
+                 Proxy-Authorization: Basic {basic}\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send");
+    let mut answer = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !answer.ends_with(b"partial") {
+        let n = tokio::time::timeout(Duration::from_secs(20), client.read(&mut chunk))
+            .await
+            .expect("the first bytes within 20 s")
+            .expect("read");
+        assert!(
+            n > 0,
+            "the answer ended early: {}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer.extend_from_slice(&chunk[..n]);
+    }
+    let _ = die.send(());
+    tokio::time::timeout(Duration::from_secs(20), client.read_to_end(&mut answer))
+        .await
+        .expect("the answer ends within 20 s")
+        .ok();
+    let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(
         answer.ends_with("\r\n\r\npartial"),
