@@ -17,7 +17,9 @@
 //!   recycle is a patch of the Proxy's annotation;
 //! - usage and quotas (`--quotas`): a token over its requests quota gets 429 `quota_exceeded`
 //!   from the gateway and from acquires while releases still work, and `GET /v1/usage` and
-//!   `/metrics` show what the token and the holder used; a bad quotas file is refused at start.
+//!   `/metrics` show what the token and the holder used, a lease that expires unreleased counts
+//!   for its holder; a bad quotas file is refused at start;
+//! - the gateway's leases are never journalled, and a clean restart restores none of them.
 
 mod support;
 
