@@ -509,19 +509,14 @@ async fn the_gateways_leases_are_not_journalled() {
         "gateway requests were journalled\n{}",
         setup.operator.log()
     );
-    match try_api(
-        setup.host.api_port,
-        &setup.host.token(),
+    let (status, lease) = api_call(
+        &setup,
         "POST",
         "/v1/leases",
         r#"{"holder":"api-client","ttlSeconds":60}"#,
-        Duration::from_secs(10),
     )
-    .await
-    {
-        Answer::Got(status, _) if status.is_success() => {}
-        other => panic!("the API's acquire: {other:?}"),
-    }
+    .await;
+    assert_eq!(status, 201, "{lease}");
     standalone::metrics_when(&setup.host, "the API's acquire journalled", |t| {
         journal_records(t) > before
     })
@@ -586,19 +581,14 @@ async fn the_gateways_leases_are_not_journalled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_that_expires_unreleased_counts_for_its_holder() {
     let setup = Setup::start(&[]).await;
-    match try_api(
-        setup.host.api_port,
-        &setup.host.token(),
+    let (status, lease) = api_call(
+        &setup,
         "POST",
         "/v1/leases",
         r#"{"holder":"forgetful","ttlSeconds":1}"#,
-        Duration::from_secs(10),
     )
-    .await
-    {
-        Answer::Got(status, _) if status.is_success() => {}
-        other => panic!("the acquire: {other:?}"),
-    }
+    .await;
+    assert_eq!(status, 201, "{lease}");
     let usage = support::wait_until(Duration::from_secs(15), "the expired lease counted", async || {
         let usage = setup.api_get("/v1/usage").await;
         let seconds =
@@ -799,9 +789,9 @@ async fn no_lease_outlives_its_client() {
         .await;
 }
 
-/// One exchange with the gateway at `gateway` on a fresh connection: `method url` with
-/// `user:tok` credentials; returns the raw answer.
-async fn raw_request(gateway: SocketAddr, method: &str, url: &str, user: &str) -> String {
+/// Connects to the in-process gateway and sends `method url` as `user` (the token `tok`), with
+/// no body and `Connection: close`; the answer is the caller's to read.
+async fn send_request(gateway: SocketAddr, method: &str, url: &str, user: &str) -> TcpStream {
     let mut stream = TcpStream::connect(gateway).await.expect("connect");
     let basic = basic_credentials(format!("{user}:tok").as_bytes());
     let host = url
@@ -819,6 +809,13 @@ async fn raw_request(gateway: SocketAddr, method: &str, url: &str, user: &str) -
         )
         .await
         .expect("send");
+    stream
+}
+
+/// One exchange with the gateway at `gateway` on a fresh connection: `method url` with
+/// `user:tok` credentials; returns the raw answer.
+async fn raw_request(gateway: SocketAddr, method: &str, url: &str, user: &str) -> String {
+    let mut stream = send_request(gateway, method, url, user).await;
     let mut raw = String::new();
     tokio::time::timeout(Duration::from_secs(20), stream.read_to_string(&mut raw))
         .await
@@ -1652,18 +1649,7 @@ async fn an_answer_broken_off_counts_as_a_reset() {
         let _ = dies.await;
     });
     let gateway = in_process::start(&[("dying", port)]).await;
-    let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
-    let basic = basic_credentials(b"crawler-10:tok");
-    client
-        .write_all(
-            format!(
-                "GET http://shop.example/page HTTP/1.1\r\nHost: shop.example\r\n\
-                 Proxy-Authorization: Basic {basic}\r\nConnection: close\r\n\r\n"
-            )
-            .as_bytes(),
-        )
-        .await
-        .expect("send");
+    let mut client = send_request(gateway.addr, "GET", "http://shop.example/page", "crawler-10").await;
     let mut answer = Vec::new();
     let mut chunk = [0u8; 1024];
     while !answer.ends_with(b"partial") {

@@ -403,21 +403,18 @@ pub async fn start_core(
         }
     }));
 
-    let (outcomes, usage) = (metrics.outcomes.clone(), metrics.usage.clone());
-    let (pruned, reaped) = (leases.clone(), leases.clone());
-    let chores: [(Duration, Box<dyn FnMut() + Send>); 2] = [
-        (
-            OUTCOMES_PRUNE_INTERVAL,
-            Box::new(move || forget_gone_proxies(&outcomes, &pruned)),
-        ),
-        (
-            EXPIRED_LEASES_INTERVAL,
-            Box::new(move || count_expired_leases(&usage, &reaped)),
-        ),
-    ];
-    for (interval, work) in chores {
-        tasks.push(tokio::spawn(every(interval, stop.stopped(), work)));
-    }
+    let (outcomes, store) = (metrics.outcomes.clone(), leases.clone());
+    tasks.push(tokio::spawn(every(
+        OUTCOMES_PRUNE_INTERVAL,
+        stop.stopped(),
+        move || forget_gone_proxies(&outcomes, &store),
+    )));
+    let (usage, store) = (metrics.usage.clone(), leases.clone());
+    tasks.push(tokio::spawn(every(
+        EXPIRED_LEASES_INTERVAL,
+        stop.stopped(),
+        move || count_expired_leases(&usage, &store),
+    )));
 
     let (flips_tx, provider_flips) = mpsc::unbounded_channel();
     let monitor = Monitor::new(

@@ -6,8 +6,9 @@
 //! (`Proxy-Authorization: Basic`, the password a discovery API token checked by the API's
 //! [`Authenticator`], the user name the holder and options, [`user`]), the lease it uses
 //! ([`held`]: taken and ended through [`crate::lease::DurableLeases`], as the API's are, but
-//! never journalled; sticky per session), the exchange with the leased upstream proxy ([`forward`]: absolute-form
-//! requests on kept-alive connections ([`upstream`]), `CONNECT` tunnels spliced both ways; a
+//! never journalled; sticky per session), the exchange with the leased upstream proxy
+//! ([`forward`]: absolute-form requests on kept-alive connections ([`upstream`]), `CONNECT`
+//! tunnels spliced both ways; a
 //! GET, HEAD or CONNECT the proxy gave no answer to is sent once more through another), how
 //! often a proxy may be sent to one domain ([`polite`], in the state the lease API shares),
 //! what a target's answer does to the lease and the proxy ([`rules`], applied in [`judged`]:

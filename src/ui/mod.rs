@@ -553,7 +553,9 @@ impl Default for PageQuery {
 #[error("{0}")]
 pub struct QueryError(String);
 
-/// What the status page reads: a mode's [`ProxySource`] and the parts both modes share.
+/// What the status page reads: a mode's [`ProxySource`] and the parts both modes share (cheap
+/// handles: a clone shares them).
+#[derive(Clone)]
 pub struct PageInputs {
     pub source: Arc<dyn ProxySource>,
     pub leases: LeaseStore,
@@ -573,10 +575,7 @@ pub struct PageInputs {
 /// The status page over its inputs, with the health verdict log the mode feeds; cheap to
 /// clone (clones share both).
 #[derive(Clone)]
-pub struct StatusPage(Arc<Gathered>);
-
-/// What a status page gathers its view from.
-struct Gathered {
+pub struct StatusPage {
     inputs: PageInputs,
     health_log: HealthLog,
 }
@@ -588,24 +587,24 @@ fn at_ms(ms: u64) -> Timestamp {
 
 impl StatusPage {
     pub fn new(inputs: PageInputs) -> Self {
-        Self(Arc::new(Gathered {
+        Self {
             inputs,
             health_log: HealthLog::default(),
-        }))
+        }
     }
 
     /// Where the mode records the health engine's verdict changes for the page.
     pub fn health_log(&self) -> HealthLog {
-        self.0.health_log.clone()
+        self.health_log.clone()
     }
 
     /// Gathers what the page shows for `query`, now. Work per proxy outside the page is a
     /// filter test and a count; leases, health, audit and supervision are read for the page's
     /// proxies only.
     pub fn view(&self, query: &PageQuery) -> Result<StatusView, UiError> {
-        let mut states = self.0.inputs.source.proxies()?;
+        let mut states = self.inputs.source.proxies()?;
         states.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        let store = &self.0.inputs.leases;
+        let store = &self.inputs.leases;
         let now_ms = store.now_ms();
         // Every proxy's attributes only when a text filter must look at them; otherwise the
         // store is read for the page's proxies alone.
@@ -635,13 +634,12 @@ impl StatusPage {
             }
         }
         let providers = self
-            .0
             .inputs
             .providers
             .iter()
             .map(|(name, _)| ProviderRow {
                 name: name.clone(),
-                down_reason: self.0.inputs.availability.down_reason(name),
+                down_reason: self.inputs.availability.down_reason(name),
                 proxies: per_provider.get(name.as_str()).copied().unwrap_or(0),
             })
             .collect();
@@ -650,8 +648,7 @@ impl StatusPage {
             .iter()
             .map(|s| (s.namespace.as_str(), s.name.as_str()))
             .collect();
-        self.0
-            .health_log
+        self.health_log
             .retain(|namespace, name| present.contains(&(namespace, name)));
         drop(present);
         let total = states.len();
@@ -710,15 +707,12 @@ impl StatusPage {
                     attributes,
                     leases,
                     process: self.process(&state),
-                    traffic: self.0.inputs.outcomes.proxy(&key, 1).map(Traffic::from),
-                    health: self.0.inputs.health.snapshot(&key),
-                    health_history: self.0.health_log.last(
-                        &state.namespace,
-                        &state.name,
-                        AUDIT_ENTRIES_SHOWN,
-                    ),
+                    traffic: self.inputs.outcomes.proxy(&key, 1).map(Traffic::from),
+                    health: self.inputs.health.snapshot(&key),
+                    health_history: self
+                        .health_log
+                        .last(&state.namespace, &state.name, AUDIT_ENTRIES_SHOWN),
                     audit: self
-                        .0
                         .inputs
                         .source
                         .audit(&state.namespace, &state.name, AUDIT_ENTRIES_SHOWN),
@@ -727,7 +721,7 @@ impl StatusPage {
             })
             .collect();
         Ok(StatusView {
-            mode: self.0.inputs.source.mode(),
+            mode: self.inputs.source.mode(),
             now: Timestamp::now(),
             providers,
             proxies,
@@ -736,7 +730,7 @@ impl StatusPage {
             phases,
             active_leases,
             query,
-            usage: UsageView::of(&self.0.inputs.usage, now_ms),
+            usage: UsageView::of(&self.inputs.usage, now_ms),
         })
     }
 
@@ -744,7 +738,6 @@ impl StatusPage {
     fn process(&self, state: &ProxyState) -> Option<ProcessRow> {
         let id: ProviderId = state.provider_id.as_deref()?.parse().ok()?;
         let (_, provider) = self
-            .0
             .inputs
             .providers
             .iter()
@@ -770,13 +763,13 @@ impl Page for StatusPage {
     /// Answers `GET /ui` with these request headers: the page, or 401 (with a Basic challenge
     /// a browser answers), 403, or 503 when the caller cannot be checked or the view not taken.
     async fn respond(&self, headers: &HeaderMap, query: Option<&str>) -> Response<Full<Bytes>> {
-        if self.0.inputs.auth.anonymous().is_none() {
+        if self.inputs.auth.anonymous().is_none() {
             let Some(token) = presented_token(headers) else {
                 return challenge(
                     "a token is required: Authorization: Bearer <token>, or the token as the password",
                 );
             };
-            match self.0.inputs.auth.authenticate(&token).await {
+            match self.inputs.auth.authenticate(&token).await {
                 Ok(_) => {}
                 Err(AuthError::Unauthenticated) => return challenge("invalid token"),
                 Err(AuthError::Forbidden(_)) => return plain(StatusCode::FORBIDDEN, "forbidden\n"),
