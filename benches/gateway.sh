@@ -35,6 +35,7 @@ sessions=${EPO_GW_SESSIONS:-10000}
 client_cpu=${EPO_WRK_CLIENT_CPU:-0}
 server_cpu=${EPO_WRK_SERVER_CPU:-1}
 
+need_build_deps
 need wrk wrk
 need taskset util-linux
 need squid squid

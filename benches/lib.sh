@@ -3,8 +3,12 @@
 # Sourced; expects $token (the discovery token the folder's tokens file holds), $work (the
 # run's scratch folder) and $server_pid (the operator's, or empty).
 
+# Installs Debian package $1.
+apt_install() { echo "installing $1 (Debian package)" >&2; apt-get install -y "$1" >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y "$1" >/dev/null; }; }
 # Installs Debian package $2 unless command $1 exists.
-need() { command -v "$1" >/dev/null || { echo "installing $2 (Debian package)" >&2; apt-get install -y "$2" >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y "$2" >/dev/null; }; }; }
+need() { command -v "$1" >/dev/null || apt_install "$2"; }
+# What the build needs on a fresh machine: the `virt` crate links libvirt through pkg-config.
+need_build_deps() { need pkg-config pkg-config; pkg-config --exists libvirt || apt_install libvirt-dev; }
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 

@@ -59,6 +59,7 @@ pool_size=${EPO_WRK_POOL:-10000}
 cg_secs=${EPO_WRK_CALLGRIND_SECS:-20}
 
 # wrk: Debian's package (4.1.0), so every machine runs the same client build.
+need_build_deps
 need wrk wrk
 need taskset util-linux
 need squid squid

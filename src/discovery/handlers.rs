@@ -4,7 +4,7 @@
 //! durable ones included, are [`crate::lease::DurableLeases`]'s: a handler parses, calls one and
 //! answers.
 
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -20,6 +20,7 @@ use super::{
     StatusBody,
     metrics::CodeLabels,
     router::{ApiError, json, json_bytes},
+    terms::SelectorTerms,
     wire::{self, RequestBody},
 };
 use crate::{
@@ -232,11 +233,9 @@ pub(super) async fn authenticate(
     Ok(identity)
 }
 
-/// Reads, decodes and validates a request body: 413 over the size limit, 400 for malformed
-/// JSON (saying where) or a value out of range (saying what to fix).
-pub(super) async fn read_request<T, B>(s: &StateInner, body: B) -> Result<T, ApiError>
+/// Reads a request body: 413 over the size limit, 400 when it breaks off.
+pub(super) async fn read_body<B>(s: &StateInner, body: B) -> Result<Bytes, ApiError>
 where
-    T: RequestBody,
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
@@ -252,20 +251,28 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Err(too_large());
     }
-    let bytes = match body_bytes(body, limit).await {
-        Ok(Some(bytes)) => bytes,
-        Ok(None) => return Err(too_large()),
-        Err(e) => return Err(ApiError::bad_request(format!("reading the request body: {e}"))),
-    };
+    match body_bytes(body, limit).await {
+        Ok(Some(bytes)) => Ok(bytes),
+        Ok(None) => Err(too_large()),
+        Err(e) => Err(ApiError::bad_request(format!("reading the request body: {e}"))),
+    }
+}
+
+/// Decodes and validates a request body read by [`read_body`] (its strings may borrow from
+/// it): 400 for malformed JSON (saying where) or a value out of range (saying what to fix).
+pub(super) fn parse_request<'a, T>(bytes: &'a [u8]) -> Result<T, ApiError>
+where
+    T: RequestBody + serde::Deserialize<'a>,
+{
     // The plain parser for the common, valid body (from text checked once: the byte-slice
     // reader checks every string again); the path-tracking one only to say where a malformed
     // body went wrong (it costs about as much as the parse itself).
-    let parsed = std::str::from_utf8(&bytes)
+    let parsed = std::str::from_utf8(bytes)
         .ok()
         .and_then(|text| serde_json::from_str(text).ok());
     let value: T = match parsed {
         Some(value) => value,
-        None => decode_with_path(&bytes)?,
+        None => decode_with_path(bytes)?,
     };
     value.validate().map_err(ApiError::bad_request)?;
     Ok(value)
@@ -310,7 +317,7 @@ where
 }
 
 /// Decodes a body the plain parser refused, to say where it went wrong.
-fn decode_with_path<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+fn decode_with_path<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
@@ -509,7 +516,7 @@ fn parse_cursor(text: &str) -> Result<(ProxyKey, u64), ApiError> {
 pub(super) async fn acquire(
     s: &StateInner,
     identity: &Identity,
-    req: AcquireBody,
+    req: AcquireBody<'_>,
     remembered: &RememberedSelector,
     now: u64,
 ) -> Result<Response<Full<Bytes>>, ApiError> {
@@ -580,20 +587,25 @@ pub(super) async fn acquire(
 #[derive(Default)]
 pub(super) struct RememberedSelector(std::sync::Mutex<Option<KeptSelector>>);
 
-/// A selector as a request gave it, and compiled.
-type KeptSelector = (BTreeMap<String, String>, Arc<CompiledSelector>);
+/// A selector as a request gave it (its terms by key), and compiled.
+type KeptSelector = (Selector, Arc<CompiledSelector>);
 
 impl RememberedSelector {
-    /// `selector` compiled against `store`, from memory when it is the one remembered.
-    fn compile(&self, store: &LeaseStore, selector: &BTreeMap<String, String>) -> Arc<CompiledSelector> {
+    /// `terms` compiled against `store`, from memory when they are the ones remembered.
+    fn compile(&self, store: &LeaseStore, terms: &SelectorTerms<'_>) -> Arc<CompiledSelector> {
         if let Some((kept, compiled)) = crate::sync::lock(&self.0).as_ref()
-            && kept == selector
+            && kept
+                .terms()
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .eq(terms.iter())
         {
             return compiled.clone();
         }
-        let compiled = Arc::new(store.compile(&Selector::from_map(selector)));
+        let selector = Selector::from_terms(terms.iter());
+        let compiled = Arc::new(store.compile(&selector));
         if !matches!(*compiled, CompiledSelector::Unsatisfiable) {
-            *crate::sync::lock(&self.0) = Some((selector.clone(), compiled.clone()));
+            *crate::sync::lock(&self.0) = Some((selector, compiled.clone()));
         }
         compiled
     }
@@ -690,7 +702,7 @@ pub(super) async fn release(
     s.deps.metrics.count_release(req.outcome);
     let mut bytes = Vec::with_capacity(64 + id.len());
     ReleaseResponse {
-        lease_id: id.to_owned(),
+        lease_id: id,
         released: true,
         outcome: req.outcome,
     }

@@ -17,6 +17,7 @@ mod metrics;
 pub mod openapi;
 mod outcomes;
 mod router;
+mod terms;
 mod usage;
 mod wire;
 
@@ -43,6 +44,7 @@ pub use auth::{
 };
 pub use metrics::DiscoveryMetrics;
 pub use outcomes::{OutcomeBody, OutcomeResponse};
+pub use terms::SelectorTerms;
 pub use usage::{HolderUsageJson, QuotaJson, QuotaUse, TokenUsageJson, UsageCounters, UsageResponse};
 pub use wire::{
     AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse,
@@ -56,8 +58,8 @@ use crate::{
     usage::Usage,
 };
 use handlers::{
-    acquire, authenticate, check_journal, check_ready, healthz, leases_list, list, metrics, read_request,
-    readyz, release, renew,
+    acquire, authenticate, check_journal, check_ready, healthz, leases_list, list, metrics, parse_request,
+    read_body, readyz, release, renew,
 };
 use metrics::ResultLabels;
 use openapi::openapi_json;
@@ -287,19 +289,20 @@ where
         Route::Leases => leases_list(s, parts, s.deps.store.now_ms()),
         Route::Usage => usage::usage(s, parts, s.deps.store.now_ms()),
         Route::Acquire => {
-            let req: AcquireBody = read_request(s, body).await?;
+            let bytes = read_body(s, body).await?;
+            let req: AcquireBody<'_> = parse_request(&bytes)?;
             acquire(s, &identity, req, &remembered.selector, s.deps.store.now_ms()).await
         }
         Route::Renew(id) => {
-            let req: RenewBody = read_request(s, body).await?;
+            let req: RenewBody = parse_request(&read_body(s, body).await?)?;
             renew(s, id, req, s.deps.store.now_ms()).await
         }
         Route::Release(id) => {
-            let req: ReleaseBody = read_request(s, body).await?;
+            let req: ReleaseBody = parse_request(&read_body(s, body).await?)?;
             release(s, &identity, id, req, s.deps.store.now_ms()).await
         }
         Route::Outcomes(id) => {
-            let req: OutcomeBody = read_request(s, body).await?;
+            let req: OutcomeBody = parse_request(&read_body(s, body).await?)?;
             outcomes::report_outcome(s, &identity, id, req, s.deps.store.now_ms())
         }
         Route::Healthz | Route::Readyz | Route::Metrics | Route::OpenApi | Route::Ui => {

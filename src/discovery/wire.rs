@@ -2,7 +2,7 @@
 //! Their `ToSchema` derives are the OpenAPI contract's schemas (`super::openapi`): the doc
 //! comments are its descriptions, the `schema` attributes its limits.
 
-use std::collections::BTreeMap;
+use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 use utoipa::{
@@ -10,6 +10,7 @@ use utoipa::{
     openapi::{ObjectBuilder, Type, schema::Object},
 };
 
+use super::terms::SelectorTerms;
 use crate::{
     api::Attributes,
     lease::{Availability, Outcome, ProxyInfo, ProxyView, Rfc3339, rfc3339},
@@ -36,19 +37,20 @@ pub const MAX_SELECTOR_TERMS: usize = crate::lease::MAX_SELECTOR_TERMS;
 /// `POST /v1/leases`.
 #[derive(Clone, Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct AcquireBody {
+pub struct AcquireBody<'a> {
     /// Required attributes (all must match); empty or absent: any proxy. At most 32; keys of
     /// 1-317 characters, values of at most 256.
-    #[serde(default)]
+    #[serde(default, borrow)]
     #[schema(schema_with = selector_schema)]
-    pub selector: BTreeMap<String, String>,
+    pub selector: SelectorTerms<'a>,
     /// Who holds the lease: 1-128 printable characters.
+    #[serde(borrow)]
     #[schema(
         min_length = 1,
         max_length = 128,
         pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$"
     )]
-    pub holder: String,
+    pub holder: Cow<'a, str>,
     /// Lease length in seconds; default 60, capped by the proxy's `lease.maxTtlSeconds`. A
     /// whole number written with a fraction or an exponent (`60.0`, `6e1`) counts as one.
     #[serde(default, deserialize_with = "whole_seconds")]
@@ -168,7 +170,7 @@ fn valid_domain(d: &str) -> bool {
 
 /// A request body: its JSON shape is serde's to check, the rest (lengths, ranges, formats the
 /// contract states) is `validate`'s, run as it is decoded, so a handler only sees valid ones.
-pub trait RequestBody: serde::de::DeserializeOwned {
+pub trait RequestBody {
     /// What is wrong with it, in words that say what to fix.
     fn validate(&self) -> Result<(), String>;
 }
@@ -180,7 +182,7 @@ fn valid_ttl(ttl_seconds: Option<u64>) -> Result<(), String> {
     Ok(())
 }
 
-impl RequestBody for AcquireBody {
+impl RequestBody for AcquireBody<'_> {
     fn validate(&self) -> Result<(), String> {
         if !chars_within(&self.holder, MAX_HOLDER_LEN) || !printable(&self.holder) {
             return Err(format!("holder must be 1-{MAX_HOLDER_LEN} printable characters"));
@@ -443,9 +445,9 @@ pub struct RenewResponse {
 /// A released lease.
 #[derive(Clone, Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct ReleaseResponse {
+pub struct ReleaseResponse<'a> {
     /// The lease ID.
-    pub lease_id: String,
+    pub lease_id: &'a str,
     /// Always true.
     pub released: bool,
     /// The outcome recorded.
@@ -589,11 +591,11 @@ impl AcquireResponse<'_> {
     }
 }
 
-impl ReleaseResponse {
+impl ReleaseResponse<'_> {
     /// The answer's JSON, as `serde_json` writes it.
     pub(crate) fn write_json(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(b"{\"leaseId\":");
-        put_plain(out, &self.lease_id);
+        put_plain(out, self.lease_id);
         out.extend_from_slice(b",\"released\":");
         out.extend_from_slice(if self.released { b"true" } else { b"false" });
         out.extend_from_slice(b",\"outcome\":");
@@ -665,7 +667,7 @@ mod fast_json_tests {
             );
             for outcome in [Outcome::Ok, Outcome::Banned, Outcome::Error] {
                 let released = ReleaseResponse {
-                    lease_id: id.to_owned(),
+                    lease_id: id,
                     released: true,
                     outcome,
                 };

@@ -321,7 +321,9 @@ impl Held {
         domain: Option<&str>,
         session_key: Option<&str>,
     ) -> Result<HeldLease, DurableError> {
-        let selector = self.deps.store.compile(&Selector::from_map(&who.selector));
+        let selector = self.deps.store.compile(&Selector::from_terms(
+            who.selector.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        ));
         let request = AcquireRequest {
             selector: &selector,
             holder: &who.holder,

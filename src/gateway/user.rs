@@ -14,9 +14,9 @@
 //! The holder, the session key and the selector are checked by the discovery API's own rules
 //! for an acquire body ([`AcquireBody`]), so the gateway accepts what the API accepts.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::{borrow::Cow, collections::BTreeMap, sync::Arc};
 
-use crate::discovery::{AcquireBody, RequestBody};
+use crate::discovery::{AcquireBody, RequestBody, SelectorTerms};
 
 /// Who a gateway request is for: the token that let it in, named by its identity name (never
 /// its value), and what the user name says.
@@ -105,8 +105,8 @@ impl UserName {
         }
         // The API's own bounds for the same fields, so both front doors agree.
         AcquireBody {
-            selector: name.selector.clone(),
-            holder: name.holder.clone(),
+            selector: SelectorTerms::from_pairs(name.selector.iter().map(|(k, v)| (k.as_str(), v.as_str()))),
+            holder: Cow::Borrowed(&name.holder),
             ttl_seconds: None,
             target_domain: None,
             session_key: name.session.clone(),

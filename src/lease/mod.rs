@@ -77,7 +77,7 @@ pub use clock::{Clock, Rfc3339, rfc3339};
 pub use control::LeaseControl;
 pub use durable::{Acquired, DurableError, DurableLeases};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
-pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
+pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS, SmallStr};
 
 use crate::{
     api::{Attributes, LeasePolicy, ProxyKey},
@@ -396,8 +396,8 @@ pub struct Released {
     pub ban: Option<checkpoint::BanCheckpoint>,
     /// When the proxy's cooldown ends, if it is resting now.
     pub cooldown_until_ms: Option<u64>,
-    /// The lease's holder (what usage metering counts its time for).
-    pub holder: String,
+    /// The lease's holder (what usage metering counts its time for), moved out of the lease.
+    pub holder: SmallStr,
     /// When the lease was granted (ms since the epoch).
     pub acquired_at_ms: u64,
 }

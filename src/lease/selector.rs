@@ -63,10 +63,13 @@ impl Selector {
         Ok(Self { terms })
     }
 
-    /// A selector from a map of required attributes.
-    pub fn from_map(map: &BTreeMap<String, String>) -> Self {
+    /// A selector from required attributes' `(key, value)` pairs.
+    pub fn from_terms<'t>(terms: impl IntoIterator<Item = (&'t str, &'t str)>) -> Self {
         Self {
-            terms: map.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            terms: terms
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
         }
     }
 

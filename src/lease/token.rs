@@ -252,7 +252,10 @@ impl LeaseSigner {
         put_str(&mut buf, claim.session_key.as_deref());
         let tag = self.tag(&buf);
         buf.extend_from_slice(&tag);
-        URL_SAFE_NO_PAD.encode(&buf)
+        // Encoded into a string of its exact size (`encode` zero-fills a buffer, then copies).
+        let mut id = String::with_capacity(buf.len().div_ceil(3) * 4);
+        URL_SAFE_NO_PAD.encode_string(&buf, &mut id);
+        id
     }
 
     /// The tag of `payload` under the MAC its first byte names.

@@ -21,7 +21,7 @@
 //! split into files (and so into codegen units) costs the acquire path no calls.
 
 mod check;
-mod proxy;
+pub(super) mod proxy;
 mod request;
 mod select;
 mod shard;
@@ -35,6 +35,8 @@ use std::{
 
 #[cfg(test)]
 pub(crate) use select::BURST;
+
+pub use self::proxy::SmallStr;
 
 use self::{
     proxy::{AdmissionState, LeaseRecord},
@@ -568,7 +570,7 @@ impl LeaseStore {
         Ok(Released {
             ban,
             cooldown_until_ms: (cooling_until > now).then_some(cooling_until),
-            holder: ended.holder.as_str().to_owned(),
+            holder: ended.holder,
             acquired_at_ms: ended.acquired_at,
         })
     }

@@ -15,11 +15,34 @@ pub(super) enum AdmissionState {
 }
 
 /// A short string kept inline: holder names are short, and this spares an allocation (and a
-/// free) per lease on the hot path.
+/// free) per lease on the hot path. A released lease hands its holder's name on in it
+/// ([`crate::lease::Released::holder`]).
 #[derive(Clone, Debug)]
-pub(super) enum SmallStr {
-    Inline { len: u8, bytes: [u8; 30] },
+pub enum SmallStr {
+    /// Up to 30 bytes, in place.
+    Inline {
+        /// Bytes used.
+        len: u8,
+        /// The text, then zeros.
+        bytes: [u8; 30],
+    },
+    /// A longer text.
     Heap(Box<str>),
+}
+
+impl PartialEq for SmallStr {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for SmallStr {}
+
+impl std::ops::Deref for SmallStr {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
 }
 
 impl SmallStr {
@@ -37,8 +60,9 @@ impl SmallStr {
         }
     }
 
+    /// The text.
     #[inline]
-    pub(super) fn as_str(&self) -> &str {
+    pub fn as_str(&self) -> &str {
         match self {
             SmallStr::Inline { len, bytes } => std::str::from_utf8(&bytes[..*len as usize])
                 .expect("inline bytes are copied whole from a str"),
