@@ -21,7 +21,7 @@
 //! split into files (and so into codegen units) costs the acquire path no calls.
 
 mod check;
-pub(super) mod proxy;
+mod proxy;
 mod request;
 mod select;
 mod shard;
