@@ -8,7 +8,10 @@
 
 use std::{borrow::Cow, fmt, marker::PhantomData};
 
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::{
+    Deserialize,
+    de::{Deserializer, MapAccess, Visitor},
+};
 use smallvec::SmallVec;
 
 /// The terms, sorted by key; a key given twice keeps its last value, as a JSON object's map
@@ -69,30 +72,11 @@ impl<'de: 'a, 'a> Deserialize<'de> for SelectorTerms<'a> {
     }
 }
 
-/// A JSON string borrowed from the input when it has no escapes (serde's `Cow` always copies).
-struct Text<'a>(Cow<'a, str>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Str<'a>(PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> Visitor<'de> for Str<'a> {
-            type Value = Text<'a>;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Text(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Text(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
-                Ok(Text(Cow::Owned(v)))
-            }
-        }
-        deserializer.deserialize_str(Str(PhantomData))
-    }
-}
+/// A JSON string borrowed from the input when it has no escapes (serde's `Cow` alone always
+/// copies; `borrow` on a `Cow` field borrows).
+#[derive(Deserialize)]
+#[serde(transparent)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
 #[cfg(test)]
 mod tests {
