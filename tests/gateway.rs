@@ -834,7 +834,7 @@ mod in_process {
         api::{LeasePolicy, ProxyKey},
         discovery::StaticTokens,
         gateway::{self, Gateway, GatewayConfig, GatewayDeps},
-        lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, token::LeaseSigner},
+        lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget},
         outcomes::Outcomes,
         politeness::Politeness,
         provider::Endpoint,
@@ -887,7 +887,6 @@ mod in_process {
         let outcomes = Outcomes::default();
         let deps = GatewayDeps {
             store: store.clone(),
-            signer: LeaseSigner::new(&LeaseSigner::generate_secret()).expect("signer"),
             auth: Arc::new(StaticTokens::parse("tok\n")),
             readiness,
             health: None,

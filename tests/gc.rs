@@ -124,6 +124,22 @@ fn judgement_time(old: &Instance, young: &Instance) -> Timestamp {
     old.created_at + SignedDuration::try_from(GRACE).expect("small")
 }
 
+/// The ports test programs are told (the control plane's, Squids') never come from the range
+/// user-mode guests forward from: qemu binds a guest's forward only when the guest starts,
+/// after the provider found it free, so a port handed out meanwhile broke a create (CI: "Could
+/// not set up host forwarding rule 'tcp:127.0.0.1:24430-:3128'" while this binary's control
+/// plane took ports from the same span).
+#[test]
+fn test_ports_stay_out_of_the_guests_forward_range() {
+    for _ in 0..30_000 {
+        let port = u32::from(support::ports::free_port());
+        assert!(
+            !support::ports::GUEST_FORWARDS.contains(&port),
+            "port {port} was handed out from the guests' forward range"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gc_on_a_real_libvirt_driver_deletes_only_true_orphans() {
     virt::error::clear_error_callback();

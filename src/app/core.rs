@@ -315,7 +315,6 @@ pub async fn start_core(
     let politeness = Politeness::new(flags.gateway.rules.politeness.clone());
     let gateway_deps = GatewayDeps {
         store: leases.clone(),
-        signer: signer.clone(),
         auth: auth.clone(),
         readiness: readiness.clone(),
         health: Some(health.clone()),

@@ -541,19 +541,9 @@ fn put_plain(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
 }
 
+/// `n` in decimal (itoa: two digits a step, as serde_json writes integers).
 fn put_u64(out: &mut Vec<u8>, n: u64) {
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    let mut n = n;
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[i..]);
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
 /// The proxy's JSON in an acquire answer ([`ProxyJson::from_info`]), rendered once per proxy

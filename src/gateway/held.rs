@@ -1,10 +1,12 @@
-//! The leases the gateway holds on its clients' behalf, taken and ended through the same
-//! operations as the API's ([`DurableLeases`]) but never written to the lease journal: only
-//! this process's gateway holds them, so after a crash no client could present one, and the
-//! sessions that would reuse them are gone with the process. Journalled, they only outlived a
-//! crash as leases left to expire, at the cost of two fsync waits per request without a
-//! session (the gateway served about a third of its rate without durability). A clean stop
-//! gives them all back before the last checkpoint is taken.
+//! The leases the gateway holds on its clients' behalf, taken and ended in the lease store
+//! directly: neither signed nor written to the lease journal. Only this process's gateway holds
+//! them, so after a crash no client could present one, and the sessions that would reuse them
+//! are gone with the process. Journalled, they only outlived a crash as leases left to expire,
+//! at the cost of two fsync waits per request without a session (the gateway served about a
+//! third of its rate with them); a signed ID would only be handed to this code, which keeps the
+//! lease's [`LeaseId`] instead (signing and the presented ID's check cost about 3,000
+//! instructions a request without a session). A clean stop gives them all back before the last
+//! checkpoint is taken.
 //!
 //! - A request without a session takes a lease of its own and ends it when its answer is
 //!   sent (or its tunnel closes, or its client goes away): a [`Lent`] whose Drop releases it.
@@ -31,9 +33,7 @@ use super::{GatewayConfig, GatewayDeps, user::Who};
 use crate::politeness::Turn;
 use crate::{
     api::ProxyKey,
-    lease::{
-        AcquireRequest, Acquired, DurableError, DurableLeases, LeaseError, Outcome, ProxyInfo, Selector,
-    },
+    lease::{AcquireRequest, LeaseError, LeaseId, Outcome, ProxyInfo, Selector},
     sync::lock,
 };
 
@@ -43,7 +43,7 @@ const MAX_AVOIDED: usize = 4;
 /// One lease the gateway holds.
 #[derive(Clone)]
 struct HeldLease {
-    lease_id: String,
+    id: LeaseId,
     token: u64,
     expires_at_ms: u64,
     proxy: Arc<ProxyInfo>,
@@ -82,7 +82,7 @@ pub(super) struct Held {
 pub(super) struct Lent {
     held: Arc<Held>,
     proxy: Arc<ProxyInfo>,
-    lease_id: String,
+    lease: LeaseId,
     kind: Kind,
     done: bool,
     /// The request's politeness turn, freed with the lease.
@@ -127,7 +127,7 @@ impl Lent {
         match &self.kind {
             Kind::Session(session) => {
                 let mut slot = session.lease.lock().await;
-                if slot.as_ref().is_some_and(|l| l.lease_id == self.lease_id)
+                if slot.as_ref().is_some_and(|l| l.id == self.lease)
                     && let Some(lease) = slot.take()
                 {
                     self.held.release_banning(&lease, outcome, ban_for).await;
@@ -182,17 +182,9 @@ impl Held {
         &self.deps
     }
 
-    fn leases(&self) -> DurableLeases<'_> {
-        DurableLeases::new(&self.deps.store, &self.deps.signer, None)
-    }
-
     /// A lease for one request of `who` to `domain`: the session's (taken or renewed as
     /// needed), or one of its own.
-    pub(super) async fn take(
-        self: &Arc<Self>,
-        who: &Who,
-        domain: Option<&str>,
-    ) -> Result<Lent, DurableError> {
+    pub(super) async fn take(self: &Arc<Self>, who: &Who, domain: Option<&str>) -> Result<Lent, LeaseError> {
         match &who.session {
             Some(session) => self.take_session(who, session, domain).await,
             None => self.take_loose(who, domain, None).await,
@@ -209,7 +201,7 @@ impl Held {
         who: &Who,
         domain: Option<&str>,
         avoid: Option<&ProxyKey>,
-    ) -> Result<Lent, DurableError> {
+    ) -> Result<Lent, LeaseError> {
         // Each taken lease is lent at once, so whatever ends this (an error, a cancelled
         // request) gives the avoided ones back through their Drop.
         let mut avoided = Vec::new();
@@ -219,7 +211,7 @@ impl Held {
             let lent = Lent {
                 held: self.clone(),
                 proxy: lease.proxy.clone(),
-                lease_id: lease.lease_id.clone(),
+                lease: lease.id.clone(),
                 kind: Kind::Loose(n),
                 done: false,
                 turn: None,
@@ -230,9 +222,9 @@ impl Held {
             }
             avoided.push(lent);
             if avoided.len() >= MAX_AVOIDED {
-                return Err(DurableError::Lease(LeaseError::NoProxyAvailable {
+                return Err(LeaseError::NoProxyAvailable {
                     retry_after: Duration::from_secs(1),
-                }));
+                });
             }
         }
     }
@@ -242,7 +234,7 @@ impl Held {
         who: &Who,
         session_key: &str,
         domain: Option<&str>,
-    ) -> Result<Lent, DurableError> {
+    ) -> Result<Lent, LeaseError> {
         let key = (
             who.holder.clone(),
             session_key.to_owned(),
@@ -273,7 +265,7 @@ impl Held {
             return Ok(Lent {
                 held: self.clone(),
                 proxy: lease.proxy,
-                lease_id: lease.lease_id,
+                lease: lease.id,
                 kind: Kind::Session(session),
                 done: false,
                 turn: None,
@@ -289,7 +281,7 @@ impl Held {
         who: &Who,
         session_key: &str,
         domain: Option<&str>,
-    ) -> Result<HeldLease, DurableError> {
+    ) -> Result<HeldLease, LeaseError> {
         let now = self.deps.store.now_ms();
         if let Some(lease) = slot.take() {
             let usable = lease.expires_at_ms > now + 1_000 && self.deps.store.admits(&lease.proxy.key);
@@ -320,7 +312,7 @@ impl Held {
         who: &Who,
         domain: Option<&str>,
         session_key: Option<&str>,
-    ) -> Result<HeldLease, DurableError> {
+    ) -> Result<HeldLease, LeaseError> {
         let selector = self.deps.store.compile(&Selector::from_terms(
             who.selector.iter().map(|(k, v)| (k.as_str(), v.as_str())),
         ));
@@ -332,11 +324,10 @@ impl Held {
             session_key,
             request_id: None,
         };
-        let Acquired { lease, lease_id, .. } =
-            self.leases().acquire(&request, self.deps.store.now_ms()).await?;
+        let lease = self.deps.store.acquire_at(&request, self.deps.store.now_ms())?;
         debug!(proxy = %lease.proxy.key, holder = %who.holder, "gateway lease granted");
         Ok(HeldLease {
-            lease_id,
+            id: lease.id,
             token: lease.fencing_token,
             expires_at_ms: lease.expires_at_ms,
             proxy: lease.proxy,
@@ -347,11 +338,7 @@ impl Held {
     /// `lease` renewed for another TTL, or `None` if the store refuses (it ended).
     async fn renew(&self, lease: &HeldLease) -> Option<HeldLease> {
         let now = self.deps.store.now_ms();
-        match self
-            .leases()
-            .renew(&lease.lease_id, lease.token, Some(self.config.lease_ttl), now)
-            .await
-        {
+        match (self.deps.store).renew_at(&lease.id, lease.token, Some(self.config.lease_ttl), now) {
             Ok(renewed) => Some(HeldLease {
                 token: renewed.fencing_token,
                 expires_at_ms: renewed.expires_at_ms,
@@ -372,11 +359,7 @@ impl Held {
     /// [`Held::release`], a ban lasting `ban_for` (`None`: the store's ban cooldown).
     async fn release_banning(&self, lease: &HeldLease, outcome: Outcome, ban_for: Option<Duration>) {
         let now = self.deps.store.now_ms();
-        match self
-            .leases()
-            .release(&lease.lease_id, lease.token, outcome, None, ban_for, now)
-            .await
-        {
+        match (self.deps.store).release_banning_at(&lease.id, lease.token, outcome, None, ban_for, now) {
             Ok(released) => {
                 let held_ms = now.saturating_sub(released.acquired_at_ms);
                 let banned = outcome == Outcome::Banned;
@@ -384,7 +367,7 @@ impl Held {
                 debug!(proxy = %lease.proxy.key, outcome = outcome.as_str(), "gateway lease released")
             }
             // Expired or revoked meanwhile: nothing is held any more.
-            Err(DurableError::Lease(LeaseError::NotFound)) => {}
+            Err(LeaseError::NotFound) => {}
             Err(error) => {
                 warn!(proxy = %lease.proxy.key, %error, "releasing a gateway lease failed; it ends at its expiry")
             }

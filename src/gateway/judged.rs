@@ -15,7 +15,7 @@ use super::{
     body::Replayed,
     forward::{self, GatewayBody},
     held::Lent,
-    measure::{Guarded, Measure},
+    measure::Measure,
     rules::{Seen, judge::LeaseEnd},
     user::Who,
 };
@@ -100,7 +100,7 @@ impl Gateway {
         // denied, target unreachable), not the target's, and no rule judges them.
         if head.headers.contains_key(SQUID_ERROR) {
             let refused = Ended::Failed(Failure::ProxyError);
-            let body = Guarded::new(measure.answered(Replayed::whole(body), refused, false), lent);
+            let body = measure.answered(Replayed::whole(body), refused, false, Some(lent));
             return Judged {
                 answer: Response::from_parts(parts, body.boxed_unsync()),
                 resend_avoiding: None,
@@ -125,10 +125,7 @@ impl Gateway {
         let Some(verdict) = self.judge.decide(lent.proxy(), domain, &seen, || store.now_ms()) else {
             // The common case: the lease is given back when the answer's body is done or
             // dropped.
-            let body = Guarded::new(
-                measure.answered(body, Ended::Status(head.status.as_u16()), false),
-                lent,
-            );
+            let body = measure.answered(body, Ended::Status(head.status.as_u16()), false, Some(lent));
             return Judged {
                 answer: Response::from_parts(parts, body.boxed_unsync()),
                 resend_avoiding: None,
@@ -159,12 +156,13 @@ impl Gateway {
             // Without a domain there is nothing to ban for.
             _ => Some(lent),
         };
-        let body = measure.answered(body, Ended::Status(head.status.as_u16()), lent.is_none());
-        let answer = match lent {
-            // The lease is given back when the answer's body is done or dropped.
-            Some(lent) => Response::from_parts(parts, Guarded::new(body, lent).boxed_unsync()),
-            None => Response::from_parts(parts, body.boxed_unsync()),
-        };
+        // The lease, if the verdict left it, is given back when the answer's body is done or
+        // dropped.
+        let banned = lent.is_none();
+        let answer = Response::from_parts(
+            parts,
+            (measure.answered(body, Ended::Status(head.status.as_u16()), banned, lent)).boxed_unsync(),
+        );
         Judged {
             answer,
             resend_avoiding: verdict.resend.then(|| proxy.key.clone()),

@@ -2,8 +2,8 @@
 //! ([`crate::outcomes`]), and its bytes in the usage of its token and holder ([`crate::usage`]),
 //! exactly once, where it is known: a failure to reach the proxy or the
 //! target at once, an answer when its body ends (or the client drops it), a tunnel when it
-//! closes. And the bodies the gateway answers with: [`Counted`] (counts an answer's bytes and
-//! records it when done) and [`Guarded`] (gives the lease back when done).
+//! closes. And the body the gateway answers with ([`Answer`]: counts the bytes, records the
+//! outcome and gives the lease back when done).
 
 use std::{
     future::Future,
@@ -89,10 +89,11 @@ impl Measure {
     }
 
     /// An answer's head arrived (the latency ends now); its `body` is counted and the outcome
-    /// recorded when the body is done, broken or dropped.
-    pub(super) fn answered<B>(self, body: B, ended: Ended, banned: bool) -> Counted<B> {
+    /// recorded when the body is done, broken or dropped, and `lent` (if the request still holds
+    /// its lease) given back when it is done or dropped.
+    pub(super) fn answered<B>(self, body: B, ended: Ended, banned: bool, lent: Option<Lent>) -> Answer<B> {
         let latency = self.started.elapsed();
-        Counted {
+        Answer {
             inner: body,
             pending: Some(Pending {
                 measure: self,
@@ -101,6 +102,8 @@ impl Measure {
                 banned,
             }),
             bytes: 0,
+            lent,
+            ending: None,
         }
     }
 
@@ -142,16 +145,25 @@ struct Pending {
     banned: bool,
 }
 
-/// An answer's body, counted; its outcome is recorded when it ends (as its head said), breaks
-/// (the proxy died mid-answer: [`Failure::Reset`]) or is dropped (the client went away: as its
-/// head said, with the bytes so far).
-pub(super) struct Counted<B> {
+/// An answer's body as the gateway passes it on. Its bytes are counted and its outcome
+/// recorded when it ends (as its head said), breaks (the proxy died mid-answer:
+/// [`Failure::Reset`]) or is dropped (the client went away: as its head said, with the bytes
+/// so far). Its lease, if it still has one, goes back when it is done or dropped; when done,
+/// the last frame waits until the lease is back (durable too): a client that sends its next
+/// request as soon as it has this answer finds the proxy free again.
+pub(super) struct Answer<B> {
     inner: B,
     pending: Option<Pending>,
     bytes: u64,
+    lent: Option<Lent>,
+    /// The lease being given back, and the frame that waits for it (`None`: the end).
+    ending: Option<(GivingBack, Option<Frame<Bytes>>)>,
 }
 
-impl<B> Counted<B> {
+/// A lease being given back.
+type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl<B> Answer<B> {
     fn finish(&mut self, broken: bool) {
         if let Some(p) = self.pending.take() {
             let ended = if broken {
@@ -164,13 +176,14 @@ impl<B> Counted<B> {
     }
 }
 
-impl<B> Drop for Counted<B> {
+impl<B> Drop for Answer<B> {
     fn drop(&mut self) {
+        // A lease not given back yet goes back from `Lent`'s own Drop.
         self.finish(false);
     }
 }
 
-impl<B: Body<Data = Bytes> + Unpin> Body for Counted<B> {
+impl<B: Body<Data = Bytes> + Unpin> Body for Answer<B> {
     type Data = Bytes;
     type Error = B::Error;
 
@@ -179,83 +192,44 @@ impl<B: Body<Data = Bytes> + Unpin> Body for Counted<B> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = &mut *self;
+        if let Some((giving_back, last)) = &mut this.ending {
+            std::task::ready!(giving_back.as_mut().poll(cx));
+            let last = last.take();
+            this.ending = None;
+            return Poll::Ready(last.map(Ok));
+        }
         let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
-        match &polled {
+        let last = match polled {
             Some(Ok(frame)) => {
                 this.bytes += frame.data_ref().map_or(0, |d| d.len() as u64);
-                if this.inner.is_end_stream() {
-                    this.finish(false);
-                }
-            }
-            Some(Err(_)) => this.finish(true),
-            None => this.finish(false),
-        }
-        Poll::Ready(polled)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// An upstream answer's body that gives its lease back when done or dropped. When done, the
-/// last frame waits until the lease is back (durable too): a client that sends its next
-/// request as soon as it has this answer finds the proxy free again.
-pub(super) struct Guarded<B> {
-    inner: B,
-    lent: Option<Lent>,
-    /// The lease being given back, and the frame that waits for it (`None`: the end).
-    ending: Option<(GivingBack, Option<Frame<Bytes>>)>,
-}
-
-/// A lease being given back.
-type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-impl<B> Guarded<B> {
-    pub(super) fn new(inner: B, lent: Lent) -> Self {
-        Self {
-            inner,
-            lent: Some(lent),
-            ending: None,
-        }
-    }
-}
-
-impl<B: Body<Data = Bytes> + Unpin> Body for Guarded<B> {
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = &mut *self;
-        loop {
-            if let Some((giving_back, last)) = &mut this.ending {
-                std::task::ready!(giving_back.as_mut().poll(cx));
-                let last = last.take();
-                this.ending = None;
-                if let Some(frame) = last {
+                if !this.inner.is_end_stream() {
                     return Poll::Ready(Some(Ok(frame)));
                 }
-                return Poll::Ready(None);
+                this.finish(false);
+                Some(frame)
             }
-            let polled = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
-            let last = match polled {
-                Some(Ok(frame)) if this.inner.is_end_stream() => Some(frame),
-                None => None,
-                // A frame before the last, or an error (the body is dropped then, and the
-                // lease goes back from Drop).
-                other => return Poll::Ready(other),
-            };
-            match this.lent.take() {
-                Some(lent) => this.ending = Some((Box::pin(lent.give_back()), last)),
-                None => return Poll::Ready(last.map(Ok)),
+            None => {
+                this.finish(false);
+                None
             }
+            // Broken: the body is dropped after this, and the lease goes back from Drop.
+            Some(Err(error)) => {
+                this.finish(true);
+                return Poll::Ready(Some(Err(error)));
+            }
+        };
+        match this.lent.take() {
+            Some(lent) => {
+                let mut giving_back: GivingBack = Box::pin(lent.give_back());
+                match giving_back.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(last.map(Ok)),
+                    Poll::Pending => {
+                        this.ending = Some((giving_back, last));
+                        Poll::Pending
+                    }
+                }
+            }
+            None => Poll::Ready(last.map(Ok)),
         }
     }
 

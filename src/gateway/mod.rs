@@ -46,7 +46,7 @@ use self::{
     forward::{GatewayBody, UpstreamError},
     held::{Held, Lent},
     judged::Resend,
-    measure::{Guarded, Measure},
+    measure::Measure,
     rules::{RecycleRequests, Rules, judge::Judge},
     upstream::Upstreams,
     user::{UserName, Who},
@@ -57,7 +57,7 @@ use crate::{
         auth::{ProxyPresented, proxy_presented},
     },
     health::HealthHandle,
-    lease::{DurableError, LeaseError, LeaseStore, Outcome, token::LeaseSigner},
+    lease::{LeaseError, LeaseStore, Outcome},
     outcomes::{Ended, Failure, Outcomes},
     politeness::Politeness,
     telemetry::admin::Readiness,
@@ -103,14 +103,12 @@ impl Default for GatewayConfig {
     }
 }
 
-/// What the gateway works with: the discovery API's lease store, signer, authenticator and
-/// readiness (not the lease journal: see [`held`]).
+/// What the gateway works with: the discovery API's lease store, authenticator and readiness
+/// (neither the lease journal nor the signing key: see [`held`]).
 #[derive(Clone)]
 pub struct GatewayDeps {
     /// The lease store.
     pub store: LeaseStore,
-    /// Signs the lease IDs of the leases it takes.
-    pub signer: LeaseSigner,
     /// Checks the token in the client's proxy password.
     pub auth: Arc<dyn Authenticator>,
     /// Requests are refused (503) until this says synced and leader.
@@ -270,34 +268,20 @@ impl From<QuotaExceeded> for Refusal {
     }
 }
 
-impl From<DurableError> for Refusal {
-    fn from(error: DurableError) -> Self {
-        match error {
-            DurableError::Lease(refused) => {
-                let status = match &refused {
-                    LeaseError::NoProxyAvailable { .. } | LeaseError::RequestInProgress => {
-                        StatusCode::SERVICE_UNAVAILABLE
-                    }
-                    LeaseError::Invalid(_) | LeaseError::BanNeedsDomain => StatusCode::BAD_REQUEST,
-                    _ => StatusCode::BAD_GATEWAY,
-                };
-                let mut refusal = Self::new(status, refused.code(), refused.to_string());
-                if let LeaseError::NoProxyAvailable { retry_after } = refused {
-                    refusal.retry_after = Some(retry_after);
-                }
-                refusal
+impl From<LeaseError> for Refusal {
+    fn from(refused: LeaseError) -> Self {
+        let status = match &refused {
+            LeaseError::NoProxyAvailable { .. } | LeaseError::RequestInProgress => {
+                StatusCode::SERVICE_UNAVAILABLE
             }
-            // The gateway's leases are never journalled ([`held`]); kept for the type's sake.
-            not_durable @ DurableError::Journal(_) => {
-                let mut refusal = Self::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "journal_unavailable",
-                    not_durable.to_string(),
-                );
-                refusal.retry_after = Some(Duration::from_secs(1));
-                refusal
-            }
+            LeaseError::Invalid(_) | LeaseError::BanNeedsDomain => StatusCode::BAD_REQUEST,
+            _ => StatusCode::BAD_GATEWAY,
+        };
+        let mut refusal = Self::new(status, refused.code(), refused.to_string());
+        if let LeaseError::NoProxyAvailable { retry_after } = refused {
+            refusal.retry_after = Some(retry_after);
         }
+        refusal
     }
 }
 
@@ -487,7 +471,7 @@ impl Gateway {
             let client = forward::client_response(&response, ());
             let (parts, ()) = client.into_parts();
             let refused = Ended::Failed(Failure::ProxyError);
-            let body = Guarded::new(measure.answered(response.into_body(), refused, false), lent);
+            let body = measure.answered(response.into_body(), refused, false, Some(lent));
             return Ok(Response::from_parts(parts, body.boxed_unsync()));
         }
         let client_side = hyper::upgrade::on(&mut request);

@@ -475,7 +475,8 @@ pub struct LeaseView {
     /// When it ends unless renewed (ms since the epoch).
     pub expires_at_ms: u64,
     /// The last [`LeaseView::ID_TAIL`] characters of the lease ID this process issued for it
-    /// (`None`: restored from a checkpoint, which keeps no IDs). Never the whole ID.
+    /// (`None`: restored from a checkpoint, which keeps no IDs, or held by the gateway, whose
+    /// leases have none). Never the whole ID.
     pub id_tail: Option<String>,
 }
 
