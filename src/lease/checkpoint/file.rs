@@ -280,27 +280,31 @@ impl CheckpointStore for FileCheckpoint {
         true
     }
 
-    async fn save_delta(&self, delta: &CheckpointDelta) -> Result<Option<Written>, CheckpointError> {
-        let framed = frame(&to_json(delta));
-        let len = framed.len() as u64;
-        {
-            let appender = lock(&self.appender);
-            if appender.file.is_none()
-                || appender.bytes + len > appender.snapshot_bytes.max(self.fold_min_bytes)
-            {
-                return Ok(None);
-            }
+    async fn save_delta(&self, delta: CheckpointDelta) -> Result<Option<Written>, CheckpointError> {
+        if lock(&self.appender).file.is_none() {
+            return Ok(None);
         }
         let appender = self.appender.clone();
+        let fold_min_bytes = self.fold_min_bytes;
+        // Encoded off the serving threads too: under load every proxy of a large pool changes
+        // each second, and encoding 10,000 of them took the one serving core for milliseconds.
         blocking(move || {
+            let framed = frame(&to_json(&delta));
+            let len = framed.len() as u64;
             let mut appender = lock(&appender);
+            if appender.bytes + len > appender.snapshot_bytes.max(fold_min_bytes) {
+                return Ok(None);
+            }
             let Some(file) = appender.file.as_mut() else {
-                return Ok(false);
+                return Ok(None);
             };
             match file.write_all(&framed).and_then(|()| file.sync_data()) {
                 Ok(()) => {
                     appender.bytes += len;
-                    Ok(true)
+                    Ok(Some(Written {
+                        objects: 1,
+                        bytes: len,
+                    }))
                 }
                 Err(error) => {
                     // A partial frame may be on disk: append nothing after it.
@@ -311,11 +315,5 @@ impl CheckpointStore for FileCheckpoint {
         })
         .await?
         .map_err(|e| self.io_error(e))
-        .map(|appended| {
-            appended.then_some(Written {
-                objects: 1,
-                bytes: len,
-            })
-        })
     }
 }

@@ -309,8 +309,8 @@ pub trait CheckpointStore: Send + Sync {
     /// Appends what changed since the last save to the latest checkpoint; `Ok(None)`: write
     /// a whole checkpoint with [`Self::save`] instead (no base to append to yet, or the deltas
     /// outgrew the base: time to fold them into it).
-    async fn save_delta(&self, delta: &CheckpointDelta) -> Result<Option<Written>, CheckpointError> {
-        let _ = delta;
+    async fn save_delta(&self, delta: CheckpointDelta) -> Result<Option<Written>, CheckpointError> {
+        drop(delta);
         Ok(None)
     }
     /// Replaces store shard `shard`'s part (made by [`LeaseStore::checkpoint_shards`](super::LeaseStore::checkpoint_shards)).

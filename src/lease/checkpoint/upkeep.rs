@@ -223,9 +223,13 @@ impl CheckpointSaver {
             if !self.flush && !store.has_changes() {
                 return Ok(());
             }
-            // Reads only what changed: cheap enough for this task, no blocking-pool round trip.
-            let delta = store.checkpoint_delta();
-            match sink.save_delta(&delta).await {
+            // Reads only what changed, but under load that is every proxy of a large pool:
+            // taken off the serving threads like the whole snapshot.
+            let delta = {
+                let store = store.clone();
+                off_the_serving_threads(move || store.checkpoint_delta()).await?
+            };
+            match sink.save_delta(delta).await {
                 Ok(Some(written)) => {
                     report.wrote(written);
                     self.flush = false;

@@ -334,13 +334,10 @@ impl crate::lease::checkpoint::CheckpointStore for Sequenced<'_> {
 
     async fn save_delta(
         &self,
-        delta: &CheckpointDelta,
+        mut delta: CheckpointDelta,
     ) -> Result<Option<crate::lease::checkpoint::Written>, crate::lease::checkpoint::CheckpointError> {
-        let stamped = CheckpointDelta {
-            journal_seq: Some(self.journal_seq),
-            ..delta.clone()
-        };
-        self.file.save_delta(&stamped).await
+        delta.journal_seq = Some(self.journal_seq);
+        self.file.save_delta(delta).await
     }
 }
 
