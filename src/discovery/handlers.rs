@@ -19,7 +19,7 @@ use super::{
     ProxyJson, ReleaseBody, ReleaseResponse, RememberedVerdict, RenewBody, RenewResponse, StateInner,
     StatusBody,
     metrics::CodeLabels,
-    router::{ApiError, json, json_bytes},
+    router::{Answer, ApiError, json, json_bytes},
     terms::SelectorTerms,
     wire::{self, RequestBody},
 };
@@ -107,7 +107,7 @@ pub(super) fn healthz() -> Response<Full<Bytes>> {
             headers(("Retry-After" = u64, description = "Seconds to wait: 1"))),
     ),
 )]
-pub(super) fn readyz(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> {
+pub(super) fn readyz(s: &StateInner) -> Answer {
     check_ready(s)?;
     check_journal(s)?;
     Ok(json(StatusCode::OK, &StatusBody { status: "ready" }))
@@ -124,7 +124,7 @@ pub(super) fn readyz(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> 
         (status = 500, description = "`internal`: the metrics could not be encoded (a bug)", body = ErrorBody),
     ),
 )]
-pub(super) fn metrics(s: &StateInner) -> Result<Response<Full<Bytes>>, ApiError> {
+pub(super) fn metrics(s: &StateInner) -> Answer {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &s.deps.registry)
         .map_err(|_| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "encoding metrics"))?;
@@ -356,11 +356,7 @@ const OUTCOME_DOMAINS_LISTED: usize = 5;
     ),
     security(("bearer" = [])),
 )]
-pub(super) fn list(
-    s: &StateInner,
-    parts: &hyper::http::request::Parts,
-    now: u64,
-) -> Result<Response<Full<Bytes>>, ApiError> {
+pub(super) fn list(s: &StateInner, parts: &hyper::http::request::Parts, now: u64) -> Answer {
     let mut selector = Selector::default();
     let mut target_domain = None;
     for_each_query_parameter(parts, |k, v| {
@@ -434,11 +430,7 @@ pub(super) fn parse_limit(value: &str, max: usize) -> Result<usize, ApiError> {
     ),
     security(("bearer" = [])),
 )]
-pub(super) fn leases_list(
-    s: &StateInner,
-    parts: &hyper::http::request::Parts,
-    now: u64,
-) -> Result<Response<Full<Bytes>>, ApiError> {
+pub(super) fn leases_list(s: &StateInner, parts: &hyper::http::request::Parts, now: u64) -> Answer {
     let (mut proxy, mut holder, mut after) = (None, None, None);
     let mut limit = wire::DEFAULT_LEASES_PAGE;
     for_each_query_parameter(parts, |k, v| {
@@ -519,7 +511,7 @@ pub(super) async fn acquire(
     req: AcquireBody<'_>,
     remembered: &RememberedSelector,
     now: u64,
-) -> Result<Response<Full<Bytes>>, ApiError> {
+) -> Answer {
     // New work: refused, before anything changes, when the token is over a quota.
     s.deps.usage.admit(&identity.name, &req.holder, now)?;
     let compiled = remembered.compile(&s.deps.store, &req.selector);
@@ -641,12 +633,7 @@ pub(super) fn not_before(
     ),
     security(("bearer" = [])),
 )]
-pub(super) async fn renew(
-    s: &StateInner,
-    id: &str,
-    req: RenewBody,
-    now: u64,
-) -> Result<Response<Full<Bytes>>, ApiError> {
+pub(super) async fn renew(s: &StateInner, id: &str, req: RenewBody, now: u64) -> Answer {
     let ttl = req.ttl_seconds.map(Duration::from_secs);
     let renewed = leases(s).renew(id, req.fencing_token, ttl, now).await?;
     Ok(json(
@@ -682,7 +669,7 @@ pub(super) async fn release(
     id: &str,
     req: ReleaseBody,
     now: u64,
-) -> Result<Response<Full<Bytes>>, ApiError> {
+) -> Answer {
     let domain = req.target_domain.as_deref();
     // A ban counts in the proxy's outcome statistics for the domain it is for.
     let banned = (req.outcome == Outcome::Banned)

@@ -63,7 +63,7 @@ use handlers::{
 };
 use metrics::ResultLabels;
 use openapi::openapi_json;
-use router::{ApiError, OTHER_ROUTE, Route, route};
+use router::{Answer, ApiError, OTHER_ROUTE, Route, route};
 
 // One readiness for the replica: the admin endpoint's, whose checkpoint detail this API ignores.
 pub use crate::telemetry::admin::Readiness;
@@ -258,7 +258,7 @@ async fn dispatch<B>(
     parts: &hyper::http::request::Parts,
     body: B,
     remembered: &Remembered,
-) -> Result<Response<Full<Bytes>>, ApiError>
+) -> Answer
 where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,

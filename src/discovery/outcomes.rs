@@ -5,16 +5,14 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::{Response, StatusCode};
+use hyper::StatusCode;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use super::{
     ErrorBody, StateInner,
     handlers::{AuthErrors, LeaseIdErrors, LeaseIdPath, leases, not_before},
-    router::{ApiError, json},
+    router::{Answer, json},
     wire::{RequestBody, check_domain, whole_number, whole_seconds},
 };
 use crate::outcomes::{Ended, Failure, Seen};
@@ -107,7 +105,7 @@ pub(super) fn report_outcome(
     id: &str,
     req: OutcomeBody,
     now: u64,
-) -> Result<Response<Full<Bytes>>, ApiError> {
+) -> Answer {
     let lease = leases(s).check(id, req.fencing_token, now)?;
     let ended = match (req.error, req.status) {
         (Some(failure), _) => Ended::Failed(failure),

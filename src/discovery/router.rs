@@ -52,6 +52,9 @@ impl Route<'_> {
     }
 }
 
+/// What an endpoint answers: its response, or the error to answer instead.
+pub(super) type Answer = Result<Response<Full<Bytes>>, ApiError>;
+
 /// The API's answer to anything that went wrong: status, stable code, message.
 #[derive(Debug)]
 pub(super) struct ApiError {

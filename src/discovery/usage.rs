@@ -4,16 +4,14 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::{Response, StatusCode};
+use hyper::StatusCode;
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::{
     ErrorBody, StateInner,
     handlers::{AuthErrors, NotServing, for_each_query_parameter, parse_limit},
-    router::{ApiError, json},
+    router::{Answer, ApiError, json},
 };
 use crate::usage::{Counters, QuotaExceeded, QuotaState, TokenUsage};
 
@@ -138,11 +136,7 @@ pub struct UsageResponse {
     ),
     security(("bearer" = [])),
 )]
-pub(super) fn usage(
-    s: &StateInner,
-    parts: &hyper::http::request::Parts,
-    now: u64,
-) -> Result<Response<Full<Bytes>>, ApiError> {
+pub(super) fn usage(s: &StateInner, parts: &hyper::http::request::Parts, now: u64) -> Answer {
     let mut limit = DEFAULT_LIMIT;
     for_each_query_parameter(parts, |k, v| {
         if k != "limit" {
