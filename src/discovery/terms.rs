@@ -20,11 +20,16 @@ use smallvec::SmallVec;
 pub struct SelectorTerms<'a>(SmallVec<[(Cow<'a, str>, Cow<'a, str>); 2]>);
 
 impl<'a> SelectorTerms<'a> {
-    /// Terms from `(key, value)` pairs (a later pair replaces an earlier one of the same key).
-    pub fn from_pairs(pairs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Self {
+    /// Terms borrowing `(key, value)` pairs, e.g. a map's entries (a later pair replaces an
+    /// earlier one of the same key).
+    pub fn from_pairs<K, V>(pairs: impl IntoIterator<Item = (&'a K, &'a V)>) -> Self
+    where
+        K: AsRef<str> + ?Sized + 'a,
+        V: AsRef<str> + ?Sized + 'a,
+    {
         let mut terms = Self::default();
         for (key, value) in pairs {
-            terms.insert(Cow::Borrowed(key), Cow::Borrowed(value));
+            terms.insert(Cow::Borrowed(key.as_ref()), Cow::Borrowed(value.as_ref()));
         }
         terms
     }

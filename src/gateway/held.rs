@@ -313,9 +313,7 @@ impl Held {
         domain: Option<&str>,
         session_key: Option<&str>,
     ) -> Result<HeldLease, LeaseError> {
-        let selector = self.deps.store.compile(&Selector::from_terms(
-            who.selector.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        ));
+        let selector = self.deps.store.compile(&Selector::from_terms(&who.selector));
         let request = AcquireRequest {
             selector: &selector,
             holder: &who.holder,

@@ -161,7 +161,9 @@ impl Gateway {
         let banned = lent.is_none();
         let answer = Response::from_parts(
             parts,
-            (measure.answered(body, Ended::Status(head.status.as_u16()), banned, lent)).boxed_unsync(),
+            measure
+                .answered(body, Ended::Status(head.status.as_u16()), banned, lent)
+                .boxed_unsync(),
         );
         Judged {
             answer,

@@ -2,7 +2,7 @@
 //! ([`crate::outcomes`]), and its bytes in the usage of its token and holder ([`crate::usage`]),
 //! exactly once, where it is known: a failure to reach the proxy or the
 //! target at once, an answer when its body ends (or the client drops it), a tunnel when it
-//! closes. And the body the gateway answers with ([`Answer`]: counts the bytes, records the
+//! closes. And the body the gateway answers with ([`AnswerBody`]: counts the bytes, records the
 //! outcome and gives the lease back when done).
 
 use std::{
@@ -91,9 +91,15 @@ impl Measure {
     /// An answer's head arrived (the latency ends now); its `body` is counted and the outcome
     /// recorded when the body is done, broken or dropped, and `lent` (if the request still holds
     /// its lease) given back when it is done or dropped.
-    pub(super) fn answered<B>(self, body: B, ended: Ended, banned: bool, lent: Option<Lent>) -> Answer<B> {
+    pub(super) fn answered<B>(
+        self,
+        body: B,
+        ended: Ended,
+        banned: bool,
+        lent: Option<Lent>,
+    ) -> AnswerBody<B> {
         let latency = self.started.elapsed();
-        Answer {
+        AnswerBody {
             inner: body,
             pending: Some(Pending {
                 measure: self,
@@ -151,7 +157,7 @@ struct Pending {
 /// so far). Its lease, if it still has one, goes back when it is done or dropped; when done,
 /// the last frame waits until the lease is back (durable too): a client that sends its next
 /// request as soon as it has this answer finds the proxy free again.
-pub(super) struct Answer<B> {
+pub(super) struct AnswerBody<B> {
     inner: B,
     pending: Option<Pending>,
     bytes: u64,
@@ -163,7 +169,7 @@ pub(super) struct Answer<B> {
 /// A lease being given back.
 type GivingBack = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-impl<B> Answer<B> {
+impl<B> AnswerBody<B> {
     fn finish(&mut self, broken: bool) {
         if let Some(p) = self.pending.take() {
             let ended = if broken {
@@ -176,14 +182,14 @@ impl<B> Answer<B> {
     }
 }
 
-impl<B> Drop for Answer<B> {
+impl<B> Drop for AnswerBody<B> {
     fn drop(&mut self) {
         // A lease not given back yet goes back from `Lent`'s own Drop.
         self.finish(false);
     }
 }
 
-impl<B: Body<Data = Bytes> + Unpin> Body for Answer<B> {
+impl<B: Body<Data = Bytes> + Unpin> Body for AnswerBody<B> {
     type Data = Bytes;
     type Error = B::Error;
 

@@ -105,7 +105,7 @@ impl UserName {
         }
         // The API's own bounds for the same fields, so both front doors agree.
         AcquireBody {
-            selector: SelectorTerms::from_pairs(name.selector.iter().map(|(k, v)| (k.as_str(), v.as_str()))),
+            selector: SelectorTerms::from_pairs(&name.selector),
             holder: Cow::Borrowed(&name.holder),
             ttl_seconds: None,
             target_domain: None,

@@ -63,12 +63,12 @@ impl Selector {
         Ok(Self { terms })
     }
 
-    /// A selector from required attributes' `(key, value)` pairs.
-    pub fn from_terms<'t>(terms: impl IntoIterator<Item = (&'t str, &'t str)>) -> Self {
+    /// A selector from required attributes' `(key, value)` pairs (e.g. a map's entries).
+    pub fn from_terms(terms: impl IntoIterator<Item = (impl AsRef<str>, impl AsRef<str>)>) -> Self {
         Self {
             terms: terms
                 .into_iter()
-                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
                 .collect(),
         }
     }
