@@ -15,6 +15,7 @@ pub mod effects;
 pub mod gateway;
 pub mod gc;
 pub mod health;
+pub(crate) mod json_writer;
 pub mod lease;
 pub mod machine;
 pub mod monitor;

@@ -13,6 +13,7 @@ use utoipa::{
 use super::terms::SelectorTerms;
 use crate::{
     api::Attributes,
+    json_writer::{put_plain, put_str, put_u64},
     lease::{Availability, Outcome, ProxyInfo, ProxyView, Rfc3339, rfc3339},
     outcomes::ProxyOutcomes,
 };
@@ -511,41 +512,6 @@ fn error_code_schema() -> Object {
 // tenth of a request's cost. Tests check they are byte for byte what serde_json makes of the
 // types above (which stay the contract's schemas).
 
-/// `s` as a JSON string onto `out`: copied as is when nothing in it needs escaping (IDs, URLs,
-/// timestamps), else escaped by serde_json.
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    // No early exit, so the check vectorizes; these strings are short.
-    let plain = s
-        .bytes()
-        .fold(true, |ok, b| ok & (b >= 0x20) & (b != b'"') & (b != b'\\'));
-    if plain {
-        out.reserve(s.len() + 2);
-        out.push(b'"');
-        out.extend_from_slice(s.as_bytes());
-        out.push(b'"');
-    } else {
-        serde_json::to_writer(&mut *out, s).expect("a string always serializes");
-    }
-}
-
-/// `s` as a JSON string onto `out`, for strings that never need escaping (base64url lease IDs:
-/// the signer's, or a presented one that verified; outcome names): spares even the check.
-fn put_plain(out: &mut Vec<u8>, s: &str) {
-    debug_assert!(
-        s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\'),
-        "{s:?} needs escaping"
-    );
-    out.reserve(s.len() + 2);
-    out.push(b'"');
-    out.extend_from_slice(s.as_bytes());
-    out.push(b'"');
-}
-
-/// `n` in decimal (itoa: two digits a step, as serde_json writes integers).
-fn put_u64(out: &mut Vec<u8>, n: u64) {
-    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
-}
-
 /// The proxy's JSON in an acquire answer ([`ProxyJson::from_info`]), rendered once per proxy
 /// configuration and kept with its info.
 pub(crate) fn proxy_json(info: &ProxyInfo) -> &str {
@@ -668,11 +634,6 @@ mod fast_json_tests {
                     serde_json::to_string(&released).unwrap()
                 );
             }
-        }
-        for n in [0, 1, 9, 10, 99, 100, u64::MAX] {
-            let mut fast = Vec::new();
-            put_u64(&mut fast, n);
-            assert_eq!(String::from_utf8(fast).unwrap(), n.to_string());
         }
     }
 }

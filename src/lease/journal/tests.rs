@@ -53,6 +53,57 @@ fn release(name: &str, first: u64) -> Record {
     }
 }
 
+#[test]
+fn records_are_written_as_serde_json_writes_them_and_read_back() {
+    let odd = "quote\" back\\ ctl\u{1}\n é✓";
+    let bare_acquire = Record::Acquire {
+        key: key("p0"),
+        first_token: 0,
+        token: u64::MAX,
+        holder: odd.into(),
+        acquired_at_ms: 0,
+        expires_at_ms: 1,
+        ttl_ms: 1,
+        target_domain: None,
+        session: None,
+        request_id: None,
+    };
+    let full_acquire = Record::Acquire {
+        key: key("p1"),
+        first_token: 7,
+        token: 9,
+        holder: "c1".into(),
+        acquired_at_ms: 1_779_962_400_000,
+        expires_at_ms: 1_779_962_460_000,
+        ttl_ms: 60_000,
+        target_domain: Some("example.com".into()),
+        session: Some((odd.into(), 1_779_962_520_000)),
+        request_id: Some(odd.into()),
+    };
+    let bare_release = Record::Release {
+        key: key("p2"),
+        first_token: 3,
+        cooldown_until_ms: None,
+        ban: None,
+    };
+    for record in [
+        bare_acquire,
+        full_acquire,
+        acquire("p3", 4, 70_000),
+        renew("p4", 5, 6, 80_000),
+        release("p5", 7),
+        bare_release,
+    ] {
+        let mut fast = Vec::new();
+        record.write_json(&mut fast);
+        assert_eq!(
+            String::from_utf8(fast.clone()).unwrap(),
+            serde_json::to_string(&record).unwrap()
+        );
+        assert_eq!(serde_json::from_slice::<Record>(&fast).unwrap(), record);
+    }
+}
+
 fn leases(cp: &Checkpoint) -> Vec<(String, u64, u64, u64)> {
     cp.proxies
         .iter()
