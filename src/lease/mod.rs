@@ -77,7 +77,7 @@ pub use clock::{Clock, Rfc3339, rfc3339};
 pub use control::LeaseControl;
 pub use durable::{Acquired, DurableError, DurableLeases};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
-pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS, SmallStr};
+pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
 
 use crate::{
     api::{Attributes, LeasePolicy, ProxyKey},
@@ -397,7 +397,7 @@ pub struct Released {
     /// When the proxy's cooldown ends, if it is resting now.
     pub cooldown_until_ms: Option<u64>,
     /// The lease's holder (what usage metering counts its time for), moved out of the lease.
-    pub holder: SmallStr,
+    pub holder: smol_str::SmolStr,
     /// When the lease was granted (ms since the epoch).
     pub acquired_at_ms: u64,
 }

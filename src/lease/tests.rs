@@ -710,6 +710,34 @@ fn store_with_clock(clock: &Clock) -> LeaseStore {
     })
 }
 
+/// The shortest ID a lease can have (one-character names, no domain or session) is still longer
+/// than the head `presented` decodes, and its head reads back.
+#[test]
+fn the_shortest_lease_id_still_has_its_head_read() {
+    let hint = LeaseHint {
+        shard: 3,
+        slot: 70_000,
+        generation: 9,
+    };
+    let id = LeaseSigner::new(&[9u8; 32]).unwrap().sign(&LeaseClaim {
+        id: LeaseId {
+            key: ProxyKey::new("a", "b"),
+            first_token: u64::MAX,
+            hint,
+        },
+        holder: "h".into(),
+        acquired_at_ms: 0,
+        expires_at_ms: 1,
+        target_domain: None,
+        session_key: None,
+    });
+    assert_eq!(id.len(), 84);
+    let signer = LeaseSigner::new(&[9u8; 32]).unwrap();
+    let presented = signer.presented(&id).expect("its head reads");
+    assert_eq!((presented.hint, presented.first_token), (hint, u64::MAX));
+    assert!(signer.presented(&id[..39]).is_none(), "shorter than the head");
+}
+
 #[test]
 fn signer_rejects_tampered_foreign_and_garbage_ids() {
     let signer = LeaseSigner::new(&[7u8; 32]).unwrap();

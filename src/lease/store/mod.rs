@@ -36,8 +36,6 @@ use std::{
 #[cfg(test)]
 pub(crate) use select::BURST;
 
-pub use self::proxy::SmallStr;
-
 use self::{
     proxy::{AdmissionState, LeaseRecord},
     shard::Shard,

@@ -2,6 +2,8 @@
 
 use std::sync::Arc;
 
+use smol_str::SmolStr;
+
 use crate::{
     api::ProxyKey,
     lease::{LeaseClaim, LeaseHint, LeaseId, LeaseTarget, ProxyInfo, token::IssuedId},
@@ -14,63 +16,6 @@ pub(super) enum AdmissionState {
     Draining,
 }
 
-/// A short string kept inline: holder names are short, and this spares an allocation (and a
-/// free) per lease on the hot path. A released lease hands its holder's name on in it
-/// ([`crate::lease::Released::holder`]).
-#[derive(Clone, Debug)]
-pub enum SmallStr {
-    /// Up to 30 bytes, in place.
-    Inline {
-        /// Bytes used.
-        len: u8,
-        /// The text, then zeros.
-        bytes: [u8; 30],
-    },
-    /// A longer text.
-    Heap(Box<str>),
-}
-
-impl PartialEq for SmallStr {
-    fn eq(&self, other: &Self) -> bool {
-        self.as_str() == other.as_str()
-    }
-}
-
-impl Eq for SmallStr {}
-
-impl std::ops::Deref for SmallStr {
-    type Target = str;
-    fn deref(&self) -> &str {
-        self.as_str()
-    }
-}
-
-impl SmallStr {
-    #[inline]
-    pub(super) fn new(s: &str) -> Self {
-        if s.len() <= 30 {
-            let mut bytes = [0u8; 30];
-            bytes[..s.len()].copy_from_slice(s.as_bytes());
-            SmallStr::Inline {
-                len: s.len() as u8,
-                bytes,
-            }
-        } else {
-            SmallStr::Heap(s.into())
-        }
-    }
-
-    /// The text.
-    #[inline]
-    pub fn as_str(&self) -> &str {
-        match self {
-            SmallStr::Inline { len, bytes } => std::str::from_utf8(&bytes[..*len as usize])
-                .expect("inline bytes are copied whole from a str"),
-            SmallStr::Heap(s) => s,
-        }
-    }
-}
-
 #[derive(Debug)]
 pub(super) struct LeaseRecord {
     pub(super) first_token: u64,
@@ -79,7 +24,9 @@ pub(super) struct LeaseRecord {
     pub(super) expires_at: u64,
     /// What the holder asked for (capped), the default length of a renewal.
     pub(super) ttl_ms: u64,
-    pub(super) holder: SmallStr,
+    /// Kept inline up to 23 bytes (holder names are short): no allocation or free per lease
+    /// on the hot path; a released lease hands it on ([`crate::lease::Released::holder`]).
+    pub(super) holder: SmolStr,
     pub(super) target_domain: Option<Box<str>>,
     pub(super) session_key: Option<Box<str>>,
     /// The request ID it was granted for, if any (kept so a checkpoint can rebuild the index).

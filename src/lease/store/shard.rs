@@ -8,7 +8,7 @@ use std::{
 
 use super::{
     COMBINATION_BASE, NIL, SEQ_PER_MS, SHARD_BITS,
-    proxy::{LeaseRecord, ProxyState, SmallStr},
+    proxy::{LeaseRecord, ProxyState},
 };
 use crate::{
     api::ProxyKey,
@@ -345,7 +345,7 @@ impl Shard {
             acquired_at: now,
             expires_at,
             ttl_ms,
-            holder: SmallStr::new(req.holder),
+            holder: smol_str::SmolStr::new(req.holder),
             target_domain: domain.map(Into::into),
             session_key: req.session_key.map(Into::into),
             request_id: req.request_id.map(Into::into),

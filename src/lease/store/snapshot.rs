@@ -8,7 +8,7 @@ use std::{
 
 use super::{
     Binding, LeaseStore, MAX_SHARDS, RESTORE_SEQ_RESERVE, SEQ_PER_MS, SHARD_BITS,
-    proxy::{AdmissionState, LeaseRecord, ProxyState, SmallStr},
+    proxy::{AdmissionState, LeaseRecord, ProxyState},
 };
 use crate::{
     lease::{
@@ -87,7 +87,7 @@ impl LeaseStore {
             acquired_at: claim.acquired_at_ms,
             expires_at: claim.expires_at_ms,
             ttl_ms: claim.expires_at_ms.saturating_sub(claim.acquired_at_ms).max(1),
-            holder: SmallStr::new(&claim.holder),
+            holder: smol_str::SmolStr::new(&claim.holder),
             target_domain: claim.target_domain.as_deref().map(Into::into),
             session_key: claim.session_key.as_deref().map(Into::into),
             request_id: None,
@@ -349,7 +349,7 @@ impl LeaseStore {
                     acquired_at: l.acquired_at_ms,
                     expires_at: l.expires_at_ms,
                     ttl_ms: l.ttl_ms.max(1),
-                    holder: SmallStr::new(&l.holder),
+                    holder: smol_str::SmolStr::new(&l.holder),
                     target_domain: l.target_domain.as_deref().map(Into::into),
                     session_key: l.session_key.as_deref().map(Into::into),
                     request_id: l.request_id.as_deref().map(Into::into),
