@@ -171,10 +171,18 @@ impl Record {
             out.extend_from_slice(name);
             put_u64(out, n);
         };
+        let op: &[u8] = match self {
+            Record::Acquire { .. } => b"acquire",
+            Record::Renew { .. } => b"renew",
+            Record::Release { .. } => b"release",
+        };
+        out.extend_from_slice(b"{\"op\":\"");
+        out.extend_from_slice(op);
+        out.extend_from_slice(b"\",\"key\":");
+        put_str(out, self.key().as_str());
+        field(out, b",\"firstToken\":", self.tokens()[0]);
         match self {
             Record::Acquire {
-                key,
-                first_token,
                 token,
                 holder,
                 acquired_at_ms,
@@ -183,10 +191,8 @@ impl Record {
                 target_domain,
                 session,
                 request_id,
+                ..
             } => {
-                out.extend_from_slice(b"{\"op\":\"acquire\",\"key\":");
-                put_str(out, key.as_str());
-                field(out, b",\"firstToken\":", *first_token);
                 field(out, b",\"token\":", *token);
                 out.extend_from_slice(b",\"holder\":");
                 put_str(out, holder);
@@ -209,26 +215,16 @@ impl Record {
                 }
             }
             Record::Renew {
-                key,
-                first_token,
-                token,
-                expires_at_ms,
+                token, expires_at_ms, ..
             } => {
-                out.extend_from_slice(b"{\"op\":\"renew\",\"key\":");
-                put_str(out, key.as_str());
-                field(out, b",\"firstToken\":", *first_token);
                 field(out, b",\"token\":", *token);
                 field(out, b",\"expiresAtMs\":", *expires_at_ms);
             }
             Record::Release {
-                key,
-                first_token,
                 cooldown_until_ms,
                 ban,
+                ..
             } => {
-                out.extend_from_slice(b"{\"op\":\"release\",\"key\":");
-                put_str(out, key.as_str());
-                field(out, b",\"firstToken\":", *first_token);
                 if let Some(until) = cooldown_until_ms {
                     field(out, b",\"cooldownUntilMs\":", *until);
                 }
