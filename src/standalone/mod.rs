@@ -4,13 +4,14 @@
 //! engine and lease store run as in a cluster, started by [`crate::app::start_core`].
 //!
 //! Owns: the manifests folder ([`manifests`]), the embedded store ([`store`]), the runner that
-//! plays the API server's part ([`runner`]), the reconciler's backend over the store
+//! plays the API server's part ([`runner`], with each Proxy's next reconcile in `due`), the reconciler's backend over the store
 //! ([`StandaloneBackend`]), the live owners for GC ([`owners`]), the state folder's files
 //! (installation ID, lease checkpoint and journal, signing key, tokens), the gateway rules'
 //! recycle requests ([`recycle`]) and this mode's assembly ([`mode`]). Must not touch: Kubernetes, or anything of [`crate::cluster`]
 //! (tests/mode_isolation.rs checks it).
 
 mod backend;
+mod due;
 pub mod manifests;
 pub mod mode;
 pub mod owners;

@@ -20,6 +20,7 @@ use tracing::{info, warn};
 
 use super::{
     backend::{Records, Secrets, StandaloneBackend},
+    due::DueQueue,
     manifests::{Desired, fingerprint, scan},
     progress::Progress,
     recycle::{RecycleAsk, annotations_of, take_annotations},
@@ -76,7 +77,7 @@ pub struct Standalone {
     reconciler: Reconciler<StandaloneBackend>,
     checker: Checker,
     last_fingerprint: Option<Vec<(PathBuf, u64, Option<std::time::SystemTime>)>>,
-    due: HashMap<ProxyKey, Instant>,
+    due: DueQueue,
     failures: HashMap<ProxyKey, u32>,
     broken_files: usize,
     metrics: Option<Arc<Metrics>>,
@@ -255,17 +256,11 @@ impl Standalone {
             self.last_fingerprint = Some(current);
         }
         let now = Instant::now();
-        let due: Vec<ProxyKey> = self
-            .due
-            .iter()
-            .filter(|(_, at)| **at <= now)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for key in due {
+        for key in self.due.due_at(now) {
             self.reconcile(&key).await;
         }
         self.update_progress();
-        self.due.values().min().copied()
+        self.due.next()
     }
 
     async fn reconcile(&mut self, key: &ProxyKey) {
