@@ -14,6 +14,7 @@ pub mod discovery;
 pub mod effects;
 pub mod gateway;
 pub mod gc;
+pub mod hashing;
 pub mod health;
 pub(crate) mod json_writer;
 pub mod lease;

@@ -741,6 +741,99 @@ async fn bad_credentials_get_answers_that_say_what_to_fix() {
     assert!(setup.leases().await.is_empty());
 }
 
+/// Sends `GET url` as `user` (password `token`) on a kept-alive connection and reads the answer
+/// (its status and body, by its Content-Length).
+async fn get_kept_alive(stream: &mut TcpStream, url: &str, user: &str, token: &str) -> (u16, String) {
+    let host = url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    let basic = basic_credentials(format!("{user}:{token}").as_bytes());
+    stream
+        .write_all(
+            format!("GET {url} HTTP/1.1\r\nHost: {host}\r\nProxy-Authorization: Basic {basic}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .expect("send");
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut byte))
+            .await
+            .expect("the answer comes")
+            .expect("read");
+        assert_eq!(
+            n,
+            1,
+            "the gateway closed the connection: {}",
+            String::from_utf8_lossy(&head)
+        );
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_lowercase();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("a status");
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("a Content-Length");
+    let mut body = vec![0u8; length];
+    stream.read_exact(&mut body).await.expect("the body");
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// A connection's credentials are checked once and remembered while the token file is
+/// unchanged: a token the reloaded file no longer holds is refused on the connection that kept
+/// sending it, and another user name on it is read anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connections_remembered_token_is_refused_once_the_file_drops_it() {
+    let setup = Setup::start(&[]).await;
+    let old = setup.host.token();
+    let url = setup.origin.url("/kept");
+    let mut kept = TcpStream::connect(("127.0.0.1", setup.gateway))
+        .await
+        .expect("connect");
+    for _ in 0..3 {
+        let (status, body) = get_kept_alive(&mut kept, &url, "crawler-9", &old).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    // Another user name on the same connection: parsed, not the remembered one.
+    let (status, body) = get_kept_alive(&mut kept, &url, "crawler-9;colour=red", &old).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("bad_user_name"), "{body}");
+
+    let file = setup.host.token_file();
+    let staged = file.with_extension("new");
+    std::fs::write(&staged, "a-new-token-for-this-test\n").expect("write the new tokens");
+    std::fs::rename(&staged, &file).expect("replace the token file");
+    // A new connection tells when the reload is in force; the kept one must agree from then on.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut fresh = TcpStream::connect(("127.0.0.1", setup.gateway))
+            .await
+            .expect("connect");
+        if get_kept_alive(&mut fresh, &url, "crawler-9", &old).await.0 == 407 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the token file was not reloaded"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, body) = get_kept_alive(&mut kept, &url, "crawler-9", &old).await;
+    assert_eq!(status, 407, "{body}");
+    assert!(body.contains("invalid token"), "{body}");
+    let (status, body) = get_kept_alive(&mut kept, &url, "crawler-9", "a-new-token-for-this-test").await;
+    assert_eq!(status, 200, "{body}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_lease_outlives_its_client() {
     let setup = Setup::start(&["--gateway-session-idle-seconds", "1"]).await;

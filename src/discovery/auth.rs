@@ -85,27 +85,35 @@ pub trait Authenticator: Send + Sync {
 /// connection sent and had accepted, so its timing tells the sender nothing it did not know.
 /// The header is kept as a copy: a parsed `HeaderValue` shares the connection's read buffer,
 /// and keeping one would make hyper allocate a new buffer for every later request.
-#[derive(Debug, Default)]
-pub struct RememberedVerdict(Mutex<Option<Verdict>>);
+/// What is remembered is the API's [`Identity`], or what the gateway makes of a
+/// `Proxy-Authorization` header (the identity and the parsed user name).
+#[derive(Debug)]
+pub struct RememberedVerdict<T = Identity>(Mutex<Option<Verdict<T>>>);
+
+impl<T> Default for RememberedVerdict<T> {
+    fn default() -> Self {
+        Self(Mutex::new(None))
+    }
+}
 
 /// A remembered verdict: the header's bytes, the generation it was given under, the identity.
 #[derive(Debug)]
-struct Verdict {
+struct Verdict<T> {
     header: Box<[u8]>,
     generation: u64,
-    identity: Identity,
+    identity: T,
 }
 
-impl RememberedVerdict {
+impl<T: Clone> RememberedVerdict<T> {
     /// The identity remembered for `header` under `generation`.
-    pub fn recall(&self, header: &header::HeaderValue, generation: u64) -> Option<Identity> {
+    pub fn recall(&self, header: &header::HeaderValue, generation: u64) -> Option<T> {
         let remembered = crate::sync::lock(&self.0);
         let kept = remembered.as_ref()?;
         (kept.generation == generation && *kept.header == *header.as_bytes()).then(|| kept.identity.clone())
     }
 
     /// Remembers that `header` was `identity` under `generation`.
-    pub fn remember(&self, header: &header::HeaderValue, generation: u64, identity: Identity) {
+    pub fn remember(&self, header: &header::HeaderValue, generation: u64, identity: T) {
         *crate::sync::lock(&self.0) = Some(Verdict {
             header: header.as_bytes().into(),
             generation,

@@ -18,8 +18,9 @@
 //! [`Held::upkeep`] also renews every lease in use that nears its expiry (a long tunnel keeps
 //! its proxy), and releases every held lease when the gateway stops.
 
+use crate::hashing::FastMap;
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::BTreeMap,
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, AtomicUsize, Ordering},
@@ -72,9 +73,9 @@ type SessionKey = (String, String, Option<String>, BTreeMap<String, String>);
 pub(super) struct Held {
     deps: GatewayDeps,
     config: GatewayConfig,
-    sessions: Mutex<HashMap<SessionKey, Arc<Session>>>,
+    sessions: Mutex<FastMap<SessionKey, Arc<Session>>>,
     /// Leases of requests without a session, in use now, by a number of their own.
-    loose: Mutex<HashMap<u64, HeldLease>>,
+    loose: Mutex<FastMap<u64, HeldLease>>,
     next_loose: AtomicU64,
 }
 
@@ -172,8 +173,8 @@ impl Held {
         Self {
             deps,
             config,
-            sessions: Mutex::new(HashMap::new()),
-            loose: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(FastMap::default()),
+            loose: Mutex::new(FastMap::default()),
             next_loose: AtomicU64::new(0),
         }
     }

@@ -9,8 +9,8 @@
 //! and keeps idle connections per target authority. A replaced instance listens elsewhere, so it
 //! gets a fresh client and never a connection to its predecessor.
 
+use crate::hashing::FastMap;
 use std::{
-    collections::HashMap,
     future::Future,
     io,
     pin::Pin,
@@ -58,7 +58,7 @@ const MAX_CLIENTS: usize = 4096;
 /// The gateway's keep-alive connections to upstream proxies, per endpoint; cheap to share.
 pub(super) struct Upstreams {
     connect_timeout: Duration,
-    clients: Mutex<HashMap<(String, u16), Client<ToProxy, UpstreamBody>>>,
+    clients: Mutex<FastMap<(String, u16), Client<ToProxy, UpstreamBody>>>,
 }
 
 impl Upstreams {
@@ -66,7 +66,7 @@ impl Upstreams {
     pub(super) fn new(connect_timeout: Duration) -> Self {
         Self {
             connect_timeout,
-            clients: Mutex::new(HashMap::new()),
+            clients: Mutex::new(FastMap::default()),
         }
     }
 

@@ -12,7 +12,7 @@
 //! 500 bytes. So [`Limits::default`]'s 20,000 pairs cost at most about 24 MB, and about 9 MB
 //! with 20-character domains and 32 per proxy.
 
-use std::collections::HashMap;
+use crate::hashing::FastMap;
 
 use super::{DomainStats, Limits, ProxyOutcomes, Stats, Tracked, window::Window};
 use crate::api::ProxyKey;
@@ -39,12 +39,12 @@ impl Pair {
 #[derive(Default)]
 struct ProxyEntry {
     total: Pair,
-    domains: HashMap<Box<str>, Pair>,
+    domains: FastMap<Box<str>, Pair>,
 }
 
 pub(super) struct Table {
     limits: Limits,
-    proxies: HashMap<ProxyKey, ProxyEntry>,
+    proxies: FastMap<ProxyKey, ProxyEntry>,
     seq: u64,
     pairs: usize,
     evicted: u64,
@@ -63,7 +63,7 @@ impl Table {
                 max_pairs: limits.max_pairs.max(1),
                 max_domains_per_proxy: limits.max_domains_per_proxy.max(1),
             },
-            proxies: HashMap::new(),
+            proxies: FastMap::default(),
             seq: 0,
             pairs: 0,
             evicted: 0,

@@ -13,8 +13,8 @@
 //! ahead; idle ones are swept once [`MAX_TRACKED`] are kept, and beyond that bound (all busy)
 //! a request goes unlimited rather than unserved.
 
+use crate::hashing::FastMap;
 use std::{
-    collections::HashMap,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -120,7 +120,7 @@ pub struct Politeness(Arc<Limits>);
 #[derive(Default)]
 struct Limits {
     entries: Vec<PolitenessEntry>,
-    slots: Mutex<HashMap<(ProxyKey, String), Slot>>,
+    slots: Mutex<FastMap<(ProxyKey, String), Slot>>,
 }
 
 /// A request's place in flight; dropping it frees the place.
@@ -144,7 +144,7 @@ impl Politeness {
     pub fn new(entries: Vec<PolitenessEntry>) -> Self {
         Self(Arc::new(Limits {
             entries,
-            slots: Mutex::new(HashMap::new()),
+            slots: Mutex::new(FastMap::default()),
         }))
     }
 
@@ -256,7 +256,7 @@ impl Politeness {
 /// The slot of `key`, made if needed; `None` when [`MAX_TRACKED`] busy ones are kept (the
 /// request then goes unlimited rather than unserved).
 fn slot_of<'a>(
-    slots: &'a mut HashMap<(ProxyKey, String), Slot>,
+    slots: &'a mut FastMap<(ProxyKey, String), Slot>,
     key: &(ProxyKey, String),
 ) -> Option<&'a mut Slot> {
     if !slots.contains_key(key) && slots.len() >= MAX_TRACKED {

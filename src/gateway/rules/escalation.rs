@@ -8,7 +8,8 @@
 //! window, then the entry matched the longest ago. Counters of a proxy start again when its
 //! endpoint changes (a fresh instance is a fresh address).
 
-use std::collections::{HashMap, VecDeque};
+use crate::hashing::FastMap;
+use std::collections::VecDeque;
 
 use crate::api::ProxyKey;
 
@@ -70,8 +71,8 @@ struct Asked {
 /// The counters of every rule, and the outstanding recycle requests.
 #[derive(Default)]
 pub struct Strikes {
-    entries: HashMap<(usize, ProxyKey), Entry>,
-    recycles: HashMap<ProxyKey, Asked>,
+    entries: FastMap<(usize, ProxyKey), Entry>,
+    recycles: FastMap<ProxyKey, Asked>,
 }
 
 impl Strikes {
