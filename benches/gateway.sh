@@ -20,6 +20,9 @@
 # Then sessions: EPO_GW_SESSIONS (10,000) sticky sessions opened through the gateway and held at
 # once (a pool of the Squid and 10 bench-memory proxies of 1,000 slots each, whose endpoint is
 # the Squid): the operator's RSS before and after, against the 64 MB memory target.
+# With EPO_GW_CALLGRIND=1, last, a figure that does not depend on the machine: the operator
+# under valgrind's callgrind, its user-space instructions per request through the gateway
+# (EPO_GW_KEEP_PROFILE=FILE keeps the profile for callgrind_annotate).
 #
 #   bash benches/gateway.sh
 #   EPO_GW_ROUNDS=3 EPO_GW_SECS=20 EPO_GW_CONNECTIONS="16 64" bash benches/gateway.sh
@@ -86,9 +89,10 @@ start_operator() {
   addr=127.0.0.1:$port
   gateway=127.0.0.1:$gateway_port
   squid=127.0.0.1:${squid_ports[0]}
-  taskset -c "$server_cpu" "$operator_bin" "${args[@]}" >"$work/server.out" 2>"$work/server.err" &
+  # shellcheck disable=SC2086 # the prefix is words
+  taskset -c "$server_cpu" ${operator_prefix:-} "$operator_bin" "${args[@]}" >"$work/server.out" 2>"$work/server.err" &
   server_pid=$!
-  local deadline=$((SECONDS + 300))
+  local deadline=$((SECONDS + ${EPO_GW_START_SECS:-300}))
   while [ "$(healthy_count)" -lt "$expect" ]; do
     kill -0 "$server_pid" 2>/dev/null || { tail -20 "$work/server.err" >&2; exit 1; }
     [ "$SECONDS" -lt "$deadline" ] || { echo "the operator's proxies did not become Healthy" >&2; tail -20 "$work/server.err" >&2; exit 1; }
@@ -229,5 +233,28 @@ awk -v b="$before" -v a="$after" -v n="$sessions" -v held="$held" 'BEGIN {
   printf "  operator RSS %.1f MB before, %.1f MB with the sessions (+%.0f bytes per session); target <= 64 MB  %s\n",
     b / 1024, a / 1024, 1024 * (a - b) / n, (a / 1024 <= 64 ? "PASS" : "FAIL")
 }'
+stop_server
+
+# --- the machine-independent figure: instructions per request through the gateway ---------
+if [ "${EPO_GW_CALLGRIND:-0}" = 1 ]; then
+  need valgrind valgrind
+  echo
+  operator_prefix="valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=$work/callgrind.%p --dump-instr=no --collect-jumps=no --separate-threads=no"
+  EPO_GW_START_SECS=900 start_operator callgrind 1 0 1 1000
+  auth=$(basic bench)
+  EPO_PROXY_AUTH=$auth taskset -c "$client_cpu" wrk -t1 -c16 -d5s -s benches/wrk/through_proxy.lua "http://$gateway" >/dev/null
+  callgrind_control -i on "$server_pid" >/dev/null
+  callgrind_control -z "$server_pid" >/dev/null
+  requests=$(EPO_PROXY_AUTH=$auth taskset -c "$client_cpu" wrk -t1 -c16 -d20s -s benches/wrk/through_proxy.lua "http://$gateway" |
+    awk '/^RESULT/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); if (kv[1] == "requests") print kv[2] } }')
+  callgrind_control -d "$server_pid" >/dev/null
+  dump=$(ls "$work"/callgrind.*.1)
+  if [ -n "${EPO_GW_KEEP_PROFILE:-}" ]; then cp "$dump" "$EPO_GW_KEEP_PROFILE"; fi
+  total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }')
+  awk -v t="$total" -v n="$requests" 'BEGIN {
+    printf "callgrind: the operator'"'"'s user-space instructions per request through the gateway (16 connections, 20 s after a 5 s warm-up, its periodic work included): %.0f (%d requests)\n", t / n, n
+  }'
+  stop_server
+fi
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 [ "$failures" -eq 0 ] || { echo "$failures run(s) had failed requests" >&2; exit 1; }
