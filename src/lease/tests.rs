@@ -738,6 +738,46 @@ fn the_shortest_lease_id_still_has_its_head_read() {
     assert!(signer.presented(&id[..39]).is_none(), "shorter than the head");
 }
 
+/// An ID is one text: another base64 spelling of its bytes (nonzero bits after the last whole
+/// byte, which a lenient decoder drops) is refused, not taken for the same lease.
+#[test]
+fn a_lease_id_spelled_with_trailing_bits_is_refused() {
+    let signer = LeaseSigner::new(&[9u8; 32]).unwrap();
+    let mut checked = 0;
+    for holder in ["h", "hh", "hhh"] {
+        let id = signer.sign(&LeaseClaim {
+            id: LeaseId {
+                key: ProxyKey::new("a", "b"),
+                first_token: 5,
+                hint: LeaseHint::default(),
+            },
+            holder: holder.into(),
+            acquired_at_ms: 0,
+            expires_at_ms: 1,
+            target_domain: None,
+            session_key: None,
+        });
+        assert!(signer.verify(&id).is_ok());
+        if id.len() % 4 == 0 {
+            continue;
+        }
+        // The last character carries bits past the payload's end: set one of them.
+        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        let last = ALPHABET
+            .iter()
+            .position(|&c| c == *id.as_bytes().last().unwrap())
+            .unwrap();
+        let other = format!("{}{}", &id[..id.len() - 1], ALPHABET[last | 1] as char);
+        assert_ne!(other, id);
+        assert!(
+            matches!(signer.verify(&other), Err(TokenError::Malformed)),
+            "{other}"
+        );
+        checked += 1;
+    }
+    assert!(checked >= 2, "IDs of two lengths with trailing bits");
+}
+
 #[test]
 fn signer_rejects_tampered_foreign_and_garbage_ids() {
     let signer = LeaseSigner::new(&[7u8; 32]).unwrap();
