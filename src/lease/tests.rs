@@ -758,7 +758,7 @@ fn a_lease_id_spelled_with_trailing_bits_is_refused() {
             session_key: None,
         });
         assert!(signer.verify(&id).is_ok());
-        if id.len() % 4 == 0 {
+        if id.len().is_multiple_of(4) {
             continue;
         }
         // The last character carries bits past the payload's end: set one of them.
