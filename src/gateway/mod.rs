@@ -521,7 +521,7 @@ impl Gateway {
     /// Who the request is for: its token checked, its user name read; what the connection's
     /// last request with the same header was found to be, while the tokens are unchanged
     /// (see [`RememberedVerdict`]: decoding, hashing and looking up the token and parsing the
-    /// user name were about a tenth of the gateway's own work on a request).
+    /// user name were about 3,000 of the ~60,000 instructions of a request through the gateway).
     async fn authenticate(
         &self,
         headers: &hyper::HeaderMap,
