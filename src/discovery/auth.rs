@@ -105,15 +105,38 @@ struct Verdict<T> {
 }
 
 impl<T: Clone> RememberedVerdict<T> {
+    /// What `header` was found to be by this connection's last request with it, while `auth`'s
+    /// verdicts hold; else what `check` finds, remembered when it succeeds and `auth` lets its
+    /// verdicts be kept.
+    pub async fn recall_or<E>(
+        &self,
+        auth: &dyn Authenticator,
+        header: Option<&header::HeaderValue>,
+        check: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        // Read before the check runs, so that a reload during it is never remembered as current.
+        let generation = auth.verdict_generation();
+        if let (Some(generation), Some(header)) = (generation, header)
+            && let Some(kept) = self.recall(header, generation)
+        {
+            return Ok(kept);
+        }
+        let found = check.await?;
+        if let (Some(generation), Some(header)) = (generation, header) {
+            self.remember(header, generation, found.clone());
+        }
+        Ok(found)
+    }
+
     /// The identity remembered for `header` under `generation`.
-    pub fn recall(&self, header: &header::HeaderValue, generation: u64) -> Option<T> {
+    fn recall(&self, header: &header::HeaderValue, generation: u64) -> Option<T> {
         let remembered = crate::sync::lock(&self.0);
         let kept = remembered.as_ref()?;
         (kept.generation == generation && *kept.header == *header.as_bytes()).then(|| kept.identity.clone())
     }
 
     /// Remembers that `header` was `identity` under `generation`.
-    pub fn remember(&self, header: &header::HeaderValue, generation: u64, identity: T) {
+    fn remember(&self, header: &header::HeaderValue, generation: u64, identity: T) {
         *crate::sync::lock(&self.0) = Some(Verdict {
             header: header.as_bytes().into(),
             generation,

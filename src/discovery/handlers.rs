@@ -198,14 +198,14 @@ pub(super) async fn authenticate(
     if let Some(anonymous) = s.deps.auth.anonymous() {
         return Ok(anonymous);
     }
-    // Read before any lookup, so that a reload during it is never remembered as current.
-    let generation = s.deps.auth.verdict_generation();
     let header = parts.headers.get(hyper::header::AUTHORIZATION);
-    if let (Some(generation), Some(header)) = (generation, header)
-        && let Some(identity) = remembered.recall(header, generation)
-    {
-        return Ok(identity);
-    }
+    remembered
+        .recall_or(&*s.deps.auth, header, look_up(s, parts))
+        .await
+}
+
+/// Who the request's bearer token names, looked up.
+async fn look_up(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<Identity, ApiError> {
     let unauthenticated = |msg: &str| {
         let mut e = ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", msg);
         e.allow = None;
@@ -219,18 +219,14 @@ pub(super) async fn authenticate(
             return Err(unauthenticated("Authorization must be: Bearer <token>"));
         }
     };
-    let identity = s.deps.auth.authenticate(&token).await.map_err(|e| match e {
+    s.deps.auth.authenticate(&token).await.map_err(|e| match e {
         AuthError::Unauthenticated => unauthenticated("invalid bearer token"),
         AuthError::Forbidden(_) => ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()),
         AuthError::Unavailable(_) => {
             ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "auth_unavailable", e.to_string())
                 .retry(Duration::from_secs(1))
         }
-    })?;
-    if let (Some(generation), Some(header)) = (generation, header) {
-        remembered.remember(header, generation, identity.clone());
-    }
-    Ok(identity)
+    })
 }
 
 /// Reads a request body: 413 over the size limit, 400 when it breaks off.

@@ -527,15 +527,15 @@ impl Gateway {
         headers: &hyper::HeaderMap,
         remembered: &RememberedVerdict<Arc<Who>>,
     ) -> Result<Arc<Who>, Refusal> {
-        let auth = &self.held.deps().auth;
-        // Read before any lookup, so that a reload during it is never remembered as current.
-        let generation = auth.verdict_generation();
         let header = headers.get(header::PROXY_AUTHORIZATION);
-        if let (Some(generation), Some(header)) = (generation, header)
-            && let Some(who) = remembered.recall(header, generation)
-        {
-            return Ok(who);
-        }
+        remembered
+            .recall_or(&*self.held.deps().auth, header, self.identify(headers))
+            .await
+    }
+
+    /// Who the request's `Proxy-Authorization` names: its token looked up, its user name parsed.
+    async fn identify(&self, headers: &hyper::HeaderMap) -> Result<Arc<Who>, Refusal> {
+        let auth = &self.held.deps().auth;
         let (user, password) = match proxy_presented(headers) {
             ProxyPresented::Basic { user, password } => (user, password),
             ProxyPresented::Nothing if let Some(anonymous) = auth.anonymous() => {
@@ -574,14 +574,10 @@ impl Gateway {
         };
         let name = UserName::parse(&user)
             .map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, "bad_user_name", e.to_string()))?;
-        let who = Arc::new(Who {
+        Ok(Arc::new(Who {
             token: identity.name.into(),
             name,
-        });
-        if let (Some(generation), Some(header)) = (generation, header) {
-            remembered.remember(header, generation, who.clone());
-        }
-        Ok(who)
+        }))
     }
 }
 
