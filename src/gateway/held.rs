@@ -18,7 +18,6 @@
 //! [`Held::upkeep`] also renews every lease in use that nears its expiry (a long tunnel keeps
 //! its proxy), and releases every held lease when the gateway stops.
 
-use crate::hashing::FastMap;
 use std::{
     collections::BTreeMap,
     sync::{
@@ -34,6 +33,7 @@ use super::{GatewayConfig, GatewayDeps, user::Who};
 use crate::politeness::Turn;
 use crate::{
     api::ProxyKey,
+    hashing::FastMap,
     lease::{AcquireRequest, LeaseError, LeaseId, Outcome, ProxyInfo, Selector},
     sync::lock,
 };

@@ -9,7 +9,6 @@
 //! and keeps idle connections per target authority. A replaced instance listens elsewhere, so it
 //! gets a fresh client and never a connection to its predecessor.
 
-use crate::hashing::FastMap;
 use std::{
     future::Future,
     io,
@@ -38,7 +37,7 @@ use tokio::{
 };
 
 use super::forward::UpstreamError;
-use crate::lease::ProxyInfo;
+use crate::{hashing::FastMap, lease::ProxyInfo};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -12,10 +12,8 @@
 //! 500 bytes. So [`Limits::default`]'s 20,000 pairs cost at most about 24 MB, and about 9 MB
 //! with 20-character domains and 32 per proxy.
 
-use crate::hashing::FastMap;
-
 use super::{DomainStats, Limits, ProxyOutcomes, Stats, Tracked, window::Window};
-use crate::api::ProxyKey;
+use crate::{api::ProxyKey, hashing::FastMap};
 
 /// One pair's (or one proxy's totals') numbers.
 #[derive(Clone, Debug, Default)]

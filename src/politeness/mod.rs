@@ -13,7 +13,6 @@
 //! ahead; idle ones are swept once [`MAX_TRACKED`] are kept, and beyond that bound (all busy)
 //! a request goes unlimited rather than unserved.
 
-use crate::hashing::FastMap;
 use std::{
     sync::{Arc, Mutex},
     time::Duration,
@@ -21,7 +20,7 @@ use std::{
 
 use tokio::{sync::Notify, time::Instant};
 
-use crate::{api::Attributes, api::ProxyKey, outcomes::normalize_domain, sync::lock};
+use crate::{api::Attributes, api::ProxyKey, hashing::FastMap, outcomes::normalize_domain, sync::lock};
 
 /// Most (proxy, domain) entries kept.
 pub const MAX_TRACKED: usize = 65_536;

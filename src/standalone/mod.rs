@@ -4,8 +4,8 @@
 //! engine and lease store run as in a cluster, started by [`crate::app::start_core`].
 //!
 //! Owns: the manifests folder ([`manifests`]), the embedded store ([`store`]), the runner that
-//! plays the API server's part ([`runner`], with each Proxy's next reconcile in `due`), the reconciler's backend over the store
-//! ([`StandaloneBackend`]), the live owners for GC ([`owners`]), the state folder's files
+//! plays the API server's part ([`runner`], with each Proxy's next reconcile in `due`), the
+//! reconciler's backend over the store ([`StandaloneBackend`]), the live owners for GC ([`owners`]), the state folder's files
 //! (installation ID, lease checkpoint and journal, signing key, tokens), the gateway rules'
 //! recycle requests ([`recycle`]) and this mode's assembly ([`mode`]). Must not touch: Kubernetes, or anything of [`crate::cluster`]
 //! (tests/mode_isolation.rs checks it).

@@ -5,9 +5,8 @@
 //! plus about 100 bytes: with names of at most 128 bytes (holders) a full table of 10,000
 //! stays under 3 MB.
 
-use crate::hashing::FastMap;
-
 use super::Counters;
+use crate::hashing::FastMap;
 
 struct Entry {
     counters: Counters,

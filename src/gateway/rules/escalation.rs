@@ -8,10 +8,9 @@
 //! window, then the entry matched the longest ago. Counters of a proxy start again when its
 //! endpoint changes (a fresh instance is a fresh address).
 
-use crate::hashing::FastMap;
 use std::collections::VecDeque;
 
-use crate::api::ProxyKey;
+use crate::{api::ProxyKey, hashing::FastMap};
 
 /// Most (rule, proxy) entries kept.
 pub const MAX_TRACKED: usize = 16_384;
