@@ -86,9 +86,11 @@ pub trait Authenticator: Send + Sync {
 /// The header is kept as a copy: a parsed `HeaderValue` shares the connection's read buffer,
 /// and keeping one would make hyper allocate a new buffer for every later request.
 /// What is remembered is the API's [`Identity`], or what the gateway makes of a
-/// `Proxy-Authorization` header (the identity and the parsed user name).
+/// `Proxy-Authorization` header (the identity and the parsed user name), each behind an `Arc`:
+/// a recall is a reference count, not a copy of the name (which cost an allocation and a free
+/// a request).
 #[derive(Debug)]
-pub struct RememberedVerdict<T = Identity>(Mutex<Option<Verdict<T>>>);
+pub struct RememberedVerdict<T = Arc<Identity>>(Mutex<Option<Verdict<T>>>);
 
 impl<T> Default for RememberedVerdict<T> {
     fn default() -> Self {

@@ -194,14 +194,13 @@ pub(super) async fn authenticate(
     s: &StateInner,
     parts: &hyper::http::request::Parts,
     remembered: &RememberedVerdict,
-) -> Result<Identity, ApiError> {
+) -> Result<Arc<Identity>, ApiError> {
     if let Some(anonymous) = s.deps.auth.anonymous() {
-        return Ok(anonymous);
+        return Ok(Arc::new(anonymous));
     }
     let header = parts.headers.get(hyper::header::AUTHORIZATION);
-    remembered
-        .recall_or(&*s.deps.auth, header, look_up(s, parts))
-        .await
+    let look_up = async { look_up(s, parts).await.map(Arc::new) };
+    remembered.recall_or(&*s.deps.auth, header, look_up).await
 }
 
 /// Who the request's bearer token names, looked up.

@@ -176,11 +176,17 @@ pub(super) fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, Api
         _ => {
             let not_found = || ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint");
             let rest = path.strip_prefix("/v1/leases/").ok_or_else(not_found)?;
-            let (id, action) = rest.split_once('/').ok_or_else(not_found)?;
+            // From the end: the action is a few bytes, the ID a hundred or more (a forward
+            // search for the '/' cost about as much as the rest of the routing).
+            let (id, action) = rest.rsplit_once('/').ok_or_else(not_found)?;
             // No early exit, so the check vectorizes (IDs are a few hundred bytes).
             let base64url = id.bytes().fold(true, |ok, b| {
                 ok & (b.is_ascii_alphanumeric() | (b == b'-') | (b == b'_'))
             });
+            if !base64url && id.contains('/') {
+                // More segments than `/v1/leases/{id}/{action}`: no endpoint, whatever the ID.
+                return Err(not_found());
+            }
             if id.is_empty() || id.len() > MAX_ID_LEN || !base64url {
                 return Err(ApiError::new(
                     StatusCode::NOT_FOUND,

@@ -370,6 +370,22 @@ async fn documented_error_statuses() {
         ),
         (
             "POST",
+            "/v1/leases/AAAA/x/release",
+            Some(TOKEN),
+            r#"{"fencingToken":1}"#.into(),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "POST",
+            "/v1/leases/AAAA/release/",
+            Some(TOKEN),
+            r#"{"fencingToken":1}"#.into(),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "POST",
             "/v1/leases/%2e%2e/renew",
             Some(TOKEN),
             r#"{"fencingToken":1}"#.into(),
