@@ -182,8 +182,7 @@ pub async fn serve(
                 // The connection's own: its requests carry one token, looked up once.
                 let remembered = Arc::new(Remembered::default());
                 let service = hyper::service::service_fn(move |req| {
-                    let (state, remembered) = (state.clone(), remembered.clone());
-                    async move { Ok::<_, Infallible>(answer(&state, &remembered, req).await) }
+                    answer(state.clone(), remembered.clone(), req)
                 });
                 let stream = crate::net::QuietLimit::new(stream, quiet_limit);
                 let io = http_errors::JsonErrors::new(TokioIo::new(stream), move |status| {
@@ -213,7 +212,8 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    answer(state, &Remembered::default(), request).await
+    let Ok(response) = answer(state.clone(), Arc::default(), request).await;
+    response
 }
 
 /// What a keep-alive connection's requests remember of the ones before it: a crawler sends
@@ -224,12 +224,14 @@ struct Remembered {
     selector: handlers::RememberedSelector,
 }
 
-/// [`handle`] for a request of a connection that remembers `remembered`.
+/// [`handle`] for a request of a connection that remembers `remembered`. It owns its handles
+/// and is infallible as hyper's service wants it, so its future is the one hyper keeps: a
+/// block around it would move the whole request's state into itself once more.
 async fn answer<B>(
-    state: &DiscoveryState,
-    remembered: &Remembered,
+    state: DiscoveryState,
+    remembered: Arc<Remembered>,
     request: Request<B>,
-) -> Response<Full<Bytes>>
+) -> Result<Response<Full<Bytes>>, Infallible>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -237,7 +239,7 @@ where
     let started = Instant::now();
     let (parts, body) = request.into_parts();
     let (index, result) = match route(&parts.method, parts.uri.path()) {
-        Ok(r) => (r.index(), dispatch(state, r, &parts, body, remembered).await),
+        Ok(r) => (r.index(), dispatch(&state, r, &parts, body, &remembered).await),
         Err(e) => (OTHER_ROUTE, Err(e)),
     };
     let (code, response) = match result {
@@ -249,7 +251,7 @@ where
         .deps
         .metrics
         .record(index, code, started.elapsed().as_secs_f64());
-    response
+    Ok(response)
 }
 
 async fn dispatch<B>(

@@ -179,15 +179,16 @@ pub(super) fn route<'a>(method: &Method, path: &'a str) -> Result<Route<'a>, Api
             // From the end: the action is a few bytes, the ID a hundred or more (a forward
             // search for the '/' cost about as much as the rest of the routing).
             let (id, action) = rest.rsplit_once('/').ok_or_else(not_found)?;
-            // No early exit, so the check vectorizes (IDs are a few hundred bytes).
-            let base64url = id.bytes().fold(true, |ok, b| {
-                ok & (b.is_ascii_alphanumeric() | (b == b'-') | (b == b'_'))
-            });
+            // Unpadded base64url, as every issued ID is (checked 32 bytes at a time: a byte at a
+            // time cost more than the rest of the routing).
+            let base64url = !id.is_empty()
+                && id.len() <= MAX_ID_LEN
+                && base64_simd::URL_SAFE_NO_PAD.check(id.as_bytes()).is_ok();
             if !base64url && id.contains('/') {
                 // More segments than `/v1/leases/{id}/{action}`: no endpoint, whatever the ID.
                 return Err(not_found());
             }
-            if id.is_empty() || id.len() > MAX_ID_LEN || !base64url {
+            if !base64url {
                 return Err(ApiError::new(
                     StatusCode::NOT_FOUND,
                     "lease_not_found",

@@ -26,7 +26,7 @@ struct Harness {
     state: DiscoveryState,
     ready: watch::Sender<Readiness>,
     /// Every request goes through one keep-alive connection's memory, as a crawler's would.
-    connection: Remembered,
+    connection: Arc<Remembered>,
 }
 
 /// Adds an open proxy `crawl/{name}` with `region` and tier `dc` to `store`.
@@ -90,7 +90,7 @@ fn harness_with(proxies: usize, max_concurrent: i32, politeness: crate::politene
     Harness {
         state,
         ready,
-        connection: Remembered::default(),
+        connection: Arc::default(),
     }
 }
 
@@ -158,7 +158,12 @@ impl Harness {
         if let Some(t) = token {
             req = req.header("authorization", format!("Bearer {t}"));
         }
-        let response = answer(&self.state, &self.connection, req.body(Full::new(body)).unwrap()).await;
+        let Ok(response) = answer(
+            self.state.clone(),
+            self.connection.clone(),
+            req.body(Full::new(body)).unwrap(),
+        )
+        .await;
         let status = response.status();
         let headers = response.headers().clone();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
@@ -509,7 +514,7 @@ async fn authenticator_verdicts_map_to_401_403_503() {
     let h2 = Harness {
         state,
         ready: h.ready,
-        connection: Remembered::default(),
+        connection: Arc::default(),
     };
     for (token, status, want) in [
         ("outsider", StatusCode::FORBIDDEN, "forbidden"),

@@ -391,6 +391,17 @@ impl LeaseStore {
         now: u64,
         f: impl FnOnce(&mut Shard, u32, usize) -> Result<R, LeaseError>,
     ) -> Result<R, LeaseError> {
+        self.locate(id, Some(now), f)
+    }
+
+    /// Runs `f` on the lease's record, its shard settled at `settle_at` first if given (else
+    /// as it stands: a lease that expired since the last settle is still there).
+    fn locate<R>(
+        &self,
+        id: &LeaseId,
+        settle_at: Option<u64>,
+        f: impl FnOnce(&mut Shard, u32, usize) -> Result<R, LeaseError>,
+    ) -> Result<R, LeaseError> {
         let find = |shard: &Shard, slot: u32| {
             shard
                 .proxy(slot)
@@ -398,17 +409,22 @@ impl LeaseStore {
                 .iter()
                 .position(|l| l.first_token == id.first_token)
         };
+        let settle = |shard: &mut Shard| {
+            if let Some(now) = settle_at {
+                shard.settle(now);
+            }
+        };
         let hinted = id.hint.shard as usize;
         if hinted < self.inner.shards.len() {
             let mut shard = lock(&self.inner.shards[hinted].0);
-            shard.settle(now);
+            settle(&mut shard);
             if let Some(slot) = shard.slot_by_hint(id) {
                 let idx = find(&shard, slot).ok_or(LeaseError::NotFound)?;
                 return f(&mut shard, slot, idx);
             }
         }
         let mut shard = self.shard_for(&id.key);
-        shard.settle(now);
+        settle(&mut shard);
         let slot = shard.by_key.get(&id.key).copied().ok_or(LeaseError::NotFound)?;
         let idx = find(&shard, slot).ok_or(LeaseError::NotFound)?;
         f(&mut shard, slot, idx)
@@ -615,7 +631,9 @@ impl LeaseStore {
     /// Keeps `text` as the verdict for the lease `id` names ([`IssuedId`]): call it with the
     /// ID just issued for it, or just verified in full.
     pub fn keep_issued_id(&self, id: &LeaseId, text: &str) {
-        let _ = self.with_lease(id, self.now(), |shard, slot, idx| {
+        // Not settled (no clock read either): a lease that expired a moment ago keeps an ID
+        // nobody can use, and the next operation on its shard settles it away with the ID.
+        let _ = self.locate(id, None, |shard, slot, idx| {
             shard.proxy_mut(slot).leases[idx].issued_id = Some(IssuedId::new(text));
             Ok(())
         });
