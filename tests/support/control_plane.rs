@@ -358,20 +358,7 @@ impl ControlPlane {
         ]);
         self.scheduler = Some(GroupChild::spawn(&mut command, &log));
 
-        let log = self.dir.path().join("kwok.log");
-        let mut command = Command::new(self.assets.join("kwok"));
-        command.args([
-            format!("--kubeconfig={kubeconfig}"),
-            format!("--config={}", self.assets.join("kwok-stages.yaml").display()),
-            "--manage-all-nodes=false".to_owned(),
-            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake".to_owned(),
-            "--cidr=10.0.0.1/24".to_owned(),
-            "--node-ip=10.0.0.1".to_owned(),
-            format!("--server-address=127.0.0.1:{}", free_port()),
-        ]);
-        // kwok also reads ~/.kwok/kwok.yaml: not the user's.
-        command.env("HOME", self.dir.path());
-        self.kwok = Some(GroupChild::spawn(&mut command, &log));
+        self.kwok = Some(self.spawn_kwok(0));
 
         let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.client().await);
         let node = serde_json::from_value(json!({
@@ -392,7 +379,21 @@ impl ControlPlane {
             .await
             .expect("fake node created");
         let deadline = Instant::now() + Duration::from_secs(60);
+        let mut restarts = 0;
         loop {
+            if let Some(status) = self.kwok.as_mut().and_then(GroupChild::exited) {
+                // kwok v0.8.0 can die at start: its stages build their CEL environments on
+                // first use, and easycel v0.6.0 (the newest) fills a global map without a lock
+                // ("fatal error: concurrent map writes"). It keeps no state of its own.
+                let log = self.kwok.as_ref().map(GroupChild::log).unwrap_or_default();
+                assert!(restarts < 2, "kwok exited again ({status}):\n{}", tail(&log, 40));
+                restarts += 1;
+                eprintln!(
+                    "kwok exited ({status}) before its node was Ready; starting it again:\n{}",
+                    tail(&log, 5)
+                );
+                self.kwok = Some(self.spawn_kwok(restarts));
+            }
             let node = nodes.get("kwok-node-0").await.expect("the fake node");
             let ready = node
                 .status
@@ -420,6 +421,32 @@ impl ControlPlane {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// kwok over this plane's API server, managing the nodes annotated `kwok.x-k8s.io/node=fake`;
+    /// its `attempt`th start logs to a file of its own, so an earlier crash stays readable.
+    fn spawn_kwok(&self, attempt: usize) -> GroupChild {
+        let kubeconfig = self.admin_kubeconfig.display().to_string();
+        let log = self.dir.path().join(match attempt {
+            0 => "kwok.log".to_owned(),
+            n => format!("kwok.{n}.log"),
+        });
+        let mut command = Command::new(self.assets.join("kwok"));
+        command.args([
+            format!("--kubeconfig={kubeconfig}"),
+            format!("--config={}", self.assets.join("kwok-stages.yaml").display()),
+            "--manage-all-nodes=false".to_owned(),
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake".to_owned(),
+            "--cidr=10.0.0.1/24".to_owned(),
+            "--node-ip=10.0.0.1".to_owned(),
+            format!("--server-address=127.0.0.1:{}", free_port()),
+        ]);
+        // kwok also reads ~/.kwok/kwok.yaml: not the user's.
+        command.env("HOME", self.dir.path());
+        // One thread at a time makes the race above (a pod's stages can hit it too, on the
+        // first pod) need a preemption inside a map write rather than two cores at once.
+        command.env("GOMAXPROCS", "1");
+        GroupChild::spawn(&mut command, &log)
     }
 
     /// The admin's kubeconfig (`system:masters`).
