@@ -11,11 +11,14 @@
 //! 503 and lease endpoints answer 503 `not_ready` / `not_leader` (with `Retry-After`).
 
 pub mod auth;
+mod fast_body;
 mod handlers;
 mod http_errors;
+mod leases;
 mod metrics;
 pub mod openapi;
 mod outcomes;
+mod request;
 mod router;
 mod terms;
 mod usage;
@@ -57,12 +60,11 @@ use crate::{
     telemetry::admin::Page,
     usage::Usage,
 };
-use handlers::{
-    acquire, authenticate, check_journal, check_ready, healthz, leases_list, list, metrics, parse_request,
-    read_body, readyz, release, renew,
-};
+use handlers::{healthz, leases_list, list, metrics, readyz};
+use leases::{acquire, release, renew};
 use metrics::ResultLabels;
 use openapi::openapi_json;
+use request::{authenticate, check_journal, check_ready, parse_request, read_body};
 use router::{Answer, ApiError, OTHER_ROUTE, Route, route};
 
 // One readiness for the replica: the admin endpoint's, whose checkpoint detail this API ignores.
@@ -221,7 +223,7 @@ where
 #[derive(Default)]
 struct Remembered {
     verdict: RememberedVerdict,
-    selector: handlers::RememberedSelector,
+    selector: leases::RememberedSelector,
 }
 
 /// [`handle`] for a request of a connection that remembers `remembered`. It owns its handles

@@ -11,7 +11,9 @@ use utoipa::ToSchema;
 
 use super::{
     ErrorBody, StateInner,
-    handlers::{AuthErrors, LeaseIdErrors, LeaseIdPath, leases, not_before},
+    handlers::{AuthErrors, LeaseIdErrors, LeaseIdPath},
+    leases::not_before,
+    request::leases,
     router::{Answer, json},
     wire::{RequestBody, check_domain, whole_number, whole_seconds},
 };

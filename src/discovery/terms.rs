@@ -34,7 +34,8 @@ impl<'a> SelectorTerms<'a> {
         terms
     }
 
-    fn insert(&mut self, key: Cow<'a, str>, value: Cow<'a, str>) {
+    /// Adds a term; a key given again replaces its value.
+    pub(super) fn insert(&mut self, key: Cow<'a, str>, value: Cow<'a, str>) {
         match self.0.binary_search_by(|(k, _)| k.as_ref().cmp(key.as_ref())) {
             Ok(at) => self.0[at].1 = value,
             Err(at) => self.0.insert(at, (key, value)),

@@ -15,12 +15,15 @@
 //! The page is authenticated like the discovery API: `Authorization: Bearer <token>`, or HTTP
 //! Basic with the token as the password (what a browser can send; a 401 asks for it).
 
+mod log;
+mod query;
 mod render;
 mod usage;
+mod view;
 
 use std::{
-    collections::{BTreeMap, HashMap, VecDeque},
-    sync::{Arc, Mutex},
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
 };
 
 use async_trait::async_trait;
@@ -33,19 +36,21 @@ use hyper::{
 use jiff::Timestamp;
 
 use crate::{
-    api::{Attributes, ProxyKey, ProxyStatus},
+    api::{ProxyKey, ProxyStatus},
     controller::ProviderAvailability,
     discovery::auth::{AuthError, Authenticator, Presented, presented},
-    health::{HealthEvent, HealthHandle, HealthSnapshot, Verdict},
-    lease::{Availability, LeaseStore, ProxyView, Selector},
-    machine::audit::AuditEntry,
-    outcomes::{Outcomes, ProxyOutcomes, Quantiles},
-    provider::{ProviderId, SharedProvider, local::SupervisionStatus},
+    health::HealthHandle,
+    lease::{LeaseStore, ProxyView, Selector},
+    outcomes::Outcomes,
+    provider::{ProviderId, SharedProvider},
     telemetry::admin::Page,
 };
 
+pub use log::{AuditLog, AuditRow, HealthChange, HealthLog, Recent};
+pub use query::{PageQuery, QueryError};
 pub use render::age;
 pub use usage::{USAGE_ROWS, UsageView};
+pub use view::{HolderRow, LeaseRow, ProcessRow, ProviderRow, ProxyRow, StatusView, Traffic};
 
 /// How many audit entries per proxy the page shows (and cluster mode keeps in memory).
 pub const AUDIT_ENTRIES_SHOWN: usize = 8;
@@ -110,36 +115,6 @@ impl ProxyState {
     }
 }
 
-/// One audit entry as the page shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AuditRow {
-    /// When the transition was decided.
-    pub at: Timestamp,
-    /// `from --event--> to`.
-    pub arrow: String,
-    /// The row's reason.
-    pub reason: String,
-    /// The cause or message (never secret content).
-    pub message: String,
-}
-
-impl AuditRow {
-    /// The row of an audit entry.
-    pub fn from_entry(entry: &AuditEntry, message: &str) -> Self {
-        let message = if message.is_empty() {
-            entry.cause.clone().unwrap_or_default()
-        } else {
-            message.to_owned()
-        };
-        Self {
-            at: entry.at,
-            arrow: entry.arrow(),
-            reason: entry.reason.clone(),
-            message,
-        }
-    }
-}
-
 /// What a mode contributes to the page.
 pub trait ProxySource: Send + Sync {
     /// Every Proxy, in any order.
@@ -149,409 +124,6 @@ pub trait ProxySource: Send + Sync {
     /// The mode's name, shown in the title.
     fn mode(&self) -> &'static str;
 }
-
-/// A Proxy's namespace and name.
-type NameKey = (String, String);
-
-/// The last entries per proxy (by namespace and name), at most [`AUDIT_ENTRIES_SHOWN`] each;
-/// cheap to clone (clones share the entries).
-pub struct Recent<T> {
-    entries: Arc<Mutex<HashMap<NameKey, VecDeque<T>>>>,
-}
-
-impl<T> Clone for Recent<T> {
-    fn clone(&self) -> Self {
-        Self {
-            entries: self.entries.clone(),
-        }
-    }
-}
-
-impl<T> Default for Recent<T> {
-    fn default() -> Self {
-        Self {
-            entries: Arc::default(),
-        }
-    }
-}
-
-impl<T: Clone> Recent<T> {
-    /// Appends `items` to `namespace/name`'s entries, dropping the oldest beyond the limit.
-    pub fn push(&self, namespace: &str, name: &str, items: impl IntoIterator<Item = T>) {
-        let mut all = crate::sync::lock(&self.entries);
-        let trail = all.entry((namespace.to_owned(), name.to_owned())).or_default();
-        for item in items {
-            if trail.len() == AUDIT_ENTRIES_SHOWN {
-                trail.pop_front();
-            }
-            trail.push_back(item);
-        }
-    }
-
-    /// Forgets a Proxy that is gone.
-    pub fn forget(&self, namespace: &str, name: &str) {
-        self.retain(|ns, n| (ns, n) != (namespace, name));
-    }
-
-    /// Keeps the entries of the Proxies `keep` accepts (by namespace and name).
-    pub fn retain(&self, keep: impl Fn(&str, &str) -> bool) {
-        let mut all = crate::sync::lock(&self.entries);
-        all.retain(|(namespace, name), _| keep(namespace, name));
-    }
-
-    /// The last `n` entries of `namespace/name`, oldest first.
-    pub fn last(&self, namespace: &str, name: &str, n: usize) -> Vec<T> {
-        let all = crate::sync::lock(&self.entries);
-        all.get(&(namespace.to_owned(), name.to_owned()))
-            .map(|trail| {
-                trail
-                    .iter()
-                    .skip(trail.len().saturating_sub(n))
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-}
-
-/// The last audit entries per proxy, kept in memory as the reconciler produces them (cluster
-/// mode, whose audit otherwise lives only in Events and logs).
-pub type AuditLog = Recent<AuditRow>;
-
-impl AuditLog {
-    /// Records the entries a reconcile of `namespace/name` produced.
-    pub fn record<'a>(&self, namespace: &str, name: &str, entries: impl IntoIterator<Item = &'a AuditEntry>) {
-        self.push(
-            namespace,
-            name,
-            entries.into_iter().map(|entry| AuditRow::from_entry(entry, "")),
-        );
-    }
-
-    /// Puts `older` rows (from before this process, any order) in front of `namespace/name`'s
-    /// trail: only those older than its first row (a transition this process recorded may also
-    /// be among them, published after it was decided), keeping the last [`AUDIT_ENTRIES_SHOWN`].
-    pub fn seed(&self, namespace: &str, name: &str, mut older: Vec<AuditRow>) {
-        let mut all = crate::sync::lock(&self.entries);
-        let trail = all.entry((namespace.to_owned(), name.to_owned())).or_default();
-        if let Some(first) = trail.front() {
-            older.retain(|row| row.at < first.at);
-        }
-        older.sort_by_key(|row| row.at);
-        for row in older.into_iter().rev() {
-            if trail.len() == AUDIT_ENTRIES_SHOWN {
-                break;
-            }
-            trail.push_front(row);
-        }
-    }
-}
-
-/// A change of a proxy's health verdict.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HealthChange {
-    /// When the verdict changed.
-    pub at: Timestamp,
-    /// The new verdict.
-    pub verdict: Verdict,
-    /// The last probe's error, when failing.
-    pub error: Option<String>,
-}
-
-/// The health engine's last verdict changes per proxy (both modes record them as the engine
-/// reports them; the engine itself keeps only the current verdict).
-pub type HealthLog = Recent<HealthChange>;
-
-impl HealthLog {
-    /// Records one verdict change.
-    pub fn record(&self, event: &HealthEvent) {
-        self.push(
-            event.key.namespace(),
-            event.key.name(),
-            [HealthChange {
-                at: event.at,
-                verdict: event.verdict,
-                error: event.last_error.clone(),
-            }],
-        );
-    }
-}
-
-/// A provider instance's health as the page shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProviderRow {
-    /// The instance name from the providers config.
-    pub name: String,
-    /// Why it is down (`None`: available, or not probed yet).
-    pub down_reason: Option<String>,
-    /// Proxies on it.
-    pub proxies: usize,
-}
-
-/// Everything one rendering of the page shows.
-#[derive(Clone, Debug)]
-pub struct StatusView {
-    /// `standalone` or `cluster`.
-    pub mode: &'static str,
-    /// When the view was taken.
-    pub now: Timestamp,
-    /// Provider instances.
-    pub providers: Vec<ProviderRow>,
-    /// The proxies of the page asked for, by namespace and name.
-    pub proxies: Vec<ProxyRow>,
-    /// Every proxy, before the filters.
-    pub total: usize,
-    /// The proxies the filters let through (all pages).
-    pub matched: usize,
-    /// Every proxy's phase, counted (before the filters).
-    pub phases: BTreeMap<String, usize>,
-    /// Active leases on every proxy.
-    pub active_leases: usize,
-    /// What was asked for; `page` is the one shown (at most the last).
-    pub query: PageQuery,
-    /// The busiest tokens and holders.
-    pub usage: UsageView,
-}
-
-/// One proxy with everything the page shows of it.
-#[derive(Clone, Debug)]
-pub struct ProxyRow {
-    /// From the mode.
-    pub state: ProxyState,
-    /// Its attributes (what selectors match), by key; empty when not in rotation.
-    pub attributes: Vec<(String, String)>,
-    /// From the lease store (`None`: not in rotation yet).
-    pub leases: Option<LeaseRow>,
-    /// What the provider's process supervision did (`None`: the provider has none, e.g. VMs
-    /// and pods, whose restarts their hypervisor or kubelet count).
-    pub process: Option<ProcessRow>,
-    /// What went through the proxy, from the outcome statistics; `None` until an outcome is
-    /// recorded (shown as "not measured", never as a made-up zero).
-    pub traffic: Option<Traffic>,
-    /// From the health engine (`None`: not probed).
-    pub health: Option<HealthSnapshot>,
-    /// The last verdict changes, oldest first.
-    pub health_history: Vec<HealthChange>,
-    /// The last audit entries, oldest first.
-    pub audit: Vec<AuditRow>,
-}
-
-/// A proxy's standing in the lease store.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeaseRow {
-    /// How it stands for new leases (for a crawler naming no domain).
-    pub availability: Availability,
-    /// Active leases.
-    pub active: usize,
-    /// Its `maxConcurrent`.
-    pub max_concurrent: u32,
-    /// End of its cooldown, if resting.
-    pub cooldown_until: Option<Timestamp>,
-    /// Active bans: domain and end, by domain.
-    pub bans: Vec<(String, Timestamp)>,
-    /// Who holds its leases, by first token.
-    pub holders: Vec<HolderRow>,
-}
-
-/// One active lease as the page shows it: no whole ID, no fencing token.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HolderRow {
-    /// The holder the crawler named.
-    pub holder: String,
-    /// The last characters of the lease ID (`None`: restored from a checkpoint, which keeps
-    /// no IDs).
-    pub id_tail: Option<String>,
-    /// When it was granted.
-    pub acquired: Timestamp,
-    /// When it ends unless renewed.
-    pub expires: Timestamp,
-    /// The domain it was acquired for.
-    pub target_domain: Option<String>,
-}
-
-/// What process supervision (the `local` provider's) did for a proxy's instance.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProcessRow {
-    /// Restarts of a dead process since this operator process started supervising.
-    pub restarts: u64,
-    /// When the last restart happened.
-    pub last_restart: Option<Timestamp>,
-    /// Why the last restart attempt failed, if it did.
-    pub last_error: Option<String>,
-}
-
-impl From<SupervisionStatus> for ProcessRow {
-    fn from(s: SupervisionStatus) -> Self {
-        Self {
-            restarts: s.restarts,
-            last_restart: s.last_restart_at,
-            last_error: s.last_error,
-        }
-    }
-}
-
-/// What went through one proxy, from the outcome statistics ([`crate::outcomes`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Traffic {
-    /// Requests and tunnels through the proxy.
-    pub requests: u64,
-    /// Of those, failed ones.
-    pub errors: u64,
-    /// Bans for a domain.
-    pub bans: u64,
-    /// Median and p95 of its last latencies, if any.
-    pub latency: Option<Quantiles>,
-    /// Its busiest target domain and that domain's requests.
-    pub top_domain: Option<(String, u64)>,
-    /// Target domains tracked.
-    pub domains: usize,
-}
-
-impl From<ProxyOutcomes> for Traffic {
-    fn from(outcomes: ProxyOutcomes) -> Self {
-        Self {
-            requests: outcomes.total.requests,
-            errors: outcomes.total.failures.total(),
-            bans: outcomes.total.bans,
-            latency: outcomes.total.latency,
-            domains: outcomes.domains.len() + outcomes.other_domains,
-            top_domain: (outcomes.domains.into_iter().next()).map(|d| (d.domain, d.stats.requests)),
-        }
-    }
-}
-
-/// What a request asks of the page: `?page=`, `?limit=`, `?phase=`, `?q=`, `?refresh=`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PageQuery {
-    /// The page of proxies, from 1.
-    pub page: usize,
-    /// Proxies per page.
-    pub limit: usize,
-    /// Only proxies in this phase (`deleting` for those being deleted).
-    pub phase: Option<String>,
-    /// Only proxies whose `namespace/name`, provider, endpoint or an attribute `key=value`
-    /// contains this text (case-insensitive).
-    pub q: Option<String>,
-    /// Seconds between reloads; 0: none.
-    pub refresh: u32,
-}
-
-impl PageQuery {
-    /// Proxies per page unless `limit` says otherwise.
-    pub const DEFAULT_LIMIT: usize = 50;
-    /// The most proxies one page shows.
-    pub const MAX_LIMIT: usize = 500;
-    /// Seconds between reloads unless `refresh` says otherwise.
-    pub const DEFAULT_REFRESH: u32 = 10;
-    /// The shortest reload interval accepted (each reload renders a page).
-    pub const MIN_REFRESH: u32 = 2;
-
-    /// The query of a request's query string.
-    pub fn parse(query: Option<&str>) -> Result<Self, QueryError> {
-        let mut out = Self::default();
-        for (key, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
-            let number = |max: u64| {
-                value.parse::<u64>().ok().filter(|n| *n <= max).ok_or_else(|| {
-                    QueryError(format!("{key} must be a whole number up to {max}, not {value:?}"))
-                })
-            };
-            match &*key {
-                "page" => {
-                    out.page = usize::try_from(number(1_000_000)?).unwrap_or(1).max(1);
-                }
-                "limit" => {
-                    let limit = number(Self::MAX_LIMIT as u64)?;
-                    if limit == 0 {
-                        return Err(QueryError(format!("limit must be 1-{}", Self::MAX_LIMIT)));
-                    }
-                    out.limit = usize::try_from(limit).unwrap_or(Self::DEFAULT_LIMIT);
-                }
-                "phase" => out.phase = Some(value.into_owned()).filter(|p| !p.is_empty()),
-                "q" => out.q = Some(value.trim().to_owned()).filter(|q| !q.is_empty()),
-                "refresh" => {
-                    let secs = u32::try_from(number(3600)?).unwrap_or(Self::DEFAULT_REFRESH);
-                    if secs != 0 && secs < Self::MIN_REFRESH {
-                        return Err(QueryError(format!(
-                            "refresh must be 0 (off) or {}-3600 seconds",
-                            Self::MIN_REFRESH
-                        )));
-                    }
-                    out.refresh = secs;
-                }
-                other => {
-                    return Err(QueryError(format!(
-                        "unknown query parameter {other:?}: the page knows page, limit, phase, q and refresh"
-                    )));
-                }
-            }
-        }
-        Ok(out)
-    }
-
-    /// This query's string with `page` changed (what a pagination link points at): only the
-    /// parameters that differ from the defaults.
-    pub fn with_page(&self, page: usize) -> String {
-        let mut out = form_urlencoded::Serializer::new(String::new());
-        if page != 1 {
-            out.append_pair("page", &page.to_string());
-        }
-        if self.limit != Self::DEFAULT_LIMIT {
-            out.append_pair("limit", &self.limit.to_string());
-        }
-        if let Some(phase) = &self.phase {
-            out.append_pair("phase", phase);
-        }
-        if let Some(q) = &self.q {
-            out.append_pair("q", q);
-        }
-        if self.refresh != Self::DEFAULT_REFRESH {
-            out.append_pair("refresh", &self.refresh.to_string());
-        }
-        let query = out.finish();
-        if query.is_empty() {
-            "?".to_owned()
-        } else {
-            format!("?{query}")
-        }
-    }
-
-    fn admits(&self, state: &ProxyState, attributes: Option<&Attributes>) -> bool {
-        if let Some(phase) = &self.phase {
-            let shown = if state.deleting {
-                "deleting"
-            } else {
-                state.phase.as_str()
-            };
-            if shown != phase {
-                return false;
-            }
-        }
-        let Some(q) = &self.q else { return true };
-        let q = q.to_lowercase();
-        let has = |text: &str| text.to_lowercase().contains(&q);
-        has(&format!("{}/{}", state.namespace, state.name))
-            || has(&state.provider)
-            || state.endpoint.as_deref().is_some_and(has)
-            || attributes.is_some_and(|attributes| attributes.iter().any(|(k, v)| has(&format!("{k}={v}"))))
-    }
-}
-
-impl Default for PageQuery {
-    fn default() -> Self {
-        Self {
-            page: 1,
-            limit: Self::DEFAULT_LIMIT,
-            phase: None,
-            q: None,
-            refresh: Self::DEFAULT_REFRESH,
-        }
-    }
-}
-
-/// A query string the page does not understand (answered 400, saying what to fix).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct QueryError(String);
 
 /// What the status page reads: a mode's [`ProxySource`] and the parts both modes share (cheap
 /// handles: a clone shares them).

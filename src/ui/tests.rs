@@ -2,7 +2,9 @@ use hyper::HeaderMap;
 
 use super::{render::esc, *};
 use crate::{
+    health::Verdict,
     lease::Availability,
+    machine::audit::AuditEntry,
     outcomes::{Ended, Failure, Seen},
 };
 
