@@ -158,7 +158,7 @@ impl LeaseStore {
     }
 
     /// [`LeaseStore::release_at`], a `banned` outcome resting the proxy for the domain for
-    /// `ban_for` instead of the store's [`LeaseStoreConfig::ban_cooldown`] (`None`: that one).
+    /// `ban_for` instead of the store's [`crate::lease::LeaseStoreConfig::ban_cooldown`] (`None`: that one).
     /// The gateway's rules use it for a short rest (a cooldown for the domain) and their own
     /// ban durations.
     pub fn release_banning_at(
