@@ -119,5 +119,5 @@ async fn scenario_start_and_config_are_honoured() {
     let replay = scenario.replay().await.expect("replays");
     let reasons: Vec<&str> = replay.audit().map(|e| e.reason.as_str()).collect();
     assert!(reasons.contains(&"ProvisioningTimedOut"), "{}", replay.render());
-    assert_eq!(replay.steps[0].audit.len(), 0, "not yet at 29 s");
+    assert_eq!(replay.steps[0].outcome.audit.len(), 0, "not yet at 29 s");
 }

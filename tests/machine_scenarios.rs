@@ -47,7 +47,7 @@ async fn every_scenario_file_replays_as_its_snapshot_and_expectation() {
         // Issue 24: no trail asks to look again at once.
         for step in &replay.steps {
             assert_ne!(
-                step.wake,
+                step.outcome.requeue_after,
                 Some(std::time::Duration::ZERO),
                 "{stem}: a 0 s wake-up at +{}s\n{trail}",
                 step.at
@@ -137,8 +137,8 @@ async fn ready_tells_why_and_spec_reports_leave_it_alone_where_the_spec_does_not
                 ready.reason,
                 replay.render()
             );
-            let spec_reports_only = !step.audit.is_empty()
-                && step.audit.iter().all(|e| {
+            let spec_reports_only = !step.outcome.audit.is_empty()
+                && step.outcome.audit.iter().all(|e| {
                     matches!(e.event, Event::SpecInvalid | Event::SpecFixed)
                         && matches!(e.from, Phase::Healthy | Phase::Degraded | Phase::Provisioning)
                 });

@@ -242,13 +242,14 @@ fn broken_invariant(scenario: &Scenario, replay: &Replay) -> Option<String> {
         if !w.object && w.instance {
             return Some(format!("+{at}s: the Proxy is gone but its instance is not"));
         }
-        if w.leases_admitted && !(step.phase == Phase::Healthy && w.health_passing) {
+        if w.leases_admitted && !(step.phase() == Phase::Healthy && w.health_passing) {
             return Some(format!(
                 "+{at}s: leases admitted in {} (health passing: {})",
-                step.phase, w.health_passing
+                step.phase(),
+                w.health_passing
             ));
         }
-        for entry in &step.audit {
+        for entry in &step.outcome.audit {
             // A create never stands in for a live instance of another spec: the stale one is
             // deleted first.
             if entry.event == Event::InstanceStale {
@@ -261,7 +262,7 @@ fn broken_invariant(scenario: &Scenario, replay: &Replay) -> Option<String> {
                 return Some(format!("+{at}s: created over a stale instance"));
             }
         }
-        for plan in &step.plans {
+        for plan in &step.outcome.plans {
             for effect in &plan.effects {
                 match effect {
                     Planned::ScheduleRetry {

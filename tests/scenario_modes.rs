@@ -312,8 +312,14 @@ fn assert_same(stem: &str, mode: &str, reference: &Replay, replay: &Replay) {
     );
     for (ours, theirs) in replay.steps.iter().zip(&reference.steps) {
         let at = ours.at;
-        assert_eq!(ours.audit, theirs.audit, "{stem} ({mode}) +{at}s: transitions");
-        assert_eq!(ours.plans, theirs.plans, "{stem} ({mode}) +{at}s: plans");
+        assert_eq!(
+            ours.outcome.audit, theirs.outcome.audit,
+            "{stem} ({mode}) +{at}s: transitions"
+        );
+        assert_eq!(
+            ours.outcome.plans, theirs.outcome.plans,
+            "{stem} ({mode}) +{at}s: plans"
+        );
         assert_eq!(
             ours.written, theirs.written,
             "{stem} ({mode}) +{at}s: status write"

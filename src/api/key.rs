@@ -38,6 +38,12 @@ impl ProxyKey {
     }
 }
 
+/// A test's Proxy `name` in the `crawl` namespace, the namespace every unit test uses.
+#[cfg(test)]
+pub(crate) fn test_key(name: &str) -> ProxyKey {
+    ProxyKey::new("crawl", name)
+}
+
 impl Ord for ProxyKey {
     fn cmp(&self, other: &Self) -> Ordering {
         (self.namespace(), self.name()).cmp(&(other.namespace(), other.name()))

@@ -13,6 +13,8 @@ mod proxy;
 
 pub use attributes::Attributes;
 pub use crd::{CrdFile, crd_files, render_all};
+#[cfg(test)]
+pub(crate) use key::test_key;
 pub use key::{MalformedProxyKey, ProxyKey};
 pub use provider_health::{ProviderHealth, ProviderHealthFields, ProviderHealthStatus};
 pub use proxy::{

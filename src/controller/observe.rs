@@ -415,19 +415,15 @@ pub fn cause_of(event: Event, observation: &Observation, record: &Record, timers
             .map(|request| format!("recycle requested: {request}")),
         Event::SpecHashChanged => {
             let desired = observation.desired_hash.as_ref().ok()?;
-            let applied = match &observation.instance {
-                InstanceObservation::Present(instance) => instance.spec_hash.clone(),
-                _ => None,
-            }
-            .or_else(|| record.spec_hash.clone())?;
-            Some(if short(&applied) == short(desired) {
+            let applied = applied_hash(&observation.instance, record)?;
+            Some(if short(applied) == short(desired) {
                 format!(
                     "the proxy credentials changed and the provider cannot change a running \
                      instance's: replacing it (spec hash {} stays)",
                     short(desired)
                 )
             } else {
-                format!("spec hash {} -> {}", short(&applied), short(desired))
+                format!("spec hash {} -> {}", short(applied), short(desired))
             })
         }
         _ => None,

@@ -43,7 +43,7 @@ pub struct ReconcilerConfig {
 }
 
 /// What a reconcile did.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct ReconcileOutcome {
     /// Reconcile again after this long (`None`: only a change wakes it).
     pub requeue_after: Option<Duration>,

@@ -1,7 +1,7 @@
 //! What every lease API request goes through: authentication (a connection's last verdict
 //! recalled), readiness, the lease journal's health, and its JSON body read and checked.
 
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -18,20 +18,11 @@ use crate::{
 pub(super) fn check_ready(s: &StateInner) -> Result<(), ApiError> {
     let r = *s.deps.readiness.borrow();
     if !r.leader {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_leader",
-            "this replica is not the leader; retry (the Service routes to the leader once it is ready)",
-        )
-        .retry(Duration::from_secs(1)));
+        let why = "this replica is not the leader; retry (the Service routes to the leader once it is ready)";
+        return Err(ApiError::unavailable("not_leader", why));
     }
     if !r.caches_synced {
-        return Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_ready",
-            "caches are not synced yet",
-        )
-        .retry(Duration::from_secs(1)));
+        return Err(ApiError::unavailable("not_ready", "caches are not synced yet"));
     }
     Ok(())
 }
@@ -50,12 +41,10 @@ pub(super) fn check_journal(s: &StateInner) -> Result<(), ApiError> {
 }
 
 pub(super) fn journal_unavailable(error: &JournalError) -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
+    ApiError::unavailable(
         "journal_unavailable",
         format!("the lease operation could not be made durable: {error}"),
     )
-    .retry(Duration::from_secs(1))
 }
 
 impl From<DurableError> for ApiError {
@@ -100,10 +89,7 @@ async fn look_up(s: &StateInner, parts: &hyper::http::request::Parts) -> Result<
     s.deps.auth.authenticate(&token).await.map_err(|e| match e {
         AuthError::Unauthenticated => unauthenticated("invalid bearer token"),
         AuthError::Forbidden(_) => ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string()),
-        AuthError::Unavailable(_) => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "auth_unavailable", e.to_string())
-                .retry(Duration::from_secs(1))
-        }
+        AuthError::Unavailable(_) => ApiError::unavailable("auth_unavailable", e.to_string()),
     })
 }
 

@@ -80,6 +80,12 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, "malformed_request", message)
     }
 
+    /// A 503 the client should retry in a second: the replica cannot serve this call yet
+    /// (not the leader, caches not synced, the journal or authentication unavailable).
+    pub(super) fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message).retry(Duration::from_secs(1))
+    }
+
     pub(super) fn retry(mut self, after: Duration) -> Self {
         self.retry_after = Some(after);
         self

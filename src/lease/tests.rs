@@ -13,6 +13,7 @@ use super::{
     token::{LeaseSigner, TokenError},
     *,
 };
+use crate::api::test_key as key;
 use crate::{api::LeasePolicy, provider::Endpoint};
 
 const T0: u64 = 1_780_000_000_000;
@@ -28,10 +29,6 @@ fn store(shards: usize) -> (LeaseStore, Clock) {
         clock: clock.clone(),
     });
     (store, clock)
-}
-
-fn key(name: &str) -> ProxyKey {
-    ProxyKey::new("crawl", name)
 }
 
 fn target(name: &str, attrs: &[(&str, &str)], max: i32, cooldown: i32) -> LeaseTarget {

@@ -345,10 +345,7 @@ impl Outcomes {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn key(name: &str) -> ProxyKey {
-        ProxyKey::new("crawl", name)
-    }
+    use crate::api::test_key as key;
 
     fn status(code: u16, ms: u64) -> Seen {
         Seen {

@@ -63,10 +63,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-
-    fn key(name: &str) -> ProxyKey {
-        ProxyKey::new("crawl", name)
-    }
+    use crate::api::test_key as key;
 
     #[test]
     fn lists_what_is_due_soonest_first_and_a_new_time_replaces_the_old() {

@@ -1,7 +1,7 @@
 //! The replay: one reconcile per scenario step against the scripted world, and the trail it
 //! renders.
 
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 use jiff::Timestamp;
 
@@ -13,8 +13,8 @@ use super::{EPOCH, PROVIDER, Scenario, ScenarioError};
 use crate::{
     api::{ProxyStatus, RECYCLE_ANNOTATION},
     controller::{
-        ProviderAvailability, Reconciler,
-        plan::{Plan, Planned, WakeWhy},
+        ProviderAvailability, ReconcileOutcome, Reconciler,
+        plan::Planned,
         spec_hash,
         status::{FINALIZER, PROVISIONED, READY, REMEDIATION_PAUSED, Record, SPEC_VALID},
     },
@@ -137,12 +137,11 @@ impl Scenario {
                     changes,
                     targets: None,
                     crashed: false,
-                    audit: Vec::new(),
-                    plans: Vec::new(),
+                    outcome: ReconcileOutcome {
+                        phase: Some(Phase::Deleted),
+                        ..ReconcileOutcome::default()
+                    },
                     written: None,
-                    phase: Phase::Deleted,
-                    wake: None,
-                    wake_why: None,
                     woke: false,
                     world: world.snapshot(false),
                 });
@@ -178,25 +177,21 @@ impl Scenario {
                 // What an edit of attributes, limits or health settings reached (no transition
                 // shows it: it is upkeep, not a lifecycle step).
                 let targets = (woken == 0 && step.world.edit.is_some()).then(|| world.targets());
+                let (phase, requeue_after) = (outcome.phase, outcome.requeue_after);
                 steps.push(ReplayedStep {
                     at,
                     changes,
                     targets,
                     crashed: crash,
-                    audit: outcome.audit,
-                    plans: outcome.plans,
+                    outcome,
                     written,
-                    phase: outcome.phase.unwrap_or(Phase::INITIAL),
-                    wake: outcome.requeue_after,
-                    wake_why: outcome.wake_why,
                     woke: woken > 0,
                     world: world.snapshot(stored.is_some()),
                 });
-                if outcome.phase == Some(Phase::Deleted) {
+                if phase == Some(Phase::Deleted) {
                     break 'steps;
                 }
-                let (true, Some(after), Some(next)) =
-                    (self.config.follow_wakeups, outcome.requeue_after, stored)
+                let (true, Some(after), Some(next)) = (self.config.follow_wakeups, requeue_after, stored)
                 else {
                     break;
                 };
@@ -249,22 +244,22 @@ pub struct ReplayedStep {
     pub targets: Option<String>,
     /// The status write was lost to a crash.
     pub crashed: bool,
-    /// The transitions.
-    pub audit: Vec<AuditEntry>,
-    /// The plan of each transition (its effects with their parameters).
-    pub plans: Vec<Plan>,
+    /// What the reconcile did: its transitions, their plans, the phase after it and when it
+    /// asked to look again.
+    pub outcome: ReconcileOutcome,
     /// The status the reconcile wrote (even if a crash lost it), if it wrote one.
     pub written: Option<ProxyStatus>,
-    /// The phase after the reconcile.
-    pub phase: Phase,
-    /// When the reconciler asked to look again.
-    pub wake: Option<Duration>,
-    /// What it waits for until then.
-    pub wake_why: Option<WakeWhy>,
     /// A reconcile the operator asked for (`follow_wakeups`), not a scripted step.
     pub woke: bool,
     /// The world after the reconcile.
     pub world: WorldView,
+}
+
+impl ReplayedStep {
+    /// The phase after the step's reconcile.
+    pub fn phase(&self) -> Phase {
+        self.outcome.phase.unwrap_or(Phase::INITIAL)
+    }
 }
 
 /// A replayed scenario.
@@ -285,12 +280,12 @@ pub struct Replay {
 impl Replay {
     /// Every transition, in order.
     pub fn audit(&self) -> impl Iterator<Item = &AuditEntry> {
-        self.steps.iter().flat_map(|s| &s.audit)
+        self.steps.iter().flat_map(|s| &s.outcome.audit)
     }
 
     /// The phase at the end.
     pub fn end(&self) -> Phase {
-        self.steps.last().map_or(Phase::INITIAL, |s| s.phase)
+        self.steps.last().map_or(Phase::INITIAL, ReplayedStep::phase)
     }
 
     /// A readable trail: per step, what changed, then each transition with its effects, reason
@@ -308,10 +303,11 @@ impl Replay {
                 step.changes.join("; ")
             };
             out.push_str(&format!("\n{at}  {changes}\n"));
-            if step.audit.is_empty() {
+            if step.outcome.audit.is_empty() {
                 out.push_str("      (no transition)\n");
             }
             let lines: Vec<audit::Line> = step
+                .outcome
                 .audit
                 .iter()
                 .map(|e| audit::Line {
@@ -324,6 +320,7 @@ impl Replay {
                 .collect();
             out.push_str(&audit::render_lines(&lines));
             for retry in step
+                .outcome
                 .plans
                 .iter()
                 .flat_map(|p| &p.effects)
@@ -347,7 +344,7 @@ impl Replay {
             if let Some(targets) = &step.targets {
                 out.push_str(&format!("      {targets}\n"));
             }
-            let wake = match step.wake {
+            let wake = match step.outcome.requeue_after {
                 Some(d) => format!(
                     "looks again in {}",
                     audit::format_offset(i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
@@ -355,7 +352,7 @@ impl Replay {
                 ),
                 None => "waits for a change".to_owned(),
             };
-            let wake = match (&step.wake_why, step.wake) {
+            let wake = match (&step.outcome.wake_why, step.outcome.requeue_after) {
                 (Some(why), Some(_)) => format!("{wake} ({})", why.describe(offset)),
                 // It says itself what it waits for.
                 (Some(why), None) => why.describe(offset),
@@ -366,7 +363,7 @@ impl Replay {
             } else {
                 ""
             };
-            out.push_str(&format!("      => {}; {wake}{crash}\n", step.phase));
+            out.push_str(&format!("      => {}; {wake}{crash}\n", step.phase()));
         }
         out.push_str(&format!("\nend: {}\n", self.end()));
         out

@@ -186,10 +186,7 @@ impl Strikes {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn key(name: &str) -> ProxyKey {
-        ProxyKey::new("crawl", name)
-    }
+    use crate::api::test_key as key;
 
     #[test]
     fn counts_per_domain_and_per_proxy_within_the_window() {

@@ -76,28 +76,7 @@ use crate::{
 )]
 pub enum Record {
     /// A lease was granted (or reinstated from its signed ID).
-    Acquire {
-        /// The proxy.
-        key: ProxyKey,
-        /// The lease's first fencing token (its identity within the proxy).
-        first_token: u64,
-        /// Its current token.
-        token: u64,
-        /// Holder.
-        holder: String,
-        /// Granted at (ms since the epoch).
-        acquired_at_ms: u64,
-        /// Expires at.
-        expires_at_ms: u64,
-        /// The TTL a renewal without one extends by.
-        ttl_ms: u64,
-        /// Target domain.
-        target_domain: Option<String>,
-        /// Sticky-session key and when its binding lapses.
-        session: Option<(String, u64)>,
-        /// The request ID it was granted for.
-        request_id: Option<String>,
-    },
+    Acquire(AcquireRecord),
     /// A lease was renewed.
     Renew {
         /// The proxy.
@@ -122,6 +101,33 @@ pub enum Record {
     },
 }
 
+/// A granted (or reinstated) lease as the journal keeps it.
+#[serde_with::skip_serializing_none]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AcquireRecord {
+    /// The proxy.
+    key: ProxyKey,
+    /// The lease's first fencing token (its identity within the proxy).
+    first_token: u64,
+    /// Its current token.
+    token: u64,
+    /// Holder.
+    holder: String,
+    /// Granted at (ms since the epoch).
+    acquired_at_ms: u64,
+    /// Expires at.
+    expires_at_ms: u64,
+    /// The TTL a renewal without one extends by.
+    ttl_ms: u64,
+    /// Target domain.
+    target_domain: Option<String>,
+    /// Sticky-session key and when its binding lapses.
+    session: Option<(String, u64)>,
+    /// The request ID it was granted for.
+    request_id: Option<String>,
+}
+
 impl Record {
     /// The record of a granted lease.
     pub fn acquired(
@@ -130,7 +136,7 @@ impl Record {
         request_id: Option<&str>,
         session_idle: Duration,
     ) -> Self {
-        Record::Acquire {
+        Record::Acquire(AcquireRecord {
             key: lease.id.key.clone(),
             first_token: lease.id.first_token,
             token: lease.fencing_token,
@@ -144,12 +150,12 @@ impl Record {
                 .clone()
                 .map(|k| (k, lease.expires_at_ms + session_idle.as_millis() as u64)),
             request_id: request_id.map(str::to_owned),
-        }
+        })
     }
 
     /// The record of a lease reinstated from its signed claim with `token`.
     pub fn reinstated(claim: &super::LeaseClaim, token: u64) -> Self {
-        Record::Acquire {
+        Record::Acquire(AcquireRecord {
             key: claim.id.key.clone(),
             first_token: claim.id.first_token,
             token,
@@ -160,7 +166,7 @@ impl Record {
             target_domain: claim.target_domain.clone(),
             session: None,
             request_id: None,
-        }
+        })
     }
 
     /// The record's JSON, byte for byte as serde_json writes it (recovery reads it back with
@@ -172,7 +178,7 @@ impl Record {
             put_u64(out, n);
         };
         let op: &[u8] = match self {
-            Record::Acquire { .. } => b"acquire",
+            Record::Acquire(_) => b"acquire",
             Record::Renew { .. } => b"renew",
             Record::Release { .. } => b"release",
         };
@@ -182,34 +188,24 @@ impl Record {
         put_str(out, self.key().as_str());
         field(out, b",\"firstToken\":", self.tokens()[0]);
         match self {
-            Record::Acquire {
-                token,
-                holder,
-                acquired_at_ms,
-                expires_at_ms,
-                ttl_ms,
-                target_domain,
-                session,
-                request_id,
-                ..
-            } => {
-                field(out, b",\"token\":", *token);
+            Record::Acquire(a) => {
+                field(out, b",\"token\":", a.token);
                 out.extend_from_slice(b",\"holder\":");
-                put_str(out, holder);
-                field(out, b",\"acquiredAtMs\":", *acquired_at_ms);
-                field(out, b",\"expiresAtMs\":", *expires_at_ms);
-                field(out, b",\"ttlMs\":", *ttl_ms);
-                if let Some(domain) = target_domain {
+                put_str(out, &a.holder);
+                field(out, b",\"acquiredAtMs\":", a.acquired_at_ms);
+                field(out, b",\"expiresAtMs\":", a.expires_at_ms);
+                field(out, b",\"ttlMs\":", a.ttl_ms);
+                if let Some(domain) = &a.target_domain {
                     out.extend_from_slice(b",\"targetDomain\":");
                     put_str(out, domain);
                 }
-                if let Some((session_key, lapses_at_ms)) = session {
+                if let Some((session_key, lapses_at_ms)) = &a.session {
                     out.extend_from_slice(b",\"session\":[");
                     put_str(out, session_key);
                     field(out, b",", *lapses_at_ms);
                     out.push(b']');
                 }
-                if let Some(request_id) = request_id {
+                if let Some(request_id) = &a.request_id {
                     out.extend_from_slice(b",\"requestId\":");
                     put_str(out, request_id);
                 }
@@ -241,9 +237,7 @@ impl Record {
 
     fn tokens(&self) -> [u64; 2] {
         match self {
-            Record::Acquire {
-                first_token, token, ..
-            } => [*first_token, *token],
+            Record::Acquire(acquire) => [acquire.first_token, acquire.token],
             Record::Renew {
                 first_token, token, ..
             } => [*first_token, *token],
@@ -253,7 +247,9 @@ impl Record {
 
     fn key(&self) -> &ProxyKey {
         match self {
-            Record::Acquire { key, .. } | Record::Renew { key, .. } | Record::Release { key, .. } => key,
+            Record::Acquire(AcquireRecord { key, .. })
+            | Record::Renew { key, .. }
+            | Record::Release { key, .. } => key,
         }
     }
 }

@@ -139,44 +139,33 @@ impl<'a> Replay<'a> {
                 leases: Vec::new(),
             });
         match record {
-            Record::Acquire {
-                key,
-                first_token,
-                token,
-                holder,
-                acquired_at_ms,
-                expires_at_ms,
-                ttl_ms,
-                target_domain,
-                session,
-                request_id,
-            } => {
-                if *first_token >= proxy.revoked_below
-                    && !proxy.leases.iter().any(|l| l.first_token == *first_token)
+            Record::Acquire(a) => {
+                if a.first_token >= proxy.revoked_below
+                    && !proxy.leases.iter().any(|l| l.first_token == a.first_token)
                 {
                     proxy.leases.push(LeaseCheckpoint {
-                        first_token: *first_token,
-                        token: *token,
-                        holder: holder.clone(),
-                        acquired_at_ms: *acquired_at_ms,
-                        expires_at_ms: *expires_at_ms,
-                        ttl_ms: *ttl_ms,
-                        target_domain: target_domain.clone(),
-                        session_key: session.as_ref().map(|(k, _)| k.clone()),
-                        request_id: request_id.clone(),
+                        first_token: a.first_token,
+                        token: a.token,
+                        holder: a.holder.clone(),
+                        acquired_at_ms: a.acquired_at_ms,
+                        expires_at_ms: a.expires_at_ms,
+                        ttl_ms: a.ttl_ms,
+                        target_domain: a.target_domain.clone(),
+                        session_key: a.session.as_ref().map(|(k, _)| k.clone()),
+                        request_id: a.request_id.clone(),
                     });
                 }
-                if let Some((session_key, until)) = session {
+                if let Some((session_key, until)) = &a.session {
                     let binding =
                         self.sessions
                             .entry(session_key.clone())
                             .or_insert_with(|| SessionCheckpoint {
                                 session_key: session_key.clone(),
-                                proxy: key.clone(),
+                                proxy: a.key.clone(),
                                 expires_at_ms: 0,
                             });
                     if *until >= binding.expires_at_ms {
-                        binding.proxy = key.clone();
+                        binding.proxy = a.key.clone();
                         binding.expires_at_ms = *until;
                     }
                 }

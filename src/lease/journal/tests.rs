@@ -8,17 +8,11 @@ use super::{
     segment::{FRAME_HEADER, encode_frame, segment_path, segments},
     *,
 };
-use crate::lease::{
-    ProxyKey,
-    checkpoint::{BanCheckpoint, Checkpoint},
-};
-
-fn key(name: &str) -> ProxyKey {
-    ProxyKey::new("crawl", name)
-}
+use crate::api::test_key as key;
+use crate::lease::checkpoint::{BanCheckpoint, Checkpoint};
 
 fn acquire(name: &str, first: u64, expires: u64) -> Record {
-    Record::Acquire {
+    Record::Acquire(AcquireRecord {
         key: key(name),
         first_token: first,
         token: first,
@@ -29,7 +23,7 @@ fn acquire(name: &str, first: u64, expires: u64) -> Record {
         target_domain: Some("example.com".into()),
         session: Some(("s1".into(), expires + 60_000)),
         request_id: None,
-    }
+    })
 }
 
 fn renew(name: &str, first: u64, token: u64, expires: u64) -> Record {
@@ -56,7 +50,7 @@ fn release(name: &str, first: u64) -> Record {
 #[test]
 fn records_are_written_as_serde_json_writes_them_and_read_back() {
     let odd = "quote\" back\\ ctl\u{1}\n é✓";
-    let bare_acquire = Record::Acquire {
+    let bare_acquire = Record::Acquire(AcquireRecord {
         key: key("p0"),
         first_token: 0,
         token: u64::MAX,
@@ -67,8 +61,8 @@ fn records_are_written_as_serde_json_writes_them_and_read_back() {
         target_domain: None,
         session: None,
         request_id: None,
-    };
-    let full_acquire = Record::Acquire {
+    });
+    let full_acquire = Record::Acquire(AcquireRecord {
         key: key("p1"),
         first_token: 7,
         token: 9,
@@ -79,7 +73,7 @@ fn records_are_written_as_serde_json_writes_them_and_read_back() {
         target_domain: Some("example.com".into()),
         session: Some((odd.into(), 1_779_962_520_000)),
         request_id: Some(odd.into()),
-    };
+    });
     let bare_release = Record::Release {
         key: key("p2"),
         first_token: 3,
