@@ -80,17 +80,38 @@ _build_etcd() {
 }
 
 # kwok and its stage configs (what it does to nodes and pods: Ready nodes with heartbeats,
-# pods Running with an IP, deleted pods gone), taken from the same module version.
+# pods Running with an IP, deleted pods gone), taken from the same module version. kwok is
+# built from a copy of its module with easycel (its CEL helper) patched: easycel's type caches
+# are global maps without a lock, and kwok fills them from several goroutines at once, which can
+# kill it with "concurrent map writes" (scripts/lib/easycel-cache-lock.patch). The marker file
+# `kwok.recipe` names that recipe, so a kwok cached before it is built again.
+EPO_KWOK_RECIPE="kwok $EPO_KWOK_VERSION, easycel with scripts/lib/easycel-cache-lock.patch"
 _build_kwok() {
     local out="$1"
-    GOBIN="$out" CGO_ENABLED=0 go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$EPO_KWOK_VERSION"
-    local stages; stages="$(go env GOMODCACHE)/sigs.k8s.io/kwok@$EPO_KWOK_VERSION/kustomize/stage"
-    local file
-    for file in node/fast/node-initialize.yaml node/heartbeat/node-heartbeat.yaml \
-        pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
-        echo "---"
-        cat "$stages/$file"
-    done >"$out/kwok-stages.yaml"
+    local patch; patch="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/easycel-cache-lock.patch"
+    local work; work=$(mktemp -d)
+    (
+        cd "$work"
+        local kwok_dir easycel_version easycel_dir
+        kwok_dir=$(go mod download -json "sigs.k8s.io/kwok@$EPO_KWOK_VERSION" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
+        cp -r "$kwok_dir" kwok
+        easycel_version=$(sed -n 's#^\s*github.com/wzshiming/easycel \(v[^ ]*\).*#\1#p' kwok/go.mod)
+        easycel_dir=$(go mod download -json "github.com/wzshiming/easycel@$easycel_version" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
+        cp -r "$easycel_dir" easycel
+        chmod -R u+w kwok easycel
+        (cd easycel && git apply "$patch")
+        cd kwok
+        go mod edit -replace github.com/wzshiming/easycel=../easycel
+        GOFLAGS=-mod=mod CGO_ENABLED=0 go build -trimpath -ldflags "-s -w" -o "$out/kwok" ./cmd/kwok
+        local stages=kustomize/stage file
+        for file in node/fast/node-initialize.yaml node/heartbeat/node-heartbeat.yaml \
+            pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+            echo "---"
+            cat "$stages/$file"
+        done >"$out/kwok-stages.yaml"
+    )
+    rm -rf "$work"
+    echo "$EPO_KWOK_RECIPE" >"$out/kwok.recipe"
 }
 
 # Prints the folder holding every control-plane binary; builds (and caches) what is missing.
@@ -102,8 +123,10 @@ control_plane_assets() {
     for binary in "${EPO_CONTROL_PLANE_BINARIES[@]}"; do
         if [ -n "$assets" ] && [ -x "$assets/$binary" ]; then continue; fi
         if [ -x "$cache/$binary" ]; then
-            # kwok is whole only with its stages.
-            if [ "$binary" != kwok ] || [ -f "$cache/kwok-stages.yaml" ]; then continue; fi
+            # kwok is whole only with its stages, built by this recipe.
+            if [ "$binary" != kwok ] || [ "$(cat "$cache/kwok.recipe" 2>/dev/null)" = "$EPO_KWOK_RECIPE" ]; then
+                continue
+            fi
         fi
         case "$binary" in
             etcd) need_etcd=1 ;;

@@ -382,9 +382,9 @@ impl ControlPlane {
         let mut restarts = 0;
         loop {
             if let Some(status) = self.kwok.as_mut().and_then(GroupChild::exited) {
-                // kwok v0.8.0 can die at start: its stages build their CEL environments on
-                // first use, and easycel v0.6.0 (the newest) fills a global map without a lock
-                // ("fatal error: concurrent map writes"). It keeps no state of its own.
+                // kwok v0.8.0 as published can die at start ("fatal error: concurrent map
+                // writes" in easycel's type caches); the build patches that, and this guards
+                // against any other early exit. kwok keeps no state of its own.
                 let log = self.kwok.as_ref().map(GroupChild::log).unwrap_or_default();
                 assert!(restarts < 2, "kwok exited again ({status}):\n{}", tail(&log, 40));
                 restarts += 1;
