@@ -7,6 +7,10 @@
 #   gateway       wrk -> gateway -> Squid -> target: the same GETs through `--gateway-listen`,
 #                 a lease taken and ended per request (no session: the pool's any proxy)
 #   session       the same with one sticky session (`bench;session=wrk`): one lease held
+#   bare-hop      wrk -> bare hop -> Squid -> target: the cheapest forward-proxy hop hyper makes
+#                 (examples/discovery_bench_server forward: one upstream connection per client
+#                 connection, requests passed on unchanged; no pool, auth, lease or outcome), the
+#                 floor under any hyper-based gateway's figure, reported beside the targets
 # The operator is `egress-proxies-operator standalone` as a user starts it (durable leases,
 # health checks, metrics, upkeep) with one local Squid, so both paths use the same Squid;
 # EPO_GW_NO_DURABLE=1 adds --no-durable-leases. The target is bare hyper
@@ -52,11 +56,13 @@ work=$(mktemp -d "${EPO_BENCH_STATE_DIR:-${TMPDIR:-/tmp}}/epo-gateway.XXXXXX")
 chmod 755 "$work"
 server_pid=
 target_pid=
+forward_pid=
 token=bench-token-$(od -An -N8 -tx1 /dev/urandom | tr -d ' \n')
 
 cleanup() {
   stop_server
   [ -z "$target_pid" ] || kill "$target_pid" 2>/dev/null || true
+  [ -z "$forward_pid" ] || kill "$forward_pid" 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -100,14 +106,14 @@ start_operator() {
   done
 }
 
-# CPU ticks (user + system) of the target, every Squid under $work, and with $1 = with-operator
-# the operator.
+# CPU ticks (user + system) of the target, every Squid under $work, and process $1 (the
+# operator or the bare hop) if given.
 server_ticks() {
   local pids=("$target_pid") pid total=0
   for pid in $(grep -l -a "$work" /proc/[0-9]*/cmdline 2>/dev/null | cut -d/ -f3); do
     grep -q -a squid "/proc/$pid/cmdline" 2>/dev/null && pids+=("$pid")
   done
-  [ "${1:-}" = with-operator ] && pids+=("$server_pid")
+  [ -n "${1:-}" ] && pids+=("$1")
   for pid in "${pids[@]}"; do
     total=$((total + $(awk '{ print $14 + $15 }' "/proc/$pid/stat" 2>/dev/null || echo 0)))
   done
@@ -115,7 +121,7 @@ server_ticks() {
 }
 
 # wrk through the proxy at $1 with $3 connections (Proxy-Authorization $2, or none); prints
-# "rps p50_ms p99_ms cpu_us_per_request bad requests" ($4: with-operator counts its CPU).
+# "rps p50_ms p99_ms cpu_us_per_request bad requests" ($4: a process whose CPU counts too).
 measure() {
   local proxy=$1 auth=$2 conns=$3 who=${4:-} out t0 t1
   EPO_PROXY_AUTH=$auth taskset -c "$client_cpu" wrk -t1 -c"$conns" -d2s -s benches/wrk/through_proxy.lua "http://$proxy" >/dev/null
@@ -137,17 +143,26 @@ echo "servers (target, Squid, operator) on CPU $server_cpu, client on CPU $clien
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 start_operator wrk 1 0 1 1000
+taskset -c "$server_cpu" "$example_bin" forward "$squid" >"$work/forward.out" 2>&1 &
+forward_pid=$!
+for _ in $(seq 1 100); do
+  bare_hop=$(sed -n 's/^listening on //p' "$work/forward.out")
+  [ -n "$bare_hop" ] && break
+  sleep 0.1
+done
+[ -n "$bare_hop" ] || { cat "$work/forward.out" >&2; exit 1; }
 failures=0
 results=$work/results
 : >"$results"
 printf '%-6s %-6s %-9s %10s %8s %8s %16s\n' round conns path req/s p50_ms p99_ms server_cpu_us/req
 for round in $(seq 1 "$rounds"); do
   for conns in $connections; do
-    for path in direct gateway session; do
+    for path in direct bare-hop gateway session; do
       case $path in
         direct) set -- "$squid" "" ;;
-        gateway) set -- "$gateway" "$(basic bench)" with-operator ;;
-        session) set -- "$gateway" "$(basic 'bench;session=wrk')" with-operator ;;
+        bare-hop) set -- "$bare_hop" "" "$forward_pid" ;;
+        gateway) set -- "$gateway" "$(basic bench)" "$server_pid" ;;
+        session) set -- "$gateway" "$(basic 'bench;session=wrk')" "$server_pid" ;;
       esac
       read -r r p50 p99 cpu bad _ < <(measure "$1" "$2" "$conns" "${3:-}")
       printf '%-6s %-6s %-9s %10s %8s %8s %16s\n' "$round" "$conns" "$path" "$r" "$p50" "$p99" "$cpu"
@@ -160,12 +175,13 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 echo
-echo "the gateway against the same Squid directly, same round (targets at 64 connections: CPU per request <= +15 %, p99 <= +1 ms):"
+echo "the gateway against the same Squid directly, same round (targets at 64 connections: CPU per request <= +15 %, p99 <= +1 ms;"
+echo "bare-hop is the floor: a hyper hop with nothing of the gateway's own):"
 awk '
   { rps[$1, $2, $3] = $4; p99[$1, $2, $3] = $5; cpu[$1, $2, $3] = $6; rounds[$1] = 1; conns[$2] = 1 }
   END {
-    split("gateway session", paths, " ")
-    for (c in conns) for (i = 1; i <= 2; i++) {
+    split("bare-hop gateway session", paths, " ")
+    for (c in conns) for (i = 1; i <= 3; i++) {
       m = paths[i]; worst_cpu = 0; worst_p99 = -1e9; lo = 1e9
       for (r in rounds) {
         s = 100 * (cpu[r, c, m] / cpu[r, c, "direct"] - 1); if (s > worst_cpu) worst_cpu = s
@@ -173,9 +189,10 @@ awk '
         q = 100 * rps[r, c, m] / rps[r, c, "direct"]; if (q < lo) lo = q
       }
       verdict = (c == 64) ? ((worst_cpu <= 15 && worst_p99 <= 1) ? "PASS" : "FAIL") : "(reported, judged at 64)"
+      if (m == "bare-hop") verdict = "(the floor)"
       printf "  %-8s %3s conns: CPU per request %+6.1f %%, p99 %+6.2f ms, req/s %5.1f %% of direct  %s\n", m, c, worst_cpu, worst_p99, lo, verdict
     }
-  }' "$results" | sort -k2,2 -k1,1
+  }' "$results" | sort -b -k2,2n -k1,1
 
 # --- CONNECT tunnels of 1 MiB --------------------------------------------------------------
 # Prints "MiB/s cpu_ms_per_MiB failures" for $tunnels fetches through proxy URL $1.
@@ -193,7 +210,7 @@ tunnel_run() {
 echo
 echo "CONNECT: $tunnels tunnels of 1 MiB each, 8 at a time (curl -p):"
 read -r direct_mibs direct_cpu direct_failed < <(tunnel_run "http://$squid")
-read -r gw_mibs gw_cpu gw_failed < <(tunnel_run "http://bench:$token@$gateway" with-operator)
+read -r gw_mibs gw_cpu gw_failed < <(tunnel_run "http://bench:$token@$gateway" "$server_pid")
 printf '  direct   %8s MiB/s %8s ms server CPU per MiB\n' "$direct_mibs" "$direct_cpu"
 printf '  gateway  %8s MiB/s %8s ms server CPU per MiB\n' "$gw_mibs" "$gw_cpu"
 awk -v dm="$direct_mibs" -v dc="$direct_cpu" -v gm="$gw_mibs" -v gc="$gw_cpu" \

@@ -4,18 +4,22 @@
 //! journal in a temporary folder (standalone's default: every acquire and release fsynced, with
 //! group commit, before it is answered; `EPO_JOURNAL_WINDOW_US` sets the group-commit window,
 //! default 1 ms);
-//! `bare` serves the bare hyper baseline with canned answers.
+//! `bare` serves the bare hyper baseline with canned answers; `forward UPSTREAM` is the cheapest
+//! forward-proxy hop hyper makes, the floor under the gateway's figure (`benches/gateway.sh`):
+//! each client connection gets one connection of its own to the HTTP proxy at `UPSTREAM`, and
+//! each request goes out on it as it came in (absolute form, headers untouched), with no pool,
+//! authentication, lease or outcome.
 //! Each prints `listening on ADDR` and runs until SIGTERM (then removes its temporary folder),
 //! on a default multi-thread tokio runtime, like the operator (one worker per CPU it may run
 //! on: `taskset` decides). `EPO_JOURNAL_STATS=1` prints records and time per journal sync.
 //!
-//! `cargo run --release --example discovery_bench_server -- discovery|durable|bare`
+//! `cargo run --release --example discovery_bench_server -- discovery|durable|bare|forward ADDR`
 //! (`EPO_BENCH_STATE_DIR` puts the journal's folder elsewhere than the system's temp folder)
 
 #[path = "../benches/common/mod.rs"]
 mod common;
 
-use std::{io::Write, sync::Arc};
+use std::{io::Write, net::SocketAddr, sync::Arc};
 
 use egress_proxies_operator::{
     discovery,
@@ -25,7 +29,11 @@ use egress_proxies_operator::{
         maintenance,
     },
 };
-use tokio::net::TcpListener;
+use hyper::{
+    Request, body::Incoming, client::conn::http1 as client_http1, server::conn::http1 as server_http1,
+};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
 
 /// The operator's allocator (src/main.rs), so the discovery API here costs what it costs there;
 /// the bare baseline shares the process and so the allocator.
@@ -34,8 +42,11 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() {
     let mode = std::env::args().nth(1).unwrap_or_default();
-    if !["discovery", "durable", "bare"].contains(&mode.as_str()) {
-        eprintln!("usage: discovery_bench_server discovery|durable|bare");
+    let upstream: Option<SocketAddr> = std::env::args().nth(2).and_then(|a| a.parse().ok());
+    if !["discovery", "durable", "bare", "forward"].contains(&mode.as_str())
+        || (mode == "forward") != upstream.is_some()
+    {
+        eprintln!("usage: discovery_bench_server discovery|durable|bare|forward UPSTREAM_ADDR");
         std::process::exit(2);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -52,6 +63,8 @@ fn main() {
         .expect("temporary folder");
         let server = if mode == "bare" {
             tokio::spawn(common::serve_bare(listener))
+        } else if let Some(upstream) = upstream {
+            tokio::spawn(serve_forward(listener, upstream))
         } else {
             let store = common::filled_store(1);
             let checkpoint = FileCheckpoint::new(state_dir.path().join("leases.json"));
@@ -119,4 +132,38 @@ fn main() {
         }
         drop(state_dir);
     });
+}
+
+/// The cheapest forward-proxy hop: one upstream connection per client connection, each request
+/// sent on it unchanged and its answer streamed back (HTTP/1 answers a connection's requests in
+/// order, so the connection needs no pool and its lock is never contended).
+async fn serve_forward(listener: TcpListener, upstream: SocketAddr) {
+    loop {
+        let Ok((client, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = client.set_nodelay(true);
+        tokio::spawn(async move {
+            let Ok(stream) = TcpStream::connect(upstream).await else {
+                return;
+            };
+            let _ = stream.set_nodelay(true);
+            let Ok((sender, connection)) = client_http1::handshake(TokioIo::new(stream)).await else {
+                return;
+            };
+            tokio::spawn(connection);
+            let sender = Arc::new(tokio::sync::Mutex::new(sender));
+            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                let sender = sender.clone();
+                async move {
+                    let mut sender = sender.lock().await;
+                    sender.ready().await?;
+                    sender.send_request(request).await
+                }
+            });
+            let _ = server_http1::Builder::new()
+                .serve_connection(TokioIo::new(client), service)
+                .await;
+        });
+    }
 }
