@@ -69,25 +69,29 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
-/// `headers` without the hop-by-hop ones, with the gateway's `Via` added. `Transfer-Encoding`
-/// goes too: hyper frames each side's body itself.
-pub(super) fn end_to_end(headers: &HeaderMap) -> HeaderMap {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    let mut out = HeaderMap::with_capacity(headers.len() + 1);
-    for (name, value) in headers {
-        if HOP_BY_HOP.contains(name) || *name == header::TRANSFER_ENCODING || named.contains(name) {
-            continue;
+/// Strips the hop-by-hop headers from `headers` and adds the gateway's `Via`, in place: most
+/// messages carry none but `Connection`, and copying the rest into a new map hashed every name
+/// again. `Transfer-Encoding` goes too: hyper frames each side's body itself.
+pub(super) fn keep_end_to_end(headers: &mut HeaderMap) {
+    // Names the `Connection` header lists are hop-by-hop too (compared as text: most list
+    // only `keep-alive` or `close`, and parsing each into a name cost more than the rest).
+    let connection = headers.get_all(header::CONNECTION);
+    let listed = |name: &HeaderName| {
+        connection
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|listed| listed.trim().eq_ignore_ascii_case(name.as_str()))
+    };
+    let hop =
+        |name: &HeaderName| HOP_BY_HOP.contains(name) || *name == header::TRANSFER_ENCODING || listed(name);
+    if headers.keys().any(hop) {
+        let doomed: Vec<HeaderName> = headers.keys().filter(|name| hop(name)).cloned().collect();
+        for name in doomed {
+            headers.remove(name);
         }
-        out.append(name.clone(), value.clone());
     }
-    out.append(header::VIA, HeaderValue::from_static(VIA));
-    out
+    headers.append(header::VIA, HeaderValue::from_static(VIA));
 }
 
 /// The request to send `proxy` for a client's request (`parts`, `body`): the client's
@@ -101,7 +105,10 @@ pub(super) fn upstream_request<B>(
     *request.method_mut() = parts.method.clone();
     *request.uri_mut() = parts.uri.clone();
     *request.version_mut() = Version::HTTP_11;
-    let mut headers = end_to_end(&parts.headers);
+    // A copy (the parts stay whole for a resend), then stripped in place.
+    let headers = request.headers_mut();
+    headers.clone_from(&parts.headers);
+    keep_end_to_end(headers);
     if !headers.contains_key(header::HOST)
         && let Some(host) = parts
             .uri
@@ -110,8 +117,7 @@ pub(super) fn upstream_request<B>(
     {
         headers.insert(header::HOST, host);
     }
-    authorize(&mut headers, proxy);
-    *request.headers_mut() = headers;
+    authorize(headers, proxy);
     request
 }
 
@@ -171,12 +177,13 @@ where
         .map_err(UpstreamError::Exchange)
 }
 
-/// The client's copy of an upstream answer, with `body` as its body.
-pub(super) fn client_response<B>(upstream: &Response<Incoming>, body: B) -> Response<B> {
-    let mut response = Response::new(body);
-    *response.status_mut() = upstream.status();
-    *response.headers_mut() = end_to_end(upstream.headers());
-    response
+/// The head of the client's copy of an upstream answer: its status and end-to-end headers
+/// (stripped in place), as HTTP/1.1 and without the upstream connection's extensions.
+pub(super) fn client_head(mut head: hyper::http::response::Parts) -> hyper::http::response::Parts {
+    keep_end_to_end(&mut head.headers);
+    head.version = Version::HTTP_11;
+    head.extensions.clear();
+    head
 }
 
 /// An empty `200` (the answer to a `CONNECT` whose tunnel is open).
@@ -215,8 +222,12 @@ mod tests {
         ] {
             headers.append(name, HeaderValue::from_static(value));
         }
-        let forwarded = end_to_end(&headers);
-        let names: Vec<&str> = forwarded.keys().map(|n| n.as_str()).collect();
+        let mut forwarded = headers;
+        keep_end_to_end(&mut forwarded);
+        // The order of different names carries no meaning (RFC 9110, 5.3); removing in place
+        // may change it.
+        let mut names: Vec<&str> = forwarded.keys().map(|n| n.as_str()).collect();
+        names.sort_unstable();
         assert_eq!(names, ["accept", "via"], "{forwarded:?}");
         let via: Vec<&str> = forwarded
             .get_all(header::VIA)

@@ -94,15 +94,15 @@ impl Gateway {
         measure: Measure,
     ) -> Judged {
         let latency = measure.elapsed();
-        let (parts, ()) = forward::client_response(&response, ()).into_parts();
         let (head, body) = response.into_parts();
+        let status = head.status;
         // Squid marks the error pages it makes itself: those are the proxy's answer (access
         // denied, target unreachable), not the target's, and no rule judges them.
         if head.headers.contains_key(SQUID_ERROR) {
             let refused = Ended::Failed(Failure::ProxyError);
             let body = measure.answered(Replayed::whole(body), refused, false, Some(lent));
             return Judged {
-                answer: Response::from_parts(parts, body.boxed_unsync()),
+                answer: Response::from_parts(forward::client_head(head), body.boxed_unsync()),
                 resend_avoiding: None,
             };
         }
@@ -125,9 +125,9 @@ impl Gateway {
         let Some(verdict) = self.judge.decide(lent.proxy(), domain, &seen, || store.now_ms()) else {
             // The common case: the lease is given back when the answer's body is done or
             // dropped.
-            let body = measure.answered(body, Ended::Status(head.status.as_u16()), false, Some(lent));
+            let body = measure.answered(body, Ended::Status(status.as_u16()), false, Some(lent));
             return Judged {
-                answer: Response::from_parts(parts, body.boxed_unsync()),
+                answer: Response::from_parts(forward::client_head(head), body.boxed_unsync()),
                 resend_avoiding: None,
             };
         };
@@ -135,7 +135,7 @@ impl Gateway {
         info!(
             proxy = %proxy.key,
             domain = domain.unwrap_or_default(),
-            status = head.status.as_u16(),
+            status = status.as_u16(),
             rule = %verdict.rule,
             step = verdict.action.as_str(),
             matches_for_domain = verdict.counts.domain,
@@ -160,9 +160,9 @@ impl Gateway {
         // dropped.
         let banned = lent.is_none();
         let answer = Response::from_parts(
-            parts,
+            forward::client_head(head),
             measure
-                .answered(body, Ended::Status(head.status.as_u16()), banned, lent)
+                .answered(body, Ended::Status(status.as_u16()), banned, lent)
                 .boxed_unsync(),
         );
         Judged {

@@ -479,11 +479,13 @@ impl Gateway {
             .await?;
         if !response.status().is_success() {
             // The proxy's own refusal (not the target's): passed on, and no ban.
-            let client = forward::client_response(&response, ());
-            let (parts, ()) = client.into_parts();
+            let (head, body) = response.into_parts();
             let refused = Ended::Failed(Failure::ProxyError);
-            let body = measure.answered(response.into_body(), refused, false, Some(lent));
-            return Ok(Response::from_parts(parts, body.boxed_unsync()));
+            let body = measure.answered(body, refused, false, Some(lent));
+            return Ok(Response::from_parts(
+                forward::client_head(head),
+                body.boxed_unsync(),
+            ));
         }
         let client_side = hyper::upgrade::on(&mut request);
         let upstream_side = match hyper::upgrade::on(response).await {
