@@ -36,10 +36,6 @@ pub(super) enum UpstreamError {
     /// Connected, but the exchange failed before an answer (reset, closed).
     #[error("the connection failed before an answer: {0}")]
     Exchange(hyper::Error),
-    /// The exchange over a kept-alive connection ([`super::upstream::Upstreams`]) failed
-    /// before an answer.
-    #[error("the exchange failed before an answer: {0}")]
-    Pooled(hyper_util::client::legacy::Error),
 }
 
 impl UpstreamError {
@@ -50,8 +46,6 @@ impl UpstreamError {
             UpstreamError::ConnectTimeout(_) => Failure::Timeout,
             UpstreamError::Exchange(error) if error.is_timeout() => Failure::Timeout,
             UpstreamError::Exchange(_) => Failure::Reset,
-            UpstreamError::Pooled(error) if error.is_connect() => Failure::Connect,
-            UpstreamError::Pooled(_) => Failure::Reset,
         }
     }
 }

@@ -4,60 +4,64 @@
 //! Squid behind it more CPU than the request itself: `benches/gateway.sh`). `CONNECT` tunnels
 //! keep a connection of their own ([`super::forward::send`]).
 //!
-//! The pooling is hyper-util's client: one per upstream endpoint, whose connector always dials
-//! that proxy and marks the connection as proxied, so the client sends requests in absolute form
-//! and keeps idle connections per target authority. A replaced instance listens elsewhere, so it
-//! gets a fresh client and never a connection to its predecessor.
+//! The pool is ours, over hyper's HTTP/1 connections: per upstream endpoint, the connections
+//! not sending a request. A connection goes back as soon as its answer's head is in; the next
+//! request takes one that is ready (its last answer's body done), else dials a new one. Any
+//! target goes over any connection to the proxy (requests are in absolute form). hyper-util's
+//! pooled client did the same work at several times the cost (a task per request to wait for
+//! the connection, its maps hashing the target's authority a byte at a time with SipHash:
+//! about 6,000 instructions a request). A replaced instance listens elsewhere, so it gets
+//! connections of its own and never one to its predecessor.
 
 use std::{
-    future::Future,
-    io,
-    pin::Pin,
-    sync::{Arc, Mutex},
-    task::{Context, Poll},
-    time::Duration,
+    sync::Mutex,
+    task::{Context, Poll, Waker},
+    time::{Duration, Instant},
 };
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
 use hyper::{
-    Request, Response, Uri,
+    Request, Response,
     body::{Body, Incoming},
+    client::conn::http1::{self, SendRequest},
 };
-use hyper_util::{
-    client::legacy::{
-        Client,
-        connect::{Connected, Connection},
-    },
-    rt::{TokioExecutor, TokioIo, TokioTimer},
-};
-use tokio::{
-    io::{AsyncRead, AsyncWrite, ReadBuf},
-    net::TcpStream,
-};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tracing::debug;
 
 use super::forward::UpstreamError;
 use crate::{hashing::FastMap, lease::ProxyInfo};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// What the pooled clients send: any request body, boxed.
+/// What the pooled connections send: any request body, boxed.
 type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
 
-/// How long an idle connection to an upstream proxy is kept: well under Squid's own
-/// `client_idle_pconn_timeout` (2 minutes), so the gateway closes first and never sends on a
-/// connection the proxy is closing.
+/// How long an idle connection to an upstream proxy is used again: well under Squid's own
+/// `client_idle_pconn_timeout` (2 minutes), so the gateway never sends on a connection the proxy
+/// is closing.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Clients kept at most. A pool's proxies change endpoints only when instances are replaced;
+/// Connections kept per endpoint; one more than the requests in flight to it is all a steady
+/// load needs, and a burst's extra ones are closed as they come back.
+const MAX_PER_ENDPOINT: usize = 256;
+
+/// Endpoints kept at most. A pool's proxies change endpoints only when instances are replaced;
 /// past this many (a long life of replacements) the map starts again, which closes only idle
 /// connections.
-const MAX_CLIENTS: usize = 4096;
+const MAX_ENDPOINTS: usize = 4096;
 
-/// The gateway's keep-alive connections to upstream proxies, per endpoint; cheap to share.
+/// A connection not sending a request, since when.
+struct Parked {
+    sender: SendRequest<UpstreamBody>,
+    since: Instant,
+}
+
+/// The gateway's keep-alive connections to upstream proxies, per endpoint (`host:port`).
 pub(super) struct Upstreams {
     connect_timeout: Duration,
-    clients: Mutex<FastMap<(String, u16), Client<ToProxy, UpstreamBody>>>,
+    parked: Mutex<FastMap<String, Vec<Parked>>>,
 }
 
 impl Upstreams {
@@ -65,12 +69,13 @@ impl Upstreams {
     pub(super) fn new(connect_timeout: Duration) -> Self {
         Self {
             connect_timeout,
-            clients: Mutex::new(FastMap::default()),
+            parked: Mutex::new(FastMap::default()),
         }
     }
 
-    /// Sends `request` (absolute form) to `proxy` on an idle connection or a new one, and
-    /// returns its answer.
+    /// Sends `request` (absolute form) to `proxy` on a ready connection or a new one, and
+    /// returns its answer. A kept connection the proxy closed before the request went out is
+    /// tried no further: the request goes on a new one.
     pub(super) async fn send<B>(
         &self,
         proxy: &ProxyInfo,
@@ -80,129 +85,106 @@ impl Upstreams {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let client = self.client(proxy);
-        let request = request.map(|body| body.map_err(Into::into).boxed_unsync());
-        client.request(request).await.map_err(|error| {
-            match std::error::Error::source(&error).and_then(|s| s.downcast_ref::<DialError>()) {
-                Some(DialError::Timeout(after)) => UpstreamError::ConnectTimeout(*after),
-                Some(DialError::Io(io)) => UpstreamError::Connect(io::Error::new(io.kind(), io.to_string())),
-                None => UpstreamError::Pooled(error),
+        let mut request = request.map(|body| body.map_err(Into::into).boxed_unsync());
+        if let Some(mut sender) = self.take_ready(proxy) {
+            match sender.try_send_request(request).await {
+                Ok(response) => {
+                    self.park(proxy, sender);
+                    return Ok(response);
+                }
+                Err(mut error) => match error.take_message() {
+                    // Not sent: the connection closed while it was parked.
+                    Some(unsent) => request = unsent,
+                    None => return Err(UpstreamError::Exchange(error.into_error())),
+                },
             }
-        })
+        }
+        let mut sender = self.dial(proxy).await?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(UpstreamError::Exchange)?;
+        self.park(proxy, sender);
+        Ok(response)
     }
 
-    fn client(&self, proxy: &ProxyInfo) -> Client<ToProxy, UpstreamBody> {
-        let endpoint = (proxy.endpoint.host.clone(), proxy.endpoint.port);
-        // A poisoned lock only means another request panicked mid-insert; the map is still whole.
-        let mut clients = self
-            .clients
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(client) = clients.get(&endpoint) {
-            return client.clone();
+    /// A parked connection to `proxy` that can send now; connections that closed or sat idle
+    /// too long are dropped on the way.
+    fn take_ready(&self, proxy: &ProxyInfo) -> Option<SendRequest<UpstreamBody>> {
+        let mut parked = self.lock();
+        let connections = parked.get_mut(proxy.endpoint_text.as_str())?;
+        let now = Instant::now();
+        let mut context = Context::from_waker(Waker::noop());
+        let mut index = connections.len();
+        while index > 0 {
+            index -= 1;
+            if now.duration_since(connections[index].since) > IDLE_TIMEOUT {
+                connections.swap_remove(index);
+                continue;
+            }
+            match connections[index].sender.poll_ready(&mut context) {
+                Poll::Ready(Ok(())) => return Some(connections.swap_remove(index).sender),
+                Poll::Ready(Err(_)) => drop(connections.swap_remove(index)),
+                // Its last answer's body is still on its way.
+                Poll::Pending => {}
+            }
         }
-        if clients.len() >= MAX_CLIENTS {
-            clients.clear();
-        }
-        let connector = ToProxy {
-            endpoint: Arc::new(endpoint.clone()),
-            timeout: self.connect_timeout,
+        None
+    }
+
+    /// Keeps `sender` for the next request to `proxy` (it is ready once its answer's body is
+    /// done).
+    fn park(&self, proxy: &ProxyInfo, sender: SendRequest<UpstreamBody>) {
+        let parked_now = Parked {
+            sender,
+            since: Instant::now(),
         };
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(IDLE_TIMEOUT)
-            .pool_timer(TokioTimer::new())
-            // The gateway already sets Host from the client's request.
-            .set_host(false)
-            .build(connector);
-        clients.insert(endpoint, client.clone());
-        client
-    }
-}
-
-/// Why a connection to an upstream proxy could not be made.
-#[derive(Debug, thiserror::Error)]
-enum DialError {
-    #[error("could not connect: {0}")]
-    Io(io::Error),
-    #[error("no connection within {0:?}")]
-    Timeout(Duration),
-}
-
-/// The connector of one upstream's client: every connection goes to that proxy, whatever the
-/// request's target.
-#[derive(Clone)]
-struct ToProxy {
-    endpoint: Arc<(String, u16)>,
-    timeout: Duration,
-}
-
-impl tower_service::Service<Uri> for ToProxy {
-    type Response = TokioIo<Proxied>;
-    type Error = DialError;
-    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, DialError>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), DialError>> {
-        Poll::Ready(Ok(()))
+        let mut parked = self.lock();
+        if let Some(connections) = parked.get_mut(proxy.endpoint_text.as_str()) {
+            if connections.len() < MAX_PER_ENDPOINT {
+                connections.push(parked_now);
+            }
+            return;
+        }
+        if parked.len() >= MAX_ENDPOINTS {
+            parked.clear();
+        }
+        parked.insert(proxy.endpoint_text.clone(), vec![parked_now]);
     }
 
-    fn call(&mut self, _target: Uri) -> Self::Future {
-        let (endpoint, timeout) = (self.endpoint.clone(), self.timeout);
-        Box::pin(async move {
-            let (host, port) = (endpoint.0.as_str(), endpoint.1);
-            let stream = tokio::time::timeout(timeout, TcpStream::connect((host, port)))
-                .await
-                .map_err(|_| DialError::Timeout(timeout))?
-                .map_err(DialError::Io)?;
-            let _ = stream.set_nodelay(true);
-            Ok(TokioIo::new(Proxied(stream)))
-        })
-    }
-}
-
-/// A connection to a forward proxy: the client sends it requests in absolute form.
-struct Proxied(TcpStream);
-
-impl Connection for Proxied {
-    fn connected(&self) -> Connected {
-        self.0.connected().proxy(true)
-    }
-}
-
-impl AsyncRead for Proxied {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Proxied {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
+    fn lock(&self) -> std::sync::MutexGuard<'_, FastMap<String, Vec<Parked>>> {
+        // A poisoned lock only means another request panicked mid-update; the map is still whole.
+        self.parked
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().0).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.0.is_write_vectored()
+    /// A new connection to `proxy`, its HTTP/1 exchange running in a task of its own.
+    async fn dial(&self, proxy: &ProxyInfo) -> Result<SendRequest<UpstreamBody>, UpstreamError> {
+        let address = (proxy.endpoint.host.as_str(), proxy.endpoint.port);
+        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(address))
+            .await
+            .map_err(|_| UpstreamError::ConnectTimeout(self.connect_timeout))?
+            .map_err(UpstreamError::Connect)?;
+        let _ = stream.set_nodelay(true);
+        let (sender, connection) = http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(UpstreamError::Exchange)?;
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                debug!(%error, "kept-alive upstream connection ended with an error");
+            }
+        });
+        Ok(sender)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
 
     use http_body_util::{Empty, Full};
     use tokio::net::TcpListener;
@@ -215,8 +197,8 @@ mod tests {
     };
 
     /// An upstream proxy on 127.0.0.1:0 that answers every request with the request line it
-    /// was sent; counts the connections it accepted.
-    async fn echoing_proxy() -> (ProxyInfo, Arc<AtomicUsize>) {
+    /// was sent, then `padding` bytes of `x`; counts the connections it accepted.
+    async fn echoing_proxy(padding: usize) -> (ProxyInfo, Arc<AtomicUsize>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -224,8 +206,8 @@ mod tests {
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 counter.fetch_add(1, Ordering::SeqCst);
-                let service = hyper::service::service_fn(|request: Request<Incoming>| async move {
-                    let line = format!("{} {}", request.method(), request.uri());
+                let service = hyper::service::service_fn(move |request: Request<Incoming>| async move {
+                    let line = format!("{} {}{}", request.method(), request.uri(), "x".repeat(padding));
                     Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(line))))
                 });
                 tokio::spawn(
@@ -253,7 +235,7 @@ mod tests {
 
     #[tokio::test]
     async fn requests_in_absolute_form_share_one_kept_alive_connection() {
-        let (proxy, accepted) = echoing_proxy().await;
+        let (proxy, accepted) = echoing_proxy(0).await;
         let upstreams = Upstreams::new(Duration::from_secs(5));
         for (n, target) in [
             "http://a.example/x",
@@ -267,13 +249,13 @@ mod tests {
             let body = response.into_body().collect().await.unwrap().to_bytes();
             assert_eq!(body, format!("GET {target}"), "request {n}");
         }
-        // One connection per target authority, each used again: a.example's twice.
-        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        // One connection to the proxy carries every target's requests.
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
     async fn a_proxy_that_is_gone_is_a_connect_error() {
-        let (mut proxy, _) = echoing_proxy().await;
+        let (mut proxy, _) = echoing_proxy(0).await;
         let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = closed.local_addr().unwrap().port();
         drop(closed);
@@ -283,5 +265,65 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(error, UpstreamError::Connect(_)), "{error:?}");
+    }
+
+    /// An upstream proxy that answers one request per connection and then closes it without
+    /// saying so (no `Connection: close`): a parked connection dies under the gateway.
+    async fn one_shot_proxy() -> (ProxyInfo, Arc<AtomicUsize>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut proxy, _) = echoing_proxy(0).await;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        proxy.endpoint.port = listener.local_addr().unwrap().port();
+        proxy.endpoint_text = format!("127.0.0.1:{}", proxy.endpoint.port);
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let Ok(n @ 1..) = stream.read(&mut buf).await else {
+                        break;
+                    };
+                    head.extend_from_slice(&buf[..n]);
+                }
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    .await;
+            }
+        });
+        (proxy, accepted)
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_the_proxy_closed_is_replaced_by_a_new_one() {
+        let (proxy, accepted) = one_shot_proxy().await;
+        let upstreams = Upstreams::new(Duration::from_secs(5));
+        for n in 0..3 {
+            let response = upstreams.send(&proxy, get("http://a.example/")).await.unwrap();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(body, "ok", "request {n}");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_connection_whose_answer_is_still_being_read_is_not_used_again() {
+        // Answers larger than what hyper reads ahead: a connection is busy until its body is read.
+        let padding = 4 << 20;
+        let (proxy, accepted) = echoing_proxy(padding).await;
+        let upstreams = Upstreams::new(Duration::from_secs(5));
+        let first = upstreams.send(&proxy, get("http://a.example/1")).await.unwrap();
+        let second = upstreams.send(&proxy, get("http://a.example/2")).await.unwrap();
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        for (response, target) in [(first, "http://a.example/1"), (second, "http://a.example/2")] {
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(body.len(), format!("GET {target}").len() + padding);
+        }
+        // Both are ready again: a third request dials nothing.
+        let third = upstreams.send(&proxy, get("http://a.example/3")).await.unwrap();
+        third.into_body().collect().await.unwrap();
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 }
