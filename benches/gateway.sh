@@ -25,8 +25,9 @@
 # once (a pool of the Squid and 10 bench-memory proxies of 1,000 slots each, whose endpoint is
 # the Squid): the operator's RSS before and after, against the 64 MB memory target.
 # With EPO_GW_CALLGRIND=1, last, a figure that does not depend on the machine: the operator
-# under valgrind's callgrind, its user-space instructions per request through the gateway
-# (EPO_GW_KEEP_PROFILE=FILE keeps the profile for callgrind_annotate).
+# under valgrind's callgrind, its user-space instructions per request through the gateway, and
+# the bare hop's the same way (EPO_GW_KEEP_PROFILE=FILE keeps the operator's profile for
+# callgrind_annotate).
 #
 #   bash benches/gateway.sh
 #   EPO_GW_ROUNDS=3 EPO_GW_SECS=20 EPO_GW_CONNECTIONS="16 64" bash benches/gateway.sh
@@ -253,24 +254,44 @@ awk -v b="$before" -v a="$after" -v n="$sessions" -v held="$held" 'BEGIN {
 stop_server
 
 # --- the machine-independent figure: instructions per request through the gateway ---------
+# The operator under callgrind, then the bare hop (the floor) the same way, over the same Squid:
+# user-space instructions per request of each, and their ratio.
+# Prints the instructions per request of the process callgrind runs as $1 (its output files
+# "$work/callgrind.<pid>"), wrk sending through proxy $2 with Proxy-Authorization $3.
+callgrind_per_request() {
+  local pid=$1 proxy=$2 auth=$3 requests dump total
+  EPO_PROXY_AUTH=$auth taskset -c "$client_cpu" wrk -t1 -c16 -d5s -s benches/wrk/through_proxy.lua "http://$proxy" >/dev/null
+  callgrind_control -i on "$pid" >/dev/null
+  callgrind_control -z "$pid" >/dev/null
+  requests=$(EPO_PROXY_AUTH=$auth taskset -c "$client_cpu" wrk -t1 -c16 -d20s -s benches/wrk/through_proxy.lua "http://$proxy" |
+    awk '/^RESULT/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); if (kv[1] == "requests") print kv[2] } }')
+  callgrind_control -d "$pid" >/dev/null
+  dump=$(ls "$work/callgrind.$pid".*1)
+  [ -z "${4:-}" ] || cp "$dump" "$4"
+  total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }')
+  awk -v t="$total" -v n="$requests" 'BEGIN { printf "%.0f %d\n", t / n, n }'
+}
 if [ "${EPO_GW_CALLGRIND:-0}" = 1 ]; then
   need valgrind valgrind
   echo
-  operator_prefix="valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=$work/callgrind.%p --dump-instr=no --collect-jumps=no --separate-threads=no"
-  EPO_GW_START_SECS=900 start_operator callgrind 1 0 1 1000
-  auth=$(basic bench)
-  EPO_PROXY_AUTH=$auth taskset -c "$client_cpu" wrk -t1 -c16 -d5s -s benches/wrk/through_proxy.lua "http://$gateway" >/dev/null
-  callgrind_control -i on "$server_pid" >/dev/null
-  callgrind_control -z "$server_pid" >/dev/null
-  requests=$(EPO_PROXY_AUTH=$auth taskset -c "$client_cpu" wrk -t1 -c16 -d20s -s benches/wrk/through_proxy.lua "http://$gateway" |
-    awk '/^RESULT/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); if (kv[1] == "requests") print kv[2] } }')
-  callgrind_control -d "$server_pid" >/dev/null
-  dump=$(ls "$work"/callgrind.*.1)
-  if [ -n "${EPO_GW_KEEP_PROFILE:-}" ]; then cp "$dump" "$EPO_GW_KEEP_PROFILE"; fi
-  total=$(callgrind_annotate "$dump" 2>/dev/null | awk '/PROGRAM TOTALS/ && !done { gsub(",", "", $1); print $1; done = 1 }')
-  awk -v t="$total" -v n="$requests" 'BEGIN {
-    printf "callgrind: the operator'"'"'s user-space instructions per request through the gateway (16 connections, 20 s after a 5 s warm-up, its periodic work included): %.0f (%d requests)\n", t / n, n
-  }'
+  callgrind="valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=$work/callgrind.%p --dump-instr=no --collect-jumps=no --separate-threads=no"
+  operator_prefix=$callgrind EPO_GW_START_SECS=900 start_operator callgrind 1 0 1 1000
+  read -r gw_instr gw_requests < <(callgrind_per_request "$server_pid" "$gateway" "$(basic bench)" "${EPO_GW_KEEP_PROFILE:-}")
+  # shellcheck disable=SC2086 # the prefix is words
+  taskset -c "$server_cpu" $callgrind "$example_bin" forward "$squid" >"$work/forward-callgrind.out" 2>&1 &
+  hop_pid=$!
+  for _ in $(seq 1 300); do
+    hop=$(sed -n 's/^listening on //p' "$work/forward-callgrind.out")
+    [ -n "$hop" ] && break
+    sleep 0.1
+  done
+  [ -n "$hop" ] || { cat "$work/forward-callgrind.out" >&2; exit 1; }
+  read -r hop_instr hop_requests < <(callgrind_per_request "$hop_pid" "$hop" "")
+  kill "$hop_pid" 2>/dev/null || true
+  echo "callgrind: user-space instructions per request (16 connections, 20 s after a 5 s warm-up, periodic work included):"
+  printf '  gateway (the operator)  %8s  (%s requests)\n' "$gw_instr" "$gw_requests"
+  printf '  bare hop (the floor)    %8s  (%s requests)\n' "$hop_instr" "$hop_requests"
+  awk -v g="$gw_instr" -v h="$hop_instr" 'BEGIN { printf "  gateway / bare hop: %.2fx; the gateway'"'"'s own work: %.0f a request\n", g / h, g - h }'
   stop_server
 fi
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
