@@ -51,8 +51,9 @@ impl UpstreamError {
 }
 
 /// Hop-by-hop headers: each connection's own, never forwarded (plus those the `Connection`
-/// header names). `Proxy-Authorization` is the client's credentials to the gateway.
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// header names). `Proxy-Authorization` is the client's credentials to the gateway. A static,
+/// not a const: a const array of names was built and dropped again at every use.
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -67,23 +68,27 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 /// messages carry none but `Connection`, and copying the rest into a new map hashed every name
 /// again. `Transfer-Encoding` goes too: hyper frames each side's body itself.
 pub(super) fn keep_end_to_end(headers: &mut HeaderMap) {
-    // Names the `Connection` header lists are hop-by-hop too (compared as text: most list
-    // only `keep-alive` or `close`, and parsing each into a name cost more than the rest).
-    let connection = headers.get_all(header::CONNECTION);
-    let listed = |name: &HeaderName| {
-        connection
+    let doomed: Vec<HeaderName> = {
+        // Names the `Connection` header lists are hop-by-hop too (read once, compared as text).
+        let listed: Vec<&str> = headers
+            .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .any(|listed| listed.trim().eq_ignore_ascii_case(name.as_str()))
+            .map(str::trim)
+            .collect();
+        headers
+            .keys()
+            .filter(|name| {
+                HOP_BY_HOP.contains(name)
+                    || *name == header::TRANSFER_ENCODING
+                    || listed.iter().any(|l| l.eq_ignore_ascii_case(name.as_str()))
+            })
+            .cloned()
+            .collect()
     };
-    let hop =
-        |name: &HeaderName| HOP_BY_HOP.contains(name) || *name == header::TRANSFER_ENCODING || listed(name);
-    if headers.keys().any(hop) {
-        let doomed: Vec<HeaderName> = headers.keys().filter(|name| hop(name)).cloned().collect();
-        for name in doomed {
-            headers.remove(name);
-        }
+    for name in doomed {
+        headers.remove(name);
     }
     headers.append(header::VIA, HeaderValue::from_static(VIA));
 }
