@@ -72,12 +72,7 @@ trap 'exit 143' INT TERM
 # The target: bare hyper on the servers' core.
 taskset -c "$server_cpu" "$example_bin" bare >"$work/target.out" 2>&1 &
 target_pid=$!
-for _ in $(seq 1 100); do
-  target_addr=$(sed -n 's/^listening on //p' "$work/target.out")
-  [ -n "$target_addr" ] && break
-  sleep 0.1
-done
-[ -n "$target_addr" ] || { cat "$work/target.out" >&2; exit 1; }
+target_addr=$(listening_address "$work/target.out" "$target_pid")
 export EPO_TARGET="http://$target_addr/"
 
 # Starts the operator with the gateway over folder $1 of make_folder's pool $3, Squids $4 and
@@ -146,12 +141,7 @@ echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 start_operator wrk 1 0 1 1000
 taskset -c "$server_cpu" "$example_bin" forward "$squid" >"$work/forward.out" 2>&1 &
 forward_pid=$!
-for _ in $(seq 1 100); do
-  bare_hop=$(sed -n 's/^listening on //p' "$work/forward.out")
-  [ -n "$bare_hop" ] && break
-  sleep 0.1
-done
-[ -n "$bare_hop" ] || { cat "$work/forward.out" >&2; exit 1; }
+bare_hop=$(listening_address "$work/forward.out" "$forward_pid")
 failures=0
 results=$work/results
 : >"$results"
@@ -280,12 +270,7 @@ if [ "${EPO_GW_CALLGRIND:-0}" = 1 ]; then
   # shellcheck disable=SC2086 # the prefix is words
   taskset -c "$server_cpu" $callgrind "$example_bin" forward "$squid" >"$work/forward-callgrind.out" 2>&1 &
   hop_pid=$!
-  for _ in $(seq 1 300); do
-    hop=$(sed -n 's/^listening on //p' "$work/forward-callgrind.out")
-    [ -n "$hop" ] && break
-    sleep 0.1
-  done
-  [ -n "$hop" ] || { cat "$work/forward-callgrind.out" >&2; exit 1; }
+  hop=$(listening_address "$work/forward-callgrind.out" "$hop_pid")
   read -r hop_instr hop_requests < <(callgrind_per_request "$hop_pid" "$hop" "")
   kill "$hop_pid" 2>/dev/null || true
   echo "callgrind: user-space instructions per request (16 connections, 20 s after a 5 s warm-up, periodic work included):"

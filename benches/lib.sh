@@ -10,6 +10,22 @@ need() { command -v "$1" >/dev/null || apt_install "$2"; }
 # What the build needs on a fresh machine: the `virt` crate links libvirt through pkg-config.
 need_build_deps() { need pkg-config pkg-config; pkg-config --exists libvirt || apt_install libvirt-dev; }
 
+# The address a benchmark server (examples/discovery_bench_server) prints once it listens: waits
+# up to $3 tenths of a second for "listening on ADDR" in file $1 while process $2 lives, else
+# shows file $1 and its .err neighbour and exits.
+listening_address() {
+  local out=$1 pid=$2 addr
+  for _ in $(seq 1 "${3:-600}"); do
+    addr=$(sed -n 's/^listening on //p' "$out")
+    [ -n "$addr" ] && { echo "$addr"; return 0; }
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  echo "the server writing $out did not start:" >&2
+  cat "$out" "${out%.out}.err" >&2 2>/dev/null || true
+  exit 1
+}
+
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # A user's standalone folder: providers.yaml, manifests/ with $4 (default 3) local Squids of

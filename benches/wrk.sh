@@ -112,14 +112,8 @@ start_server() {
       nice -n "$niceness" taskset -c "$server_cpu" $prefix "$example_bin" "${mode/example/discovery}" \
         >"$work/server.out" 2>"$work/server.err" &
       server_pid=$!
-      for _ in $(seq 1 600); do
-        addr=$(sed -n 's/^listening on //p' "$work/server.out")
-        [ -n "$addr" ] && return 0
-        kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.err" >&2; exit 1; }
-        sleep 0.1
-      done
-      echo "server $mode did not start" >&2
-      exit 1
+      addr=$(listening_address "$work/server.out" "$server_pid")
+      return 0
       ;;
     pool*) pool=$pool_size expect=$((pool_size + 3)) ;;
   esac
