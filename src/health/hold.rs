@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{HealthEvent, HealthHandle, Verdict, bounded};
+use super::{HealthEvent, HealthHandle, Verdict, verdict::bounded};
 use crate::api::ProxyKey;
 
 /// A hold: until when, and why (the snapshot's last error while it lasts).
