@@ -18,6 +18,7 @@ use crate::{
     provider::{Credentials, Endpoint},
 };
 
+mod anonymous;
 mod outcomes;
 
 const TOKEN: &str = "s3cret-crawler-token";
