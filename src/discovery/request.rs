@@ -138,13 +138,15 @@ pub(super) fn parse_request<'a, T>(bytes: &'a [u8]) -> Result<T, ApiError>
 where
     T: RequestBody + serde::Deserialize<'a> + Scan<'a>,
 {
-    // The fast path for the plain form clients send ([`Scan`]), else the plain serde parser
-    // (from text checked once: the byte-slice reader checks every string again); the
-    // path-tracking one only to say where a malformed body went wrong (it costs about as much
-    // as the parse itself).
-    let parsed = std::str::from_utf8(bytes)
-        .ok()
-        .and_then(|text| T::scan(text).or_else(|| serde_json::from_str(text).ok()));
+    // The fast path for the plain form clients send ([`Scan`], which checks the UTF-8 of what
+    // it reads itself), else the plain serde parser (from text checked once: the byte-slice
+    // reader checks every string again); the path-tracking one only to say where a malformed
+    // body went wrong (it costs about as much as the parse itself).
+    let parsed = T::scan(bytes).or_else(|| {
+        std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|text| serde_json::from_str(text).ok())
+    });
     let value: T = match parsed {
         Some(value) => value,
         None => decode_with_path(bytes)?,
