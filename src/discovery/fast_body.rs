@@ -23,7 +23,7 @@ use super::{
     terms::SelectorTerms,
     wire::{AcquireBody, ReleaseBody, RenewBody},
 };
-use crate::lease::Outcome;
+use crate::{json_writer::plain_len, lease::Outcome};
 
 /// A body read by the fast path, when it can be.
 pub trait Scan<'a>: Sized {
@@ -35,42 +35,6 @@ pub trait Scan<'a>: Sized {
 struct Scanner<'a> {
     bytes: &'a [u8],
     at: usize,
-}
-
-const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
-const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
-
-/// The high bit of each byte of `word` below `n` (at most 0x80), exact up to the lowest
-/// flagged byte (a borrow may flag bytes above it, never below).
-#[inline]
-fn below(word: u64, n: u8) -> u64 {
-    word.wrapping_sub(ONES * u64::from(n)) & !word & HIGHS
-}
-
-/// Where a string's text ends in `rest` (what follows its opening quote): its first quote,
-/// backslash or control byte, or `rest.len()` if none.
-#[inline]
-fn string_end(rest: &[u8]) -> usize {
-    let mut at = 0;
-    while let Some(chunk) = rest.get(at..at + 8) {
-        let mut word = [0; 8];
-        word.copy_from_slice(chunk);
-        // Little-endian, so the lowest flagged byte is the first in the text.
-        let word = u64::from_le_bytes(word);
-        // Flags bytes equal to `"` or `\` (zero after the XOR) and those below 0x20. The
-        // lowest flag of the OR is exact: each term's lowest flag is.
-        let found = below(word ^ (ONES * u64::from(b'"')), 1)
-            | below(word ^ (ONES * u64::from(b'\\')), 1)
-            | below(word, 0x20);
-        if found != 0 {
-            return at + (found.trailing_zeros() / 8) as usize;
-        }
-        at += 8;
-    }
-    at + rest[at..]
-        .iter()
-        .position(|&b| b == b'"' || b == b'\\' || b < 0x20)
-        .unwrap_or(rest.len() - at)
 }
 
 /// `bytes` as text if they are UTF-8. Most strings of a body are short and ASCII, which is
@@ -138,7 +102,7 @@ impl<'a> Scanner<'a> {
         self.eat(b'"')?;
         let start = self.at;
         let rest = self.bytes.get(start..)?;
-        let len = string_end(rest);
+        let len = plain_len(rest);
         if *rest.get(len)? != b'"' {
             return None;
         }
@@ -491,17 +455,5 @@ mod tests {
             prop_assert_eq!(eight_digits(u64::from_le_bytes(bytes)), naive);
         }
 
-        /// The end of a string found eight bytes at a time is the first quote, backslash or
-        /// control byte, as a byte at a time finds it.
-        #[test]
-        fn a_strings_end_is_found_as_a_byte_at_a_time_finds_it(
-            bytes in prop::collection::vec(
-                prop_oneof![Just(b'"'), Just(b'\\'), 0u8..0x21, 0x7eu8..=0xff, any::<u8>()],
-                0..40,
-            ),
-        ) {
-            let naive = bytes.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20);
-            prop_assert_eq!(string_end(&bytes), naive.unwrap_or(bytes.len()));
-        }
     }
 }
