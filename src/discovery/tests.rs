@@ -19,6 +19,7 @@ use crate::{
 };
 
 mod anonymous;
+mod authorization;
 mod outcomes;
 
 const TOKEN: &str = "s3cret-crawler-token";
