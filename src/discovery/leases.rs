@@ -223,12 +223,12 @@ pub(super) async fn release(
         s.deps.outcomes.record_ban(&lease.proxy, domain, now);
     }
     s.deps.metrics.count_release(req.outcome);
-    let mut bytes = Vec::with_capacity(64 + id.len());
-    ReleaseResponse {
+    let body = ReleaseResponse {
         lease_id: id,
         released: true,
         outcome: req.outcome,
-    }
-    .write_json(&mut bytes);
+    };
+    let mut bytes = Vec::with_capacity(body.json_len());
+    body.write_json(&mut bytes);
     Ok(json_bytes(StatusCode::OK, bytes))
 }

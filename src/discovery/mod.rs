@@ -123,6 +123,10 @@ pub struct DiscoveryDeps {
 
 struct StateInner {
     deps: DiscoveryDeps,
+    /// Every request's identity when the authenticator requires no token, made once: the
+    /// authenticator is fixed for the state's life, and one `Arc` a request cost an allocation
+    /// and a copy of the name.
+    anonymous: Option<Arc<Identity>>,
     ui: std::sync::OnceLock<Arc<dyn Page>>,
     journal: std::sync::OnceLock<Journal>,
 }
@@ -139,6 +143,7 @@ impl DiscoveryState {
         let _ = deps.metrics.active.0.set(deps.store.clone());
         Self {
             inner: Arc::new(StateInner {
+                anonymous: deps.auth.anonymous().map(Arc::new),
                 deps,
                 ui: std::sync::OnceLock::new(),
                 journal: std::sync::OnceLock::new(),

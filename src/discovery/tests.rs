@@ -18,6 +18,8 @@ use crate::{
     provider::{Credentials, Endpoint},
 };
 
+mod anonymous;
+mod authorization;
 mod outcomes;
 
 const TOKEN: &str = "s3cret-crawler-token";

@@ -243,21 +243,36 @@ impl LeaseSigner {
 
     /// The signed ID of a lease.
     pub fn sign(&self, claim: &LeaseClaim) -> String {
-        let mut buf = Vec::with_capacity(64 + claim.id.key.as_str().len() + claim.holder.len());
-        buf.push(FORMAT_BLAKE3);
-        buf.extend_from_slice(&claim.id.hint.shard.to_be_bytes());
-        buf.extend_from_slice(&claim.id.hint.slot.to_be_bytes());
-        buf.extend_from_slice(&claim.id.hint.generation.to_be_bytes());
-        buf.extend_from_slice(&claim.id.first_token.to_be_bytes());
-        buf.extend_from_slice(&claim.acquired_at_ms.to_be_bytes());
-        buf.extend_from_slice(&claim.expires_at_ms.to_be_bytes());
-        put_str(&mut buf, Some(claim.id.key.as_str()));
-        put_str(&mut buf, Some(&claim.holder));
-        put_str(&mut buf, claim.target_domain.as_deref());
-        put_str(&mut buf, claim.session_key.as_deref());
-        let tag = self.tag(&buf);
-        buf.extend_from_slice(&tag);
-        URL_SAFE_NO_PAD.encode_to_string(&buf)
+        let key = Some(claim.id.key.as_str());
+        let holder = Some(claim.holder.as_str());
+        let (domain, session) = (claim.target_domain.as_deref(), claim.session_key.as_deref());
+        let strings = [key, holder, domain, session];
+        let len = FIXED_LEN + strings.map(put_len).iter().sum::<usize>() + TAG_LEN;
+        // On the stack unless the names are long (an allocation less a lease): the payload is
+        // only hashed and encoded.
+        let mut stack = [0u8; 256];
+        let mut heap = Vec::new();
+        let buf: &mut [u8] = if len <= stack.len() {
+            &mut stack[..len]
+        } else {
+            heap.resize(len, 0);
+            &mut heap
+        };
+        let mut w = Writer { buf, at: 0 };
+        w.put(&[FORMAT_BLAKE3]);
+        w.put(&claim.id.hint.shard.to_be_bytes());
+        w.put(&claim.id.hint.slot.to_be_bytes());
+        w.put(&claim.id.hint.generation.to_be_bytes());
+        w.put(&claim.id.first_token.to_be_bytes());
+        w.put(&claim.acquired_at_ms.to_be_bytes());
+        w.put(&claim.expires_at_ms.to_be_bytes());
+        for s in strings {
+            w.put_str(s);
+        }
+        debug_assert_eq!(w.at, len - TAG_LEN, "the payload's length is worked out above");
+        let tag = self.tag(&w.buf[..len - TAG_LEN]);
+        w.put(&tag);
+        URL_SAFE_NO_PAD.encode_to_string(&*w.buf)
     }
 
     /// The tag of `payload` under the MAC its first byte names.
@@ -294,18 +309,46 @@ impl LeaseSigner {
     }
 }
 
-fn put_str(buf: &mut Vec<u8>, s: Option<&str>) {
-    match s {
-        // Longer strings are cut at a char boundary; the API bounds every field well below.
-        Some(s) => {
-            let mut end = s.len().min(NONE as usize - 1);
-            while !s.is_char_boundary(end) {
-                end -= 1;
+/// Bytes of a payload before its strings: format, hint, first token, grant and expiry.
+const FIXED_LEN: usize = HEAD_LEN + 8 + 8;
+
+/// `s` as a payload holds it: cut at a char boundary below [`NONE`] bytes (the API bounds
+/// every field well below).
+fn cut(s: &str) -> &str {
+    let mut end = s.len().min(NONE as usize - 1);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// The bytes [`Writer::put_str`] writes for `s`.
+fn put_len(s: Option<&str>) -> usize {
+    2 + s.map_or(0, |s| cut(s).len())
+}
+
+/// Writes a payload into a buffer of its exact length.
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    at: usize,
+}
+
+impl Writer<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.buf[self.at..self.at + bytes.len()].copy_from_slice(bytes);
+        self.at += bytes.len();
+    }
+
+    /// A string as its length (two bytes) and bytes, or [`NONE`] for none.
+    fn put_str(&mut self, s: Option<&str>) {
+        match s {
+            Some(s) => {
+                let s = cut(s);
+                self.put(&(s.len() as u16).to_be_bytes());
+                self.put(s.as_bytes());
             }
-            buf.extend_from_slice(&(end as u16).to_be_bytes());
-            buf.extend_from_slice(&s.as_bytes()[..end]);
+            None => self.put(&NONE.to_be_bytes()),
         }
-        None => buf.extend_from_slice(&NONE.to_be_bytes()),
     }
 }
 
@@ -376,4 +419,85 @@ fn decode_claim(payload: &[u8]) -> Option<LeaseClaim> {
         target_domain,
         session_key,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The payload as the writer before the stack buffer wrote it, grown one push at a time.
+    fn reference_payload(claim: &LeaseClaim) -> Vec<u8> {
+        let mut buf = vec![FORMAT_BLAKE3];
+        buf.extend_from_slice(&claim.id.hint.shard.to_be_bytes());
+        buf.extend_from_slice(&claim.id.hint.slot.to_be_bytes());
+        buf.extend_from_slice(&claim.id.hint.generation.to_be_bytes());
+        buf.extend_from_slice(&claim.id.first_token.to_be_bytes());
+        buf.extend_from_slice(&claim.acquired_at_ms.to_be_bytes());
+        buf.extend_from_slice(&claim.expires_at_ms.to_be_bytes());
+        let strings = [
+            Some(claim.id.key.as_str()),
+            Some(claim.holder.as_str()),
+            claim.target_domain.as_deref(),
+            claim.session_key.as_deref(),
+        ];
+        for s in strings {
+            match s {
+                Some(s) => {
+                    let mut end = s.len().min(NONE as usize - 1);
+                    while !s.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    buf.extend_from_slice(&(end as u16).to_be_bytes());
+                    buf.extend_from_slice(&s.as_bytes()[..end]);
+                }
+                None => buf.extend_from_slice(&NONE.to_be_bytes()),
+            }
+        }
+        buf
+    }
+
+    /// Short claims (the stack buffer), long ones (the heap) and ones cut at a character
+    /// boundary are signed byte for byte as before, and the uncut ones verify.
+    #[test]
+    fn claims_of_every_length_are_signed_as_the_payload_layout_says() {
+        let signer = LeaseSigner::new(&[5u8; 32]).unwrap();
+        for (holder, domain, session) in [
+            ("h".to_owned(), None, None),
+            ("crawler-ü".to_owned(), Some("shop.example"), Some("s")),
+            ("h".repeat(150), Some("d.example"), None),
+            ("h".repeat(300), None, Some("session")),
+            // Over the 65,534 bytes a string keeps, cut inside a two-byte character.
+            (format!("{}é", "h".repeat(65_533)), None, None),
+        ] {
+            let claim = LeaseClaim {
+                id: LeaseId {
+                    key: ProxyKey::new("ns", "proxy"),
+                    first_token: 0x0102_0304_0506_0708,
+                    hint: LeaseHint {
+                        shard: 7,
+                        slot: 70_000,
+                        generation: 3,
+                    },
+                },
+                holder: holder.clone(),
+                acquired_at_ms: 1_700_000_000_000,
+                expires_at_ms: 1_700_000_060_000,
+                target_domain: domain.map(Into::into),
+                session_key: session.map(Into::into),
+            };
+            let mut expected = reference_payload(&claim);
+            let tag = signer.tag(&expected);
+            expected.extend_from_slice(&tag);
+            let id = signer.sign(&claim);
+            assert_eq!(
+                id,
+                URL_SAFE_NO_PAD.encode_to_string(&expected),
+                "{}",
+                holder.len()
+            );
+            if holder.len() < 65_534 {
+                assert_eq!(signer.verify(&id).unwrap(), claim);
+            }
+        }
+    }
 }

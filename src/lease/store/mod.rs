@@ -109,6 +109,8 @@ impl SessionMap {
 }
 struct Inner {
     shards: Box<[Padded<Mutex<Shard>>]>,
+    /// Each shard's [`Shard::proxies`], in shard order.
+    shard_proxies: Box<[Arc<std::sync::atomic::AtomicUsize>]>,
     /// Per shard, the thread that last started acquires in it ([`select::owner_word`]): read and
     /// written once per [`select::BURST`], kept off the locks' lines.
     owners: Box<[Padded<AtomicU64>]>,
@@ -167,6 +169,7 @@ impl LeaseStore {
             .collect();
         Self {
             inner: Arc::new(Inner {
+                shard_proxies: shard_vec.iter().map(|s| lock(&s.0).proxies.clone()).collect(),
                 shards: shard_vec.into_boxed_slice(),
                 owners: (0..shards).map(|_| Padded(AtomicU64::new(0))).collect(),
                 sessions: sessions.into_boxed_slice(),

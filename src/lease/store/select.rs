@@ -328,6 +328,11 @@ impl LeaseStore {
             };
             for i in 0..n {
                 let index = (start + i) % n;
+                // No proxy, nothing to grant or wait for ([`Shard::proxies`]). One being added
+                // meanwhile is missed as it would be had this acquire come a moment earlier.
+                if self.inner.shard_proxies[index].load(Ordering::Relaxed) == 0 {
+                    continue;
+                }
                 let mut shard = match self.inner.shards[index].0.try_lock() {
                     Ok(shard) => shard,
                     Err(TryLockError::Poisoned(e)) => e.into_inner(),
