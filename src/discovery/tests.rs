@@ -64,6 +64,17 @@ fn harness(proxies: usize, max_concurrent: i32) -> Harness {
 
 /// `harness` with politeness entries shared as the gateway would share them.
 fn harness_with(proxies: usize, max_concurrent: i32, politeness: crate::politeness::Politeness) -> Harness {
+    let tokens = StaticTokens::parse(&format!("# crawlers\n{TOKEN}\n"));
+    harness_authenticated_by(proxies, max_concurrent, politeness, Arc::new(tokens))
+}
+
+/// `harness_with`, whose callers `auth` authenticates.
+fn harness_authenticated_by(
+    proxies: usize,
+    max_concurrent: i32,
+    politeness: crate::politeness::Politeness,
+    auth: Arc<dyn Authenticator>,
+) -> Harness {
     let store = LeaseStore::new(LeaseStoreConfig::default());
     for i in 0..proxies {
         let region = if i % 2 == 0 { "eu" } else { "us" };
@@ -76,11 +87,10 @@ fn harness_with(proxies: usize, max_concurrent: i32, politeness: crate::politene
         leader: true,
         ..Readiness::default()
     });
-    let tokens = StaticTokens::parse(&format!("# crawlers\n{TOKEN}\n"));
     let state = DiscoveryState::new(DiscoveryDeps {
         store,
         signer: LeaseSigner::new(&[42u8; 32]).unwrap(),
-        auth: Arc::new(tokens),
+        auth,
         readiness,
         registry: Arc::new(registry),
         metrics,

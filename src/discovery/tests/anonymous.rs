@@ -4,32 +4,7 @@
 use super::*;
 
 fn anonymous_harness() -> Harness {
-    let store = LeaseStore::new(LeaseStoreConfig::default());
-    add_proxy(&store, "p0", 3128, "eu", 1);
-    let mut registry = Registry::default();
-    let metrics = DiscoveryMetrics::register(&mut registry);
-    let (ready, readiness) = watch::channel(Readiness {
-        caches_synced: true,
-        leader: true,
-        ..Readiness::default()
-    });
-    let state = DiscoveryState::new(DiscoveryDeps {
-        store,
-        signer: LeaseSigner::new(&[42u8; 32]).unwrap(),
-        auth: Arc::new(NoAuthentication),
-        readiness,
-        registry: Arc::new(registry),
-        metrics,
-        outcomes: Default::default(),
-        usage: Default::default(),
-        politeness: Default::default(),
-        config: DiscoveryConfig::default(),
-    });
-    Harness {
-        state,
-        ready,
-        connection: Arc::default(),
-    }
+    harness_authenticated_by(1, 1, Default::default(), Arc::new(NoAuthentication))
 }
 
 #[tokio::test]
