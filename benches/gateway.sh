@@ -20,7 +20,8 @@
 # adds <= 15 % to the CPU per request and <= 1 ms to p99.
 #
 # Then CONNECT tunnels: EPO_GW_TUNNELS (200) fetches of 1 MiB, each its own tunnel (`curl -p`),
-# 8 at a time, directly through the Squid and through the gateway: MiB/s and server CPU per MiB.
+# 8 at a time, directly through the Squid, through the bare hop and through the gateway: MiB/s
+# and server CPU per MiB.
 # Then sessions: EPO_GW_SESSIONS (10,000) sticky sessions opened through the gateway and held at
 # once (a pool of the Squid and 10 bench-memory proxies of 1,000 slots each, whose endpoint is
 # the Squid): the operator's RSS before and after, against the 64 MB memory target.
@@ -201,12 +202,19 @@ tunnel_run() {
 echo
 echo "CONNECT: $tunnels tunnels of 1 MiB each, 8 at a time (curl -p):"
 read -r direct_mibs direct_cpu direct_failed < <(tunnel_run "http://$squid")
+read -r hop_mibs hop_cpu hop_failed < <(tunnel_run "http://$bare_hop" "$forward_pid")
 read -r gw_mibs gw_cpu gw_failed < <(tunnel_run "http://bench:$token@$gateway" "$server_pid")
 printf '  direct   %8s MiB/s %8s ms server CPU per MiB\n' "$direct_mibs" "$direct_cpu"
+printf '  bare-hop %8s MiB/s %8s ms server CPU per MiB\n' "$hop_mibs" "$hop_cpu"
 printf '  gateway  %8s MiB/s %8s ms server CPU per MiB\n' "$gw_mibs" "$gw_cpu"
-awk -v dm="$direct_mibs" -v dc="$direct_cpu" -v gm="$gw_mibs" -v gc="$gw_cpu" \
-  'BEGIN { printf "  gateway / direct: %.1f %% of the throughput, CPU per MiB %+.1f %%\n", 100 * gm / dm, 100 * (gc / dc - 1) }'
-[ "$direct_failed$gw_failed" = 00 ] || { echo "  failed fetches: direct $direct_failed, gateway $gw_failed" >&2; failures=$((failures + 1)); }
+awk -v dm="$direct_mibs" -v dc="$direct_cpu" -v hm="$hop_mibs" -v hc="$hop_cpu" -v gm="$gw_mibs" -v gc="$gw_cpu" 'BEGIN {
+  printf "  bare-hop / direct: %.1f %% of the throughput, CPU per MiB %+.1f %%  (the floor)\n", 100 * hm / dm, 100 * (hc / dc - 1)
+  printf "  gateway / direct: %.1f %% of the throughput, CPU per MiB %+.1f %%\n", 100 * gm / dm, 100 * (gc / dc - 1)
+}'
+[ "$direct_failed$hop_failed$gw_failed" = 000 ] || {
+  echo "  failed fetches: direct $direct_failed, bare hop $hop_failed, gateway $gw_failed" >&2
+  failures=$((failures + 1))
+}
 stop_server
 
 # --- sessions held at once ------------------------------------------------------------------

@@ -8,7 +8,7 @@
 //! forward-proxy hop hyper makes, the floor under the gateway's figure (`benches/gateway.sh`):
 //! each client connection gets one connection of its own to the HTTP proxy at `UPSTREAM`, and
 //! each request goes out on it as it came in (absolute form, headers untouched), with no pool,
-//! authentication, lease or outcome.
+//! authentication, lease or outcome; a `CONNECT` is passed on and its tunnel copied both ways.
 //! Each prints `listening on ADDR` and runs until SIGTERM (then removes its temporary folder),
 //! on a default multi-thread tokio runtime, like the operator (one worker per CPU it may run
 //! on: `taskset` decides). `EPO_JOURNAL_STATS=1` prints records and time per journal sync.
@@ -29,6 +29,7 @@ use egress_proxies_operator::{
         maintenance,
     },
 };
+use http_body_util::BodyExt;
 use hyper::{
     Request, body::Incoming, client::conn::http1 as client_http1, server::conn::http1 as server_http1,
 };
@@ -136,7 +137,9 @@ fn main() {
 
 /// The cheapest forward-proxy hop: one upstream connection per client connection, each request
 /// sent on it unchanged and its answer streamed back (HTTP/1 answers a connection's requests in
-/// order, so the connection needs no pool and its lock is never contended).
+/// order, so the connection needs no pool and its lock is never contended). A `CONNECT` gets an
+/// upstream connection of its own and, once the upstream's tunnel is open, the two sides are
+/// copied both ways as the gateway copies them (`tokio::io::copy_bidirectional`).
 async fn serve_forward(listener: TcpListener, upstream: SocketAddr) {
     loop {
         let Ok((client, _)) = listener.accept().await else {
@@ -156,14 +159,62 @@ async fn serve_forward(listener: TcpListener, upstream: SocketAddr) {
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {
                 let sender = sender.clone();
                 async move {
+                    if request.method() == hyper::Method::CONNECT {
+                        return tunnel(upstream, request).await;
+                    }
                     let mut sender = sender.lock().await;
                     sender.ready().await?;
-                    sender.send_request(request).await
+                    let response = sender.send_request(request).await?;
+                    Ok(response.map(|body| body.boxed_unsync()))
                 }
             });
             let _ = server_http1::Builder::new()
                 .serve_connection(TokioIo::new(client), service)
+                .with_upgrades()
                 .await;
         });
     }
+}
+
+type ForwardBody = http_body_util::combinators::UnsyncBoxBody<bytes::Bytes, hyper::Error>;
+
+/// A `CONNECT` through the upstream on a connection of its own, then both sides copied.
+async fn tunnel(
+    upstream: SocketAddr,
+    mut request: Request<Incoming>,
+) -> Result<hyper::Response<ForwardBody>, hyper::Error> {
+    let empty = || {
+        http_body_util::Empty::new()
+            .map_err(|never| match never {})
+            .boxed_unsync()
+    };
+    let mut answer = hyper::Response::new(empty());
+    *answer.status_mut() = hyper::StatusCode::BAD_GATEWAY;
+    let Ok(stream) = TcpStream::connect(upstream).await else {
+        return Ok(answer);
+    };
+    let _ = stream.set_nodelay(true);
+    let (mut sender, connection) = client_http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(connection.with_upgrades());
+    let mut connect = Request::new(http_body_util::Empty::<bytes::Bytes>::new());
+    *connect.method_mut() = hyper::Method::CONNECT;
+    *connect.uri_mut() = request.uri().clone();
+    if let Some(host) = request.headers().get(hyper::header::HOST) {
+        connect.headers_mut().insert(hyper::header::HOST, host.clone());
+    }
+    let response = sender.send_request(connect).await?;
+    if !response.status().is_success() {
+        return Ok(response.map(|body| body.boxed_unsync()));
+    }
+    let client_side = hyper::upgrade::on(&mut request);
+    tokio::spawn(async move {
+        if let (Ok(upstream_side), Ok(client_side)) = (hyper::upgrade::on(response).await, client_side.await)
+        {
+            let (mut upstream_side, mut client_side) =
+                (TokioIo::new(upstream_side), TokioIo::new(client_side));
+            let _ = tokio::io::copy_bidirectional(&mut client_side, &mut upstream_side).await;
+        }
+    });
+    *answer.status_mut() = hyper::StatusCode::OK;
+    Ok(answer)
 }
