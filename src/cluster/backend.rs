@@ -5,7 +5,7 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{Arc, Mutex, MutexGuard},
 };
 
 use async_trait::async_trait;
@@ -30,6 +30,7 @@ use crate::{
     effects::{BackendError, ProxyBackend, SecretError},
     machine::{AuditEntry, reason},
     provider::{Credentials, UserData},
+    sync::lock,
 };
 
 /// The cluster-mode backend.
@@ -65,7 +66,7 @@ impl KubeBackend {
     }
 
     fn superseded(&self) -> MutexGuard<'_, HashMap<u64, [u64; 2]>> {
-        self.superseded.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.superseded)
     }
 
     /// Whether `proxy` is a version our own writes of it already replaced: the cache has not

@@ -14,7 +14,7 @@
 use std::{
     collections::HashMap,
     hash::{DefaultHasher, Hash, Hasher},
-    sync::{Mutex, PoisonError},
+    sync::Mutex,
     time::Duration,
 };
 
@@ -28,6 +28,8 @@ use kube::{
     api::{Patch, PatchParams, PostParams},
     runtime::events::{Event, EventType, Reporter},
 };
+
+use crate::sync::lock;
 use serde_json::json;
 
 /// How long a repeat joins the earlier Event's series (kube-runtime's and client-go's value).
@@ -75,7 +77,7 @@ impl EventPublisher {
         let now = Timestamp::now();
         let key = key_of(event, regarding);
         let repeat = {
-            let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut cache = lock(&self.cache);
             sweep(&mut cache, now);
             cache
                 .entries
@@ -103,18 +105,14 @@ impl EventPublisher {
                 (nanos(now), 1)
             }
         };
-        self.cache
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .entries
-            .insert(
-                key,
-                Cached {
-                    created_ns,
-                    count,
-                    last_observed: now.as_second(),
-                },
-            );
+        lock(&self.cache).entries.insert(
+            key,
+            Cached {
+                created_ns,
+                count,
+                last_observed: now.as_second(),
+            },
+        );
         Ok(())
     }
 

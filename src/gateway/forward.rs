@@ -10,6 +10,7 @@ use http_body_util::{BodyExt, Empty, combinators::UnsyncBoxBody};
 use hyper::{
     HeaderMap, Request, Response, StatusCode, Version,
     body::{Body, Incoming},
+    client::conn::http1::SendRequest,
     header::{self, HeaderName, HeaderValue},
 };
 use hyper_util::rt::TokioIo;
@@ -51,8 +52,8 @@ impl UpstreamError {
 }
 
 /// Hop-by-hop headers: each connection's own, never forwarded (plus those the `Connection`
-/// header names). `Proxy-Authorization` is the client's credentials to the gateway. A static,
-/// not a const: a const array of names was built and dropped again at every use.
+/// header names). `Proxy-Authorization` is the client's credentials to the gateway. A static:
+/// one array for every use (a const is a new value wherever it is named).
 static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -156,13 +157,32 @@ where
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
+    let mut sender = dial(proxy, connect_timeout).await?;
+    sender
+        .send_request(request)
+        .await
+        .map_err(UpstreamError::Exchange)
+}
+
+/// A new HTTP/1 connection to `proxy` (within `connect_timeout`), its exchange running in a
+/// task of its own until the last answer's body and any upgrade are done: a `CONNECT`'s
+/// ([`send`]) or a kept-alive one's ([`super::upstream::Upstreams`]).
+pub(super) async fn dial<B>(
+    proxy: &ProxyInfo,
+    connect_timeout: Duration,
+) -> Result<SendRequest<B>, UpstreamError>
+where
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let address = (proxy.endpoint.host.as_str(), proxy.endpoint.port);
     let stream = tokio::time::timeout(connect_timeout, TcpStream::connect(address))
         .await
         .map_err(|_| UpstreamError::ConnectTimeout(connect_timeout))?
         .map_err(UpstreamError::Connect)?;
     let _ = stream.set_nodelay(true);
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(UpstreamError::Exchange)?;
     tokio::spawn(async move {
@@ -170,10 +190,7 @@ where
             debug!(%error, "upstream connection ended with an error");
         }
     });
-    sender
-        .send_request(request)
-        .await
-        .map_err(UpstreamError::Exchange)
+    Ok(sender)
 }
 
 /// The head of the client's copy of an upstream answer: its status and end-to-end headers

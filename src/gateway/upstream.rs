@@ -24,14 +24,11 @@ use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
 use hyper::{
     Request, Response,
     body::{Body, Incoming},
-    client::conn::http1::{self, SendRequest},
+    client::conn::http1::SendRequest,
 };
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
-use tracing::debug;
 
-use super::forward::UpstreamError;
-use crate::{hashing::FastMap, lease::ProxyInfo};
+use super::forward::{self, UpstreamError};
+use crate::{hashing::FastMap, lease::ProxyInfo, sync::lock};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -99,7 +96,7 @@ impl Upstreams {
                 },
             }
         }
-        let mut sender = self.dial(proxy).await?;
+        let mut sender = forward::dial(proxy, self.connect_timeout).await?;
         let response = sender
             .send_request(request)
             .await
@@ -111,7 +108,7 @@ impl Upstreams {
     /// A parked connection to `proxy` that can send now; connections that closed or sat idle
     /// too long are dropped on the way.
     fn take_ready(&self, proxy: &ProxyInfo) -> Option<SendRequest<UpstreamBody>> {
-        let mut parked = self.lock();
+        let mut parked = lock(&self.parked);
         let connections = parked.get_mut(proxy.endpoint_text.as_str())?;
         let now = Instant::now();
         let mut context = Context::from_waker(Waker::noop());
@@ -139,7 +136,7 @@ impl Upstreams {
             sender,
             since: Instant::now(),
         };
-        let mut parked = self.lock();
+        let mut parked = lock(&self.parked);
         if let Some(connections) = parked.get_mut(proxy.endpoint_text.as_str()) {
             if connections.len() < MAX_PER_ENDPOINT {
                 connections.push(parked_now);
@@ -151,32 +148,6 @@ impl Upstreams {
         }
         parked.insert(proxy.endpoint_text.clone(), vec![parked_now]);
     }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, FastMap<String, Vec<Parked>>> {
-        // A poisoned lock only means another request panicked mid-update; the map is still whole.
-        self.parked
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// A new connection to `proxy`, its HTTP/1 exchange running in a task of its own.
-    async fn dial(&self, proxy: &ProxyInfo) -> Result<SendRequest<UpstreamBody>, UpstreamError> {
-        let address = (proxy.endpoint.host.as_str(), proxy.endpoint.port);
-        let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(address))
-            .await
-            .map_err(|_| UpstreamError::ConnectTimeout(self.connect_timeout))?
-            .map_err(UpstreamError::Connect)?;
-        let _ = stream.set_nodelay(true);
-        let (sender, connection) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(UpstreamError::Exchange)?;
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                debug!(%error, "kept-alive upstream connection ended with an error");
-            }
-        });
-        Ok(sender)
-    }
 }
 
 #[cfg(test)]
@@ -187,6 +158,7 @@ mod tests {
     };
 
     use http_body_util::{Empty, Full};
+    use hyper_util::rt::TokioIo;
     use tokio::net::TcpListener;
 
     use super::*;
