@@ -30,6 +30,11 @@ control_plane_cache_dir() {
     echo "$root/k8s-$EPO_K8S_VERSION-etcd-$EPO_ETCD_VERSION-kwok-$EPO_KWOK_VERSION"
 }
 
+# Field $2 (`Dir`, `GoMod`) of module $1 (path@version), downloaded from the module proxy.
+_module_field() {
+    go mod download -json "$1" | sed -n "s/.*\"$2\": \"\(.*\)\".*/\1/p"
+}
+
 # Builds the Kubernetes binaries named in "$@" into "$1"'s folder (first argument: output dir).
 _build_kubernetes() {
     local out="$1"; shift
@@ -45,7 +50,7 @@ go 1.26
 require k8s.io/kubernetes $EPO_K8S_VERSION
 EOF
         # The staging modules the release names, each replaced by its published tag.
-        local gomod; gomod=$(go mod download -json "k8s.io/kubernetes@$EPO_K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+        local gomod; gomod=$(_module_field "k8s.io/kubernetes@$EPO_K8S_VERSION" GoMod)
         local module
         for module in $(sed -n 's#^\s*\(k8s.io/[a-z0-9-]*\) => ./staging/.*#\1#p' "$gomod"); do
             case "$module" in
@@ -93,10 +98,10 @@ _build_kwok() {
     (
         cd "$work"
         local kwok_dir easycel_version easycel_dir
-        kwok_dir=$(go mod download -json "sigs.k8s.io/kwok@$EPO_KWOK_VERSION" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
+        kwok_dir=$(_module_field "sigs.k8s.io/kwok@$EPO_KWOK_VERSION" Dir)
         cp -r "$kwok_dir" kwok
         easycel_version=$(sed -n 's#^\s*github.com/wzshiming/easycel \(v[^ ]*\).*#\1#p' kwok/go.mod)
-        easycel_dir=$(go mod download -json "github.com/wzshiming/easycel@$easycel_version" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')
+        easycel_dir=$(_module_field "github.com/wzshiming/easycel@$easycel_version" Dir)
         cp -r "$easycel_dir" easycel
         chmod -R u+w kwok easycel
         (cd easycel && git apply "$patch")
