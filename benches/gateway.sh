@@ -19,9 +19,12 @@
 # Squid process, and the operator on the gateway's runs). Targets at 64 connections: the gateway
 # adds <= 15 % to the CPU per request and <= 1 ms to p99.
 #
-# Then CONNECT tunnels: EPO_GW_TUNNELS (200) fetches of 1 MiB, each its own tunnel (`curl -p`),
+# Then CONNECT tunnels: EPO_GW_TUNNELS (1,000) fetches of 1 MiB, each its own tunnel (`curl -p`),
 # 8 at a time, directly through the Squid, through the bare hop and through the gateway: MiB/s
-# and server CPU per MiB.
+# and server CPU per MiB (a MiB costs the servers about 1 ms, and CPU time is counted in 10 ms
+# ticks: 200 tunnels moved the ratio by 20 points run to run). Both hops relay a tunnel with
+# the gateway's relay (gateway::tunnel, splice(2)), so the bare hop's figure is the floor of
+# any relay in a process of its own. Target: the gateway adds <= 15 % CPU a MiB.
 # Then sessions: EPO_GW_SESSIONS (10,000) sticky sessions opened through the gateway and held at
 # once (a pool of the Squid and 10 bench-memory proxies of 1,000 slots each, whose endpoint is
 # the Squid): the operator's RSS before and after, against the 64 MB memory target.
@@ -39,7 +42,7 @@ source benches/lib.sh
 rounds=${EPO_GW_ROUNDS:-1}
 secs=${EPO_GW_SECS:-10}
 connections=${EPO_GW_CONNECTIONS:-16 64}
-tunnels=${EPO_GW_TUNNELS:-200}
+tunnels=${EPO_GW_TUNNELS:-1000}
 sessions=${EPO_GW_SESSIONS:-10000}
 client_cpu=${EPO_WRK_CLIENT_CPU:-0}
 server_cpu=${EPO_WRK_SERVER_CPU:-1}
@@ -209,7 +212,8 @@ printf '  bare-hop %8s MiB/s %8s ms server CPU per MiB\n' "$hop_mibs" "$hop_cpu"
 printf '  gateway  %8s MiB/s %8s ms server CPU per MiB\n' "$gw_mibs" "$gw_cpu"
 awk -v dm="$direct_mibs" -v dc="$direct_cpu" -v hm="$hop_mibs" -v hc="$hop_cpu" -v gm="$gw_mibs" -v gc="$gw_cpu" 'BEGIN {
   printf "  bare-hop / direct: %.1f %% of the throughput, CPU per MiB %+.1f %%  (the floor)\n", 100 * hm / dm, 100 * (hc / dc - 1)
-  printf "  gateway / direct: %.1f %% of the throughput, CPU per MiB %+.1f %%\n", 100 * gm / dm, 100 * (gc / dc - 1)
+  printf "  gateway / direct: %.1f %% of the throughput, CPU per MiB %+.1f %%  %s\n", 100 * gm / dm, 100 * (gc / dc - 1),
+    (gc / dc - 1 <= 0.15 ? "PASS" : sprintf("FAIL (target <= +15 %%; the floor %+.1f %%)", 100 * (hc / dc - 1)))
 }'
 [ "$direct_failed$hop_failed$gw_failed" = 000 ] || {
   echo "  failed fetches: direct $direct_failed, bare hop $hop_failed, gateway $gw_failed" >&2

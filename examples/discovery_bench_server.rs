@@ -8,7 +8,8 @@
 //! forward-proxy hop hyper makes, the floor under the gateway's figure (`benches/gateway.sh`):
 //! each client connection gets one connection of its own to the HTTP proxy at `UPSTREAM`, and
 //! each request goes out on it as it came in (absolute form, headers untouched), with no pool,
-//! authentication, lease or outcome; a `CONNECT` is passed on and its tunnel copied both ways.
+//! authentication, lease or outcome; a `CONNECT` is passed on and its tunnel relayed both ways
+//! by the gateway's own relay (`splice(2)`).
 //! Each prints `listening on ADDR` and runs until SIGTERM (then removes its temporary folder),
 //! on a default multi-thread tokio runtime, like the operator (one worker per CPU it may run
 //! on: `taskset` decides). `EPO_JOURNAL_STATS=1` prints records and time per journal sync.
@@ -139,7 +140,7 @@ fn main() {
 /// sent on it unchanged and its answer streamed back (HTTP/1 answers a connection's requests in
 /// order, so the connection needs no pool and its lock is never contended). A `CONNECT` gets an
 /// upstream connection of its own and, once the upstream's tunnel is open, the two sides are
-/// copied both ways as the gateway copies them (`tokio::io::copy_bidirectional`).
+/// relayed both ways by the gateway's relay (`gateway::tunnel::relay`, `splice(2)`).
 async fn serve_forward(listener: TcpListener, upstream: SocketAddr) {
     loop {
         let Ok((client, _)) = listener.accept().await else {
@@ -178,7 +179,7 @@ async fn serve_forward(listener: TcpListener, upstream: SocketAddr) {
 
 type ForwardBody = http_body_util::combinators::UnsyncBoxBody<bytes::Bytes, hyper::Error>;
 
-/// A `CONNECT` through the upstream on a connection of its own, then both sides copied.
+/// A `CONNECT` through the upstream on a connection of its own, then both sides relayed.
 async fn tunnel(
     upstream: SocketAddr,
     mut request: Request<Incoming>,
@@ -210,9 +211,7 @@ async fn tunnel(
     tokio::spawn(async move {
         if let (Ok(upstream_side), Ok(client_side)) = (hyper::upgrade::on(response).await, client_side.await)
         {
-            let (mut upstream_side, mut client_side) =
-                (TokioIo::new(upstream_side), TokioIo::new(client_side));
-            let _ = tokio::io::copy_bidirectional(&mut client_side, &mut upstream_side).await;
+            let _ = egress_proxies_operator::gateway::tunnel::relay(client_side, upstream_side).await;
         }
     });
     *answer.status_mut() = hyper::StatusCode::OK;

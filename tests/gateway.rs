@@ -677,6 +677,68 @@ async fn connect_opens_a_tunnel_through_a_squid() {
         .await;
 }
 
+/// What a client sends right behind its `CONNECT` (as a TLS client sends its hello) reaches
+/// the target through the tunnel, and the tunnel's bytes are counted both ways, those included:
+/// the relay hands the sockets to `splice(2)` and must first write what hyper already read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnels_first_bytes_sent_with_the_connect_arrive_and_are_counted() {
+    let setup = Setup::start(&[]).await;
+    let basic = basic_credentials(format!("crawler-3:{}", setup.host.token()).as_bytes());
+    let target = setup.origin.addr;
+    let inner = format!("GET /early HTTP/1.1\r\nHost: {target}\r\n\r\n");
+    let mut stream = TcpStream::connect(("127.0.0.1", setup.gateway))
+        .await
+        .expect("connect");
+    stream
+        .write_all(
+            format!(
+                "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nProxy-Authorization: Basic {basic}\r\n\r\n{inner}"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send the CONNECT and the request inside it in one write");
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    let (connect_head, tunnelled) = loop {
+        let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut buf))
+            .await
+            .expect("the answers arrive within 20 s")
+            .expect("read");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got).into_owned();
+        let Some((connect_head, tunnelled)) = text.split_once("\r\n\r\n") else {
+            continue;
+        };
+        if tunnelled.contains("hello /early from ") && tunnelled.ends_with(|c: char| c.is_ascii_digit()) {
+            break (connect_head.to_owned(), tunnelled.to_owned());
+        }
+    };
+    assert!(connect_head.starts_with("HTTP/1.1 200"), "{connect_head}");
+    let (_, body) = tunnelled.split_once("\r\n\r\n").expect("the origin's head");
+    let ip = from_ip(body);
+    drop(stream);
+    setup
+        .no_leases_within(Duration::from_secs(5), "after the tunnel closed")
+        .await;
+    setup.access_log_shows(ip, &format!("CONNECT {target}")).await;
+
+    let proxies = setup.api_get("/v1/proxies?targetDomain=127.0.0.1").await;
+    let counted: Vec<&Value> = proxies["proxies"]
+        .as_array()
+        .expect("proxies")
+        .iter()
+        .flat_map(|p| p["outcomes"]["domains"].as_array().into_iter().flatten())
+        .filter(|d| d["domain"] == "127.0.0.1")
+        .map(|d| &d["stats"])
+        .collect();
+    assert_eq!(counted.len(), 1, "one proxy carried the tunnel: {proxies}");
+    assert_eq!(counted[0]["successes"], 1, "{proxies}");
+    assert_eq!(counted[0]["bytesSent"], inner.len(), "{proxies}");
+    assert_eq!(counted[0]["bytesReceived"], tunnelled.len(), "{proxies}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_credentials_get_answers_that_say_what_to_fix() {
     let setup = Setup::start(&[]).await;

@@ -8,7 +8,7 @@
 //! ([`held`]: taken and ended through [`crate::lease::DurableLeases`], as the API's are, but
 //! never journalled; sticky per session), the exchange with the leased upstream proxy
 //! ([`forward`]: absolute-form requests on kept-alive connections ([`upstream`]), `CONNECT`
-//! tunnels spliced both ways; a
+//! tunnels whose bytes go socket to socket with `splice(2)` ([`tunnel`]); a
 //! GET, HEAD or CONNECT the proxy gave no answer to is sent once more through another), how
 //! often a proxy may be sent to one domain ([`polite`], in the state the lease API shares),
 //! what a target's answer does to the lease and the proxy ([`rules`], applied in [`judged`]:
@@ -25,6 +25,7 @@ mod judged;
 mod measure;
 pub mod polite;
 pub mod rules;
+pub mod tunnel;
 mod upstream;
 pub mod user;
 
@@ -505,8 +506,7 @@ impl Gateway {
         tokio::spawn(async move {
             match client_side.await {
                 Ok(client) => {
-                    let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream_side));
-                    let spliced = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                    let spliced = tunnel::relay(client, upstream_side).await;
                     if let Err(error) = &spliced {
                         debug!(%error, "gateway tunnel ended with an error");
                     }
