@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, combinators::UnsyncBoxBody};
 use hyper::{
     HeaderMap, Request, Response, StatusCode, Version,
-    body::{Body, Incoming},
+    body::Body,
     client::conn::http1::SendRequest,
     header::{self, HeaderName, HeaderValue},
 };
@@ -145,28 +145,9 @@ fn authorize(headers: &mut HeaderMap, proxy: &ProxyInfo) {
     }
 }
 
-/// Sends `request` (a `CONNECT`) to `proxy` on a new connection and returns its answer (the
-/// connection lives on in a task until the answer's body and any upgrade are done).
-pub(super) async fn send<B>(
-    proxy: &ProxyInfo,
-    request: Request<B>,
-    connect_timeout: Duration,
-) -> Result<Response<Incoming>, UpstreamError>
-where
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let mut sender = dial(proxy, connect_timeout).await?;
-    sender
-        .send_request(request)
-        .await
-        .map_err(UpstreamError::Exchange)
-}
-
 /// A new HTTP/1 connection to `proxy` (within `connect_timeout`), its exchange running in a
 /// task of its own until the last answer's body and any upgrade are done: a `CONNECT`'s
-/// ([`send`]) or a kept-alive one's ([`super::upstream::Upstreams`]).
+/// (`Gateway::exchange`) or a kept-alive one's ([`super::upstream::Upstreams`]).
 pub(super) async fn dial<B>(
     proxy: &ProxyInfo,
     connect_timeout: Duration,

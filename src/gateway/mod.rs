@@ -455,7 +455,12 @@ impl Gateway {
         B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
         if request.method() == Method::CONNECT {
-            forward::send(proxy, request, self.config.connect_timeout).await
+            // A connection of its own: after the answer it carries the tunnel.
+            let mut sender = forward::dial(proxy, self.config.connect_timeout).await?;
+            sender
+                .send_request(request)
+                .await
+                .map_err(UpstreamError::Exchange)
         } else {
             self.upstreams.send(proxy, request).await
         }

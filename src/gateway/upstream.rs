@@ -2,7 +2,7 @@
 //! out on an idle connection to its leased proxy when there is one, so the proxy parses a
 //! request, not a TCP handshake and a new client, each time (a connection per request cost the
 //! Squid behind it more CPU than the request itself: `benches/gateway.sh`). `CONNECT` tunnels
-//! keep a connection of their own ([`super::forward::send`]).
+//! keep a connection of their own ([`super::forward::dial`]).
 //!
 //! The pool is ours, over hyper's HTTP/1 connections: per upstream endpoint, the connections
 //! not sending a request. A connection goes back as soon as its answer's head is in; the next
