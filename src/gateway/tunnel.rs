@@ -12,9 +12,18 @@
 
 use std::io;
 
+use bytes::Bytes;
 use hyper::upgrade::{Parts, Upgraded};
 use hyper_util::rt::TokioIo;
 use tokio::{io::AsyncWriteExt, net::TcpStream};
+use tokio_splice2::{SpliceBidiIo, SpliceIoCtx};
+use tracing::debug;
+
+/// The most one direction's pipe holds: the kernel's default pipe size. A side that stops
+/// reading pins at most this much in the kernel (tokio-splice2 asks for 1 MiB pipes: 10,000
+/// stalled tunnels could pin 20 GB). Tunnels of 1 MiB cost the same CPU with either, within the
+/// runs' spread (docs/benchmarks.md, 2026-12-05).
+const PIPE_BYTES: usize = 64 * 1024;
 
 /// Moves bytes both ways until both sides are done; returns (client → upstream,
 /// upstream → client) byte counts.
@@ -24,20 +33,131 @@ pub async fn relay(client: Upgraded, upstream: Upgraded) -> io::Result<(u64, u64
         // change there shows here, in every CONNECT test, not as a silent slow path.
         return Err(io::Error::other("a tunnel side is not a TCP socket"));
     };
-    let (mut client, client_early) = (client.io.into_inner(), client.read_buf);
-    let (mut upstream, upstream_early) = (upstream.io.into_inner(), upstream.read_buf);
+    relay_sockets(
+        (client.io.into_inner(), client.read_buf),
+        (upstream.io.into_inner(), upstream.read_buf),
+        pipes,
+    )
+    .await
+}
+
+/// [`relay`] over the two sockets and what was read past their heads, with the pipes `pipes`
+/// makes (or, when it cannot, copied).
+async fn relay_sockets(
+    (mut client, client_early): (TcpStream, Bytes),
+    (mut upstream, upstream_early): (TcpStream, Bytes),
+    pipes: fn() -> io::Result<Splice>,
+) -> io::Result<(u64, u64)> {
     upstream.write_all(&client_early).await?;
     client.write_all(&upstream_early).await?;
-    let traffic = tokio_splice2::copy_bidirectional(&mut client, &mut upstream).await?;
-    if let Some(error) = traffic.error {
-        return Err(error);
-    }
+    let (sent, received) = match pipes() {
+        Ok(splice) => {
+            let traffic = splice.execute(&mut client, &mut upstream).await;
+            if let Some(error) = traffic.error {
+                return Err(error);
+            }
+            (traffic.tx as u64, traffic.rx as u64)
+        }
+        // Out of file descriptors (a spliced tunnel holds four more) or of pipe pages: the
+        // tunnel still works, its bytes copied through user space.
+        Err(error) => {
+            debug!(%error, "no pipes for a tunnel: copied instead");
+            tokio::io::copy_bidirectional(&mut client, &mut upstream).await?
+        }
+    };
     Ok((
-        (client_early.len() + traffic.tx) as u64,
-        (upstream_early.len() + traffic.rx) as u64,
+        client_early.len() as u64 + sent,
+        upstream_early.len() as u64 + received,
     ))
 }
 
 fn socket(side: Upgraded) -> Result<Parts<TokioIo<TcpStream>>, Upgraded> {
     side.downcast::<TokioIo<TcpStream>>()
+}
+
+/// Both directions' splices (client → upstream first), each with a pipe of its own.
+type Splice = SpliceBidiIo<TcpStream, TcpStream, false, false>;
+
+/// A pipe for each direction, of at most [`PIPE_BYTES`].
+fn pipes() -> io::Result<Splice> {
+    Ok(SpliceBidiIo {
+        io_sl2sr: pipe()?.into_io(),
+        io_sr2sl: pipe()?.into_io(),
+    })
+}
+
+fn pipe() -> io::Result<SpliceIoCtx<TcpStream, TcpStream>> {
+    let pipe = SpliceIoCtx::prepare()?;
+    if pipe.pipe_size().get() > PIPE_BYTES {
+        pipe.set_pipe_size(PIPE_BYTES)
+    } else {
+        Ok(pipe)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::{
+        io::AsyncReadExt,
+        net::{TcpListener, TcpStream},
+    };
+
+    use super::*;
+
+    /// A connected pair of loopback sockets: (the end a peer holds, the end the relay holds).
+    async fn socket_pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        let (peer, accepted) = tokio::join!(TcpStream::connect(address), listener.accept());
+        (peer.expect("connect"), accepted.expect("accept").0)
+    }
+
+    /// Bytes both ways, what was read past the heads first, 1 MiB (many pipefuls) one way, each
+    /// side's end passed on as the other's end, and the counts.
+    async fn relays_both_ways_with(pipes: fn() -> io::Result<Splice>) {
+        let (mut client, client_side) = socket_pair().await;
+        let (mut upstream, upstream_side) = socket_pair().await;
+        let relayed = tokio::spawn(relay_sockets(
+            (client_side, Bytes::from_static(b"client-early ")),
+            (upstream_side, Bytes::from_static(b"upstream-early ")),
+            pipes,
+        ));
+        let page: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+        let upstream_end = async {
+            let mut got = Vec::new();
+            upstream
+                .read_to_end(&mut got)
+                .await
+                .expect("read to the client's end");
+            upstream.write_all(&page).await.expect("write the page");
+            upstream.shutdown().await.expect("end");
+            got
+        };
+        let client_end = async {
+            client.write_all(b"GET /").await.expect("write");
+            client.shutdown().await.expect("end");
+            let mut got = Vec::new();
+            client
+                .read_to_end(&mut got)
+                .await
+                .expect("read to the upstream's end");
+            got
+        };
+        let (at_upstream, at_client) = tokio::join!(upstream_end, client_end);
+        assert_eq!(at_upstream, b"client-early GET /");
+        assert_eq!(&at_client[..15], b"upstream-early ");
+        assert!(at_client[15..] == page[..], "the page arrives whole and in order");
+        let counts = relayed.await.expect("the relay ends").expect("cleanly");
+        assert_eq!(counts, (18, 15 + (1 << 20)));
+    }
+
+    #[tokio::test]
+    async fn a_tunnel_is_spliced_both_ways() {
+        relays_both_ways_with(pipes).await;
+    }
+
+    #[tokio::test]
+    async fn a_tunnel_without_pipes_is_copied() {
+        relays_both_ways_with(|| Err(io::Error::from_raw_os_error(libc::EMFILE))).await;
+    }
 }
