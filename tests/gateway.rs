@@ -433,6 +433,25 @@ fn retry_after_in(head: &str) -> u64 {
         .unwrap_or_else(|| panic!("no Retry-After: {head}"))
 }
 
+/// Reads from `stream` until what came so far, as text, is `done` (each read within 20 s);
+/// returns it.
+async fn read_until(stream: &mut TcpStream, done: impl Fn(&str) -> bool) -> String {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if done(&text) {
+            return text;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("nothing more within 20 s after {text:?}"))
+            .expect("read");
+        assert!(n > 0, "closed early: {text}");
+        got.extend_from_slice(&buf[..n]);
+    }
+}
+
 fn from_ip(body: &str) -> IpAddr {
     body.rsplit(' ')
         .next()
@@ -698,23 +717,13 @@ async fn a_tunnels_first_bytes_sent_with_the_connect_arrive_and_are_counted() {
         )
         .await
         .expect("send the CONNECT and the request inside it in one write");
-    let mut got = Vec::new();
-    let mut buf = vec![0u8; 4096];
-    let (connect_head, tunnelled) = loop {
-        let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut buf))
-            .await
-            .expect("the answers arrive within 20 s")
-            .expect("read");
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&got).into_owned();
-        let Some((connect_head, tunnelled)) = text.split_once("\r\n\r\n") else {
-            continue;
-        };
-        if tunnelled.contains("hello /early from ") && tunnelled.ends_with(|c: char| c.is_ascii_digit()) {
-            break (connect_head.to_owned(), tunnelled.to_owned());
-        }
-    };
+    let text = read_until(&mut stream, |text| {
+        text.split_once("\r\n\r\n").is_some_and(|(_, tunnelled)| {
+            tunnelled.contains("hello /early from ") && tunnelled.ends_with(|c: char| c.is_ascii_digit())
+        })
+    })
+    .await;
+    let (connect_head, tunnelled) = text.split_once("\r\n\r\n").expect("checked above");
     assert!(connect_head.starts_with("HTTP/1.1 200"), "{connect_head}");
     let (_, body) = tunnelled.split_once("\r\n\r\n").expect("the origin's head");
     let ip = from_ip(body);
@@ -917,16 +926,7 @@ async fn no_lease_outlives_its_client() {
         )
         .await
         .expect("send");
-    let mut buf = vec![0u8; 4096];
-    let mut got = Vec::new();
-    while !String::from_utf8_lossy(&got).contains("first bytes") {
-        let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut buf))
-            .await
-            .expect("the head arrives")
-            .expect("read");
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&buf[..n]);
-    }
+    read_until(&mut stream, |text| text.contains("first bytes")).await;
     assert_eq!(setup.leases().await.len(), 1, "the slow answer holds its lease");
     drop(stream);
     setup
