@@ -4,19 +4,24 @@
 //! Both sides are plain TCP sockets (the gateway's listener and [`super::forward::dial`]), so
 //! the bytes go socket → pipe → socket with `splice(2)` (the `tokio-splice2` crate) and never
 //! through this process's memory: copying them through user space, as
-//! `tokio::io::copy_bidirectional` does, cost the gateway +58 % CPU a MiB over the Squid alone
-//! (docs/benchmarks.md). What hyper read past either side's head before the upgrade (a TLS
+//! `tokio::io::copy_bidirectional` does, cost 25–35 points more CPU a MiB, over the Squid alone,
+//! than splicing (docs/benchmarks.md, 2026-12-05). What hyper read past either side's head before the upgrade (a TLS
 //! ClientHello sent right behind the `CONNECT`, say) is written first. Public so that the
 //! benchmark's bare hop (`examples/discovery_bench_server forward`) relays with it too: the
 //! floor under the gateway's tunnel figure is then this relay alone.
 
-use std::io;
+use std::{
+    future::poll_fn,
+    io,
+    pin::{Pin, pin},
+    task::Poll,
+};
 
 use bytes::Bytes;
 use hyper::upgrade::{Parts, Upgraded};
 use hyper_util::rt::TokioIo;
 use tokio::{io::AsyncWriteExt, net::TcpStream};
-use tokio_splice2::{SpliceBidiIo, SpliceIoCtx};
+use tokio_splice2::{SpliceIo, SpliceIoCtx};
 use tracing::debug;
 
 /// The most one direction's pipe holds: the kernel's default pipe size. A side that stops
@@ -46,18 +51,12 @@ pub async fn relay(client: Upgraded, upstream: Upgraded) -> io::Result<(u64, u64
 async fn relay_sockets(
     (mut client, client_early): (TcpStream, Bytes),
     (mut upstream, upstream_early): (TcpStream, Bytes),
-    pipes: fn() -> io::Result<Splice>,
+    pipes: fn() -> io::Result<(Splice, Splice)>,
 ) -> io::Result<(u64, u64)> {
     upstream.write_all(&client_early).await?;
     client.write_all(&upstream_early).await?;
     let (sent, received) = match pipes() {
-        Ok(splice) => {
-            let traffic = splice.execute(&mut client, &mut upstream).await;
-            if let Some(error) = traffic.error {
-                return Err(error);
-            }
-            (traffic.tx as u64, traffic.rx as u64)
-        }
+        Ok((forth, back)) => spliced(&mut client, &mut upstream, forth, back).await?,
         // Out of file descriptors (a spliced tunnel holds four more) or of pipe pages: the
         // tunnel still works, its bytes copied through user space.
         Err(error) => {
@@ -71,19 +70,57 @@ async fn relay_sockets(
     ))
 }
 
+/// Splices client → upstream (`forth`) and upstream → client (`back`) until both are done (each
+/// ends by shutting its writer once its reader is at its end), or until either fails: then at
+/// once, as `copy_bidirectional` does, the sockets closing as they drop. (tokio-splice2's own
+/// bidirectional splice waits for the other direction after a failure, which holds a tunnel,
+/// and its lease, for as long as a client that ignores the end keeps its side open.) Returns
+/// the bytes each direction wrote.
+async fn spliced(
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
+    forth: Splice,
+    back: Splice,
+) -> io::Result<(u64, u64)> {
+    let (mut forth, mut back) = (pin!(forth), pin!(back));
+    let (mut forth_done, mut back_done) = (false, false);
+    poll_fn(|cx| {
+        // A finished direction is not polled again (its splice must not be reused).
+        if !forth_done
+            && let Poll::Ready(result) =
+                (forth.as_mut()).poll_execute(cx, Pin::new(&mut *client), Pin::new(&mut *upstream))
+        {
+            result?;
+            forth_done = true;
+        }
+        if !back_done
+            && let Poll::Ready(result) =
+                (back.as_mut()).poll_execute(cx, Pin::new(&mut *upstream), Pin::new(&mut *client))
+        {
+            result?;
+            back_done = true;
+        }
+        if forth_done && back_done {
+            Poll::Ready(Ok::<(), io::Error>(()))
+        } else {
+            Poll::Pending
+        }
+    })
+    .await?;
+    Ok((forth.has_written() as u64, back.has_written() as u64))
+}
+
 fn socket(side: Upgraded) -> Result<Parts<TokioIo<TcpStream>>, Upgraded> {
     side.downcast::<TokioIo<TcpStream>>()
 }
 
-/// Both directions' splices (client → upstream first), each with a pipe of its own.
-type Splice = SpliceBidiIo<TcpStream, TcpStream, false, false>;
+/// One direction's splice, from one socket to the other through a pipe of its own.
+type Splice = SpliceIo<TcpStream, TcpStream>;
 
-/// A pipe for each direction, of at most [`PIPE_BYTES`].
-fn pipes() -> io::Result<Splice> {
-    Ok(SpliceBidiIo {
-        io_sl2sr: pipe()?.into_io(),
-        io_sr2sl: pipe()?.into_io(),
-    })
+/// A splice for each direction (client → upstream, upstream → client), each pipe of at most
+/// [`PIPE_BYTES`].
+fn pipes() -> io::Result<(Splice, Splice)> {
+    Ok((pipe()?.into_io(), pipe()?.into_io()))
 }
 
 fn pipe() -> io::Result<SpliceIoCtx<TcpStream, TcpStream>> {
@@ -97,6 +134,8 @@ fn pipe() -> io::Result<SpliceIoCtx<TcpStream, TcpStream>> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use tokio::{
         io::AsyncReadExt,
         net::{TcpListener, TcpStream},
@@ -114,7 +153,7 @@ mod tests {
 
     /// Bytes both ways, what was read past the heads first, 1 MiB (many pipefuls) one way, each
     /// side's end passed on as the other's end, and the counts.
-    async fn relays_both_ways_with(pipes: fn() -> io::Result<Splice>) {
+    async fn relays_both_ways_with(pipes: fn() -> io::Result<(Splice, Splice)>) {
         let (mut client, client_side) = socket_pair().await;
         let (mut upstream, upstream_side) = socket_pair().await;
         let relayed = tokio::spawn(relay_sockets(
@@ -149,6 +188,38 @@ mod tests {
         assert!(at_client[15..] == page[..], "the page arrives whole and in order");
         let counts = relayed.await.expect("the relay ends").expect("cleanly");
         assert_eq!(counts, (18, 15 + (1 << 20)));
+    }
+
+    /// The upstream resets its connection while the client, idle, keeps its side open: the
+    /// relay ends at once with the error, not when the client closes.
+    async fn ends_on_a_reset_with(pipes: fn() -> io::Result<(Splice, Splice)>) {
+        let (client, client_side) = socket_pair().await;
+        let (upstream, upstream_side) = socket_pair().await;
+        let relayed = tokio::spawn(relay_sockets(
+            (client_side, Bytes::new()),
+            (upstream_side, Bytes::new()),
+            pipes,
+        ));
+        // A linger of zero: the close sends a reset, not an end.
+        #[allow(deprecated)]
+        upstream.set_linger(Some(Duration::ZERO)).expect("linger");
+        drop(upstream);
+        let ended = tokio::time::timeout(Duration::from_secs(10), relayed)
+            .await
+            .expect("the relay ends within 10 s of the reset, the client still connected")
+            .expect("the relay's task");
+        assert!(ended.is_err(), "a reset is an error: {ended:?}");
+        drop(client);
+    }
+
+    #[tokio::test]
+    async fn a_spliced_tunnel_ends_on_a_reset_while_the_client_idles() {
+        ends_on_a_reset_with(pipes).await;
+    }
+
+    #[tokio::test]
+    async fn a_copied_tunnel_ends_on_a_reset_while_the_client_idles() {
+        ends_on_a_reset_with(|| Err(io::Error::from_raw_os_error(libc::EMFILE))).await;
     }
 
     #[tokio::test]
