@@ -28,9 +28,9 @@ use kube::{
     api::{Patch, PatchParams, PostParams},
     runtime::events::{Event, EventType, Reporter},
 };
+use serde_json::json;
 
 use crate::sync::lock;
-use serde_json::json;
 
 /// How long a repeat joins the earlier Event's series (kube-runtime's and client-go's value).
 const SERIES_WINDOW: SignedDuration = SignedDuration::from_mins(6);

@@ -14,7 +14,7 @@ use std::{
     future::poll_fn,
     io,
     pin::{Pin, pin},
-    task::Poll,
+    task::{Context, Poll},
 };
 
 use bytes::Bytes;
@@ -85,21 +85,8 @@ async fn spliced(
     let (mut forth, mut back) = (pin!(forth), pin!(back));
     let (mut forth_done, mut back_done) = (false, false);
     poll_fn(|cx| {
-        // A finished direction is not polled again (its splice must not be reused).
-        if !forth_done
-            && let Poll::Ready(result) =
-                (forth.as_mut()).poll_execute(cx, Pin::new(&mut *client), Pin::new(&mut *upstream))
-        {
-            result?;
-            forth_done = true;
-        }
-        if !back_done
-            && let Poll::Ready(result) =
-                (back.as_mut()).poll_execute(cx, Pin::new(&mut *upstream), Pin::new(&mut *client))
-        {
-            result?;
-            back_done = true;
-        }
+        advance(&mut forth_done, forth.as_mut(), cx, &mut *client, &mut *upstream)?;
+        advance(&mut back_done, back.as_mut(), cx, &mut *upstream, &mut *client)?;
         if forth_done && back_done {
             Poll::Ready(Ok::<(), io::Error>(()))
         } else {
@@ -108,6 +95,22 @@ async fn spliced(
     })
     .await?;
     Ok((forth.has_written() as u64, back.has_written() as u64))
+}
+
+/// Polls one direction's splice from `from` to `to` unless it is `done` (a finished splice must
+/// not be polled again), marking it done when it ends; its failure is the tunnel's.
+fn advance(
+    done: &mut bool,
+    splice: Pin<&mut Splice>,
+    cx: &mut Context<'_>,
+    from: &mut TcpStream,
+    to: &mut TcpStream,
+) -> io::Result<()> {
+    if !*done && let Poll::Ready(result) = splice.poll_execute(cx, Pin::new(from), Pin::new(to)) {
+        result?;
+        *done = true;
+    }
+    Ok(())
 }
 
 fn socket(side: Upgraded) -> Result<Parts<TokioIo<TcpStream>>, Upgraded> {
@@ -212,6 +215,11 @@ mod tests {
         drop(client);
     }
 
+    /// A pipe maker out of file descriptors.
+    fn no_pipes() -> io::Result<(Splice, Splice)> {
+        Err(io::Error::from_raw_os_error(libc::EMFILE))
+    }
+
     #[tokio::test]
     async fn a_spliced_tunnel_ends_on_a_reset_while_the_client_idles() {
         ends_on_a_reset_with(pipes).await;
@@ -219,7 +227,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_copied_tunnel_ends_on_a_reset_while_the_client_idles() {
-        ends_on_a_reset_with(|| Err(io::Error::from_raw_os_error(libc::EMFILE))).await;
+        ends_on_a_reset_with(no_pipes).await;
     }
 
     #[tokio::test]
@@ -229,6 +237,6 @@ mod tests {
 
     #[tokio::test]
     async fn a_tunnel_without_pipes_is_copied() {
-        relays_both_ways_with(|| Err(io::Error::from_raw_os_error(libc::EMFILE))).await;
+        relays_both_ways_with(no_pipes).await;
     }
 }
