@@ -330,7 +330,7 @@ fn bench_http() {
     let bare_addr = server_rt.block_on(async {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
-        tokio::spawn(common::serve_bare(listener));
+        tokio::spawn(common::serve_bare(listener, None));
         addr
     });
     let bare = client_rt.block_on(drive(bare_addr, connections, for_));

@@ -10,7 +10,8 @@
 # it by checking the token, deleting the lease and freeing the proxy. That is both operations'
 # work in one round trip and (AOF) one fsync, where the operator answers two HTTP requests and
 # syncs each: Redis's pairs per second here are an upper bound on a real client's, so "operator
-# >= 2x Redis" is judged conservatively.
+# >= 2x Redis" is judged conservatively. bare and bare-durable rows in RESULTS are printed too,
+# as floors (not judged): what a server that only answers (and journals) makes against Redis.
 #
 #   bash benches/redis_lease.sh [RESULTS]   # RESULTS: benches/wrk.sh's "round conns server rps p99" lines
 set -euo pipefail
@@ -105,13 +106,16 @@ op_pairs() {
       if (!n) exit; for (i = 2; i <= n; i++) { x = v[i]; j = i - 1; while (j > 0 && v[j] > x) { v[j + 1] = v[j]; j-- } v[j + 1] = x }
       printf "%.0f\n", (n % 2) ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2 }' "$results"
 }
-verdicts=0
+
 for conns in $connections; do
-  for pair in "operator memory" "pool memory" "durable aof" "pool-durable aof"; do
+  # bare and bare-durable are the floors (canned answers; each answer journalled), not judged:
+  # what any server of this kind does against the same Redis on this machine.
+  for pair in "bare memory" "operator memory" "pool memory" "bare-durable aof" "durable aof" "pool-durable aof"; do
     read -r server mode <<<"$pair"
     op=$(op_pairs "$server" "$conns")
     [ -n "$op" ] || continue
     awk -v o="$op" -v r="${pairs[$mode, $conns]}" -v s="$server" -v m="$mode" -v c="$conns" 'BEGIN {
-      x = o / r; printf "  %-13s %3s conns: %8d pairs/s = %.2fx redis %s (target >= 2x)  %s\n", s, c, o, x, m, (x >= 2 ? "PASS" : "FAIL") }'
+      x = o / r; v = (s ~ /^bare/) ? "(a floor, not judged)" : ((x >= 2) ? "PASS" : "FAIL")
+      printf "  %-13s %3s conns: %8d pairs/s = %.2fx redis %s (target >= 2x)  %s\n", s, c, o, x, m, v }'
   done
 done

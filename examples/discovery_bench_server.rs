@@ -4,7 +4,10 @@
 //! journal in a temporary folder (standalone's default: every acquire and release fsynced, with
 //! group commit, before it is answered; `EPO_JOURNAL_WINDOW_US` sets the group-commit window,
 //! default 1 ms);
-//! `bare` serves the bare hyper baseline with canned answers; `forward UPSTREAM` is the cheapest
+//! `bare` serves the bare hyper baseline with canned answers; `bare-durable` the same, each
+//! lease call first journalled (one record, awaited until synced, as a durable acquire or
+//! release is): the floor of any server that makes each answer durable on this disk;
+//! `forward UPSTREAM` is the cheapest
 //! forward-proxy hop hyper makes, the floor under the gateway's figure (`benches/gateway.sh`):
 //! each client connection gets one connection of its own to the HTTP proxy at `UPSTREAM`, and
 //! each request goes out on it as it came in (absolute form, headers untouched), with no pool,
@@ -14,7 +17,7 @@
 //! on a default multi-thread tokio runtime, like the operator (one worker per CPU it may run
 //! on: `taskset` decides). `EPO_JOURNAL_STATS=1` prints records and time per journal sync.
 //!
-//! `cargo run --release --example discovery_bench_server -- discovery|durable|bare|forward ADDR`
+//! `cargo run --release --example discovery_bench_server -- discovery|durable|bare|bare-durable|forward ADDR`
 //! (`EPO_BENCH_STATE_DIR` puts the journal's folder elsewhere than the system's temp folder)
 
 #[path = "../benches/common/mod.rs"]
@@ -25,6 +28,7 @@ use std::{io::Write, net::SocketAddr, sync::Arc};
 use egress_proxies_operator::{
     discovery,
     lease::{
+        LeaseStore, LeaseStoreConfig,
         checkpoint::{CheckpointReport, CheckpointStore, FileCheckpoint, MaintenanceConfig},
         journal::{self, Journal, JournalConfig, JournalMetrics},
         maintenance,
@@ -45,10 +49,10 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 fn main() {
     let mode = std::env::args().nth(1).unwrap_or_default();
     let upstream: Option<SocketAddr> = std::env::args().nth(2).and_then(|a| a.parse().ok());
-    if !["discovery", "durable", "bare", "forward"].contains(&mode.as_str())
+    if !["discovery", "durable", "bare", "bare-durable", "forward"].contains(&mode.as_str())
         || (mode == "forward") != upstream.is_some()
     {
-        eprintln!("usage: discovery_bench_server discovery|durable|bare|forward UPSTREAM_ADDR");
+        eprintln!("usage: discovery_bench_server discovery|durable|bare|bare-durable|forward UPSTREAM_ADDR");
         std::process::exit(2);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -64,54 +68,21 @@ fn main() {
         }
         .expect("temporary folder");
         let server = if mode == "bare" {
-            tokio::spawn(common::serve_bare(listener))
+            tokio::spawn(common::serve_bare(listener, None))
+        } else if mode == "bare-durable" {
+            // Its journal compacted over an empty store.
+            let journal = start_journal(state_dir.path(), LeaseStore::new(LeaseStoreConfig::default()));
+            tokio::spawn(common::serve_bare(listener, Some(journal)))
         } else if let Some(upstream) = upstream {
             tokio::spawn(serve_forward(listener, upstream))
         } else {
             let store = common::filled_store(1);
-            let checkpoint = FileCheckpoint::new(state_dir.path().join("leases.json"));
             let state = common::discovery_state(store.clone());
             let sink = if mode == "durable" {
-                let mut config = JournalConfig::new(state_dir.path());
-                if let Some(us) = std::env::var("EPO_JOURNAL_WINDOW_US")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                {
-                    config.window = std::time::Duration::from_micros(us);
-                }
-                let metrics = JournalMetrics::default();
-                let journal = Journal::start(config, 1, metrics.clone()).expect("journal");
-                if std::env::var_os("EPO_JOURNAL_STATS").is_some() {
-                    // Records per sync and sync time, every 5 s on stderr.
-                    tokio::spawn(async move {
-                        let mut last = metrics.totals();
-                        loop {
-                            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
-                            let now = metrics.totals();
-                            let (records, syncs, secs) = (now.0 - last.0, now.1 - last.1, now.2 - last.2);
-                            if syncs > 0 {
-                                eprintln!(
-                                    "journal: {records} records in {syncs} syncs ({:.1} per sync), {:.0} µs per sync",
-                                    records as f64 / syncs as f64,
-                                    1e6 * secs / syncs as f64
-                                );
-                            }
-                            last = now;
-                        }
-                    });
-                }
-                state.set_journal(journal.clone());
-                tokio::spawn(journal::compaction(
-                    store.clone(),
-                    journal,
-                    checkpoint,
-                    state_dir.path().to_owned(),
-                    MaintenanceConfig::default().checkpoint_interval,
-                    CheckpointReport::default(),
-                    std::future::pending(),
-                ));
+                state.set_journal(start_journal(state_dir.path(), store.clone()));
                 None
             } else {
+                let checkpoint = FileCheckpoint::new(state_dir.path().join("leases.json"));
                 Some(Arc::new(checkpoint) as Arc<dyn CheckpointStore>)
             };
             tokio::spawn(maintenance(
@@ -127,13 +98,58 @@ fn main() {
         println!("listening on {addr}");
         let _ = std::io::stdout().flush();
         // benches/wrk.sh stops it with SIGTERM: return, so the temporary folder is removed.
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = server => {}
             _ = term.recv() => {}
         }
         drop(state_dir);
     });
+}
+
+/// The lease journal in `dir`, as `durable` and `bare-durable` run it (`EPO_JOURNAL_WINDOW_US`,
+/// `EPO_JOURNAL_STATS`), compacted into snapshots of `store` as the operator's is (so covered
+/// segments are recycled, not new ones made).
+fn start_journal(dir: &std::path::Path, store: LeaseStore) -> Journal {
+    let mut config = JournalConfig::new(dir);
+    if let Some(us) = std::env::var("EPO_JOURNAL_WINDOW_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        config.window = std::time::Duration::from_micros(us);
+    }
+    let metrics = JournalMetrics::default();
+    let journal = Journal::start(config, 1, metrics.clone()).expect("journal");
+    if std::env::var_os("EPO_JOURNAL_STATS").is_some() {
+        // Records per sync and sync time, every 5 s on stderr.
+        tokio::spawn(async move {
+            let mut last = metrics.totals();
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+                let now = metrics.totals();
+                let (records, syncs, secs) = (now.0 - last.0, now.1 - last.1, now.2 - last.2);
+                if syncs > 0 {
+                    eprintln!(
+                        "journal: {records} records in {syncs} syncs ({:.1} per sync), {:.0} µs per sync",
+                        records as f64 / syncs as f64,
+                        1e6 * secs / syncs as f64
+                    );
+                }
+                last = now;
+            }
+        });
+    }
+    tokio::spawn(journal::compaction(
+        store,
+        journal.clone(),
+        FileCheckpoint::new(dir.join("leases.json")),
+        dir.to_owned(),
+        MaintenanceConfig::default().checkpoint_interval,
+        CheckpointReport::default(),
+        std::future::pending(),
+    ));
+    journal
 }
 
 /// The cheapest forward-proxy hop: one upstream connection per client connection, each request

@@ -1,6 +1,6 @@
 //! What the in-process benchmark (`benches/leasing.rs`) and the wrk benchmark's server
 //! (`examples/discovery_bench_server.rs`) share: the 10k-proxy store, the discovery state
-//! serving it, and the bare hyper baseline.
+//! serving it, and the bare hyper baseline (and its durable floor).
 
 use std::{collections::BTreeMap, convert::Infallible, sync::Arc};
 
@@ -9,7 +9,11 @@ use egress_proxies_operator::{
     api::LeasePolicy,
     api::ProxyKey,
     discovery::{DiscoveryConfig, DiscoveryDeps, DiscoveryMetrics, DiscoveryState, Readiness, StaticTokens},
-    lease::{Admission, LeaseStore, LeaseStoreConfig, LeaseTarget, token::LeaseSigner},
+    lease::{
+        Admission, LeaseStore, LeaseStoreConfig, LeaseTarget,
+        journal::{Journal, Record},
+        token::LeaseSigner,
+    },
     provider::Endpoint,
 };
 use http_body_util::{BodyExt, Full};
@@ -84,7 +88,11 @@ pub fn discovery_state(store: LeaseStore) -> DiscoveryState {
 /// A bare hyper server with canned answers of the real sizes: `POST /v1/leases` gets an
 /// acquire's 201 body, `GET /mib` one MiB (the gateway benchmark's target, `benches/gateway.sh`),
 /// anything else a release's 200 body. It reads each request body like the real server does.
-pub async fn serve_bare(listener: TcpListener) {
+/// With `journal`, every request but `GET /mib` first appends one record to it and waits until
+/// that record is synced, as a durable acquire or release does: the floor of any server that
+/// makes each answer durable with this group commit on this disk (`benches/wrk.sh`'s
+/// `bare-durable`).
+pub async fn serve_bare(listener: TcpListener, journal: Option<Journal>) {
     let acquired = Bytes::from(format!(
         r#"{{"leaseId":"{}","fencingToken":3649891200000032,"proxyUrl":"http://127.0.0.1:3128","proxy":{{"key":"bench/p1","namespace":"bench","name":"p1","endpoint":"127.0.0.1:3128","attributes":{{"region":"eu","tier":"dc"}}}},"acquiredAt":"2026-05-28T10:00:00Z","expiresAt":"2026-05-28T10:01:00Z","ttlSeconds":60}}"#,
         "A".repeat(120)
@@ -101,18 +109,28 @@ pub async fn serve_bare(listener: TcpListener) {
         };
         let _ = stream.set_nodelay(true);
         let (acquired, released, mebibyte) = (acquired.clone(), released.clone(), mebibyte.clone());
+        let journal = journal.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let (acquired, released, mebibyte) = (acquired.clone(), released.clone(), mebibyte.clone());
+                let journal = journal.clone();
                 async move {
-                    let (status, body) = if req.uri().path() == "/v1/leases" {
-                        (StatusCode::CREATED, acquired)
-                    } else if req.uri().path() == "/mib" {
-                        (StatusCode::OK, mebibyte)
+                    let path = req.uri().path();
+                    let (status, body, lease_call) = if path == "/v1/leases" {
+                        (StatusCode::CREATED, acquired, true)
+                    } else if path == "/mib" {
+                        (StatusCode::OK, mebibyte, false)
                     } else {
-                        (StatusCode::OK, released)
+                        (StatusCode::OK, released, true)
                     };
                     let _ = req.into_body().collect().await;
+                    if let Some(journal) = journal.filter(|_| lease_call)
+                        && journal.append(&floor_record()).wait().await.is_err()
+                    {
+                        let mut refused = Response::new(Full::new(Bytes::new()));
+                        *refused.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                        return Ok(refused);
+                    }
                     let mut response = Response::new(Full::new(body));
                     *response.status_mut() = status;
                     response.headers_mut().insert(
@@ -126,5 +144,16 @@ pub async fn serve_bare(listener: TcpListener) {
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
         });
+    }
+}
+
+/// What the bare floor journals a request: a release's record (a proxy, a lease, a cooldown),
+/// so each sync carries records of about the operator's size.
+fn floor_record() -> Record {
+    Record::Release {
+        key: ProxyKey::new("bench", "p1"),
+        first_token: 3_649_891_200_000_032,
+        cooldown_until_ms: Some(1_780_000_060_000),
+        ban: None,
     }
 }
