@@ -19,6 +19,7 @@ pub mod health;
 pub(crate) mod json_writer;
 pub mod lease;
 pub mod machine;
+pub mod markup;
 pub mod monitor;
 pub mod net;
 pub mod outcomes;

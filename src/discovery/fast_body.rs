@@ -19,9 +19,8 @@
 use std::borrow::Cow;
 
 use super::{
-    outcomes::OutcomeBody,
     terms::SelectorTerms,
-    wire::{AcquireBody, ReleaseBody, RenewBody},
+    wire::{AcquireBody, OutcomeBody, ReleaseBody, RenewBody},
 };
 use crate::{json_writer::plain_len, lease::Outcome};
 

@@ -46,12 +46,13 @@ pub use auth::{
     StaticTokens, TokenFile, TokenReviewAuthenticator, TokenSecret,
 };
 pub use metrics::DiscoveryMetrics;
-pub use outcomes::{OutcomeBody, OutcomeResponse};
+pub use outcomes::OutcomeResponse;
 pub use terms::SelectorTerms;
 pub use usage::{HolderUsageJson, QuotaJson, QuotaUse, TokenUsageJson, UsageCounters, UsageResponse};
 pub use wire::{
     AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse,
-    ListResponse, ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, RequestBody, StatusBody,
+    ListResponse, OutcomeBody, ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse,
+    RequestBody, StatusBody,
 };
 
 use crate::{

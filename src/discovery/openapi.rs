@@ -20,11 +20,11 @@ use utoipa::{
     },
 };
 
-use super::outcomes::{OutcomeBody, OutcomeResponse};
+use super::outcomes::OutcomeResponse;
 use super::usage::{HolderUsageJson, QuotaJson, QuotaUse, TokenUsageJson, UsageCounters, UsageResponse};
 use super::wire::{
-    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse, ListResponse, ProxyJson,
-    ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StatusBody,
+    AcquireBody, AcquireResponse, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse, ListResponse,
+    OutcomeBody, ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse, StatusBody,
 };
 use crate::{
     lease::{Availability, Outcome},

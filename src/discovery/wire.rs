@@ -15,7 +15,7 @@ use super::terms::SelectorTerms;
 use crate::{
     api::Attributes,
     lease::{Availability, Outcome, ProxyInfo, ProxyView, Rfc3339, rfc3339},
-    outcomes::ProxyOutcomes,
+    outcomes::{Failure, ProxyOutcomes},
 };
 
 mod json;
@@ -257,6 +257,51 @@ pub struct ReleaseBody {
 impl RequestBody for ReleaseBody {
     fn validate(&self) -> Result<(), String> {
         self.target_domain.as_deref().map_or(Ok(()), check_domain)
+    }
+}
+
+/// `POST /v1/leases/{id}/outcomes`: how one request through the leased proxy went. With
+/// `error`, it failed that way; else with `status`, the target answered it (400 and above
+/// count as failures); with neither, it went well (e.g. a tunnel whose status nobody saw).
+#[derive(Clone, Debug, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OutcomeBody {
+    /// The lease's latest fencing token (a whole number however written: `7`, `7.0`).
+    #[serde(deserialize_with = "whole_number")]
+    pub fencing_token: u64,
+    /// The request's target host (lowercase or not, without a final dot or not).
+    #[schema(min_length = 1, max_length = 253, pattern = "^[A-Za-z0-9._-]+$")]
+    pub target_domain: String,
+    /// The target's status code.
+    #[serde(default, deserialize_with = "whole_seconds")]
+    #[schema(minimum = 100, maximum = 599)]
+    pub status: Option<u64>,
+    /// It failed: `connect` (no connection to the proxy), `timeout`, `reset` (the connection
+    /// broke), `proxy_error` (the proxy answered itself: Squid's error page); `client_error`
+    /// and `server_error` are what 4xx and 5xx statuses count as.
+    #[serde(default)]
+    pub error: Option<Failure>,
+    /// Milliseconds until the answer's head (or the tunnel's opening).
+    #[serde(default, deserialize_with = "whole_seconds")]
+    #[schema(minimum = 0)]
+    pub latency_ms: Option<u64>,
+    /// Bytes received from the target.
+    #[serde(default, deserialize_with = "whole_seconds")]
+    #[schema(minimum = 0)]
+    pub bytes_received: Option<u64>,
+    /// Bytes sent to the target.
+    #[serde(default, deserialize_with = "whole_seconds")]
+    #[schema(minimum = 0)]
+    pub bytes_sent: Option<u64>,
+}
+
+impl RequestBody for OutcomeBody {
+    fn validate(&self) -> Result<(), String> {
+        check_domain(&self.target_domain)?;
+        if self.status.is_some_and(|s| !(100..=599).contains(&s)) {
+            return Err("status must be an HTTP status code, 100 to 599".to_owned());
+        }
+        Ok(())
     }
 }
 

@@ -7,9 +7,7 @@ use jiff::Timestamp;
 use super::{PageQuery, ProxyRow, StatusView};
 use crate::{health::Verdict, lease::Availability};
 
-/// Escapes text for HTML element content and quoted attribute values (HTML5 knows XML's five
-/// entities).
-pub use crate::provider::libvirt::escape as esc;
+use crate::markup::escape as esc;
 
 const STYLE: &str = "
 body{font:14px/1.4 'DejaVu Sans',system-ui,sans-serif;margin:1.5em;color:#1d2330;background:#f6f7f9}

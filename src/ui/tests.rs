@@ -1,20 +1,12 @@
 use hyper::HeaderMap;
 
-use super::{render::esc, *};
+use super::*;
 use crate::{
     health::Verdict,
     lease::Availability,
     machine::audit::AuditEntry,
     outcomes::{Ended, Failure, Seen},
 };
-
-#[test]
-fn every_html_special_character_is_escaped() {
-    assert_eq!(
-        esc(r#"<script>alert("x&'y")</script>"#),
-        "&lt;script&gt;alert(&quot;x&amp;&apos;y&quot;)&lt;/script&gt;"
-    );
-}
 
 #[test]
 fn ages_read_like_kubectl() {

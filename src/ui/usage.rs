@@ -3,8 +3,10 @@
 
 use std::fmt::Write as _;
 
-use super::render::esc;
-use crate::usage::{Counters, TokenUsage, Usage};
+use crate::{
+    markup::escape as esc,
+    usage::{Counters, TokenUsage, Usage},
+};
 
 /// Tokens and holders the page lists (the busiest; `GET /v1/usage` has them all).
 pub const USAGE_ROWS: usize = 5;

@@ -24,7 +24,10 @@ use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener},
 };
 
-use crate::config::{BootSettings, KvmSettings, NetworkSettings, PortRange};
+use crate::{
+    config::{BootSettings, KvmSettings, NetworkSettings, PortRange},
+    markup::escape,
+};
 
 pub use self::steps::{
     Kind, Lookup, NewDomain, call_timeout, check_create_name, delete_removes, discovery_port, is_foreign,
@@ -551,22 +554,6 @@ pub fn pick_address<'a>(addresses: impl IntoIterator<Item = &'a str>) -> Option<
         }
     }
     ipv6
-}
-
-/// Escapes text for XML attribute values and element content.
-pub fn escape(text: &str) -> String {
-    let mut escaped = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => escaped.push_str("&amp;"),
-            '<' => escaped.push_str("&lt;"),
-            '>' => escaped.push_str("&gt;"),
-            '"' => escaped.push_str("&quot;"),
-            '\'' => escaped.push_str("&apos;"),
-            c => escaped.push(c),
-        }
-    }
-    escaped
 }
 
 /// The stamp domain `name` has after `adopt`: `stamp` with `installation` in place of none,
