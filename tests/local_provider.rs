@@ -7,6 +7,7 @@ mod support {
     pub mod local;
     pub mod origin;
     pub mod ports;
+    pub mod process;
 }
 
 use std::{net::SocketAddr, time::Duration};
@@ -22,6 +23,7 @@ use support::{
     contract::{new_owner, plain_request},
     local::{LocalBackend, StateDir, eventually, free_port, kill, processes_mentioning, squids_under},
     origin::{OriginServer, fetch_via_proxy},
+    process::{squid_segments, squid_service},
 };
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -365,6 +367,68 @@ async fn a_crash_loop_backs_off_and_recovers() {
     wait_for_state(&provider, &name, InstanceState::Running).await;
     assert_eq!(squids_under(&dir).len(), 1);
     provider.delete(&name).await.expect("delete");
+}
+
+/// Removes a file when dropped, whatever the test's outcome.
+struct RemovedOnDrop(&'static str);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(self.0);
+    }
+}
+
+/// Squid names its shared-memory segments after its service name (`squid` unless `-n` says
+/// otherwise) and creates them exclusively, so two Squids starting at once under one name
+/// race, and the loser dies with `shm_open(/squid-cf__metadata.shm): (17) File exists` (a
+/// parallel test run met it). A segment under the default name that Squid may not remove
+/// stands for the other Squid: each instance's Squid has names of its own and starts anyway,
+/// its segments are its own, and delete takes them with it even after a SIGKILL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_squids_shared_memory_does_not_stop_ours() {
+    const DEFAULT_SEGMENT: &str = "/dev/shm/squid-cf__metadata.shm";
+    let _planted = rustix::process::geteuid().is_root().then(|| {
+        // Root's file in the sticky /dev/shm: Squid, running as `proxy`, cannot unlink it.
+        std::fs::write(DEFAULT_SEGMENT, b"").expect("plant a segment");
+        std::fs::set_permissions(
+            DEFAULT_SEGMENT,
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .expect("chmod the segment");
+        RemovedOnDrop(DEFAULT_SEGMENT)
+    });
+    let backend = LocalBackend::new();
+    let provider = backend.provider();
+    let first = create(&provider, request("shm-a")).await;
+    let second = create(&provider, request("shm-b")).await;
+
+    let mut services = Vec::new();
+    for instance in [&first, &second] {
+        let dir = provider.instance_dir(&instance.id.native_id);
+        let pids = squids_under(&dir);
+        assert_eq!(pids.len(), 1, "one Squid for {}", instance.id.native_id);
+        let service = squid_service(pids[0]).expect("the Squid is started with -n");
+        assert_ne!(
+            service, "squid",
+            "the instance's Squid has a service name of its own"
+        );
+        assert!(
+            !squid_segments(&service).is_empty(),
+            "Squid keeps its segments under its own name {service}"
+        );
+        services.push((instance.id.native_id.clone(), pids[0], service));
+    }
+    assert_ne!(services[0].2, services[1].2, "two instances, two names");
+
+    // Killed, Squid leaves its segments behind; delete removes them.
+    let (name, pid, service) = &services[0];
+    kill(*pid);
+    provider.delete(name).await.expect("delete");
+    assert_eq!(squid_segments(service), Vec::<std::path::PathBuf>::new());
+    let (name, _, service) = &services[1];
+    provider.delete(name).await.expect("delete");
+    assert_eq!(squid_segments(service), Vec::<std::path::PathBuf>::new());
+    assert_nothing_left(&backend);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,6 +8,7 @@ mod support {
     pub mod contract;
     pub mod local;
     pub mod ports;
+    pub mod process;
 }
 
 /// The in-memory provider. Its state lives in the object, so "reopening" it hands back the

@@ -15,21 +15,12 @@ use egress_proxies_operator::{
     provider::{InstanceRequest, Owner, Provider, ProviderError, local::LocalProvider},
 };
 
-use super::contract::{self, ContractBackend};
+use super::{
+    contract::{self, ContractBackend},
+    process::{argv, kill_squid},
+};
 
 pub use super::ports::free_port;
-
-/// The arguments of a live process (none for a zombie or a vanished pid).
-pub fn argv(pid: i32) -> Vec<String> {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|raw| {
-            raw.split(|b| *b == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
-}
 
 /// Live processes (Squid, its helpers, anything) whose arguments mention `path`.
 pub fn processes_mentioning(path: &Path) -> Vec<i32> {
@@ -76,7 +67,8 @@ pub async fn eventually(timeout: Duration, mut condition: impl AsyncFnMut() -> b
 }
 
 /// A private state folder that Squid (dropping to `proxy` when run as root) can reach, and
-/// kills every Squid under it when dropped, whatever the test's outcome.
+/// kills every Squid under it (and removes their shared memory) when dropped, whatever the
+/// test's outcome.
 pub struct StateDir {
     temp: tempfile::TempDir,
 }
@@ -111,7 +103,7 @@ impl StateDir {
 impl Drop for StateDir {
     fn drop(&mut self) {
         for pid in processes_mentioning(self.temp.path()) {
-            kill(pid);
+            kill_squid(pid);
         }
     }
 }
@@ -178,7 +170,7 @@ impl Drop for LocalBackend {
     fn drop(&mut self) {
         let leaked = squids_under(&self.state.path());
         for pid in &leaked {
-            kill(*pid);
+            kill_squid(*pid);
         }
         if !leaked.is_empty() && !std::thread::panicking() {
             panic!("Squid processes {leaked:?} were left running under the state folder");

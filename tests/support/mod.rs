@@ -140,6 +140,10 @@ impl Squid {
         let out = std::fs::File::create(self.dir.path().join("squid.out")).expect("squid.out");
         let child = Command::new("squid")
             .arg("-N")
+            // Shared-memory names of its own: Squids starting at once under the default
+            // service name race for them and one dies (`shm_open(...): File exists`).
+            .arg("-n")
+            .arg(self.service_name())
             .arg("-f")
             .arg(&conf)
             .stdin(Stdio::null())
@@ -178,7 +182,13 @@ impl Squid {
                 .status();
             let _ = child.kill();
             let _ = child.wait();
+            process::remove_squid_segments(&self.service_name());
         }
+    }
+
+    /// Its Squid service name (`-n`): shared-memory names of its own.
+    fn service_name(&self) -> String {
+        format!("epotest{}", self.port)
     }
 
     /// Starts Squid again on the same port.

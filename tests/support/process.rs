@@ -129,3 +129,57 @@ impl Drop for GroupChild {
         }
     }
 }
+
+/// The arguments of a live process (none for a zombie or a vanished pid).
+pub fn argv(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| {
+            raw.split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The service name (`-n NAME`) the Squid `pid` was started with, if it was given one.
+pub fn squid_service(pid: i32) -> Option<String> {
+    argv(pid)
+        .windows(2)
+        .find(|pair| pair[0] == "-n")
+        .map(|pair| pair[1].clone())
+}
+
+/// The shared-memory segments of the Squid service `service` (`/dev/shm/SERVICE-*`), sorted.
+pub fn squid_segments(service: &str) -> Vec<PathBuf> {
+    let prefix = format!("{service}-");
+    let mut segments: Vec<PathBuf> = std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|entry| entry.path())
+        .collect();
+    segments.sort();
+    segments
+}
+
+/// SIGKILLs `pid` and, if it is a Squid started with a service name (`-n NAME`), removes the
+/// shared-memory segments (`/dev/shm/NAME-*`) a killed Squid leaves behind, as the local
+/// provider's delete does: a test that kills Squids leaves nothing on the host.
+pub fn kill_squid(pid: i32) {
+    let service = squid_service(pid);
+    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+    if let Some(service) = service {
+        remove_squid_segments(&service);
+    }
+}
+
+/// Removes the shared-memory segments of the Squid service `service`.
+pub fn remove_squid_segments(service: &str) {
+    for segment in squid_segments(service) {
+        let _ = std::fs::remove_file(segment);
+    }
+}

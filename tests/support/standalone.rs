@@ -14,7 +14,10 @@ use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use hyper_util::rt::TokioIo;
 
-use super::{free_port, process::GroupChild};
+use super::{
+    free_port,
+    process::{GroupChild, kill_squid},
+};
 
 /// The operator binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_egress-proxies-operator");
@@ -94,7 +97,7 @@ impl Host {
 impl Drop for Host {
     fn drop(&mut self) {
         for pid in squids(self.dir.path()) {
-            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            kill_squid(pid as i32);
         }
     }
 }

@@ -43,7 +43,7 @@ pub(super) fn process_argv(pid: i32) -> Option<Vec<String>> {
     (!argv.is_empty()).then_some(argv)
 }
 
-/// Whether `argv` is a Squid serving `config` (started as `squid -N -f CONFIG`), not another
+/// Whether `argv` is a Squid serving `config` (started as `squid -N -n SERVICE -f CONFIG`), not another
 /// program, another instance, or a passing `squid -k ...` command on the same config.
 pub(super) fn argv_runs_config(argv: &[String], squid_path: &Path, config: &Path) -> bool {
     let Some(program) = argv.first() else {
@@ -296,7 +296,8 @@ pub(super) async fn squid_version(squid_path: &Path) -> Result<String, ProviderE
     }
 }
 
-/// Starts `squid -N -f CONFIG` in its own session (so it outlives the operator and never
+/// Starts `squid -N -n SERVICE -f CONFIG` (its own shared-memory names, see
+/// [`InstanceDir::squid_service_name`]) in its own session (so it outlives the operator and never
 /// gets the operator's terminal signals), in the instance's `run/` folder, with its output
 /// appended to `run/squid.out`.
 pub(super) fn spawn_squid(
@@ -316,6 +317,8 @@ pub(super) fn spawn_squid(
     let mut command = squid_command(squid_path);
     command
         .arg("-N")
+        .arg("-n")
+        .arg(dir.squid_service_name())
         .arg("-f")
         .arg(dir.config_file())
         .current_dir(dir.run_dir())

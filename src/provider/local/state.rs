@@ -10,6 +10,7 @@
 //!   process.json    the pid of the Squid this provider started last
 //!   deleting        marker: a delete is in progress, never restart
 //!   run/            owned by the Squid user: squid.pid, cache.log, access.log, squid.out
+//! /dev/shm/epo<hash of the folder's path>-*   the Squid's shared memory (`squid -n`)
 //! <stateDir>/.tmp-<name>-<random>/    a create assembling the folder above
 //! <stateDir>/.trash-<name>-<random>/  a delete removing it (renamed first: one atomic step)
 //! ```
@@ -22,6 +23,7 @@ use std::{
 };
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::provider::{Installation, Owner};
 
@@ -98,7 +100,40 @@ impl InstanceDir {
     pub(super) fn is_ours(&self) -> bool {
         self.owner_file().exists() || self.config_file().exists() || self.is_deleting()
     }
+
+    /// The service name (`squid -n`) of this instance's Squid. Squid names its shared-memory
+    /// segments after it and creates them exclusively, so Squids sharing the default name
+    /// (`squid`) race when they start at once and the loser dies with `shm_open(...): File
+    /// exists`. Alphanumeric (Squid refuses anything else) and fixed by the folder's path, so
+    /// a restarted Squid takes over its predecessor's names.
+    pub(super) fn squid_service_name(&self) -> String {
+        let digest = Sha256::digest(self.root.as_os_str().as_encoded_bytes());
+        let hash: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        format!("epo{hash}")
+    }
+
+    /// Squid's shared-memory segments (`/dev/shm/<service>-*`): a Squid removes them when it
+    /// stops, one killed leaves them behind.
+    pub(super) fn shared_memory_segments(&self) -> Vec<PathBuf> {
+        let prefix = format!("{}-", self.squid_service_name());
+        let Ok(entries) = fs::read_dir(SHARED_MEMORY_DIR) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|entry| {
+                let entry = entry.ok()?;
+                entry
+                    .file_name()
+                    .to_str()?
+                    .starts_with(&prefix)
+                    .then(|| entry.path())
+            })
+            .collect()
+    }
 }
+
+/// Where POSIX shared memory (`shm_open`) lives on Linux.
+const SHARED_MEMORY_DIR: &str = "/dev/shm";
 
 /// Who an instance belongs to and what it runs: written before Squid starts, so an instance
 /// can always be attributed by orphan GC.

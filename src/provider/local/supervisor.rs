@@ -204,6 +204,14 @@ impl Inner {
         process::stop(&pids, squid_path, &config, grace)
             .await
             .map_err(ProviderError::Backend)?;
+        // A Squid that stopped cleanly removed them; one killed (by us or anyone) did not.
+        for segment in dir.shared_memory_segments() {
+            if let Err(err) = fs::remove_file(&segment)
+                && err.kind() != io::ErrorKind::NotFound
+            {
+                tracing::warn!(instance = %self.instance, segment = %segment.display(), error = %err, "cannot remove a shared-memory segment of a stopped squid");
+            }
+        }
         // One rename makes the instance gone; a crash while its files are being removed
         // leaves only a trash folder, which the next provider removes.
         let name = dir.root().file_name().unwrap_or_default().to_string_lossy();

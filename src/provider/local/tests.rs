@@ -295,3 +295,22 @@ fn proc_stat_parsing_survives_odd_command_names() {
     assert!(process::has_exited(me, stat.start_ticks + 1));
     assert!(process::has_exited(i32::MAX, 0));
 }
+
+#[test]
+fn each_folder_gives_its_squid_an_alphanumeric_service_name_of_its_own() {
+    let name = dir().squid_service_name();
+    assert_eq!(
+        name,
+        dir().squid_service_name(),
+        "fixed by the folder: a restart keeps it"
+    );
+    // Squid refuses `-n` values that are not alphanumeric.
+    assert!(name.chars().all(|c| c.is_ascii_alphanumeric()), "{name}");
+    assert!(name.starts_with("epo") && name.len() == 19, "{name}");
+    let other = InstanceDir::at(PathBuf::from("/var/lib/epo/other/epo-crawl-web-1-0a1b2c3d"));
+    assert_ne!(
+        name,
+        other.squid_service_name(),
+        "same instance name, another state folder"
+    );
+}
