@@ -164,22 +164,10 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
     let token = host.token();
     let api: SocketAddr = ([127, 0, 0, 1], host.api_port).into();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let page = ui_page(api, &token);
-        if page.status == 200
-            && page.body.contains("data-proxy=\"default/web-3\"")
-            && visible_text(row(&page.body, "data-proxy=\"default/web-3\"")).contains("failing")
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "web-3 never shown failing:\n{}",
-            page.body
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    ui_page_until(api, &token, "web-3 shown failing", |page| {
+        page.contains("data-proxy=\"default/web-3\"")
+            && visible_text(row(page, "data-proxy=\"default/web-3\"")).contains("failing")
+    });
 
     // Two leases on web-1 (whose URL carries the password: the page must not).
     let mut lease_ids = Vec::new();
@@ -232,23 +220,17 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
         .status()
         .expect("kill");
     assert!(killed.success());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let page = ui_page(api, &token);
-        let restarted =
-            page.status == 200 && row(&page.body, "data-proxy=\"default/web-3\"").contains(RESTARTED_ONCE);
-        if restarted {
-            let now = standalone::squids(&web_3_dir);
-            assert!(now.len() == 1 && now != before, "a new Squid: {now:?}");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "web-3's restart never shown:\n{}",
-            page.body
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    ui_page_until(api, &token, "web-3's restart shown", |page| {
+        row(page, "data-proxy=\"default/web-3\"").contains(RESTARTED_ONCE)
+    });
+    let now = standalone::squids(&web_3_dir);
+    assert!(now.len() == 1 && now != before, "a new Squid: {now:?}");
+    // A probe in the moment between the kill and the new Squid's listening fails with
+    // "connection refused"; the page below shows the last probe's error, so wait for one
+    // through the new Squid (the health URL's 500 again).
+    ui_page_until(api, &token, "web-3 probed through its new Squid", |page| {
+        visible_text(row(page, "data-proxy=\"default/web-3\"")).contains("500")
+    });
 
     // No credentials, or wrong ones: a Basic challenge, and nothing of the page.
     for headers in [
@@ -409,6 +391,20 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
 fn ui_page(api: SocketAddr, token: &str) -> blocking_http::Response {
     let bearer = [("Authorization", format!("Bearer {token}"))];
     request(api, "GET", "/ui", &bearer, "").expect("GET /ui")
+}
+
+/// Reads `/ui` every 200 ms until a 200 page satisfies `shows` (60 s at most: then fails,
+/// naming `what` and showing the last page).
+fn ui_page_until(api: SocketAddr, token: &str, what: &str, shows: impl Fn(&str) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let page = ui_page(api, token);
+        if page.status == 200 && shows(&page.body) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never {what}:\n{}", page.body);
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// `GET /ui?query` with `token` as a bearer token.
@@ -615,6 +611,10 @@ async fn the_cluster_status_page_shows_the_trail_across_a_leader_change() {
         let page = tokio::task::spawn_blocking(move || request(admin, "GET", "/ui", &headers, ""))
             .await
             .expect("request task");
+        let last_seen = match &page {
+            Ok(page) => format!("{} {}", page.status, visible_text(&page.body)),
+            Err(err) => format!("{err}"),
+        };
         if let Ok(page) = page
             && page.status == 200
             && let Some(at) = page.body.find("class=\"audit\" data-proxy=\"crawl/edge-2\"")
@@ -627,7 +627,7 @@ async fn the_cluster_status_page_shows_the_trail_across_a_leader_change() {
         }
         assert!(
             Instant::now() < deadline,
-            "the new leader's page never showed the first leader's trail"
+            "the new leader's page never showed the first leader's trail; last seen:\n{last_seen}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
