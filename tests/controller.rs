@@ -14,8 +14,10 @@ mod support {
 use std::{sync::Arc, time::Duration};
 
 use egress_proxies_operator::{
-    api::{Proxy, ProxyStatus},
+    api::{Proxy, ProxyKey, ProxyStatus, RECYCLE_ANNOTATION},
+    effects::{BackendError, ProxyBackend},
     health::Verdict,
+    lease::{DrainStatus, LeaseControl, LeaseTarget},
     provider::{
         InstanceRequest, InstanceState, Owner, Provider, ProviderRegistry, instance_name,
         memory::MemoryProvider,
@@ -644,6 +646,161 @@ async fn a_status_conflict_is_retried() {
         "the user's label survives the operator's writes"
     );
     operator.stop().await;
+}
+
+/// The scripted lease registry, except that the moment a Proxy's leases first open it sets the
+/// Proxy's recycle request through the API server, as the gateway does when a rule bans the
+/// first answer through a new proxy: the status write of the very round that opened them then
+/// carries a resourceVersion that is no longer the object's.
+struct RecycleWhenLeasesOpen {
+    inner: Arc<ScriptedLeases>,
+    proxies: Api<Proxy>,
+    asked: std::sync::atomic::AtomicBool,
+}
+
+impl LeaseControl for RecycleWhenLeasesOpen {
+    fn upsert(&self, target: LeaseTarget) {
+        self.inner.upsert(target);
+    }
+    fn set_admission(&self, key: &ProxyKey, open: bool) {
+        self.inner.set_admission(key, open);
+        if open && !self.asked.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            let annotate =
+                json!({"metadata": {"annotations": {RECYCLE_ANNOTATION: "gateway rule blocked #1"}}});
+            // Within the effect, before it returns: the status write comes after.
+            tokio::task::block_in_place(|| {
+                tokio::runtime::Handle::current().block_on(async {
+                    self.proxies
+                        .patch(key.name(), &PatchParams::default(), &Patch::Merge(&annotate))
+                        .await
+                        .expect("annotated")
+                })
+            });
+        }
+    }
+    fn drain(&self, key: &ProxyKey) -> DrainStatus {
+        self.inner.drain(key)
+    }
+    fn revoke_all(&self, key: &ProxyKey) -> usize {
+        self.inner.revoke_all(key)
+    }
+    fn remove(&self, key: &ProxyKey) {
+        self.inner.remove(key)
+    }
+    fn active(&self, key: &ProxyKey) -> usize {
+        self.inner.active(key)
+    }
+}
+
+/// A recycle asked of a Proxy whose leases have just opened is asked of an instance that
+/// served: it is replaced, and the audit never says the request was satisfied by an instance
+/// still being created. (The status write of the round that opened the leases met a conflict;
+/// it used to be dropped, so the next round started from `provisioning` again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recycle_asked_as_leases_open_replaces_the_instance_that_served() {
+    let world = World::new().await;
+    let leases = Arc::new(RecycleWhenLeasesOpen {
+        inner: world.leases.clone(),
+        proxies: world.proxies(),
+        asked: Default::default(),
+    });
+    let operator = world.start_with(|setup| setup.deps.leases = leases.clone()).await;
+    world.create_proxy("web-9", json!({"provider": "mem"})).await;
+    world.wait_phase("web-9", "provisioning").await;
+    world.health.set(&key(NS, "web-9"), passing());
+    operator.trigger(key(NS, "web-9")).await;
+    world
+        .wait_for("web-9", "the recycle acted on", |p| {
+            p.and_then(|p| p.status.as_ref())
+                .and_then(|s| s.last_recycle.as_deref())
+                == Some("gateway rule blocked #1")
+        })
+        .await;
+    // What the round that acted on it said (its Event is published before the status write).
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let reasons = loop {
+        let reasons: Vec<String> = world
+            .events()
+            .await
+            .iter()
+            .filter_map(|e| e["reason"].as_str().map(str::to_owned))
+            .collect();
+        if reasons.iter().any(|r| r == "Recycled" || r == "RecycleSatisfied") {
+            break reasons;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no recycle event: {reasons:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        reasons.iter().any(|r| r == "Recycled") && !reasons.iter().any(|r| r == "RecycleSatisfied"),
+        "the instance that served was called fresh: {reasons:?}"
+    );
+    // The new instance is probed afresh.
+    make_healthy(&world, &operator, "web-9").await;
+    assert_eq!(
+        world.provider.created_count(),
+        2,
+        "the instance that served is replaced by a fresh one"
+    );
+    operator.stop().await;
+}
+
+/// A status write goes on top of changes to the rest of the Proxy made since the round read
+/// it (what the round did has happened; the next round sees the changes), but never over a
+/// status someone else wrote meanwhile (a former leader, say): that stays a conflict, and the
+/// round is derived again from the fresh object.
+#[tokio::test]
+async fn a_status_write_goes_on_top_of_a_label_but_never_over_another_status() {
+    let world = World::new().await;
+    let reporter = kube::runtime::events::Reporter {
+        controller: "test-operator".into(),
+        instance: None,
+    };
+    let backend = egress_proxies_operator::cluster::KubeBackend::new(
+        world.client.clone(),
+        egress_proxies_operator::cluster::events::EventPublisher::new(world.client.clone(), reporter),
+        kube::runtime::reflector::store::<Secret>().0,
+    );
+    let phase = |phase: &str| ProxyStatus {
+        phase: Some(phase.to_owned()),
+        ..ProxyStatus::default()
+    };
+    let read = world.create_proxy("web-10", json!({"provider": "mem"})).await;
+    world
+        .proxies()
+        .patch(
+            "web-10",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"labels": {"touched": "by-a-user"}}})),
+        )
+        .await
+        .expect("labelled");
+    backend
+        .write_status(&read, &phase("provisioning"))
+        .await
+        .expect("written on top of the label");
+    let stored = world.proxies().get("web-10").await.expect("exists");
+    assert_eq!(phase_of(Some(&stored)), Some("provisioning"));
+    assert_eq!(
+        stored.labels().get("touched").map(String::as_str),
+        Some("by-a-user")
+    );
+
+    // Another writer's status lands after our read.
+    let mut theirs = stored.clone();
+    theirs.status = Some(phase("healthy"));
+    world
+        .proxies()
+        .replace_status("web-10", &PostParams::default(), &theirs)
+        .await
+        .expect("their status");
+    let refused = backend.write_status(&stored, &phase("pending")).await;
+    assert!(matches!(refused, Err(BackendError::Conflict(_))), "{refused:?}");
+    let after = world.proxies().get("web-10").await.expect("exists");
+    assert_eq!(phase_of(Some(&after)), Some("healthy"), "their status stands");
 }
 
 #[tokio::test]

@@ -33,16 +33,21 @@ use crate::{
     sync::lock,
 };
 
+/// Status writes a round makes before it gives up on a Proxy whose other fields keep changing
+/// under it (each conflict re-reads it once).
+const STATUS_WRITE_ATTEMPTS: usize = 3;
+
 /// The cluster-mode backend.
 #[derive(Clone)]
 pub struct KubeBackend {
     client: Client,
     events: Arc<EventPublisher>,
     cloud_init_secrets: Store<Secret>,
-    /// Per Proxy (hash of its UID), hashes of the resourceVersions our own last writes of it
-    /// replaced (the one read before adding the finalizer, the one the status write replaced):
-    /// see [`Self::is_superseded`]. Hashes keep this at a few dozen bytes per Proxy.
-    superseded: Arc<Mutex<HashMap<u64, [u64; 2]>>>,
+    /// Per Proxy (hash of its UID), hashes of the last three resourceVersions our own writes of
+    /// it replaced (the one read before adding the finalizer, the one the status write
+    /// replaced, and the fresh one it went on top of after a conflict): see
+    /// [`Self::is_superseded`]. Hashes keep this at a few dozen bytes per Proxy.
+    superseded: Arc<Mutex<HashMap<u64, [u64; 3]>>>,
 }
 
 fn short_hash(text: Option<&str>) -> u64 {
@@ -65,7 +70,7 @@ impl KubeBackend {
         }
     }
 
-    fn superseded(&self) -> MutexGuard<'_, HashMap<u64, [u64; 2]>> {
+    fn superseded(&self) -> MutexGuard<'_, HashMap<u64, [u64; 3]>> {
         lock(&self.superseded)
     }
 
@@ -94,10 +99,11 @@ impl KubeBackend {
         if let Some(uid) = proxy.uid() {
             let version = short_hash(replaced);
             let mut superseded = self.superseded();
-            let entry = superseded
-                .entry(short_hash(Some(&uid)))
-                .or_insert([version, version]);
-            entry[1] = version;
+            let entry = superseded.entry(short_hash(Some(&uid))).or_insert([version; 3]);
+            if entry[2] != version {
+                entry.rotate_left(1);
+                entry[2] = version;
+            }
         }
     }
 
@@ -186,14 +192,38 @@ impl ProxyBackend for KubeBackend {
     async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
         // A full replace (with the resourceVersion we read) clears fields that became unset and
         // turns a concurrent writer into a conflict rather than a lost update.
-        let mut updated = proxy.clone();
-        updated.status = Some(status.clone());
-        self.proxies(proxy)
-            .replace_status(&proxy.name_any(), &PostParams::default(), &updated)
-            .await
-            .map_err(classify)?;
-        self.replaced(proxy, proxy.metadata.resource_version.as_deref());
-        Ok(())
+        let api = self.proxies(proxy);
+        let name = proxy.name_any();
+        let mut based_on = proxy.clone();
+        for _ in 0..STATUS_WRITE_ATTEMPTS {
+            let mut updated = based_on.clone();
+            updated.status = Some(status.clone());
+            match api.replace_status(&name, &PostParams::default(), &updated).await {
+                Ok(_) => {
+                    self.replaced(proxy, proxy.metadata.resource_version.as_deref());
+                    self.replaced(proxy, based_on.metadata.resource_version.as_deref());
+                    return Ok(());
+                }
+                Err(err) => match classify(err) {
+                    BackendError::Conflict(message) => {
+                        // The status says what this round did (its effects have happened):
+                        // when only the rest of the object moved (a label, an annotation, the
+                        // spec), it goes on top of the fresh version; the next round sees those
+                        // changes. A status someone else wrote means our view was stale: the
+                        // conflict stands and the round is derived again from the fresh object.
+                        let fresh = api.get(&name).await.map_err(classify)?;
+                        if fresh.uid() != proxy.uid() || fresh.status != proxy.status {
+                            return Err(BackendError::Conflict(message));
+                        }
+                        based_on = fresh;
+                    }
+                    other => return Err(other),
+                },
+            }
+        }
+        Err(BackendError::Conflict(format!(
+            "the Proxy changed under {STATUS_WRITE_ATTEMPTS} status writes in a row"
+        )))
     }
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
