@@ -126,6 +126,25 @@ impl World {
         }
     }
 
+    /// Merges `metadata` into the Proxy's, as `kubectl label` or `kubectl annotate` would: a
+    /// change outside its status that moves its resourceVersion.
+    async fn patch_metadata(&self, name: &str, metadata: serde_json::Value) {
+        self.proxies()
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "metadata": metadata })),
+            )
+            .await
+            .expect("metadata patched");
+    }
+
+    /// Labels the Proxy `touched=by-a-user`.
+    async fn label_by_a_user(&self, name: &str) {
+        self.patch_metadata(name, json!({"labels": {"touched": "by-a-user"}}))
+            .await;
+    }
+
     async fn wait_phase(&self, name: &str, phase: &str) -> Proxy {
         self.wait_for(name, &format!("phase {phase}"), |p| phase_of(p) == Some(phase))
             .await
@@ -607,15 +626,7 @@ async fn a_status_conflict_is_retried() {
     let before = world.plane().settled_request_counts().await;
     world.create_proxy("web-6", json!({"provider": "mem"})).await;
     gated.wait_entered().await;
-    world
-        .proxies()
-        .patch(
-            "web-6",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": {"touched": "by-a-user"}}})),
-        )
-        .await
-        .expect("labelled");
+    world.label_by_a_user("web-6").await;
     gated.open();
     world
         .wait_for("web-6", "the instance recorded", |p| {
@@ -769,15 +780,7 @@ async fn a_status_write_goes_on_top_of_a_label_but_never_over_another_status() {
         ..ProxyStatus::default()
     };
     let read = world.create_proxy("web-10", json!({"provider": "mem"})).await;
-    world
-        .proxies()
-        .patch(
-            "web-10",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"labels": {"touched": "by-a-user"}}})),
-        )
-        .await
-        .expect("labelled");
+    world.label_by_a_user("web-10").await;
     backend
         .write_status(&read, &phase("provisioning"))
         .await
@@ -1093,14 +1096,8 @@ async fn recycling_the_whole_pool_respects_its_budget() {
 
     for name in &names {
         world
-            .proxies()
-            .patch(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"metadata": {"annotations": {"crawl.example.com/recycle": "ban-1"}}})),
-            )
-            .await
-            .expect("annotated");
+            .patch_metadata(name, json!({"annotations": {RECYCLE_ANNOTATION: "ban-1"}}))
+            .await;
     }
     replaced_within_the_budget(&world, &operator, &names, created_before).await;
     // The round that creates the last new instance writes its status after the create: the
