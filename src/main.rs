@@ -17,7 +17,7 @@ use egress_proxies_operator::{
     check::{Checker, Report},
     cluster,
     config::ProvidersConfig,
-    machine,
+    machine, net,
     standalone::{self, status},
     telemetry::tracing_setup,
 };
@@ -427,6 +427,18 @@ fn main() -> ExitCode {
     }
 }
 
+/// The servers' descriptors up to the hard limit (see [`net::raise_descriptor_limit`]); a
+/// failure only costs capacity, so it is logged and the operator runs on.
+fn raise_descriptor_limit() {
+    match net::raise_descriptor_limit() {
+        Ok((before, after)) if before != after => {
+            tracing::info!(before = ?before, after = ?after, "raised the open-file limit to its hard limit");
+        }
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "cannot raise the open-file limit; serving within it"),
+    }
+}
+
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Crd { out_dir: None } => {
@@ -500,6 +512,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             json_logs,
         } => {
             let telemetry = tracing_setup::init(json_logs)?;
+            raise_descriptor_limit();
             let options = standalone::StandaloneOptions {
                 installation_name,
                 durable_leases: !no_durable_leases,
@@ -531,6 +544,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let json_logs = args.json_logs;
             let options = args.options()?;
             let telemetry = tracing_setup::init(json_logs)?;
+            raise_descriptor_limit();
             let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
             runtime.block_on(async {
                 let shutdown = shutdown_signal();

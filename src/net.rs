@@ -41,6 +41,31 @@ pub async fn accept(listener: &TcpListener, server: &str) -> TcpStream {
     }
 }
 
+/// Raises this process's soft limit on open file descriptors to its hard limit, as Go's runtime
+/// does at start: a login shell's soft limit is often 1,024 while the hard one allows far more,
+/// and every crawler connection, gateway tunnel (six each) and upstream connection takes one.
+/// Returns the soft limit before and after (`None`: unlimited). Squids the local provider
+/// starts inherit the raised limit, and take more client connections with it (Squid uses what
+/// it is given, up to its built-in maximum, and does not raise its own).
+pub fn raise_descriptor_limit() -> io::Result<(Option<u64>, Option<u64>)> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let before = limit.current;
+    // `None` is unlimited: a soft limit already there, or no hard bound to raise it to.
+    let raised = match (limit.current, limit.maximum) {
+        (Some(soft), Some(hard)) if soft < hard => hard,
+        _ => return Ok((before, before)),
+    };
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(raised),
+            maximum: limit.maximum,
+        },
+    )?;
+    Ok((before, Some(raised)))
+}
+
 /// A connection that is closed once it has been quiet too long: the discovery API's defence
 /// against clients that open connections and never finish a request (slowloris) or leave them
 /// idle.

@@ -508,3 +508,107 @@ async fn a_create_rejected_once_then_booting_takes_a_handful_of_reconciles() {
     eprintln!("{reconciles} reconciles from the first create to Healthy");
     stop(operator);
 }
+
+/// Started with a soft open-file limit of 64 (the hard one far above, as a login shell's 1,024
+/// is), the operator raises its own to the hard limit: 300 crawler connections held open at
+/// once are all answered. Within 64 descriptors, accepts past the first few dozen failed
+/// (EMFILE) and those connections waited unserved while the others stayed open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_soft_open_file_limit_it_started_with_are_served() {
+    const CONNECTIONS: usize = 300;
+    const SOFT: u64 = 64;
+    let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
+    assert!(
+        hard.is_none_or(|hard| hard >= 1024),
+        "this test needs a hard open-file limit of 1,024 or more: {hard:?}"
+    );
+    let host = Host::new();
+    let mut command = standalone::operator_command(&host, &[]);
+    // SAFETY: setrlimit is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
+            let limit = rustix::process::Rlimit {
+                current: Some(SOFT),
+                maximum: hard,
+            };
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).map_err(std::io::Error::from)
+        });
+    }
+    let operator = support::process::GroupChild::spawn(&mut command, &host.path().join("operator.log"));
+    let ready = Instant::now() + Duration::from_secs(30);
+    let token = loop {
+        if host.token_file().exists() {
+            let token = host.token();
+            let answer = standalone::try_api(
+                host.api_port,
+                &token,
+                "GET",
+                "/v1/proxies",
+                "",
+                Duration::from_secs(2),
+            )
+            .await;
+            if matches!(answer, standalone::Answer::Got(StatusCode::OK, _)) {
+                break token;
+            }
+        }
+        assert!(
+            Instant::now() < ready,
+            "the API never answered:\n{}",
+            operator.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", operator.pid().expect("running")))
+        .expect("the operator's limits");
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("an open-file limit");
+    let fields: Vec<&str> = open_files.split_whitespace().collect();
+    assert_eq!(fields[3], fields[4], "soft raised to hard: {open_files}");
+
+    // Every connection is opened (and held) before any is used.
+    let mut streams = Vec::with_capacity(CONNECTIONS);
+    for _ in 0..CONNECTIONS {
+        streams.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", host.api_port))
+                .await
+                .expect("connect"),
+        );
+    }
+    let answers = futures::future::join_all(streams.into_iter().map(|stream| {
+        let token = token.clone();
+        async move {
+            let exchange = async {
+                let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                    .await
+                    .ok()?;
+                tokio::spawn(conn);
+                let request = Request::get("/v1/proxies")
+                    .header("host", "127.0.0.1")
+                    .header("authorization", format!("Bearer {token}"))
+                    .body(Full::new(Bytes::new()))
+                    .expect("request");
+                let status = sender.send_request(request).await.ok()?.status();
+                // The connection stays open (its sender is kept) until every answer is in.
+                Some((status, sender))
+            };
+            tokio::time::timeout(Duration::from_secs(10), exchange)
+                .await
+                .ok()
+                .flatten()
+        }
+    }))
+    .await;
+    let answered = answers
+        .iter()
+        .filter(|a| a.as_ref().is_some_and(|(status, _)| *status == StatusCode::OK))
+        .count();
+    assert_eq!(
+        answered, CONNECTIONS,
+        "connections answered 200 while all were open"
+    );
+    drop(answers);
+    stop(operator);
+}

@@ -130,15 +130,22 @@ pub fn start_operator(host: &Host, log_name: &str) -> GroupChild {
 /// [`start_operator`] with `extra` arguments to `standalone`.
 pub fn start_operator_with(host: &Host, log_name: &str, extra: &[&str]) -> GroupChild {
     GroupChild::spawn(
-        Command::new(BIN)
-            .current_dir(host.dir.path())
-            .args(["standalone", "--manifests", "manifests"])
-            .args(["--providers-config", "providers.yaml", "--state", "state"])
-            .args(["--listen", &format!("127.0.0.1:{}", host.api_port)])
-            .args(extra)
-            .env("RUST_LOG", "info"),
+        &mut operator_command(host, extra),
         &host.dir.path().join(log_name),
     )
+}
+
+/// The command [`start_operator_with`] runs, for a test that sets more on it first.
+pub fn operator_command(host: &Host, extra: &[&str]) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .current_dir(host.dir.path())
+        .args(["standalone", "--manifests", "manifests"])
+        .args(["--providers-config", "providers.yaml", "--state", "state"])
+        .args(["--listen", &format!("127.0.0.1:{}", host.api_port)])
+        .args(extra)
+        .env("RUST_LOG", "info");
+    command
 }
 
 /// The answer to one discovery API request, as a client that may be cut off sees it.
