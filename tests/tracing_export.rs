@@ -73,16 +73,8 @@ impl Workdir {
 
 impl Drop for Workdir {
     fn drop(&mut self) {
-        let needle = self.path().display().to_string();
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse::<i32>().ok()) else {
-                continue;
-            };
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmdline = String::from_utf8_lossy(&cmdline);
-            if cmdline.contains("squid") && cmdline.contains(&needle) {
-                support::process::kill_squid(pid);
-            }
+        for pid in support::process::squids(self.path()) {
+            support::process::kill_squid(pid as i32);
         }
     }
 }

@@ -142,6 +142,21 @@ pub fn argv(pid: i32) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Pids of the Squids whose command line names a path under `dir` (their config).
+pub fn squids(dir: &Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let argv = argv(*pid as i32);
+            argv.iter().any(|a| a.contains("squid")) && argv.iter().any(|a| a.contains(&needle))
+        })
+        .collect()
+}
+
 /// The service name (`-n NAME`) the Squid `pid` was started with, if it was given one.
 pub fn squid_service(pid: i32) -> Option<String> {
     argv(pid)

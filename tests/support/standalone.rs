@@ -102,24 +102,7 @@ impl Drop for Host {
     }
 }
 
-/// Pids of Squids whose config lives under `dir`.
-pub fn squids(dir: &Path) -> Vec<u32> {
-    let needle = dir.display().to_string();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| {
-                    String::from_utf8_lossy(&c).contains("squid")
-                        && String::from_utf8_lossy(&c).contains(&needle)
-                })
-                .unwrap_or(false)
-        })
-        .collect()
-}
+pub use super::process::squids;
 
 /// The operator in standalone mode on `host`, logging to `log_name` in its folder. Squids it
 /// starts run in their own sessions and are stopped by [`Host`]'s Drop.
