@@ -613,7 +613,8 @@ impl Provider for GatedProvider {
 async fn a_status_conflict_is_retried() {
     // A real 409: the Proxy is labelled (as `kubectl label` would) while its create is in
     // flight, so the status write that follows carries a resourceVersion that is no longer
-    // the object's.
+    // the object's. Only the labels moved: the status (with the instance's ID) is written
+    // again on the fresh version, and the instance is created once.
     let world = World::new().await;
     let gated = Arc::new(GatedProvider::new(world.provider.clone()));
     let operator = world
