@@ -167,7 +167,8 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     ui_page_until(api, &token, "web-3 shown failing", |page| {
         page.contains("data-proxy=\"default/web-3\"")
             && visible_text(row(page, "data-proxy=\"default/web-3\"")).contains("failing")
-    });
+    })
+    .await;
 
     // Two leases on web-1 (whose URL carries the password: the page must not).
     let mut lease_ids = Vec::new();
@@ -222,7 +223,8 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     assert!(killed.success());
     ui_page_until(api, &token, "web-3's restart shown", |page| {
         row(page, "data-proxy=\"default/web-3\"").contains(RESTARTED_ONCE)
-    });
+    })
+    .await;
     let now = standalone::squids(&web_3_dir);
     assert!(now.len() == 1 && now != before, "a new Squid: {now:?}");
     // A probe in the moment between the kill and the new Squid's listening fails with
@@ -230,7 +232,8 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
     // through the new Squid (the health URL's 500 again).
     ui_page_until(api, &token, "web-3 probed through its new Squid", |page| {
         visible_text(row(page, "data-proxy=\"default/web-3\"")).contains("500")
-    });
+    })
+    .await;
 
     // No credentials, or wrong ones: a Basic challenge, and nothing of the page.
     for headers in [
@@ -394,16 +397,20 @@ fn ui_page(api: SocketAddr, token: &str) -> blocking_http::Response {
 }
 
 /// Reads `/ui` every 200 ms until a 200 page satisfies `shows` (60 s at most: then fails,
-/// naming `what` and showing the last page).
-fn ui_page_until(api: SocketAddr, token: &str, what: &str, shows: impl Fn(&str) -> bool) {
+/// naming `what` and showing the last page). The blocking request runs off the runtime, so the
+/// test's origin server keeps answering the probes meanwhile.
+async fn ui_page_until(api: SocketAddr, token: &str, what: &str, shows: impl Fn(&str) -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let page = ui_page(api, token);
+        let token = token.to_owned();
+        let page = tokio::task::spawn_blocking(move || ui_page(api, &token))
+            .await
+            .expect("request task");
         if page.status == 200 && shows(&page.body) {
             return;
         }
         assert!(Instant::now() < deadline, "never {what}:\n{}", page.body);
-        std::thread::sleep(Duration::from_millis(200));
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
