@@ -126,6 +126,19 @@ impl World {
         }
     }
 
+    /// The cluster-mode backend the controller writes through, on its own.
+    fn backend(&self) -> egress_proxies_operator::cluster::KubeBackend {
+        let reporter = kube::runtime::events::Reporter {
+            controller: "test-operator".into(),
+            instance: None,
+        };
+        egress_proxies_operator::cluster::KubeBackend::new(
+            self.client.clone(),
+            egress_proxies_operator::cluster::events::EventPublisher::new(self.client.clone(), reporter),
+            kube::runtime::reflector::store::<Secret>().0,
+        )
+    }
+
     /// Merges `metadata` into the Proxy's, as `kubectl label` or `kubectl annotate` would: a
     /// change outside its status that moves its resourceVersion.
     async fn patch_metadata(&self, name: &str, metadata: serde_json::Value) {
@@ -767,15 +780,7 @@ async fn a_recycle_asked_as_leases_open_replaces_the_instance_that_served() {
 #[tokio::test]
 async fn a_status_write_goes_on_top_of_a_label_but_never_over_another_status() {
     let world = World::new().await;
-    let reporter = kube::runtime::events::Reporter {
-        controller: "test-operator".into(),
-        instance: None,
-    };
-    let backend = egress_proxies_operator::cluster::KubeBackend::new(
-        world.client.clone(),
-        egress_proxies_operator::cluster::events::EventPublisher::new(world.client.clone(), reporter),
-        kube::runtime::reflector::store::<Secret>().0,
-    );
+    let backend = world.backend();
     let phase = |phase: &str| ProxyStatus {
         phase: Some(phase.to_owned()),
         ..ProxyStatus::default()
@@ -805,6 +810,44 @@ async fn a_status_write_goes_on_top_of_a_label_but_never_over_another_status() {
     assert!(matches!(refused, Err(BackendError::Conflict(_))), "{refused:?}");
     let after = world.proxies().get("web-10").await.expect("exists");
     assert_eq!(phase_of(Some(&after)), Some("healthy"), "their status stands");
+}
+
+/// The finalizer's removal (after the instance is gone) goes on top of changes elsewhere in
+/// the Proxy made since the round read it, but never drops a finalizer someone else added
+/// meanwhile: that stays a conflict.
+#[tokio::test]
+async fn a_finalizer_removal_goes_on_top_of_a_label_but_never_drops_another_finalizer() {
+    let world = World::new().await;
+    let backend = world.backend();
+    let created = world.create_proxy("web-11", json!({"provider": "mem"})).await;
+    backend.add_finalizer(&created).await.expect("finalizer added");
+    let read = world.proxies().get("web-11").await.expect("exists");
+    world.label_by_a_user("web-11").await;
+    backend
+        .remove_finalizer(&read)
+        .await
+        .expect("removed on top of the label");
+    let stored = world.proxies().get("web-11").await.expect("exists");
+    assert!(stored.finalizers().is_empty(), "{:?}", stored.finalizers());
+    assert_eq!(
+        stored.labels().get("touched").map(String::as_str),
+        Some("by-a-user")
+    );
+
+    backend
+        .add_finalizer(&stored)
+        .await
+        .expect("finalizer added again");
+    let read = world.proxies().get("web-11").await.expect("exists");
+    let mut finalizers = read.finalizers().to_vec();
+    finalizers.push("example.com/theirs".to_owned());
+    world
+        .patch_metadata("web-11", json!({ "finalizers": finalizers }))
+        .await;
+    let refused = backend.remove_finalizer(&read).await;
+    assert!(matches!(refused, Err(BackendError::Conflict(_))), "{refused:?}");
+    let after = world.proxies().get("web-11").await.expect("exists");
+    assert_eq!(after.finalizers(), finalizers.as_slice(), "theirs and ours stand");
 }
 
 #[tokio::test]

@@ -33,9 +33,9 @@ use crate::{
     sync::lock,
 };
 
-/// Status writes a round makes before it gives up on a Proxy whose other fields keep changing
-/// under it (each conflict re-reads it once).
-const STATUS_WRITE_ATTEMPTS: usize = 3;
+/// Tries of one write (status, finalizers) before it gives up on a Proxy whose other fields
+/// keep changing under it (each conflict re-reads it once).
+const WRITE_ATTEMPTS: usize = 3;
 
 /// The cluster-mode backend.
 #[derive(Clone)]
@@ -111,20 +111,65 @@ impl KubeBackend {
         Api::namespaced(self.client.clone(), &proxy.namespace().unwrap_or_default())
     }
 
+    /// Sets the finalizer list to `finalizers` (`proxy`'s with ours added or removed); returns
+    /// the Proxy's new resourceVersion and the one the patch was based on.
     async fn set_finalizers(
         &self,
         proxy: &Proxy,
         finalizers: Vec<String>,
-    ) -> Result<Option<String>, BackendError> {
-        // The resourceVersion makes the merge patch conditional: a concurrent change to the
-        // finalizer list gives a conflict instead of being overwritten.
-        let patch =
-            json!({"metadata": {"finalizers": finalizers, "resourceVersion": proxy.resource_version()}});
-        self.proxies(proxy)
-            .patch(&proxy.name_any(), &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-            .map(|patched| patched.resource_version())
-            .map_err(classify)
+    ) -> Result<(Option<String>, Option<String>), BackendError> {
+        let (api, name, finalizers) = (&self.proxies(proxy), &proxy.name_any(), &finalizers);
+        self.write_on_fresh(
+            proxy,
+            |fresh| fresh.finalizers() == proxy.finalizers(),
+            move |based_on| async move {
+                // The resourceVersion makes the merge patch conditional: a concurrent change
+                // to the finalizer list gives a conflict instead of being overwritten.
+                let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": based_on.resource_version()}});
+                api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map(|patched| patched.resource_version())
+            },
+        )
+        .await
+    }
+
+    /// Runs `write`, based on `proxy`; after a conflict, again on the fresh object as long as
+    /// `unchanged` holds for it: only other fields moved (a label, an annotation, the spec), so
+    /// what the write says is still true on top of them, and the round's effects, which have
+    /// happened, are not lost with it. Anything else (the object replaced, the field written
+    /// by someone else) stays a conflict, and the round is derived again from the fresh object.
+    /// Returns what `write` returned and the resourceVersion it was based on.
+    async fn write_on_fresh<T, W>(
+        &self,
+        proxy: &Proxy,
+        unchanged: impl Fn(&Proxy) -> bool,
+        write: impl Fn(Proxy) -> W,
+    ) -> Result<(T, Option<String>), BackendError>
+    where
+        W: Future<Output = Result<T, kube::Error>>,
+    {
+        let mut based_on = proxy.clone();
+        for _ in 0..WRITE_ATTEMPTS {
+            match write(based_on.clone()).await.map_err(classify) {
+                Ok(written) => return Ok((written, based_on.resource_version())),
+                Err(BackendError::Conflict(message)) => {
+                    let fresh = self
+                        .proxies(proxy)
+                        .get(&proxy.name_any())
+                        .await
+                        .map_err(classify)?;
+                    if fresh.uid() != proxy.uid() || !unchanged(&fresh) {
+                        return Err(BackendError::Conflict(message));
+                    }
+                    based_on = fresh;
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        Err(BackendError::Conflict(format!(
+            "the Proxy changed under {WRITE_ATTEMPTS} writes in a row"
+        )))
     }
 }
 
@@ -165,8 +210,9 @@ impl ProxyBackend for KubeBackend {
             return Ok(None);
         }
         finalizers.push(FINALIZER.to_owned());
-        let version = self.set_finalizers(proxy, finalizers).await?;
+        let (version, based_on) = self.set_finalizers(proxy, finalizers).await?;
         self.replaced(proxy, proxy.metadata.resource_version.as_deref());
+        self.replaced(proxy, based_on.as_deref());
         Ok(version)
     }
 
@@ -190,40 +236,24 @@ impl ProxyBackend for KubeBackend {
     }
 
     async fn write_status(&self, proxy: &Proxy, status: &ProxyStatus) -> Result<(), BackendError> {
-        // A full replace (with the resourceVersion we read) clears fields that became unset and
-        // turns a concurrent writer into a conflict rather than a lost update.
-        let api = self.proxies(proxy);
-        let name = proxy.name_any();
-        let mut based_on = proxy.clone();
-        for _ in 0..STATUS_WRITE_ATTEMPTS {
-            let mut updated = based_on.clone();
-            updated.status = Some(status.clone());
-            match api.replace_status(&name, &PostParams::default(), &updated).await {
-                Ok(_) => {
-                    self.replaced(proxy, proxy.metadata.resource_version.as_deref());
-                    self.replaced(proxy, based_on.metadata.resource_version.as_deref());
-                    return Ok(());
-                }
-                Err(err) => match classify(err) {
-                    BackendError::Conflict(message) => {
-                        // The status says what this round did (its effects have happened):
-                        // when only the rest of the object moved (a label, an annotation, the
-                        // spec), it goes on top of the fresh version; the next round sees those
-                        // changes. A status someone else wrote means our view was stale: the
-                        // conflict stands and the round is derived again from the fresh object.
-                        let fresh = api.get(&name).await.map_err(classify)?;
-                        if fresh.uid() != proxy.uid() || fresh.status != proxy.status {
-                            return Err(BackendError::Conflict(message));
-                        }
-                        based_on = fresh;
-                    }
-                    other => return Err(other),
+        // A full replace (with the resourceVersion read) clears fields that became unset and
+        // turns a concurrent status writer into a conflict rather than a lost update.
+        let (api, name) = (&self.proxies(proxy), &proxy.name_any());
+        let ((), based_on) = self
+            .write_on_fresh(
+                proxy,
+                |fresh| fresh.status == proxy.status,
+                move |mut updated| async move {
+                    updated.status = Some(status.clone());
+                    api.replace_status(name, &PostParams::default(), &updated)
+                        .await
+                        .map(drop)
                 },
-            }
-        }
-        Err(BackendError::Conflict(format!(
-            "the Proxy changed under {STATUS_WRITE_ATTEMPTS} status writes in a row"
-        )))
+            )
+            .await?;
+        self.replaced(proxy, proxy.metadata.resource_version.as_deref());
+        self.replaced(proxy, based_on.as_deref());
+        Ok(())
     }
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
