@@ -112,12 +112,12 @@ impl KubeBackend {
     }
 
     /// Sets the finalizer list to `finalizers` (`proxy`'s with ours added or removed); returns
-    /// the Proxy's new resourceVersion and the one the patch was based on.
+    /// the Proxy's new resourceVersion.
     async fn set_finalizers(
         &self,
         proxy: &Proxy,
         finalizers: Vec<String>,
-    ) -> Result<(Option<String>, Option<String>), BackendError> {
+    ) -> Result<Option<String>, BackendError> {
         let (api, name, finalizers) = (&self.proxies(proxy), &proxy.name_any(), &finalizers);
         self.write_on_fresh(
             proxy,
@@ -139,20 +139,25 @@ impl KubeBackend {
     /// what the write says is still true on top of them, and the round's effects, which have
     /// happened, are not lost with it. Anything else (the object replaced, the field written
     /// by someone else) stays a conflict, and the round is derived again from the fresh object.
-    /// Returns what `write` returned and the resourceVersion it was based on.
+    /// Once written, the versions it replaced (`proxy`'s, and the fresh one it went on top of)
+    /// are remembered ([`Self::is_superseded`]). Returns what `write` returned.
     async fn write_on_fresh<T, W>(
         &self,
         proxy: &Proxy,
         unchanged: impl Fn(&Proxy) -> bool,
         write: impl Fn(Proxy) -> W,
-    ) -> Result<(T, Option<String>), BackendError>
+    ) -> Result<T, BackendError>
     where
         W: Future<Output = Result<T, kube::Error>>,
     {
         let mut based_on = proxy.clone();
         for _ in 0..WRITE_ATTEMPTS {
             match write(based_on.clone()).await.map_err(classify) {
-                Ok(written) => return Ok((written, based_on.resource_version())),
+                Ok(written) => {
+                    self.replaced(proxy, proxy.metadata.resource_version.as_deref());
+                    self.replaced(proxy, based_on.metadata.resource_version.as_deref());
+                    return Ok(written);
+                }
                 Err(BackendError::Conflict(message)) => {
                     let fresh = self
                         .proxies(proxy)
@@ -210,10 +215,7 @@ impl ProxyBackend for KubeBackend {
             return Ok(None);
         }
         finalizers.push(FINALIZER.to_owned());
-        let (version, based_on) = self.set_finalizers(proxy, finalizers).await?;
-        self.replaced(proxy, proxy.metadata.resource_version.as_deref());
-        self.replaced(proxy, based_on.as_deref());
-        Ok(version)
+        self.set_finalizers(proxy, finalizers).await
     }
 
     async fn remove_finalizer(&self, proxy: &Proxy) -> Result<(), BackendError> {
@@ -239,21 +241,17 @@ impl ProxyBackend for KubeBackend {
         // A full replace (with the resourceVersion read) clears fields that became unset and
         // turns a concurrent status writer into a conflict rather than a lost update.
         let (api, name) = (&self.proxies(proxy), &proxy.name_any());
-        let ((), based_on) = self
-            .write_on_fresh(
-                proxy,
-                |fresh| fresh.status == proxy.status,
-                move |mut updated| async move {
-                    updated.status = Some(status.clone());
-                    api.replace_status(name, &PostParams::default(), &updated)
-                        .await
-                        .map(drop)
-                },
-            )
-            .await?;
-        self.replaced(proxy, proxy.metadata.resource_version.as_deref());
-        self.replaced(proxy, based_on.as_deref());
-        Ok(())
+        self.write_on_fresh(
+            proxy,
+            |fresh| fresh.status == proxy.status,
+            move |mut updated| async move {
+                updated.status = Some(status.clone());
+                api.replace_status(name, &PostParams::default(), &updated)
+                    .await
+                    .map(drop)
+            },
+        )
+        .await
     }
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
