@@ -57,8 +57,9 @@ use serde_json::json;
 use support::{
     contract::plain_request,
     control_plane::ControlPlane,
-    local::{StateDir, eventually, free_port, kill, squids_under},
+    local::{StateDir, eventually, free_port, squids_under},
     process::GroupChild,
+    process::kill,
 };
 
 const GRACE: Duration = Duration::from_secs(300);

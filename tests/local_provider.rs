@@ -21,9 +21,9 @@ use egress_proxies_operator::{
 };
 use support::{
     contract::{new_owner, plain_request},
-    local::{LocalBackend, StateDir, eventually, free_port, kill, processes_mentioning, squids_under},
+    local::{LocalBackend, StateDir, eventually, free_port, squids_under},
     origin::{OriginServer, fetch_via_proxy},
-    process::{squid_segments, squid_service},
+    process::{kill, processes_mentioning, squid_segments, squid_service},
 };
 
 const DEADLINE: Duration = Duration::from_secs(20);

@@ -17,22 +17,10 @@ use egress_proxies_operator::{
 
 use super::{
     contract::{self, ContractBackend},
-    process::{argv, kill_squid},
+    process::{argv, kill_squid, processes_mentioning},
 };
 
 pub use super::ports::free_port;
-
-/// Live processes (Squid, its helpers, anything) whose arguments mention `path`.
-pub fn processes_mentioning(path: &Path) -> Vec<i32> {
-    let needle = path.to_string_lossy().into_owned();
-    let mut pids: Vec<i32> = std::fs::read_dir("/proc")
-        .expect("read /proc")
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .filter(|pid| argv(*pid).iter().any(|arg| arg.contains(&needle)))
-        .collect();
-    pids.sort_unstable();
-    pids
-}
 
 /// Live Squid main processes (`squid -N -f CONFIG`) whose config lies under `path`.
 pub fn squids_under(path: &Path) -> Vec<i32> {
@@ -43,13 +31,6 @@ pub fn squids_under(path: &Path) -> Vec<i32> {
             argv.first().is_some_and(|p| p.ends_with("squid")) && argv.iter().any(|a| a == "-N")
         })
         .collect()
-}
-
-/// Sends SIGKILL to `pid`.
-pub fn kill(pid: i32) {
-    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-    }
 }
 
 /// Polls `condition` every 50 ms until it holds or `timeout` passes.

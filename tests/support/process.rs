@@ -142,19 +142,32 @@ pub fn argv(pid: i32) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Live processes (Squid, its helpers, anything) whose arguments mention `path`, sorted.
+pub fn processes_mentioning(path: &Path) -> Vec<i32> {
+    let needle = path.to_string_lossy().into_owned();
+    let mut pids: Vec<i32> = std::fs::read_dir("/proc")
+        .expect("read /proc")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|pid| argv(*pid).iter().any(|arg| arg.contains(&needle)))
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
 /// Pids of the Squids whose command line names a path under `dir` (their config).
 pub fn squids(dir: &Path) -> Vec<u32> {
-    let needle = dir.display().to_string();
-    std::fs::read_dir("/proc")
+    processes_mentioning(dir)
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let argv = argv(*pid as i32);
-            argv.iter().any(|a| a.contains("squid")) && argv.iter().any(|a| a.contains(&needle))
-        })
+        .filter(|pid| argv(*pid).iter().any(|a| a.contains("squid")))
+        .filter_map(|pid| u32::try_from(pid).ok())
         .collect()
+}
+
+/// Sends SIGKILL to `pid`.
+pub fn kill(pid: i32) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
 }
 
 /// The service name (`-n NAME`) the Squid `pid` was started with, if it was given one.
@@ -184,9 +197,7 @@ pub fn squid_segments(service: &str) -> Vec<PathBuf> {
 /// provider's delete does: a test that kills Squids leaves nothing on the host.
 pub fn kill_squid(pid: i32) {
     let service = squid_service(pid);
-    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-    }
+    kill(pid);
     if let Some(service) = service {
         remove_squid_segments(&service);
     }
