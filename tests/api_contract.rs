@@ -62,7 +62,7 @@ async fn the_served_contract_holds_under_schemathesis() {
         host.add_manifest(name, &manifest);
     }
     let operator = start_operator(&host, "operator.log");
-    wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
+    wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3).await;
 
     let seed = std::env::var("EPO_SCHEMATHESIS_SEED").unwrap_or_else(|_| DEFAULT_SEED.to_owned());
     let contract = crate_path("tests/api_contract");

@@ -244,7 +244,7 @@ impl Setup {
         }
         args.extend_from_slice(extra);
         let operator = start_operator_with(&host, "operator.log", &args);
-        wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3);
+        wait_status(&host, "three healthy proxies", |t| healthy_rows(t) == 3).await;
         Self {
             operator,
             host,

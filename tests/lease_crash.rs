@@ -516,7 +516,8 @@ impl Scenario {
         operator.start();
         wait_status(&operator.host, "every proxy healthy", |t| {
             healthy_rows(t) == PROXIES.len()
-        });
+        })
+        .await;
         operator.token = operator.host.token();
         let running = Arc::new(AtomicBool::new(true));
         let ledger = Arc::new(Ledger::new(max_concurrent));

@@ -245,7 +245,7 @@ async fn python_suite(host: Host, python: &Path) {
     )
     .expect("rules file");
     let operator = start_operator_with(&host, "operator.log", &["--gateway-rules", "rules.yaml"]);
-    wait_status(&host, "four healthy proxies", |t| healthy_rows(t) == 4);
+    wait_status(&host, "four healthy proxies", |t| healthy_rows(t) == 4).await;
     let logs = host.access_logs();
     assert_eq!(logs.len(), 4, "one access log per Squid: {logs:?}");
     let access_logs: serde_json::Map<String, serde_json::Value> = logs

@@ -107,7 +107,7 @@ async fn standalone_end_to_end_with_real_squid() {
     std::fs::write(root.join("manifests/b.yaml"), manifest("b", port_b, &health_url)).expect("b");
 
     let operator = start_operator(&host, "operator-1.log");
-    let table = wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
+    let table = wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2).await;
     assert!(table.contains(&format!("127.0.0.1:{port_a}")), "{table}");
     assert_eq!(squids(root).len(), 2, "one Squid per proxy");
 
@@ -135,7 +135,8 @@ async fn standalone_end_to_end_with_real_squid() {
     std::fs::remove_file(root.join("manifests/b.yaml")).expect("rm");
     wait_status(&host, "b deleted", |t| {
         !t.lines().any(|l| l.split_whitespace().nth(1) == Some("b"))
-    });
+    })
+    .await;
     assert_eq!(squids(root).len(), 1, "b's Squid is gone");
     assert!(
         std::net::TcpStream::connect(("127.0.0.1", port_b)).is_err(),
@@ -180,7 +181,7 @@ async fn standalone_end_to_end_with_real_squid() {
         std::thread::sleep(Duration::from_millis(100));
     }
     // Give the restarted operator its first reconcile of `a` (it runs at start-up).
-    wait_status(&host, "a still healthy", |t| healthy_rows(t) == 1);
+    wait_status(&host, "a still healthy", |t| healthy_rows(t) == 1).await;
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(squids(root).len(), 1, "no Squid was started again");
     assert!(!operator.log().contains("started squid"), "{}", operator.log());
@@ -198,7 +199,7 @@ async fn standalone_end_to_end_with_real_squid() {
 
     // Clean up through the operator itself: no manifests, no Squids.
     std::fs::remove_file(root.join("manifests/a.yaml")).expect("rm");
-    wait_status(&host, "everything deleted", |t| t.lines().count() == 1);
+    wait_status(&host, "everything deleted", |t| t.lines().count() == 1).await;
     assert!(squids(root).is_empty());
     stop(operator);
 }
@@ -225,7 +226,7 @@ async fn after_a_restart_no_lease_is_handed_out_on_an_unverified_proxy() {
         std::fs::write(root.join(format!("manifests/{name}.yaml")), yaml).expect("manifest");
     }
     let operator = start_operator(&host, "operator-1.log");
-    wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
+    wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2).await;
     stop(operator);
 
     // b's Squid dies while the operator is down.
@@ -330,7 +331,7 @@ async fn rotated_credentials_reach_the_running_squid_without_a_replacement() {
     )
     .expect("secret");
     let operator = start_operator(&host, "operator.log");
-    wait_status(&host, "c healthy", |t| healthy_rows(t) == 1);
+    wait_status(&host, "c healthy", |t| healthy_rows(t) == 1).await;
     let squid_pids = squids(root);
 
     let (code, held) = api(

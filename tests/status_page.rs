@@ -161,7 +161,7 @@ async fn the_status_page_in_headless_chromium_shows_proxies_leases_and_audit() {
         ),
     );
     let operator = start_operator(&host, "operator.log");
-    wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2);
+    wait_status(&host, "two healthy proxies", |t| healthy_rows(t) == 2).await;
     let token = host.token();
     let api: SocketAddr = ([127, 0, 0, 1], host.api_port).into();
     ui_page_until(api, &token, "web-3 shown failing", |page| {

@@ -251,22 +251,33 @@ pub fn status(host: &Host) -> String {
 
 /// `status`, or `None` while the operator has not created its state folder yet.
 pub fn try_status(host: &Host) -> Option<String> {
-    let output = Command::new(BIN)
+    table_of(status_command(host).output().expect("status runs"))
+}
+
+/// `status --state state` in the host's folder.
+fn status_command(host: &Host) -> Command {
+    let mut command = Command::new(BIN);
+    command
         .current_dir(host.dir.path())
-        .args(["status", "--state", "state"])
-        .output()
-        .expect("status runs");
+        .args(["status", "--state", "state"]);
+    command
+}
+
+/// The table a `status` run printed, if it succeeded.
+fn table_of(output: std::process::Output) -> Option<String> {
     output
         .status
         .success()
         .then(|| String::from_utf8(output.stdout).expect("utf-8"))
 }
 
-/// Polls `status` until `done` holds for its table (90 s at most).
-pub fn wait_status(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
+/// Polls `status` until `done` holds for its table (90 s at most). Async, so the test's other
+/// tasks (origins, clients) keep the runtime's workers while it waits.
+pub async fn wait_status(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
-        let table = try_status(host).unwrap_or_default();
+        let output = tokio::process::Command::from(status_command(host)).output().await;
+        let table = table_of(output.expect("status runs")).unwrap_or_default();
         if done(&table) {
             return table;
         }
@@ -275,7 +286,7 @@ pub fn wait_status(host: &Host, what: &str, done: impl Fn(&str) -> bool) -> Stri
             "timed out waiting for {what}; status:\n{table}\n{}",
             trails_of_the_unhealthy(host, &table)
         );
-        std::thread::sleep(Duration::from_millis(200));
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
