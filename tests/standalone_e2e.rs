@@ -180,9 +180,14 @@ async fn standalone_end_to_end_with_real_squid() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    // Give the restarted operator its first reconcile of `a` (it runs at start-up).
-    wait_status(&host, "a still healthy", |t| healthy_rows(t) == 1).await;
-    std::thread::sleep(Duration::from_millis(500));
+    // After the restarted operator's first reconcile of `a` (its only proxy), counted by this
+    // process's metrics: it adopted the running Squid instead of starting another.
+    metrics_when(&host, "a reconcile by the restarted operator", |t| {
+        t.lines()
+            .any(|l| l.starts_with(r#"epo_reconciles_total{result="ok"} "#))
+    })
+    .await;
+    assert_eq!(healthy_rows(&status(&host)), 1, "a is still healthy");
     assert_eq!(squids(root).len(), 1, "no Squid was started again");
     assert!(!operator.log().contains("started squid"), "{}", operator.log());
     assert_eq!(status(&host).lines().count(), before.lines().count());
