@@ -120,6 +120,7 @@ impl KubeBackend {
     ) -> Result<Option<String>, BackendError> {
         let (api, name, finalizers) = (&self.proxies(proxy), &proxy.name_any(), &finalizers);
         self.write_on_fresh(
+            api,
             proxy,
             |fresh| fresh.finalizers() == proxy.finalizers(),
             move |based_on| async move {
@@ -134,7 +135,8 @@ impl KubeBackend {
         .await
     }
 
-    /// Runs `write`, based on `proxy`; after a conflict, again on the fresh object as long as
+    /// Runs `write`, based on `proxy`; after a conflict, again on the fresh object (read through
+    /// `api`, the Proxy's namespace, as the write goes) as long as
     /// `unchanged` holds for it: only other fields moved (a label, an annotation, the spec), so
     /// what the write says is still true on top of them, and the round's effects, which have
     /// happened, are not lost with it. Anything else (the object replaced, the field written
@@ -143,6 +145,7 @@ impl KubeBackend {
     /// are remembered ([`Self::is_superseded`]). Returns what `write` returned.
     async fn write_on_fresh<T, W>(
         &self,
+        api: &Api<Proxy>,
         proxy: &Proxy,
         unchanged: impl Fn(&Proxy) -> bool,
         write: impl Fn(Proxy) -> W,
@@ -159,11 +162,7 @@ impl KubeBackend {
                     return Ok(written);
                 }
                 Err(BackendError::Conflict(message)) => {
-                    let fresh = self
-                        .proxies(proxy)
-                        .get(&proxy.name_any())
-                        .await
-                        .map_err(classify)?;
+                    let fresh = api.get(&proxy.name_any()).await.map_err(classify)?;
                     if fresh.uid() != proxy.uid() || !unchanged(&fresh) {
                         return Err(BackendError::Conflict(message));
                     }
@@ -242,6 +241,7 @@ impl ProxyBackend for KubeBackend {
         // turns a concurrent status writer into a conflict rather than a lost update.
         let (api, name) = (&self.proxies(proxy), &proxy.name_any());
         self.write_on_fresh(
+            api,
             proxy,
             |fresh| fresh.status == proxy.status,
             move |mut updated| async move {
