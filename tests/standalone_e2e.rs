@@ -5,10 +5,7 @@
 
 mod support;
 
-use std::{
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -16,9 +13,7 @@ use hyper::{Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use support::{
     Origin, free_port,
-    standalone::{
-        self, BIN, Host, healthy_rows, metrics_when, squids, start_operator, status, stop, wait_status,
-    },
+    standalone::{self, Host, healthy_rows, metrics_when, squids, start_operator, status, stop, wait_status},
 };
 
 fn manifest(name: &str, port: u16, health_url: &str) -> String {
@@ -191,9 +186,8 @@ async fn standalone_end_to_end_with_real_squid() {
     assert_eq!(squids(root).len(), 1, "no Squid was started again");
     assert!(!operator.log().contains("started squid"), "{}", operator.log());
     assert_eq!(status(&host).lines().count(), before.lines().count());
-    let audit = Command::new(BIN)
-        .current_dir(root)
-        .args(["status", "--state", "state", "--audit", "a"])
+    let audit = standalone::status_command(&host)
+        .args(["--audit", "a"])
         .output()
         .expect("audit");
     let audit = String::from_utf8_lossy(&audit.stdout);

@@ -255,7 +255,7 @@ pub fn try_status(host: &Host) -> Option<String> {
 }
 
 /// `status --state state` in the host's folder.
-fn status_command(host: &Host) -> Command {
+pub fn status_command(host: &Host) -> Command {
     let mut command = Command::new(BIN);
     command
         .current_dir(host.dir.path())
@@ -302,9 +302,8 @@ fn trails_of_the_unhealthy(host: &Host, table: &str) -> String {
             (phase != "healthy").then(|| format!("{namespace}/{name}"))
         })
         .map(|proxy| {
-            let trail = Command::new(BIN)
-                .current_dir(host.dir.path())
-                .args(["status", "--state", "state", "--audit", &proxy])
+            let trail = status_command(host)
+                .args(["--audit", &proxy])
                 .output()
                 .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
                 .unwrap_or_else(|e| format!("status --audit failed: {e}"));
