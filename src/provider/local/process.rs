@@ -333,13 +333,21 @@ pub(super) fn spawn_squid(
     command.spawn().map_err(|err| spawn_error(squid_path, &err))
 }
 
-/// The last `FATAL:` message Squid wrote to its logs (with its continuation lines), to
-/// explain why it exited.
-pub(super) fn startup_failure(dir: &InstanceDir) -> Option<String> {
+/// Why Squid exited while starting, from the last `FATAL:` message in its logs (with its
+/// continuation lines): the provider's configuration (`Misconfigured`), unless that start
+/// could not bind `listen` because it was in use. That port is this Proxy's, so it is
+/// `Rejected` as [`check_listen`] says of a port it finds taken: another process took it in
+/// the moment between the check and Squid's own bind. No `FATAL:` at all: `Backend`.
+pub(super) fn startup_failure(dir: &InstanceDir, listen: SocketAddr) -> ProviderError {
     [dir.cache_log(), dir.output_file()]
         .iter()
-        .filter_map(|path| last_fatal(&read_tail(path, 64 * 1024)?))
-        .next()
+        .find_map(|path| failure_in_log(&read_tail(path, 64 * 1024)?, listen))
+        .unwrap_or_else(|| {
+            ProviderError::Backend(format!(
+                "squid exited while starting; see {}",
+                dir.cache_log().display()
+            ))
+        })
 }
 
 fn read_tail(path: &Path, max: u64) -> Option<String> {
@@ -351,11 +359,27 @@ fn read_tail(path: &Path, max: u64) -> Option<String> {
     Some(String::from_utf8_lossy(&bytes).into_owned())
 }
 
-fn last_fatal(log: &str) -> Option<String> {
+/// The failure the last start in `log` ended with, if it wrote a `FATAL:` line. Logs are
+/// appended across starts, so only the lines of that start (from its `Starting Squid` line)
+/// speak of the port.
+pub(super) fn failure_in_log(log: &str, listen: SocketAddr) -> Option<ProviderError> {
     let lines: Vec<&str> = log.lines().collect();
-    let start = lines.iter().rposition(|line| line.contains("FATAL:"))?;
-    let mut message = strip_timestamp(lines[start]).trim().to_owned();
-    for continuation in lines[start + 1..]
+    let fatal_at = lines.iter().rposition(|line| line.contains("FATAL:"))?;
+    let start_at = lines[..fatal_at]
+        .iter()
+        .rposition(|line| line.contains("Starting Squid"))
+        .unwrap_or(0);
+    // Squid 5.7: `commBind Cannot bind socket FD 9 to 127.0.0.1:3128: (98) Address already
+    // in use`, then `FATAL: Unable to open HTTP Socket`.
+    let bind_to_listen = format!(" to {listen}: ");
+    let port_taken = lines[start_at..fatal_at].iter().any(|line| {
+        line.contains("commBind") && line.contains(&bind_to_listen) && line.contains("Address already in use")
+    });
+    if port_taken {
+        return Some(listen_taken(listen));
+    }
+    let mut message = strip_timestamp(lines[fatal_at]).trim().to_owned();
+    for continuation in lines[fatal_at + 1..]
         .iter()
         .take_while(|line| line.starts_with('\t'))
     {
@@ -363,7 +387,16 @@ fn last_fatal(log: &str) -> Option<String> {
         message.push_str(continuation.trim());
     }
     truncate(&mut message, 800);
-    Some(message)
+    Some(ProviderError::Misconfigured(format!(
+        "squid exited while starting: {message}"
+    )))
+}
+
+/// `listen` is in use by another process: the Proxy asked for it, so the fix is the Proxy's.
+fn listen_taken(listen: SocketAddr) -> ProviderError {
+    ProviderError::Rejected(format!(
+        "{listen} is already in use by another process: choose another port or address"
+    ))
 }
 
 /// Checks that Squid will be able to listen on `addr`, to fail with a clear message before
@@ -373,9 +406,7 @@ pub(super) fn check_listen(addr: SocketAddr) -> Result<(), ProviderError> {
         Ok(_) => Ok(()),
         Err(err) => Err(match err.kind() {
             // The Proxy asked for this port or address: its problem, not the provider's.
-            io::ErrorKind::AddrInUse => ProviderError::Rejected(format!(
-                "{addr} is already in use by another process: choose another port or address"
-            )),
+            io::ErrorKind::AddrInUse => listen_taken(addr),
             io::ErrorKind::AddrNotAvailable => ProviderError::Rejected(format!(
                 "cannot listen on {addr}: {} is not an address of this host",
                 addr.ip()

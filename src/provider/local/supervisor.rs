@@ -171,15 +171,7 @@ impl Inner {
             tokio::time::Instant::now() + Duration::from_secs(self.settings.start_timeout_seconds.into());
         loop {
             if !process::is_our_squid(pid, squid_path, &config) {
-                return Err(match process::startup_failure(dir) {
-                    Some(fatal) => {
-                        ProviderError::Misconfigured(format!("squid exited while starting: {fatal}"))
-                    }
-                    None => ProviderError::Backend(format!(
-                        "squid exited while starting; see {}",
-                        dir.cache_log().display()
-                    )),
-                });
+                return Err(process::startup_failure(dir, listen));
             }
             if process::accepts_connections(listen).await {
                 return Ok(());

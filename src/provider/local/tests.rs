@@ -6,7 +6,7 @@ use std::{
 
 use super::{
     config::{Plan, squid_conf},
-    process::{argv_runs_config, parse_problems},
+    process::{self, argv_runs_config, failure_in_log, parse_problems},
     state::{InstanceDir, OwnerRecord},
     *,
 };
@@ -194,6 +194,95 @@ fn parse_problems_keep_what_is_wrong_without_timestamps() {
         parse_problems(output),
         "inst/squid.conf(12): unrecognized: 'bogus_directive'; FATAL: Bungled inst/squid.conf line 12: bogus_directive 1"
     );
+}
+
+/// What Squid 5.7 writes when its `http_port` is taken (recorded from a real run; the
+/// `commBind` line names the cause, the `FATAL:` line only the effect).
+fn port_taken_log(listen: &str) -> String {
+    format!(
+        "2026/12/06 10:02:20| Starting Squid Cache version 5.7 for x86_64-pc-linux-gnu...\n\
+         2026/12/06 10:02:20| Service Name: epotestx\n\
+         2026/12/06 10:02:20| Finished loading MIME types and icons.\n\
+         2026/12/06 10:02:20| commBind Cannot bind socket FD 9 to {listen}: (98) Address already in use\n\
+         2026/12/06 10:02:20| HTCP Disabled.\n\
+         2026/12/06 10:02:20| Closing HTTP(S) port {listen}\n\
+         2026/12/06 10:02:20| FATAL: Unable to open HTTP Socket\n\
+         2026/12/06 10:02:20| Squid Cache (Version 5.7): Terminated abnormally.\n"
+    )
+}
+
+/// A port taken by another process between the provider's own check and Squid's bind is
+/// this Proxy's problem, as the check says of a port it finds taken (`Rejected`, the fix is
+/// the Proxy owner's), not the provider's configuration; only the start that failed speaks.
+#[test]
+fn a_start_that_found_its_port_taken_is_a_rejected_request() {
+    let listen: SocketAddr = "127.0.0.1:54039".parse().expect("addr");
+    let rejected = failure_in_log(&port_taken_log("127.0.0.1:54039"), listen);
+    assert!(
+        matches!(&rejected, Some(ProviderError::Rejected(m)) if m.contains("127.0.0.1:54039 is already in use")),
+        "{rejected:?}"
+    );
+    // Another listener's port (an extra `http_port` in the provider's settings) is the
+    // provider's configuration.
+    let other = failure_in_log(&port_taken_log("127.0.0.1:3130"), listen);
+    assert!(
+        matches!(&other, Some(ProviderError::Misconfigured(m)) if m.contains("FATAL: Unable to open HTTP Socket")),
+        "{other:?}"
+    );
+    // The log is appended to across starts: an earlier start's taken port does not explain a
+    // later start's other FATAL.
+    let later = format!(
+        "{}2026/12/06 10:05:00| Starting Squid Cache version 5.7 for x86_64-pc-linux-gnu...\n\
+         2026/12/06 10:05:00| FATAL: Bungled squid.conf line 12: bogus_directive 1\n",
+        port_taken_log("127.0.0.1:54039")
+    );
+    let later = failure_in_log(&later, listen);
+    assert!(
+        matches!(&later, Some(ProviderError::Misconfigured(m)) if m.contains("bogus_directive")),
+        "{later:?}"
+    );
+    assert!(failure_in_log("2026/12/06 10:05:00| Starting Squid\n", listen).is_none());
+}
+
+/// The same with a real Squid, started on a port another socket holds (the provider's own
+/// check is passed over here, as a process that takes the port just after it would).
+#[tokio::test]
+async fn a_real_squid_that_finds_its_port_taken_is_a_rejected_request() {
+    use std::os::unix::fs::PermissionsExt;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let listen = taken.local_addr().expect("addr");
+    let root = tempfile::tempdir().expect("tempdir");
+    let dir = InstanceDir::at(root.path().join("epo-port-taken"));
+    std::fs::create_dir_all(dir.run_dir()).expect("run dir");
+    // Squid started by root drops to its own user, which must reach and write run/.
+    for (path, mode) in [
+        (root.path().to_owned(), 0o755),
+        (dir.root().to_owned(), 0o755),
+        (dir.run_dir(), 0o777),
+    ] {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+    let settings = LocalSettings::new(root.path());
+    let plan = Plan {
+        listen,
+        outgoing: None,
+        password_line: None,
+    };
+    let conf = squid_conf("epo-port-taken", &plan, &dir, &settings, None);
+    std::fs::write(dir.config_file(), conf).expect("squid.conf");
+    let mut squid = process::spawn_squid(&settings.squid_path, &dir).expect("spawn squid");
+    let exited = tokio::time::timeout(Duration::from_secs(60), squid.wait()).await;
+    for segment in dir.shared_memory_segments() {
+        let _ = std::fs::remove_file(segment);
+    }
+    let status = exited.expect("squid exits on a taken port").expect("wait");
+    assert!(!status.success(), "{status}");
+    let failure = process::startup_failure(&dir, listen);
+    assert!(
+        matches!(&failure, ProviderError::Rejected(m) if m.contains("already in use")),
+        "{failure:?}"
+    );
+    drop(taken);
 }
 
 #[test]
