@@ -1556,7 +1556,7 @@ mod cluster {
     impl Drop for Squids {
         fn drop(&mut self) {
             for pid in standalone::squids(&self.0) {
-                crate::support::process::kill_squid(pid as i32);
+                crate::support::process::kill_squid(pid);
             }
         }
     }
@@ -2067,7 +2067,7 @@ rules:
         "the audit says who asked: {recycled:?}"
     );
     let squids_after = standalone::squids(setup.host.path());
-    let replaced: Vec<&u32> = squids_before
+    let replaced: Vec<&i32> = squids_before
         .iter()
         .filter(|p| !squids_after.contains(p))
         .collect();

@@ -57,9 +57,9 @@ use serde_json::json;
 use support::{
     contract::plain_request,
     control_plane::ControlPlane,
-    local::{StateDir, eventually, free_port, squids_under},
+    local::{StateDir, eventually, free_port},
     process::GroupChild,
-    process::kill,
+    process::{kill, squids},
 };
 
 const GRACE: Duration = Duration::from_secs(300);
@@ -303,11 +303,11 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
     let owners = KubeLiveOwners::new(server.client());
     let now = judgement_time(&orphan, &young);
     let orphan_dir = local.instance_dir(&orphan.id.native_id);
-    assert_eq!(squids_under(&orphan_dir).len(), 1);
+    assert_eq!(squids(&orphan_dir).len(), 1);
 
     let dry = collect(&registry, &owners, &config(true), now).await;
     assert_eq!(dry.collected, [orphan.id.to_string()]);
-    assert_eq!(squids_under(&orphan_dir).len(), 1, "dry run stops nothing");
+    assert_eq!(squids(&orphan_dir).len(), 1, "dry run stops nothing");
 
     let report = collect(&registry, &owners, &config(false), now).await;
     assert_eq!(report.collected, [orphan.id.to_string()], "{report:?}");
@@ -316,7 +316,7 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
     assert_eq!(report.deleted, BTreeMap::from([("local".to_owned(), 1)]));
     assert!(!orphan_dir.exists(), "the orphan's folder is removed");
     assert!(
-        eventually(DEADLINE, async || squids_under(&orphan_dir).is_empty()).await,
+        eventually(DEADLINE, async || squids(&orphan_dir).is_empty()).await,
         "the orphan's Squid is stopped"
     );
     for (provider, kept) in [
@@ -326,7 +326,7 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
         (&other, &foreign),
     ] {
         assert_eq!(
-            squids_under(&provider.instance_dir(&kept.id.native_id)).len(),
+            squids(&provider.instance_dir(&kept.id.native_id)).len(),
             1,
             "{} keeps running",
             kept.id
@@ -730,14 +730,14 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         let dir = state.path().join(&gone.id.native_id);
         assert!(!dir.exists(), "{} removed", gone.id);
         assert!(
-            eventually(DEADLINE, async || squids_under(&dir).is_empty()).await,
+            eventually(DEADLINE, async || squids(&dir).is_empty()).await,
             "{}'s Squid is stopped",
             gone.id
         );
     }
     for kept in [&prod_alive, &staging_alive, &legacy] {
         assert_eq!(
-            squids_under(&state.path().join(&kept.id.native_id)).len(),
+            squids(&state.path().join(&kept.id.native_id)).len(),
             1,
             "{} keeps running",
             kept.id
@@ -757,10 +757,7 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
     prod.delete(&staging_alive.id.native_id)
         .await
         .expect("nothing of prod's");
-    assert_eq!(
-        squids_under(&state.path().join(&staging_alive.id.native_id)).len(),
-        1
-    );
+    assert_eq!(squids(&state.path().join(&staging_alive.id.native_id)).len(), 1);
     let listed: Vec<String> = prod
         .list()
         .await
@@ -790,20 +787,20 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
     )
     .await;
     let dead_dir = state.path().join(&dead.id.native_id);
-    for pid in squids_under(&dead_dir) {
+    for pid in squids(&dead_dir) {
         kill(pid);
     }
-    assert!(eventually(DEADLINE, async || squids_under(&dead_dir).is_empty()).await);
+    assert!(eventually(DEADLINE, async || squids(&dead_dir).is_empty()).await);
     staging.supervise_now().await;
     assert!(
-        squids_under(&dead_dir).is_empty(),
+        squids(&dead_dir).is_empty(),
         "staging never restarts prod's Squid"
     );
     assert!(staging.supervision(&dead.id.native_id).is_none());
     let prod = prod_provider();
     prod.supervise_now().await;
     assert!(
-        eventually(DEADLINE, async || squids_under(&dead_dir).len() == 1).await,
+        eventually(DEADLINE, async || squids(&dead_dir).len() == 1).await,
         "prod restarts its own"
     );
     prod.delete(&dead.id.native_id).await.expect("clean up");
@@ -923,7 +920,7 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
         let theirs = create_local(&local, plain_request(local_owner("other", "theirs"), free_port())).await;
         (ours.id.native_id, theirs.id.native_id)
     };
-    let running = |name: &str| squids_under(&state.path().join(name)).len() == 1;
+    let running = |name: &str| squids(&state.path().join(name)).len() == 1;
 
     // Namespace mode: GC is off, and the operator says so.
     let operator = Operator::start(dir.path(), "restricted", &["--namespace", "crawl"]);
@@ -978,9 +975,7 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
         .await;
     assert!(!state.path().join(&ours).exists(), "its folder is removed");
     assert!(
-        eventually(DEADLINE, async || squids_under(&state.path().join(&ours))
-            .is_empty())
-        .await,
+        eventually(DEADLINE, async || squids(&state.path().join(&ours)).is_empty()).await,
         "its Squid is stopped"
     );
     // The pass that deleted ours listed theirs too and left it.

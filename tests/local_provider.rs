@@ -21,9 +21,9 @@ use egress_proxies_operator::{
 };
 use support::{
     contract::{new_owner, plain_request},
-    local::{LocalBackend, StateDir, eventually, free_port, squids_under},
+    local::{LocalBackend, StateDir, eventually, free_port},
     origin::{OriginServer, fetch_via_proxy},
-    process::{kill, processes_mentioning, squid_segments, squid_service},
+    process::{kill, processes_mentioning, squid_segments, squid_service, squids},
 };
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -76,7 +76,7 @@ async fn fetches_a_page_through_the_started_squid() {
     );
     if rustix::process::geteuid().is_root() {
         // Started as root, Squid runs as `proxy` (the default squidUser).
-        let pid = squids_under(&provider.instance_dir(&instance.id.native_id))[0];
+        let pid = squids(&provider.instance_dir(&instance.id.native_id))[0];
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
         let effective_uid = status
             .lines()
@@ -306,13 +306,13 @@ async fn a_killed_squid_is_restarted_by_supervision() {
     let instance = create(&provider, request("supervision")).await;
     let name = instance.id.native_id.clone();
     let dir = provider.instance_dir(&name);
-    let before = squids_under(&dir);
+    let before = squids(&dir);
     assert_eq!(before.len(), 1, "{before:?}");
     kill(before[0]);
 
     // Nobody calls create or get in between: the background supervisor notices.
     let restarted = eventually(DEADLINE, async || {
-        let now = squids_under(&dir);
+        let now = squids(&dir);
         now.len() == 1 && now != before
     })
     .await;
@@ -336,7 +336,7 @@ async fn a_crash_loop_backs_off_and_recovers() {
     let config = dir.join("squid.conf");
     let good = std::fs::read_to_string(&config).expect("config");
     std::fs::write(&config, format!("{good}no_such_directive on\n")).expect("break config");
-    kill(squids_under(&dir)[0]);
+    kill(squids(&dir)[0]);
 
     let mut status = None;
     let looping = eventually(DEADLINE, async || {
@@ -365,7 +365,7 @@ async fn a_crash_loop_backs_off_and_recovers() {
 
     std::fs::write(&config, good).expect("repair config");
     wait_for_state(&provider, &name, InstanceState::Running).await;
-    assert_eq!(squids_under(&dir).len(), 1);
+    assert_eq!(squids(&dir).len(), 1);
     provider.delete(&name).await.expect("delete");
 }
 
@@ -405,7 +405,7 @@ async fn another_squids_shared_memory_does_not_stop_ours() {
     let mut services = Vec::new();
     for instance in [&first, &second] {
         let dir = provider.instance_dir(&instance.id.native_id);
-        let pids = squids_under(&dir);
+        let pids = squids(&dir);
         assert_eq!(pids.len(), 1, "one Squid for {}", instance.id.native_id);
         let service = squid_service(pids[0]).expect("the Squid is started with -n");
         assert_ne!(
@@ -469,7 +469,7 @@ async fn a_restarted_operator_adopts_the_running_squid() {
     let (first, pid) = {
         let provider = backend.provider();
         let instance = create(&provider, request.clone()).await;
-        let squids = squids_under(&provider.instance_dir(&name));
+        let squids = squids(&provider.instance_dir(&name));
         assert_eq!(squids.len(), 1);
         (instance, squids[0])
         // The provider is dropped: its supervisor stops, Squid runs on in its own session.
@@ -505,7 +505,7 @@ async fn a_restarted_operator_adopts_the_running_squid() {
         .expect("create again");
     assert_eq!(again.id, first.id);
     assert_eq!(
-        squids_under(&provider.instance_dir(&name)),
+        squids(&provider.instance_dir(&name)),
         [pid],
         "the same single Squid"
     );
@@ -631,10 +631,10 @@ async fn create_restarts_an_instance_that_died_while_the_operator_was_down() {
         create(&provider, request.clone()).await
     };
     let dir = backend.state.path().join(&name);
-    let old = squids_under(&dir);
+    let old = squids(&dir);
     assert_eq!(old.len(), 1);
     kill(old[0]);
-    assert!(eventually(DEADLINE, async || squids_under(&dir).is_empty()).await);
+    assert!(eventually(DEADLINE, async || squids(&dir).is_empty()).await);
 
     // The repeated create (the engine's retry after a crash) finds the folder and starts its
     // Squid at once, before any supervision pass.
@@ -650,7 +650,7 @@ async fn create_restarts_an_instance_that_died_while_the_operator_was_down() {
         (again.id.clone(), again.created_at),
         (first.id.clone(), first.created_at)
     );
-    let now = squids_under(&dir);
+    let now = squids(&dir);
     assert!(
         now.len() == 1 && now != old,
         "one new Squid: {now:?} (was {old:?})"
@@ -669,11 +669,11 @@ async fn an_interrupted_delete_is_never_restarted_and_create_finishes_it() {
     let dir = provider.instance_dir(&name);
     // A delete that wrote its marker and stopped Squid, then the operator died.
     std::fs::write(dir.join("deleting"), b"").expect("marker");
-    kill(squids_under(&dir)[0]);
-    assert!(eventually(DEADLINE, async || squids_under(&dir).is_empty()).await);
+    kill(squids(&dir)[0]);
+    assert!(eventually(DEADLINE, async || squids(&dir).is_empty()).await);
     provider.supervise_now().await;
     assert!(
-        squids_under(&dir).is_empty(),
+        squids(&dir).is_empty(),
         "supervision does not restart a deleting instance"
     );
     let found = provider.get(&name).await.expect("still exists");
@@ -687,7 +687,7 @@ async fn an_interrupted_delete_is_never_restarted_and_create_finishes_it() {
     );
     assert_eq!(created.state, InstanceState::Running);
     assert!(!dir.join("deleting").exists());
-    assert_eq!(squids_under(&dir).len(), 1);
+    assert_eq!(squids(&dir).len(), 1);
     provider.delete(&name).await.expect("delete");
 }
 

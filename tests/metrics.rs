@@ -42,9 +42,10 @@ use support::{
     contract::plain_request,
     control_plane::ControlPlane,
     http::{get, request},
-    local::{StateDir, free_port, squids_under},
+    local::{StateDir, free_port},
     operations_doc::documented_metrics,
     origin::OriginServer,
+    process::squids,
 };
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -253,7 +254,7 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     })
     .await;
     eventually("the orphan collected", async || {
-        squids_under(&state.path().join(&orphan)).is_empty().then_some(())
+        squids(&state.path().join(&orphan)).is_empty().then_some(())
     })
     .await;
 
@@ -317,11 +318,7 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         0.0
     );
     assert_eq!(value(r#"epo_gc_adoptions_total{provider="local"}"#), 0.0);
-    assert_eq!(
-        squids_under(&state.path().join(&foreign_name)).len(),
-        1,
-        "left running"
-    );
+    assert_eq!(squids(&state.path().join(&foreign_name)).len(), 1, "left running");
     foreign.delete(&foreign_name).await.expect("clean up");
     assert_eq!(value(r#"epo_provider_available{provider="local"}"#), 1.0);
     assert!(value(r#"epo_probe_duration_seconds_count{result="ok"}"#) >= 1.0);

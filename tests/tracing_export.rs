@@ -74,7 +74,7 @@ impl Workdir {
 impl Drop for Workdir {
     fn drop(&mut self) {
         for pid in support::process::squids(self.path()) {
-            support::process::kill_squid(pid as i32);
+            support::process::kill_squid(pid);
         }
     }
 }

@@ -4,7 +4,7 @@
 use std::{
     collections::HashMap,
     os::unix::fs::PermissionsExt,
-    path::{Path, PathBuf},
+    path::PathBuf,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -17,21 +17,10 @@ use egress_proxies_operator::{
 
 use super::{
     contract::{self, ContractBackend},
-    process::{argv, kill_squid, processes_mentioning},
+    process::{kill_squid, processes_mentioning, squids},
 };
 
 pub use super::ports::free_port;
-
-/// Live Squid main processes (`squid -N -f CONFIG`) whose config lies under `path`.
-pub fn squids_under(path: &Path) -> Vec<i32> {
-    processes_mentioning(path)
-        .into_iter()
-        .filter(|pid| {
-            let argv = argv(*pid);
-            argv.first().is_some_and(|p| p.ends_with("squid")) && argv.iter().any(|a| a == "-N")
-        })
-        .collect()
-}
 
 /// Polls `condition` every 50 ms until it holds or `timeout` passes.
 pub async fn eventually(timeout: Duration, mut condition: impl AsyncFnMut() -> bool) -> bool {
@@ -135,7 +124,7 @@ impl ContractBackend for LocalBackend {
     }
 
     async fn backend_objects(&self, name: &str) -> usize {
-        squids_under(&self.state.path().join(name)).len()
+        squids(&self.state.path().join(name)).len()
     }
 
     fn retry_create(&self, name: &str, error: &ProviderError) -> bool {
@@ -149,7 +138,7 @@ impl ContractBackend for LocalBackend {
 
 impl Drop for LocalBackend {
     fn drop(&mut self) {
-        let leaked = squids_under(&self.state.path());
+        let leaked = squids(&self.state.path());
         for pid in &leaked {
             kill_squid(*pid);
         }

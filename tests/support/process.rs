@@ -154,12 +154,15 @@ pub fn processes_mentioning(path: &Path) -> Vec<i32> {
     pids
 }
 
-/// Pids of the Squids whose command line names a path under `dir` (their config).
-pub fn squids(dir: &Path) -> Vec<u32> {
+/// Live Squid main processes (`squid -N ...`, not their helpers) whose arguments name a path
+/// under `dir` (their config), sorted.
+pub fn squids(dir: &Path) -> Vec<i32> {
     processes_mentioning(dir)
         .into_iter()
-        .filter(|pid| argv(*pid).iter().any(|a| a.contains("squid")))
-        .filter_map(|pid| u32::try_from(pid).ok())
+        .filter(|pid| {
+            let argv = argv(*pid);
+            argv.first().is_some_and(|p| p.ends_with("squid")) && argv.iter().any(|a| a == "-N")
+        })
         .collect()
 }
 

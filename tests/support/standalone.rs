@@ -97,7 +97,7 @@ impl Host {
 impl Drop for Host {
     fn drop(&mut self) {
         for pid in squids(self.dir.path()) {
-            kill_squid(pid as i32);
+            kill_squid(pid);
         }
     }
 }
