@@ -1269,8 +1269,19 @@ async fn a_pool_wide_health_failure_replaces_none_while_the_brake_holds() {
             })
             .await;
     }
-    // Two more degraded timeouts: the brake is re-checked and still holds.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Two more degraded timeouts each (forty more re-checks of the brake, counted by the
+    // controller's own metrics): the brake still holds.
+    let paused = || operator.metric_sum("epo_transitions_total", "reason=\"RemediationPaused\"");
+    let rechecks_from = paused();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while paused() < rechecks_from + 2 * names.len() as u64 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the brake was re-checked {} times in 30 s",
+            paused() - rechecks_from
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(
         world.provider.deleted_count(),
         0,

@@ -76,11 +76,17 @@ async fn squid_passes_fails_when_stopped_and_recovers_when_restarted() {
     squid.restart().await;
     let recovered = next_event(&mut events).await;
     assert_eq!((recovered.verdict, recovered.recovered), (Verdict::Passing, true));
-    assert!(health.snapshot(&key).unwrap().recovered);
-    // No event while nothing crosses a threshold.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let snap = health.snapshot(&key).unwrap();
+    assert!(snap.recovered);
+    // No event while nothing crosses a threshold: three more probes pass, and the engine
+    // says nothing of them.
+    let passes_at_recovery = snap.consecutive_successes;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while health.snapshot(&key).unwrap().consecutive_successes < passes_at_recovery + 3 {
+        assert!(tokio::time::Instant::now() < deadline, "probes stopped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(events.try_recv().is_err());
-    assert!(health.snapshot(&key).unwrap().consecutive_successes >= 2);
 }
 
 #[tokio::test]

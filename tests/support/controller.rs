@@ -127,9 +127,15 @@ impl RunningController {
 
     /// Reconciles finished so far (any result), from the controller's own metrics.
     pub fn reconciles(&self) -> u64 {
+        self.metric_sum("epo_reconciles_total", "")
+    }
+
+    /// The sum of counter `name`'s series whose labels contain `label` (`""`: all of them).
+    pub fn metric_sum(&self, name: &str, label: &str) -> u64 {
+        let series = format!("{name}{{");
         self.metrics_text()
             .lines()
-            .filter(|l| l.starts_with("epo_reconciles_total{"))
+            .filter(|l| l.starts_with(&series) && l.contains(label))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
             .sum()
     }
