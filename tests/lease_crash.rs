@@ -729,7 +729,7 @@ async fn chaos_operator_and_squid_kills_under_leasing() {
                 started.elapsed().as_secs_f64()
             );
             let _ = rustix::process::kill_process(
-                rustix::process::Pid::from_raw(i32::try_from(pid).expect("pid")).expect("pid"),
+                rustix::process::Pid::from_raw(pid).expect("pid"),
                 rustix::process::Signal::KILL,
             );
         }

@@ -239,7 +239,7 @@ async fn after_a_restart_no_lease_is_handed_out_on_an_unverified_proxy() {
         })
         .expect("b's Squid");
     rustix::process::kill_process(
-        rustix::process::Pid::from_raw(i32::try_from(b_pid).expect("pid")).expect("pid"),
+        rustix::process::Pid::from_raw(b_pid).expect("pid"),
         rustix::process::Signal::KILL,
     )
     .expect("kill b's Squid");
