@@ -673,14 +673,14 @@ async fn a_status_conflict_is_retried() {
     operator.stop().await;
 }
 
-/// The scripted lease registry, except that the moment a Proxy's leases first open it sets the
-/// Proxy's recycle request through the API server, as the gateway does when a rule bans the
-/// first answer through a new proxy: the status write of the very round that opened them then
-/// carries a resourceVersion that is no longer the object's.
+/// The scripted lease registry, except that the moment a Proxy's leases first open it reads
+/// the Proxy's stored phase, then sets its recycle request through the API server, as the
+/// gateway does when a rule bans the first answer through a new proxy.
 struct RecycleWhenLeasesOpen {
     inner: Arc<ScriptedLeases>,
     proxies: Api<Proxy>,
     asked: std::sync::atomic::AtomicBool,
+    stored_phase_when_opened: std::sync::Mutex<Option<String>>,
 }
 
 impl LeaseControl for RecycleWhenLeasesOpen {
@@ -692,9 +692,12 @@ impl LeaseControl for RecycleWhenLeasesOpen {
         if open && !self.asked.swap(true, std::sync::atomic::Ordering::SeqCst) {
             let annotate =
                 json!({"metadata": {"annotations": {RECYCLE_ANNOTATION: "gateway rule blocked #1"}}});
-            // Within the effect, before it returns: the status write comes after.
+            // Before admission returns: the next round reads the request.
             tokio::task::block_in_place(|| {
                 tokio::runtime::Handle::current().block_on(async {
+                    let stored = self.proxies.get(key.name()).await.expect("read");
+                    *self.stored_phase_when_opened.lock().expect("lock") =
+                        phase_of(Some(&stored)).map(str::to_owned);
                     self.proxies
                         .patch(key.name(), &PatchParams::default(), &Patch::Merge(&annotate))
                         .await
@@ -719,8 +722,10 @@ impl LeaseControl for RecycleWhenLeasesOpen {
 
 /// A recycle asked of a Proxy whose leases have just opened is asked of an instance that
 /// served: it is replaced, and the audit never says the request was satisfied by an instance
-/// still being created. (The status write of the round that opened the leases met a conflict;
-/// it used to be dropped, so the next round started from `provisioning` again.)
+/// still being created. (Admission opens only after the status saying `healthy` is stored, so
+/// the request meets a stored `healthy`. Admission once opened inside the round, whose status
+/// write then met the request's conflict and was dropped: the next round started from
+/// `provisioning` again.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recycle_asked_as_leases_open_replaces_the_instance_that_served() {
     let world = World::new().await;
@@ -728,6 +733,7 @@ async fn a_recycle_asked_as_leases_open_replaces_the_instance_that_served() {
         inner: world.leases.clone(),
         proxies: world.proxies(),
         asked: Default::default(),
+        stored_phase_when_opened: Default::default(),
     });
     let operator = world.start_with(|setup| setup.deps.leases = leases.clone()).await;
     world.create_proxy("web-9", json!({"provider": "mem"})).await;
@@ -762,6 +768,12 @@ async fn a_recycle_asked_as_leases_open_replaces_the_instance_that_served() {
     assert!(
         reasons.iter().any(|r| r == "Recycled") && !reasons.iter().any(|r| r == "RecycleSatisfied"),
         "the instance that served was called fresh: {reasons:?}"
+    );
+    // Admission opened only once the store said `healthy`: a crash before that write would
+    // have left no lease on an instance the store calls `provisioning`.
+    assert_eq!(
+        leases.stored_phase_when_opened.lock().expect("lock").as_deref(),
+        Some("healthy")
     );
     // The new instance is probed afresh.
     make_healthy(&world, &operator, "web-9").await;

@@ -11,8 +11,9 @@
 //!   never replaces a live instance of another spec (`instance_stale` deletes it first);
 //! - the finalizer is removed only when the instance is gone: a Proxy object that is gone
 //!   leaves no instance behind;
-//! - no lease is handed out by a proxy that is not healthy: admission is open only in
-//!   `healthy` with a passing verdict;
+//! - no lease is handed out by a proxy that is not healthy: admission is open only while the
+//!   *stored* status says `healthy` (a crash before that write leaves it closed), with a
+//!   passing verdict;
 //! - retries back off: each `schedule_retry` counts one more failure than the last (until a
 //!   `clear_retry`) and waits its nominal backoff (the cap for a rejected create);
 //! - **at most 8 reconciles in any simulated minute in which nothing changes** (no scripted
@@ -234,6 +235,8 @@ fn broken_invariant(scenario: &Scenario, replay: &Replay) -> Option<String> {
     };
     let mut last_attempts = 0u32;
     let mut instance_spec_live = false;
+    // The phase the store holds: a start phase is stored; a new Proxy has no status.
+    let mut stored_phase = scenario.start.phase.as_deref().and_then(Phase::from_name);
     for (i, step) in replay.steps.iter().enumerate() {
         let at = step.at;
         let w = step.world;
@@ -242,9 +245,14 @@ fn broken_invariant(scenario: &Scenario, replay: &Replay) -> Option<String> {
         if !w.object && w.instance {
             return Some(format!("+{at}s: the Proxy is gone but its instance is not"));
         }
-        if w.leases_admitted && !(step.phase() == Phase::Healthy && w.health_passing) {
+        // A crash loses the status write: the store keeps what it held.
+        if !step.crashed {
+            stored_phase = Some(step.phase());
+        }
+        if w.leases_admitted && !(stored_phase == Some(Phase::Healthy) && w.health_passing) {
             return Some(format!(
-                "+{at}s: leases admitted in {} (health passing: {})",
+                "+{at}s: leases admitted in {} while the stored status says {stored_phase:?} \
+                 (health passing: {})",
                 step.phase(),
                 w.health_passing
             ));

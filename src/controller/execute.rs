@@ -91,11 +91,13 @@ impl<B: ProxyBackend> Executors<'_, B> {
                 record.next_attempt = None;
                 self.delete_instance(record).await
             }
+            // Registered now; admission opens only once the status that puts the proxy in
+            // rotation is stored ([`Self::admit_if_stored_healthy`]), so a crash before that
+            // write never leaves leases on an instance the store calls `provisioning`.
             Planned::EnableLeases => {
                 if let Some(target) = self.lease_target(record, self.running_credentials()) {
                     self.leases.upsert(target);
                 }
-                self.leases.set_admission(key, true);
                 Vec::new()
             }
             Planned::DisableLeases => {
@@ -378,6 +380,23 @@ impl<B: ProxyBackend> Executors<'_, B> {
         })
     }
 
+    /// Opens admission once the status that puts the proxy in rotation is stored (called after
+    /// the status write, or when none was needed): admission never runs ahead of what the
+    /// store says, whatever a crash interrupts.
+    pub fn admit_if_stored_healthy(&self, record: &Record) {
+        if record.endpoint.is_some() && self.leasable(record) {
+            self.leases.set_admission(self.subject.key, true);
+        }
+    }
+
+    /// Whether the proxy may take new leases: `healthy`, and *this process* has seen it pass a
+    /// probe (after a restart the persisted `healthy` may describe an instance that died
+    /// meanwhile).
+    fn leasable(&self, record: &Record) -> bool {
+        record.state.phase() == Phase::Healthy
+            && self.health.verdict(self.subject.key) == HealthVerdict::Passing
+    }
+
     /// Health probing and lease registration are in-memory: after a restart (or a spec edit of
     /// attributes, limits or health settings) they are brought in line with the persisted state
     /// here. This is upkeep of the executors' own state, not a transition: it never changes the
@@ -399,11 +418,10 @@ impl<B: ProxyBackend> Executors<'_, B> {
                 if let Some(target) = self.lease_target(record, credentials) {
                     self.leases.upsert(target);
                 }
-                // Leasable only once *this process* has seen the proxy pass a probe: after a
-                // restart the persisted `healthy` may describe an instance that died meanwhile.
-                let verified = self.health.verdict(key) == HealthVerdict::Passing;
-                self.leases
-                    .set_admission(key, phase == Phase::Healthy && verified);
+                // Closing is at once; opening waits for the status write.
+                if !self.leasable(record) {
+                    self.leases.set_admission(key, false);
+                }
             }
             _ if phase == Phase::Pending => {
                 self.health.remove(key);

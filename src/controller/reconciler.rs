@@ -210,6 +210,7 @@ impl<B: ProxyBackend> Reconciler<B> {
         self.pools.set(&key, subject.provider_name, phase);
         executors.sync_targets(&progress.record);
         let proxy_writes = self.write_status(proxy, &progress, now).await?;
+        executors.admit_if_stored_healthy(&progress.record);
         let wake = self.wake(&key, settled, &progress.record, now, resolved.is_ok());
         debug!(proxy = %key, phase = %phase, after = ?wake.after, why = %wake.why, "next wake-up");
         Ok(ReconcileOutcome {

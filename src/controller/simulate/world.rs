@@ -64,6 +64,8 @@ struct WorldState {
     provider_down: bool,
     /// This step's reconcile dies before its status write.
     crashing: bool,
+    /// It has died: what it would do after the write does not happen.
+    dead: bool,
     failures: HashMap<&'static str, Failure>,
     written: Option<ProxyStatus>,
     creates: u32,
@@ -94,6 +96,7 @@ impl Default for WorldState {
             leases: 0,
             provider_down: false,
             crashing: false,
+            dead: false,
             failures: HashMap::new(),
             written: None,
             creates: 0,
@@ -194,7 +197,9 @@ impl World {
 
     /// Whether this step's reconcile dies before its status write.
     pub(super) fn set_crashing(&self, crashing: bool) {
-        self.lock().crashing = crashing;
+        let mut w = self.lock();
+        w.crashing = crashing;
+        w.dead = false;
     }
 
     /// The status the last reconcile wrote (even if a crash lost it), once.
@@ -412,6 +417,7 @@ impl<B: ProxyBackend> ProxyBackend for ScriptedBackend<B> {
         let crashing = {
             let mut w = self.world.lock();
             w.written = Some(status.clone());
+            w.dead = w.crashing;
             w.crashing
         };
         if crashing {
@@ -549,7 +555,10 @@ impl LeaseControl for SimLeases {
         ));
     }
     fn set_admission(&self, _: &ProxyKey, open: bool) {
-        self.0.lock().admitted = open;
+        let mut w = self.0.lock();
+        if !w.dead {
+            w.admitted = open;
+        }
     }
     fn drain(&self, _: &ProxyKey) -> DrainStatus {
         match self.0.lock().leases {
