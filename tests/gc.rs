@@ -57,7 +57,7 @@ use serde_json::json;
 use support::{
     contract::plain_request,
     control_plane::ControlPlane,
-    local::{StateDir, eventually, free_port},
+    local::{StateDir, create_on_a_free_port, eventually, free_port},
     process::GroupChild,
     process::{kill, squids},
 };
@@ -241,18 +241,6 @@ async fn gc_on_a_real_libvirt_driver_deletes_only_true_orphans() {
     daemon.virsh_ok(&["undefine", "--domain", &damaged]);
 }
 
-/// Creates `request` on `provider`, choosing another port if the free one was taken meanwhile.
-async fn create_local(provider: &LocalProvider, mut request: InstanceRequest) -> Instance {
-    for _ in 0..3 {
-        match provider.create(&request).await {
-            Err(err) if err.to_string().contains("in use") => request.port = free_port(),
-            Ok(instance) => return instance,
-            Err(err) => panic!("create failed: {err}"),
-        }
-    }
-    panic!("no free port after 3 attempts");
-}
-
 fn local_owner(namespace: &str, name: &str) -> Owner {
     Owner {
         uid: format!("{:016x}-{name}", fastrand::u64(..)),
@@ -274,14 +262,15 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
         namespace: "crawl".into(),
         name: "alive".into(),
     };
-    let alive = create_local(&local, plain_request(alive_owner, free_port())).await;
-    let orphan = create_local(&local, plain_request(local_owner("crawl", "orphan"), free_port())).await;
-    let young = create_local(
+    let alive = create_on_a_free_port(&local, plain_request(alive_owner, free_port())).await;
+    let orphan =
+        create_on_a_free_port(&local, plain_request(local_owner("crawl", "orphan"), free_port())).await;
+    let young = create_on_a_free_port(
         &local,
         plain_request(local_owner("crawl", "in-flight"), free_port()),
     )
     .await;
-    let unreadable = create_local(
+    let unreadable = create_on_a_free_port(
         &local,
         plain_request(local_owner("crawl", "unreadable"), free_port()),
     )
@@ -292,7 +281,7 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
     )
     .expect("damage the owner record");
     // Another provider instance's orphan (not in this GC's registry).
-    let foreign = create_local(
+    let foreign = create_on_a_free_port(
         &other,
         plain_request(local_owner("crawl", "foreign"), free_port()),
     )
@@ -663,29 +652,29 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         name: name.into(),
     };
 
-    let prod_alive = create_local(
+    let prod_alive = create_on_a_free_port(
         &prod,
         plain_request(live(&prod_cluster, "p-alive").await, free_port()),
     )
     .await;
-    let prod_orphan = create_local(
+    let prod_orphan = create_on_a_free_port(
         &prod,
         plain_request(local_owner("crawl", "p-orphan"), free_port()),
     )
     .await;
-    let staging_alive = create_local(
+    let staging_alive = create_on_a_free_port(
         &staging,
         plain_request(live(&staging_cluster, "s-alive").await, free_port()),
     )
     .await;
-    let staging_orphan = create_local(
+    let staging_orphan = create_on_a_free_port(
         &staging,
         plain_request(local_owner("crawl", "s-orphan"), free_port()),
     )
     .await;
     // Made before installations were recorded: its owner record names none. Its owner lives
     // in staging.
-    let legacy = create_local(
+    let legacy = create_on_a_free_port(
         &staging,
         plain_request(live(&staging_cluster, "legacy").await, free_port()),
     )
@@ -781,7 +770,7 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
     drop(prod);
     let prod_provider =
         || LocalProvider::for_installation(prod_id.clone(), "local", state.settings()).expect("settings");
-    let dead = create_local(
+    let dead = create_on_a_free_port(
         &prod_provider(),
         plain_request(local_owner("crawl", "dead"), free_port()),
     )
@@ -906,7 +895,7 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     let foreign = {
         let other = Installation::new(this_installation.cluster_id.clone(), "another");
         let local = LocalProvider::for_installation(other, "local", state.settings()).expect("settings");
-        create_local(
+        create_on_a_free_port(
             &local,
             plain_request(local_owner("crawl", "foreign"), free_port()),
         )
@@ -916,8 +905,10 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     };
     let (ours, theirs) = {
         let local = ours_provider();
-        let ours = create_local(&local, plain_request(local_owner("crawl", "ours"), free_port())).await;
-        let theirs = create_local(&local, plain_request(local_owner("other", "theirs"), free_port())).await;
+        let ours =
+            create_on_a_free_port(&local, plain_request(local_owner("crawl", "ours"), free_port())).await;
+        let theirs =
+            create_on_a_free_port(&local, plain_request(local_owner("other", "theirs"), free_port())).await;
         (ours.id.native_id, theirs.id.native_id)
     };
     let running = |name: &str| squids(&state.path().join(name)).len() == 1;
@@ -988,7 +979,7 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
     operator
         .wait_log("the foreign instance left alone", left_alone)
         .await;
-    let ours_again = create_local(
+    let ours_again = create_on_a_free_port(
         &ours_provider(),
         plain_request(local_owner("crawl", "ours-again"), free_port()),
     )

@@ -21,7 +21,7 @@ use egress_proxies_operator::{
 };
 use support::{
     contract::{new_owner, plain_request},
-    local::{LocalBackend, StateDir, eventually, free_port},
+    local::{LocalBackend, StateDir, create_on_a_free_port, eventually, free_port},
     origin::{OriginServer, fetch_via_proxy},
     process::{kill, processes_mentioning, squid_segments, squid_service, squids},
 };
@@ -30,18 +30,6 @@ const DEADLINE: Duration = Duration::from_secs(20);
 
 fn request(check: &str) -> InstanceRequest {
     plain_request(new_owner(check), free_port())
-}
-
-/// Creates `request`, choosing a new port if the free one was taken meanwhile.
-async fn create(provider: &LocalProvider, mut request: InstanceRequest) -> Instance {
-    for _ in 0..3 {
-        match provider.create(&request).await {
-            Err(err) if err.to_string().contains("in use") => request.port = free_port(),
-            Ok(instance) => return instance,
-            Err(err) => panic!("create failed: {err}"),
-        }
-    }
-    panic!("no free port after 3 attempts");
 }
 
 fn proxy_addr(instance: &Instance) -> SocketAddr {
@@ -68,7 +56,7 @@ async fn fetches_a_page_through_the_started_squid() {
     let backend = LocalBackend::new();
     let provider = backend.provider();
     let origin = OriginServer::start().await;
-    let instance = create(&provider, request("fetch")).await;
+    let instance = create_on_a_free_port(&provider, request("fetch")).await;
     assert_eq!(
         instance.state,
         InstanceState::Running,
@@ -117,7 +105,7 @@ async fn credentials_are_required_when_given() {
         username: "crawler".into(),
         password: "correct horse: battery".into(),
     });
-    let instance = create(&provider, request).await;
+    let instance = create_on_a_free_port(&provider, request).await;
     let proxy = proxy_addr(&instance);
     let url = origin.url("/secret");
 
@@ -158,7 +146,7 @@ async fn outgoing_connections_use_the_placement_outgoing_address() {
     let mut request = request("outgoing");
     // All of 127.0.0.0/8 is on loopback on Linux: 127.0.0.2 is an address of this host.
     request.placement.outgoing_address = Some("127.0.0.2".into());
-    let instance = create(&provider, request).await;
+    let instance = create_on_a_free_port(&provider, request).await;
 
     let response = fetch_via_proxy(proxy_addr(&instance), &origin.url("/from"), None).await;
     assert_eq!(response.status, 200, "{response:?}");
@@ -303,7 +291,7 @@ async fn a_killed_squid_is_restarted_by_supervision() {
     let backend = LocalBackend::new();
     let provider = backend.provider();
     let origin = OriginServer::start().await;
-    let instance = create(&provider, request("supervision")).await;
+    let instance = create_on_a_free_port(&provider, request("supervision")).await;
     let name = instance.id.native_id.clone();
     let dir = provider.instance_dir(&name);
     let before = squids(&dir);
@@ -329,7 +317,7 @@ async fn a_killed_squid_is_restarted_by_supervision() {
 async fn a_crash_loop_backs_off_and_recovers() {
     let backend = LocalBackend::new();
     let provider = backend.provider();
-    let instance = create(&provider, request("crash-loop")).await;
+    let instance = create_on_a_free_port(&provider, request("crash-loop")).await;
     let name = instance.id.native_id.clone();
     let dir = provider.instance_dir(&name);
     // Break the config behind the provider's back: every restarted Squid exits at once.
@@ -399,8 +387,8 @@ async fn another_squids_shared_memory_does_not_stop_ours() {
     });
     let backend = LocalBackend::new();
     let provider = backend.provider();
-    let first = create(&provider, request("shm-a")).await;
-    let second = create(&provider, request("shm-b")).await;
+    let first = create_on_a_free_port(&provider, request("shm-a")).await;
+    let second = create_on_a_free_port(&provider, request("shm-b")).await;
 
     let mut services = Vec::new();
     for instance in [&first, &second] {
@@ -441,7 +429,7 @@ async fn delete_leaves_no_process_and_no_folder() {
         username: "crawler".into(),
         password: "pw".into(),
     });
-    let instance = create(&provider, request).await;
+    let instance = create_on_a_free_port(&provider, request).await;
     let name = instance.id.native_id.clone();
     // An authenticated request starts the auth helper: it must go too.
     let response = fetch_via_proxy(proxy_addr(&instance), &origin.url("/"), Some(("crawler", "pw"))).await;
@@ -468,7 +456,7 @@ async fn a_restarted_operator_adopts_the_running_squid() {
     let name = request.name.clone();
     let (first, pid) = {
         let provider = backend.provider();
-        let instance = create(&provider, request.clone()).await;
+        let instance = create_on_a_free_port(&provider, request.clone()).await;
         let squids = squids(&provider.instance_dir(&name));
         assert_eq!(squids.len(), 1);
         (instance, squids[0])
@@ -517,8 +505,8 @@ async fn a_restarted_operator_adopts_the_running_squid() {
 async fn list_and_probe_report_instances_and_an_unreadable_owner_is_kept_from_gc() {
     let backend = LocalBackend::new();
     let provider = backend.provider();
-    let a = create(&provider, request("list-a")).await;
-    let b = create(&provider, request("list-b")).await;
+    let a = create_on_a_free_port(&provider, request("list-a")).await;
+    let b = create_on_a_free_port(&provider, request("list-b")).await;
     let report = provider.probe().await.expect("probe");
     assert_eq!(report.instance_count, 2);
     assert!(
@@ -628,7 +616,7 @@ async fn create_restarts_an_instance_that_died_while_the_operator_was_down() {
     let name = request.name.clone();
     let first = {
         let provider = backend.provider();
-        create(&provider, request.clone()).await
+        create_on_a_free_port(&provider, request.clone()).await
     };
     let dir = backend.state.path().join(&name);
     let old = squids(&dir);
@@ -665,7 +653,7 @@ async fn an_interrupted_delete_is_never_restarted_and_create_finishes_it() {
     let provider = backend.provider();
     let request = request("interrupted-delete");
     let name = request.name.clone();
-    let first = create(&provider, request.clone()).await;
+    let first = create_on_a_free_port(&provider, request.clone()).await;
     let dir = provider.instance_dir(&name);
     // A delete that wrote its marker and stopped Squid, then the operator died.
     std::fs::write(dir.join("deleting"), b"").expect("marker");
@@ -679,7 +667,7 @@ async fn an_interrupted_delete_is_never_restarted_and_create_finishes_it() {
     let found = provider.get(&name).await.expect("still exists");
     assert_eq!(found.state, InstanceState::Stopped);
 
-    let created = create(&provider, request).await;
+    let created = create_on_a_free_port(&provider, request).await;
     assert_eq!(created.id, first.id);
     assert!(
         created.created_at > first.created_at,
@@ -703,7 +691,7 @@ async fn listens_on_ipv6_loopback() {
     let mut request = request("ipv6");
     request.placement.address = Some("::1".into());
     request.port = port;
-    let instance = create(&provider, request).await;
+    let instance = create_on_a_free_port(&provider, request).await;
     let endpoint = instance.endpoint.clone().expect("endpoint");
     assert_eq!(endpoint.to_string(), format!("[::1]:{port}"));
     let response = fetch_via_proxy(

@@ -28,28 +28,11 @@ fn manifest(name: &str, port: u16, health_url: &str) -> String {
 
 async fn api(host: &Host, method: &str, path: &str, body: &str) -> (StatusCode, serde_json::Value) {
     let token = std::fs::read_to_string(host.dir.path().join("state/discovery-tokens")).expect("token");
-    let stream = tokio::net::TcpStream::connect(("127.0.0.1", host.api_port))
-        .await
-        .expect("connect");
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .expect("handshake");
-    tokio::spawn(conn);
-    let request = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "127.0.0.1")
-        .header("authorization", format!("Bearer {}", token.trim()))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_owned())))
-        .expect("request");
-    let response = sender.send_request(request).await.expect("response");
-    let status = response.status();
-    let bytes = response.into_body().collect().await.expect("body").to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
-    )
+    let timeout = Duration::from_secs(30);
+    match standalone::try_api(host.api_port, token.trim(), method, path, body, timeout).await {
+        standalone::Answer::Got(status, body) => (status, body),
+        other => panic!("{method} {path}: {other:?}"),
+    }
 }
 
 /// GET `url` through the HTTP proxy at `proxy` (absolute-form request), with basic proxy

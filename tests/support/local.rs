@@ -12,7 +12,7 @@ use std::{
 use async_trait::async_trait;
 use egress_proxies_operator::{
     config::LocalSettings,
-    provider::{InstanceRequest, Owner, Provider, ProviderError, local::LocalProvider},
+    provider::{Instance, InstanceRequest, Owner, Provider, ProviderError, local::LocalProvider},
 };
 
 use super::{
@@ -21,6 +21,19 @@ use super::{
 };
 
 pub use super::ports::free_port;
+
+/// Creates `request` on `provider`, choosing another port if the free one was taken meanwhile
+/// (by another test: ports are picked free, then bound later).
+pub async fn create_on_a_free_port(provider: &LocalProvider, mut request: InstanceRequest) -> Instance {
+    for _ in 0..3 {
+        match provider.create(&request).await {
+            Err(err) if err.to_string().contains("in use") => request.port = free_port(),
+            Ok(instance) => return instance,
+            Err(err) => panic!("create failed: {err}"),
+        }
+    }
+    panic!("no free port after 3 attempts");
+}
 
 /// Polls `condition` every 50 ms until it holds or `timeout` passes.
 pub async fn eventually(timeout: Duration, mut condition: impl AsyncFnMut() -> bool) -> bool {
