@@ -52,7 +52,7 @@ pub use usage::{HolderUsageJson, QuotaJson, QuotaUse, TokenUsageJson, UsageCount
 pub use wire::{
     AcquireBody, AcquireResponse, ERROR_CODES, ErrorBody, ErrorDetail, LeaseJson, LeasesResponse,
     ListResponse, OutcomeBody, ProxyJson, ReleaseBody, ReleaseResponse, RenewBody, RenewResponse,
-    RequestBody, StatusBody,
+    RequestBody, StatusBody, retry_after_header,
 };
 
 use crate::{

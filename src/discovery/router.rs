@@ -10,7 +10,7 @@ use hyper::{
     header::{self, HeaderValue},
 };
 
-use super::{ErrorBody, ErrorDetail};
+use super::{ErrorBody, ErrorDetail, retry_after_header};
 use crate::lease::{LeaseError, token::MAX_ID_LEN};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,10 +100,9 @@ impl ApiError {
         };
         let mut response = json(self.status, &body);
         if let Some(after) = self.retry_after {
-            let secs = after.as_secs_f64().ceil().max(1.0) as u64;
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+                .insert(header::RETRY_AFTER, retry_after_header(after));
         }
         if let Some(allow) = self.allow {
             response

@@ -546,6 +546,14 @@ pub const ERROR_CODES: &[&str] = &[
     "quota_exceeded",
 ];
 
+/// The `Retry-After` of an answer that says when to ask again: whole seconds, rounded up (a
+/// client that waits what it says never asks too early), at least 1. Both the API and the
+/// gateway send it.
+pub fn retry_after_header(after: std::time::Duration) -> hyper::header::HeaderValue {
+    let secs = after.as_millis().div_ceil(1_000).max(1);
+    hyper::header::HeaderValue::from(u64::try_from(secs).unwrap_or(u64::MAX))
+}
+
 fn error_code_schema() -> Object {
     ObjectBuilder::new()
         .schema_type(Type::String)

@@ -56,6 +56,7 @@ use crate::{
     discovery::{
         AuthError, Authenticator,
         auth::{ProxyPresented, RememberedVerdict, proxy_presented},
+        retry_after_header,
     },
     health::HealthHandle,
     lease::{LeaseError, LeaseStore, Outcome},
@@ -258,7 +259,7 @@ impl Refusal {
             );
         }
         if let Some(after) = self.retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
+            headers.insert(header::RETRY_AFTER, retry_after_header(after));
         }
         response
     }
@@ -598,5 +599,18 @@ mod tests {
         assert_eq!(target_domain("127.0.0.1"), Some("127.0.0.1"));
         assert_eq!(target_domain("::1"), None);
         assert_eq!(target_domain(""), None);
+    }
+
+    /// `Retry-After` is whole seconds: rounded up, as the discovery API does, so a client that
+    /// waits what it says never asks before a proxy can be free (1.9 s left is 2, not 1).
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        for (left, header) in [(1_900, "2"), (5_000, "5"), (1, "1"), (0, "1")] {
+            let refusal = Refusal::from(LeaseError::NoProxyAvailable {
+                retry_after: Duration::from_millis(left),
+            });
+            let response = refusal.into_response();
+            assert_eq!(response.headers()[header::RETRY_AFTER], header, "{left} ms left");
+        }
     }
 }
