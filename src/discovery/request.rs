@@ -133,12 +133,20 @@ where
     // reader checks every string again); the path-tracking one only to say where a malformed
     // body went wrong (it costs about as much as the parse itself).
     let parsed = T::scan(bytes).or_else(|| {
+        // serde's derive also reads a struct from an array of its fields in order: the API's
+        // bodies are objects only.
+        if bytes.trim_ascii_start().first() != Some(&b'{') {
+            return None;
+        }
         std::str::from_utf8(bytes)
             .ok()
             .and_then(|text| serde_json::from_str(text).ok())
     });
     let value: T = match parsed {
         Some(value) => value,
+        None if bytes.trim_ascii_start().first().is_some_and(|b| *b != b'{') => {
+            return Err(ApiError::bad_request("the body must be a JSON object"));
+        }
         None => decode_with_path(bytes)?,
     };
     value.validate().map_err(ApiError::bad_request)?;
@@ -189,7 +197,8 @@ fn decode_with_path<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T,
     let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
-        if path == "." || path.is_empty() {
+        // `?` is the path of a value never reached (the body ended first).
+        if path == "." || path == "?" || path.is_empty() {
             ApiError::bad_request(format!("invalid JSON body: {inner}"))
         } else {
             ApiError::bad_request(format!("invalid JSON body at {path}: {inner}"))
