@@ -1,4 +1,5 @@
-//! The `machines` and `audit` subcommands, and scenario-file errors a user can make.
+//! The `machines` and `audit` subcommands, and scenario-file errors a user can make; and how
+//! the binary reports a file it cannot use (each cause said once).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -120,4 +121,48 @@ async fn scenario_start_and_config_are_honoured() {
     let reasons: Vec<&str> = replay.audit().map(|e| e.reason.as_str()).collect();
     assert!(reasons.contains(&"ProvisioningTimedOut"), "{}", replay.render());
     assert_eq!(replay.steps[0].outcome.audit.len(), 0, "not yet at 29 s");
+}
+
+/// A file the binary cannot use is reported with its cause once: an error either says its
+/// cause or hands it on as its source, never both (the binary prints the whole chain).
+#[test]
+fn a_file_that_cannot_be_used_is_reported_with_its_cause_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing = dir.path().join("missing.yaml");
+    let broken = dir.path().join("providers.yaml");
+    std::fs::write(&broken, "providers:\n  - [local, local]\n").expect("write");
+    let state = dir.path().join("state");
+    let standalone = |providers: &Path| {
+        bin()
+            .arg("standalone")
+            .arg("--manifests")
+            .arg(dir.path())
+            .arg("--providers-config")
+            .arg(providers)
+            .arg("--state")
+            .arg(&state)
+            .output()
+            .expect("runs")
+    };
+    for (what, out, cause) in [
+        (
+            "audit of a missing scenario",
+            bin().arg("audit").arg(&missing).output().expect("runs"),
+            "No such file or directory",
+        ),
+        (
+            "a missing providers config",
+            standalone(&missing),
+            "No such file or directory",
+        ),
+        (
+            "a providers config of the wrong shape",
+            standalone(&broken),
+            "invalid type: sequence",
+        ),
+    ] {
+        assert!(!out.status.success(), "{what}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(stderr.matches(cause).count(), 1, "{what}:\n{stderr}");
+    }
 }

@@ -57,20 +57,20 @@ pub const PROVIDER_TYPES: [&str; 4] = ["kvm", "kvm2", "kubernetes", "local"];
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read providers config {path}: {source}")]
+    #[error("cannot read providers config {path}: {cause}")]
     Read {
         /// The file.
         path: String,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The file is not YAML of the expected shape (`providers:` list of instances).
-    #[error("providers config is not valid: {location}{source}")]
+    #[error("providers config is not valid: {location}{cause}")]
     Syntax {
         /// Where in the document, if known (`providers[2].name: `).
         location: String,
         /// The parser's message.
-        source: serde_norway::Error,
+        cause: serde_norway::Error,
     },
     /// The file parsed, but instances are wrong; one entry per problem.
     #[error("{0}")]
@@ -95,13 +95,16 @@ impl fmt::Display for Problems {
 
 /// The file as written, before per-type settings are checked.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a map with a `providers:` list")]
 struct RawConfig {
     providers: Vec<RawInstance>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a provider instance: a map of `name`, `type` and `settings`"
+)]
 struct RawInstance {
     name: String,
     #[serde(rename = "type")]
@@ -113,9 +116,9 @@ struct RawInstance {
 impl ProvidersConfig {
     /// Reads and validates a providers config file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
             path: path.display().to_string(),
-            source,
+            cause,
         })?;
         Self::parse(&text)
     }
@@ -186,14 +189,14 @@ impl ProvidersConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
     /// The file could not be read.
-    #[error("reading the {what} {path}: {source}")]
+    #[error("reading the {what} {path}: {cause}")]
     Read {
         /// The kind of file (`gateway rules`).
         what: &'static str,
         /// The file.
         path: String,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Not the file's shape (unknown field, wrong type, YAML syntax, too many entries), located
     /// by its path in the document.
@@ -245,10 +248,10 @@ pub fn load_file<T>(
     parse: impl FnOnce(&str, &str) -> Result<T, FileError>,
 ) -> Result<T, FileError> {
     let shown = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|source| FileError::Read {
+    let text = std::fs::read_to_string(path).map_err(|cause| FileError::Read {
         what,
         path: shown.clone(),
-        source,
+        cause,
     })?;
     parse(&text, &shown)
 }
@@ -285,10 +288,12 @@ pub fn from_yaml<T: DeserializeOwned>(text: &str) -> Result<T, Located> {
 
 fn located(err: serde_path_to_error::Error<serde_norway::Error>) -> Located {
     let path = err.path().to_string();
-    let location = if path == "." {
+    let location = format!("{path}: ");
+    // The YAML parser names the path itself where it knows it: said once.
+    let location = if path == "." || err.inner().to_string().starts_with(&location) {
         String::new()
     } else {
-        format!("{path}: ")
+        location
     };
     Located {
         location,
@@ -299,7 +304,7 @@ fn located(err: serde_path_to_error::Error<serde_norway::Error>) -> Located {
 fn syntax_error(Located { location, error }: Located) -> ConfigError {
     ConfigError::Syntax {
         location,
-        source: error,
+        cause: error,
     }
 }
 

@@ -70,7 +70,11 @@ fn typed<T: for<'de> Deserialize<'de>>(settings: serde_norway::Value) -> Result<
 /// Paths (`boot.kernel`, `boot.initrd`) are paths on the libvirt host, which is not this host
 /// when `uri` is remote.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(
+    deny_unknown_fields,
+    rename_all = "camelCase",
+    expecting = "`kvm`/`kvm2` settings: a map (see docs/providers-existing.md)"
+)]
 pub struct KvmSettings {
     /// libvirt connection URI, local (`qemu:///system`) or remote (`qemu+ssh://host/system`).
     pub uri: String,
@@ -282,7 +286,11 @@ fn default_timeout_seconds() -> u64 {
 
 /// Settings of the `kubernetes` provider.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(
+    deny_unknown_fields,
+    rename_all = "camelCase",
+    expecting = "`kubernetes` settings: a map (see docs/providers-existing.md)"
+)]
 pub struct KubernetesSettings {
     /// Namespace the Squid pods, ConfigMaps and Services are created in.
     pub namespace: String,
@@ -318,7 +326,11 @@ pub enum ServiceType {
 
 /// Settings of the `local` provider.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[serde(
+    deny_unknown_fields,
+    rename_all = "camelCase",
+    expecting = "`local` settings: a map (see docs/providers-existing.md)"
+)]
 pub struct LocalSettings {
     /// Folder holding each proxy's Squid config, logs, pid file and owner record; a relative
     /// path is resolved against the working directory. One operator process and one provider

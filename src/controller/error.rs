@@ -17,13 +17,13 @@ pub enum ReconcileError {
     #[error("unreadable status: {0}")]
     UnreadableStatus(String),
     /// A provider call failed in a way that retrying may fix.
-    #[error("{0}")]
+    #[error(transparent)]
     Provider(#[from] ProviderError),
     /// A write failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Backend(#[from] BackendError),
     /// A referenced Secret could not be read (not a user error).
-    #[error("{0}")]
+    #[error(transparent)]
     Secret(SecretError),
 }
 

@@ -62,12 +62,12 @@ pub enum TokenError {
     #[error("lease ID signature does not verify")]
     BadSignature,
     /// The key file could not be read or written.
-    #[error("lease signing key file {path}: {source}")]
+    #[error("lease signing key file {path}: {cause}")]
     Io {
         /// The file.
         path: String,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -215,9 +215,9 @@ impl LeaseSigner {
 
     /// Reads the key (base64 text) from `path`, or creates the file (mode 0600) with a new one.
     pub fn load_or_create(path: &Path) -> Result<Self, TokenError> {
-        let io = |source| TokenError::Io {
+        let io = |cause| TokenError::Io {
             path: path.display().to_string(),
-            source,
+            cause,
         };
         match std::fs::read_to_string(path) {
             Ok(text) => {

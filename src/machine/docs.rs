@@ -242,13 +242,12 @@ pub const DOC_PATH: &str = "docs/machines.md";
 #[derive(Debug, thiserror::Error)]
 pub enum DocsError {
     /// The file cannot be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {cause}")]
     Io {
         /// The file.
         path: std::path::PathBuf,
         /// The cause.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The file differs from the render.
     #[error("{path} is out of date with the transition table: run `cargo run -- machines > {DOC_PATH}`")]
@@ -260,9 +259,9 @@ pub enum DocsError {
 
 /// Check that the file at `path` equals [`render_markdown`] (`machines --check`).
 pub fn check_markdown(path: &std::path::Path) -> Result<(), DocsError> {
-    let current = std::fs::read_to_string(path).map_err(|source| DocsError::Io {
+    let current = std::fs::read_to_string(path).map_err(|cause| DocsError::Io {
         path: path.to_owned(),
-        source,
+        cause,
     })?;
     if current == render_markdown() {
         Ok(())

@@ -25,12 +25,12 @@ pub enum RegistryError {
         instance: String,
     },
     /// A `local` instance's settings cannot work.
-    #[error("provider instance {instance:?}: {source}")]
+    #[error("provider instance {instance:?}: {cause}")]
     Local {
         /// The instance name.
         instance: String,
         /// Why.
-        source: LocalSetupError,
+        cause: LocalSetupError,
     },
     /// Two `local` instances share a stateDir: each would list and supervise the other's
     /// Squids as its own.
@@ -99,9 +99,9 @@ impl ProviderRegistry {
                         });
                     }
                     let local = LocalProvider::for_installation(installation.clone(), name, settings.clone())
-                        .map_err(|source| RegistryError::Local {
+                        .map_err(|cause| RegistryError::Local {
                             instance: name.to_owned(),
-                            source,
+                            cause,
                         })?;
                     Arc::new(local)
                 }

@@ -54,13 +54,13 @@ const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, thiserror::Error)]
 pub enum TracingError {
     /// The OTLP variables are inconsistent (e.g. an endpoint that is not a URL).
-    #[error("OTLP trace exporter: {0}")]
+    #[error("OTLP trace exporter")]
     Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
     /// The export client's runtime could not start.
     #[error("OTLP export client: {0}")]
     Client(std::io::Error),
     /// A global subscriber is already installed.
-    #[error("installing the log subscriber: {0}")]
+    #[error("installing the log subscriber")]
     Subscriber(#[from] tracing_subscriber::util::TryInitError),
 }
 

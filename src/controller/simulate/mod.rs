@@ -59,22 +59,20 @@ const PROVIDER: &str = "sim";
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
     /// The file cannot be read.
-    #[error("cannot read scenario {path}: {source}")]
+    #[error("cannot read scenario {path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The file is not a valid scenario document.
-    #[error("invalid scenario {path}: {source}")]
+    #[error("invalid scenario {path}: {cause}")]
     Parse {
         /// The file.
         path: PathBuf,
         /// The cause.
-        #[source]
-        source: serde_norway::Error,
+        cause: serde_norway::Error,
     },
     /// The document parses but says something impossible.
     #[error("invalid scenario {path}: {message}")]

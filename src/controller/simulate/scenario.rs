@@ -224,9 +224,9 @@ fn default_failure_message() -> String {
 impl Scenario {
     /// Parse a scenario document; `path` only labels errors.
     pub fn from_yaml(text: &str, path: &Path) -> Result<Scenario, ScenarioError> {
-        let scenario: Scenario = serde_norway::from_str(text).map_err(|source| ScenarioError::Parse {
+        let scenario: Scenario = serde_norway::from_str(text).map_err(|cause| ScenarioError::Parse {
             path: path.to_owned(),
-            source,
+            cause,
         })?;
         scenario.check(path)?;
         Ok(scenario)
@@ -234,9 +234,9 @@ impl Scenario {
 
     /// Read and parse a scenario file.
     pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Io {
+        let text = std::fs::read_to_string(path).map_err(|cause| ScenarioError::Io {
             path: path.to_owned(),
-            source,
+            cause,
         })?;
         Scenario::from_yaml(&text, path)
     }

@@ -30,10 +30,10 @@ impl std::fmt::Debug for StaticTokens {
 
 /// A token file that cannot be read.
 #[derive(Debug, thiserror::Error)]
-#[error("reading token file {path}: {source}")]
+#[error("reading token file {path}: {cause}")]
 pub struct TokenFileError {
     path: String,
-    source: std::io::Error,
+    cause: std::io::Error,
 }
 
 impl StaticTokens {
@@ -80,9 +80,9 @@ impl StaticTokens {
     pub fn from_file(path: &Path) -> Result<Self, TokenFileError> {
         std::fs::read_to_string(path)
             .map(|text| Self::parse(&text))
-            .map_err(|source| TokenFileError {
+            .map_err(|cause| TokenFileError {
                 path: path.display().to_string(),
-                source,
+                cause,
             })
     }
 
@@ -164,7 +164,7 @@ impl TokenSource for TokenFile {
             // Only a panic in the read itself gets here.
             Err(join) => Err(TokenFileError {
                 path: self.describe(),
-                source: std::io::Error::other(join.to_string()),
+                cause: std::io::Error::other(join.to_string()),
             }
             .into()),
         }

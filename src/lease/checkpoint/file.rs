@@ -163,9 +163,9 @@ impl FileCheckpoint {
     /// (a delta file following another snapshot is ignored; a torn frame ends it). `None` if
     /// there is no snapshot.
     pub fn read(path: &Path) -> Result<Option<Checkpoint>, CheckpointError> {
-        let io = |source| CheckpointError::Io {
+        let io = |cause| CheckpointError::Io {
             path: path.to_owned(),
-            source,
+            cause,
         };
         let bytes = match std::fs::read(path) {
             Ok(bytes) => bytes,
@@ -177,10 +177,10 @@ impl FileCheckpoint {
         let deltas = match std::fs::read(&delta_path) {
             Ok(deltas) => deltas,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Some(checkpoint)),
-            Err(source) => {
+            Err(cause) => {
                 return Err(CheckpointError::Io {
                     path: delta_path,
-                    source,
+                    cause,
                 });
             }
         };
@@ -240,10 +240,10 @@ impl FileCheckpoint {
         Ok(())
     }
 
-    fn io_error(&self, source: std::io::Error) -> CheckpointError {
+    fn io_error(&self, cause: std::io::Error) -> CheckpointError {
         CheckpointError::Io {
             path: self.path.clone(),
-            source,
+            cause,
         }
     }
 }

@@ -255,12 +255,12 @@ pub struct SessionCheckpoint {
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// File system trouble.
-    #[error("checkpoint file {path}: {source}")]
+    #[error("checkpoint file {path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Not a checkpoint this build understands.
     #[error("checkpoint does not decode: {0}")]

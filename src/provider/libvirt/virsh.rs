@@ -87,12 +87,12 @@ impl Access for Virsh {
 #[derive(Debug, thiserror::Error)]
 pub enum VirshError {
     /// virsh could not be started.
-    #[error("cannot run {program}: {source}")]
+    #[error("cannot run {program}: {cause}")]
     Spawn {
         /// The program.
         program: String,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// virsh ran over the timeout and was killed.
     #[error("virsh {command} did not finish within {timeout:?}")]
@@ -154,7 +154,7 @@ impl VirshError {
 /// A virsh failure as a provider error.
 fn classify(context: impl std::fmt::Display, err: VirshError) -> ProviderError {
     match &err {
-        VirshError::Spawn { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+        VirshError::Spawn { cause, .. } if cause.kind() == std::io::ErrorKind::NotFound => {
             ProviderError::Misconfigured(format!("{context}: {err}; install libvirt-clients"))
         }
         VirshError::Timeout { .. } => ProviderError::Unavailable(format!("{context}: {err}")),
@@ -194,10 +194,10 @@ impl VirshSession {
             .kill_on_drop(true);
         let output = match tokio::time::timeout(timeout, child.output()).await {
             Err(_) => return Err(VirshError::Timeout { command, timeout }),
-            Ok(Err(source)) => {
+            Ok(Err(cause)) => {
                 return Err(VirshError::Spawn {
                     program: self.program.display().to_string(),
-                    source,
+                    cause,
                 });
             }
             Ok(Ok(output)) => output,

@@ -21,25 +21,25 @@ use crate::{api::ProxyKey, api::ProxyStatus, machine::AuditEntry};
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// Filesystem trouble.
-    #[error("{action} {path}: {source}")]
+    #[error("{action} {path}: {cause}")]
     Io {
         /// What was being done.
         action: &'static str,
         /// Where.
         path: PathBuf,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Another process holds the folder.
     #[error("state folder {0} is in use by another egress-proxies-operator process")]
     Locked(PathBuf),
     /// A record does not parse.
-    #[error("corrupt record {path}: {source}")]
+    #[error("corrupt record {path}: {cause}")]
     Corrupt {
         /// The file.
         path: PathBuf,
         /// Why.
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
 }
 
@@ -117,10 +117,10 @@ impl Store {
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         for sub in ["proxies", "audit"] {
             let path = dir.join(sub);
-            fs::create_dir_all(&path).map_err(|source| StoreError::Io {
+            fs::create_dir_all(&path).map_err(|cause| StoreError::Io {
                 action: "creating",
                 path,
-                source,
+                cause,
             })?;
         }
         let lock_path = dir.join("lock");
@@ -129,19 +129,19 @@ impl Store {
             .truncate(false)
             .write(true)
             .open(&lock_path)
-            .map_err(|source| StoreError::Io {
+            .map_err(|cause| StoreError::Io {
                 action: "opening",
                 path: lock_path.clone(),
-                source,
+                cause,
             })?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(fs::TryLockError::WouldBlock) => return Err(StoreError::Locked(dir.to_owned())),
-            Err(fs::TryLockError::Error(source)) => {
+            Err(fs::TryLockError::Error(cause)) => {
                 return Err(StoreError::Io {
                     action: "locking",
                     path: lock_path,
-                    source,
+                    cause,
                 });
             }
         }
@@ -157,7 +157,7 @@ impl Store {
             return Err(StoreError::Io {
                 action: "reading",
                 path: dir.join("proxies"),
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a state folder"),
+                cause: std::io::Error::new(std::io::ErrorKind::NotFound, "not a state folder"),
             });
         }
         Ok(ReadOnlyStore { dir: dir.to_owned() })
@@ -167,9 +167,9 @@ impl Store {
     pub fn save(&self, key: &ProxyKey, record: &ProxyRecord) -> Result<(), StoreError> {
         let path = record_path(&self.dir, key);
         let temp = path.with_extension("json.tmp");
-        let body = serde_json::to_vec_pretty(record).map_err(|source| StoreError::Corrupt {
+        let body = serde_json::to_vec_pretty(record).map_err(|cause| StoreError::Corrupt {
             path: path.clone(),
-            source,
+            cause,
         })?;
         let write = || -> std::io::Result<()> {
             let mut file = File::create(&temp)?;
@@ -177,10 +177,10 @@ impl Store {
             file.sync_all()?;
             fs::rename(&temp, &path)
         };
-        write().map_err(|source| StoreError::Io {
+        write().map_err(|cause| StoreError::Io {
             action: "writing",
             path,
-            source,
+            cause,
         })
     }
 
@@ -191,7 +191,7 @@ impl Store {
             Err(err) if err.kind() != std::io::ErrorKind::NotFound => Err(StoreError::Io {
                 action: "removing",
                 path,
-                source: err,
+                cause: err,
             }),
             _ => Ok(()),
         }
@@ -200,9 +200,9 @@ impl Store {
     /// Appends one transition to the Proxy's audit trail.
     pub fn append_audit(&self, key: &ProxyKey, line: &AuditLine) -> Result<(), StoreError> {
         let path = audit_path(&self.dir, key);
-        let mut text = serde_json::to_string(line).map_err(|source| StoreError::Corrupt {
+        let mut text = serde_json::to_string(line).map_err(|cause| StoreError::Corrupt {
             path: path.clone(),
-            source,
+            cause,
         })?;
         text.push('\n');
         OpenOptions::new()
@@ -210,10 +210,10 @@ impl Store {
             .append(true)
             .open(&path)
             .and_then(|mut file| file.write_all(text.as_bytes()))
-            .map_err(|source| StoreError::Io {
+            .map_err(|cause| StoreError::Io {
                 action: "appending to",
                 path,
-                source,
+                cause,
             })
     }
 
@@ -239,10 +239,10 @@ impl ReadOnlyStore {
     /// Every record, sorted by key.
     pub fn list(&self) -> Result<Vec<(ProxyKey, ProxyRecord)>, StoreError> {
         let dir = self.dir.join("proxies");
-        let entries = fs::read_dir(&dir).map_err(|source| StoreError::Io {
+        let entries = fs::read_dir(&dir).map_err(|cause| StoreError::Io {
             action: "listing",
             path: dir.clone(),
-            source,
+            cause,
         })?;
         let mut records = Vec::new();
         for entry in entries.flatten() {
@@ -270,11 +270,11 @@ impl ReadOnlyStore {
         let file = match File::open(&path) {
             Ok(file) => file,
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(source) => {
+            Err(cause) => {
                 return Err(StoreError::Io {
                     action: "reading",
                     path,
-                    source,
+                    cause,
                 });
             }
         };
@@ -290,15 +290,15 @@ fn read_record(path: &Path) -> Result<Option<ProxyRecord>, StoreError> {
     match fs::read(path) {
         Ok(bytes) => serde_json::from_slice(&bytes)
             .map(Some)
-            .map_err(|source| StoreError::Corrupt {
+            .map_err(|cause| StoreError::Corrupt {
                 path: path.to_owned(),
-                source,
+                cause,
             }),
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(StoreError::Io {
+        Err(cause) => Err(StoreError::Io {
             action: "reading",
             path: path.to_owned(),
-            source,
+            cause,
         }),
     }
 }
