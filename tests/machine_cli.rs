@@ -166,3 +166,31 @@ fn a_file_that_cannot_be_used_is_reported_with_its_cause_once() {
         assert_eq!(stderr.matches(cause).count(), 1, "{what}:\n{stderr}");
     }
 }
+
+/// A manifests folder that is not there is refused before anything is made: no state folder,
+/// no token, no provider state, and no warning about work cut short.
+#[test]
+fn standalone_refuses_a_missing_manifests_folder_before_making_anything() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state");
+    let out = bin()
+        .arg("standalone")
+        .arg("--manifests")
+        .arg(dir.path().join("none"))
+        .arg("--providers-config")
+        .arg(repo().join("config/samples/standalone/providers.yaml"))
+        .arg("--state")
+        .arg(&state)
+        .current_dir(dir.path())
+        .output()
+        .expect("runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("manifests folder"), "{stderr}");
+    assert!(!stderr.contains("WARN"), "{stderr}");
+    let made: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("readable")
+        .map(|entry| entry.expect("entry").file_name())
+        .collect();
+    assert!(made.is_empty(), "made {made:?}:\n{stderr}");
+}

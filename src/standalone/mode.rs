@@ -12,8 +12,8 @@ use super::{
     store::Store, ui::StoreSource,
 };
 use crate::app::{
-    AppError, CoreAdapters, CoreFlags, CoreMetrics, DiscoveryAuthOptions, GatewayOptions, StatusPageAt,
-    StopSignal, discovery_authenticator, start_core,
+    AppError, CoreAdapters, CoreFlags, CoreMetrics, CoreTasks, DiscoveryAuthOptions, GatewayOptions,
+    StatusPageAt, StopSignal, discovery_authenticator, start_core,
 };
 use crate::{
     config::ProvidersConfig,
@@ -126,6 +126,10 @@ pub async fn run_standalone(
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AppError> {
     let config = ProvidersConfig::load(&options.providers_config)?;
+    // Checked before anything is made (the state folder, a token, the journal).
+    if !options.manifests.is_dir() {
+        return Err(StandaloneError::Manifests(options.manifests.clone()).into());
+    }
     std::fs::create_dir_all(&options.state)
         .map_err(|e| AppError::Startup(format!("creating {}: {e}", options.state.display())))?;
     let installation = Installation::new(installation_id(&options.state)?, &options.installation_name);
@@ -217,7 +221,7 @@ pub async fn run_standalone(
             .with_metrics(metrics.metrics.clone())
             .with_recycle_requests(recycle_asks),
         Err(err) => {
-            stop.stop();
+            wind_down(&stop, core.tasks, stop_compaction, compaction).await;
             return Err(err.into());
         }
     };
@@ -236,13 +240,24 @@ pub async fn run_standalone(
     runner
         .run(core.triggers, core.provider_flips, options.poll, shutdown)
         .await;
+    wind_down(&stop, core.tasks, stop_compaction, compaction).await;
+    Ok(())
+}
+
+/// Stops the core's tasks, then the journal's compaction (which saves the last checkpoint),
+/// waiting for each: nothing is cut short by the runtime's end.
+async fn wind_down<T>(
+    stop: &StopSignal,
+    tasks: CoreTasks,
+    stop_compaction: tokio::sync::oneshot::Sender<()>,
+    compaction: Option<tokio::task::JoinHandle<T>>,
+) {
     stop.stop();
-    core.tasks.join().await;
+    tasks.join().await;
     let _ = stop_compaction.send(());
     if let Some(compaction) = compaction {
         let _ = compaction.await;
     }
-    Ok(())
 }
 
 /// With durable leases, the journal every acquire, renewal and release is written to before
