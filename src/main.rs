@@ -421,10 +421,29 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", report(&err));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and each cause its predecessor's message does not already say. Some errors
+/// (kube's among them) write their source into their own message and also return it, which
+/// `{:#}` would print again at every level.
+fn report(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    let mut previous = String::new();
+    for cause in err.chain() {
+        let message = cause.to_string();
+        if !previous.contains(&message) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&message);
+        }
+        previous = message;
+    }
+    text
 }
 
 /// The servers' descriptors up to the hard limit (see [`net::raise_descriptor_limit`]); a

@@ -144,7 +144,20 @@ fn a_file_that_cannot_be_used_is_reported_with_its_cause_once() {
             .output()
             .expect("runs")
     };
+    // kube's errors write their source into their own message and return it too.
+    let cluster = bin()
+        .args(["run", "--discovery-no-auth", "--providers-config"])
+        .arg(repo().join("config/samples/standalone/providers.yaml"))
+        .env("KUBECONFIG", &missing)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .output()
+        .expect("runs");
     for (what, out, cause) in [
+        (
+            "cluster mode with a missing kubeconfig",
+            cluster,
+            "No such file or directory",
+        ),
         (
             "audit of a missing scenario",
             bin().arg("audit").arg(&missing).output().expect("runs"),
