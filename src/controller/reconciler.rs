@@ -1,6 +1,7 @@
 //! One reconcile of one Proxy, read as the sequence of its calls: resolve, then rounds of observe
-//! → facts → derive → decide → plan → execute, then the status and the next wake-up. See the
-//! module docs of [`crate::controller`].
+//! → facts → derive → decide → plan → execute, then the status, admission (only once the
+//! status saying `healthy` is stored) and the next wake-up. See the module docs of
+//! [`crate::controller`].
 
 use std::{collections::VecDeque, sync::Arc, time::Duration};
 
@@ -168,7 +169,8 @@ impl<B: ProxyBackend> Reconciler<B> {
         result
     }
 
-    /// resolve → rounds of (observe → facts → derive → decide → plan → execute) → status → wake.
+    /// resolve → rounds of (observe → facts → derive → decide → plan → execute) → status →
+    /// admission → wake.
     async fn reconcile_steps(&self, proxy: &Proxy) -> Result<ReconcileOutcome, ReconcileError> {
         let now = (self.clock)();
         let (key, instance, owner) = identify(proxy)?;
