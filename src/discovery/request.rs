@@ -132,21 +132,18 @@ where
     // it reads itself), else the plain serde parser (from text checked once: the byte-slice
     // reader checks every string again); the path-tracking one only to say where a malformed
     // body went wrong (it costs about as much as the parse itself).
+    // serde's derive also reads a struct from an array of its fields in order: the API's
+    // bodies are objects only.
+    if bytes.trim_ascii_start().first().is_some_and(|b| *b != b'{') {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    }
     let parsed = T::scan(bytes).or_else(|| {
-        // serde's derive also reads a struct from an array of its fields in order: the API's
-        // bodies are objects only.
-        if bytes.trim_ascii_start().first() != Some(&b'{') {
-            return None;
-        }
         std::str::from_utf8(bytes)
             .ok()
             .and_then(|text| serde_json::from_str(text).ok())
     });
     let value: T = match parsed {
         Some(value) => value,
-        None if bytes.trim_ascii_start().first().is_some_and(|b| *b != b'{') => {
-            return Err(ApiError::bad_request("the body must be a JSON object"));
-        }
         None => decode_with_path(bytes)?,
     };
     value.validate().map_err(ApiError::bad_request)?;

@@ -550,8 +550,8 @@ pub const ERROR_CODES: &[&str] = &[
 /// client that waits what it says never asks too early), at least 1. Both the API and the
 /// gateway send it.
 pub fn retry_after_header(after: std::time::Duration) -> hyper::header::HeaderValue {
-    let secs = after.as_millis().div_ceil(1_000).max(1);
-    hyper::header::HeaderValue::from(u64::try_from(secs).unwrap_or(u64::MAX))
+    let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+    hyper::header::HeaderValue::from(secs.max(1))
 }
 
 fn error_code_schema() -> Object {

@@ -605,12 +605,16 @@ mod tests {
     /// waits what it says never asks before a proxy can be free (1.9 s left is 2, not 1).
     #[test]
     fn retry_after_rounds_up_to_whole_seconds() {
-        for (left, header) in [(1_900, "2"), (5_000, "5"), (1, "1"), (0, "1")] {
-            let refusal = Refusal::from(LeaseError::NoProxyAvailable {
-                retry_after: Duration::from_millis(left),
-            });
+        for (left, header) in [
+            (Duration::from_millis(1_900), "2"),
+            (Duration::from_millis(5_000), "5"),
+            (Duration::from_nanos(5_000_000_001), "6"),
+            (Duration::from_millis(1), "1"),
+            (Duration::ZERO, "1"),
+        ] {
+            let refusal = Refusal::from(LeaseError::NoProxyAvailable { retry_after: left });
             let response = refusal.into_response();
-            assert_eq!(response.headers()[header::RETRY_AFTER], header, "{left} ms left");
+            assert_eq!(response.headers()[header::RETRY_AFTER], header, "{left:?} left");
         }
     }
 }

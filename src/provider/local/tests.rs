@@ -272,6 +272,10 @@ async fn a_real_squid_that_finds_its_port_taken_is_a_rejected_request() {
     std::fs::write(dir.config_file(), conf).expect("squid.conf");
     let mut squid = process::spawn_squid(&settings.squid_path, &dir).expect("spawn squid");
     let exited = tokio::time::timeout(Duration::from_secs(60), squid.wait()).await;
+    if exited.is_err() {
+        // It runs in its own session: nothing else would stop it.
+        let _ = squid.start_kill();
+    }
     for segment in dir.shared_memory_segments() {
         let _ = std::fs::remove_file(segment);
     }
