@@ -231,6 +231,24 @@ async fn a_connection_remembers_its_selector_only_while_that_stays_right() {
     assert_eq!(region(&h.granted(ap).await), "ap");
 }
 
+/// The refusal says which reasons may hold, without claiming a selector the caller did not send
+/// (it said "no proxy matching the selector" to every acquire), and where each proxy's shows.
+#[tokio::test]
+async fn a_refused_acquire_says_what_may_hold_and_where_to_look_without_naming_a_selector() {
+    let h = harness(1, 1);
+    let first = h.granted(json!({"holder": "c"})).await;
+    let refused = h.acquire(json!({"holder": "c"})).await;
+    assert_refused(&refused, StatusCode::SERVICE_UNAVAILABLE, "no_proxy_available");
+    let message = refused.body["error"]["message"].as_str().unwrap();
+    assert!(!message.contains("matching the selector"), "{message}");
+    assert!(
+        message.contains("none matches, or each that does is full"),
+        "{message}"
+    );
+    assert!(message.contains("GET /v1/proxies"), "{message}");
+    h.released(&first, "ok").await;
+}
+
 #[tokio::test]
 async fn lease_lifecycle_over_the_router() {
     let h = harness(2, 1);

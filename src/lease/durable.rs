@@ -28,7 +28,7 @@ pub enum DurableError {
     /// The change could not be made durable; an acquire was undone, a renew or release stands
     /// in memory and is journalled again by the next checkpoint.
     #[error("the lease operation could not be made durable: {0}")]
-    Journal(#[from] JournalError),
+    Journal(JournalError),
 }
 
 /// A lease granted (or answered again for its request ID).
@@ -89,7 +89,7 @@ impl<'a> DurableLeases<'a> {
             if let Some(request_id) = request.request_id {
                 self.store.forget_request(request.holder, request_id);
             }
-            return Err(error.into());
+            return Err(error);
         }
         if let Some(request_id) = request.request_id {
             self.store.confirm_request(request.holder, request_id);
@@ -222,9 +222,13 @@ impl<'a> DurableLeases<'a> {
     }
 
     /// Appends `record` to the journal, if any, and waits until it is durable.
-    async fn commit(&self, record: impl FnOnce() -> Record) -> Result<(), JournalError> {
+    async fn commit(&self, record: impl FnOnce() -> Record) -> Result<(), DurableError> {
         match self.journal {
-            Some(journal) => journal.append(&record()).wait().await,
+            Some(journal) => journal
+                .append(&record())
+                .wait()
+                .await
+                .map_err(DurableError::Journal),
             None => Ok(()),
         }
     }

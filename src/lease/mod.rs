@@ -502,8 +502,13 @@ pub enum LeaseError {
     /// The proxy is draining: its leases may be released but not renewed.
     #[error("the proxy is draining: leases on it cannot be renewed")]
     Draining,
-    /// No proxy matches and is eligible now.
-    #[error("no proxy matching the selector is available")]
+    /// No proxy matches and is eligible now. The store does not say which of the reasons held
+    /// (keeping refusals cheap when a pool is exhausted); `GET /v1/proxies` shows each proxy's.
+    #[error(
+        "no proxy is available for this acquire now: none matches, or each that does is full, \
+         cooling down, banned for the domain or out of rotation (GET /v1/proxies shows how each \
+         stands; add the acquire's ?selector= and ?targetDomain= to see only its candidates)"
+    )]
     NoProxyAvailable {
         /// When trying again may help.
         retry_after: Duration,

@@ -108,7 +108,7 @@ pub struct Stamp {
 pub enum StampError {
     /// Not well-formed XML.
     #[error("owner stamp is not XML: {0}")]
-    Xml(#[from] roxmltree::Error),
+    Xml(roxmltree::Error),
     /// An attribute is missing or malformed.
     #[error("owner stamp attribute {0:?} is missing or malformed")]
     Attribute(&'static str),
@@ -181,7 +181,7 @@ impl Stamp {
 
     /// Reads a stamp as libvirt returns it (the element, with or without its prefix).
     pub fn parse(xml: &str) -> Result<Self, StampError> {
-        let document = roxmltree::Document::parse(xml)?;
+        let document = roxmltree::Document::parse(xml).map_err(StampError::Xml)?;
         let element = document.root_element();
         let required = |name: &'static str| {
             element

@@ -45,7 +45,7 @@ impl std::fmt::Debug for Seed {
 pub enum SeedError {
     /// A temporary file could not be written or read.
     #[error("cannot prepare the cloud-init seed: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     /// `genisoimage` is not installed.
     #[error("genisoimage is not installed on the operator's host; it builds the cloud-init seed")]
     ToolMissing,
@@ -79,9 +79,12 @@ impl Seed {
     /// Builds the ISO (`genisoimage`, label `cidata`, Joliet and Rock Ridge) and returns its
     /// bytes. Files are written to a private temporary folder removed afterwards.
     pub async fn build_iso(&self, timeout: Duration) -> Result<Vec<u8>, SeedError> {
-        let folder = tempfile::Builder::new().prefix("epo-seed-").tempdir()?;
-        write_private(&folder.path().join("user-data"), &self.user_data)?;
-        write_private(&folder.path().join("meta-data"), &self.meta_data)?;
+        let folder = tempfile::Builder::new()
+            .prefix("epo-seed-")
+            .tempdir()
+            .map_err(SeedError::Io)?;
+        write_private(&folder.path().join("user-data"), &self.user_data).map_err(SeedError::Io)?;
+        write_private(&folder.path().join("meta-data"), &self.meta_data).map_err(SeedError::Io)?;
         let iso = folder.path().join("seed.iso");
         let mut command = tokio::process::Command::new("genisoimage");
         command
@@ -103,7 +106,7 @@ impl Seed {
                 stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
             });
         }
-        Ok(tokio::fs::read(&iso).await?)
+        tokio::fs::read(&iso).await.map_err(SeedError::Io)
     }
 }
 
