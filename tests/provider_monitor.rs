@@ -2,8 +2,9 @@
 //! `ProviderHealth` objects to a real kube-apiserver, next to the cluster controller: when the
 //! daemon goes away the object flips to unavailable with the reason, a new Proxy on it is held
 //! in `pending` saying why, and when the daemon comes back on the same socket the object flips
-//! back and the held Proxy is provisioned at once. Writes happen only on changes (counted by the
-//! API server itself).
+//! back and the held Proxy is provisioned at once; its instance is counted by the next probe.
+//! Writes happen only when what the object shows changes (counted by the API server itself),
+//! and only a flip moves the condition's transition time, also across a restart.
 
 mod support {
     pub mod control_plane;
@@ -172,7 +173,7 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
     let controller = tokio::spawn(run_controller(
         ClusterDeps {
             client: client.clone(),
-            providers,
+            providers: providers.clone(),
             leases: Arc::new(LeaseStore::new(LeaseStoreConfig::default())),
             health: Arc::new(health_engine),
             availability: availability.clone(),
@@ -226,12 +227,13 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
     daemon.restart();
     monitor.probe_all().await;
     let condition = available(&healths.get(PROVIDER).await.expect("exists"));
+    let back_since = condition.last_transition_time.clone();
     assert_eq!(
         (condition.status.as_str(), condition.reason.as_str()),
         ("True", "ProbeSucceeded")
     );
-    assert_eq!(health_writes(&plane, &start).await, writes + 2);
-    monitor.probe_all().await;
+    // (No second probe here: the flip starts the held Proxy's instance, which the next probe
+    // counts; the steady state is probed again below, once the instance exists.)
     assert_eq!(health_writes(&plane, &start).await, writes + 2);
     assert_eq!(*flips.lock().unwrap(), [PROVIDER, PROVIDER]);
     assert_eq!(availability.down_reason(PROVIDER), None);
@@ -247,6 +249,44 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
         .expect("type/instance/name")
         .to_owned();
     assert!(daemon.domains().contains(&domain), "{domain} defined");
+
+    // What the object shows follows the provider: the new domain is counted by the next probe.
+    // The condition stays as it was, and so does its transition time, also once the clock has
+    // moved past it (the API keeps whole seconds) and for a restarted monitor, which has
+    // published nothing yet.
+    wait_for("the clock a second past the flip", async || {
+        (jiff::Timestamp::now() >= back_since.0 + jiff::SignedDuration::from_secs(1)).then_some(())
+    })
+    .await;
+    monitor.probe_all().await;
+    let health = healths.get(PROVIDER).await.expect("exists");
+    assert_eq!(health.status.as_ref().and_then(|s| s.instance_count), Some(1));
+    assert_eq!(available(&health).last_transition_time, back_since);
+    assert_eq!(health_writes(&plane, &start).await, writes + 3);
+    monitor.probe_all().await;
+    assert_eq!(
+        health_writes(&plane, &start).await,
+        writes + 3,
+        "the same found again, no write"
+    );
+    let mut restarted = Monitor::new(
+        providers,
+        ProviderAvailability::default(),
+        Arc::new(KubeHealthSink::new(client.clone())),
+        Duration::from_secs(10),
+    );
+    restarted.probe_all().await;
+    let condition = available(&healths.get(PROVIDER).await.expect("exists"));
+    assert_eq!(condition.status, "True");
+    assert_eq!(
+        condition.last_transition_time, back_since,
+        "available since the flip, not the restart"
+    );
+    assert_eq!(
+        health_writes(&plane, &start).await,
+        writes + 3,
+        "a restarted monitor finding what the object shows writes nothing"
+    );
 
     // Deleting the Proxy removes the domain; then everything stops.
     proxies

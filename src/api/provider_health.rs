@@ -48,7 +48,8 @@ pub struct ProviderHealthStatus {
     /// The `Available` condition.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
-    /// When the provider was last probed (written on condition changes only).
+    /// When the probe that found what this status shows ran. Written when that changes
+    /// (availability, message, instance count), not on every probe.
     pub last_probe_time: Option<Time>,
     /// Latency of the probe (connect and list) in milliseconds.
     pub latency_millis: Option<i64>,

@@ -1,6 +1,7 @@
 //! The provider-health monitor's sink in cluster mode: one cluster-scoped `ProviderHealth`
-//! object per provider instance, written only when its condition changes. Must not touch:
-//! availability (the monitor keeps it).
+//! object per provider instance, written only when what it shows changes (a restarted operator
+//! finding the same writes nothing), its condition's transition time moved only by a
+//! transition. Must not touch: availability (the monitor keeps it).
 
 use async_trait::async_trait;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -56,7 +57,13 @@ impl HealthSink for KubeHealthSink {
         } else {
             ("False", "ProbeFailed")
         };
-        object.status = Some(ProviderHealthStatus {
+        let stored = object.status.take();
+        let since = stored
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Available"))
+            .filter(|c| c.status == status)
+            .map_or(Time(outcome.at), |c| c.last_transition_time.clone());
+        let fresh = ProviderHealthStatus {
             provider_type: Some(outcome.provider_type.clone()),
             conditions: vec![Condition {
                 type_: "Available".to_owned(),
@@ -64,7 +71,7 @@ impl HealthSink for KubeHealthSink {
                 reason: reason.to_owned(),
                 message: outcome.message.chars().take(1000).collect(),
                 observed_generation: object.metadata.generation,
-                last_transition_time: Time(outcome.at),
+                last_transition_time: since,
             }],
             last_probe_time: Some(Time(outcome.at)),
             latency_millis: Some(i64::try_from(outcome.latency.as_millis()).unwrap_or(i64::MAX)),
@@ -72,11 +79,22 @@ impl HealthSink for KubeHealthSink {
             instance_count: outcome
                 .instance_count
                 .map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
-        });
+        };
+        if stored.is_some_and(|stored| shows_the_same(stored, &fresh)) {
+            return Ok(());
+        }
+        object.status = Some(fresh);
         self.api
             .replace_status(&outcome.provider, &PostParams::default(), &object)
             .await
             .map(|_| ())
             .map_err(|e| e.to_string())
     }
+}
+
+/// Whether `stored` shows what `fresh` does, apart from when its probe ran and how long it took.
+fn shows_the_same(mut stored: ProviderHealthStatus, fresh: &ProviderHealthStatus) -> bool {
+    stored.last_probe_time.clone_from(&fresh.last_probe_time);
+    stored.latency_millis = fresh.latency_millis;
+    stored == *fresh
 }

@@ -1,7 +1,7 @@
 //! The provider-health monitor: probes every configured provider instance (connect and list)
 //! on an interval, keeps [`ProviderAvailability`] current for the reconciler (which holds new
-//! provisioning while a provider is down), and hands each outcome whose condition changed to a
-//! mode's [`HealthSink`] (the log here; `ProviderHealth` objects in cluster mode, in
+//! provisioning while a provider is down), and hands each outcome that shows something new
+//! (availability, message, instance count) to a mode's [`HealthSink`] (the log here; `ProviderHealth` objects in cluster mode, in
 //! [`crate::cluster::health_sink`]). Names no mode itself.
 
 use std::{collections::HashMap, future::Future, sync::Arc, time::Duration};
@@ -34,8 +34,28 @@ pub struct ProbeOutcome {
 /// Where outcomes are published (ProviderHealth objects in cluster mode).
 #[async_trait]
 pub trait HealthSink: Send + Sync {
-    /// Publishes an outcome whose condition changed.
+    /// Publishes an outcome that shows something new (availability, message, instance count)
+    /// since the last published one, or the first since the start.
     async fn publish(&self, outcome: &ProbeOutcome) -> Result<(), String>;
+}
+
+/// What a published outcome shows, apart from when the probe ran and how long it took: a probe
+/// finding the same is not published again (no write per probe per provider).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Shown {
+    available: bool,
+    message: String,
+    instance_count: Option<usize>,
+}
+
+impl Shown {
+    fn of(outcome: &ProbeOutcome) -> Self {
+        Self {
+            available: outcome.available,
+            message: outcome.message.clone(),
+            instance_count: outcome.instance_count,
+        }
+    }
 }
 
 /// Called with a provider's name when its availability flips.
@@ -47,7 +67,7 @@ pub struct Monitor {
     availability: ProviderAvailability,
     sink: Arc<dyn HealthSink>,
     timeout: Duration,
-    published: HashMap<String, bool>,
+    published: HashMap<String, Shown>,
     /// Availability at the last probe, for the change hook (independent of publishing).
     seen: HashMap<String, bool>,
     on_change: Option<ChangeHook>,
@@ -88,7 +108,7 @@ impl Monitor {
         self
     }
 
-    /// Probes every provider once; publishes the outcomes whose availability changed.
+    /// Probes every provider once; publishes the outcomes that show something new.
     pub async fn probe_all(&mut self) -> Vec<ProbeOutcome> {
         let mut outcomes = Vec::new();
         let providers: Vec<_> = self
@@ -119,15 +139,19 @@ impl Monitor {
             if let Some(metrics) = &self.metrics {
                 metrics.set_provider_available(&name, available);
             }
-            if self.published.get(&name) != Some(&available) {
-                if available {
-                    info!(provider = %name, "provider available");
-                } else {
-                    warn!(provider = %name, reason = %outcome.message, "provider unavailable");
+            let shown = Shown::of(&outcome);
+            let published = self.published.get(&name);
+            if published != Some(&shown) {
+                if published.map(|p| p.available) != Some(available) {
+                    if available {
+                        info!(provider = %name, "provider available");
+                    } else {
+                        warn!(provider = %name, reason = %outcome.message, "provider unavailable");
+                    }
                 }
                 match self.sink.publish(&outcome).await {
                     Ok(()) => {
-                        self.published.insert(name.clone(), available);
+                        self.published.insert(name.clone(), shown);
                     }
                     // Not recorded as published: the next round retries the write.
                     Err(err) => warn!(provider = %name, error = %err, "publishing provider health failed"),
@@ -176,17 +200,66 @@ mod tests {
     use crate::provider::memory::MemoryProvider;
 
     #[derive(Default)]
-    struct Recorded(Mutex<Vec<(String, bool)>>);
+    struct Recorded(Mutex<Vec<ProbeOutcome>>);
+
+    impl Recorded {
+        fn availability(&self) -> Vec<(String, bool)> {
+            let published = self.0.lock().unwrap();
+            published
+                .iter()
+                .map(|o| (o.provider.clone(), o.available))
+                .collect()
+        }
+    }
 
     #[async_trait]
     impl HealthSink for Recorded {
         async fn publish(&self, outcome: &ProbeOutcome) -> Result<(), String> {
-            self.0
-                .lock()
-                .unwrap()
-                .push((outcome.provider.clone(), outcome.available));
+            self.0.lock().unwrap().push(outcome.clone());
             Ok(())
         }
+    }
+
+    fn monitor_of(provider: &Arc<MemoryProvider>, sink: &Arc<Recorded>) -> Monitor {
+        let mut registry = ProviderRegistry::new();
+        registry.insert(provider.clone());
+        Monitor::new(
+            registry,
+            ProviderAvailability::default(),
+            sink.clone(),
+            Duration::from_secs(5),
+        )
+    }
+
+    /// What the published object shows follows the provider: an instance made or gone is
+    /// published with the probe that finds it (the object said "0 instances" while three ran),
+    /// and a probe finding the same is not.
+    #[tokio::test]
+    async fn publishes_what_it_shows_when_that_changes_not_only_availability() {
+        let provider = Arc::new(MemoryProvider::new("mem"));
+        let sink = Arc::new(Recorded::default());
+        let mut monitor = monitor_of(&provider, &sink);
+        monitor.probe_all().await;
+        let request = crate::provider::InstanceRequest {
+            name: "one".into(),
+            owner: crate::provider::Owner {
+                uid: "u".into(),
+                namespace: "crawl".into(),
+                name: "one".into(),
+            },
+            spec_hash: "h".into(),
+            placement: Default::default(),
+            port: 3128,
+            user_data: None,
+            credentials: None,
+        };
+        crate::provider::Provider::create(provider.as_ref(), &request)
+            .await
+            .expect("created");
+        monitor.probe_all().await;
+        monitor.probe_all().await;
+        let counts: Vec<_> = sink.0.lock().unwrap().iter().map(|o| o.instance_count).collect();
+        assert_eq!(counts, [Some(0), Some(1)]);
     }
 
     #[tokio::test]
@@ -206,7 +279,7 @@ mod tests {
         monitor.probe_all().await;
         monitor.probe_all().await;
         assert_eq!(
-            *sink.0.lock().unwrap(),
+            sink.availability(),
             [("mem".to_owned(), true)],
             "steady state publishes once"
         );
@@ -224,7 +297,7 @@ mod tests {
         provider.set_unavailable(false);
         monitor.probe_all().await;
         assert_eq!(
-            *sink.0.lock().unwrap(),
+            sink.availability(),
             [
                 ("mem".to_owned(), true),
                 ("mem".to_owned(), false),
