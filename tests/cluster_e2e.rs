@@ -71,6 +71,10 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         format!("127.0.0.1:{discovery_port}").parse().unwrap(),
     );
     options.identity = "replica-a".into();
+    // Nothing but a change may move a draining Proxy on within the test: the poll of a state
+    // that waits for the world, and the resync, are longer than the test.
+    options.reconciler.timers.poll = Duration::from_secs(3600);
+    options.reconciler.timers.resync = Duration::from_secs(3600);
     let operator = ClusterApp::start(operator_client, options);
 
     let proxies: Api<Proxy> = Api::namespaced(client.clone(), "crawl");
@@ -146,7 +150,21 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         "{metrics}"
     );
 
-    // Deleting the object drains (the lease is released first) and removes the Squid.
+    // Deleting the object drains: the Squid serves the held lease until it is released, and the
+    // release itself moves the deletion on (the poll would be an hour away).
+    proxies
+        .delete("squid-1", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait_until(Duration::from_secs(60), "the Proxy deleting", async || {
+        let p = proxies.get("squid-1").await.ok()?;
+        (p.status?.phase.as_deref() == Some("deleting")).then_some(())
+    })
+    .await;
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", proxy_port)).is_ok(),
+        "the Squid serves the held lease while the Proxy drains"
+    );
     let lease_id = lease["leaseId"].as_str().unwrap();
     let (code, _) = send(
         discovery_port,
@@ -157,10 +175,6 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
     )
     .await;
     assert!(code.is_success());
-    proxies
-        .delete("squid-1", &DeleteParams::default())
-        .await
-        .expect("delete");
     wait_until(Duration::from_secs(60), "the Proxy is gone", async || {
         proxies.get_opt("squid-1").await.ok()?.is_none().then_some(())
     })

@@ -245,7 +245,7 @@ pub struct Core {
     pub discovery_addr: SocketAddr,
     /// Where the gateway listens, if it runs.
     pub gateway_addr: Option<SocketAddr>,
-    /// Proxies whose health verdict changed: reconcile them now.
+    /// Proxies whose health verdict changed, or whose drain just ended: reconcile them now.
     pub triggers: mpsc::Receiver<ProxyKey>,
     /// Providers whose availability flipped: reconcile their Proxies now.
     pub provider_flips: mpsc::UnboundedReceiver<String>,
@@ -442,6 +442,13 @@ pub async fn start_core(
     }
 
     let (trigger_tx, triggers) = mpsc::channel(1024);
+    // A drain that ends moves its deletion or replacement on now, not at the round's next
+    // poll. Told under a lease-store shard lock, so it never waits: with the channel full, the
+    // poll is the safety net.
+    let drained_tx = trigger_tx.clone();
+    leases.on_drained(Arc::new(move |key: &ProxyKey| {
+        let _ = drained_tx.try_send(key.clone());
+    }));
     let forward = tokio::spawn(async move {
         while let Some(event) = health_events.recv().await {
             health_log.record(&event);

@@ -77,7 +77,7 @@ pub use clock::{Clock, Rfc3339, rfc3339};
 pub use control::LeaseControl;
 pub use durable::{Acquired, DurableError, DurableLeases};
 pub use selector::{CompiledSelector, MAX_SELECTOR_LEN, MAX_SELECTOR_TERMS, Selector, SelectorError};
-pub use store::{LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
+pub use store::{DrainedHook, LeaseStore, MAX_INDEXED_COMBINATIONS, MAX_SHARDS};
 
 use crate::{
     api::{Attributes, LeasePolicy, ProxyKey},

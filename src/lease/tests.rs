@@ -433,6 +433,36 @@ fn renewals_say_when_the_proxy_left_rotation() {
     );
 }
 
+/// Whoever waits for a drain is told when its last lease ends, by a release or an expiry, once,
+/// and never while leases remain or for a proxy that is not draining.
+#[test]
+fn the_end_of_a_drain_is_told_by_the_release_or_expiry_that_ends_it() {
+    let (store, clock, all) = one_proxy(3, 3, 0);
+    let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+    store.on_drained({
+        let told = told.clone();
+        Arc::new(move |key: &ProxyKey| told.lock().unwrap().push(key.clone()))
+    });
+    let (l1, l2) = (acquire(&store, &all).unwrap(), acquire(&store, &all).unwrap());
+    release_ok(&store, &l1);
+    assert!(told.lock().unwrap().is_empty(), "not draining");
+    let l3 = acquire(&store, &all).unwrap();
+    assert_eq!(store.drain(&key("a")), DrainStatus::Pending { active: 2 });
+    release_ok(&store, &l2);
+    assert!(told.lock().unwrap().is_empty(), "a lease remains");
+    release_ok(&store, &l3);
+    assert_eq!(*told.lock().unwrap(), [key("a")]);
+
+    // Reopened, leased, drained again: this time the lease expires.
+    store.set_admission(&key("a"), Admission::Open).unwrap();
+    acquire(&store, &all).unwrap();
+    assert_eq!(store.drain(&key("a")), DrainStatus::Pending { active: 1 });
+    clock.advance(Duration::from_secs(61));
+    store.reap();
+    assert_eq!(*told.lock().unwrap(), [key("a"), key("a")]);
+    assert_eq!(store.drain(&key("a")), DrainStatus::Drained);
+}
+
 #[test]
 fn drain_refuses_renewals_and_reports_completion() {
     let (store, _, all) = one_proxy(2, 2, 0);

@@ -211,6 +211,7 @@ impl LeaseStore {
         shard.mark(slot);
         shard.start_cooldown(slot, now, now);
         shard.relink(slot, now, true);
+        shard.tell_if_drained(slot);
         let cooling_until = shard.proxy(slot).cooling_until;
         Ok(Released {
             ban,

@@ -36,6 +36,7 @@ use std::{
 #[cfg(test)]
 pub(crate) use select::BURST;
 
+pub use self::shard::DrainedHook;
 use self::{
     proxy::{AdmissionState, LeaseRecord},
     shard::Shard,
@@ -259,8 +260,16 @@ impl LeaseStore {
         Ok(())
     }
 
+    /// Calls `hook` with a draining proxy's key when its last lease ends (a release or an
+    /// expiry), so whoever waits for the drain looks again now rather than at its next poll.
+    pub fn on_drained(&self, hook: DrainedHook) {
+        for shard in self.inner.shards.iter() {
+            lock(&shard.0).on_drained = Some(hook.clone());
+        }
+    }
+
     /// Closes a proxy and refuses renewals of its leases; `Drained` once none is active.
-    /// Call again to poll. An unknown proxy is drained.
+    /// Call again to poll (or be told: [`Self::on_drained`]). An unknown proxy is drained.
     pub fn drain(&self, key: &ProxyKey) -> DrainStatus {
         let now = self.now();
         let mut shard = self.shard_for(key);

@@ -12,7 +12,7 @@ use std::{
 
 use super::{
     COMBINATION_BASE, NIL, SEQ_PER_MS, SHARD_BITS,
-    proxy::{LeaseRecord, ProxyState},
+    proxy::{AdmissionState, LeaseRecord, ProxyState},
 };
 use crate::{
     api::ProxyKey,
@@ -86,7 +86,13 @@ pub(super) struct Shard {
     /// locking and settling each cost about 80 instructions). Written under the lock whenever
     /// `by_key` changes.
     pub(super) proxies: Arc<AtomicUsize>,
+    /// Told the key of a draining proxy whose last lease just ended ([`super::LeaseStore::on_drained`]).
+    pub(super) on_drained: Option<DrainedHook>,
 }
+
+/// Told the key of a draining proxy whose last lease ended (released or expired), under its
+/// shard's lock: it must only hand the key on (e.g. a channel's `try_send`).
+pub type DrainedHook = Arc<dyn Fn(&ProxyKey) + Send + Sync>;
 
 /// Pops the entries of an expiry or cooldown heap that are due at `now`, skipping stale ones
 /// (the slot was reused or emptied since): each as (due time, slot, its proxy).
@@ -139,6 +145,18 @@ impl Shard {
             expired: Vec::new(),
             reinstated: HashMap::new(),
             proxies: Arc::default(),
+            on_drained: None,
+        }
+    }
+
+    /// Tells the drained hook if `slot`'s proxy is draining and its last lease has just ended.
+    pub(super) fn tell_if_drained(&self, slot: u32) {
+        let p = self.proxy(slot);
+        if p.leases.is_empty()
+            && p.admission == AdmissionState::Draining
+            && let Some(hook) = &self.on_drained
+        {
+            hook(&p.key);
         }
     }
 
@@ -431,6 +449,7 @@ impl Shard {
             self.mark(slot);
             self.start_cooldown(slot, last_end, now);
             self.relink(slot, now, false);
+            self.tell_if_drained(slot);
         }
         if let Some(next) = next {
             self.schedule_expiry(slot, next);
