@@ -214,6 +214,22 @@ async fn the_namespaced_install_runs_the_whole_lifecycle_with_its_role_alone() {
         body.contains(&port.to_string()),
         "the lease names the Squid's port: {body}"
     );
+
+    // Delete while the lease is held: the Proxy drains until it is released, then, through the
+    // finalizer, the Squid goes.
+    proxies
+        .delete("squid-1", &DeleteParams::default())
+        .await
+        .expect("deleted");
+    wait_until(DEADLINE, "the Proxy deleting", async || {
+        let proxy = proxies.get("squid-1").await.ok()?;
+        (proxy.status.as_ref()?.phase.as_deref() == Some("deleting")).then_some(())
+    })
+    .await;
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok(),
+        "the Squid serves the held lease until it is released"
+    );
     let (code, body) = request(
         operator.discovery,
         Request::post(format!(
@@ -230,12 +246,6 @@ async fn the_namespaced_install_runs_the_whole_lifecycle_with_its_role_alone() {
     )
     .await;
     assert!(code.is_success(), "{body}");
-
-    // Delete: through the finalizer, the Squid goes.
-    proxies
-        .delete("squid-1", &DeleteParams::default())
-        .await
-        .expect("deleted");
     wait_until(DEADLINE, "the Proxy gone", async || {
         proxies.get_opt("squid-1").await.ok()?.is_none().then_some(())
     })
@@ -254,4 +264,13 @@ async fn the_namespaced_install_runs_the_whole_lifecycle_with_its_role_alone() {
     assert!(log.contains("orphan GC is disabled"), "{log}");
     assert!(operator.child.exited().is_none(), "{log}");
     operator.child.terminate_async(Duration::from_secs(30)).await;
+
+    // A lifecycle that went as it should warns of nothing but the disabled GC: the reconcile a
+    // deleted Proxy's last update queued, finding it gone, was a "controller error" warning.
+    let log = operator.child.log();
+    let warnings: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(" WARN ") && !line.contains("orphan GC is disabled"))
+        .collect();
+    assert!(warnings.is_empty(), "{warnings:#?}");
 }

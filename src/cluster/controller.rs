@@ -36,7 +36,7 @@ use kube::{
     },
 };
 use tokio::sync::{mpsc, watch};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::{KubeBackend, events, resync, triggers};
 use crate::{
@@ -223,8 +223,17 @@ pub async fn run_controller(
     controller
         .run(reconcile, error_policy, context)
         .for_each(|result| async move {
-            if let Err(err) = result {
-                warn!(error = %err, "controller error");
+            use kube::runtime::controller::Error;
+            match result {
+                Ok(_) => {}
+                // `error_policy` said it, with the retry it chose.
+                Err(Error::ReconcilerFailed(..)) => {}
+                // A reconcile queued (a requeue, a trigger) for a Proxy deleted since: its last
+                // round removed the finalizer. Expected after every deletion.
+                Err(Error::ObjectNotFound(object)) => {
+                    debug!(%object, "a queued reconcile found its Proxy gone");
+                }
+                Err(err) => warn!(error = %err, "controller error"),
             }
         })
         .await;
@@ -368,6 +377,8 @@ async fn reconcile(proxy: Arc<Proxy>, context: Arc<Context>) -> Result<Action, R
 fn error_policy(proxy: Arc<Proxy>, error: &ReconcileError, context: Arc<Context>) -> Action {
     let key = ObjectRef::from_obj(&*proxy);
     if error.category() == "Conflict" {
+        // Someone else wrote the Proxy meanwhile: the next round reads the fresh version.
+        debug!(namespace = %proxy.namespace().unwrap_or_default(), name = %proxy.name_any(), "reconcile met a conflict; retrying");
         return Action::requeue(Duration::from_millis(200));
     }
     let mut failures = crate::sync::lock(&context.failures);
