@@ -6,7 +6,10 @@ mod support {
     pub mod scripted;
 }
 
-use std::{path::Path, sync::Arc};
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+};
 
 use egress_proxies_operator::{
     api::ProxyKey,
@@ -21,6 +24,18 @@ fn manifest(name: &str, port: u32) -> String {
     format!(
         "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\nmetadata:\n  name: {name}\nspec:\n  provider: local\n  port: {port}\n  attributes:\n    pool: a\n"
     )
+}
+
+/// A temporary folder holding `manifests/` with a manifest per (name, port) of `proxies`, and
+/// where the runner keeps its `state/`. Keep the folder while the paths are used.
+fn folders(proxies: &[(&str, u32)]) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    for (name, port) in proxies {
+        std::fs::write(manifests.join(format!("{name}.yaml")), manifest(name, *port)).expect("write");
+    }
+    (dir, manifests, state)
 }
 
 struct Host {
@@ -88,11 +103,7 @@ async fn step_until(runner: &mut Standalone, mut done: impl FnMut() -> bool) {
 
 #[tokio::test]
 async fn folder_changes_drive_the_lifecycle_and_restarts_are_safe() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
-    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
-    std::fs::write(manifests.join("b.yaml"), manifest("b", 3129)).expect("write");
+    let (_dir, manifests, state) = folders(&[("a", 3128), ("b", 3129)]);
     std::fs::write(manifests.join("broken.yaml"), manifest("c", 70000)).expect("write");
     let host = Host::new();
     let (a, b, c) = (key("default", "a"), key("default", "b"), key("default", "c"));
@@ -196,9 +207,7 @@ fn cloud_init_secret(revision: u32) -> String {
 
 #[tokio::test]
 async fn rotating_a_referenced_secret_replaces_its_proxy_without_waiting_for_the_resync() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let (_dir, manifests, state) = folders(&[]);
     let with_cloud_init = format!(
         "{}  cloudInit:\n    secretRef:\n      name: squid-init\n",
         manifest("a", 3128)
@@ -255,10 +264,7 @@ async fn rotating_a_referenced_secret_replaces_its_proxy_without_waiting_for_the
 /// lifecycle at once, recycles its proxy once, and is recorded in the status.
 #[tokio::test]
 async fn a_recycle_annotation_in_a_manifest_replaces_its_proxy_once() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
-    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    let (_dir, manifests, state) = folders(&[("a", 3128)]);
     let host = Host::new();
     let a = key("default", "a");
     let mut runner = host.open(&manifests, &state);
@@ -292,10 +298,7 @@ async fn a_recycle_annotation_in_a_manifest_replaces_its_proxy_once() {
 
 #[tokio::test]
 async fn proxies_held_by_an_unavailable_provider_provision_as_soon_as_it_returns() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
-    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    let (_dir, manifests, state) = folders(&[("a", 3128)]);
     let host = Host::new();
     let a = key("default", "a");
     host.availability.set(
@@ -345,10 +348,7 @@ async fn proxies_held_by_an_unavailable_provider_provision_as_soon_as_it_returns
 /// 6 s window stands for the first 10 minutes; the runner steps whenever it says something is due.
 #[tokio::test]
 async fn a_provider_that_fails_every_create_is_asked_with_backoff() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
-    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    let (_dir, manifests, state) = folders(&[("a", 3128)]);
     let host = Host::new();
     host.provider.fail_next_creates(1_000_000);
     let config = ReconcilerConfig {
@@ -393,10 +393,7 @@ async fn a_create_that_succeeds_on_its_retry_does_not_storm_while_the_instance_b
     use egress_proxies_operator::{machine::Backoff, provider::InstanceState};
     use tokio::time::{Duration, Instant};
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
-    std::fs::write(manifests.join("a.yaml"), manifest("a", 3128)).expect("write");
+    let (_dir, manifests, state) = folders(&[("a", 3128)]);
     let host = Host::new();
     host.provider.fail_next_creates(1);
     host.provider.start_instances_as(InstanceState::Starting);
@@ -456,9 +453,7 @@ async fn a_create_that_succeeds_on_its_retry_does_not_storm_while_the_instance_b
 /// it used to be marked deleting and stay, its delete failing for want of the provider.
 #[tokio::test]
 async fn a_proxy_without_the_finalizer_goes_with_its_manifest() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let (_dir, manifests, state) = folders(&[]);
     std::fs::write(
         manifests.join("typo.yaml"),
         "apiVersion: crawl.example.com/v1alpha1\nkind: Proxy\nmetadata:\n  name: typo\nspec:\n  provider: lcoal\n",
@@ -495,9 +490,7 @@ fn phases_in(state: &Path) -> std::collections::BTreeMap<String, usize> {
 /// reads none, a step that reconciles one Proxy reads one, however many there are.
 #[tokio::test]
 async fn the_progress_counts_follow_changes_reading_only_what_changed() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let (_dir, manifests, state) = folders(&[]);
     const N: u32 = 12;
     for i in 0..N {
         std::fs::write(
@@ -597,9 +590,7 @@ async fn the_progress_counts_follow_changes_reading_only_what_changed() {
 async fn resyncs_of_proxies_that_settled_together_are_spread_out() {
     use tokio::time::{Duration, Instant};
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let (_dir, manifests, state) = folders(&[]);
     let names: Vec<String> = (0..40).map(|i| format!("p{i:02}")).collect();
     for (i, name) in names.iter().enumerate() {
         std::fs::write(

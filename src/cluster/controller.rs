@@ -378,7 +378,11 @@ fn error_policy(proxy: Arc<Proxy>, error: &ReconcileError, context: Arc<Context>
     let key = ObjectRef::from_obj(&*proxy);
     if error.category() == "Conflict" {
         // Someone else wrote the Proxy meanwhile: the next round reads the fresh version.
-        debug!(namespace = %proxy.namespace().unwrap_or_default(), name = %proxy.name_any(), "reconcile met a conflict; retrying");
+        debug!(
+            namespace = %proxy.namespace().unwrap_or_default(),
+            name = %proxy.name_any(),
+            "reconcile met a conflict; retrying"
+        );
         return Action::requeue(Duration::from_millis(200));
     }
     let mut failures = crate::sync::lock(&context.failures);

@@ -1,8 +1,9 @@
 //! The provider-health monitor: probes every configured provider instance (connect and list)
 //! on an interval, keeps [`ProviderAvailability`] current for the reconciler (which holds new
 //! provisioning while a provider is down), and hands each outcome that shows something new
-//! (availability, message, instance count) to a mode's [`HealthSink`] (the log here; `ProviderHealth` objects in cluster mode, in
-//! [`crate::cluster::health_sink`]). Names no mode itself.
+//! (availability, message, instance count) to a mode's [`HealthSink`] (the log here;
+//! `ProviderHealth` objects in cluster mode, in [`crate::cluster::health_sink`]). Names no mode
+//! itself.
 
 use std::{collections::HashMap, future::Future, sync::Arc, time::Duration};
 

@@ -86,7 +86,8 @@ pub(super) struct Shard {
     /// locking and settling each cost about 80 instructions). Written under the lock whenever
     /// `by_key` changes.
     pub(super) proxies: Arc<AtomicUsize>,
-    /// Told the key of a draining proxy whose last lease just ended ([`super::LeaseStore::on_drained`]).
+    /// Told the key of a draining proxy whose last lease just ended
+    /// ([`super::LeaseStore::on_drained`]).
     pub(super) on_drained: Option<DrainedHook>,
 }
 
