@@ -595,3 +595,24 @@ async fn connections_past_the_soft_open_file_limit_it_started_with_are_served() 
     drop(answers);
     stop(operator);
 }
+
+/// A proxy whose health check fails says why in the log line of the change (it said only
+/// `verdict=Failing`; the reason was on the status page alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_verdict_says_why_in_the_log() {
+    let host = Host::new();
+    let nothing_listens = format!("http://127.0.0.1:{}/health", free_port());
+    let manifest = manifest("a", free_port(), &nothing_listens);
+    std::fs::write(host.dir.path().join("manifests/a.yaml"), manifest).expect("a");
+    let operator = start_operator(&host, "operator.log");
+    let line = support::wait_until(Duration::from_secs(60), "the failing verdict", async || {
+        let log = operator.log();
+        log.lines()
+            .find(|l| l.contains("health verdict changed") && l.contains("verdict=Failing"))
+            .map(str::to_owned)
+    })
+    .await;
+    // Squid answers for the origin it cannot reach.
+    assert!(line.contains("last_error=") && line.contains("503"), "{line}");
+    stop(operator);
+}

@@ -509,7 +509,21 @@ async fn record(
         })
     };
     if let Some(event) = event {
-        tracing::info!(proxy = %key, verdict = ?event.verdict, recovered = event.recovered, "health verdict changed");
+        match &event.last_error {
+            Some(last_error) => tracing::info!(
+                proxy = %key,
+                verdict = ?event.verdict,
+                recovered = event.recovered,
+                last_error = %last_error,
+                "health verdict changed"
+            ),
+            None => tracing::info!(
+                proxy = %key,
+                verdict = ?event.verdict,
+                recovered = event.recovered,
+                "health verdict changed"
+            ),
+        }
         // A closed receiver means nobody listens any more; keep probing for snapshots.
         let _ = events.send(event).await;
     }
