@@ -1065,6 +1065,38 @@ mod in_process {
     }
 }
 
+/// A session's lease on a proxy that starts draining (its deletion or replacement waits for
+/// it) is given back by the next upkeep while no request uses it, not when the session goes
+/// idle or the lease expires (here both an hour away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unused_sessions_lease_on_a_draining_proxy_is_given_back() {
+    use egress_proxies_operator::{gateway::GatewayConfig, lease::DrainStatus};
+    let origin = support::Origin::start().await;
+    let squid = support::Squid::start().await;
+    let config = GatewayConfig {
+        session_idle: Duration::from_secs(3600),
+        lease_ttl: Duration::from_secs(3600),
+        ..GatewayConfig::default()
+    };
+    let gateway = in_process::start_with(&[("a", squid.port)], config).await;
+    let answer = raw_request(
+        gateway.addr,
+        "GET",
+        &origin.http_url("/ip"),
+        "crawler-1;session=s1",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let key = ProxyKey::new("crawl", "a");
+    assert_eq!(gateway.store.drain(&key), DrainStatus::Pending { active: 1 });
+    support::wait_until(
+        Duration::from_secs(10),
+        "the session's lease given back",
+        async || (gateway.store.drain(&key) == DrainStatus::Drained).then_some(()),
+    )
+    .await;
+}
+
 /// A dead upstream (its port refuses connections): a GET is retried once on another proxy, a
 /// POST is not and gets a 502 naming the proxy and the cause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

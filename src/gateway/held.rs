@@ -12,7 +12,8 @@
 //!   sent (or its tunnel closes, or its client goes away): a [`Lent`] whose Drop releases it.
 //! - A request with a session key uses the session's lease: one per (holder, session key,
 //!   target host, selector), taken with the session key (so the store's sticky binding applies), renewed
-//!   while used, ended when its proxy is banned for the domain, dies or stops taking leases,
+//!   while used, ended when its proxy is banned for the domain, dies or stops taking leases
+//!   (by [`Held::upkeep`] while no request uses it, so a drain does not wait for the session),
 //!   and released by [`Held::upkeep`] once idle for [`GatewayConfig::session_idle`].
 //!
 //! [`Held::upkeep`] also renews every lease in use that nears its expiry (a long tunnel keeps
@@ -381,8 +382,9 @@ impl Held {
         session.uses.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Every `tick`: releases sessions idle for [`GatewayConfig::session_idle`] and renews
-    /// leases in use that have used half their time; once `stopped` resolves, releases every
+    /// Every `tick`: releases sessions idle for [`GatewayConfig::session_idle`] and the leases
+    /// of unused sessions whose proxy stopped taking leases, and renews leases in use that have
+    /// used half their time; once `stopped` resolves, releases every
     /// lease held and returns.
     pub(super) async fn upkeep(self: Arc<Self>, stopped: impl std::future::Future<Output = ()>) {
         let tick = (self.config.session_idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
@@ -421,6 +423,14 @@ impl Held {
                 if sessions.get(&key).is_some_and(|s| Arc::ptr_eq(s, &session)) {
                     sessions.remove(&key);
                 }
+                continue;
+            }
+            // Its proxy stopped taking leases (draining, unhealthy, gone): the session's next
+            // request would move anyway, so give the lease back now: a drain (the proxy's
+            // deletion or replacement) does not wait for the session to go idle.
+            if !in_use && let Some(lease) = slot.take_if(|lease| !self.deps.store.admits(&lease.proxy.key)) {
+                debug!(proxy = %lease.proxy.key, "unused gateway session released: its proxy no longer takes leases");
+                self.release(&lease, Outcome::Ok).await;
                 continue;
             }
             if in_use
