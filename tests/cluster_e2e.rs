@@ -89,11 +89,18 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         .create(&PostParams::default(), &proxy)
         .await
         .expect("created");
-    wait_until(Duration::from_secs(60), "the Proxy is healthy", async || {
-        let p = proxies.get("squid-1").await.ok()?;
-        (p.status?.phase.as_deref() == Some("healthy")).then_some(())
-    })
-    .await;
+    let reaches = async |phase: &str| {
+        wait_until(
+            Duration::from_secs(60),
+            &format!("the Proxy {phase}"),
+            async || {
+                let p = proxies.get("squid-1").await.ok()?;
+                (p.status?.phase.as_deref() == Some(phase)).then_some(())
+            },
+        )
+        .await
+    };
+    reaches("healthy").await;
     wait_until(Duration::from_secs(60), "the leader is ready", async || {
         (send(admin_port, "GET", "/readyz", None, "").await.0 == StatusCode::OK).then_some(())
     })
@@ -156,11 +163,7 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
         .delete("squid-1", &DeleteParams::default())
         .await
         .expect("delete");
-    wait_until(Duration::from_secs(60), "the Proxy deleting", async || {
-        let p = proxies.get("squid-1").await.ok()?;
-        (p.status?.phase.as_deref() == Some("deleting")).then_some(())
-    })
-    .await;
+    reaches("deleting").await;
     assert!(
         std::net::TcpStream::connect(("127.0.0.1", proxy_port)).is_ok(),
         "the Squid serves the held lease while the Proxy drains"

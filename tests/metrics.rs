@@ -16,13 +16,10 @@ mod support {
     pub mod origin;
     pub mod ports;
     pub mod process;
+    pub mod wait;
 }
 
-use std::{
-    collections::BTreeSet,
-    net::SocketAddr,
-    time::{Duration, Instant},
-};
+use std::{collections::BTreeSet, net::SocketAddr, time::Duration};
 
 use bytes::Bytes;
 use egress_proxies_operator::{
@@ -46,21 +43,11 @@ use support::{
     operations_doc::documented_metrics,
     origin::OriginServer,
     process::squids,
+    wait::wait_until,
 };
 
 const DEADLINE: Duration = Duration::from_secs(60);
 const TOKEN: &str = "metrics-token-0123456789abcdef";
-
-async fn eventually<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 async fn post(addr: SocketAddr, path: &str, body: serde_json::Value) -> (StatusCode, serde_json::Value) {
     let (status, text) = request(
@@ -165,12 +152,12 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         .create(&PostParams::default(), &proxy)
         .await
         .expect("created");
-    eventually("the Proxy healthy", async || {
+    wait_until(DEADLINE, "the Proxy healthy", async || {
         let p = proxies.get("squid-1").await.ok()?;
         (p.status?.phase.as_deref() == Some("healthy")).then_some(())
     })
     .await;
-    eventually("the leader ready", async || {
+    wait_until(DEADLINE, "the leader ready", async || {
         (get(admin, "/readyz").await.0 == StatusCode::OK).then_some(())
     })
     .await;
@@ -228,7 +215,7 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
                 })
             })
     };
-    eventually("the checkpoint failure reported", async || {
+    wait_until(DEADLINE, "the checkpoint failure reported", async || {
         let (code, body) = get(admin, "/readyz").await;
         (code == StatusCode::OK
             && body.contains("lease checkpoint failing")
@@ -237,7 +224,7 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
     })
     .await;
     plane.allow_configmap_writes("egress-proxies-system").await;
-    eventually("the checkpoint saved again", async || {
+    wait_until(DEADLINE, "the checkpoint saved again", async || {
         let (code, body) = get(admin, "/readyz").await;
         (code == StatusCode::OK && body == "ready\n" && has_event("LeaseCheckpointRecovered").await)
             .then_some(())
@@ -249,17 +236,17 @@ async fn metrics_tell_the_lifecycle_and_match_the_documented_names() {
         .delete("squid-1", &DeleteParams::default())
         .await
         .expect("delete");
-    eventually("the Proxy gone", async || {
+    wait_until(DEADLINE, "the Proxy gone", async || {
         proxies.get_opt("squid-1").await.ok()?.is_none().then_some(())
     })
     .await;
-    eventually("the orphan collected", async || {
+    wait_until(DEADLINE, "the orphan collected", async || {
         squids(&state.path().join(&orphan)).is_empty().then_some(())
     })
     .await;
 
     // The scrape: proxies per phase is sampled, so wait for it to show the deletion.
-    let text = eventually("the metrics after the lifecycle", async || {
+    let text = wait_until(DEADLINE, "the metrics after the lifecycle", async || {
         let (code, text) = get(admin, "/metrics").await;
         (code == StatusCode::OK
             && sample(&text, r#"epo_proxies{phase="healthy"}"#) == Some(0.0)

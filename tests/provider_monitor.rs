@@ -10,6 +10,7 @@ mod support {
     pub mod control_plane;
     pub mod ports;
     pub mod process;
+    pub mod wait;
 }
 #[path = "support/libvirt_requests.rs"]
 mod libvirt_requests;
@@ -40,7 +41,10 @@ use libvirt_requests::{settings, user_network};
 use libvirtd::PrivateLibvirtd;
 use prometheus_client::registry::Registry;
 use serde_json::json;
-use support::control_plane::{ControlPlane, RequestCounts};
+use support::{
+    control_plane::{ControlPlane, RequestCounts},
+    wait::wait_until,
+};
 use tokio::sync::{mpsc, oneshot, watch};
 
 const PROVIDER: &str = "kvm2-mon";
@@ -68,20 +72,6 @@ fn gauge(registry: &Registry) -> String {
         .find(|l| l.starts_with(&format!("epo_provider_available{{provider=\"{PROVIDER}\"}}")))
         .unwrap_or_default()
         .to_owned()
-}
-
-async fn wait_for<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -213,7 +203,7 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
         .create(&PostParams::default(), &proxy)
         .await
         .expect("created");
-    let ready_condition = wait_for("the Proxy held for its provider", async || {
+    let ready_condition = wait_until(DEADLINE, "the Proxy held for its provider", async || {
         let status = proxies.get("held").await.ok()?.status?;
         let ready = status.conditions.iter().find(|c| c.type_ == "Ready")?.clone();
         (status.phase.as_deref() == Some("pending") && ready.reason == "ProviderUnavailable").then_some(ready)
@@ -237,7 +227,7 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
     assert_eq!(health_writes(&plane, &start).await, writes + 2);
     assert_eq!(*flips.lock().unwrap(), [PROVIDER, PROVIDER]);
     assert_eq!(availability.down_reason(PROVIDER), None);
-    let held = wait_for("the held Proxy provisioned", async || {
+    let held = wait_until(DEADLINE, "the held Proxy provisioned", async || {
         let proxy = proxies.get("held").await.ok()?;
         (proxy.status.as_ref()?.phase.as_deref() == Some("provisioning")).then_some(proxy)
     })
@@ -254,7 +244,7 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
     // The condition stays as it was, and so does its transition time, also once the clock has
     // moved past it (the API keeps whole seconds) and for a restarted monitor, which has
     // published nothing yet.
-    wait_for("the clock a second past the flip", async || {
+    wait_until(DEADLINE, "the clock a second past the flip", async || {
         (jiff::Timestamp::now() >= back_since.0 + jiff::SignedDuration::from_secs(1)).then_some(())
     })
     .await;
@@ -293,7 +283,7 @@ async fn provider_health_follows_a_libvirt_daemon_away_and_back_and_holds_provis
         .delete("held", &DeleteParams::default())
         .await
         .expect("delete");
-    wait_for("the Proxy gone", async || {
+    wait_until(DEADLINE, "the Proxy gone", async || {
         proxies.get_opt("held").await.ok()?.is_none().then_some(())
     })
     .await;

@@ -14,6 +14,7 @@ pub mod ports;
 pub mod process;
 pub mod run_process;
 pub mod standalone;
+pub mod wait;
 
 use std::os::unix::process::CommandExt;
 use std::{
@@ -33,28 +34,8 @@ use tokio::net::TcpListener;
 use tokio_rustls::rustls;
 
 pub use ports::free_port;
-
-/// Polls `check` every 20 ms until it holds or `within` passes.
-pub async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Polls `check` (every 100 ms) until it yields a value, which it returns, or fails the test
-/// naming `what` once `within` has passed.
-pub async fn wait_until<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
+#[allow(unused_imports)] // As with dead code: each test binary waits with some of them.
+pub use wait::{eventually, wait_until};
 
 /// A real Squid on 127.0.0.1, killed (with its process group) on Drop.
 pub struct Squid {
