@@ -23,7 +23,9 @@ use support::{
     Origin,
     cluster_app::{ClusterApp, local_cluster, local_proxy},
     control_plane::ControlPlane,
-    free_port, wait_until,
+    free_port,
+    process::KillSquidsUnder,
+    wait_until,
 };
 
 async fn send(port: u16, method: &str, path: &str, token: Option<&str>, body: &str) -> (StatusCode, String) {
@@ -61,6 +63,7 @@ async fn a_proxy_object_becomes_a_leased_squid_and_goes_away() {
     // The test writes as the admin; the operator may do only what its RBAC grants.
     let client = plane.client().await;
     let dir = tempfile::tempdir().expect("temp dir");
+    let _squids = KillSquidsUnder(dir.path().to_owned());
     let token = "e2e-token-0123456789abcdef";
     let (admin_port, discovery_port, proxy_port) = (free_port(), free_port(), free_port());
     let mut options = local_cluster(

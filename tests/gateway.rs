@@ -1576,22 +1576,12 @@ mod cluster {
     use egress_proxies_operator::{api::Proxy, gateway::rules::Rules};
     use kube::{Api, Client, api::PostParams};
 
-    use super::{Origin, free_port, standalone};
+    use super::{Origin, free_port};
     use crate::support::{
         cluster_app::{ClusterApp, local_cluster, local_proxy},
         control_plane::ControlPlane,
+        process::KillSquidsUnder,
     };
-
-    /// Kills the Squids the local provider started under the folder, whatever the outcome.
-    struct Squids(std::path::PathBuf);
-
-    impl Drop for Squids {
-        fn drop(&mut self) {
-            for pid in standalone::squids(&self.0) {
-                crate::support::process::kill_squid(pid);
-            }
-        }
-    }
 
     /// The running mode; fields drop in order (the operator before the Squids it supervises).
     pub struct ClusterGateway {
@@ -1601,7 +1591,7 @@ mod cluster {
         pub gateway: u16,
         pub discovery: u16,
         pub token: &'static str,
-        _squids: Squids,
+        _squids: KillSquidsUnder,
         _plane: ControlPlane,
     }
 
@@ -1612,7 +1602,7 @@ mod cluster {
         plane.create_namespace("crawl").await;
         let client: Client = plane.client().await;
         let dir = tempfile::tempdir().expect("temp dir");
-        let squids = Squids(dir.path().to_owned());
+        let squids = KillSquidsUnder(dir.path().to_owned());
         let token = "gateway-token-0123456789abcdef";
         let (admin, discovery, gateway, proxy_port) = (free_port(), free_port(), free_port(), free_port());
         let mut options = local_cluster(

@@ -142,6 +142,7 @@ async fn kubectl_manages_a_proxy_through_its_lifecycle() {
     let origin = Origin::start().await;
     let plane = ControlPlane::start().await;
     let dir = tempfile::tempdir().expect("temp dir");
+    let _squids = support::process::KillSquidsUnder(dir.path().to_owned());
     let kubectl = Kubectl::new(dir.path(), &plane);
     let version = yaml(&kubectl.ok(&["version", "-o", "yaml"]).await);
     println!(

@@ -384,8 +384,7 @@ impl Held {
 
     /// Every `tick`: releases sessions idle for [`GatewayConfig::session_idle`] and the leases
     /// of unused sessions whose proxy stopped taking leases, and renews leases in use that have
-    /// used half their time; once `stopped` resolves, releases every
-    /// lease held and returns.
+    /// used half their time; once `stopped` resolves, releases every lease held and returns.
     pub(super) async fn upkeep(self: Arc<Self>, stopped: impl std::future::Future<Output = ()>) {
         let tick = (self.config.session_idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
         let mut stopped = std::pin::pin!(stopped);
@@ -429,7 +428,10 @@ impl Held {
             // request would move anyway, so give the lease back now: a drain (the proxy's
             // deletion or replacement) does not wait for the session to go idle.
             if !in_use && let Some(lease) = slot.take_if(|lease| !self.deps.store.admits(&lease.proxy.key)) {
-                debug!(proxy = %lease.proxy.key, "unused gateway session released: its proxy no longer takes leases");
+                debug!(
+                    proxy = %lease.proxy.key,
+                    "unused gateway session released: its proxy no longer takes leases"
+                );
                 self.release(&lease, Outcome::Ok).await;
                 continue;
             }

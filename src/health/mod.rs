@@ -509,21 +509,14 @@ async fn record(
         })
     };
     if let Some(event) = event {
-        match &event.last_error {
-            Some(last_error) => tracing::info!(
-                proxy = %key,
-                verdict = ?event.verdict,
-                recovered = event.recovered,
-                last_error = %last_error,
-                "health verdict changed"
-            ),
-            None => tracing::info!(
-                proxy = %key,
-                verdict = ?event.verdict,
-                recovered = event.recovered,
-                "health verdict changed"
-            ),
-        }
+        // `last_error` is left out when there is none (a pass).
+        tracing::info!(
+            proxy = %key,
+            verdict = ?event.verdict,
+            recovered = event.recovered,
+            last_error = event.last_error.as_deref(),
+            "health verdict changed"
+        );
         // A closed receiver means nobody listens any more; keep probing for snapshots.
         let _ = events.send(event).await;
     }

@@ -188,7 +188,14 @@ pub struct LogSink;
 #[async_trait]
 impl HealthSink for LogSink {
     async fn publish(&self, outcome: &ProbeOutcome) -> Result<(), String> {
-        info!(provider = %outcome.provider, available = outcome.available, message = %outcome.message, "provider health");
+        // Not `message`: the log's own message field would swallow the key.
+        info!(
+            provider = %outcome.provider,
+            available = outcome.available,
+            instances = outcome.instance_count,
+            detail = %outcome.message,
+            "provider health"
+        );
         Ok(())
     }
 }

@@ -166,6 +166,19 @@ pub fn squids(dir: &Path) -> Vec<i32> {
         .collect()
 }
 
+/// Kills every Squid under the folder when dropped, whatever the test's outcome: the local
+/// provider leaves its Squids running when the operator stops (the next start adopts them), so
+/// a test that fails before deleting its Proxies would leave them on the host.
+pub struct KillSquidsUnder(pub std::path::PathBuf);
+
+impl Drop for KillSquidsUnder {
+    fn drop(&mut self) {
+        for pid in squids(&self.0) {
+            kill_squid(pid);
+        }
+    }
+}
+
 /// Sends SIGKILL to `pid`.
 pub fn kill(pid: i32) {
     if let Some(pid) = rustix::process::Pid::from_raw(pid) {
