@@ -176,9 +176,10 @@ echo "==> applying the sample Proxies (namespace crawl)"
 "${kubectl[@]}" create namespace crawl >/dev/null
 for sample in config/samples/standalone/proxy-local-*.yaml; do
     # The standalone samples, moved to namespace crawl, ports 3228-3230, health through the
-    # cluster-mode discovery API.
+    # cluster-mode discovery API, in pool `cluster`.
     sed -e 's/namespace: default/namespace: crawl/' -e 's/port: 31\(2[89]\|30\)/port: 32\1/' \
-        -e 's#127.0.0.1:8080#127.0.0.1:8090#' "$sample" | "${kubectl[@]}" apply -f -
+        -e 's#127.0.0.1:8080#127.0.0.1:8090#' -e 's/pool: standalone/pool: cluster/' "$sample" |
+        "${kubectl[@]}" apply -f -
 done
 
 cat <<HELP
