@@ -19,6 +19,7 @@ mod support {
     pub mod local;
     pub mod ports;
     pub mod process;
+    pub mod wait;
 }
 #[path = "support/libvirt_requests.rs"]
 mod libvirt_requests;
@@ -57,9 +58,10 @@ use serde_json::json;
 use support::{
     contract::plain_request,
     control_plane::ControlPlane,
-    local::{StateDir, create_on_a_free_port, eventually, free_port},
+    local::{StateDir, create_on_a_free_port, free_port},
     process::GroupChild,
     process::{kill, squids},
+    wait::holds_within,
 };
 
 const GRACE: Duration = Duration::from_secs(300);
@@ -305,7 +307,7 @@ async fn gc_on_the_local_provider_stops_and_removes_only_true_orphans() {
     assert_eq!(report.deleted, BTreeMap::from([("local".to_owned(), 1)]));
     assert!(!orphan_dir.exists(), "the orphan's folder is removed");
     assert!(
-        eventually(DEADLINE, async || squids(&orphan_dir).is_empty()).await,
+        holds_within(DEADLINE, async || squids(&orphan_dir).is_empty()).await,
         "the orphan's Squid is stopped"
     );
     for (provider, kept) in [
@@ -719,7 +721,7 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
         let dir = state.path().join(&gone.id.native_id);
         assert!(!dir.exists(), "{} removed", gone.id);
         assert!(
-            eventually(DEADLINE, async || squids(&dir).is_empty()).await,
+            holds_within(DEADLINE, async || squids(&dir).is_empty()).await,
             "{}'s Squid is stopped",
             gone.id
         );
@@ -779,7 +781,7 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
     for pid in squids(&dead_dir) {
         kill(pid);
     }
-    assert!(eventually(DEADLINE, async || squids(&dead_dir).is_empty()).await);
+    assert!(holds_within(DEADLINE, async || squids(&dead_dir).is_empty()).await);
     staging.supervise_now().await;
     assert!(
         squids(&dead_dir).is_empty(),
@@ -789,7 +791,7 @@ async fn two_installations_sharing_a_local_state_dir_collect_only_their_own_squi
     let prod = prod_provider();
     prod.supervise_now().await;
     assert!(
-        eventually(DEADLINE, async || squids(&dead_dir).len() == 1).await,
+        holds_within(DEADLINE, async || squids(&dead_dir).len() == 1).await,
         "prod restarts its own"
     );
     prod.delete(&dead.id.native_id).await.expect("clean up");
@@ -966,7 +968,7 @@ async fn namespace_mode_keeps_gc_off_unless_allowed_and_then_judges_only_its_nam
         .await;
     assert!(!state.path().join(&ours).exists(), "its folder is removed");
     assert!(
-        eventually(DEADLINE, async || squids(&state.path().join(&ours)).is_empty()).await,
+        holds_within(DEADLINE, async || squids(&state.path().join(&ours)).is_empty()).await,
         "its Squid is stopped"
     );
     // The pass that deleted ours listed theirs too and left it.

@@ -8,6 +8,7 @@ mod support {
     pub mod origin;
     pub mod ports;
     pub mod process;
+    pub mod wait;
 }
 
 use std::{net::SocketAddr, time::Duration};
@@ -21,9 +22,10 @@ use egress_proxies_operator::{
 };
 use support::{
     contract::{new_owner, plain_request},
-    local::{LocalBackend, StateDir, create_on_a_free_port, eventually, free_port},
+    local::{LocalBackend, StateDir, create_on_a_free_port, free_port},
     origin::{OriginServer, fetch_via_proxy},
     process::{kill, processes_mentioning, squid_segments, squid_service, squids},
+    wait::holds_within,
 };
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -42,7 +44,7 @@ fn proxy_addr(instance: &Instance) -> SocketAddr {
 /// Polls `get` until the instance is in `state`.
 async fn wait_for_state(provider: &LocalProvider, name: &str, state: InstanceState) -> Instance {
     let mut last = None;
-    let reached = eventually(DEADLINE, async || {
+    let reached = holds_within(DEADLINE, async || {
         last = provider.get(name).await.ok();
         last.as_ref().is_some_and(|i| i.state == state)
     })
@@ -299,7 +301,7 @@ async fn a_killed_squid_is_restarted_by_supervision() {
     kill(before[0]);
 
     // Nobody calls create or get in between: the background supervisor notices.
-    let restarted = eventually(DEADLINE, async || {
+    let restarted = holds_within(DEADLINE, async || {
         let now = squids(&dir);
         now.len() == 1 && now != before
     })
@@ -327,7 +329,7 @@ async fn a_crash_loop_backs_off_and_recovers() {
     kill(squids(&dir)[0]);
 
     let mut status = None;
-    let looping = eventually(DEADLINE, async || {
+    let looping = holds_within(DEADLINE, async || {
         status = provider.supervision(&name);
         status.as_ref().is_some_and(|s| s.consecutive_attempts >= 3)
     })
@@ -342,7 +344,7 @@ async fn a_crash_loop_backs_off_and_recovers() {
         "backs off: {status:?}"
     );
     assert!(status.consecutive_attempts <= 4, "does not spin: {status:?}");
-    let stopped = eventually(DEADLINE, async || {
+    let stopped = holds_within(DEADLINE, async || {
         provider
             .get(&name)
             .await
@@ -440,7 +442,7 @@ async fn delete_leaves_no_process_and_no_folder() {
 
     provider.delete(&name).await.expect("delete");
     assert!(!dir.exists(), "the folder is gone");
-    let gone = eventually(DEADLINE, async || processes_mentioning(&dir).is_empty()).await;
+    let gone = holds_within(DEADLINE, async || processes_mentioning(&dir).is_empty()).await;
     assert!(gone, "processes left: {:?}", processes_mentioning(&dir));
     assert!(matches!(
         provider.get(&name).await,
@@ -622,7 +624,7 @@ async fn create_restarts_an_instance_that_died_while_the_operator_was_down() {
     let old = squids(&dir);
     assert_eq!(old.len(), 1);
     kill(old[0]);
-    assert!(eventually(DEADLINE, async || squids(&dir).is_empty()).await);
+    assert!(holds_within(DEADLINE, async || squids(&dir).is_empty()).await);
 
     // The repeated create (the engine's retry after a crash) finds the folder and starts its
     // Squid at once, before any supervision pass.
@@ -658,7 +660,7 @@ async fn an_interrupted_delete_is_never_restarted_and_create_finishes_it() {
     // A delete that wrote its marker and stopped Squid, then the operator died.
     std::fs::write(dir.join("deleting"), b"").expect("marker");
     kill(squids(&dir)[0]);
-    assert!(eventually(DEADLINE, async || squids(&dir).is_empty()).await);
+    assert!(holds_within(DEADLINE, async || squids(&dir).is_empty()).await);
     provider.supervise_now().await;
     assert!(
         squids(&dir).is_empty(),

@@ -6,7 +6,6 @@ use std::{
     os::unix::fs::PermissionsExt,
     path::PathBuf,
     sync::{Arc, Mutex},
-    time::Duration,
 };
 
 use async_trait::async_trait;
@@ -33,20 +32,6 @@ pub async fn create_on_a_free_port(provider: &LocalProvider, mut request: Instan
         }
     }
     panic!("no free port after 3 attempts");
-}
-
-/// Polls `condition` every 50 ms until it holds or `timeout` passes.
-pub async fn eventually(timeout: Duration, mut condition: impl AsyncFnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if condition().await {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// A private state folder that Squid (dropping to `proxy` when run as root) can reach, and

@@ -16,6 +16,21 @@ pub async fn eventually(within: Duration, what: &str, mut check: impl FnMut() ->
     }
 }
 
+/// Polls `condition` every 50 ms until it holds (true) or `timeout` passes (false), for a
+/// caller whose failure message says more than what it waited for.
+pub async fn holds_within(timeout: Duration, mut condition: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Polls `check` (every 100 ms) until it yields a value, which it returns, or fails the test
 /// naming `what` once `within` has passed.
 pub async fn wait_until<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
