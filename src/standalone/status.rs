@@ -6,7 +6,10 @@ use std::fmt::Write as _;
 use jiff::Timestamp;
 
 use super::store::{ReadOnlyStore, StoreError};
-use crate::{api::ProxyKey, ui::age};
+use crate::{
+    api::ProxyKey,
+    ui::{age, phase_label},
+};
 
 /// A table of every proxy; `leases` gives the active leases of a proxy.
 pub fn render_table(
@@ -31,10 +34,7 @@ pub fn render_table(
             .and_then(|p| p.as_str())
             .unwrap_or("-")
             .to_owned();
-        let mut phase = status.phase.unwrap_or_else(|| "pending".to_owned());
-        if record.deleting {
-            phase.push_str(" (deleting)");
-        }
+        let phase = phase_label(status.phase.as_deref().unwrap_or("pending"), record.deleting);
         rows.push([
             key.namespace().to_owned(),
             key.name().to_owned(),

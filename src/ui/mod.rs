@@ -48,7 +48,7 @@ use crate::{
 
 pub use log::{AuditLog, AuditRow, HealthChange, HealthLog, Recent};
 pub use query::{PageQuery, QueryError};
-pub use render::age;
+pub use render::{age, phase_label};
 pub use usage::{USAGE_ROWS, UsageView};
 pub use view::{HolderRow, LeaseRow, ProcessRow, ProviderRow, ProxyRow, StatusView, Traffic};
 

@@ -47,6 +47,16 @@ pub fn age(now: Timestamp, since: Timestamp) -> String {
     }
 }
 
+/// A proxy's phase with a requested deletion beside it, until the phase says it itself
+/// (`healthy (deleting)`, then `deleting`). The page and `status` read alike.
+pub fn phase_label(phase: &str, deleting: bool) -> String {
+    if deleting && phase != "deleting" {
+        format!("{phase} (deleting)")
+    } else {
+        phase.to_owned()
+    }
+}
+
 /// A timestamp as the page shows one (UTC, to the second).
 fn clock(at: Timestamp) -> String {
     at.strftime("%H:%M:%S").to_string()
@@ -250,11 +260,7 @@ fn proxies(html: &mut String, view: &StatusView) {
     for row in &view.proxies {
         let s = &row.state;
         let phase_class = if s.deleting { "deleting" } else { s.phase.as_str() };
-        let phase_text = if s.deleting {
-            format!("{} (deleting)", s.phase)
-        } else {
-            s.phase.clone()
-        };
+        let phase_text = phase_label(&s.phase, s.deleting);
         let _ = write!(
             html,
             "<tr class=\"proxy\" data-proxy=\"{ns}/{name}\" data-phase=\"{phase}\">\

@@ -8,6 +8,15 @@ use crate::{
     outcomes::{Ended, Failure, Seen},
 };
 
+/// A deletion asked for shows beside the phase until the phase says it (it read "deleting
+/// (deleting)" on the page and in `status`).
+#[test]
+fn a_requested_deletion_shows_beside_the_phase_once() {
+    assert_eq!(phase_label("healthy", false), "healthy");
+    assert_eq!(phase_label("degraded", true), "degraded (deleting)");
+    assert_eq!(phase_label("deleting", true), "deleting");
+}
+
 #[test]
 fn ages_read_like_kubectl() {
     let t0 = Timestamp::UNIX_EPOCH;
