@@ -173,9 +173,14 @@ pub struct KillSquidsUnder(pub std::path::PathBuf);
 
 impl Drop for KillSquidsUnder {
     fn drop(&mut self) {
-        for pid in squids(&self.0) {
-            kill_squid(pid);
-        }
+        kill_squids_under(&self.0);
+    }
+}
+
+/// Kills every Squid main process under `dir` ([`squids`]) and removes its shared memory.
+pub fn kill_squids_under(dir: &Path) {
+    for pid in squids(dir) {
+        kill_squid(pid);
     }
 }
 

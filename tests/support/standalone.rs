@@ -16,7 +16,7 @@ use hyper_util::rt::TokioIo;
 
 use super::{
     free_port,
-    process::{GroupChild, kill_squid},
+    process::{GroupChild, kill_squids_under},
 };
 
 /// The operator binary under test.
@@ -96,12 +96,11 @@ impl Host {
 
 impl Drop for Host {
     fn drop(&mut self) {
-        for pid in squids(self.dir.path()) {
-            kill_squid(pid);
-        }
+        kill_squids_under(self.dir.path());
     }
 }
 
+#[allow(unused_imports)] // For the tests that read Squids through this module; not every one does.
 pub use super::process::squids;
 
 /// The operator in standalone mode on `host`, logging to `log_name` in its folder. Squids it
