@@ -16,8 +16,8 @@ use std::{net::SocketAddr, time::Duration};
 use egress_proxies_operator::{
     config::{LocalSettings, ProvidersConfig},
     provider::{
-        Credentials, Instance, InstanceRequest, InstanceState, Provider, ProviderError, ProviderRegistry,
-        RegistryError, local::LocalProvider,
+        Credentials, CredentialsCheck, Instance, InstanceRequest, InstanceState, Provider, ProviderError,
+        ProviderRegistry, RegistryError, local::LocalProvider,
     },
 };
 use support::{
@@ -137,7 +137,39 @@ async fn credentials_are_required_when_given() {
     );
     let owner = std::fs::read_to_string(dir.join("owner.json")).expect("owner record");
     assert!(!owner.contains("battery"), "no secret in the owner record");
-    provider.delete(&instance.id.native_id).await.expect("delete");
+
+    // What a restarted operator asks before it gives credentials again.
+    let name = &instance.id.native_id;
+    let check = |username: &str, password: &str| Credentials {
+        username: username.into(),
+        password: password.into(),
+    };
+    for (credentials, expected) in [
+        (
+            Some(check("crawler", "correct horse: battery")),
+            CredentialsCheck::Accepts,
+        ),
+        (Some(check("crawler", "wrong")), CredentialsCheck::Differs),
+        (
+            Some(check("other", "correct horse: battery")),
+            CredentialsCheck::Differs,
+        ),
+        (None, CredentialsCheck::Differs),
+    ] {
+        assert_eq!(
+            provider
+                .check_credentials(name, credentials.as_ref())
+                .await
+                .expect("checked"),
+            expected,
+            "{credentials:?}"
+        );
+    }
+    provider.delete(name).await.expect("delete");
+    assert!(matches!(
+        provider.check_credentials(name, None).await,
+        Err(ProviderError::NotFound(_))
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

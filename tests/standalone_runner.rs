@@ -1,8 +1,12 @@
 //! The standalone runner's bookkeeping, with the in-memory provider and scripted health: the
 //! manifests folder drives the same lifecycle as a cluster, bad manifests don't disturb good
-//! ones, and a restart re-creates nothing and cleans up what vanished while it was down.
+//! ones, and a restart re-creates nothing and cleans up what vanished while it was down. One
+//! test runs the real `local` provider: a restart tells only the credentials changes that
+//! happened.
 
 mod support {
+    pub mod ports;
+    pub mod process;
     pub mod scripted;
 }
 
@@ -13,12 +17,17 @@ use std::{
 
 use egress_proxies_operator::{
     api::ProxyKey,
+    config::LocalSettings,
     controller::{ProviderAvailability, ReconcilerConfig},
     health::Verdict,
-    provider::{ProviderRegistry, memory::MemoryProvider},
+    provider::{ProviderRegistry, local::LocalProvider, memory::MemoryProvider},
     standalone::{Standalone, StandaloneDeps, store::Store},
 };
-use support::scripted::{ScriptedHealth, ScriptedLeases, key};
+use support::{
+    ports::free_port,
+    process::KillSquidsUnder,
+    scripted::{ScriptedHealth, ScriptedLeases, key},
+};
 
 fn manifest(name: &str, port: u32) -> String {
     format!(
@@ -636,4 +645,158 @@ async fn resyncs_of_proxies_that_settled_together_are_spread_out() {
         "the resyncs came within {:?} of each other",
         last - first
     );
+}
+
+/// A manifest of `name` on `port` whose proxy credentials are in the Secret `secret`.
+fn manifest_with_auth(name: &str, port: u32, secret: &str) -> String {
+    format!(
+        "{}  auth:\n    secretRef:\n      name: {secret}\n",
+        manifest(name, port)
+    )
+}
+
+/// A Secret manifest holding proxy credentials.
+fn credentials_secret(name: &str, password: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\nstringData:\n  username: crawler\n  password: {password}\n"
+    )
+}
+
+/// With the real `local` provider (it gives running Squids new credentials in place), a
+/// restart says only what changed while the operator was down: a proxy without credentials and
+/// one whose Secret stayed the same get no audit line and no rewritten password file; the one
+/// whose Secret was rotated meanwhile gets its new password, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_tells_only_the_credentials_changes_that_happened() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let dir = tempfile::Builder::new()
+        .prefix("epo-restart-")
+        .tempdir()
+        .expect("temp dir");
+    // Squid (dropping to its own user when run as root) must reach its instance folders.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let _squids = KillSquidsUnder(dir.path().to_owned());
+    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let port = || u32::from(free_port());
+    std::fs::write(manifests.join("open.yaml"), manifest("open", port())).expect("write");
+    std::fs::write(
+        manifests.join("same.yaml"),
+        manifest_with_auth("same", port(), "same-auth"),
+    )
+    .expect("write");
+    std::fs::write(
+        manifests.join("rotated.yaml"),
+        manifest_with_auth("rotated", port(), "rotated-auth"),
+    )
+    .expect("write");
+    std::fs::write(
+        manifests.join("same-auth.yaml"),
+        credentials_secret("same-auth", "first-1"),
+    )
+    .expect("write");
+    let rotated_secret = manifests.join("rotated-auth.yaml");
+    std::fs::write(&rotated_secret, credentials_secret("rotated-auth", "first-2")).expect("write");
+    let keys = ["open", "same", "rotated"].map(|name| key("default", name));
+    let settings = LocalSettings {
+        start_timeout_seconds: 10,
+        stop_timeout_seconds: 5,
+        ..LocalSettings::new(dir.path().join("local"))
+    };
+    let (health, leases) = (ScriptedHealth::new(), ScriptedLeases::new());
+    let open = || {
+        let mut providers = ProviderRegistry::new();
+        providers.insert(Arc::new(
+            LocalProvider::new("local", settings.clone()).expect("settings"),
+        ));
+        Standalone::open(
+            &manifests,
+            &state,
+            StandaloneDeps {
+                providers,
+                leases: leases.clone(),
+                health: health.clone(),
+                availability: ProviderAvailability::default(),
+                reconciler: ReconcilerConfig::default(),
+            },
+        )
+        .expect("opens")
+    };
+    let password_file = |name: &str| {
+        let instances = std::fs::read_dir(dir.path().join("local")).expect("local state");
+        let folder = instances
+            .flatten()
+            .find(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("epo-default-{name}-"))
+            })
+            .expect("instance folder");
+        std::fs::read(folder.path().join("passwords")).expect("password file")
+    };
+
+    let mut runner = open();
+    for k in &keys {
+        health.set(k, Verdict::Passing);
+    }
+    step_until(&mut runner, || {
+        keys.iter()
+            .all(|k| phase(&state, k).as_deref() == Some("healthy"))
+    })
+    .await;
+    let trail_length = |k: &ProxyKey| Store::read_only(&state).unwrap().audit(k).unwrap().len();
+    let before = keys.clone().map(|k| trail_length(&k));
+    let (same_file, rotated_file) = (password_file("same"), password_file("rotated"));
+
+    // Down: the operator stops (the Squids run on) and one Secret is rotated meanwhile.
+    drop(runner);
+    std::fs::write(&rotated_secret, credentials_secret("rotated-auth", "second-2")).expect("rotate");
+    let mut runner = open();
+    // One round reconciles every Proxy the state holds.
+    runner.step().await;
+
+    let since_restart = |i: usize| -> Vec<String> {
+        let trail = Store::read_only(&state).unwrap().audit(&keys[i]).unwrap();
+        trail[before[i]..]
+            .iter()
+            .map(|line| {
+                format!(
+                    "{} ({})",
+                    line.entry.reason,
+                    line.entry.cause.clone().unwrap_or_default()
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        since_restart(0),
+        Vec::<String>::new(),
+        "nothing changed for the proxy without credentials"
+    );
+    assert_eq!(
+        since_restart(1),
+        Vec::<String>::new(),
+        "nothing changed for the proxy whose Secret stayed"
+    );
+    assert_eq!(
+        password_file("same"),
+        same_file,
+        "an unchanged password file is left as it was"
+    );
+    assert_eq!(
+        since_restart(2),
+        [
+            "CredentialsUpdated (the instance accepts the Secret's credentials, given at the first look since the operator started)"
+        ],
+        "the rotation while down is applied and told"
+    );
+    assert_ne!(
+        password_file("rotated"),
+        rotated_file,
+        "the rotated password reached Squid's file"
+    );
+    for k in &keys {
+        assert_eq!(phase(&state, k).as_deref(), Some("healthy"));
+    }
 }

@@ -6,8 +6,10 @@
 //! these — the discovery API hands out new credentials only once the instance accepts them —
 //! and the fact `credentials_changed` compares them with the Secret's. An instance whose
 //! provider cannot update them in place is marked for replacement (`spec_changed`), which goes
-//! through the pool's budget like any spec change. After a restart nothing is known; the first
-//! reconcile asks the provider to apply the Secret's credentials (idempotent where supported).
+//! through the pool's budget like any spec change. After a restart nothing is known: for a
+//! provider that updates in place the first reconcile asks it whether the instance accepts the
+//! Secret's credentials ([`crate::provider::Provider::check_credentials`]) and gives them only
+//! if not (or if it cannot tell: the update is idempotent).
 
 use std::{
     collections::HashMap,
@@ -96,8 +98,9 @@ impl CredentialsBook {
     /// changed while the instance was not given them and no replacement waits for them;
     /// a replacement is needed when the provider said only a new instance can carry them.
     ///
-    /// Unknown (after a restart): a provider that updates `in_place` is asked to apply them once
-    /// (idempotent); for one that cannot, the instance is assumed to run them (replacing every
+    /// Still unknown (after a restart, the provider could not tell which the instance accepts):
+    /// a provider that updates `in_place` is asked to apply them once (idempotent); for one that
+    /// cannot, the instance is assumed to run them (replacing every
     /// such instance on every start would be worse), and later rotations are compared with that.
     pub fn compare(&self, key: &ProxyKey, desired: Option<&Credentials>, in_place: bool) -> (bool, bool) {
         let mut applied = self.lock();

@@ -282,10 +282,14 @@ impl<B: ProxyBackend> Executors<'_, B> {
         match provider.update_credentials(cx.instance, desired.as_ref()).await {
             Ok(CredentialsUpdate::Applied) => {
                 self.credentials.set_running(cx.key, desired);
-                vec![Occurrence::new(
-                    Event::CredentialsUpdated,
-                    "the instance accepts the new credentials",
-                )]
+                // Unknown only at the first look since this process started, when the provider
+                // found the instance on other credentials or could not tell.
+                let cause = if known {
+                    "the instance accepts the new credentials"
+                } else {
+                    "the instance accepts the Secret's credentials, given at the first look since the operator started"
+                };
+                vec![Occurrence::new(Event::CredentialsUpdated, cause)]
             }
             // After a restart this process does not know what the instance runs: it keeps what
             // it has (the old behaviour) rather than replace every such instance on every start.

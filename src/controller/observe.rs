@@ -26,7 +26,8 @@ use crate::{
     lease::LeaseControl,
     machine::{Event, Fact, Facts, Phase, Timers, reason},
     provider::{
-        Credentials, Instance, InstanceState, Owner, ProviderError, SharedProvider, UnknownProvider, UserData,
+        Credentials, CredentialsCheck, Instance, InstanceState, Owner, ProviderError, SharedProvider,
+        UnknownProvider, UserData,
     },
 };
 
@@ -144,6 +145,13 @@ impl<B: ProxyBackend> Observer<'_, B> {
         // Compared only against a spec that resolves: an unreadable Secret says nothing about
         // which credentials are wanted.
         let in_place = subject.provider.is_some_and(|p| p.updates_credentials_in_place());
+        if in_place
+            && let (Some(provider), InstanceObservation::Present(_), Ok(resolved)) =
+                (subject.provider, &instance, resolved)
+        {
+            self.learn_running_credentials(provider, subject, resolved.credentials.as_ref())
+                .await;
+        }
         let (credentials_changed, credentials_need_replacement) = match resolved {
             Ok(resolved) => self
                 .credentials
@@ -193,6 +201,27 @@ impl<B: ProxyBackend> Observer<'_, B> {
                 .pools
                 .facts(key, subject.provider_name, phase, self.budgets, replacing_soon),
             recycle_requested,
+        }
+    }
+
+    /// After a restart this process does not know what a running instance was given: it asks
+    /// the provider, so that credentials are given again (and the trail says so) only if they
+    /// changed meanwhile. A provider that cannot tell gets them again, once.
+    async fn learn_running_credentials(
+        &self,
+        provider: &SharedProvider,
+        subject: &Subject<'_>,
+        desired: Option<&Credentials>,
+    ) {
+        if self.credentials.known(subject.key) {
+            return;
+        }
+        match provider.check_credentials(subject.instance, desired).await {
+            Ok(CredentialsCheck::Accepts) => self.credentials.set_running(subject.key, desired.cloned()),
+            Ok(CredentialsCheck::Differs | CredentialsCheck::CannotTell) => {}
+            Err(err) => {
+                debug!(proxy = %subject.key, error = %err, "cannot tell which credentials the instance accepts: giving them again");
+            }
         }
     }
 }

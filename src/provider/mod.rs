@@ -441,6 +441,19 @@ pub trait Provider: Send + Sync {
         Ok(CredentialsUpdate::Unsupported)
     }
 
+    /// Whether the running instance `name` accepts exactly `credentials` (`None`: it asks for
+    /// none), for a provider that [updates them in place](Provider::updates_credentials_in_place).
+    /// Asked when this process does not know what the instance was given (after a restart), so
+    /// that a restart gives it only credentials that changed meanwhile, and says so only then.
+    /// [`CredentialsCheck::CannotTell`] (the default): the engine gives them again, once.
+    async fn check_credentials(
+        &self,
+        _name: &str,
+        _credentials: Option<&Credentials>,
+    ) -> Result<CredentialsCheck, ProviderError> {
+        Ok(CredentialsCheck::CannotTell)
+    }
+
     /// What this provider's own process supervision has done for the instance named `name`
     /// (restarts of a dead process); `None` for backends without one (the default).
     fn supervision_of(&self, _name: &str) -> Option<local::SupervisionStatus> {
@@ -461,6 +474,17 @@ pub enum CredentialsUpdate {
     /// The backend cannot change a running instance's credentials (or whether it requires any):
     /// only a new instance can carry them.
     Unsupported,
+}
+
+/// What [`Provider::check_credentials`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CredentialsCheck {
+    /// The running instance accepts exactly these credentials (or none, and asks for none).
+    Accepts,
+    /// It runs other credentials, or requires some where none are wanted (or the reverse).
+    Differs,
+    /// The backend cannot tell.
+    CannotTell,
 }
 
 /// A shared provider handle.

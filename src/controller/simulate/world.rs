@@ -19,8 +19,8 @@ use crate::{
     lease::{DrainStatus, LeaseControl, LeaseTarget},
     machine::{AuditEntry, Phase},
     provider::{
-        Credentials, CredentialsUpdate, Endpoint, Installation, Instance, InstanceRequest, InstanceState,
-        ProbeReport, Provider, ProviderError, ProviderId, UserData,
+        Credentials, CredentialsCheck, CredentialsUpdate, Endpoint, Installation, Instance, InstanceRequest,
+        InstanceState, ProbeReport, Provider, ProviderError, ProviderId, UserData,
     },
 };
 
@@ -47,6 +47,8 @@ pub(super) const USER_DATA: &str = "#cloud-config";
 struct SimInstance {
     spec: String,
     running: bool,
+    /// The password it accepts (the Secret's label it was last given).
+    password: String,
 }
 
 #[derive(Debug)]
@@ -136,7 +138,12 @@ impl World {
         let mut w = self.lock();
         w.leases = leases;
         if let Some(spec) = spec_hash {
-            w.instance = Some(SimInstance { spec, running: true });
+            let password = w.credentials.clone();
+            w.instance = Some(SimInstance {
+                spec,
+                running: true,
+                password,
+            });
         }
         match phase {
             Phase::Healthy => w.health = Verdict::Passing,
@@ -473,15 +480,31 @@ impl Provider for SimProvider {
     async fn update_credentials(
         &self,
         _: &str,
-        _: Option<&Credentials>,
+        credentials: Option<&Credentials>,
     ) -> Result<CredentialsUpdate, ProviderError> {
         if let Some(err) = self.0.fail("update_credentials") {
             return Err(err);
         }
-        Ok(if self.0.lock().credentials_in_place {
-            CredentialsUpdate::Applied
-        } else {
-            CredentialsUpdate::Unsupported
+        let mut w = self.0.lock();
+        if !w.credentials_in_place {
+            return Ok(CredentialsUpdate::Unsupported);
+        }
+        if let Some(instance) = &mut w.instance {
+            instance.password = credentials.map(|c| c.password.clone()).unwrap_or_default();
+        }
+        Ok(CredentialsUpdate::Applied)
+    }
+    async fn check_credentials(
+        &self,
+        _: &str,
+        credentials: Option<&Credentials>,
+    ) -> Result<CredentialsCheck, ProviderError> {
+        let w = self.0.lock();
+        let wanted = credentials.map_or("", |c| c.password.as_str());
+        Ok(match &w.instance {
+            Some(instance) if instance.password == wanted => CredentialsCheck::Accepts,
+            Some(_) => CredentialsCheck::Differs,
+            None => return Err(ProviderError::NotFound(INSTANCE.to_owned())),
         })
     }
     async fn create(&self, request: &InstanceRequest) -> Result<Instance, ProviderError> {
@@ -497,6 +520,11 @@ impl Provider for SimProvider {
         let instance = w.instance.get_or_insert_with(|| SimInstance {
             spec: request.spec_hash.clone(),
             running: !slow,
+            password: request
+                .credentials
+                .as_ref()
+                .map(|c| c.password.clone())
+                .unwrap_or_default(),
         });
         Ok(Self::instance(instance))
     }

@@ -52,8 +52,8 @@ use self::{
     config::SquidUser, state::OwnerRecord, supervisor::Supervision, table::remove_stale_temp_folders,
 };
 use super::{
-    Credentials, CredentialsUpdate, Installation, Instance, InstanceRequest, InstanceState, ProbeReport,
-    Provider, ProviderError,
+    Credentials, CredentialsCheck, CredentialsUpdate, Installation, Instance, InstanceRequest, InstanceState,
+    ProbeReport, Provider, ProviderError,
     locks::NameLocks,
     squid::{self, Prepared},
 };
@@ -342,18 +342,8 @@ impl Provider for LocalProvider {
         credentials: Option<&Credentials>,
     ) -> Result<CredentialsUpdate, ProviderError> {
         let inner = &self.inner;
-        if !is_dns_label(name) {
-            return Err(ProviderError::NotFound(name.to_owned()));
-        }
         let _guard = inner.locks.lock(name).await;
-        let dir = inner.dir(name);
-        if !dir.is_ours() || inner.is_foreign(&dir) {
-            return Err(ProviderError::NotFound(name.to_owned()));
-        }
-        let record: OwnerRecord = state::read_json(&dir.owner_file()).map_err(|err| match err.kind() {
-            io::ErrorKind::NotFound => ProviderError::NotFound(name.to_owned()),
-            _ => ProviderError::Backend(format!("cannot read the owner record of {name}: {err}")),
-        })?;
+        let (dir, record) = inner.owned_folder(name)?;
         let Some(credentials) = credentials else {
             return Ok(if record.authenticated {
                 CredentialsUpdate::Unsupported
@@ -376,6 +366,33 @@ impl Provider for LocalProvider {
         }
         tracing::info!(instance = %inner.instance, name, "proxy credentials updated in place");
         Ok(CredentialsUpdate::Applied)
+    }
+
+    /// Reads what the instance's folder says: whether its `squid.conf` asks for credentials
+    /// (the owner record) and, if so, whether the password file's hash takes `credentials`.
+    async fn check_credentials(
+        &self,
+        name: &str,
+        credentials: Option<&Credentials>,
+    ) -> Result<CredentialsCheck, ProviderError> {
+        let inner = &self.inner;
+        let _guard = inner.locks.lock(name).await;
+        let (dir, record) = inner.owned_folder(name)?;
+        let accepts = match (credentials, record.authenticated) {
+            (None, authenticated) => !authenticated,
+            (Some(_), false) => false,
+            (Some(credentials), true) => {
+                let line = fs::read_to_string(dir.passwords_file()).map_err(|err| {
+                    ProviderError::Backend(format!("cannot read the password file of {name}: {err}"))
+                })?;
+                squid::password_line_accepts(&line, credentials)
+            }
+        };
+        Ok(if accepts {
+            CredentialsCheck::Accepts
+        } else {
+            CredentialsCheck::Differs
+        })
     }
 
     fn supervision_of(&self, name: &str) -> Option<SupervisionStatus> {

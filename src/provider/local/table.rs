@@ -54,6 +54,25 @@ impl Inner {
             .refuse_foreign(name, self.stamped_installation(dir).as_ref())
     }
 
+    /// The folder of this installation's instance `name` and its owner record, for a call on a
+    /// running instance (the caller holds the name's lock): `NotFound` for a name no instance
+    /// can have, a folder that is not ours or another installation's.
+    pub(super) fn owned_folder(&self, name: &str) -> Result<(InstanceDir, OwnerRecord), ProviderError> {
+        let not_found = || ProviderError::NotFound(name.to_owned());
+        if !is_dns_label(name) {
+            return Err(not_found());
+        }
+        let dir = self.dir(name);
+        if !dir.is_ours() || self.is_foreign(&dir) {
+            return Err(not_found());
+        }
+        let record = state::read_json(&dir.owner_file()).map_err(|err| match err.kind() {
+            io::ErrorKind::NotFound => not_found(),
+            _ => ProviderError::Backend(format!("cannot read the owner record of {name}: {err}")),
+        })?;
+        Ok((dir, record))
+    }
+
     /// Folder names that are instances made by this provider (they hold an owner record or a
     /// config); temporary and foreign folders are skipped.
     pub(super) fn instance_names(&self) -> Result<Vec<String>, ProviderError> {

@@ -19,7 +19,7 @@ use std::{
     path::Path,
 };
 
-use sha_crypt::{PasswordHasher, ShaCrypt};
+use sha_crypt::{PasswordHasher, PasswordVerifier, ShaCrypt};
 
 use super::{Credentials, InstanceRequest, ProviderError};
 
@@ -136,6 +136,19 @@ pub fn password_line(credentials: &Credentials) -> Result<String, SquidError> {
         .hash_password_with_salt(credentials.password.as_bytes(), &salt)
         .map_err(|err| SquidError::Hash(err.to_string()))?;
     Ok(format!("{}:{hash}\n", credentials.username))
+}
+
+/// Whether the password file's `line` ([`password_line`]'s format) takes `credentials`: the
+/// same user name, and a hash of the same password.
+pub fn password_line_accepts(line: &str, credentials: &Credentials) -> bool {
+    line.trim_end_matches('\n')
+        .split_once(':')
+        .is_some_and(|(user, hash)| {
+            user == credentials.username
+                && ShaCrypt::SHA512
+                    .verify_password(credentials.password.as_bytes(), hash)
+                    .is_ok()
+        })
 }
 
 /// What a request asks of Squid, checked: every provider makes this before it writes anything.

@@ -225,6 +225,28 @@ fn password_lines_are_sha512_crypt_and_verify() {
     );
 }
 
+#[test]
+fn a_password_line_accepts_only_its_own_user_and_password() {
+    let line = password_line(&credentials("crawler", "s3cret: with spaces")).expect("valid");
+    assert!(password_line_accepts(
+        &line,
+        &credentials("crawler", "s3cret: with spaces")
+    ));
+    assert!(!password_line_accepts(&line, &credentials("crawler", "s3cret")));
+    assert!(!password_line_accepts(
+        &line,
+        &credentials("crawler2", "s3cret: with spaces")
+    ));
+    assert!(!password_line_accepts(
+        "",
+        &credentials("crawler", "s3cret: with spaces")
+    ));
+    assert!(!password_line_accepts(
+        "crawler:not-a-hash\n",
+        &credentials("crawler", "not-a-hash")
+    ));
+}
+
 /// What `basic_ncsa_auth` answers (OK or ERR) to each `user password` line, over `file`.
 fn helper_answers(file: &str, requests: &str) -> Vec<String> {
     let helper = Path::new(debian::AUTH_HELPER);
