@@ -25,8 +25,8 @@ use async_trait::async_trait;
 use egress_proxies_operator::{
     config::{KubernetesSettings, ServiceType},
     provider::{
-        Credentials, Endpoint, Installation, InstanceRequest, InstanceState, Owner, Provider, ProviderError,
-        kubernetes::KubernetesProvider,
+        Credentials, CredentialsCheck, Endpoint, Installation, InstanceRequest, InstanceState, Owner,
+        Provider, ProviderError, kubernetes::KubernetesProvider,
     },
 };
 use serde_json::{Value, json};
@@ -326,6 +326,17 @@ async fn the_config_map_holds_a_squid_conf_for_the_proxy_port() {
     assert!(conf.lines().any(|l| l == "http_port 8123"), "{conf}");
     assert!(conf.lines().any(|l| l == "http_access allow all"), "{conf}");
     assert!(!conf.contains("auth_param"), "{conf}");
+    // What a restarted operator asks before it trusts the Proxy's credentials: none wanted.
+    let wanted = Credentials {
+        username: "crawler".to_owned(),
+        password: "added-later".to_owned(),
+    };
+    let check = |credentials| provider.check_credentials(&request.name, credentials);
+    assert_eq!(check(None).await.expect("checked"), CredentialsCheck::Accepts);
+    assert_eq!(
+        check(Some(&wanted)).await.expect("checked"),
+        CredentialsCheck::Differs
+    );
     provider.delete(&request.name).await.expect("delete");
 }
 
@@ -364,6 +375,22 @@ async fn credentials_go_to_a_secret_as_a_hash_never_to_the_config_map() {
     let pod = backend.object("pods", &request.name).await.expect("pod");
     let mounts = pod["spec"]["containers"][0]["volumeMounts"].to_string();
     assert!(mounts.contains("/etc/squid/passwd"), "{mounts}");
+
+    // What a restarted operator asks before it trusts the Proxy's credentials.
+    let check = |credentials| provider.check_credentials(&request.name, credentials);
+    assert_eq!(
+        check(request.credentials.as_ref()).await.expect("checked"),
+        CredentialsCheck::Accepts
+    );
+    let rotated = Credentials {
+        username: "crawler".to_owned(),
+        password: "rotated-while-down".to_owned(),
+    };
+    assert_eq!(
+        check(Some(&rotated)).await.expect("checked"),
+        CredentialsCheck::Differs
+    );
+    assert_eq!(check(None).await.expect("checked"), CredentialsCheck::Differs);
 
     provider.delete(&request.name).await.expect("delete");
     assert!(

@@ -662,103 +662,97 @@ fn credentials_secret(name: &str, password: &str) -> String {
     )
 }
 
-/// With the real `local` provider (it gives running Squids new credentials in place), a
-/// restart says only what changed while the operator was down: a proxy without credentials and
-/// one whose Secret stayed the same get no audit line and no rewritten password file; the one
-/// whose Secret was rotated meanwhile gets its new password, and says so.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restart_tells_only_the_credentials_changes_that_happened() {
-    use std::os::unix::fs::PermissionsExt;
+/// A runner on the real `local` provider (Squid) in a temporary folder, with scripted health
+/// and leases; kills the Squids started from the folder when dropped.
+struct LocalHost {
+    _squids: KillSquidsUnder,
+    dir: tempfile::TempDir,
+    manifests: PathBuf,
+    state: PathBuf,
+    health: Arc<ScriptedHealth>,
+    leases: Arc<ScriptedLeases>,
+}
 
-    let dir = tempfile::Builder::new()
-        .prefix("epo-restart-")
-        .tempdir()
-        .expect("temp dir");
-    // Squid (dropping to its own user when run as root) must reach its instance folders.
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let _squids = KillSquidsUnder(dir.path().to_owned());
-    let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
-    std::fs::create_dir_all(&manifests).expect("mkdir");
-    let port = || u32::from(free_port());
-    std::fs::write(manifests.join("open.yaml"), manifest("open", port())).expect("write");
-    std::fs::write(
-        manifests.join("same.yaml"),
-        manifest_with_auth("same", port(), "same-auth"),
-    )
-    .expect("write");
-    std::fs::write(
-        manifests.join("rotated.yaml"),
-        manifest_with_auth("rotated", port(), "rotated-auth"),
-    )
-    .expect("write");
-    std::fs::write(
-        manifests.join("same-auth.yaml"),
-        credentials_secret("same-auth", "first-1"),
-    )
-    .expect("write");
-    let rotated_secret = manifests.join("rotated-auth.yaml");
-    std::fs::write(&rotated_secret, credentials_secret("rotated-auth", "first-2")).expect("write");
-    let keys = ["open", "same", "rotated"].map(|name| key("default", name));
-    let settings = LocalSettings {
-        start_timeout_seconds: 10,
-        stop_timeout_seconds: 5,
-        ..LocalSettings::new(dir.path().join("local"))
-    };
-    let (health, leases) = (ScriptedHealth::new(), ScriptedLeases::new());
-    let open = || {
+impl LocalHost {
+    fn new() -> Self {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::Builder::new()
+            .prefix("epo-runner-")
+            .tempdir()
+            .expect("temp dir");
+        // Squid (dropping to its own user when run as root) must reach its instance folders.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
+        std::fs::create_dir_all(&manifests).expect("mkdir");
+        Self {
+            _squids: KillSquidsUnder(dir.path().to_owned()),
+            dir,
+            manifests,
+            state,
+            health: ScriptedHealth::new(),
+            leases: ScriptedLeases::new(),
+        }
+    }
+
+    fn write(&self, file: &str, content: &str) {
+        std::fs::write(self.manifests.join(file), content).expect("write");
+    }
+
+    /// A runner as a new operator process opens it: a new provider, nothing known in memory.
+    fn open(&self) -> Standalone {
+        let settings = LocalSettings {
+            start_timeout_seconds: 10,
+            stop_timeout_seconds: 5,
+            ..LocalSettings::new(self.dir.path().join("local"))
+        };
         let mut providers = ProviderRegistry::new();
-        providers.insert(Arc::new(
-            LocalProvider::new("local", settings.clone()).expect("settings"),
-        ));
+        providers.insert(Arc::new(LocalProvider::new("local", settings).expect("settings")));
         Standalone::open(
-            &manifests,
-            &state,
+            &self.manifests,
+            &self.state,
             StandaloneDeps {
                 providers,
-                leases: leases.clone(),
-                health: health.clone(),
+                leases: self.leases.clone(),
+                health: self.health.clone(),
                 availability: ProviderAvailability::default(),
                 reconciler: ReconcilerConfig::default(),
             },
         )
         .expect("opens")
-    };
-    let password_file = |name: &str| {
-        let instances = std::fs::read_dir(dir.path().join("local")).expect("local state");
-        let folder = instances
+    }
+
+    /// The instance folder of the Proxy `name` (in namespace `default`).
+    fn instance_folder(&self, name: &str) -> PathBuf {
+        std::fs::read_dir(self.dir.path().join("local"))
+            .expect("local state")
             .flatten()
             .find(|e| {
                 e.file_name()
                     .to_string_lossy()
                     .starts_with(&format!("epo-default-{name}-"))
             })
-            .expect("instance folder");
-        std::fs::read(folder.path().join("passwords")).expect("password file")
-    };
-
-    let mut runner = open();
-    for k in &keys {
-        health.set(k, Verdict::Passing);
+            .expect("instance folder")
+            .path()
     }
-    step_until(&mut runner, || {
-        keys.iter()
-            .all(|k| phase(&state, k).as_deref() == Some("healthy"))
-    })
-    .await;
-    let trail_length = |k: &ProxyKey| Store::read_only(&state).unwrap().audit(k).unwrap().len();
-    let before = keys.clone().map(|k| trail_length(&k));
-    let (same_file, rotated_file) = (password_file("same"), password_file("rotated"));
 
-    // Down: the operator stops (the Squids run on) and one Secret is rotated meanwhile.
-    drop(runner);
-    std::fs::write(&rotated_secret, credentials_secret("rotated-auth", "second-2")).expect("rotate");
-    let mut runner = open();
-    // One round reconciles every Proxy the state holds.
-    runner.step().await;
+    /// Opens a runner and steps until every one of `keys` is healthy (health passing).
+    async fn healthy(&self, keys: &[ProxyKey]) -> Standalone {
+        let mut runner = self.open();
+        for k in keys {
+            self.health.set(k, Verdict::Passing);
+        }
+        step_until(&mut runner, || {
+            keys.iter()
+                .all(|k| phase(&self.state, k).as_deref() == Some("healthy"))
+        })
+        .await;
+        runner
+    }
 
-    let since_restart = |i: usize| -> Vec<String> {
-        let trail = Store::read_only(&state).unwrap().audit(&keys[i]).unwrap();
-        trail[before[i]..]
+    /// The audit trail of `key`, as `reason (cause)`, from its `from`th entry on.
+    fn trail_from(&self, key: &ProxyKey, from: usize) -> Vec<String> {
+        let trail = Store::read_only(&self.state).unwrap().audit(key).unwrap();
+        trail[from.min(trail.len())..]
             .iter()
             .map(|line| {
                 format!(
@@ -768,14 +762,57 @@ async fn a_restart_tells_only_the_credentials_changes_that_happened() {
                 )
             })
             .collect()
-    };
+    }
+
+    fn trail_length(&self, key: &ProxyKey) -> usize {
+        Store::read_only(&self.state).unwrap().audit(key).unwrap().len()
+    }
+}
+
+/// With the real `local` provider (it gives running Squids new credentials in place), a
+/// restart says only what changed while the operator was down: a proxy without credentials and
+/// one whose Secret stayed the same get no audit line and no rewritten password file; the one
+/// whose Secret was rotated meanwhile gets its new password, and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_tells_only_the_credentials_changes_that_happened() {
+    let host = LocalHost::new();
+    let port = || u32::from(free_port());
+    host.write("open.yaml", &manifest("open", port()));
+    host.write("same.yaml", &manifest_with_auth("same", port(), "same-auth"));
+    host.write(
+        "rotated.yaml",
+        &manifest_with_auth("rotated", port(), "rotated-auth"),
+    );
+    host.write("same-auth.yaml", &credentials_secret("same-auth", "first-1"));
+    host.write(
+        "rotated-auth.yaml",
+        &credentials_secret("rotated-auth", "first-2"),
+    );
+    let keys = ["open", "same", "rotated"].map(|name| key("default", name));
+    let password_file =
+        |name: &str| std::fs::read(host.instance_folder(name).join("passwords")).expect("password file");
+
+    let runner = host.healthy(&keys).await;
+    let before = keys.clone().map(|k| host.trail_length(&k));
+    let (same_file, rotated_file) = (password_file("same"), password_file("rotated"));
+
+    // Down: the operator stops (the Squids run on) and one Secret is rotated meanwhile.
+    drop(runner);
+    host.write(
+        "rotated-auth.yaml",
+        &credentials_secret("rotated-auth", "second-2"),
+    );
+    let mut runner = host.open();
+    // One round reconciles every Proxy the state holds.
+    runner.step().await;
+
     assert_eq!(
-        since_restart(0),
+        host.trail_from(&keys[0], before[0]),
         Vec::<String>::new(),
         "nothing changed for the proxy without credentials"
     );
     assert_eq!(
-        since_restart(1),
+        host.trail_from(&keys[1], before[1]),
         Vec::<String>::new(),
         "nothing changed for the proxy whose Secret stayed"
     );
@@ -785,9 +822,9 @@ async fn a_restart_tells_only_the_credentials_changes_that_happened() {
         "an unchanged password file is left as it was"
     );
     assert_eq!(
-        since_restart(2),
+        host.trail_from(&keys[2], before[2]),
         [
-            "CredentialsUpdated (the instance accepts the Secret's credentials, given at the first look since the operator started)"
+            "CredentialsUpdated (the instance ran other credentials than the Secret's (changed while the operator was down); it accepts the Secret's now)"
         ],
         "the rotation while down is applied and told"
     );
@@ -797,6 +834,48 @@ async fn a_restart_tells_only_the_credentials_changes_that_happened() {
         "the rotated password reached Squid's file"
     );
     for k in &keys {
-        assert_eq!(phase(&state, k).as_deref(), Some("healthy"));
+        assert_eq!(phase(&host.state, k).as_deref(), Some("healthy"));
     }
+}
+
+/// Authentication removed from a local proxy's manifest while the operator was down: its Squid
+/// still asks for credentials, and only a new instance can stop asking, so the restart replaces
+/// it. (It used to assume the instance ran what the manifest said: leases handed out no
+/// credentials to a Squid that required them, and every request through it got a 407.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authentication_removed_while_the_operator_was_down_replaces_the_instance() {
+    let host = LocalHost::new();
+    let port = u32::from(free_port());
+    host.write(
+        "guarded.yaml",
+        &manifest_with_auth("guarded", port, "guarded-auth"),
+    );
+    host.write("guarded-auth.yaml", &credentials_secret("guarded-auth", "first"));
+    let guarded = key("default", "guarded");
+    let runner = host.healthy(std::slice::from_ref(&guarded)).await;
+    assert!(host.instance_folder("guarded").join("passwords").exists());
+    let before = host.trail_length(&guarded);
+
+    drop(runner);
+    host.write("guarded.yaml", &manifest("guarded", port));
+    let mut runner = host.open();
+    let reasons = || -> Vec<String> {
+        host.trail_from(&guarded, before)
+            .iter()
+            .map(|line| line.split(' ').next().unwrap_or_default().to_owned())
+            .collect()
+    };
+    step_until(&mut runner, || reasons().contains(&"InstanceCreated".to_owned())).await;
+    assert_eq!(
+        reasons()[..3],
+        ["SpecChanged", "Recreating", "InstanceCreated"],
+        "replaced"
+    );
+    let folder = host.instance_folder("guarded");
+    assert!(
+        !folder.join("passwords").exists(),
+        "the new Squid asks for no credentials"
+    );
+    let conf = std::fs::read_to_string(folder.join("squid.conf")).expect("squid.conf");
+    assert!(!conf.contains("auth_param"), "{conf}");
 }

@@ -6,13 +6,15 @@
 //! these — the discovery API hands out new credentials only once the instance accepts them —
 //! and the fact `credentials_changed` compares them with the Secret's. An instance whose
 //! provider cannot update them in place is marked for replacement (`spec_changed`), which goes
-//! through the pool's budget like any spec change. After a restart nothing is known: for a
-//! provider that updates in place the first reconcile asks it whether the instance accepts the
-//! Secret's credentials ([`crate::provider::Provider::check_credentials`]) and gives them only
-//! if not (or if it cannot tell: the update is idempotent).
+//! through the pool's budget like any spec change. After a restart nothing is known: the first
+//! reconcile asks the provider whether the instance accepts the Secret's credentials
+//! ([`crate::provider::Provider::check_credentials`]). If it does, nothing happens; if not, they
+//! are given in place or the instance is replaced; if the provider cannot tell, one that updates
+//! in place gives them again (idempotent), and for one that cannot the instance is assumed to
+//! run them.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{Mutex, MutexGuard},
 };
 
@@ -32,6 +34,9 @@ struct Applied {
 #[derive(Debug, Default)]
 pub struct CredentialsBook {
     applied: Mutex<HashMap<ProxyKey, Applied>>,
+    /// Not known, but not the Secret's: after a restart the provider found these instances on
+    /// other credentials (which it cannot name).
+    found_different: Mutex<HashSet<ProxyKey>>,
 }
 
 impl CredentialsBook {
@@ -39,8 +44,10 @@ impl CredentialsBook {
         crate::sync::lock(&self.applied)
     }
 
-    /// The instance of `key` accepts `credentials` (a create or an update gave them).
+    /// The instance of `key` accepts `credentials` (a create or an update gave them, or the
+    /// provider confirmed it).
     pub fn set_running(&self, key: &ProxyKey, credentials: Option<Credentials>) {
+        crate::sync::lock(&self.found_different).remove(key);
         self.lock().insert(
             key.clone(),
             Applied {
@@ -75,8 +82,21 @@ impl CredentialsBook {
             .is_some_and(|failed| failed.as_ref() != desired)
     }
 
+    /// The provider found the instance of `key`, not known yet, on other credentials than the
+    /// Secret's: if it cannot give them in place, only a new instance can.
+    pub fn found_different(&self, key: &ProxyKey) {
+        crate::sync::lock(&self.found_different).insert(key.clone());
+    }
+
+    /// Whether the provider found the instance of `key` on other credentials (and nothing has
+    /// given it any since).
+    pub fn was_found_different(&self, key: &ProxyKey) -> bool {
+        crate::sync::lock(&self.found_different).contains(key)
+    }
+
     /// The instance of `key` is gone.
     pub fn forget(&self, key: &ProxyKey) {
+        crate::sync::lock(&self.found_different).remove(key);
         self.lock().remove(key);
     }
 
@@ -98,14 +118,28 @@ impl CredentialsBook {
     /// changed while the instance was not given them and no replacement waits for them;
     /// a replacement is needed when the provider said only a new instance can carry them.
     ///
-    /// Still unknown (after a restart, the provider could not tell which the instance accepts):
-    /// a provider that updates `in_place` is asked to apply them once (idempotent); for one that
-    /// cannot, the instance is assumed to run them (replacing every
+    /// Unknown (after a restart): a provider that updates `in_place` is asked to apply them (once,
+    /// idempotent, if it could not tell which the instance accepts); one that cannot update them
+    /// in place replaces an instance it [found on other credentials](Self::found_different); for
+    /// one that could not tell, the instance is assumed to run them (replacing every
     /// such instance on every start would be worse), and later rotations are compared with that.
     pub fn compare(&self, key: &ProxyKey, desired: Option<&Credentials>, in_place: bool) -> (bool, bool) {
+        let found_different = self.was_found_different(key);
         let mut applied = self.lock();
         match applied.get(key) {
             None if in_place => (true, false),
+            // Found on other credentials, and only a new instance can carry the Secret's.
+            None if found_different => {
+                applied.insert(
+                    key.clone(),
+                    Applied {
+                        running: desired.cloned(),
+                        replace_for: Some(desired.cloned()),
+                        failed_for: None,
+                    },
+                );
+                (false, true)
+            }
             None => {
                 applied.insert(
                     key.clone(),

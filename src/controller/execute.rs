@@ -279,21 +279,24 @@ impl<B: ProxyBackend> Executors<'_, B> {
         };
         let desired = resolved.credentials.clone();
         let known = self.credentials.known(cx.key);
+        // Unknown only at the first look since this process started, when the provider found
+        // the instance on other credentials, or could not tell.
+        let found_different = !known && self.credentials.was_found_different(cx.key);
         match provider.update_credentials(cx.instance, desired.as_ref()).await {
             Ok(CredentialsUpdate::Applied) => {
                 self.credentials.set_running(cx.key, desired);
-                // Unknown only at the first look since this process started, when the provider
-                // found the instance on other credentials or could not tell.
                 let cause = if known {
                     "the instance accepts the new credentials"
+                } else if found_different {
+                    "the instance ran other credentials than the Secret's (changed while the operator was down); it accepts the Secret's now"
                 } else {
-                    "the instance accepts the Secret's credentials, given at the first look since the operator started"
+                    "the instance accepts the Secret's credentials, given again since the operator started (the provider could not tell which it accepted)"
                 };
                 vec![Occurrence::new(Event::CredentialsUpdated, cause)]
             }
-            // After a restart this process does not know what the instance runs: it keeps what
-            // it has (the old behaviour) rather than replace every such instance on every start.
-            Ok(CredentialsUpdate::Unsupported) if !known => {
+            // After a restart a provider that could not tell what the instance runs is assumed
+            // to run the Secret's: replacing every such instance on every start would be worse.
+            Ok(CredentialsUpdate::Unsupported) if !known && !found_different => {
                 self.credentials.set_running(cx.key, desired);
                 Vec::new()
             }

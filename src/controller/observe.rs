@@ -145,9 +145,8 @@ impl<B: ProxyBackend> Observer<'_, B> {
         // Compared only against a spec that resolves: an unreadable Secret says nothing about
         // which credentials are wanted.
         let in_place = subject.provider.is_some_and(|p| p.updates_credentials_in_place());
-        if in_place
-            && let (Some(provider), InstanceObservation::Present(_), Ok(resolved)) =
-                (subject.provider, &instance, resolved)
+        if let (Some(provider), InstanceObservation::Present(_), Ok(resolved)) =
+            (subject.provider, &instance, resolved)
         {
             self.learn_running_credentials(provider, subject, resolved.credentials.as_ref())
                 .await;
@@ -205,8 +204,8 @@ impl<B: ProxyBackend> Observer<'_, B> {
     }
 
     /// After a restart this process does not know what a running instance was given: it asks
-    /// the provider, so that credentials are given again (and the trail says so) only if they
-    /// changed meanwhile. A provider that cannot tell gets them again, once.
+    /// the provider, so that credentials are given (or the instance replaced), and the trail
+    /// says so, only if they changed meanwhile.
     async fn learn_running_credentials(
         &self,
         provider: &SharedProvider,
@@ -218,7 +217,8 @@ impl<B: ProxyBackend> Observer<'_, B> {
         }
         match provider.check_credentials(subject.instance, desired).await {
             Ok(CredentialsCheck::Accepts) => self.credentials.set_running(subject.key, desired.cloned()),
-            Ok(CredentialsCheck::Differs | CredentialsCheck::CannotTell) => {}
+            Ok(CredentialsCheck::Differs) => self.credentials.found_different(subject.key),
+            Ok(CredentialsCheck::CannotTell) => {}
             Err(err) => {
                 debug!(proxy = %subject.key, error = %err, "cannot tell which credentials the instance accepts: giving them again");
             }

@@ -442,10 +442,11 @@ pub trait Provider: Send + Sync {
     }
 
     /// Whether the running instance `name` accepts exactly `credentials` (`None`: it asks for
-    /// none), for a provider that [updates them in place](Provider::updates_credentials_in_place).
-    /// Asked when this process does not know what the instance was given (after a restart), so
-    /// that a restart gives it only credentials that changed meanwhile, and says so only then.
-    /// [`CredentialsCheck::CannotTell`] (the default): the engine gives them again, once.
+    /// none). Asked when this process does not know what the instance was given (after a
+    /// restart), so that only credentials changed meanwhile are given in place (or, where
+    /// [`Provider::update_credentials`] cannot, make a new instance), and said only then.
+    /// [`CredentialsCheck::CannotTell`] (the default): a provider that updates in place gives
+    /// them again, once; for one that cannot the instance is assumed to run them.
     async fn check_credentials(
         &self,
         _name: &str,

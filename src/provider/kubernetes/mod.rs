@@ -31,7 +31,10 @@ pub use self::objects::{
     MANAGED_BY, MANAGED_BY_LABEL, OWNER_NAME_ANNOTATION, OWNER_NAMESPACE_ANNOTATION, OWNER_UID_ANNOTATION,
     PROVIDER_INSTANCE_LABEL, SPEC_HASH_ANNOTATION,
 };
-use super::{Installation, Instance, InstanceRequest, ProbeReport, Provider, ProviderError};
+use super::{
+    Credentials, CredentialsCheck, Installation, Instance, InstanceRequest, ProbeReport, Provider,
+    ProviderError, squid,
+};
 use crate::config::{KubernetesSettings, ServiceType};
 
 /// Provider type name.
@@ -312,6 +315,31 @@ impl Provider for KubernetesProvider {
                 .await?;
         }
         self.get(name).await
+    }
+
+    /// Checks `credentials` against the hash in the instance's password Secret (which exists
+    /// only for an instance made with credentials): read-only, so that after a restart a
+    /// Secret rotated meanwhile replaces the Pod and an unchanged one leaves it be.
+    async fn check_credentials(
+        &self,
+        name: &str,
+        credentials: Option<&Credentials>,
+    ) -> Result<CredentialsCheck, ProviderError> {
+        let line = match self.call(Kind::Secret, "get", self.secrets.get(name)).await {
+            Ok(secret) if self.is_ours(&secret.metadata) => objects::password_line(&secret),
+            Ok(_) | Err(KubeFailure::NotFound) => None,
+            Err(other) => return Err(other.into_provider_error()),
+        };
+        let accepts = match (credentials, line) {
+            (None, None) => true,
+            (Some(credentials), Some(line)) => squid::password_line_accepts(&line, credentials),
+            (None, Some(_)) | (Some(_), None) => false,
+        };
+        Ok(if accepts {
+            CredentialsCheck::Accepts
+        } else {
+            CredentialsCheck::Differs
+        })
     }
 
     async fn delete(&self, name: &str) -> Result<(), ProviderError> {

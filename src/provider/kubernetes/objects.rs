@@ -61,6 +61,12 @@ pub(super) fn stamped_installation(meta: &ObjectMeta) -> Option<Installation> {
 const CONF_KEY: &str = "squid.conf";
 /// Key of the password file in the Secret.
 const PASSWD_KEY: &str = "passwd";
+/// The password file line `secret` (an instance's password Secret) holds, if any.
+pub(super) fn password_line(secret: &Secret) -> Option<String> {
+    let line = secret.data.as_ref()?.get(PASSWD_KEY)?;
+    String::from_utf8(line.0.clone()).ok()
+}
+
 /// Name of the Squid container and the Service port.
 const CONTAINER: &str = "squid";
 
