@@ -70,7 +70,7 @@ fn every_invalid_fixture_is_rejected_with_its_message() {
         let documents: Vec<serde_json::Value> = serde_norway::Deserializer::from_str(&text)
             .map(|doc| serde_json::Value::deserialize(doc).expect("fixture is YAML"))
             .collect();
-        let found: Vec<String> = match documents.as_slice() {
+        let mut found: Vec<String> = match documents.as_slice() {
             // One object: validated as a create.
             [_] => {
                 let mut report = Report::default();
@@ -100,6 +100,9 @@ fn every_invalid_fixture_is_rejected_with_its_message() {
                 other.len()
             ),
         };
+        // A structural error also says that the CEL rules were not run (as the server does;
+        // tests/check_real_server.rs compares that): the fixture names its one problem.
+        found.retain(|problem| !problem.contains("some validation rules were not checked"));
         if found != [expected] {
             failures.push(format!(
                 "{}:\n  expected: {expected}\n  found:    {found:?}",

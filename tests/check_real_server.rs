@@ -222,3 +222,74 @@ async fn the_real_server_and_check_refuse_the_same_fixtures_naming_the_same_fiel
         differences.join("\n")
     );
 }
+
+/// A manifest with several problems gets them all in one answer, from the server and from
+/// `check` alike: a bad name does not hide what the CEL rules find; a missing required field
+/// does (the server does not run the rules then), and both say that some rules were not checked.
+#[tokio::test]
+async fn several_problems_come_in_one_answer_as_the_server_gives_them() {
+    let plane = ControlPlane::start().await;
+    plane.install_crds().await;
+    let namespace = plane.namespace("several").await;
+    let client = plane.client().await;
+    let checker = Checker::new(None);
+    let proxy = |name: &str, spec: Value| {
+        serde_json::json!({
+            "apiVersion": "crawl.example.com/v1alpha1",
+            "kind": "Proxy",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": spec,
+        })
+    };
+    let rules_broken = serde_json::json!({
+        "provider": "local",
+        "lease": {"maxConcurrent": 0, "cooldownSeconds": -5},
+        "health": {"url": "ftp://example.com/", "failureThreshold": 0},
+    });
+    let mut required_missing = rules_broken.clone();
+    required_missing["auth"] = serde_json::json!({"secretRef": {}});
+    for (case, object) in [
+        ("a bad name and broken rules", proxy("Bad_Name", rules_broken)),
+        (
+            "a required field missing and broken rules",
+            proxy("fine", required_missing),
+        ),
+    ] {
+        let Answer::Refused { fields, message, .. } =
+            send(&client, "POST", &namespace, None, &object, true).await
+        else {
+            panic!("{case}: the server accepted it");
+        };
+        // `<nil>`: the field of the server's "some validation rules were not checked".
+        let mut server: Vec<String> = fields
+            .iter()
+            .filter(|f| *f != "<nil>")
+            .map(|f| f.split('[').next().unwrap_or(f).to_owned())
+            .collect();
+        server.sort();
+        server.dedup();
+        let mut report = Report::default();
+        checker.check_text(
+            "several.yaml",
+            &serde_norway::to_string(&object).unwrap(),
+            &mut report,
+        );
+        let problems: Vec<String> = report.problems.iter().map(|p| p.to_string()).collect();
+        let mut named: Vec<String> = problems
+            .iter()
+            .map(|p| p.rsplit("): ").next().unwrap_or(p))
+            .map(|p| check_field(p).split('[').next().unwrap_or_default().to_owned())
+            .filter(|f| f.contains('.'))
+            .collect();
+        named.sort();
+        named.dedup();
+        println!("{case}: server {server:?}: {message}\ncheck {problems:#?}");
+        assert_eq!(named, server, "{case}: the fields check names");
+        let not_checked = |text: &str| text.contains("some validation rules were not checked");
+        assert_eq!(
+            problems.iter().any(|p| not_checked(p)),
+            not_checked(&message),
+            "{case}: whether some rules were not checked"
+        );
+    }
+}

@@ -29,6 +29,9 @@ const OBJECT_META_FIELDS: [&str; 15] = [
     "selfLink",
 ];
 
+/// Said when a structural error keeps the CEL rules from running (the API server's words).
+const RULES_NOT_CHECKED: &str = "some validation rules were not checked because the object was invalid; correct the existing errors to complete validation";
+
 /// The compiled Proxy schema.
 pub struct ProxySchema {
     openapi: Value,
@@ -58,8 +61,10 @@ impl ProxySchema {
         }
     }
 
-    /// Every problem of `object` as `(field path, message)`; CEL rules run only on a
-    /// structurally valid object, as their inputs are otherwise meaningless.
+    /// Every problem of `object` as `(field path, message)`. As the API server does, the CEL
+    /// rules run unless a structural error makes their inputs meaningless (a missing required
+    /// field, a wrong type, a value not in its enum, a string, list or map too long); then a
+    /// problem says some rules were not checked.
     pub fn validate(&self, object: &Value) -> Vec<(String, String)> {
         self.validate_update(object, None)
     }
@@ -69,8 +74,19 @@ impl ProxySchema {
         let mut problems = Vec::new();
         unknown_fields(&self.openapi, object, "", &mut problems);
         check_metadata(object, &mut problems);
+        let mut blocking = false;
         for error in self.structural.iter_errors(object) {
             let path = dotted(error.instance_path().as_str());
+            blocking |= matches!(
+                error.kind(),
+                ValidationErrorKind::Required { .. }
+                    | ValidationErrorKind::Type { .. }
+                    | ValidationErrorKind::Enum { .. }
+                    | ValidationErrorKind::Constant { .. }
+                    | ValidationErrorKind::MaxLength { .. }
+                    | ValidationErrorKind::MaxItems { .. }
+                    | ValidationErrorKind::MaxProperties { .. }
+            );
             match error.kind() {
                 // Name the missing field itself, as the API server does.
                 ValidationErrorKind::Required { property } => {
@@ -80,7 +96,8 @@ impl ProxySchema {
                 _ => problems.push((path, error.to_string())),
             }
         }
-        if !problems.is_empty() {
+        if blocking {
+            problems.push((String::new(), RULES_NOT_CHECKED.to_owned()));
             return problems;
         }
         if let Err(errors) = self.cel.validate_compiled(&self.cel_rules, object, old) {
