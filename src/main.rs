@@ -582,7 +582,20 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 Some(proxy) => {
                     let (namespace, name) = proxy.split_once('/').unwrap_or(("default", proxy.as_str()));
                     let key = egress_proxies_operator::api::ProxyKey::new(namespace, name);
-                    print!("{}", status::render_audit(&store, &key)?);
+                    let Some(trail) = status::render_audit(&store, &key)? else {
+                        let known: Vec<String> =
+                            store.list()?.into_iter().map(|(k, _)| k.to_string()).collect();
+                        anyhow::bail!(
+                            "no proxy {key} in {} (it has: {}); name one as NAME or NAMESPACE/NAME",
+                            state.display(),
+                            if known.is_empty() {
+                                "none".to_owned()
+                            } else {
+                                known.join(", ")
+                            }
+                        );
+                    };
+                    print!("{trail}");
                 }
                 None => {
                     let checkpoint = state.join(standalone::mode::LEASE_CHECKPOINT_FILE);

@@ -178,6 +178,17 @@ async fn standalone_end_to_end_with_real_squid() {
         audit.contains("provisioning --health_passed--> healthy"),
         "{audit}"
     );
+    // A name the state folder never knew is an error that names the ones it knows.
+    let unknown = standalone::status_command(&host)
+        .args(["--audit", "nope"])
+        .output()
+        .expect("audit");
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    assert!(!unknown.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("no proxy default/nope in") && stderr.contains("default/a"),
+        "{stderr}"
+    );
 
     // Clean up through the operator itself: no manifests, no Squids.
     std::fs::remove_file(root.join("manifests/a.yaml")).expect("rm");

@@ -48,8 +48,9 @@ pub fn render_table(
     Ok(align(&rows))
 }
 
-/// The audit trail of `key`, one line per transition.
-pub fn render_audit(store: &ReadOnlyStore, key: &ProxyKey) -> Result<String, StoreError> {
+/// The audit trail of `key`, one line per transition (kept after the Proxy is deleted); `None`
+/// if the state folder has neither a trail nor a record of it.
+pub fn render_audit(store: &ReadOnlyStore, key: &ProxyKey) -> Result<Option<String>, StoreError> {
     let mut out = String::new();
     for line in store.audit(key)? {
         let entry = &line.entry;
@@ -69,9 +70,12 @@ pub fn render_audit(store: &ReadOnlyStore, key: &ProxyKey) -> Result<String, Sto
         );
     }
     if out.is_empty() {
-        out = format!("no audit trail for {key}\n");
+        if store.get(key)?.is_none() {
+            return Ok(None);
+        }
+        out = format!("no transition of {key} yet\n");
     }
-    Ok(out)
+    Ok(Some(out))
 }
 
 fn align(rows: &[[String; 7]]) -> String {
