@@ -273,4 +273,25 @@ async fn the_namespaced_install_runs_the_whole_lifecycle_with_its_role_alone() {
         .filter(|line| line.contains(" WARN ") && !line.contains("orphan GC is disabled"))
         .collect();
     assert!(warnings.is_empty(), "{warnings:#?}");
+    // And the log tells the lifecycle, each recorded transition with its detail, as standalone
+    // mode's does (Events expire; logs are where operators keep them).
+    let transitions: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(" INFO ") && line.contains(" transition ") && line.contains("/squid-1"))
+        .collect();
+    for expected in [
+        "pending --spec_observed--> provisioning",
+        "provisioning --health_passed--> healthy",
+        "healthy --deletion_requested [leases_active]--> deleting",
+        "--> deleted",
+    ] {
+        assert!(
+            transitions.iter().any(|line| line.contains(expected)),
+            "{expected}: {transitions:#?}"
+        );
+    }
+    assert!(
+        transitions.iter().any(|line| line.contains("detail=")),
+        "{transitions:#?}"
+    );
 }

@@ -125,6 +125,14 @@ impl<B: ProxyBackend> Executors<'_, B> {
                 Vec::new()
             }
             Planned::RecordEvent { message, .. } => {
+                // The log keeps the trail in both modes (cluster Events expire).
+                tracing::info!(
+                    proxy = %key,
+                    transition = %entry.arrow(),
+                    reason = %entry.reason,
+                    detail = %message,
+                    "transition"
+                );
                 if let Err(err) = self.backend.record(self.subject.proxy, entry, message).await {
                     // The audit trail in the cluster is best effort: the status is authoritative.
                     tracing::warn!(proxy = %key, error = %err, "recording an event failed");

@@ -132,7 +132,6 @@ impl ProxyBackend for StandaloneBackend {
 
     async fn record(&self, proxy: &Proxy, entry: &AuditEntry, message: &str) -> Result<(), BackendError> {
         let key = proxy.key();
-        info!(proxy = %key, transition = %entry.arrow(), reason = %entry.reason, "transition");
         self.progress.transition(&key, entry);
         self.store
             .append_audit(
