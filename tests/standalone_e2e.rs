@@ -627,3 +627,34 @@ async fn a_failing_verdict_says_why_in_the_log() {
     assert!(line.contains("last_error=") && line.contains("503"), "{line}");
     stop(operator);
 }
+
+/// A healthy proxy whose checks start failing says why in its audit trail (the Event's note in
+/// cluster mode): the last probe's error, not only that a threshold was crossed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_health_check_says_why_in_the_audit_trail() {
+    let origin = Origin::start().await;
+    let host = Host::new();
+    let port = free_port();
+    let a = host.dir.path().join("manifests/a.yaml");
+    std::fs::write(&a, manifest("a", port, &origin.http_url("/health"))).expect("a");
+    let operator = start_operator(&host, "operator.log");
+    wait_status(&host, "a healthy", |t| healthy_rows(t) == 1).await;
+    // The health check now asks for a page the origin answers with 500.
+    std::fs::write(&a, manifest("a", port, &origin.http_url("/status/500"))).expect("a");
+    let failed = support::wait_until(
+        Duration::from_secs(60),
+        "the health_failed transition",
+        async || {
+            standalone::audit_lines(&host, "a")
+                .into_iter()
+                .find(|line| line["event"] == "health_failed")
+        },
+    )
+    .await;
+    let message = failed["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("the last probe") && message.contains("500"),
+        "{failed}"
+    );
+    stop(operator);
+}

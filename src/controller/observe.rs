@@ -195,6 +195,7 @@ impl<B: ProxyBackend> Observer<'_, B> {
             provider_down,
             instance,
             health: self.health.verdict(key),
+            health_error: self.health.last_error(key),
             active_leases: self.leases.active(key),
             pool: self
                 .pools
@@ -314,6 +315,8 @@ pub struct Observation {
     pub instance: InstanceObservation,
     /// The health engine's verdict.
     pub health: HealthVerdict,
+    /// Why its last probe failed, if it did.
+    pub health_error: Option<String>,
     /// Leases held on the proxy.
     pub active_leases: usize,
     /// The pool's budget facts.
@@ -402,6 +405,10 @@ pub fn needs_instance(phase: Phase) -> bool {
 pub fn cause_of(event: Event, observation: &Observation, record: &Record, timers: &Timers) -> Option<String> {
     match event {
         Event::SpecInvalid => observation.desired_hash.as_ref().err().map(SpecProblem::text),
+        Event::HealthFailed => observation
+            .health_error
+            .as_ref()
+            .map(|error| format!("the failure threshold was crossed; the last probe: {error}")),
         Event::ProviderUnavailable => observation
             .provider_down
             .as_ref()

@@ -18,6 +18,10 @@ pub trait HealthControl: Send + Sync {
     fn remove(&self, key: &ProxyKey);
     /// The current verdict.
     fn verdict(&self, key: &ProxyKey) -> Verdict;
+    /// Why the last probe failed (`None` after a pass, or where nothing probes).
+    fn last_error(&self, _key: &ProxyKey) -> Option<String> {
+        None
+    }
 }
 
 /// A whole number of seconds from the API, at least one (a zero or negative interval would
@@ -63,5 +67,9 @@ impl HealthControl for HealthHandle {
 
     fn verdict(&self, key: &ProxyKey) -> Verdict {
         self.snapshot(key).map_or(Verdict::Unknown, |s| s.verdict)
+    }
+
+    fn last_error(&self, key: &ProxyKey) -> Option<String> {
+        self.snapshot(key)?.last_error
     }
 }
