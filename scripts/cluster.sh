@@ -34,7 +34,9 @@ export HOME_FOR_KWOK="$PWD/$state/home"
 
 pids=()
 cleanup() {
-    trap - INT TERM EXIT
+    # A second Ctrl-C must not cut the cleanup short (it would leave etcd or Squids running).
+    trap '' INT TERM
+    trap - EXIT
     echo
     echo "==> stopping"
     if [ -n "${operator_pid:-}" ] && kill -0 "$operator_pid" 2>/dev/null; then
@@ -48,9 +50,19 @@ cleanup() {
         kill -TERM "$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true
     done
+    # The local provider leaves its Squids running when the operator stops (a restarted one
+    # adopts them): those of Proxies not deleted above (the operator had exited) go here.
+    local squids="$PWD/$state/local/"
+    if pkill -TERM -f -- "$squids" 2>/dev/null; then
+        for _ in $(seq 50); do pgrep -f -- "$squids" >/dev/null || break; sleep 0.1; done
+        pkill -KILL -f -- "$squids" 2>/dev/null || true
+        echo "    stopped the Squids of Proxies that were not deleted"
+    fi
     echo "==> stopped; state kept in $state/"
 }
-trap cleanup INT TERM EXIT
+trap 'cleanup; exit 130' INT
+trap 'cleanup; exit 143' TERM
+trap cleanup EXIT
 
 # Each in a session of its own: Ctrl-C reaches this script alone, which then deletes the Proxies
 # while the operator still runs, and stops the rest in order.
@@ -195,4 +207,7 @@ cat <<HELP
   (kubectl here is any kubectl; the one built with the control plane is $assets/kubectl)
   Ctrl-C stops everything.
 HELP
-wait "$operator_pid"
+status=0
+wait "$operator_pid" || status=$?
+echo "==> the operator exited (status $status); its log: $state/logs/operator.log"
+exit "$status"
