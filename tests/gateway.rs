@@ -806,6 +806,19 @@ async fn bad_credentials_get_answers_that_say_what_to_fix() {
     stream.read_to_string(&mut raw).await.expect("read");
     assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
     assert!(raw.contains("absolute form"), "{raw}");
+    // Also without proxy credentials (a browser pointed at the gateway's address): the hint,
+    // not a login prompt that no password would get past.
+    let mut stream = TcpStream::connect(("127.0.0.1", setup.gateway))
+        .await
+        .expect("connect");
+    stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("send");
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).await.expect("read");
+    assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
+    assert!(raw.contains("absolute form"), "{raw}");
 
     // Nothing reached the origin, and nothing is leased.
     assert!(setup.origin.peers_of("/refused").is_empty());

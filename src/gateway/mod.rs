@@ -327,17 +327,19 @@ impl Gateway {
             refusal.retry_after = Some(Duration::from_secs(1));
             return Err(refusal);
         }
-        let who = self.authenticate(request.headers(), remembered).await?;
-        if request.method() == Method::CONNECT {
-            return self.tunnel(request, &who).await;
-        }
-        let uri = request.uri();
-        if uri.authority().is_none() {
+        // No proxy request at all (e.g. a browser pointed at this address): the hint comes
+        // before a login prompt that no password would get past.
+        if request.method() != Method::CONNECT && request.uri().authority().is_none() {
             return Err(Refusal::bad_request(
                 "the gateway is a forward proxy: send requests in absolute form (GET http://host/path), \
                  as a client configured with this proxy does (curl -x, HTTP_PROXY)",
             ));
         }
+        let who = self.authenticate(request.headers(), remembered).await?;
+        if request.method() == Method::CONNECT {
+            return self.tunnel(request, &who).await;
+        }
+        let uri = request.uri();
         if uri.scheme() != Some(&Scheme::HTTP) {
             return Err(Refusal::bad_request(
                 "only http:// URLs are forwarded as requests; https:// goes through a CONNECT tunnel",
