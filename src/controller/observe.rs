@@ -221,7 +221,7 @@ impl<B: ProxyBackend> Observer<'_, B> {
             Ok(CredentialsCheck::Differs) => self.credentials.found_different(subject.key),
             Ok(CredentialsCheck::CannotTell) => {}
             Err(err) => {
-                debug!(proxy = %subject.key, error = %err, "cannot tell which credentials the instance accepts: giving them again");
+                debug!(proxy = %subject.key, error = %err, "checking which credentials the instance accepts failed: as if the provider could not tell");
             }
         }
     }
