@@ -306,8 +306,9 @@ pub struct Observation {
     /// status's), compared under the encoding version it was written with, differs from the
     /// spec's ([`super::spec_hash::compare`]). An older encoding is never a change by itself.
     pub spec_changed: bool,
-    /// The Secret's proxy credentials differ from the ones this process gave the instance (or it
-    /// does not know them yet, after a restart).
+    /// The Secret's proxy credentials differ from the ones this process gave the instance (or,
+    /// after a restart, a provider that updates in place found it on others, or could not tell;
+    /// one that cannot update them raises `spec_changed` instead).
     pub credentials_changed: bool,
     /// Why the provider is unavailable, if it is.
     pub provider_down: Option<String>,
