@@ -128,28 +128,18 @@ impl CredentialsBook {
         let mut applied = self.lock();
         match applied.get(key) {
             None if in_place => (true, false),
-            // Found on other credentials, and only a new instance can carry the Secret's.
-            None if found_different => {
-                applied.insert(
-                    key.clone(),
-                    Applied {
-                        running: desired.cloned(),
-                        replace_for: Some(desired.cloned()),
-                        failed_for: None,
-                    },
-                );
-                (false, true)
-            }
+            // Assumed to run the Secret's, unless the provider found it on others: then only a
+            // new instance can carry them.
             None => {
                 applied.insert(
                     key.clone(),
                     Applied {
                         running: desired.cloned(),
-                        replace_for: None,
+                        replace_for: found_different.then(|| desired.cloned()),
                         failed_for: None,
                     },
                 );
-                (false, false)
+                (false, found_different)
             }
             Some(applied)
                 if applied
