@@ -791,38 +791,38 @@ async fn bad_credentials_get_answers_that_say_what_to_fix() {
     assert!(body.contains("give the holder"), "{body}");
 
     // An origin-form request is no proxy request.
-    let mut stream = TcpStream::connect(("127.0.0.1", setup.gateway))
-        .await
-        .expect("connect");
     let basic = basic_credentials(format!("crawler-4:{token}").as_bytes());
-    stream
-        .write_all(
-            format!("GET /x HTTP/1.1\r\nHost: a\r\nProxy-Authorization: Basic {basic}\r\nConnection: close\r\n\r\n")
-                .as_bytes(),
-        )
-        .await
-        .expect("send");
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).await.expect("read");
+    let raw = exchange(
+        setup.gateway,
+        &format!(
+            "GET /x HTTP/1.1\r\nHost: a\r\nProxy-Authorization: Basic {basic}\r\nConnection: close\r\n\r\n"
+        ),
+    )
+    .await;
     assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
     assert!(raw.contains("absolute form"), "{raw}");
     // Also without proxy credentials (a browser pointed at the gateway's address): the hint,
     // not a login prompt that no password would get past.
-    let mut stream = TcpStream::connect(("127.0.0.1", setup.gateway))
-        .await
-        .expect("connect");
-    stream
-        .write_all(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("send");
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).await.expect("read");
+    let raw = exchange(
+        setup.gateway,
+        "GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+    )
+    .await;
     assert!(raw.starts_with("HTTP/1.1 400"), "{raw}");
     assert!(raw.contains("absolute form"), "{raw}");
 
     // Nothing reached the origin, and nothing is leased.
     assert!(setup.origin.peers_of("/refused").is_empty());
     assert!(setup.leases().await.is_empty());
+}
+
+/// Sends `request` (whole, ending the connection) to the gateway on `port` and reads the answer.
+async fn exchange(port: u16, request: &str) -> String {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).await.expect("connect");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).await.expect("read");
+    raw
 }
 
 /// Sends `GET url` as `user` (password `token`) on a kept-alive connection and reads the answer

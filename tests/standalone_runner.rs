@@ -4,7 +4,12 @@
 //! test runs the real `local` provider: a restart tells only the credentials changes that
 //! happened.
 
+#[allow(dead_code)]
+#[macro_use]
 mod support {
+    #[macro_use]
+    pub mod contract;
+    pub mod local;
     pub mod ports;
     pub mod process;
     pub mod scripted;
@@ -17,15 +22,14 @@ use std::{
 
 use egress_proxies_operator::{
     api::ProxyKey,
-    config::LocalSettings,
     controller::{ProviderAvailability, ReconcilerConfig},
     health::Verdict,
     provider::{ProviderRegistry, local::LocalProvider, memory::MemoryProvider},
     standalone::{Standalone, StandaloneDeps, store::Store},
 };
 use support::{
+    local::StateDir,
     ports::free_port,
-    process::KillSquidsUnder,
     scripted::{ScriptedHealth, ScriptedLeases, key},
 };
 
@@ -662,11 +666,12 @@ fn credentials_secret(name: &str, password: &str) -> String {
     )
 }
 
-/// A runner on the real `local` provider (Squid) in a temporary folder, with scripted health
-/// and leases; kills the Squids started from the folder when dropped.
+/// A runner on the real `local` provider (Squid; its instances in a [`StateDir`], whose Squids
+/// are killed when it drops) over manifests in a temporary folder, with scripted health and
+/// leases.
 struct LocalHost {
-    _squids: KillSquidsUnder,
-    dir: tempfile::TempDir,
+    local: StateDir,
+    _dir: tempfile::TempDir,
     manifests: PathBuf,
     state: PathBuf,
     health: Arc<ScriptedHealth>,
@@ -675,18 +680,12 @@ struct LocalHost {
 
 impl LocalHost {
     fn new() -> Self {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::Builder::new()
-            .prefix("epo-runner-")
-            .tempdir()
-            .expect("temp dir");
-        // Squid (dropping to its own user when run as root) must reach its instance folders.
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let dir = tempfile::tempdir().expect("temp dir");
         let (manifests, state) = (dir.path().join("manifests"), dir.path().join("state"));
         std::fs::create_dir_all(&manifests).expect("mkdir");
         Self {
-            _squids: KillSquidsUnder(dir.path().to_owned()),
-            dir,
+            local: StateDir::new(),
+            _dir: dir,
             manifests,
             state,
             health: ScriptedHealth::new(),
@@ -700,13 +699,10 @@ impl LocalHost {
 
     /// A runner as a new operator process opens it: a new provider, nothing known in memory.
     fn open(&self) -> Standalone {
-        let settings = LocalSettings {
-            start_timeout_seconds: 10,
-            stop_timeout_seconds: 5,
-            ..LocalSettings::new(self.dir.path().join("local"))
-        };
         let mut providers = ProviderRegistry::new();
-        providers.insert(Arc::new(LocalProvider::new("local", settings).expect("settings")));
+        providers.insert(Arc::new(
+            LocalProvider::new("local", self.local.settings()).expect("settings"),
+        ));
         Standalone::open(
             &self.manifests,
             &self.state,
@@ -723,7 +719,7 @@ impl LocalHost {
 
     /// The instance folder of the Proxy `name` (in namespace `default`).
     fn instance_folder(&self, name: &str) -> PathBuf {
-        std::fs::read_dir(self.dir.path().join("local"))
+        std::fs::read_dir(self.local.path())
             .expect("local state")
             .flatten()
             .find(|e| {
